@@ -1,0 +1,130 @@
+#include "backend/backend.h"
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+
+namespace ckptfs {
+
+bool IsValidObjectKey(std::string_view key) {
+  if (key.empty() || key.size() > 1024) return false;
+  size_t start = 0;
+  while (start <= key.size()) {
+    size_t end = key.find('/', start);
+    if (end == std::string_view::npos) end = key.size();
+    std::string_view seg = key.substr(start, end - start);
+    if (seg.empty() || seg[0] == '.') return false;
+    for (char c : seg) {
+      bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                c == '.' || c == '_' || c == '-';
+      if (!ok) return false;
+    }
+    start = end + 1;
+  }
+  return true;
+}
+
+Status Backend::Put(std::string_view key, std::span<const std::byte> data) {
+  ASSIGN_OR_RETURN(auto writer, Create(key));
+  Status st = writer->Append(data);
+  if (!st.ok()) {
+    writer->Abort();
+    return st;
+  }
+  return writer->Commit();
+}
+
+Result<std::string> Backend::ReadAll(std::string_view key) {
+  ASSIGN_OR_RETURN(uint64_t size, Size(key));
+  std::string out(size, '\0');
+  RETURN_IF_ERROR(ReadRange(key, 0, std::as_writable_bytes(std::span(out.data(), out.size()))));
+  return out;
+}
+
+namespace {
+
+class MemoryBackend final : public Backend {
+ public:
+  class Writer final : public ObjectWriter {
+   public:
+    Writer(MemoryBackend* owner, std::string key) : owner_(owner), key_(std::move(key)) {}
+    Status Append(std::span<const std::byte> data) override {
+      if (done_) return Status::FailedPrecondition("object writer already finished");
+      buf_.append(reinterpret_cast<const char*>(data.data()), data.size());
+      return Status::OK();
+    }
+    Status Commit() override {
+      if (done_) return Status::FailedPrecondition("object writer already finished");
+      done_ = true;
+      std::lock_guard lock(owner_->mu_);
+      owner_->objects_[key_] = std::make_shared<const std::string>(std::move(buf_));
+      return Status::OK();
+    }
+    void Abort() override { done_ = true; buf_.clear(); }
+    uint64_t size() const override { return buf_.size(); }
+
+   private:
+    MemoryBackend* owner_;
+    std::string key_;
+    std::string buf_;
+    bool done_ = false;
+  };
+
+  Result<std::unique_ptr<ObjectWriter>> Create(std::string_view key) override {
+    if (!IsValidObjectKey(key)) return Status::InvalidArgument("invalid object key '" + std::string(key) + "'");
+    return std::unique_ptr<ObjectWriter>(new Writer(this, std::string(key)));
+  }
+
+  Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) override {
+    ASSIGN_OR_RETURN(auto obj, Get(key));
+    if (offset > obj->size() || out.size() > obj->size() - offset) {
+      return Status::InvalidArgument("read of " + std::to_string(out.size()) + " bytes at " +
+                                     std::to_string(offset) + " is past the end of '" +
+                                     std::string(key) + "' (" + std::to_string(obj->size()) + " bytes)");
+    }
+    std::copy_n(reinterpret_cast<const std::byte*>(obj->data()) + offset, out.size(), out.data());
+    return Status::OK();
+  }
+
+  Result<uint64_t> Size(std::string_view key) override {
+    ASSIGN_OR_RETURN(auto obj, Get(key));
+    return static_cast<uint64_t>(obj->size());
+  }
+
+  Result<std::vector<std::string>> List(std::string_view prefix) override {
+    std::lock_guard lock(mu_);
+    std::vector<std::string> keys;
+    for (auto it = objects_.lower_bound(std::string(prefix)); it != objects_.end(); ++it) {
+      if (it->first.compare(0, prefix.size(), prefix) != 0) break;
+      keys.push_back(it->first);
+    }
+    return keys;
+  }
+
+  Status Delete(std::string_view key) override {
+    std::lock_guard lock(mu_);
+    auto it = objects_.find(std::string(key));
+    if (it == objects_.end()) return Status::NotFound("no object '" + std::string(key) + "'");
+    objects_.erase(it);
+    return Status::OK();
+  }
+
+  std::string Describe() const override { return "memory"; }
+
+ private:
+  Result<std::shared_ptr<const std::string>> Get(std::string_view key) {
+    std::lock_guard lock(mu_);
+    auto it = objects_.find(std::string(key));
+    if (it == objects_.end()) return Status::NotFound("no object '" + std::string(key) + "'");
+    return it->second;
+  }
+
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<const std::string>> objects_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> NewMemoryBackend() { return std::make_unique<MemoryBackend>(); }
+
+}  // namespace ckptfs

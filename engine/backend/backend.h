@@ -1,0 +1,75 @@
+// Object backend: where packs and manifests live.
+//
+// A small object interface that both a local directory and an object store
+// (S3 API) can implement. Keys are relative paths of [A-Za-z0-9._-] segments
+// joined by '/'; a segment never starts with '.'.
+//
+// Contracts every implementation honours (tests/backend_conformance_test.cc):
+//   - An object becomes visible only complete: Put and ObjectWriter::Commit
+//     are atomic, and when they return OK the object is durable.
+//   - Objects are never modified in place; Put over an existing key replaces
+//     it atomically.
+//   - ReadRange reads exactly the requested bytes or fails; reading past the
+//     end is an error, never a short read.
+//   - List returns keys with the prefix, sorted, including only committed objects.
+//   - Delete of a missing key returns NotFound.
+// Thread safety: all methods may be called concurrently.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ckptfs {
+
+// Streams a new object. Not thread-safe; one writer per object.
+class ObjectWriter {
+ public:
+  virtual ~ObjectWriter() = default;
+  // Appends bytes. May start writing them back to stable storage.
+  virtual Status Append(std::span<const std::byte> data) = 0;
+  // Makes the object durable and visible under its key. The writer is
+  // finished afterwards, whatever the result.
+  virtual Status Commit() = 0;
+  // Discards everything written. Also what the destructor does when neither
+  // Commit nor Abort was called.
+  virtual void Abort() = 0;
+  virtual uint64_t size() const = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual Result<std::unique_ptr<ObjectWriter>> Create(std::string_view key) = 0;
+  // Create + Append + Commit.
+  virtual Status Put(std::string_view key, std::span<const std::byte> data);
+  virtual Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) = 0;
+  // Whole object.
+  virtual Result<std::string> ReadAll(std::string_view key);
+  virtual Result<uint64_t> Size(std::string_view key) = 0;
+  virtual Result<std::vector<std::string>> List(std::string_view prefix) = 0;
+  virtual Status Delete(std::string_view key) = 0;
+  // A short description for messages ("local:/data/repo/objects").
+  virtual std::string Describe() const = 0;
+};
+
+// True when `key` is a valid object key.
+bool IsValidObjectKey(std::string_view key);
+
+// Objects as files under `root` (created if missing). Writes go to a hidden
+// temporary file that is fsync'd and renamed into place, then the directory
+// is fsync'd. Writeback is started as data is appended so that a Commit does
+// not wait on one large flush.
+Result<std::unique_ptr<Backend>> OpenLocalBackend(const std::string& root);
+
+// Objects in memory: the reference implementation for tests.
+std::unique_ptr<Backend> NewMemoryBackend();
+
+}  // namespace ckptfs

@@ -1,0 +1,269 @@
+// The local directory backend.
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <list>
+#include <mutex>
+#include <random>
+#include <unordered_map>
+
+#include "backend/backend.h"
+
+namespace ckptfs {
+namespace {
+
+// Start writeback every kWritebackStep bytes and wait for the range that is
+// kWritebackLag behind, so dirty pages stay bounded and the final fsync is short.
+constexpr uint64_t kWritebackStep = 8 << 20;
+constexpr uint64_t kWritebackLag = 64 << 20;
+
+Status WriteAll(int fd, const std::byte* p, size_t n, const std::string& what) {
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return Status::FromErrno(errno, "writing " + what);
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return Status::OK();
+}
+
+Status FsyncDir(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return Status::FromErrno(errno, "opening directory " + dir);
+  int rc = ::fsync(fd);
+  int err = errno;
+  ::close(fd);
+  if (rc != 0) return Status::FromErrno(err, "fsync of directory " + dir);
+  return Status::OK();
+}
+
+Status MakeDirs(const std::string& path) {
+  size_t pos = 0;
+  while (true) {
+    pos = path.find('/', pos + 1);
+    std::string part = path.substr(0, pos);
+    if (!part.empty() && ::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) {
+      return Status::FromErrno(errno, "creating directory " + part);
+    }
+    if (pos == std::string::npos) return Status::OK();
+  }
+}
+
+std::string RandomSuffix() {
+  thread_local std::mt19937_64 rng(std::random_device{}() ^ (uint64_t(::getpid()) << 32));
+  static const char* kDigits = "0123456789abcdef";
+  uint64_t v = rng();
+  std::string s(16, '0');
+  for (int i = 0; i < 16; ++i) s[i] = kDigits[(v >> (4 * i)) & 15];
+  return s;
+}
+
+class LocalBackend final : public Backend {
+ public:
+  explicit LocalBackend(std::string root) : root_(std::move(root)) {}
+
+  class Writer final : public ObjectWriter {
+   public:
+    Writer(std::string final_path, std::string tmp_path, int fd)
+        : final_path_(std::move(final_path)), tmp_path_(std::move(tmp_path)), fd_(fd) {}
+    ~Writer() override { Abort(); }
+
+    Status Append(std::span<const std::byte> data) override {
+      if (fd_ < 0) return Status::FailedPrecondition("object writer already finished");
+      RETURN_IF_ERROR(WriteAll(fd_, data.data(), data.size(), tmp_path_));
+      size_ += data.size();
+      while (size_ - flushed_ >= kWritebackStep) {
+        ::sync_file_range(fd_, static_cast<off_t>(flushed_), kWritebackStep, SYNC_FILE_RANGE_WRITE);
+        flushed_ += kWritebackStep;
+        if (flushed_ >= kWritebackLag) {
+          ::sync_file_range(fd_, static_cast<off_t>(flushed_ - kWritebackLag), kWritebackStep,
+                            SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
+                                SYNC_FILE_RANGE_WAIT_AFTER);
+        }
+      }
+      return Status::OK();
+    }
+
+    Status Commit() override {
+      if (fd_ < 0) return Status::FailedPrecondition("object writer already finished");
+      if (::fdatasync(fd_) != 0) {
+        Status st = Status::FromErrno(errno, "fsync of " + tmp_path_);
+        Abort();
+        return st;
+      }
+      ::close(fd_);
+      fd_ = -1;
+      if (::rename(tmp_path_.c_str(), final_path_.c_str()) != 0) {
+        Status st = Status::FromErrno(errno, "renaming " + tmp_path_ + " to " + final_path_);
+        ::unlink(tmp_path_.c_str());
+        return st;
+      }
+      return FsyncDir(final_path_.substr(0, final_path_.rfind('/')));
+    }
+
+    void Abort() override {
+      if (fd_ < 0) return;
+      ::close(fd_);
+      fd_ = -1;
+      ::unlink(tmp_path_.c_str());
+    }
+
+    uint64_t size() const override { return size_; }
+
+   private:
+    std::string final_path_;
+    std::string tmp_path_;
+    int fd_;
+    uint64_t size_ = 0;
+    uint64_t flushed_ = 0;
+  };
+
+  Result<std::unique_ptr<ObjectWriter>> Create(std::string_view key) override {
+    RETURN_IF_ERROR(CheckKey(key));
+    std::string path = Path(key);
+    std::string dir = path.substr(0, path.rfind('/'));
+    RETURN_IF_ERROR(MakeDirs(dir));
+    std::string tmp = dir + "/.tmp-" + RandomSuffix();
+    int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0) return Status::FromErrno(errno, "creating " + tmp);
+    EvictFd(path);
+    return std::unique_ptr<ObjectWriter>(new Writer(path, tmp, fd));
+  }
+
+  Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) override {
+    RETURN_IF_ERROR(CheckKey(key));
+    ASSIGN_OR_RETURN(auto file, OpenFd(Path(key)));
+    size_t done = 0;
+    while (done < out.size()) {
+      ssize_t r = ::pread(file->fd, out.data() + done, out.size() - done,
+                          static_cast<off_t>(offset + done));
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        return Status::FromErrno(errno, "reading " + Path(key));
+      }
+      if (r == 0) {
+        return Status::InvalidArgument("read of " + std::to_string(out.size()) + " bytes at " +
+                                       std::to_string(offset) + " is past the end of " + Path(key));
+      }
+      done += static_cast<size_t>(r);
+    }
+    return Status::OK();
+  }
+
+  Result<uint64_t> Size(std::string_view key) override {
+    RETURN_IF_ERROR(CheckKey(key));
+    struct stat st;
+    std::string path = Path(key);
+    if (::stat(path.c_str(), &st) != 0) return Status::FromErrno(errno, "stat of " + path);
+    return static_cast<uint64_t>(st.st_size);
+  }
+
+  Result<std::vector<std::string>> List(std::string_view prefix) override {
+    std::vector<std::string> keys;
+    // Walk from the deepest directory the prefix names.
+    std::string p(prefix);
+    std::string dir_rel = p.substr(0, p.rfind('/') == std::string::npos ? 0 : p.rfind('/'));
+    RETURN_IF_ERROR(Walk(dir_rel, p, keys));
+    std::sort(keys.begin(), keys.end());
+    return keys;
+  }
+
+  Status Delete(std::string_view key) override {
+    RETURN_IF_ERROR(CheckKey(key));
+    std::string path = Path(key);
+    EvictFd(path);
+    if (::unlink(path.c_str()) != 0) return Status::FromErrno(errno, "deleting " + path);
+    return FsyncDir(path.substr(0, path.rfind('/')));
+  }
+
+  std::string Describe() const override { return "local:" + root_; }
+
+ private:
+  struct Fd {
+    explicit Fd(int f) : fd(f) {}
+    Fd(const Fd&) = delete;
+    Fd& operator=(const Fd&) = delete;
+    ~Fd() { ::close(fd); }
+    int fd;
+  };
+
+  Status CheckKey(std::string_view key) const {
+    if (!IsValidObjectKey(key)) return Status::InvalidArgument("invalid object key '" + std::string(key) + "'");
+    return Status::OK();
+  }
+  std::string Path(std::string_view key) const { return root_ + "/" + std::string(key); }
+
+  Result<std::shared_ptr<Fd>> OpenFd(const std::string& path) {
+    {
+      std::lock_guard lock(mu_);
+      auto it = fds_.find(path);
+      if (it != fds_.end()) return it->second;
+    }
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return Status::FromErrno(errno, "opening " + path);
+    auto file = std::make_shared<Fd>(fd);
+    std::lock_guard lock(mu_);
+    if (fds_.size() >= kMaxOpenFiles) fds_.clear();
+    fds_.emplace(path, file);
+    return file;
+  }
+
+  void EvictFd(const std::string& path) {
+    std::lock_guard lock(mu_);
+    fds_.erase(path);
+  }
+
+  Status Walk(const std::string& dir_rel, const std::string& prefix, std::vector<std::string>& keys) {
+    std::string dir = dir_rel.empty() ? root_ : root_ + "/" + dir_rel;
+    DIR* d = ::opendir(dir.c_str());
+    if (!d) {
+      if (errno == ENOENT || errno == ENOTDIR) return Status::OK();
+      return Status::FromErrno(errno, "listing " + dir);
+    }
+    Status st;
+    while (struct dirent* e = ::readdir(d)) {
+      std::string name = e->d_name;
+      if (name.empty() || name[0] == '.') continue;  // ., .., temporaries
+      std::string rel = dir_rel.empty() ? name : dir_rel + "/" + name;
+      bool is_dir = e->d_type == DT_DIR;
+      if (e->d_type == DT_UNKNOWN) {
+        struct stat sb;
+        is_dir = ::stat((root_ + "/" + rel).c_str(), &sb) == 0 && S_ISDIR(sb.st_mode);
+      }
+      if (is_dir) {
+        // Descend only where keys under it can match the prefix.
+        std::string as_prefix = rel + "/";
+        if (prefix.compare(0, std::min(prefix.size(), as_prefix.size()), as_prefix, 0,
+                           std::min(prefix.size(), as_prefix.size())) == 0) {
+          st = Walk(rel, prefix, keys);
+          if (!st.ok()) break;
+        }
+      } else if (rel.compare(0, prefix.size(), prefix) == 0) {
+        keys.push_back(rel);
+      }
+    }
+    ::closedir(d);
+    return st;
+  }
+
+  static constexpr size_t kMaxOpenFiles = 256;
+  std::string root_;
+  std::mutex mu_;
+  std::unordered_map<std::string, std::shared_ptr<Fd>> fds_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Backend>> OpenLocalBackend(const std::string& root) {
+  RETURN_IF_ERROR(MakeDirs(root));
+  return std::unique_ptr<Backend>(new LocalBackend(root));
+}
+
+}  // namespace ckptfs

@@ -1,0 +1,215 @@
+// Verify and reindex.
+#include <sys/stat.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+#include "ckpt/repository.h"
+#include "ckpt/repository_impl.h"
+#include "core/encoding.h"
+
+namespace ckptfs {
+
+namespace {
+struct ChunkUse {
+  std::string checkpoint;
+  std::string member;
+  uint32_t raw_len;
+};
+}  // namespace
+
+Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, const ProgressFn& progress) {
+  VerifyReport report;
+  std::vector<std::string> names;
+  if (name) {
+    names.push_back(*name);
+  } else {
+    ASSIGN_OR_RETURN(auto all, ListCheckpoints(false));
+    for (const auto& c : all) names.push_back(c.name);
+  }
+  // Chunk id -> first user, for messages.
+  std::unordered_map<ChunkId, ChunkUse, ChunkIdHash> chunks;
+  DirectFetcher direct(impl_->backend.get(), [this](const ChunkId& id) { return impl_->LookupChunk(id); });
+  for (const auto& n : names) {
+    ASSIGN_OR_RETURN(auto reader, OpenCheckpoint(n));
+    ++report.checkpoints;
+    for (const auto& t : reader->tensors()) {
+      ++report.tensors;
+      Status st = CheckTiling(t, direct);
+      if (!st.ok()) report.problems.push_back({n, "tensor '" + t.name + "'", st.message()});
+      for (const auto& s : t.shards) {
+        for (const auto& c : s.chunks) chunks.try_emplace(c.id, ChunkUse{n, "tensor '" + t.name + "'", c.raw_len});
+      }
+    }
+    for (const auto& b : reader->blobs()) {
+      for (const auto& c : b.chunks) chunks.try_emplace(c.id, ChunkUse{n, "blob '" + b.name + "'", c.raw_len});
+    }
+  }
+  struct Item {
+    ChunkId id;
+    ChunkLocation loc;
+    const ChunkUse* use;
+  };
+  std::vector<Item> items;
+  Status inner;
+  RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+    for (const auto& [id, use] : chunks) {
+      ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(id)));
+      if (!v) {
+        report.problems.push_back({use.checkpoint, use.member, "chunk " + id.ToHex() + " is missing from the catalog"});
+        continue;
+      }
+      ASSIGN_OR_RETURN(ChunkLocation loc, DecodeChunkLocation(*v));
+      items.push_back({id, loc, &use});
+    }
+    if (name) return Status::OK();
+    // The whole repository: also chunks no checkpoint references, and packs.
+    RETURN_IF_ERROR(txn.Scan(Table::kChunks, "", [&](std::string_view k, std::string_view v) {
+      ChunkId id;
+      std::memcpy(id.bytes.data(), k.data(), 16);
+      if (chunks.count(id)) return true;
+      auto loc = DecodeChunkLocation(v);
+      if (!loc.ok()) {
+        inner = loc.status();
+        return false;
+      }
+      items.push_back({id, *loc, nullptr});
+      return true;
+    }));
+    return txn.Scan(Table::kPacks, "", [&](std::string_view k, std::string_view v) {
+      uint64_t size = 0, count = 0;
+      std::string pack(k);
+      Status st = DecodePackInfo(v, &size, &count);
+      if (st.ok()) {
+        auto index = ReadPackIndex(impl_->backend.get(), pack);
+        if (!index.ok()) {
+          st = index.status();
+        } else if (index->size != size || index->entries.size() != count) {
+          st = Status::Corruption("pack " + pack + " does not match its catalog entry");
+        }
+      }
+      if (!st.ok()) report.problems.push_back({"", "pack " + pack, st.message()});
+      return true;
+    });
+  }));
+  RETURN_IF_ERROR(inner);
+
+  uint64_t total_bytes = 0;
+  for (const auto& it : items) total_bytes += it.loc.raw_len;
+  std::atomic<uint64_t> done{0};
+  std::mutex mu;
+  WaitGroup wg;
+  wg.Add(items.size());
+  for (const auto& it : items) {
+    impl_->pool->Submit([&, item = &it] {
+      std::vector<std::byte> raw(item->loc.raw_len);
+      Status st = ReadChunk(impl_->backend.get(), item->id, item->loc, raw);
+      if (st.ok() && item->use && item->use->raw_len != item->loc.raw_len) {
+        st = Status::Corruption("chunk " + item->id.ToHex() + " has the wrong length");
+      }
+      uint64_t d = done.fetch_add(item->loc.raw_len) + item->loc.raw_len;
+      {
+        std::lock_guard lock(mu);
+        if (!st.ok()) {
+          report.problems.push_back({item->use ? item->use->checkpoint : "", item->use ? item->use->member : "chunk",
+                                     st.message()});
+        }
+        if (progress) progress(d, total_bytes);
+      }
+      wg.Done();
+    });
+  }
+  wg.Wait();
+  report.chunks = items.size();
+  report.bytes = total_bytes;
+  return report;
+}
+
+Result<ReindexReport> Repository::Reindex(const std::string& path, const ProgressFn& progress) {
+  ASSIGN_OR_RETURN(RepositoryConfig config, ReadRepositoryConfig(path));
+  (void)config;
+  ReindexReport report;
+  ASSIGN_OR_RETURN(auto backend, OpenLocalBackend(path + "/objects"));
+  const std::string fresh = path + "/catalog.rebuild";
+  std::error_code ec;
+  std::filesystem::remove_all(fresh, ec);
+  ASSIGN_OR_RETURN(auto env, LmdbEnv::Open(fresh, true, 64ull << 20));
+
+  ASSIGN_OR_RETURN(auto pack_keys, backend->List(keys::kPackPrefix));
+  ASSIGN_OR_RETURN(auto manifest_keys, backend->List(keys::kManifestPrefix));
+  const uint64_t total = pack_keys.size() + manifest_keys.size();
+  uint64_t done = 0;
+  uint64_t max_seq = 0;
+  for (const auto& key : pack_keys) {
+    std::string id;
+    if (!ParsePackKey(key, &id)) continue;
+    auto pack = ReadPackIndex(backend.get(), id);
+    if (!progress) {
+    } else {
+      progress(++done, total);
+    }
+    if (!pack.ok()) {
+      report.problems.push_back("skipped pack " + id + ": " + pack.status().message());
+      continue;
+    }
+    RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
+      for (const auto& e : pack->entries) {
+        ASSIGN_OR_RETURN(auto existing, txn.Get(Table::kChunks, keys::Chunk(e.id)));
+        if (!existing) RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(e.id), EncodeChunkLocation(e.location)));
+      }
+      return txn.Put(Table::kPacks, id, EncodePackInfo(pack->size, pack->entries.size()));
+    }));
+    ++report.packs;
+    report.chunks += pack->entries.size();
+  }
+  for (const auto& key : manifest_keys) {
+    std::string name;
+    if (progress) progress(++done, total);
+    if (!keys::ParseManifestObject(key, &name)) continue;
+    auto data = backend->ReadAll(key);
+    if (!data.ok()) {
+      report.problems.push_back("skipped manifest " + key + ": " + data.status().message());
+      continue;
+    }
+    auto m = DecodeManifest(*data);
+    if (!m.ok()) {
+      report.problems.push_back("skipped manifest " + key + ": " + m.status().message());
+      continue;
+    }
+    if (m->checkpoint.name != name) {
+      report.problems.push_back("skipped manifest " + key + ": it names checkpoint '" + m->checkpoint.name + "'");
+      continue;
+    }
+    RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
+      RETURN_IF_ERROR(txn.Put(Table::kCheckpoints, keys::Checkpoint(name), EncodeCheckpoint(m->checkpoint)));
+      for (const auto& t : m->tensors) RETURN_IF_ERROR(txn.Put(Table::kTensors, keys::Member(name, t.name), EncodeTensor(t)));
+      for (const auto& b : m->blobs) RETURN_IF_ERROR(txn.Put(Table::kBlobs, keys::Member(name, b.name), EncodeBlob(b)));
+      return Status::OK();
+    }));
+    max_seq = std::max(max_seq, m->checkpoint.sequence);
+    ++report.checkpoints;
+  }
+  RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
+    Encoder v;
+    v.U32(kFormatVersion);
+    RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kFormatVersionKey, v.data()));
+    Encoder seq;
+    seq.U64(max_seq + 1);
+    return txn.Put(Table::kMeta, keys::kNextSequenceKey, seq.data());
+  }));
+  env.reset();
+  // Swap the rebuilt catalog in; the old one (if any) is removed last.
+  const std::string current = path + "/catalog", old = path + "/catalog.old";
+  std::filesystem::remove_all(old, ec);
+  std::filesystem::rename(current, old, ec);
+  std::filesystem::rename(fresh, current, ec);
+  if (ec) return Status::IOError("installing the rebuilt catalog: " + ec.message());
+  std::filesystem::remove_all(old, ec);
+  return report;
+}
+
+}  // namespace ckptfs

@@ -1,0 +1,56 @@
+// The merge planner: reading any region of a tensor from whatever shards
+// were saved, and the commit-time checks that shards tile a tensor exactly.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/region.h"
+#include "core/status.h"
+#include "core/thread_pool.h"
+#include "meta/records.h"
+#include "store/chunk_cache.h"
+
+namespace ckptfs {
+
+// Supplies decoded, verified chunks. Implementations must be thread-safe.
+class ChunkFetcher {
+ public:
+  virtual ~ChunkFetcher() = default;
+  virtual Result<ChunkData> Fetch(const ChunkRef& chunk) = 0;
+};
+
+// Copies the elements of `request` (a box in the tensor's index space) into
+// `dst`, laid out row-major over the box. dst.size() must be
+// request.NumElements() * element size. Chunks are loaded in parallel on
+// `pool` when given (and when not already on a pool thread).
+// Corruption if a chunk fails verification or the shards leave part of the
+// request uncovered.
+Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<std::byte> dst,
+                     ChunkFetcher& fetcher, ThreadPool* pool);
+
+// Copies bytes [offset, offset + dst.size()) of the tensor's row-major
+// little-endian byte image.
+Status ReadTensorBytes(const TensorRecord& tensor, uint64_t offset, std::span<std::byte> dst,
+                       ChunkFetcher& fetcher, ThreadPool* pool);
+
+// Copies bytes [offset, offset + dst.size()) of a blob.
+Status ReadBlobBytes(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst,
+                     ChunkFetcher& fetcher);
+
+// Checks that the tensor's shards cover it exactly: no gaps, and where two
+// shards overlap their bytes agree (read through `fetcher`). The message of
+// an error names the tensor and the ranks and regions involved.
+Status CheckTiling(const TensorRecord& tensor, ChunkFetcher& fetcher);
+
+// Merges the contributions of all ranks into the tensors of a checkpoint:
+// replicas (same region, same bytes) become one shard listing every rank;
+// dtype or shape disagreement, different bytes for one region, overlaps with
+// different bytes and gaps are InvalidArgument naming the tensor. Tensors
+// come out sorted by name.
+Result<std::vector<TensorRecord>> MergeRankTensors(const std::vector<RankRecord>& ranks,
+                                                   ChunkFetcher& fetcher);
+Result<std::vector<BlobRecord>> MergeRankBlobs(const std::vector<RankRecord>& ranks);
+
+}  // namespace ckptfs

@@ -1,0 +1,336 @@
+#include "ckpt/repository.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <set>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "ckpt/repository_impl.h"
+#include "core/encoding.h"
+#include "core/json.h"
+
+namespace ckptfs {
+
+// ---- keys ------------------------------------------------------------------
+
+namespace keys {
+std::string Checkpoint(const std::string& name) { return name; }
+std::string Rank(const std::string& checkpoint, uint32_t rank) {
+  std::string k = checkpoint;
+  k.push_back('\0');
+  for (int shift = 24; shift >= 0; shift -= 8) k.push_back(static_cast<char>((rank >> shift) & 0xff));
+  return k;
+}
+std::string MemberPrefix(const std::string& checkpoint) {
+  std::string k = checkpoint;
+  k.push_back('\0');
+  return k;
+}
+std::string Member(const std::string& checkpoint, const std::string& member) {
+  return MemberPrefix(checkpoint) + member;
+}
+std::string Chunk(const ChunkId& id) { return std::string(reinterpret_cast<const char*>(id.bytes.data()), 16); }
+std::string ManifestObject(const std::string& checkpoint) {
+  return std::string(kManifestPrefix) + checkpoint + ".manifest";
+}
+bool ParseManifestObject(const std::string& key, std::string* checkpoint) {
+  const std::string prefix = kManifestPrefix, suffix = ".manifest";
+  if (key.size() <= prefix.size() + suffix.size() || key.compare(0, prefix.size(), prefix) != 0 ||
+      key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0) {
+    return false;
+  }
+  *checkpoint = key.substr(prefix.size(), key.size() - prefix.size() - suffix.size());
+  return ValidateCheckpointName(*checkpoint).ok();
+}
+}  // namespace keys
+
+std::string EncodePackInfo(uint64_t size, uint64_t chunks) {
+  Encoder e;
+  e.U8(1);
+  e.Varint(size);
+  e.Varint(chunks);
+  return e.Take();
+}
+
+Status DecodePackInfo(std::string_view data, uint64_t* size, uint64_t* chunks) {
+  Decoder d(data);
+  uint8_t v = 0;
+  RETURN_IF_ERROR(d.U8(&v));
+  if (v != 1) return Status::Corruption("pack record has unknown version");
+  RETURN_IF_ERROR(d.Varint(size));
+  return d.Varint(chunks);
+}
+
+uint64_t NowUnixMs() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count());
+}
+
+Status ValidateCheckpointName(const std::string& name) {
+  if (name.empty() || name.size() > 200) {
+    return Status::InvalidArgument("checkpoint name must have 1 to 200 characters");
+  }
+  if (name[0] == '.') return Status::InvalidArgument("checkpoint name '" + name + "' starts with '.'");
+  for (char c : name) {
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+              c == '_' || c == '-';
+    if (!ok) {
+      return Status::InvalidArgument("checkpoint name '" + name +
+                                     "' may hold only letters, digits, '.', '_' and '-'");
+    }
+  }
+  return Status::OK();
+}
+
+// ---- config ----------------------------------------------------------------
+
+namespace {
+constexpr const char* kConfigFile = "ckptfs.json";
+constexpr const char* kCatalogDir = "catalog";
+constexpr const char* kObjectsDir = "objects";
+
+bool PathExists(const std::string& p) {
+  struct stat sb;
+  return ::stat(p.c_str(), &sb) == 0;
+}
+
+Status WriteFileAtomic(const std::string& path, const std::string& content) {
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) return Status::FromErrno(errno, "creating " + tmp);
+    f << content;
+    f.flush();
+    if (!f) return Status::FromErrno(errno, "writing " + tmp);
+  }
+  FILE* f = std::fopen(tmp.c_str(), "rb");
+  if (f) {
+    ::fsync(fileno(f));
+    std::fclose(f);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) return Status::FromErrno(errno, "renaming " + tmp);
+  return Status::OK();
+}
+
+std::string RandomHex(int digits) {
+  std::random_device rd;
+  std::string s;
+  static const char* kDigits = "0123456789abcdef";
+  for (int i = 0; i < digits; ++i) s.push_back(kDigits[rd() & 15]);
+  return s;
+}
+
+Json ConfigToJson(const RepositoryConfig& c) {
+  Json j = Json::MakeObject();
+  j.Set("format", "ckptfs");
+  j.Set("format_version", static_cast<uint64_t>(kFormatVersion));
+  j.Set("repository_id", RandomHex(32));
+  j.Set("chunk_size", c.chunk_size);
+  j.Set("pack_size", c.pack_size);
+  j.Set("compression", c.codec.compression == Compression::kZstd ? "zstd" : "none");
+  j.Set("level", static_cast<int64_t>(c.codec.level));
+  j.Set("adaptive", c.adaptive);
+  return j;
+}
+
+Status ValidateConfig(const RepositoryConfig& c) {
+  if (c.chunk_size % 8 != 0 || c.chunk_size < (64 << 10) || c.chunk_size > (256u << 20)) {
+    return Status::InvalidArgument("chunk size must be a multiple of 8 between 64 KiB and 256 MiB");
+  }
+  if (c.pack_size < c.chunk_size) return Status::InvalidArgument("pack size must be at least the chunk size");
+  if (c.codec.level < -100 || c.codec.level > 19) {
+    return Status::InvalidArgument("compression level must be between -100 and 19");
+  }
+  return Status::OK();
+}
+}  // namespace
+
+Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path) {
+  if (!PathExists(path)) {
+    return Status::NotFound("no repository at '" + path + "': the directory does not exist (create one with 'ckpt init')");
+  }
+  std::string file = path + "/" + kConfigFile;
+  std::ifstream f(file, std::ios::binary);
+  if (!f) {
+    return Status::FailedPrecondition("'" + path + "' is not a ckptfs repository (it has no " + kConfigFile + ")");
+  }
+  std::stringstream ss;
+  ss << f.rdbuf();
+  auto parsed = Json::Parse(ss.str());
+  const Json* fmt = parsed.ok() ? parsed->Find("format") : nullptr;
+  if (!fmt || !fmt->is_string() || fmt->as_string() != "ckptfs") {
+    return Status::FailedPrecondition("'" + path + "' is not a ckptfs repository (" + kConfigFile +
+                                      " is not a ckptfs config)");
+  }
+  const Json& j = *parsed;
+  const Json* version = j.Find("format_version");
+  if (!version || !version->is_uint()) return Status::Corruption(file + " lacks format_version");
+  if (version->as_uint() > kFormatVersion) {
+    return Status::Unsupported("repository '" + path + "' has format version " +
+                               std::to_string(version->as_uint()) + "; this ckptfs reads versions up to " +
+                               std::to_string(kFormatVersion) + " (upgrade ckptfs)");
+  }
+  RepositoryConfig c;
+  auto get_uint = [&](const char* key, uint64_t* out) -> Status {
+    const Json* v = j.Find(key);
+    if (!v || !v->is_uint()) return Status::Corruption(file + ": '" + key + "' is missing or not a number");
+    *out = v->as_uint();
+    return Status::OK();
+  };
+  RETURN_IF_ERROR(get_uint("chunk_size", &c.chunk_size));
+  RETURN_IF_ERROR(get_uint("pack_size", &c.pack_size));
+  const Json* comp = j.Find("compression");
+  if (!comp || !comp->is_string() || (comp->as_string() != "zstd" && comp->as_string() != "none")) {
+    return Status::Corruption(file + ": 'compression' must be \"zstd\" or \"none\"");
+  }
+  c.codec.compression = comp->as_string() == "zstd" ? Compression::kZstd : Compression::kNone;
+  const Json* level = j.Find("level");
+  if (!level || !level->is_int()) return Status::Corruption(file + ": 'level' is missing");
+  c.codec.level = static_cast<int>(level->as_int());
+  const Json* adaptive = j.Find("adaptive");
+  c.adaptive = adaptive && adaptive->is_bool() ? adaptive->as_bool() : true;
+  RETURN_IF_ERROR(ValidateConfig(c).WithContext(file));
+  return c;
+}
+
+// ---- RepositoryImpl ----------------------------------------------------------
+
+Result<ChunkLocation> RepositoryImpl::LookupChunk(const ChunkId& id) const {
+  ChunkLocation loc;
+  Status st = catalog->Read([&](const ReadTxn& txn) -> Status {
+    ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(id)));
+    if (!v) return Status::NotFound("chunk " + id.ToHex() + " is not in the catalog");
+    ASSIGN_OR_RETURN(loc, DecodeChunkLocation(*v));
+    return Status::OK();
+  });
+  RETURN_IF_ERROR(st);
+  return loc;
+}
+
+Result<ChunkData> DirectFetcher::Fetch(const ChunkRef& chunk) {
+  ASSIGN_OR_RETURN(ChunkLocation loc, lookup_(chunk.id));
+  if (loc.raw_len != chunk.raw_len) {
+    return Status::Corruption("chunk " + chunk.id.ToHex() + " has length " + std::to_string(loc.raw_len) +
+                              " in pack " + loc.pack + ", expected " + std::to_string(chunk.raw_len));
+  }
+  auto data = std::make_shared<std::vector<std::byte>>(loc.raw_len);
+  RETURN_IF_ERROR(ReadChunk(backend_, chunk.id, loc, *data));
+  return ChunkData(std::move(data));
+}
+
+namespace {
+class CachedFetcher : public ChunkFetcher {
+ public:
+  explicit CachedFetcher(RepositoryImpl* repo)
+      : repo_(repo), direct_(repo->backend.get(), [repo](const ChunkId& id) { return repo->LookupChunk(id); }) {}
+  Result<ChunkData> Fetch(const ChunkRef& chunk) override {
+    return repo_->cache->Get(chunk.id, [&] { return direct_.Fetch(chunk); });
+  }
+
+ private:
+  RepositoryImpl* repo_;
+  DirectFetcher direct_;
+};
+}  // namespace
+
+void RepositoryImpl::InitFetcher() { fetcher_ = std::make_unique<CachedFetcher>(this); }
+
+// ---- Repository ----------------------------------------------------------------
+
+Repository::Repository(std::unique_ptr<RepositoryImpl> impl) : impl_(std::move(impl)) {}
+Repository::~Repository() = default;
+const RepositoryConfig& Repository::config() const { return impl_->config; }
+const std::string& Repository::path() const { return impl_->path; }
+
+Status Repository::Init(const std::string& path, const RepositoryConfig& config) {
+  RETURN_IF_ERROR(ValidateConfig(config));
+  if (PathExists(path + "/" + kConfigFile)) {
+    return Status::AlreadyExists("'" + path + "' already holds a ckptfs repository");
+  }
+  if (PathExists(path)) {
+    struct stat sb;
+    ::stat(path.c_str(), &sb);
+    if (!S_ISDIR(sb.st_mode)) return Status::FailedPrecondition("'" + path + "' exists and is not a directory");
+  } else if (::mkdir(path.c_str(), 0755) != 0) {
+    return Status::FromErrno(errno, "creating " + path);
+  }
+  ASSIGN_OR_RETURN(auto backend, OpenLocalBackend(path + "/" + kObjectsDir));
+  ASSIGN_OR_RETURN(auto env, LmdbEnv::Open(path + "/" + kCatalogDir, true, 64ull << 20));
+  RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
+    Encoder e;
+    e.U32(kFormatVersion);
+    RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kFormatVersionKey, e.data()));
+    Encoder seq;
+    seq.U64(1);
+    return txn.Put(Table::kMeta, keys::kNextSequenceKey, seq.data());
+  }));
+  // The config file goes last: a directory holding it is a complete repository.
+  return WriteFileAtomic(path + "/" + kConfigFile, ConfigToJson(config).Dump(2) + "\n");
+}
+
+Result<std::unique_ptr<Repository>> Repository::Open(const std::string& path, const OpenOptions& options) {
+  ASSIGN_OR_RETURN(RepositoryConfig config, ReadRepositoryConfig(path));
+  auto impl = std::make_unique<RepositoryImpl>();
+  impl->path = path;
+  impl->config = config;
+  ASSIGN_OR_RETURN(impl->backend, OpenLocalBackend(path + "/" + kObjectsDir));
+  if (!PathExists(path + "/" + kCatalogDir + "/data.mdb")) {
+    return Status::Corruption("repository '" + path + "' has no catalog; rebuild it with 'ckpt reindex'");
+  }
+  auto env = LmdbEnv::Open(path + "/" + kCatalogDir, false, options.initial_map_size);
+  if (!env.ok()) {
+    return Status(env.status().code(), env.status().message() + " (if the catalog is damaged, rebuild it with 'ckpt reindex')");
+  }
+  impl->catalog = std::move(env).value();
+  Status st = impl->catalog->Read([&](const ReadTxn& txn) -> Status {
+    ASSIGN_OR_RETURN(auto v, txn.Get(Table::kMeta, keys::kFormatVersionKey));
+    if (!v || v->size() != 4) return Status::Corruption("catalog lacks its format version; run 'ckpt reindex'");
+    uint32_t version;
+    std::memcpy(&version, v->data(), 4);
+    if (version > kFormatVersion) {
+      return Status::Unsupported("catalog format version " + std::to_string(version) + " is newer than this ckptfs supports");
+    }
+    return Status::OK();
+  });
+  RETURN_IF_ERROR(st);
+  size_t threads = options.threads ? options.threads : std::max(1u, std::thread::hardware_concurrency());
+  impl->pool = std::make_unique<ThreadPool>(threads);
+  impl->cache = std::make_unique<ChunkCache>(options.cache_bytes);
+  impl->InitFetcher();
+  return std::unique_ptr<Repository>(new Repository(std::move(impl)));
+}
+
+Result<std::vector<CheckpointRecord>> Repository::ListCheckpoints(bool include_pending) {
+  std::vector<CheckpointRecord> committed, pending;
+  Status inner;
+  RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) {
+    return txn.Scan(Table::kCheckpoints, "", [&](std::string_view, std::string_view v) {
+      auto rec = DecodeCheckpoint(v);
+      if (!rec.ok()) {
+        inner = rec.status();
+        return false;
+      }
+      if (rec->state == CheckpointState::kCommitted) {
+        committed.push_back(std::move(rec).value());
+      } else if (include_pending) {
+        pending.push_back(std::move(rec).value());
+      }
+      return true;
+    });
+  }));
+  RETURN_IF_ERROR(inner);
+  std::sort(committed.begin(), committed.end(),
+            [](const CheckpointRecord& a, const CheckpointRecord& b) { return a.sequence < b.sequence; });
+  for (auto& p : pending) committed.push_back(std::move(p));
+  return committed;
+}
+
+}  // namespace ckptfs

@@ -1,0 +1,248 @@
+// The public C++ API of ckptfs: a Repository of checkpoints, a writer per
+// rank, and a reader that serves any region of any tensor.
+//
+// Layout of a repository directory (docs/FORMAT.md):
+//   ckptfs.json        config: format version, chunk size, codec settings
+//   catalog/           LMDB catalog
+//   objects/packs/     pack files
+//   objects/manifests/ one manifest object per committed checkpoint
+//
+// Thread safety: a Repository may be shared by threads. One Repository per
+// path per process (LMDB's rule); several processes may open the same path.
+// A CheckpointWriter is used by one thread; a CheckpointReader by many.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "codec/codec.h"
+#include "core/region.h"
+#include "core/status.h"
+#include "meta/records.h"
+
+namespace ckptfs {
+
+inline constexpr uint32_t kFormatVersion = 1;
+
+struct RepositoryConfig {
+  uint64_t chunk_size = 4 << 20;        // bytes; a multiple of 8 in [64 KiB, 256 MiB]
+  uint64_t pack_size = 256ull << 20;    // a pack is sealed when it reaches this size
+  CodecOptions codec;
+  // Store every chunk raw while the pack writer is idle, compressing only
+  // when the disk is the bottleneck (see docs/DESIGN.md).
+  bool adaptive = true;
+};
+
+struct OpenOptions {
+  size_t threads = 0;                     // workers; 0 = hardware concurrency
+  size_t cache_bytes = 512ull << 20;      // decoded-chunk cache bound
+  uint64_t initial_map_size = 64ull << 20;  // LMDB map at creation; it grows on demand
+};
+
+// Where a shard's bytes come from. Read is called with consecutive
+// offsets from one thread. The GPU layer implements this to stream from
+// device memory.
+class ShardSource {
+ public:
+  virtual ~ShardSource() = default;
+  virtual uint64_t size() const = 0;
+  virtual Status Read(uint64_t offset, std::span<std::byte> dst) = 0;
+  // The bytes, when they are in host memory that stays valid and unchanged
+  // until PutShard returns; lets the writer hash and compress them in place.
+  virtual const std::byte* HostData() const { return nullptr; }
+};
+
+// A ShardSource over caller memory.
+class HostSource final : public ShardSource {
+ public:
+  explicit HostSource(std::span<const std::byte> data) : data_(data) {}
+  uint64_t size() const override { return data_.size(); }
+  Status Read(uint64_t offset, std::span<std::byte> dst) override;
+  const std::byte* HostData() const override { return data_.data(); }
+
+ private:
+  std::span<const std::byte> data_;
+};
+
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::kU8;
+  Shape shape;
+};
+
+struct WriterOptions {
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  std::optional<int64_t> step;
+  std::vector<std::pair<std::string, std::string>> tags;
+};
+
+struct CommitResult {
+  bool checkpoint_visible = false;  // this commit was the last rank's
+  uint64_t chunks_written = 0;      // new chunks stored by this rank
+  uint64_t chunks_deduplicated = 0;
+  uint64_t logical_bytes = 0;       // bytes this rank put
+  uint64_t stored_bytes = 0;        // bytes this rank appended to packs
+};
+
+// Completion of an asynchronous commit.
+class CommitHandle {
+ public:
+  CommitHandle() = default;
+  // Blocks until the commit finished; its outcome.
+  Result<CommitResult> Wait();
+  bool Ready() const;
+  // Time the caller was blocked inside PutShard/PutBlob/Commit (the part of
+  // the save that training waits for), and the time from the first put until
+  // the commit was durable.
+  std::chrono::nanoseconds blocking_time() const { return blocking_; }
+  std::chrono::nanoseconds total_time() const;
+
+ private:
+  friend class CheckpointWriter;
+  friend class WriterImpl;
+  std::shared_future<Result<CommitResult>> future_;
+  std::chrono::nanoseconds blocking_{0};
+  std::shared_ptr<std::atomic<int64_t>> total_ns_;
+};
+
+class RepositoryImpl;
+class WriterImpl;
+
+// Writes one rank's part of a checkpoint.
+class CheckpointWriter {
+ public:
+  ~CheckpointWriter();  // aborts when not committed
+
+  // Stores a shard of `tensor` covering `region` (a box or a flat range of
+  // the global tensor). `source` yields the region's elements row-major.
+  // Returns once the source's bytes have been consumed (hashed and encoded or
+  // copied into the pipeline); hashing, compression and pack writes run on
+  // the worker pool. InvalidArgument for a region that does not fit the shape,
+  // a source of the wrong size, or a tensor put twice with different dtype or
+  // shape by this rank.
+  Status PutShard(const TensorInfo& tensor, const Region& region, ShardSource& source);
+  // The whole tensor from host memory.
+  Status PutTensor(const TensorInfo& tensor, std::span<const std::byte> data);
+  // Named non-tensor bytes (RNG state, data loader position, config).
+  Status PutBlob(const std::string& name, std::span<const std::byte> data);
+  // Seals this rank's packs (durable), then records its part in the catalog.
+  // The checkpoint becomes visible, atomically, with the last rank's commit;
+  // that commit fails if the ranks' shards do not tile every tensor, and the
+  // checkpoint then stays invisible. Runs in the background.
+  CommitHandle Commit();
+  // Drops everything put so far; nothing becomes visible.
+  void Abort();
+
+ private:
+  friend class Repository;
+  explicit CheckpointWriter(std::shared_ptr<WriterImpl> impl);
+  std::shared_ptr<WriterImpl> impl_;  // shared with a commit in flight
+};
+
+class ReaderImpl;
+
+// A committed checkpoint, readable by many threads at once.
+class CheckpointReader {
+ public:
+  ~CheckpointReader();
+  const CheckpointRecord& info() const;
+  const std::vector<TensorRecord>& tensors() const;  // sorted by name
+  const std::vector<BlobRecord>& blobs() const;
+  const TensorRecord* FindTensor(std::string_view name) const;
+  const BlobRecord* FindBlob(std::string_view name) const;
+
+  // Any box of a tensor, row-major into dst (load-time resharding).
+  Status ReadBox(const TensorRecord& tensor, const Box& box, std::span<std::byte> dst) const;
+  // A flat element range, e.g. this rank's part of a flattened parameter.
+  Status ReadFlat(const TensorRecord& tensor, FlatRange range, std::span<std::byte> dst) const;
+  // Bytes of the tensor's row-major image.
+  Status ReadBytes(const TensorRecord& tensor, uint64_t offset, std::span<std::byte> dst) const;
+  Status ReadBlob(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst) const;
+  // Bytes of stored (compressed) chunks the checkpoint references, counting
+  // each distinct chunk once.
+  Result<uint64_t> StoredBytes() const;
+
+ private:
+  friend class Repository;
+  explicit CheckpointReader(std::unique_ptr<ReaderImpl> impl);
+  std::unique_ptr<ReaderImpl> impl_;
+};
+
+struct VerifyProblem {
+  std::string checkpoint;  // empty for repository-level problems
+  std::string what;        // tensor, blob, chunk or pack concerned
+  std::string message;
+};
+
+struct VerifyReport {
+  uint64_t checkpoints = 0;
+  uint64_t tensors = 0;
+  uint64_t chunks = 0;
+  uint64_t bytes = 0;  // raw bytes re-hashed
+  std::vector<VerifyProblem> problems;
+  bool ok() const { return problems.empty(); }
+};
+
+struct ReindexReport {
+  uint64_t packs = 0;
+  uint64_t chunks = 0;
+  uint64_t checkpoints = 0;
+  std::vector<std::string> problems;  // skipped packs or manifests, and why
+};
+
+// Progress callback: done and total units (bytes or items).
+using ProgressFn = std::function<void(uint64_t done, uint64_t total)>;
+
+class Repository {
+ public:
+  // Creates a repository in `path` (an empty or missing directory).
+  static Status Init(const std::string& path, const RepositoryConfig& config);
+  // AlreadyExists/NotFound/FailedPrecondition with a message saying what is
+  // wrong with `path`; Unsupported for a newer format version.
+  static Result<std::unique_ptr<Repository>> Open(const std::string& path,
+                                                  const OpenOptions& options = {});
+  // Rebuilds the catalog from packs and manifests alone. Run with no other
+  // process using the repository. Pending (uncommitted) checkpoints are
+  // dropped; their chunks become garbage.
+  static Result<ReindexReport> Reindex(const std::string& path, const ProgressFn& progress = {});
+  ~Repository();
+
+  const RepositoryConfig& config() const;
+  const std::string& path() const;
+
+  // Starts (or joins) checkpoint `name` as rank `options.rank` of
+  // `options.world_size`. AlreadyExists if `name` is committed; InvalidArgument
+  // for a bad name, a rank out of range, a world size that disagrees with the
+  // other ranks', or a rank that already committed.
+  Result<std::unique_ptr<CheckpointWriter>> BeginCheckpoint(const std::string& name,
+                                                            const WriterOptions& options);
+  // Committed checkpoints only; NotFound otherwise.
+  Result<std::unique_ptr<CheckpointReader>> OpenCheckpoint(const std::string& name);
+  // Committed checkpoints in commit order; pending ones too when asked.
+  Result<std::vector<CheckpointRecord>> ListCheckpoints(bool include_pending = false);
+  // Re-reads and re-hashes every chunk (of `name`, or of the repository),
+  // checks every tensor is tiled exactly and every pack index is sound.
+  Result<VerifyReport> Verify(const std::optional<std::string>& name,
+                              const ProgressFn& progress = {});
+
+  RepositoryImpl* impl() { return impl_.get(); }
+
+ private:
+  explicit Repository(std::unique_ptr<RepositoryImpl> impl);
+  std::unique_ptr<RepositoryImpl> impl_;
+};
+
+// Checkpoint names: 1-200 characters of [A-Za-z0-9._-], not starting with '.'.
+Status ValidateCheckpointName(const std::string& name);
+
+}  // namespace ckptfs

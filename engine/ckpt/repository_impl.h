@@ -1,0 +1,70 @@
+// Internals shared by the repository, writer, reader and maintenance code.
+// Not part of the public API.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "backend/backend.h"
+#include "ckpt/merge.h"
+#include "ckpt/repository.h"
+#include "core/thread_pool.h"
+#include "meta/lmdb_env.h"
+#include "store/chunk_cache.h"
+
+namespace ckptfs {
+
+// Catalog keys (docs/FORMAT.md). One module builds them all.
+namespace keys {
+std::string Checkpoint(const std::string& name);
+std::string Rank(const std::string& checkpoint, uint32_t rank);
+std::string Member(const std::string& checkpoint, const std::string& member);  // tensor or blob
+std::string MemberPrefix(const std::string& checkpoint);
+std::string Chunk(const ChunkId& id);
+std::string ManifestObject(const std::string& checkpoint);
+bool ParseManifestObject(const std::string& key, std::string* checkpoint);
+inline constexpr const char* kManifestPrefix = "manifests/";
+inline constexpr const char* kPackPrefix = "packs/";
+inline constexpr const char* kFormatVersionKey = "format_version";
+inline constexpr const char* kNextSequenceKey = "next_sequence";
+}  // namespace keys
+
+// Pack table values: size and chunk count.
+std::string EncodePackInfo(uint64_t size, uint64_t chunks);
+Status DecodePackInfo(std::string_view data, uint64_t* size, uint64_t* chunks);
+
+class RepositoryImpl {
+ public:
+  std::string path;
+  RepositoryConfig config;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<LmdbEnv> catalog;
+  std::unique_ptr<ChunkCache> cache;
+  std::unique_ptr<ThreadPool> pool;
+
+  // Location of a committed chunk; NotFound when the catalog lacks it.
+  Result<ChunkLocation> LookupChunk(const ChunkId& id) const;
+  // Fetches through the shared cache.
+  ChunkFetcher* fetcher() { return fetcher_.get(); }
+  void InitFetcher();
+
+ private:
+  std::unique_ptr<ChunkFetcher> fetcher_;
+};
+
+// Reads a chunk by location lookup, without caching.
+class DirectFetcher : public ChunkFetcher {
+ public:
+  using Lookup = std::function<Result<ChunkLocation>(const ChunkId&)>;
+  DirectFetcher(Backend* backend, Lookup lookup) : backend_(backend), lookup_(std::move(lookup)) {}
+  Result<ChunkData> Fetch(const ChunkRef& chunk) override;
+
+ private:
+  Backend* backend_;
+  Lookup lookup_;
+};
+
+Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path);
+uint64_t NowUnixMs();
+
+}  // namespace ckptfs

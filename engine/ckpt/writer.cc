@@ -1,0 +1,621 @@
+// CheckpointWriter: the save pipeline and the multi-rank commit protocol.
+//
+// Pipeline: the caller's thread cuts each shard into chunks (aligned to the
+// tensor's global byte offsets for flat ranges) and hands them to the worker
+// pool, which hashes each chunk, skips chunks already stored, encodes the
+// rest and queues them for a single pack-writer thread that appends to packs.
+// Memory in flight is bounded by a semaphore on chunks.
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+#include "ckpt/repository.h"
+#include "ckpt/repository_impl.h"
+#include "core/encoding.h"
+
+namespace ckptfs {
+
+Status HostSource::Read(uint64_t offset, std::span<std::byte> dst) {
+  if (offset > data_.size() || dst.size() > data_.size() - offset) {
+    return Status::InvalidArgument("read past the end of a host source");
+  }
+  std::memcpy(dst.data(), data_.data() + offset, dst.size());
+  return Status::OK();
+}
+
+Result<CommitResult> CommitHandle::Wait() {
+  if (!future_.valid()) return Status::FailedPrecondition("commit handle is empty");
+  return future_.get();
+}
+
+bool CommitHandle::Ready() const {
+  return future_.valid() && future_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+}
+
+std::chrono::nanoseconds CommitHandle::total_time() const {
+  return std::chrono::nanoseconds(total_ns_ ? total_ns_->load() : 0);
+}
+
+class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
+ public:
+  WriterImpl(RepositoryImpl* repo, std::string name, WriterOptions options)
+      : repo_(repo),
+        name_(std::move(name)),
+        options_(std::move(options)),
+        packs_(repo->backend.get(), repo->config.pack_size),
+        max_inflight_(2 * repo->pool->size() + 2),
+        queue_limit_(2 * repo->pool->size() + 1) {
+    record_.rank = options_.rank;
+  }
+
+  ~WriterImpl() {
+    SetError(Status::FailedPrecondition("checkpoint writer was aborted"));
+    Shutdown();
+  }
+
+  Status PutShard(const TensorInfo& info, const Region& region, ShardSource& source);
+  Status PutBlob(const std::string& name, std::span<const std::byte> data);
+  CommitHandle Commit();
+
+  void Shutdown() {
+    inflight_wg_.Wait();
+    StopWriterThread();
+  }
+
+ private:
+  struct Job {
+    std::span<const std::byte> data;
+    std::vector<std::byte> owned;  // when the source is not host memory
+    DType dtype;
+    ChunkRef* slot;
+    WaitGroup* shard_wg;  // waited on by PutShard for zero-copy jobs
+  };
+  struct Encoded {
+    ChunkId id;
+    Codec codec;
+    uint32_t raw_len;
+    std::string bytes;
+  };
+
+  Status CheckUsable() {
+    std::lock_guard lock(mu_);
+    if (committed_) return Status::FailedPrecondition("checkpoint writer already committed");
+    return error_;
+  }
+  Status PipelineError() {
+    std::lock_guard lock(mu_);
+    return error_;
+  }
+  void SetError(const Status& st) {
+    std::lock_guard lock(mu_);
+    if (error_.ok()) error_ = st;
+  }
+  void Submit(Job job);
+  void Process(Job& job);
+  void WriterLoop();
+  void StopWriterThread();
+  Status CommitToCatalog(const std::vector<SealedPack>& sealed, CommitResult* result);
+  Status ChunkStream(const std::vector<uint64_t>& bounds, DType dtype, ShardSource& source,
+                     std::vector<ChunkRef>& chunks);
+  std::vector<uint64_t> ChunkBounds(uint64_t global_start, uint64_t size) const;
+
+  RepositoryImpl* repo_;
+  const std::string name_;
+  const WriterOptions options_;
+  PackWriter packs_;
+
+  std::mutex mu_;
+  Status error_;
+  bool committed_ = false;
+  RankRecord record_;
+  std::map<std::string, size_t> tensor_index_;
+  std::set<std::string> blob_names_;
+  // Chunks this writer has seen: true when it stored them itself.
+  std::unordered_map<ChunkId, bool, ChunkIdHash> seen_;
+  std::unordered_map<ChunkId, ChunkLocation, ChunkIdHash> stored_;
+  CommitResult stats_;
+
+  // In-flight bound.
+  const size_t max_inflight_;
+  std::condition_variable inflight_cv_;
+  size_t inflight_ = 0;
+  WaitGroup inflight_wg_;
+
+  // Encoded chunks waiting for the pack-writer thread.
+  const size_t queue_limit_;
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::deque<Encoded> queue_;
+  bool writer_idle_ = true;
+  bool stop_writer_ = false;
+  std::thread writer_thread_;
+
+  std::chrono::steady_clock::time_point first_put_{};
+  std::chrono::nanoseconds blocking_{0};
+};
+
+namespace {
+thread_local std::unique_ptr<ChunkEncoder> tls_encoder;
+thread_local CodecOptions tls_encoder_options;
+
+ChunkEncoder& EncoderFor(const CodecOptions& options) {
+  if (!tls_encoder || tls_encoder_options.compression != options.compression ||
+      tls_encoder_options.level != options.level || tls_encoder_options.min_saving != options.min_saving) {
+    tls_encoder = std::make_unique<ChunkEncoder>(options);
+    tls_encoder_options = options;
+  }
+  return *tls_encoder;
+}
+
+class BlockTimer {
+ public:
+  explicit BlockTimer(std::chrono::nanoseconds* sink) : sink_(sink), start_(std::chrono::steady_clock::now()) {}
+  ~BlockTimer() { *sink_ += std::chrono::steady_clock::now() - start_; }
+
+ private:
+  std::chrono::nanoseconds* sink_;
+  std::chrono::steady_clock::time_point start_;
+};
+}  // namespace
+
+std::vector<uint64_t> WriterImpl::ChunkBounds(uint64_t global_start, uint64_t size) const {
+  // Boundaries sit at multiples of chunk_size in the coordinates the stream
+  // starts at, so a flat range chunks the same whatever the world size.
+  const uint64_t c = repo_->config.chunk_size;
+  std::vector<uint64_t> bounds = {0};
+  uint64_t pos = 0;
+  while (pos < size) {
+    uint64_t next_global = (global_start + pos) / c * c + c;
+    pos = std::min(size, next_global - global_start);
+    bounds.push_back(pos);
+  }
+  return bounds;
+}
+
+void WriterImpl::Submit(Job job) {
+  {
+    std::unique_lock lock(mu_);
+    inflight_cv_.wait(lock, [&] { return inflight_ < max_inflight_; });
+    ++inflight_;
+  }
+  inflight_wg_.Add();
+  if (job.shard_wg) job.shard_wg->Add();
+  repo_->pool->Submit([this, job = std::move(job)]() mutable {
+    Process(job);
+    if (job.shard_wg) job.shard_wg->Done();
+    {
+      std::lock_guard lock(mu_);
+      --inflight_;
+    }
+    inflight_cv_.notify_one();
+    inflight_wg_.Done();
+  });
+}
+
+void WriterImpl::Process(Job& job) {
+  if (!PipelineError().ok()) return;
+  const ChunkId id = ChunkId::Of(job.data);
+  job.slot->id = id;
+  job.slot->raw_len = static_cast<uint32_t>(job.data.size());
+  {
+    std::lock_guard lock(mu_);
+    auto [it, inserted] = seen_.try_emplace(id, false);
+    if (!inserted) {
+      ++stats_.chunks_deduplicated;
+      return;
+    }
+  }
+  auto known = repo_->LookupChunk(id);
+  if (known.ok()) {
+    std::lock_guard lock(mu_);
+    ++stats_.chunks_deduplicated;
+    return;
+  }
+  if (!known.status().IsNotFound()) {
+    SetError(known.status());
+    return;
+  }
+  // Adaptive: when the pack writer is idle with nothing queued, the disk is
+  // waiting for us; store this chunk raw rather than make it wait longer.
+  bool disk_starving = false;
+  if (repo_->config.adaptive) {
+    std::lock_guard lock(queue_mu_);
+    disk_starving = writer_idle_ && queue_.empty() && writer_thread_.joinable();
+  }
+  Encoded enc{id, Codec::kRaw, static_cast<uint32_t>(job.data.size()), {}};
+  if (disk_starving || repo_->config.codec.compression == Compression::kNone) {
+    enc.bytes.assign(reinterpret_cast<const char*>(job.data.data()), job.data.size());
+  } else {
+    auto codec = EncoderFor(repo_->config.codec).Encode(job.data, job.dtype, &enc.bytes);
+    if (!codec.ok()) {
+      SetError(codec.status());
+      return;
+    }
+    enc.codec = *codec;
+  }
+  {
+    std::unique_lock lock(queue_mu_);
+    queue_cv_.wait(lock, [&] { return queue_.size() < queue_limit_ || stop_writer_; });
+    queue_.push_back(std::move(enc));
+  }
+  queue_cv_.notify_all();
+}
+
+void WriterImpl::WriterLoop() {
+  while (true) {
+    Encoded enc;
+    {
+      std::unique_lock lock(queue_mu_);
+      writer_idle_ = true;
+      queue_cv_.wait(lock, [&] { return !queue_.empty() || stop_writer_; });
+      if (queue_.empty()) return;
+      enc = std::move(queue_.front());
+      queue_.pop_front();
+      writer_idle_ = false;
+    }
+    queue_cv_.notify_all();
+    if (!PipelineError().ok()) continue;  // drain without writing after an error
+    auto loc = packs_.Add(enc.id, enc.codec, enc.raw_len, std::as_bytes(std::span(enc.bytes)));
+    if (!loc.ok()) {
+      SetError(loc.status());
+      continue;
+    }
+    std::lock_guard lock(mu_);
+    seen_[enc.id] = true;
+    stored_[enc.id] = *loc;
+    ++stats_.chunks_written;
+    stats_.stored_bytes += enc.bytes.size();
+  }
+}
+
+void WriterImpl::StopWriterThread() {
+  {
+    std::lock_guard lock(queue_mu_);
+    stop_writer_ = true;
+  }
+  queue_cv_.notify_all();
+  if (writer_thread_.joinable()) writer_thread_.join();
+}
+
+Status WriterImpl::ChunkStream(const std::vector<uint64_t>& bounds, DType dtype, ShardSource& source,
+                               std::vector<ChunkRef>& chunks) {
+  chunks.resize(bounds.size() - 1);
+  const std::byte* host = source.HostData();
+  WaitGroup shard_wg;
+  Status st;
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+    Job job;
+    job.dtype = dtype;
+    job.slot = &chunks[i];
+    const uint64_t len = bounds[i + 1] - bounds[i];
+    if (host) {
+      job.data = {host + bounds[i], len};
+      job.shard_wg = &shard_wg;
+    } else {
+      job.owned.resize(len);
+      st = source.Read(bounds[i], job.owned);
+      if (!st.ok()) break;
+      job.data = job.owned;
+      job.shard_wg = nullptr;
+    }
+    Submit(std::move(job));
+  }
+  // Zero-copy jobs read the caller's memory: wait until they are done with it.
+  shard_wg.Wait();
+  RETURN_IF_ERROR(st);
+  return PipelineError();
+}
+
+Status WriterImpl::PutShard(const TensorInfo& info, const Region& region_in, ShardSource& source) {
+  BlockTimer timer(&blocking_);
+  RETURN_IF_ERROR(CheckUsable());
+  if (first_put_ == std::chrono::steady_clock::time_point{}) first_put_ = std::chrono::steady_clock::now();
+  if (info.name.empty()) return Status::InvalidArgument("tensor name is empty");
+  RETURN_IF_ERROR(ValidateRegion(info.shape, region_in).WithContext("tensor '" + info.name + "'"));
+  const Region region = Normalize(info.shape, region_in);
+  const uint64_t w = DTypeSize(info.dtype);
+  const uint64_t bytes = region.NumElements() * w;
+  if (source.size() != bytes) {
+    return Status::InvalidArgument("tensor '" + info.name + "': shard " + region.ToString() + " of " +
+                                   std::string(DTypeName(info.dtype)) + " needs " + std::to_string(bytes) +
+                                   " bytes, the source has " + std::to_string(source.size()));
+  }
+  TensorRecord* tensor;
+  {
+    std::lock_guard lock(mu_);
+    auto it = tensor_index_.find(info.name);
+    if (it == tensor_index_.end()) {
+      tensor_index_[info.name] = record_.tensors.size();
+      record_.tensors.push_back(TensorRecord{info.name, info.dtype, info.shape, {}});
+      it = tensor_index_.find(info.name);
+    }
+    tensor = &record_.tensors[it->second];
+    if (tensor->dtype != info.dtype || tensor->shape != info.shape) {
+      return Status::InvalidArgument("tensor '" + info.name + "' was put with " +
+                                     std::string(DTypeName(tensor->dtype)) + " " + ShapeToString(tensor->shape) +
+                                     " and now with " + std::string(DTypeName(info.dtype)) + " " +
+                                     ShapeToString(info.shape));
+    }
+    for (const auto& s : tensor->shards) {
+      if (s.region == region) {
+        return Status::InvalidArgument("tensor '" + info.name + "': region " + region.ToString() +
+                                       " was put twice by this rank");
+      }
+    }
+  }
+  if (!writer_thread_.joinable()) writer_thread_ = std::thread([this] { WriterLoop(); });
+  const uint64_t global_start = region.kind == Region::Kind::kFlat ? region.flat.start * w : 0;
+  ShardRecord shard;
+  shard.region = region;
+  shard.ranks = {options_.rank};
+  RETURN_IF_ERROR(ChunkStream(ChunkBounds(global_start, bytes), info.dtype, source, shard.chunks));
+  std::lock_guard lock(mu_);
+  stats_.logical_bytes += bytes;
+  record_.tensors[tensor_index_[info.name]].shards.push_back(std::move(shard));
+  return Status::OK();
+}
+
+Status WriterImpl::PutBlob(const std::string& name, std::span<const std::byte> data) {
+  BlockTimer timer(&blocking_);
+  RETURN_IF_ERROR(CheckUsable());
+  if (first_put_ == std::chrono::steady_clock::time_point{}) first_put_ = std::chrono::steady_clock::now();
+  if (name.empty()) return Status::InvalidArgument("blob name is empty");
+  {
+    std::lock_guard lock(mu_);
+    if (!blob_names_.insert(name).second) return Status::InvalidArgument("blob '" + name + "' was put twice");
+  }
+  if (!writer_thread_.joinable()) writer_thread_ = std::thread([this] { WriterLoop(); });
+  BlobRecord blob{name, data.size(), {}};
+  HostSource source(data);
+  RETURN_IF_ERROR(ChunkStream(ChunkBounds(0, data.size()), DType::kU8, source, blob.chunks));
+  std::lock_guard lock(mu_);
+  stats_.logical_bytes += data.size();
+  record_.blobs.push_back(std::move(blob));
+  return Status::OK();
+}
+
+CommitHandle WriterImpl::Commit() {
+  CommitHandle handle;
+  handle.total_ns_ = std::make_shared<std::atomic<int64_t>>(0);
+  {
+    std::lock_guard lock(mu_);
+    if (committed_) {
+      std::promise<Result<CommitResult>> p;
+      p.set_value(Status::FailedPrecondition("checkpoint writer already committed"));
+      handle.future_ = p.get_future().share();
+      return handle;
+    }
+    committed_ = true;
+  }
+  if (first_put_ == std::chrono::steady_clock::time_point{}) first_put_ = std::chrono::steady_clock::now();
+  handle.blocking_ = blocking_;
+  auto total = handle.total_ns_;
+  auto start = first_put_;
+  handle.future_ = std::async(std::launch::async, [this, self = shared_from_this(), total, start]() -> Result<CommitResult> {
+                     Shutdown();
+                     Status st;
+                     {
+                       std::lock_guard lock(mu_);
+                       st = error_;
+                     }
+                     CommitResult result;
+                     if (st.ok()) {
+                       auto sealed = packs_.Finish();
+                       st = sealed.ok() ? CommitToCatalog(*sealed, &result) : sealed.status();
+                     }
+                     total->store((std::chrono::steady_clock::now() - start).count());
+                     if (!st.ok()) return st;
+                     return result;
+                   }).share();
+  return handle;
+}
+
+Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, CommitResult* result) {
+  for (auto& t : record_.tensors) {
+    for (auto& s : t.shards) s.ComputeStarts();
+  }
+  {
+    std::lock_guard lock(mu_);
+    *result = stats_;
+  }
+  Backend* backend = repo_->backend.get();
+  return repo_->catalog->Update([&](WriteTxn& txn) -> Status {
+    result->checkpoint_visible = false;
+    ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name_)));
+    if (!raw) return Status::NotFound("checkpoint '" + name_ + "' was removed while rank " + std::to_string(options_.rank) + " was writing it");
+    ASSIGN_OR_RETURN(CheckpointRecord ckpt, DecodeCheckpoint(*raw));
+    if (ckpt.state == CheckpointState::kCommitted) {
+      return Status::AlreadyExists("checkpoint '" + name_ + "' was already committed");
+    }
+    if (ckpt.world_size != options_.world_size) {
+      return Status::InvalidArgument("checkpoint '" + name_ + "' has world size " + std::to_string(ckpt.world_size) +
+                                     ", this rank says " + std::to_string(options_.world_size));
+    }
+    if (std::binary_search(ckpt.committed_ranks.begin(), ckpt.committed_ranks.end(), options_.rank)) {
+      return Status::AlreadyExists("rank " + std::to_string(options_.rank) + " of checkpoint '" + name_ + "' already committed");
+    }
+    // Chunks first: a chunk another process stored meanwhile keeps its entry.
+    for (const auto& [id, loc] : stored_) {
+      ASSIGN_OR_RETURN(auto existing, txn.Get(Table::kChunks, keys::Chunk(id)));
+      if (!existing) RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(id), EncodeChunkLocation(loc)));
+    }
+    for (const auto& p : sealed) {
+      RETURN_IF_ERROR(txn.Put(Table::kPacks, p.id, EncodePackInfo(p.size, p.entries.size())));
+    }
+    // Every chunk this rank references must be in the catalog now: one that
+    // was deduplicated against a chunk since removed fails the commit rather
+    // than leave a dangling reference.
+    auto check_present = [&](const std::vector<ChunkRef>& chunks, const std::string& what) -> Status {
+      for (const auto& c : chunks) {
+        ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(c.id)));
+        if (!v) return Status::Internal(what + ": chunk " + c.id.ToHex() + " was neither stored nor found in the catalog");
+      }
+      return Status::OK();
+    };
+    for (const auto& t : record_.tensors) {
+      for (const auto& s : t.shards) RETURN_IF_ERROR(check_present(s.chunks, "tensor '" + t.name + "'"));
+    }
+    for (const auto& b : record_.blobs) RETURN_IF_ERROR(check_present(b.chunks, "blob '" + b.name + "'"));
+    std::vector<RankRecord> ranks;
+    Status inner;
+    RETURN_IF_ERROR(txn.Scan(Table::kRanks, keys::MemberPrefix(name_), [&](std::string_view, std::string_view v) {
+      auto r = DecodeRank(v);
+      if (!r.ok()) {
+        inner = r.status();
+        return false;
+      }
+      ranks.push_back(std::move(r).value());
+      return true;
+    }));
+    RETURN_IF_ERROR(inner);
+    ranks.push_back(record_);
+    ckpt.committed_ranks.push_back(options_.rank);
+    std::sort(ckpt.committed_ranks.begin(), ckpt.committed_ranks.end());
+    for (const auto& [k, v] : options_.tags) {
+      if (std::none_of(ckpt.tags.begin(), ckpt.tags.end(), [&](const auto& t) { return t.first == k; })) {
+        ckpt.tags.emplace_back(k, v);
+      }
+    }
+    DirectFetcher fetcher(backend, [&](const ChunkId& id) -> Result<ChunkLocation> {
+      ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(id)));
+      if (!v) return Status::NotFound("chunk " + id.ToHex() + " is not in the catalog");
+      return DecodeChunkLocation(*v);
+    });
+    if (ckpt.committed_ranks.size() < ckpt.world_size) {
+      // Catch dtype and shape disagreement early; tiling waits for the last rank.
+      std::map<std::string, const TensorRecord*> seen;
+      for (const auto& r : ranks) {
+        for (const auto& t : r.tensors) {
+          auto [it, inserted] = seen.emplace(t.name, &t);
+          if (!inserted && (it->second->dtype != t.dtype || it->second->shape != t.shape)) {
+            return Status::InvalidArgument("tensor '" + t.name + "': rank " + std::to_string(r.rank) + " saved it as " +
+                                           std::string(DTypeName(t.dtype)) + " " + ShapeToString(t.shape) +
+                                           " but another rank as " + std::string(DTypeName(it->second->dtype)) + " " +
+                                           ShapeToString(it->second->shape));
+          }
+        }
+      }
+      RETURN_IF_ERROR(txn.Put(Table::kRanks, keys::Rank(name_, options_.rank), EncodeRank(record_)));
+      return txn.Put(Table::kCheckpoints, keys::Checkpoint(name_), EncodeCheckpoint(ckpt));
+    }
+    // Last rank: merge, check, publish.
+    Manifest manifest;
+    ASSIGN_OR_RETURN(manifest.tensors, MergeRankTensors(ranks, fetcher));
+    ASSIGN_OR_RETURN(manifest.blobs, MergeRankBlobs(ranks));
+    ASSIGN_OR_RETURN(auto seq_raw, txn.Get(Table::kMeta, keys::kNextSequenceKey));
+    uint64_t seq = 1;
+    if (seq_raw && seq_raw->size() == 8) std::memcpy(&seq, seq_raw->data(), 8);
+    ckpt.state = CheckpointState::kCommitted;
+    ckpt.sequence = seq;
+    ckpt.committed_unix_ms = NowUnixMs();
+    ckpt.tensor_count = manifest.tensors.size();
+    ckpt.logical_bytes = 0;
+    for (const auto& t : manifest.tensors) ckpt.logical_bytes += t.ByteSize();
+    for (const auto& b : manifest.blobs) ckpt.logical_bytes += b.size;
+    manifest.checkpoint = ckpt;
+    // The manifest object is written before the catalog makes the checkpoint
+    // visible; reindex trusts manifests, so both views agree after a crash.
+    std::string encoded = EncodeManifest(manifest);
+    RETURN_IF_ERROR(backend->Put(keys::ManifestObject(name_), std::as_bytes(std::span(encoded))));
+    for (const auto& t : manifest.tensors) {
+      RETURN_IF_ERROR(txn.Put(Table::kTensors, keys::Member(name_, t.name), EncodeTensor(t)));
+    }
+    for (const auto& b : manifest.blobs) {
+      RETURN_IF_ERROR(txn.Put(Table::kBlobs, keys::Member(name_, b.name), EncodeBlob(b)));
+    }
+    for (const auto& r : ranks) {
+      RETURN_IF_ERROR(txn.Delete(Table::kRanks, keys::Rank(name_, r.rank)));
+    }
+    Encoder next;
+    next.U64(seq + 1);
+    RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kNextSequenceKey, next.data()));
+    RETURN_IF_ERROR(txn.Put(Table::kCheckpoints, keys::Checkpoint(name_), EncodeCheckpoint(ckpt)));
+    result->checkpoint_visible = true;
+    return Status::OK();
+  });
+}
+
+// ---- public wrappers -------------------------------------------------------------
+
+CheckpointWriter::CheckpointWriter(std::shared_ptr<WriterImpl> impl) : impl_(std::move(impl)) {}
+CheckpointWriter::~CheckpointWriter() { Abort(); }
+
+Status CheckpointWriter::PutShard(const TensorInfo& tensor, const Region& region, ShardSource& source) {
+  if (!impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
+  return impl_->PutShard(tensor, region, source);
+}
+
+Status CheckpointWriter::PutTensor(const TensorInfo& tensor, std::span<const std::byte> data) {
+  HostSource source(data);
+  return PutShard(tensor, Region::OfBox(FullBox(tensor.shape)), source);
+}
+
+Status CheckpointWriter::PutBlob(const std::string& name, std::span<const std::byte> data) {
+  if (!impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
+  return impl_->PutBlob(name, data);
+}
+
+CommitHandle CheckpointWriter::Commit() {
+  if (!impl_) {
+    CommitHandle h;
+    return h;
+  }
+  return impl_->Commit();
+}
+
+void CheckpointWriter::Abort() {
+  // A committing writer finishes its commit first (the future holds it).
+  impl_.reset();
+}
+
+Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std::string& name,
+                                                                      const WriterOptions& options) {
+  RETURN_IF_ERROR(ValidateCheckpointName(name));
+  if (options.world_size == 0) return Status::InvalidArgument("world size must be at least 1");
+  if (options.rank >= options.world_size) {
+    return Status::InvalidArgument("rank " + std::to_string(options.rank) + " is out of range for world size " +
+                                   std::to_string(options.world_size));
+  }
+  RETURN_IF_ERROR(impl_->catalog->Update([&](WriteTxn& txn) -> Status {
+    ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
+    if (!raw) {
+      CheckpointRecord rec;
+      rec.name = name;
+      rec.step = options.step;
+      rec.world_size = options.world_size;
+      rec.created_unix_ms = NowUnixMs();
+      return txn.Put(Table::kCheckpoints, keys::Checkpoint(name), EncodeCheckpoint(rec));
+    }
+    ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*raw));
+    if (rec.state == CheckpointState::kCommitted) {
+      return Status::AlreadyExists("checkpoint '" + name + "' already exists");
+    }
+    if (rec.world_size != options.world_size) {
+      return Status::InvalidArgument("checkpoint '" + name + "' is being written with world size " +
+                                     std::to_string(rec.world_size) + ", not " + std::to_string(options.world_size));
+    }
+    if (options.step && rec.step && *options.step != *rec.step) {
+      return Status::InvalidArgument("checkpoint '" + name + "' is being written as step " + std::to_string(*rec.step) +
+                                     ", not " + std::to_string(*options.step));
+    }
+    if (std::binary_search(rec.committed_ranks.begin(), rec.committed_ranks.end(), options.rank)) {
+      return Status::AlreadyExists("rank " + std::to_string(options.rank) + " of checkpoint '" + name +
+                                   "' already committed");
+    }
+    if (options.step && !rec.step) {
+      rec.step = options.step;
+      return txn.Put(Table::kCheckpoints, keys::Checkpoint(name), EncodeCheckpoint(rec));
+    }
+    return Status::OK();
+  }));
+  auto impl = std::make_shared<WriterImpl>(impl_.get(), name, options);
+  return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
+}
+
+}  // namespace ckptfs

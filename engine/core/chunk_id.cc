@@ -1,0 +1,44 @@
+#include "core/chunk_id.h"
+
+#include <xxhash.h>
+
+namespace ckptfs {
+
+ChunkId ChunkId::Of(std::span<const std::byte> data) {
+  XXH128_hash_t h = XXH3_128bits(data.data(), data.size());
+  XXH128_canonical_t c;
+  XXH128_canonicalFromHash(&c, h);
+  ChunkId id;
+  std::memcpy(id.bytes.data(), c.digest, 16);
+  return id;
+}
+
+std::string ChunkId::ToHex() const {
+  static const char* kDigits = "0123456789abcdef";
+  std::string s(32, '0');
+  for (int i = 0; i < 16; ++i) {
+    s[2 * i] = kDigits[bytes[i] >> 4];
+    s[2 * i + 1] = kDigits[bytes[i] & 15];
+  }
+  return s;
+}
+
+std::optional<ChunkId> ChunkId::FromHex(std::string_view hex) {
+  if (hex.size() != 32) return std::nullopt;
+  auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  ChunkId id;
+  for (int i = 0; i < 16; ++i) {
+    int hi = nibble(hex[2 * i]), lo = nibble(hex[2 * i + 1]);
+    if (hi < 0 || lo < 0) return std::nullopt;
+    id.bytes[i] = static_cast<uint8_t>(hi << 4 | lo);
+  }
+  return id;
+}
+
+uint64_t Checksum64(std::span<const std::byte> data) { return XXH3_64bits(data.data(), data.size()); }
+
+}  // namespace ckptfs

@@ -1,0 +1,335 @@
+#include "core/json.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <unordered_set>
+
+namespace ckptfs {
+
+Json::Json(int64_t v) : type_(Type::kNumber), double_(static_cast<double>(v)) {
+  if (v >= 0) {
+    is_uint_ = true;
+    uint_ = static_cast<uint64_t>(v);
+  } else {
+    is_int_ = true;
+    int_ = v;
+  }
+}
+Json::Json(uint64_t v) : type_(Type::kNumber), is_uint_(true), uint_(v), double_(static_cast<double>(v)) {}
+Json::Json(double v) : type_(Type::kNumber), double_(v) {}
+
+const Json* Json::Find(std::string_view key) const {
+  if (type_ != Type::kObject) return nullptr;
+  for (const auto& [k, v] : object_) {
+    if (k == key) return &v;
+  }
+  return nullptr;
+}
+
+Json& Json::Set(std::string key, Json value) {
+  for (auto& [k, v] : object_) {
+    if (k == key) {
+      v = std::move(value);
+      return v;
+    }
+  }
+  object_.emplace_back(std::move(key), std::move(value));
+  return object_.back().second;
+}
+
+Json& Json::Push(Json value) {
+  array_.push_back(std::move(value));
+  return array_.back();
+}
+
+void AppendJsonString(std::string& out, std::string_view s) {
+  out.push_back('"');
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      case '\b': out += "\\b"; break;
+      case '\f': out += "\\f"; break;
+      default:
+        if (c < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", c);
+          out += buf;
+        } else {
+          out.push_back(static_cast<char>(c));
+        }
+    }
+  }
+  out.push_back('"');
+}
+
+std::string Json::Dump(int indent) const {
+  std::string out;
+  DumpTo(out, indent, 0);
+  return out;
+}
+
+void Json::DumpTo(std::string& out, int indent, int level) const {
+  auto newline = [&](int lvl) {
+    if (indent < 0) return;
+    out.push_back('\n');
+    out.append(static_cast<size_t>(indent * lvl), ' ');
+  };
+  switch (type_) {
+    case Type::kNull: out += "null"; break;
+    case Type::kBool: out += bool_ ? "true" : "false"; break;
+    case Type::kNumber:
+      if (is_uint_) {
+        out += std::to_string(uint_);
+      } else if (is_int_) {
+        out += std::to_string(int_);
+      } else if (!std::isfinite(double_)) {
+        out += "null";
+      } else {
+        char buf[32];
+        std::snprintf(buf, sizeof buf, "%.17g", double_);
+        out += buf;
+      }
+      break;
+    case Type::kString: AppendJsonString(out, string_); break;
+    case Type::kArray:
+      out.push_back('[');
+      for (size_t i = 0; i < array_.size(); ++i) {
+        if (i) out.push_back(',');
+        newline(level + 1);
+        array_[i].DumpTo(out, indent, level + 1);
+      }
+      if (!array_.empty()) newline(level);
+      out.push_back(']');
+      break;
+    case Type::kObject:
+      out.push_back('{');
+      for (size_t i = 0; i < object_.size(); ++i) {
+        if (i) out.push_back(',');
+        newline(level + 1);
+        AppendJsonString(out, object_[i].first);
+        out += indent < 0 ? ":" : ": ";
+        object_[i].second.DumpTo(out, indent, level + 1);
+      }
+      if (!object_.empty()) newline(level);
+      out.push_back('}');
+      break;
+  }
+}
+
+namespace {
+
+class Parser {
+ public:
+  explicit Parser(std::string_view s) : s_(s) {}
+
+  Result<Json> ParseDocument() {
+    Json v;
+    RETURN_IF_ERROR(ParseValue(v, 0));
+    SkipSpace();
+    if (pos_ != s_.size()) return Error("unexpected trailing characters");
+    return v;
+  }
+
+ private:
+  static constexpr int kMaxDepth = 64;
+
+  Status Error(const std::string& what) const {
+    return Status::InvalidArgument("invalid JSON at byte " + std::to_string(pos_) + ": " + what);
+  }
+  void SkipSpace() {
+    while (pos_ < s_.size() && (s_[pos_] == ' ' || s_[pos_] == '\n' || s_[pos_] == '\r' || s_[pos_] == '\t')) ++pos_;
+  }
+  bool Consume(std::string_view lit) {
+    if (s_.substr(pos_, lit.size()) == lit) {
+      pos_ += lit.size();
+      return true;
+    }
+    return false;
+  }
+
+  Status ParseValue(Json& out, int depth) {
+    if (depth > kMaxDepth) return Error("nesting too deep");
+    SkipSpace();
+    if (pos_ >= s_.size()) return Error("unexpected end");
+    char c = s_[pos_];
+    if (c == '{') return ParseObject(out, depth);
+    if (c == '[') return ParseArray(out, depth);
+    if (c == '"') {
+      std::string str;
+      RETURN_IF_ERROR(ParseString(str));
+      out = Json(std::move(str));
+      return Status::OK();
+    }
+    if (Consume("true")) { out = Json(true); return Status::OK(); }
+    if (Consume("false")) { out = Json(false); return Status::OK(); }
+    if (Consume("null")) { out = Json(); return Status::OK(); }
+    if (c == '-' || (c >= '0' && c <= '9')) return ParseNumber(out);
+    return Error(std::string("unexpected character '") + c + "'");
+  }
+
+  Status ParseNumber(Json& out) {
+    size_t start = pos_;
+    bool neg = false, is_integer = true;
+    if (s_[pos_] == '-') { neg = true; ++pos_; }
+    if (pos_ >= s_.size() || !(s_[pos_] >= '0' && s_[pos_] <= '9')) return Error("malformed number");
+    while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_;
+    if (pos_ < s_.size() && s_[pos_] == '.') {
+      is_integer = false;
+      ++pos_;
+      if (pos_ >= s_.size() || !(s_[pos_] >= '0' && s_[pos_] <= '9')) return Error("malformed number");
+      while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_;
+    }
+    if (pos_ < s_.size() && (s_[pos_] == 'e' || s_[pos_] == 'E')) {
+      is_integer = false;
+      ++pos_;
+      if (pos_ < s_.size() && (s_[pos_] == '+' || s_[pos_] == '-')) ++pos_;
+      if (pos_ >= s_.size() || !(s_[pos_] >= '0' && s_[pos_] <= '9')) return Error("malformed number");
+      while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_;
+    }
+    std::string text(s_.substr(start, pos_ - start));
+    if (is_integer) {
+      errno = 0;
+      if (neg) {
+        long long v = std::strtoll(text.c_str(), nullptr, 10);
+        if (errno == 0) { out = Json(static_cast<int64_t>(v)); return Status::OK(); }
+      } else {
+        unsigned long long v = std::strtoull(text.c_str(), nullptr, 10);
+        if (errno == 0) { out = Json(static_cast<uint64_t>(v)); return Status::OK(); }
+      }
+    }
+    out = Json(std::strtod(text.c_str(), nullptr));
+    return Status::OK();
+  }
+
+  static void AppendUtf8(std::string& out, uint32_t cp) {
+    if (cp < 0x80) {
+      out.push_back(static_cast<char>(cp));
+    } else if (cp < 0x800) {
+      out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    } else if (cp < 0x10000) {
+      out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
+      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    } else {
+      out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
+      out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+      out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    }
+  }
+
+  Status ParseHex4(uint32_t* v) {
+    if (pos_ + 4 > s_.size()) return Error("truncated \\u escape");
+    uint32_t r = 0;
+    for (int i = 0; i < 4; ++i) {
+      char c = s_[pos_++];
+      r <<= 4;
+      if (c >= '0' && c <= '9') r |= c - '0';
+      else if (c >= 'a' && c <= 'f') r |= c - 'a' + 10;
+      else if (c >= 'A' && c <= 'F') r |= c - 'A' + 10;
+      else return Error("bad \\u escape");
+    }
+    *v = r;
+    return Status::OK();
+  }
+
+  Status ParseString(std::string& out) {
+    ++pos_;  // opening quote
+    while (true) {
+      if (pos_ >= s_.size()) return Error("unterminated string");
+      char c = s_[pos_++];
+      if (c == '"') return Status::OK();
+      if (static_cast<unsigned char>(c) < 0x20) return Error("control character in string");
+      if (c != '\\') {
+        out.push_back(c);
+        continue;
+      }
+      if (pos_ >= s_.size()) return Error("unterminated escape");
+      char e = s_[pos_++];
+      switch (e) {
+        case '"': out.push_back('"'); break;
+        case '\\': out.push_back('\\'); break;
+        case '/': out.push_back('/'); break;
+        case 'b': out.push_back('\b'); break;
+        case 'f': out.push_back('\f'); break;
+        case 'n': out.push_back('\n'); break;
+        case 'r': out.push_back('\r'); break;
+        case 't': out.push_back('\t'); break;
+        case 'u': {
+          uint32_t cp = 0;
+          RETURN_IF_ERROR(ParseHex4(&cp));
+          if (cp >= 0xD800 && cp < 0xDC00) {
+            uint32_t lo = 0;
+            if (!Consume("\\u")) return Error("unpaired surrogate");
+            RETURN_IF_ERROR(ParseHex4(&lo));
+            if (lo < 0xDC00 || lo >= 0xE000) return Error("unpaired surrogate");
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+          } else if (cp >= 0xDC00 && cp < 0xE000) {
+            return Error("unpaired surrogate");
+          }
+          AppendUtf8(out, cp);
+          break;
+        }
+        default: return Error("bad escape");
+      }
+    }
+  }
+
+  Status ParseArray(Json& out, int depth) {
+    ++pos_;
+    out = Json::MakeArray();
+    SkipSpace();
+    if (pos_ < s_.size() && s_[pos_] == ']') { ++pos_; return Status::OK(); }
+    while (true) {
+      Json v;
+      RETURN_IF_ERROR(ParseValue(v, depth + 1));
+      out.Push(std::move(v));
+      SkipSpace();
+      if (pos_ >= s_.size()) return Error("unterminated array");
+      if (s_[pos_] == ',') { ++pos_; continue; }
+      if (s_[pos_] == ']') { ++pos_; return Status::OK(); }
+      return Error("expected ',' or ']'");
+    }
+  }
+
+  Status ParseObject(Json& out, int depth) {
+    ++pos_;
+    out = Json::MakeObject();
+    SkipSpace();
+    if (pos_ < s_.size() && s_[pos_] == '}') { ++pos_; return Status::OK(); }
+    std::unordered_set<std::string> seen;
+    while (true) {
+      SkipSpace();
+      if (pos_ >= s_.size() || s_[pos_] != '"') return Error("expected a string key");
+      std::string key;
+      RETURN_IF_ERROR(ParseString(key));
+      SkipSpace();
+      if (pos_ >= s_.size() || s_[pos_] != ':') return Error("expected ':'");
+      ++pos_;
+      Json v;
+      RETURN_IF_ERROR(ParseValue(v, depth + 1));
+      if (!seen.insert(key).second) return Error("duplicate key \"" + key + "\"");
+      out.Append(std::move(key), std::move(v));
+      SkipSpace();
+      if (pos_ >= s_.size()) return Error("unterminated object");
+      if (s_[pos_] == ',') { ++pos_; continue; }
+      if (s_[pos_] == '}') { ++pos_; return Status::OK(); }
+      return Error("expected ',' or '}'");
+    }
+  }
+
+  std::string_view s_;
+  size_t pos_ = 0;
+};
+
+}  // namespace
+
+Result<Json> Json::Parse(std::string_view text) { return Parser(text).ParseDocument(); }
+
+}  // namespace ckptfs

@@ -1,0 +1,61 @@
+// A fixed pool of worker threads for hashing, compression, pack I/O and
+// parallel reads.
+//
+// Thread safety: Submit may be called from any thread. Tasks must not block
+// waiting on other tasks of the same pool; code that may run on a pool
+// thread checks OnPoolThread() and runs inline instead.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace ckptfs {
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(size_t threads);
+  ~ThreadPool();  // runs the queued tasks, then joins
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  void Submit(std::function<void()> task);
+  size_t size() const { return threads_.size(); }
+  static bool OnPoolThread();
+
+ private:
+  void Run();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+// Counts outstanding work; Wait blocks until it reaches zero.
+class WaitGroup {
+ public:
+  void Add(size_t n = 1) {
+    std::lock_guard lock(mu_);
+    count_ += n;
+  }
+  void Done() {
+    std::lock_guard lock(mu_);
+    if (--count_ == 0) cv_.notify_all();
+  }
+  void Wait() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return count_ == 0; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  size_t count_ = 0;
+};
+
+}  // namespace ckptfs

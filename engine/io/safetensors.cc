@@ -1,0 +1,193 @@
+#include "io/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/json.h"
+
+namespace ckptfs {
+
+Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t data_size) {
+  auto parsed = Json::Parse(json);
+  if (!parsed.ok()) return Status::InvalidArgument("header is not valid JSON: " + parsed.status().message());
+  if (!parsed->is_object()) return Status::InvalidArgument("header is not a JSON object");
+  SafetensorsHeader h;
+  for (const auto& [name, v] : parsed->as_object()) {
+    if (name == "__metadata__") {
+      if (!v.is_object()) return Status::InvalidArgument("__metadata__ is not an object");
+      for (const auto& [k, mv] : v.as_object()) {
+        if (!mv.is_string()) return Status::InvalidArgument("__metadata__ value of '" + k + "' is not a string");
+        h.metadata.emplace_back(k, mv.as_string());
+      }
+      continue;
+    }
+    auto bad = [&](const std::string& what) { return Status::InvalidArgument("tensor '" + name + "': " + what); };
+    if (!v.is_object()) return bad("entry is not an object");
+    const Json* dtype = v.Find("dtype");
+    const Json* shape = v.Find("shape");
+    const Json* offsets = v.Find("data_offsets");
+    if (!dtype || !dtype->is_string()) return bad("missing dtype");
+    if (!shape || !shape->is_array()) return bad("missing shape");
+    if (!offsets || !offsets->is_array() || offsets->as_array().size() != 2 ||
+        !offsets->as_array()[0].is_uint() || !offsets->as_array()[1].is_uint()) {
+      return bad("data_offsets must be two non-negative integers");
+    }
+    SafetensorsTensor t;
+    t.name = name;
+    auto dt = ParseDType(dtype->as_string());
+    if (!dt) return bad("unknown dtype '" + dtype->as_string() + "'");
+    t.dtype = *dt;
+    for (const Json& d : shape->as_array()) {
+      if (!d.is_uint()) return bad("shape must hold non-negative integers");
+      t.shape.push_back(d.as_uint());
+    }
+    t.begin = offsets->as_array()[0].as_uint();
+    t.end = offsets->as_array()[1].as_uint();
+    if (t.begin > t.end) return bad("data_offsets are reversed");
+    if (t.end > data_size) {
+      return bad("data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
+                 ") run past the end of the data (" + std::to_string(data_size) + " bytes; is the file truncated?)");
+    }
+    auto n = CheckedNumElements(t.shape);
+    if (!n.ok()) return bad(n.status().message());
+    if (*n > (uint64_t{1} << 62) / DTypeSize(t.dtype) || *n * DTypeSize(t.dtype) != t.end - t.begin) {
+      return bad(std::string(DTypeName(t.dtype)) + " " + ShapeToString(t.shape) + " needs " +
+                 std::to_string(*n * DTypeSize(t.dtype)) + " bytes but data_offsets span " +
+                 std::to_string(t.end - t.begin));
+    }
+    h.tensors.push_back(std::move(t));
+  }
+  std::sort(h.tensors.begin(), h.tensors.end(), [](const auto& a, const auto& b) {
+    return std::pair(a.begin, a.end) < std::pair(b.begin, b.end);
+  });
+  for (size_t i = 1; i < h.tensors.size(); ++i) {
+    if (h.tensors[i].begin < h.tensors[i - 1].end) {
+      return Status::InvalidArgument("tensors '" + h.tensors[i - 1].name + "' and '" + h.tensors[i].name +
+                                     "' share bytes of the data section");
+    }
+  }
+  return h;
+}
+
+Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::FromErrno(errno, "opening " + path);
+  struct stat sb;
+  if (::fstat(fd, &sb) != 0) {
+    int err = errno;
+    ::close(fd);
+    return Status::FromErrno(err, "stat of " + path);
+  }
+  if (!S_ISREG(sb.st_mode)) {
+    ::close(fd);
+    return Status::InvalidArgument(path + " is not a regular file");
+  }
+  const uint64_t size = static_cast<uint64_t>(sb.st_size);
+  std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
+  f->path_ = path;
+  if (size < 8) {
+    ::close(fd);
+    return Status::InvalidArgument(path + ": too short to be a safetensors file (" + std::to_string(size) + " bytes)");
+  }
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  int err = errno;
+  ::close(fd);
+  if (map == MAP_FAILED) return Status::FromErrno(err, "mapping " + path);
+  f->map_ = static_cast<const std::byte*>(map);
+  f->map_size_ = size;
+  ::madvise(map, size, MADV_SEQUENTIAL);
+  uint64_t n;
+  std::memcpy(&n, f->map_, 8);
+  if (n > kMaxSafetensorsHeader || n > size - 8) {
+    return Status::InvalidArgument(path + ": bad header length " + std::to_string(n) + " (file has " +
+                                   std::to_string(size) + " bytes)");
+  }
+  auto header = ParseSafetensorsHeader(std::string_view(reinterpret_cast<const char*>(f->map_) + 8, n), size - 8 - n);
+  if (!header.ok()) return header.status().WithContext(path);
+  f->header_ = std::move(header).value();
+  f->header_.data_offset = 8 + n;
+  return f;
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (map_) ::munmap(const_cast<std::byte*>(map_), map_size_);
+}
+
+std::span<const std::byte> SafetensorsFile::Data(const SafetensorsTensor& t) const {
+  return {map_ + header_.data_offset + t.begin, t.end - t.begin};
+}
+
+SafetensorsLayout LayoutSafetensors(const std::vector<TensorMeta>& tensors,
+                                    const std::vector<std::pair<std::string, std::string>>& metadata) {
+  SafetensorsLayout layout;
+  Json header = Json::MakeObject();
+  if (!metadata.empty()) {
+    Json m = Json::MakeObject();
+    for (const auto& [k, v] : metadata) m.Set(k, v);
+    header.Append("__metadata__", std::move(m));
+  }
+  uint64_t pos = 0;
+  for (const auto& t : tensors) {
+    Json e = Json::MakeObject();
+    e.Set("dtype", DTypeName(t.dtype));
+    Json shape = Json::MakeArray();
+    for (uint64_t d : t.shape) shape.Push(d);
+    e.Set("shape", std::move(shape));
+    uint64_t size = NumElements(t.shape) * DTypeSize(t.dtype);
+    Json offs = Json::MakeArray();
+    offs.Push(pos);
+    offs.Push(pos + size);
+    e.Set("data_offsets", std::move(offs));
+    header.Append(t.name, std::move(e));
+    layout.sizes.push_back(size);
+    layout.offsets.push_back(pos);
+    pos += size;
+  }
+  std::string json = header.Dump();
+  while (json.size() % 8 != 0) json.push_back(' ');
+  uint64_t n = json.size();
+  layout.header.assign(reinterpret_cast<const char*>(&n), 8);
+  layout.header += json;
+  for (auto& off : layout.offsets) off += layout.header.size();
+  layout.total_size = layout.header.size() + pos;
+  return layout;
+}
+
+std::string NpyHeader(DType dtype, const Shape& shape) {
+  std::string dict = "{'descr': '" + std::string(NumpyDescr(dtype)) + "', 'fortran_order': False, 'shape': (";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    dict += std::to_string(shape[i]);
+    if (shape.size() == 1 || i + 1 < shape.size()) dict += ",";
+    if (i + 1 < shape.size()) dict += " ";
+  }
+  dict += "), }";
+  // magic(6) + version(2) + length(2 or 4) + dict + padding + '\n', total % 64 == 0
+  size_t prefix = 10;
+  bool v2 = false;
+  size_t total = (prefix + dict.size() + 1 + 63) / 64 * 64;
+  if (total - prefix > 65535) {
+    v2 = true;
+    prefix = 12;
+    total = (prefix + dict.size() + 1 + 63) / 64 * 64;
+  }
+  dict.append(total - prefix - dict.size() - 1, ' ');
+  dict.push_back('\n');
+  std::string out = "\x93NUMPY";
+  out.push_back(v2 ? 2 : 1);
+  out.push_back(0);
+  uint32_t len = static_cast<uint32_t>(dict.size());
+  out.push_back(static_cast<char>(len & 0xff));
+  out.push_back(static_cast<char>((len >> 8) & 0xff));
+  if (v2) {
+    out.push_back(static_cast<char>((len >> 16) & 0xff));
+    out.push_back(static_cast<char>((len >> 24) & 0xff));
+  }
+  return out + dict;
+}
+
+}  // namespace ckptfs

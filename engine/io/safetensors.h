@@ -1,0 +1,83 @@
+// The safetensors format: an 8-byte little-endian header length N, N bytes
+// of JSON ({name: {dtype, shape, data_offsets: [begin, end]}, and an optional
+// "__metadata__" object of string values}), then the data. Offsets are
+// relative to the start of the data.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/region.h"
+#include "core/status.h"
+
+namespace ckptfs {
+
+// Headers larger than this are rejected as malformed (the reference
+// implementation's limit).
+inline constexpr uint64_t kMaxSafetensorsHeader = 100ull << 20;
+
+struct SafetensorsTensor {
+  std::string name;
+  DType dtype = DType::kU8;
+  Shape shape;
+  uint64_t begin = 0;  // relative to the data section
+  uint64_t end = 0;
+};
+
+struct SafetensorsHeader {
+  std::vector<SafetensorsTensor> tensors;  // in data order
+  std::vector<std::pair<std::string, std::string>> metadata;
+  uint64_t data_offset = 0;  // 8 + N
+};
+
+// Parses and validates a header against a data section of `data_size` bytes:
+// known dtypes, offsets inside the data, sizes that match dtype and shape,
+// no two tensors sharing bytes. InvalidArgument names what is wrong.
+Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t data_size);
+
+// A safetensors file mapped read-only into memory.
+class SafetensorsFile {
+ public:
+  static Result<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  ~SafetensorsFile();
+  const SafetensorsHeader& header() const { return header_; }
+  std::span<const std::byte> Data(const SafetensorsTensor& t) const;
+  const std::string& path() const { return path_; }
+
+ private:
+  SafetensorsFile() = default;
+  std::string path_;
+  SafetensorsHeader header_;
+  const std::byte* map_ = nullptr;
+  size_t map_size_ = 0;
+};
+
+// The layout of a safetensors file for the given tensors, in order: the
+// header bytes (length prefix + JSON padded with spaces to a multiple of 8)
+// and each tensor's absolute offset. Used by export and by the mount, which
+// serves the file without materialising it.
+struct SafetensorsLayout {
+  std::string header;               // bytes [0, header.size())
+  std::vector<uint64_t> offsets;    // absolute, per tensor
+  std::vector<uint64_t> sizes;
+  uint64_t total_size = 0;
+};
+struct TensorMeta {
+  std::string name;
+  DType dtype;
+  Shape shape;
+};
+SafetensorsLayout LayoutSafetensors(const std::vector<TensorMeta>& tensors,
+                                    const std::vector<std::pair<std::string, std::string>>& metadata);
+
+// The header of a .npy file (format 1.0, or 2.0 for huge headers) for a
+// C-order array; its length is a multiple of 64. BF16 and F8 types are
+// written as unsigned integers of their width (docs/FORMAT.md).
+std::string NpyHeader(DType dtype, const Shape& shape);
+
+}  // namespace ckptfs

@@ -1,0 +1,319 @@
+#include "meta/records.h"
+
+#include <cstring>
+
+#include "core/encoding.h"
+
+namespace ckptfs {
+
+void ShardRecord::ComputeStarts() {
+  starts.resize(chunks.size() + 1);
+  uint64_t n = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    starts[i] = n;
+    n += chunks[i].raw_len;
+  }
+  starts[chunks.size()] = n;
+}
+
+namespace {
+
+constexpr uint8_t kRecordVersion = 1;
+constexpr char kManifestMagic[8] = {'C', 'K', 'P', 'T', 'M', 'A', 'N', 'I'};
+
+void PutChunks(Encoder& e, const std::vector<ChunkRef>& chunks) {
+  e.Varint(chunks.size());
+  for (const auto& c : chunks) {
+    e.Bytes(c.id.bytes.data(), 16);
+    e.Varint(c.raw_len);
+  }
+}
+
+Status GetChunks(Decoder& d, std::vector<ChunkRef>* chunks) {
+  uint64_t n;
+  RETURN_IF_ERROR(d.Varint(&n));
+  if (n > d.remaining() / 17) return Status::Corruption("chunk count exceeds record size");
+  chunks->resize(n);
+  for (auto& c : *chunks) {
+    uint64_t len;
+    RETURN_IF_ERROR(d.Bytes(c.id.bytes.data(), 16));
+    RETURN_IF_ERROR(d.Varint(&len));
+    c.raw_len = static_cast<uint32_t>(len);
+  }
+  return Status::OK();
+}
+
+void PutU64s(Encoder& e, const std::vector<uint64_t>& v) {
+  e.Varint(v.size());
+  for (uint64_t x : v) e.Varint(x);
+}
+
+Status GetU64s(Decoder& d, std::vector<uint64_t>* v) {
+  uint64_t n;
+  RETURN_IF_ERROR(d.Varint(&n));
+  if (n > d.remaining()) return Status::Corruption("list length exceeds record size");
+  v->resize(n);
+  for (auto& x : *v) RETURN_IF_ERROR(d.Varint(&x));
+  return Status::OK();
+}
+
+void PutTensor(Encoder& e, const TensorRecord& t) {
+  e.String(t.name);
+  e.U8(static_cast<uint8_t>(t.dtype));
+  PutU64s(e, t.shape);
+  e.Varint(t.shards.size());
+  for (const auto& s : t.shards) {
+    e.U8(static_cast<uint8_t>(s.region.kind));
+    if (s.region.kind == Region::Kind::kFlat) {
+      e.Varint(s.region.flat.start);
+      e.Varint(s.region.flat.end);
+    } else {
+      PutU64s(e, s.region.box.offsets);
+      PutU64s(e, s.region.box.lengths);
+    }
+    e.Varint(s.ranks.size());
+    for (uint32_t r : s.ranks) e.Varint(r);
+    PutChunks(e, s.chunks);
+  }
+}
+
+Status GetTensor(Decoder& d, TensorRecord* t) {
+  uint8_t dtype;
+  RETURN_IF_ERROR(d.String(&t->name));
+  RETURN_IF_ERROR(d.U8(&dtype));
+  auto dt = DTypeFromCode(dtype);
+  if (!dt) return Status::Corruption("unknown dtype code " + std::to_string(dtype));
+  t->dtype = *dt;
+  RETURN_IF_ERROR(GetU64s(d, &t->shape));
+  uint64_t nshards;
+  RETURN_IF_ERROR(d.Varint(&nshards));
+  if (nshards > d.remaining()) return Status::Corruption("shard count exceeds record size");
+  t->shards.resize(nshards);
+  for (auto& s : t->shards) {
+    uint8_t kind;
+    RETURN_IF_ERROR(d.U8(&kind));
+    if (kind == static_cast<uint8_t>(Region::Kind::kFlat)) {
+      s.region.kind = Region::Kind::kFlat;
+      RETURN_IF_ERROR(d.Varint(&s.region.flat.start));
+      RETURN_IF_ERROR(d.Varint(&s.region.flat.end));
+    } else if (kind == static_cast<uint8_t>(Region::Kind::kBox)) {
+      s.region.kind = Region::Kind::kBox;
+      RETURN_IF_ERROR(GetU64s(d, &s.region.box.offsets));
+      RETURN_IF_ERROR(GetU64s(d, &s.region.box.lengths));
+    } else {
+      return Status::Corruption("unknown region kind");
+    }
+    uint64_t nranks;
+    RETURN_IF_ERROR(d.Varint(&nranks));
+    if (nranks > d.remaining()) return Status::Corruption("rank count exceeds record size");
+    s.ranks.resize(nranks);
+    for (auto& r : s.ranks) {
+      uint64_t v;
+      RETURN_IF_ERROR(d.Varint(&v));
+      r = static_cast<uint32_t>(v);
+    }
+    RETURN_IF_ERROR(GetChunks(d, &s.chunks));
+    s.ComputeStarts();
+  }
+  return Status::OK();
+}
+
+void PutBlob(Encoder& e, const BlobRecord& b) {
+  e.String(b.name);
+  e.Varint(b.size);
+  PutChunks(e, b.chunks);
+}
+
+Status GetBlob(Decoder& d, BlobRecord* b) {
+  RETURN_IF_ERROR(d.String(&b->name));
+  RETURN_IF_ERROR(d.Varint(&b->size));
+  return GetChunks(d, &b->chunks);
+}
+
+void PutCheckpoint(Encoder& e, const CheckpointRecord& c) {
+  e.String(c.name);
+  e.U8(c.step.has_value());
+  e.U64(static_cast<uint64_t>(c.step.value_or(0)));
+  e.Varint(c.world_size);
+  e.U8(static_cast<uint8_t>(c.state));
+  e.Varint(c.committed_ranks.size());
+  for (uint32_t r : c.committed_ranks) e.Varint(r);
+  e.Varint(c.created_unix_ms);
+  e.Varint(c.committed_unix_ms);
+  e.Varint(c.sequence);
+  e.Varint(c.tags.size());
+  for (const auto& [k, v] : c.tags) {
+    e.String(k);
+    e.String(v);
+  }
+  e.Varint(c.tensor_count);
+  e.Varint(c.logical_bytes);
+}
+
+Status GetCheckpoint(Decoder& d, CheckpointRecord* c) {
+  uint8_t has_step, state;
+  uint64_t step, v;
+  RETURN_IF_ERROR(d.String(&c->name));
+  RETURN_IF_ERROR(d.U8(&has_step));
+  RETURN_IF_ERROR(d.U64(&step));
+  if (has_step) c->step = static_cast<int64_t>(step);
+  RETURN_IF_ERROR(d.Varint(&v));
+  c->world_size = static_cast<uint32_t>(v);
+  RETURN_IF_ERROR(d.U8(&state));
+  if (state > 1) return Status::Corruption("unknown checkpoint state");
+  c->state = static_cast<CheckpointState>(state);
+  uint64_t n;
+  RETURN_IF_ERROR(d.Varint(&n));
+  if (n > d.remaining()) return Status::Corruption("rank count exceeds record size");
+  c->committed_ranks.resize(n);
+  for (auto& r : c->committed_ranks) {
+    RETURN_IF_ERROR(d.Varint(&v));
+    r = static_cast<uint32_t>(v);
+  }
+  RETURN_IF_ERROR(d.Varint(&c->created_unix_ms));
+  RETURN_IF_ERROR(d.Varint(&c->committed_unix_ms));
+  RETURN_IF_ERROR(d.Varint(&c->sequence));
+  RETURN_IF_ERROR(d.Varint(&n));
+  if (n > d.remaining()) return Status::Corruption("tag count exceeds record size");
+  c->tags.resize(n);
+  for (auto& [k, val] : c->tags) {
+    RETURN_IF_ERROR(d.String(&k));
+    RETURN_IF_ERROR(d.String(&val));
+  }
+  RETURN_IF_ERROR(d.Varint(&c->tensor_count));
+  RETURN_IF_ERROR(d.Varint(&c->logical_bytes));
+  return Status::OK();
+}
+
+template <typename T, typename Fn>
+Result<T> DecodeWith(std::string_view data, Fn fn, const char* what) {
+  Decoder d(data);
+  uint8_t version = 0;
+  RETURN_IF_ERROR(d.U8(&version));
+  if (version != kRecordVersion) {
+    return Status::Corruption(std::string(what) + " record has unknown version " + std::to_string(version));
+  }
+  T out;
+  Status st = fn(d, &out);
+  if (!st.ok()) return Status::Corruption(std::string(what) + " record: " + st.message());
+  if (!d.done()) return Status::Corruption(std::string(what) + " record has trailing bytes");
+  return out;
+}
+
+template <typename T, typename Fn>
+std::string EncodeWith(const T& r, Fn fn) {
+  Encoder e;
+  e.U8(kRecordVersion);
+  fn(e, r);
+  return e.Take();
+}
+
+void PutRank(Encoder& e, const RankRecord& r) {
+  e.Varint(r.rank);
+  e.Varint(r.tensors.size());
+  for (const auto& t : r.tensors) PutTensor(e, t);
+  e.Varint(r.blobs.size());
+  for (const auto& b : r.blobs) PutBlob(e, b);
+}
+
+Status GetRank(Decoder& d, RankRecord* r) {
+  uint64_t v, n;
+  RETURN_IF_ERROR(d.Varint(&v));
+  r->rank = static_cast<uint32_t>(v);
+  RETURN_IF_ERROR(d.Varint(&n));
+  if (n > d.remaining()) return Status::Corruption("tensor count exceeds record size");
+  r->tensors.resize(n);
+  for (auto& t : r->tensors) RETURN_IF_ERROR(GetTensor(d, &t));
+  RETURN_IF_ERROR(d.Varint(&n));
+  if (n > d.remaining()) return Status::Corruption("blob count exceeds record size");
+  r->blobs.resize(n);
+  for (auto& b : r->blobs) RETURN_IF_ERROR(GetBlob(d, &b));
+  return Status::OK();
+}
+
+void PutLocation(Encoder& e, const ChunkLocation& l) {
+  e.String(l.pack);
+  e.Varint(l.offset);
+  e.Varint(l.stored_len);
+  e.Varint(l.raw_len);
+  e.U8(static_cast<uint8_t>(l.codec));
+}
+
+Status GetLocation(Decoder& d, ChunkLocation* l) {
+  uint64_t v;
+  uint8_t codec;
+  RETURN_IF_ERROR(d.String(&l->pack));
+  RETURN_IF_ERROR(d.Varint(&l->offset));
+  RETURN_IF_ERROR(d.Varint(&v));
+  l->stored_len = static_cast<uint32_t>(v);
+  RETURN_IF_ERROR(d.Varint(&v));
+  l->raw_len = static_cast<uint32_t>(v);
+  RETURN_IF_ERROR(d.U8(&codec));
+  if (codec > static_cast<uint8_t>(Codec::kByteGroupZstd)) return Status::Corruption("unknown codec");
+  l->codec = static_cast<Codec>(codec);
+  return Status::OK();
+}
+
+}  // namespace
+
+std::string EncodeCheckpoint(const CheckpointRecord& r) { return EncodeWith(r, PutCheckpoint); }
+Result<CheckpointRecord> DecodeCheckpoint(std::string_view data) {
+  return DecodeWith<CheckpointRecord>(data, GetCheckpoint, "checkpoint");
+}
+std::string EncodeTensor(const TensorRecord& r) { return EncodeWith(r, PutTensor); }
+Result<TensorRecord> DecodeTensor(std::string_view data) {
+  return DecodeWith<TensorRecord>(data, GetTensor, "tensor");
+}
+std::string EncodeBlob(const BlobRecord& r) { return EncodeWith(r, PutBlob); }
+Result<BlobRecord> DecodeBlob(std::string_view data) { return DecodeWith<BlobRecord>(data, GetBlob, "blob"); }
+std::string EncodeRank(const RankRecord& r) { return EncodeWith(r, PutRank); }
+Result<RankRecord> DecodeRank(std::string_view data) { return DecodeWith<RankRecord>(data, GetRank, "rank"); }
+std::string EncodeChunkLocation(const ChunkLocation& loc) { return EncodeWith(loc, PutLocation); }
+Result<ChunkLocation> DecodeChunkLocation(std::string_view data) {
+  return DecodeWith<ChunkLocation>(data, GetLocation, "chunk location");
+}
+
+std::string EncodeManifest(const Manifest& m) {
+  Encoder e;
+  e.Bytes(kManifestMagic, 8);
+  e.U8(kRecordVersion);
+  PutCheckpoint(e, m.checkpoint);
+  e.Varint(m.tensors.size());
+  for (const auto& t : m.tensors) PutTensor(e, t);
+  e.Varint(m.blobs.size());
+  for (const auto& b : m.blobs) PutBlob(e, b);
+  uint64_t sum = Checksum64(std::as_bytes(std::span(e.data())));
+  e.U64(sum);
+  return e.Take();
+}
+
+Result<Manifest> DecodeManifest(std::string_view data) {
+  if (data.size() < 17 || std::memcmp(data.data(), kManifestMagic, 8) != 0) {
+    return Status::Corruption("not a ckptfs manifest (bad magic)");
+  }
+  uint64_t sum;
+  std::memcpy(&sum, data.data() + data.size() - 8, 8);
+  std::string_view body = data.substr(0, data.size() - 8);
+  if (Checksum64(std::as_bytes(std::span(body.data(), body.size()))) != sum) {
+    return Status::Corruption("manifest checksum mismatch");
+  }
+  Decoder d(body.substr(8));
+  uint8_t version = 0;
+  RETURN_IF_ERROR(d.U8(&version));
+  if (version != kRecordVersion) return Status::Corruption("manifest has unknown version");
+  Manifest m;
+  RETURN_IF_ERROR(GetCheckpoint(d, &m.checkpoint));
+  uint64_t n;
+  RETURN_IF_ERROR(d.Varint(&n));
+  if (n > d.remaining()) return Status::Corruption("manifest tensor count exceeds size");
+  m.tensors.resize(n);
+  for (auto& t : m.tensors) RETURN_IF_ERROR(GetTensor(d, &t));
+  RETURN_IF_ERROR(d.Varint(&n));
+  if (n > d.remaining()) return Status::Corruption("manifest blob count exceeds size");
+  m.blobs.resize(n);
+  for (auto& b : m.blobs) RETURN_IF_ERROR(GetBlob(d, &b));
+  if (!d.done()) return Status::Corruption("manifest has trailing bytes");
+  return m;
+}
+
+}  // namespace ckptfs

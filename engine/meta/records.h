@@ -1,0 +1,96 @@
+// Catalog records: what a checkpoint is made of. Their binary encodings are
+// stored in LMDB and in manifest objects; docs/FORMAT.md specifies them.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/chunk_id.h"
+#include "core/dtype.h"
+#include "core/region.h"
+#include "core/status.h"
+#include "store/pack.h"
+
+namespace ckptfs {
+
+struct ChunkRef {
+  ChunkId id;
+  uint32_t raw_len = 0;
+  bool operator==(const ChunkRef&) const = default;
+};
+
+// One stored shard: a region of the tensor (normalised: contiguous boxes are
+// flat ranges) and the chunks of its row-major byte stream.
+struct ShardRecord {
+  Region region;
+  std::vector<uint32_t> ranks;  // every rank that wrote these bytes (replicas)
+  std::vector<ChunkRef> chunks;
+  // Byte offset of each chunk in the shard's stream, plus the total at the
+  // end; derived, not stored. Filled by ComputeStarts() (decoders call it).
+  std::vector<uint64_t> starts;
+  void ComputeStarts();
+  uint64_t ByteSize() const { return starts.empty() ? 0 : starts.back(); }
+};
+
+struct TensorRecord {
+  std::string name;
+  DType dtype = DType::kU8;
+  Shape shape;
+  std::vector<ShardRecord> shards;
+  uint64_t ByteSize() const { return NumElements(shape) * DTypeSize(dtype); }
+};
+
+struct BlobRecord {
+  std::string name;
+  uint64_t size = 0;
+  std::vector<ChunkRef> chunks;
+};
+
+enum class CheckpointState : uint8_t { kPending = 0, kCommitted = 1 };
+
+struct CheckpointRecord {
+  std::string name;
+  std::optional<int64_t> step;
+  uint32_t world_size = 1;
+  CheckpointState state = CheckpointState::kPending;
+  std::vector<uint32_t> committed_ranks;  // sorted
+  uint64_t created_unix_ms = 0;
+  uint64_t committed_unix_ms = 0;
+  uint64_t sequence = 0;  // commit order within the repository, from 1
+  std::vector<std::pair<std::string, std::string>> tags;
+  uint64_t tensor_count = 0;
+  uint64_t logical_bytes = 0;  // tensors + blobs, as written by the ranks (unique shards)
+};
+
+// What one rank contributed, kept until the last rank commits.
+struct RankRecord {
+  uint32_t rank = 0;
+  std::vector<TensorRecord> tensors;
+  std::vector<BlobRecord> blobs;
+};
+
+// A committed checkpoint, whole: the content of its manifest object.
+struct Manifest {
+  CheckpointRecord checkpoint;
+  std::vector<TensorRecord> tensors;
+  std::vector<BlobRecord> blobs;
+};
+
+std::string EncodeCheckpoint(const CheckpointRecord& r);
+Result<CheckpointRecord> DecodeCheckpoint(std::string_view data);
+std::string EncodeTensor(const TensorRecord& r);
+Result<TensorRecord> DecodeTensor(std::string_view data);
+std::string EncodeBlob(const BlobRecord& r);
+Result<BlobRecord> DecodeBlob(std::string_view data);
+std::string EncodeRank(const RankRecord& r);
+Result<RankRecord> DecodeRank(std::string_view data);
+std::string EncodeChunkLocation(const ChunkLocation& loc);
+Result<ChunkLocation> DecodeChunkLocation(std::string_view data);
+// Manifest objects carry a magic, a version and a checksum around the records.
+std::string EncodeManifest(const Manifest& m);
+Result<Manifest> DecodeManifest(std::string_view data);
+
+}  // namespace ckptfs

@@ -1,0 +1,64 @@
+#include "store/chunk_cache.h"
+
+namespace ckptfs {
+
+ChunkCache::ChunkCache(size_t capacity_bytes) : capacity_(capacity_bytes) {}
+
+size_t ChunkCache::bytes() const {
+  std::lock_guard lock(mu_);
+  return bytes_;
+}
+
+void ChunkCache::Clear() {
+  std::lock_guard lock(mu_);
+  for (auto it = map_.begin(); it != map_.end();) {
+    if (it->second.loading) {
+      ++it;
+      continue;
+    }
+    bytes_ -= it->second.data->size();
+    lru_.erase(it->second.lru);
+    it = map_.erase(it);
+  }
+}
+
+void ChunkCache::EvictLocked() {
+  while (bytes_ > capacity_ && !lru_.empty()) {
+    auto it = map_.find(lru_.back());
+    bytes_ -= it->second.data->size();
+    map_.erase(it);
+    lru_.pop_back();
+  }
+}
+
+Result<ChunkData> ChunkCache::Get(const ChunkId& id, const std::function<Result<ChunkData>()>& load) {
+  std::unique_lock lock(mu_);
+  while (true) {
+    auto it = map_.find(id);
+    if (it == map_.end()) break;
+    if (!it->second.loading) {
+      lru_.splice(lru_.begin(), lru_, it->second.lru);
+      return it->second.data;
+    }
+    loaded_.wait(lock);
+  }
+  map_[id].loading = true;
+  lock.unlock();
+  Result<ChunkData> r = load();
+  lock.lock();
+  auto it = map_.find(id);
+  if (!r.ok() || capacity_ == 0) {
+    map_.erase(it);
+  } else {
+    it->second.loading = false;
+    it->second.data = r.value();
+    lru_.push_front(id);
+    it->second.lru = lru_.begin();
+    bytes_ += r.value()->size();
+    EvictLocked();
+  }
+  loaded_.notify_all();
+  return r;
+}
+
+}  // namespace ckptfs

@@ -1,0 +1,51 @@
+// A cache of decoded chunks shared by reader threads.
+//
+// Bounded by bytes (LRU). Concurrent requests for the same chunk decode it
+// once: later callers wait for the first. Errors are not cached.
+// Thread safety: all methods are thread-safe.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "core/chunk_id.h"
+#include "core/status.h"
+
+namespace ckptfs {
+
+using ChunkData = std::shared_ptr<const std::vector<std::byte>>;
+
+class ChunkCache {
+ public:
+  explicit ChunkCache(size_t capacity_bytes);
+
+  // Returns the decoded chunk, calling `load` (outside the lock) on a miss.
+  Result<ChunkData> Get(const ChunkId& id, const std::function<Result<ChunkData>()>& load);
+  // Drops every entry (e.g. after a chunk was found corrupt elsewhere).
+  void Clear();
+  size_t bytes() const;
+  size_t capacity() const { return capacity_; }
+
+ private:
+  struct Entry {
+    ChunkData data;  // null while loading
+    std::list<ChunkId>::iterator lru;
+    bool loading = false;
+  };
+  void EvictLocked();
+
+  const size_t capacity_;
+  mutable std::mutex mu_;
+  std::condition_variable loaded_;
+  std::unordered_map<ChunkId, Entry, ChunkIdHash> map_;
+  std::list<ChunkId> lru_;  // front = most recent
+  size_t bytes_ = 0;
+};
+
+}  // namespace ckptfs

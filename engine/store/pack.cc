@@ -1,0 +1,191 @@
+#include "store/pack.h"
+
+#include <cstring>
+#include <random>
+
+#include "core/encoding.h"
+
+namespace ckptfs {
+
+std::string PackKey(const std::string& pack_id) { return "packs/" + pack_id + ".pack"; }
+
+bool ParsePackKey(const std::string& key, std::string* pack_id) {
+  const std::string prefix = "packs/", suffix = ".pack";
+  if (key.size() <= prefix.size() + suffix.size() || key.compare(0, prefix.size(), prefix) != 0 ||
+      key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0) {
+    return false;
+  }
+  *pack_id = key.substr(prefix.size(), key.size() - prefix.size() - suffix.size());
+  return pack_id->find('/') == std::string::npos;
+}
+
+std::string NewPackId() {
+  thread_local std::mt19937_64 rng(std::random_device{}());
+  static const char* kDigits = "0123456789abcdef";
+  std::string s(24, '0');
+  uint64_t a = rng(), b = rng();
+  for (int i = 0; i < 16; ++i) s[i] = kDigits[(a >> (4 * i)) & 15];
+  for (int i = 0; i < 8; ++i) s[16 + i] = kDigits[(b >> (4 * i)) & 15];
+  return s;
+}
+
+PackWriter::PackWriter(Backend* backend, uint64_t target_size)
+    : backend_(backend), target_size_(target_size) {}
+
+PackWriter::~PackWriter() {
+  if (current_) current_->Abort();
+}
+
+uint64_t PackWriter::bytes_added() const {
+  std::lock_guard lock(mu_);
+  return bytes_added_;
+}
+
+Result<ChunkLocation> PackWriter::Add(const ChunkId& id, Codec codec, uint32_t raw_len,
+                                      std::span<const std::byte> stored) {
+  std::lock_guard lock(mu_);
+  RETURN_IF_ERROR(error_);
+  auto fail = [&](Status st) {
+    error_ = st;
+    if (current_) current_->Abort();
+    current_.reset();
+    return st;
+  };
+  if (!current_) {
+    open_ = SealedPack{NewPackId(), 0, {}};
+    auto w = backend_->Create(PackKey(open_.id));
+    if (!w.ok()) return fail(w.status());
+    current_ = std::move(w).value();
+    char header[kPackHeaderSize] = {};
+    std::memcpy(header, kPackMagic, 8);
+    std::memcpy(header + 8, &kPackVersion, 4);
+    Status st = current_->Append(std::as_bytes(std::span(header)));
+    if (!st.ok()) return fail(st);
+    offset_ = kPackHeaderSize;
+  }
+  Status st = current_->Append(stored);
+  if (!st.ok()) return fail(st.WithContext("appending to pack " + open_.id));
+  ChunkLocation loc{open_.id, offset_, static_cast<uint32_t>(stored.size()), raw_len, codec};
+  open_.entries.push_back({id, loc});
+  offset_ += stored.size();
+  bytes_added_ += stored.size();
+  if (offset_ >= target_size_) {
+    Status seal = SealLocked();
+    if (!seal.ok()) return fail(seal);
+  }
+  return loc;
+}
+
+Status PackWriter::SealLocked() {
+  if (!current_) return Status::OK();
+  Encoder index;
+  for (const auto& e : open_.entries) {
+    index.Bytes(e.id.bytes.data(), 16);
+    index.U64(e.location.offset);
+    index.U32(e.location.stored_len);
+    index.U32(e.location.raw_len);
+    index.U8(static_cast<uint8_t>(e.location.codec));
+    for (int i = 0; i < 7; ++i) index.U8(0);
+  }
+  Encoder footer;
+  footer.U64(offset_);
+  footer.U64(open_.entries.size());
+  footer.U64(Checksum64(std::as_bytes(std::span(index.data()))));
+  footer.Bytes(kPackEndMagic, 8);
+  RETURN_IF_ERROR(current_->Append(std::as_bytes(std::span(index.data()))));
+  RETURN_IF_ERROR(current_->Append(std::as_bytes(std::span(footer.data()))));
+  open_.size = offset_ + index.data().size() + footer.data().size();
+  Status st = current_->Commit();
+  current_.reset();
+  RETURN_IF_ERROR(st.WithContext("sealing pack " + open_.id));
+  sealed_.push_back(std::move(open_));
+  open_ = SealedPack{};
+  return Status::OK();
+}
+
+Result<std::vector<SealedPack>> PackWriter::Finish() {
+  std::lock_guard lock(mu_);
+  RETURN_IF_ERROR(error_);
+  Status st = SealLocked();
+  if (!st.ok()) {
+    error_ = st;
+    if (current_) current_->Abort();
+    current_.reset();
+    return st;
+  }
+  return std::move(sealed_);
+}
+
+Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id) {
+  const std::string key = PackKey(pack_id);
+  auto corrupt = [&](const std::string& what) {
+    return Status::Corruption("pack " + pack_id + ": " + what);
+  };
+  ASSIGN_OR_RETURN(uint64_t size, backend->Size(key));
+  if (size < kPackHeaderSize + kPackFooterSize) return corrupt("too short to be a pack");
+  char header[kPackHeaderSize];
+  RETURN_IF_ERROR(backend->ReadRange(key, 0, std::as_writable_bytes(std::span(header))));
+  if (std::memcmp(header, kPackMagic, 8) != 0) return corrupt("bad magic");
+  uint32_t version;
+  std::memcpy(&version, header + 8, 4);
+  if (version != kPackVersion) return corrupt("unknown pack version " + std::to_string(version));
+  char footer[kPackFooterSize];
+  RETURN_IF_ERROR(backend->ReadRange(key, size - kPackFooterSize, std::as_writable_bytes(std::span(footer))));
+  Decoder fd(footer, sizeof footer);
+  uint64_t index_offset = 0, count = 0, checksum = 0;
+  char end_magic[8];
+  RETURN_IF_ERROR(fd.U64(&index_offset));
+  RETURN_IF_ERROR(fd.U64(&count));
+  RETURN_IF_ERROR(fd.U64(&checksum));
+  RETURN_IF_ERROR(fd.Bytes(end_magic, 8));
+  if (std::memcmp(end_magic, kPackEndMagic, 8) != 0) return corrupt("bad footer magic (truncated pack?)");
+  if (index_offset < kPackHeaderSize || count > (size - kPackFooterSize - index_offset) / kPackIndexEntrySize ||
+      index_offset + count * kPackIndexEntrySize + kPackFooterSize != size) {
+    return corrupt("index bounds do not match the pack size");
+  }
+  std::string index(count * kPackIndexEntrySize, '\0');
+  RETURN_IF_ERROR(backend->ReadRange(key, index_offset, std::as_writable_bytes(std::span(index.data(), index.size()))));
+  if (Checksum64(std::as_bytes(std::span(index))) != checksum) return corrupt("index checksum mismatch");
+  SealedPack pack{pack_id, size, {}};
+  pack.entries.reserve(count);
+  Decoder d(index);
+  for (uint64_t i = 0; i < count; ++i) {
+    PackIndexEntry e;
+    uint8_t codec, pad[7];
+    RETURN_IF_ERROR(d.Bytes(e.id.bytes.data(), 16));
+    RETURN_IF_ERROR(d.U64(&e.location.offset));
+    RETURN_IF_ERROR(d.U32(&e.location.stored_len));
+    RETURN_IF_ERROR(d.U32(&e.location.raw_len));
+    RETURN_IF_ERROR(d.U8(&codec));
+    RETURN_IF_ERROR(d.Bytes(pad, 7));
+    if (codec > static_cast<uint8_t>(Codec::kByteGroupZstd)) return corrupt("unknown codec in index");
+    if (e.location.offset < kPackHeaderSize || e.location.offset + e.location.stored_len > index_offset) {
+      return corrupt("index entry points outside the data area");
+    }
+    e.location.codec = static_cast<Codec>(codec);
+    e.location.pack = pack_id;
+    pack.entries.push_back(std::move(e));
+  }
+  return pack;
+}
+
+Status ReadChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc,
+                 std::span<std::byte> raw) {
+  auto where = [&]() {
+    return "chunk " + id.ToHex() + " in pack " + loc.pack + " at offset " + std::to_string(loc.offset);
+  };
+  if (raw.size() != loc.raw_len) return Status::Internal("buffer size does not match " + where());
+  if (loc.codec == Codec::kRaw) {
+    if (loc.stored_len != loc.raw_len) return Status::Corruption(where() + ": raw chunk with wrong length");
+    RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, raw).WithContext(where()));
+  } else {
+    std::vector<std::byte> stored(loc.stored_len);
+    RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, stored).WithContext(where()));
+    Status st = DecodeChunk(loc.codec, stored, raw);
+    if (!st.ok()) return Status::Corruption(where() + ": " + st.message());
+  }
+  if (ChunkId::Of(raw) != id) return Status::Corruption(where() + ": content hash mismatch");
+  return Status::OK();
+}
+
+}  // namespace ckptfs

@@ -1,0 +1,95 @@
+// Pack files: compressed chunks appended back to back, followed by the
+// pack's own index and a fixed footer (layout in docs/FORMAT.md), so the chunk
+// index of a repository can be rebuilt from its packs alone.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "codec/codec.h"
+#include "core/chunk_id.h"
+#include "core/status.h"
+
+namespace ckptfs {
+
+inline constexpr char kPackMagic[8] = {'C', 'K', 'P', 'T', 'P', 'A', 'C', 'K'};
+inline constexpr char kPackEndMagic[8] = {'C', 'K', 'P', 'T', 'P', 'E', 'N', 'D'};
+inline constexpr uint32_t kPackVersion = 1;
+inline constexpr size_t kPackHeaderSize = 16;
+inline constexpr size_t kPackFooterSize = 32;
+inline constexpr size_t kPackIndexEntrySize = 40;
+
+// Where a chunk is stored.
+struct ChunkLocation {
+  std::string pack;      // pack id (the object key is PackKey(pack))
+  uint64_t offset = 0;   // of the stored bytes inside the pack
+  uint32_t stored_len = 0;
+  uint32_t raw_len = 0;
+  Codec codec = Codec::kRaw;
+};
+
+struct PackIndexEntry {
+  ChunkId id;
+  ChunkLocation location;
+};
+
+struct SealedPack {
+  std::string id;
+  uint64_t size = 0;  // whole object, bytes
+  std::vector<PackIndexEntry> entries;
+};
+
+// Object keys, built and parsed in one place.
+std::string PackKey(const std::string& pack_id);
+bool ParsePackKey(const std::string& key, std::string* pack_id);
+std::string NewPackId();
+
+// Appends encoded chunks to packs of about `target_size` bytes. Each pack is
+// durable (fsync'd) and visible when it is sealed; a writer that is destroyed
+// without Finish() leaves no visible pack.
+// Thread safety: Add and Finish may be called from any thread; appends are
+// serialised by an internal mutex.
+class PackWriter {
+ public:
+  PackWriter(Backend* backend, uint64_t target_size);
+  ~PackWriter();
+
+  // Appends one encoded chunk; returns where it was stored. The pack holding
+  // it is durable only after it is sealed (by size or by Finish).
+  Result<ChunkLocation> Add(const ChunkId& id, Codec codec, uint32_t raw_len,
+                            std::span<const std::byte> stored);
+  // Seals the open pack, if any, and returns every pack sealed so far,
+  // clearing that list.
+  Result<std::vector<SealedPack>> Finish();
+  // Bytes appended but not yet written to the backend's stable storage; the
+  // adaptive codec reads it to see whether the disk keeps up.
+  uint64_t bytes_added() const;
+
+ private:
+  Status SealLocked();
+
+  Backend* backend_;
+  uint64_t target_size_;
+  mutable std::mutex mu_;
+  std::unique_ptr<ObjectWriter> current_;
+  SealedPack open_;
+  uint64_t offset_ = 0;
+  uint64_t bytes_added_ = 0;
+  std::vector<SealedPack> sealed_;
+  Status error_;  // sticky: after a failed append nothing more is written
+};
+
+// Reads and checks a pack's index (footer, magic, checksum, bounds).
+Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id);
+
+// Reads one chunk, decodes it and verifies its XXH3-128 against `id`.
+// Corruption names the chunk and the pack.
+Status ReadChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc,
+                 std::span<std::byte> raw);
+
+}  // namespace ckptfs

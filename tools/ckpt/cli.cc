@@ -1,0 +1,157 @@
+#include "cli.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+
+namespace ckptfs::cli {
+
+std::string HelpText(const CommandSpec& spec) {
+  std::string s = "usage: ckpt " + spec.name + (spec.options.empty() ? "" : " [options]") +
+                  (spec.usage.empty() ? "" : " " + spec.usage) + "\n\n" + spec.summary + "\n";
+  if (!spec.details.empty()) s += "\n" + spec.details + "\n";
+  s += "\noptions:\n";
+  auto add = [&](const std::string& flags, const std::string& help) {
+    std::string line = "  " + flags;
+    if (line.size() < 28) line.append(28 - line.size(), ' ');
+    else line += "\n" + std::string(28, ' ');
+    s += line + help + "\n";
+  };
+  for (const auto& o : spec.options) {
+    std::string flags = o.short_name ? std::string("-") + o.short_name + ", " : "    ";
+    flags += "--" + o.name;
+    if (o.takes_value) flags += " " + o.value_name;
+    add(flags, o.help);
+  }
+  add("-h, --help", "show this help");
+  return s;
+}
+
+Result<Args> Parse(const CommandSpec& spec, int argc, char** argv, int first, bool* help_shown) {
+  Args args;
+  *help_shown = false;
+  bool only_positional = false;
+  for (int i = first; i < argc; ++i) {
+    std::string a = argv[i];
+    if (only_positional || a.size() < 2 || a[0] != '-' || a == "-") {
+      args.positional.push_back(a);
+      continue;
+    }
+    if (a == "--") {
+      only_positional = true;
+      continue;
+    }
+    if (a == "-h" || a == "--help") {
+      std::fputs(HelpText(spec).c_str(), stdout);
+      *help_shown = true;
+      return args;
+    }
+    const OptionSpec* opt = nullptr;
+    std::optional<std::string> inline_value;
+    if (a.rfind("--", 0) == 0) {
+      std::string name = a.substr(2);
+      size_t eq = name.find('=');
+      if (eq != std::string::npos) {
+        inline_value = name.substr(eq + 1);
+        name = name.substr(0, eq);
+      }
+      for (const auto& o : spec.options) {
+        if (o.name == name) opt = &o;
+      }
+    } else if (a.size() >= 2) {
+      for (const auto& o : spec.options) {
+        if (o.short_name == a[1]) opt = &o;
+      }
+      if (opt && a.size() > 2) inline_value = a.substr(2);
+    }
+    if (!opt) return Status::InvalidArgument("unknown option '" + a + "' (see 'ckpt " + spec.name + " --help')");
+    std::string value;
+    if (opt->takes_value) {
+      if (inline_value) {
+        value = *inline_value;
+      } else if (i + 1 < argc) {
+        value = argv[++i];
+      } else {
+        return Status::InvalidArgument("option --" + opt->name + " needs a value");
+      }
+    } else if (inline_value) {
+      return Status::InvalidArgument("option --" + opt->name + " takes no value");
+    }
+    auto& slot = args.values[opt->name];
+    if (!slot.empty() && !opt->repeatable) return Status::InvalidArgument("option --" + opt->name + " given twice");
+    slot.push_back(value);
+  }
+  if (args.positional.size() < spec.min_args) {
+    return Status::InvalidArgument("missing arguments: usage: ckpt " + spec.name + " " + spec.usage);
+  }
+  if (args.positional.size() > spec.max_args) {
+    return Status::InvalidArgument("too many arguments: usage: ckpt " + spec.name + " " + spec.usage);
+  }
+  return args;
+}
+
+Result<uint64_t> ParseSize(const std::string& text) {
+  if (text.empty()) return Status::InvalidArgument("empty size");
+  char* end = nullptr;
+  errno = 0;
+  unsigned long long v = std::strtoull(text.c_str(), &end, 10);
+  if (errno != 0 || end == text.c_str() || text[0] == '-') return Status::InvalidArgument("bad size '" + text + "'");
+  std::string unit(end);
+  uint64_t mult = 1;
+  if (unit.empty() || unit == "B") mult = 1;
+  else if (unit == "K" || unit == "KiB" || unit == "k") mult = 1ull << 10;
+  else if (unit == "M" || unit == "MiB") mult = 1ull << 20;
+  else if (unit == "G" || unit == "GiB") mult = 1ull << 30;
+  else return Status::InvalidArgument("bad size unit in '" + text + "' (use K, M or G)");
+  if (v > UINT64_MAX / mult) return Status::InvalidArgument("size '" + text + "' is too large");
+  return static_cast<uint64_t>(v) * mult;
+}
+
+Result<int64_t> ParseInt(const std::string& text, const std::string& what) {
+  char* end = nullptr;
+  errno = 0;
+  long long v = std::strtoll(text.c_str(), &end, 10);
+  if (errno != 0 || end == text.c_str() || *end != '\0') {
+    return Status::InvalidArgument(what + " must be an integer, not '" + text + "'");
+  }
+  return static_cast<int64_t>(v);
+}
+
+std::string HumanBytes(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 5) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[32];
+  if (u == 0) std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(bytes));
+  else std::snprintf(buf, sizeof buf, "%.1f %s", v, units[u]);
+  return buf;
+}
+
+Progress::Progress(std::string label) : label_(std::move(label)), enabled_(::isatty(STDERR_FILENO) == 1) {}
+Progress::~Progress() { Finish(); }
+
+void Progress::Update(uint64_t done, uint64_t total) {
+  if (!enabled_) return;
+  int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                    std::chrono::steady_clock::now().time_since_epoch()).count();
+  if (done < total && now - last_ms_ < 200) return;
+  last_ms_ = now;
+  double pct = total ? 100.0 * static_cast<double>(done) / static_cast<double>(total) : 100.0;
+  std::fprintf(stderr, "\r%s: %5.1f%% (%s of %s)\033[K", label_.c_str(), pct, HumanBytes(done).c_str(),
+               HumanBytes(total).c_str());
+  printed_ = true;
+}
+
+void Progress::Finish() {
+  if (enabled_ && printed_) std::fputs("\r\033[K", stderr);
+  printed_ = false;
+}
+
+}  // namespace ckptfs::cli

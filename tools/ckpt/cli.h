@@ -1,0 +1,80 @@
+// Shared helpers of the ckpt command-line tool: argument parsing, messages,
+// progress, sizes.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ckptfs::cli {
+
+// Exit codes.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitError = 1;  // the operation failed
+inline constexpr int kExitUsage = 2;  // the command line is wrong
+
+struct OptionSpec {
+  std::string name;        // long name without dashes: "chunk-size"
+  char short_name = 0;     // 'r'
+  bool takes_value = false;
+  bool repeatable = false;
+  std::string value_name;  // for help: "SIZE"
+  std::string help;
+};
+
+struct CommandSpec {
+  std::string name;
+  std::string usage;  // "NAME FILE..."
+  std::string summary;
+  std::string details;  // extra help text
+  std::vector<OptionSpec> options;
+  size_t min_args = 0;
+  size_t max_args = 0;  // SIZE_MAX for unbounded
+};
+
+struct Args {
+  std::vector<std::string> positional;
+  std::map<std::string, std::vector<std::string>> values;
+  bool Has(const std::string& name) const { return values.count(name) > 0; }
+  std::optional<std::string> Get(const std::string& name) const {
+    auto it = values.find(name);
+    if (it == values.end() || it->second.empty()) return std::nullopt;
+    return it->second.back();
+  }
+  std::vector<std::string> All(const std::string& name) const {
+    auto it = values.find(name);
+    return it == values.end() ? std::vector<std::string>{} : it->second;
+  }
+};
+
+// Parses argv[first..]; --help prints help and sets *help_shown.
+Result<Args> Parse(const CommandSpec& spec, int argc, char** argv, int first, bool* help_shown);
+std::string HelpText(const CommandSpec& spec);
+
+// "4M", "64KiB", "1G", "4096" -> bytes.
+Result<uint64_t> ParseSize(const std::string& text);
+Result<int64_t> ParseInt(const std::string& text, const std::string& what);
+// 1536 -> "1.5 KiB".
+std::string HumanBytes(uint64_t bytes);
+
+// Progress on stderr when it is a terminal; silent otherwise.
+class Progress {
+ public:
+  explicit Progress(std::string label);
+  ~Progress();
+  void Update(uint64_t done, uint64_t total);
+  void Finish();
+
+ private:
+  std::string label_;
+  bool enabled_;
+  bool printed_ = false;
+  int64_t last_ms_ = 0;
+};
+
+}  // namespace ckptfs::cli

@@ -1,0 +1,697 @@
+// ckpt: the command-line tool of ckptfs.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <map>
+#include <set>
+#include <unordered_set>
+
+#include "ckpt/repository.h"
+#include "ckpt/repository_impl.h"
+#include "cli.h"
+#include "core/json.h"
+#include "io/safetensors.h"
+
+namespace ckptfs::cli {
+namespace {
+
+const OptionSpec kRepoOpt{"repo", 'r', true, false, "PATH", "repository (default: $CKPT_REPO)"};
+const OptionSpec kJsonOpt{"json", 0, false, false, "", "print machine-readable JSON"};
+
+Result<std::string> RepoPath(const Args& args) {
+  if (auto r = args.Get("repo")) return *r;
+  const char* env = std::getenv("CKPT_REPO");
+  if (env && *env) return std::string(env);
+  return Status::InvalidArgument("no repository given: pass -r PATH or set CKPT_REPO");
+}
+
+Result<std::unique_ptr<Repository>> OpenRepo(const Args& args) {
+  ASSIGN_OR_RETURN(std::string path, RepoPath(args));
+  return Repository::Open(path);
+}
+
+void PrintJson(const Json& j) { std::printf("%s\n", j.Dump(2).c_str()); }
+
+std::string FormatTime(uint64_t unix_ms) {
+  if (unix_ms == 0) return "-";
+  time_t t = static_cast<time_t>(unix_ms / 1000);
+  struct tm tm;
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+Json ShapeJson(const Shape& s) {
+  Json j = Json::MakeArray();
+  for (uint64_t d : s) j.Push(d);
+  return j;
+}
+
+Json RegionJson(const Region& r) {
+  Json j = Json::MakeObject();
+  if (r.kind == Region::Kind::kFlat) {
+    j.Set("kind", "flat");
+    j.Set("start", r.flat.start);
+    j.Set("end", r.flat.end);
+  } else {
+    j.Set("kind", "box");
+    j.Set("offsets", ShapeJson(r.box.offsets));
+    j.Set("lengths", ShapeJson(r.box.lengths));
+  }
+  return j;
+}
+
+Json CheckpointJson(const CheckpointRecord& c) {
+  Json j = Json::MakeObject();
+  j.Set("name", c.name);
+  j.Set("state", c.state == CheckpointState::kCommitted ? "committed" : "pending");
+  j.Set("step", c.step ? Json(*c.step) : Json());
+  j.Set("world_size", static_cast<uint64_t>(c.world_size));
+  j.Set("committed_ranks", static_cast<uint64_t>(c.committed_ranks.size()));
+  j.Set("tensors", c.tensor_count);
+  j.Set("logical_bytes", c.logical_bytes);
+  j.Set("created", FormatTime(c.created_unix_ms));
+  j.Set("committed", c.state == CheckpointState::kCommitted ? Json(FormatTime(c.committed_unix_ms)) : Json());
+  Json tags = Json::MakeObject();
+  for (const auto& [k, v] : c.tags) tags.Set(k, v);
+  j.Set("tags", std::move(tags));
+  return j;
+}
+
+// ---- init --------------------------------------------------------------------
+
+const CommandSpec kInit{
+    "init", "", "Create an empty repository.",
+    "The repository directory is created if missing; it must not hold a repository already.",
+    {kRepoOpt,
+     {"chunk-size", 0, true, false, "SIZE", "chunk size (default 4M; 64K..256M, multiple of 8)"},
+     {"pack-size", 0, true, false, "SIZE", "target pack file size (default 256M)"},
+     {"compression", 0, true, false, "zstd|none", "codec (default zstd)"},
+     {"level", 0, true, false, "N", "zstd level, -100..19 (default 1)"},
+     {"no-adaptive", 0, false, false, "", "always compress, even when the disk waits for the codec"}},
+    0, 0};
+
+int CmdInit(const Args& args) {
+  auto path = RepoPath(args);
+  if (!path.ok()) return (std::fprintf(stderr, "ckpt: error: %s\n", path.status().message().c_str()), kExitUsage);
+  RepositoryConfig config;
+  auto fail = [](const Status& st) {
+    std::fprintf(stderr, "ckpt: error: %s\n", st.message().c_str());
+    return st.code() == StatusCode::kInvalidArgument ? kExitUsage : kExitError;
+  };
+  if (auto v = args.Get("chunk-size")) {
+    auto s = ParseSize(*v);
+    if (!s.ok()) return fail(s.status());
+    config.chunk_size = *s;
+  }
+  if (auto v = args.Get("pack-size")) {
+    auto s = ParseSize(*v);
+    if (!s.ok()) return fail(s.status());
+    config.pack_size = *s;
+  }
+  if (auto v = args.Get("compression")) {
+    if (*v == "zstd") config.codec.compression = Compression::kZstd;
+    else if (*v == "none") config.codec.compression = Compression::kNone;
+    else return fail(Status::InvalidArgument("compression must be 'zstd' or 'none', not '" + *v + "'"));
+  }
+  if (auto v = args.Get("level")) {
+    auto l = ParseInt(*v, "level");
+    if (!l.ok()) return fail(l.status());
+    config.codec.level = static_cast<int>(*l);
+  }
+  if (args.Has("no-adaptive")) config.adaptive = false;
+  Status st = Repository::Init(*path, config);
+  if (!st.ok()) return fail(st);
+  std::printf("initialized ckptfs repository in %s (chunk size %s, %s level %d)\n", path->c_str(),
+              HumanBytes(config.chunk_size).c_str(),
+              config.codec.compression == Compression::kZstd ? "zstd" : "no compression", config.codec.level);
+  return kExitOk;
+}
+
+// ---- import --------------------------------------------------------------------
+
+const CommandSpec kImport{
+    "import", "NAME FILE...", "Import safetensors files as checkpoint NAME.",
+    "All FILEs together form one checkpoint. A file may hold one rank's part of a\n"
+    "sharded checkpoint: its __metadata__ key \"ckptfs.shards\" maps tensor names to\n"
+    "{\"global_shape\": [..], \"offsets\": [..]} (a box shard) or\n"
+    "{\"global_shape\": [..], \"flat_start\": N} (a flat shard of a 1-D stored tensor).\n"
+    "With --rank R --world-size N only rank R's part is contributed; the checkpoint\n"
+    "becomes visible when all N ranks have committed.",
+    {kRepoOpt,
+     {"step", 0, true, false, "N", "training step of the checkpoint"},
+     {"rank", 0, true, false, "R", "contribute as rank R (with --world-size)"},
+     {"world-size", 0, true, false, "N", "number of ranks writing the checkpoint"},
+     {"tag", 0, true, true, "KEY=VALUE", "attach a tag (repeatable)"},
+     {"blob", 0, true, true, "NAME=FILE", "store FILE's bytes as blob NAME (repeatable)"},
+     kJsonOpt},
+    2, SIZE_MAX};
+
+struct ShardSpec {
+  Shape global_shape;
+  std::optional<std::vector<uint64_t>> offsets;
+  std::optional<uint64_t> flat_start;
+};
+
+Result<std::map<std::string, ShardSpec>> ParseShardMap(const SafetensorsHeader& h, const std::string& file) {
+  std::map<std::string, ShardSpec> out;
+  for (const auto& [k, v] : h.metadata) {
+    if (k != "ckptfs.shards") continue;
+    auto bad = [&](const std::string& what) {
+      return Status::InvalidArgument(file + ": __metadata__ \"ckptfs.shards\": " + what);
+    };
+    auto j = Json::Parse(v);
+    if (!j.ok()) return bad(j.status().message());
+    if (!j->is_object()) return bad("is not a JSON object");
+    for (const auto& [name, spec] : j->as_object()) {
+      ShardSpec s;
+      const Json* gs = spec.Find("global_shape");
+      if (!spec.is_object() || !gs || !gs->is_array()) return bad("tensor '" + name + "' lacks global_shape");
+      for (const Json& d : gs->as_array()) {
+        if (!d.is_uint()) return bad("tensor '" + name + "': global_shape must hold non-negative integers");
+        s.global_shape.push_back(d.as_uint());
+      }
+      const Json* offs = spec.Find("offsets");
+      const Json* flat = spec.Find("flat_start");
+      if ((offs != nullptr) == (flat != nullptr)) {
+        return bad("tensor '" + name + "' needs exactly one of offsets and flat_start");
+      }
+      if (offs) {
+        if (!offs->is_array()) return bad("tensor '" + name + "': offsets must be an array");
+        std::vector<uint64_t> o;
+        for (const Json& d : offs->as_array()) {
+          if (!d.is_uint()) return bad("tensor '" + name + "': offsets must hold non-negative integers");
+          o.push_back(d.as_uint());
+        }
+        s.offsets = std::move(o);
+      } else {
+        if (!flat->is_uint()) return bad("tensor '" + name + "': flat_start must be a non-negative integer");
+        s.flat_start = flat->as_uint();
+      }
+      out[name] = std::move(s);
+    }
+  }
+  return out;
+}
+
+int Fail(const Status& st) {
+  std::fprintf(stderr, "ckpt: error: %s\n", st.message().c_str());
+  return kExitError;
+}
+
+int CmdImport(const Args& args) {
+  const std::string name = args.positional[0];
+  WriterOptions wopts;
+  if (auto v = args.Get("step")) {
+    auto s = ParseInt(*v, "--step");
+    if (!s.ok()) return Fail(s.status());
+    wopts.step = *s;
+  }
+  if (args.Has("rank") != args.Has("world-size")) {
+    return Fail(Status::InvalidArgument("--rank and --world-size go together"));
+  }
+  if (args.Has("rank")) {
+    auto r = ParseInt(*args.Get("rank"), "--rank");
+    auto w = ParseInt(*args.Get("world-size"), "--world-size");
+    if (!r.ok()) return Fail(r.status());
+    if (!w.ok()) return Fail(w.status());
+    if (*w < 1 || *r < 0 || *r >= *w) {
+      return Fail(Status::InvalidArgument("--rank must be in [0, --world-size) and --world-size at least 1"));
+    }
+    wopts.rank = static_cast<uint32_t>(*r);
+    wopts.world_size = static_cast<uint32_t>(*w);
+  }
+  for (const auto& t : args.All("tag")) {
+    size_t eq = t.find('=');
+    if (eq == std::string::npos || eq == 0) return Fail(Status::InvalidArgument("--tag must be KEY=VALUE, not '" + t + "'"));
+    wopts.tags.emplace_back(t.substr(0, eq), t.substr(eq + 1));
+  }
+  // Read and check every input before anything is written.
+  std::vector<std::unique_ptr<SafetensorsFile>> files;
+  std::vector<std::map<std::string, ShardSpec>> shard_maps;
+  uint64_t total = 0;
+  for (size_t i = 1; i < args.positional.size(); ++i) {
+    auto f = SafetensorsFile::Open(args.positional[i]);
+    if (!f.ok()) return Fail(f.status());
+    auto m = ParseShardMap((*f)->header(), args.positional[i]);
+    if (!m.ok()) return Fail(m.status());
+    for (const auto& t : (*f)->header().tensors) total += t.end - t.begin;
+    for (const auto& [tname, spec] : *m) {
+      bool found = std::any_of((*f)->header().tensors.begin(), (*f)->header().tensors.end(),
+                               [&](const SafetensorsTensor& t) { return t.name == tname; });
+      if (!found) return Fail(Status::InvalidArgument(args.positional[i] + ": ckptfs.shards names tensor '" + tname + "', which the file does not hold"));
+    }
+    files.push_back(std::move(f).value());
+    shard_maps.push_back(std::move(m).value());
+  }
+  struct BlobInput {
+    std::string name;
+    std::string data;
+  };
+  std::vector<BlobInput> blobs;
+  for (const auto& b : args.All("blob")) {
+    size_t eq = b.find('=');
+    if (eq == std::string::npos || eq == 0) return Fail(Status::InvalidArgument("--blob must be NAME=FILE, not '" + b + "'"));
+    FILE* fp = std::fopen(b.substr(eq + 1).c_str(), "rb");
+    if (!fp) return Fail(Status::FromErrno(errno, "opening " + b.substr(eq + 1)));
+    std::string data;
+    char buf[1 << 16];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, fp)) > 0) data.append(buf, n);
+    std::fclose(fp);
+    blobs.push_back({b.substr(0, eq), std::move(data)});
+    total += blobs.back().data.size();
+  }
+  auto repo = OpenRepo(args);
+  if (!repo.ok()) return Fail(repo.status());
+  auto writer = (*repo)->BeginCheckpoint(name, wopts);
+  if (!writer.ok()) return Fail(writer.status());
+  Progress progress("importing " + name);
+  uint64_t done = 0;
+  for (size_t fi = 0; fi < files.size(); ++fi) {
+    const auto& f = *files[fi];
+    for (const auto& t : f.header().tensors) {
+      TensorInfo info{t.name, t.dtype, t.shape};
+      Region region = Region::OfBox(FullBox(t.shape));
+      auto it = shard_maps[fi].find(t.name);
+      if (it != shard_maps[fi].end()) {
+        const ShardSpec& s = it->second;
+        info.shape = s.global_shape;
+        if (s.offsets) {
+          if (s.offsets->size() != s.global_shape.size() || t.shape.size() != s.global_shape.size()) {
+            return Fail(Status::InvalidArgument(f.path() + ": tensor '" + t.name + "': offsets, global_shape and the stored shape " +
+                                                ShapeToString(t.shape) + " must have the same rank"));
+          }
+          region = Region::OfBox(Box{*s.offsets, t.shape});
+        } else {
+          if (t.shape.size() != 1) {
+            return Fail(Status::InvalidArgument(f.path() + ": tensor '" + t.name + "' is a flat shard but is stored with shape " +
+                                                ShapeToString(t.shape) + " (it must be 1-D)"));
+          }
+          region = Region::OfFlat(*s.flat_start, *s.flat_start + t.shape[0]);
+        }
+      }
+      HostSource source(f.Data(t));
+      Status st = (*writer)->PutShard(info, region, source);
+      if (!st.ok()) return Fail(st.WithContext(f.path()));
+      done += t.end - t.begin;
+      progress.Update(done, total);
+    }
+  }
+  for (const auto& b : blobs) {
+    Status st = (*writer)->PutBlob(b.name, std::as_bytes(std::span(b.data)));
+    if (!st.ok()) return Fail(st);
+    done += b.data.size();
+    progress.Update(done, total);
+  }
+  auto result = (*writer)->Commit().Wait();
+  progress.Finish();
+  if (!result.ok()) return Fail(result.status().WithContext("commit of '" + name + "' failed"));
+  if (args.Has("json")) {
+    Json j = Json::MakeObject();
+    j.Set("checkpoint", name);
+    j.Set("rank", static_cast<uint64_t>(wopts.rank));
+    j.Set("world_size", static_cast<uint64_t>(wopts.world_size));
+    j.Set("visible", result->checkpoint_visible);
+    j.Set("logical_bytes", result->logical_bytes);
+    j.Set("stored_bytes", result->stored_bytes);
+    j.Set("chunks_written", result->chunks_written);
+    j.Set("chunks_deduplicated", result->chunks_deduplicated);
+    PrintJson(j);
+  } else {
+    std::printf("%s rank %u/%u: %s imported, %s stored (%llu new chunks, %llu deduplicated)%s\n", name.c_str(), wopts.rank,
+                wopts.world_size, HumanBytes(result->logical_bytes).c_str(), HumanBytes(result->stored_bytes).c_str(),
+                static_cast<unsigned long long>(result->chunks_written),
+                static_cast<unsigned long long>(result->chunks_deduplicated),
+                result->checkpoint_visible ? "; checkpoint committed" : "; waiting for the other ranks");
+  }
+  return kExitOk;
+}
+
+// ---- ls / show ------------------------------------------------------------------
+
+const CommandSpec kLs{"ls", "", "List checkpoints in commit order.", "",
+                      {kRepoOpt, {"all", 'a', false, false, "", "include pending (uncommitted) checkpoints"}, kJsonOpt},
+                      0, 0};
+
+int CmdLs(const Args& args) {
+  auto repo = OpenRepo(args);
+  if (!repo.ok()) return Fail(repo.status());
+  auto list = (*repo)->ListCheckpoints(args.Has("all"));
+  if (!list.ok()) return Fail(list.status());
+  if (args.Has("json")) {
+    Json j = Json::MakeArray();
+    for (const auto& c : *list) j.Push(CheckpointJson(c));
+    PrintJson(j);
+    return kExitOk;
+  }
+  if (list->empty()) {
+    std::printf("no checkpoints\n");
+    return kExitOk;
+  }
+  std::printf("%-28s %-10s %8s %8s %12s  %s\n", "NAME", "STEP", "RANKS", "TENSORS", "SIZE", "COMMITTED");
+  for (const auto& c : *list) {
+    std::string ranks = std::to_string(c.committed_ranks.size()) + "/" + std::to_string(c.world_size);
+    std::printf("%-28s %-10s %8s %8llu %12s  %s\n", c.name.c_str(), c.step ? std::to_string(*c.step).c_str() : "-",
+                c.state == CheckpointState::kCommitted ? std::to_string(c.world_size).c_str() : ranks.c_str(),
+                static_cast<unsigned long long>(c.tensor_count), HumanBytes(c.logical_bytes).c_str(),
+                c.state == CheckpointState::kCommitted ? FormatTime(c.committed_unix_ms).c_str() : "(pending)");
+  }
+  return kExitOk;
+}
+
+const CommandSpec kShow{"show", "NAME", "Show a checkpoint: tensors, dtypes, shapes, shard layout, sizes.", "",
+                        {kRepoOpt, kJsonOpt}, 1, 1};
+
+int CmdShow(const Args& args) {
+  auto repo = OpenRepo(args);
+  if (!repo.ok()) return Fail(repo.status());
+  auto reader = (*repo)->OpenCheckpoint(args.positional[0]);
+  if (!reader.ok()) return Fail(reader.status());
+  RepositoryImpl* impl = (*repo)->impl();
+  // Stored bytes per tensor: distinct chunks, compressed size.
+  std::map<std::string, uint64_t> stored;
+  uint64_t total_stored = 0;
+  std::unordered_set<ChunkId, ChunkIdHash> all;
+  for (const auto& t : (*reader)->tensors()) {
+    std::unordered_set<ChunkId, ChunkIdHash> ids;
+    for (const auto& s : t.shards) for (const auto& c : s.chunks) ids.insert(c.id);
+    uint64_t n = 0;
+    for (const auto& id : ids) {
+      auto loc = impl->LookupChunk(id);
+      if (loc.ok()) {
+        n += loc->stored_len;
+        if (all.insert(id).second) total_stored += loc->stored_len;
+      }
+    }
+    stored[t.name] = n;
+  }
+  const auto& info = (*reader)->info();
+  if (args.Has("json")) {
+    Json j = CheckpointJson(info);
+    j.Set("stored_bytes", total_stored);
+    Json tensors = Json::MakeArray();
+    for (const auto& t : (*reader)->tensors()) {
+      Json tj = Json::MakeObject();
+      tj.Set("name", t.name);
+      tj.Set("dtype", DTypeName(t.dtype));
+      tj.Set("shape", ShapeJson(t.shape));
+      tj.Set("logical_bytes", t.ByteSize());
+      tj.Set("stored_bytes", stored[t.name]);
+      Json shards = Json::MakeArray();
+      for (const auto& s : t.shards) {
+        Json sj = RegionJson(s.region);
+        Json ranks = Json::MakeArray();
+        for (uint32_t r : s.ranks) ranks.Push(static_cast<uint64_t>(r));
+        sj.Set("ranks", std::move(ranks));
+        sj.Set("bytes", s.ByteSize());
+        sj.Set("chunks", static_cast<uint64_t>(s.chunks.size()));
+        shards.Push(std::move(sj));
+      }
+      tj.Set("shards", std::move(shards));
+      tensors.Push(std::move(tj));
+    }
+    j.Set("tensors", std::move(tensors));
+    Json blobs = Json::MakeArray();
+    for (const auto& b : (*reader)->blobs()) {
+      Json bj = Json::MakeObject();
+      bj.Set("name", b.name);
+      bj.Set("bytes", b.size);
+      blobs.Push(std::move(bj));
+    }
+    j.Set("blobs", std::move(blobs));
+    PrintJson(j);
+    return kExitOk;
+  }
+  std::printf("checkpoint %s\n", info.name.c_str());
+  std::printf("  step:      %s\n", info.step ? std::to_string(*info.step).c_str() : "-");
+  std::printf("  ranks:     %u\n", info.world_size);
+  std::printf("  committed: %s\n", FormatTime(info.committed_unix_ms).c_str());
+  for (const auto& [k, v] : info.tags) std::printf("  tag:       %s=%s\n", k.c_str(), v.c_str());
+  std::printf("  size:      %s logical, %s stored\n", HumanBytes(info.logical_bytes).c_str(), HumanBytes(total_stored).c_str());
+  std::printf("\n%-40s %-8s %-18s %10s %10s  %s\n", "TENSOR", "DTYPE", "SHAPE", "SIZE", "STORED", "SHARDS");
+  for (const auto& t : (*reader)->tensors()) {
+    std::printf("%-40s %-8s %-18s %10s %10s  %zu\n", t.name.c_str(), std::string(DTypeName(t.dtype)).c_str(),
+                ShapeToString(t.shape).c_str(), HumanBytes(t.ByteSize()).c_str(), HumanBytes(stored[t.name]).c_str(),
+                t.shards.size());
+    for (const auto& s : t.shards) {
+      std::string ranks;
+      for (uint32_t r : s.ranks) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
+      std::printf("    %-36s ranks %s\n", s.region.ToString().c_str(), ranks.c_str());
+    }
+  }
+  if (!(*reader)->blobs().empty()) {
+    std::printf("\n%-40s %10s\n", "BLOB", "SIZE");
+    for (const auto& b : (*reader)->blobs()) std::printf("%-40s %10s\n", b.name.c_str(), HumanBytes(b.size).c_str());
+  }
+  return kExitOk;
+}
+
+// ---- cat / export ----------------------------------------------------------------
+
+Status WriteFd(int fd, const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    ssize_t w = ::write(fd, c, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return Status::FromErrno(errno, "writing output");
+    }
+    c += w;
+    n -= static_cast<size_t>(w);
+  }
+  return Status::OK();
+}
+
+constexpr uint64_t kCopyPiece = 64ull << 20;
+
+Status StreamTensor(const CheckpointReader& reader, const TensorRecord& t, int fd, Progress* progress,
+                    uint64_t* done, uint64_t total) {
+  std::vector<std::byte> buf(std::min<uint64_t>(kCopyPiece, std::max<uint64_t>(t.ByteSize(), 1)));
+  for (uint64_t off = 0; off < t.ByteSize(); off += buf.size()) {
+    uint64_t n = std::min<uint64_t>(buf.size(), t.ByteSize() - off);
+    RETURN_IF_ERROR(reader.ReadBytes(t, off, std::span(buf.data(), n)));
+    RETURN_IF_ERROR(WriteFd(fd, buf.data(), n));
+    *done += n;
+    if (progress) progress->Update(*done, total);
+  }
+  return Status::OK();
+}
+
+const CommandSpec kCat{"cat", "NAME TENSOR", "Write a whole merged tensor (or a blob) to stdout.",
+                       "With --format npy the output is a .npy file; BF16 and F8 tensors are written\n"
+                       "as unsigned integers of the same width (the bits are exact).",
+                       {kRepoOpt,
+                        {"format", 'f', true, false, "raw|npy", "output format (default raw)"},
+                        {"blob", 0, false, false, "", "TENSOR names a blob"}},
+                       2, 2};
+
+int CmdCat(const Args& args) {
+  std::string format = args.Get("format").value_or("raw");
+  if (format != "raw" && format != "npy") return Fail(Status::InvalidArgument("--format must be raw or npy"));
+  auto repo = OpenRepo(args);
+  if (!repo.ok()) return Fail(repo.status());
+  auto reader = (*repo)->OpenCheckpoint(args.positional[0]);
+  if (!reader.ok()) return Fail(reader.status());
+  if (::isatty(STDOUT_FILENO)) {
+    return Fail(Status::InvalidArgument("refusing to write binary data to a terminal; redirect stdout"));
+  }
+  const std::string& name = args.positional[1];
+  if (args.Has("blob")) {
+    const BlobRecord* b = (*reader)->FindBlob(name);
+    if (!b) return Fail(Status::NotFound("checkpoint '" + args.positional[0] + "' has no blob '" + name + "'"));
+    std::vector<std::byte> buf(b->size);
+    Status st = (*reader)->ReadBlob(*b, 0, buf);
+    if (st.ok()) st = WriteFd(STDOUT_FILENO, buf.data(), buf.size());
+    return st.ok() ? kExitOk : Fail(st);
+  }
+  const TensorRecord* t = (*reader)->FindTensor(name);
+  if (!t) return Fail(Status::NotFound("checkpoint '" + args.positional[0] + "' has no tensor '" + name + "'"));
+  if (format == "npy") {
+    std::string header = NpyHeader(t->dtype, t->shape);
+    Status st = WriteFd(STDOUT_FILENO, header.data(), header.size());
+    if (!st.ok()) return Fail(st);
+  }
+  Progress progress("reading " + name);
+  uint64_t done = 0;
+  Status st = StreamTensor(**reader, *t, STDOUT_FILENO, &progress, &done, t->ByteSize());
+  return st.ok() ? kExitOk : Fail(st);
+}
+
+const CommandSpec kExport{"export", "NAME OUT.safetensors", "Write a checkpoint as one safetensors file of merged tensors.",
+                          "Blobs are not part of safetensors; read them with 'ckpt cat --blob'.",
+                          {kRepoOpt, {"force", 'f', false, false, "", "overwrite OUT if it exists"}}, 2, 2};
+
+int CmdExport(const Args& args) {
+  auto repo = OpenRepo(args);
+  if (!repo.ok()) return Fail(repo.status());
+  auto reader = (*repo)->OpenCheckpoint(args.positional[0]);
+  if (!reader.ok()) return Fail(reader.status());
+  const std::string out = args.positional[1];
+  if (!args.Has("force") && ::access(out.c_str(), F_OK) == 0) {
+    return Fail(Status::AlreadyExists(out + " exists (use --force to overwrite)"));
+  }
+  std::vector<TensorMeta> metas;
+  for (const auto& t : (*reader)->tensors()) metas.push_back({t.name, t.dtype, t.shape});
+  std::vector<std::pair<std::string, std::string>> meta = {{"ckptfs.checkpoint", (*reader)->info().name}};
+  if ((*reader)->info().step) meta.emplace_back("ckptfs.step", std::to_string(*(*reader)->info().step));
+  SafetensorsLayout layout = LayoutSafetensors(metas, meta);
+  const std::string tmp = out + ".ckpt-tmp";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Fail(Status::FromErrno(errno, "creating " + tmp));
+  Progress progress("exporting " + args.positional[0]);
+  uint64_t done = 0;
+  Status st = WriteFd(fd, layout.header.data(), layout.header.size());
+  for (const auto& t : (*reader)->tensors()) {
+    if (!st.ok()) break;
+    st = StreamTensor(**reader, t, fd, &progress, &done, layout.total_size - layout.header.size());
+  }
+  if (st.ok() && ::fsync(fd) != 0) st = Status::FromErrno(errno, "fsync of " + tmp);
+  ::close(fd);
+  if (st.ok() && ::rename(tmp.c_str(), out.c_str()) != 0) st = Status::FromErrno(errno, "renaming " + tmp);
+  progress.Finish();
+  if (!st.ok()) {
+    ::unlink(tmp.c_str());
+    return Fail(st);
+  }
+  std::printf("exported %s: %zu tensors, %s to %s\n", args.positional[0].c_str(), metas.size(),
+              HumanBytes(layout.total_size).c_str(), out.c_str());
+  return kExitOk;
+}
+
+// ---- verify / reindex --------------------------------------------------------------
+
+const CommandSpec kVerify{"verify", "[NAME]", "Re-read and re-hash every chunk; check every tensor is tiled exactly.",
+                          "Without NAME the whole repository is checked, including chunks no checkpoint\n"
+                          "references and every pack index. Exits 1 when a problem is found.",
+                          {kRepoOpt, kJsonOpt}, 0, 1};
+
+int CmdVerify(const Args& args) {
+  auto repo = OpenRepo(args);
+  if (!repo.ok()) return Fail(repo.status());
+  std::optional<std::string> name;
+  if (!args.positional.empty()) name = args.positional[0];
+  Progress progress("verifying");
+  auto report = (*repo)->Verify(name, [&](uint64_t d, uint64_t t) { progress.Update(d, t); });
+  progress.Finish();
+  if (!report.ok()) return Fail(report.status());
+  if (args.Has("json")) {
+    Json j = Json::MakeObject();
+    j.Set("ok", report->ok());
+    j.Set("checkpoints", report->checkpoints);
+    j.Set("tensors", report->tensors);
+    j.Set("chunks", report->chunks);
+    j.Set("bytes", report->bytes);
+    Json problems = Json::MakeArray();
+    for (const auto& p : report->problems) {
+      Json pj = Json::MakeObject();
+      pj.Set("checkpoint", p.checkpoint);
+      pj.Set("what", p.what);
+      pj.Set("message", p.message);
+      problems.Push(std::move(pj));
+    }
+    j.Set("problems", std::move(problems));
+    PrintJson(j);
+  } else {
+    for (const auto& p : report->problems) {
+      std::fprintf(stderr, "problem: %s%s%s: %s\n", p.checkpoint.c_str(), p.checkpoint.empty() ? "" : " ",
+                   p.what.c_str(), p.message.c_str());
+    }
+    std::printf("verified %llu checkpoints, %llu tensors, %llu chunks (%s): %s\n",
+                static_cast<unsigned long long>(report->checkpoints), static_cast<unsigned long long>(report->tensors),
+                static_cast<unsigned long long>(report->chunks), HumanBytes(report->bytes).c_str(),
+                report->ok() ? "ok" : (std::to_string(report->problems.size()) + " problems").c_str());
+  }
+  if (!report->ok()) {
+    if (!args.Has("json")) std::fprintf(stderr, "ckpt: error: verify found %zu problems\n", report->problems.size());
+    return kExitError;
+  }
+  return kExitOk;
+}
+
+const CommandSpec kReindex{"reindex", "", "Rebuild the catalog from pack files and manifests alone.",
+                           "Use when the catalog is lost or damaged. No other process may use the\n"
+                           "repository meanwhile. Uncommitted checkpoints are dropped.",
+                           {kRepoOpt, kJsonOpt}, 0, 0};
+
+int CmdReindex(const Args& args) {
+  auto path = RepoPath(args);
+  if (!path.ok()) return Fail(path.status());
+  Progress progress("reindexing");
+  auto report = Repository::Reindex(*path, [&](uint64_t d, uint64_t t) { progress.Update(d, t); });
+  progress.Finish();
+  if (!report.ok()) return Fail(report.status());
+  for (const auto& p : report->problems) std::fprintf(stderr, "warning: %s\n", p.c_str());
+  if (args.Has("json")) {
+    Json j = Json::MakeObject();
+    j.Set("packs", report->packs);
+    j.Set("chunks", report->chunks);
+    j.Set("checkpoints", report->checkpoints);
+    Json problems = Json::MakeArray();
+    for (const auto& p : report->problems) problems.Push(p);
+    j.Set("problems", std::move(problems));
+    PrintJson(j);
+  } else {
+    std::printf("rebuilt catalog: %llu checkpoints, %llu packs, %llu chunks\n",
+                static_cast<unsigned long long>(report->checkpoints), static_cast<unsigned long long>(report->packs),
+                static_cast<unsigned long long>(report->chunks));
+  }
+  return kExitOk;
+}
+
+struct Command {
+  const CommandSpec* spec;
+  int (*run)(const Args&);
+};
+
+const Command kCommands[] = {
+    {&kInit, CmdInit}, {&kImport, CmdImport}, {&kLs, CmdLs},         {&kShow, CmdShow},
+    {&kCat, CmdCat},   {&kExport, CmdExport}, {&kVerify, CmdVerify}, {&kReindex, CmdReindex},
+};
+
+void MainHelp(FILE* out) {
+  std::fprintf(out,
+               "usage: ckpt COMMAND [options] [args]\n\n"
+               "ckptfs: a deduplicating, compressed store for sharded training checkpoints.\n\n"
+               "commands:\n");
+  for (const auto& c : kCommands) std::fprintf(out, "  %-10s %s\n", c.spec->name.c_str(), c.spec->summary.c_str());
+  std::fprintf(out,
+               "\nThe repository comes from -r/--repo PATH or $CKPT_REPO.\n"
+               "Run 'ckpt COMMAND --help' for a command's options.\n");
+}
+
+}  // namespace
+}  // namespace ckptfs::cli
+
+int main(int argc, char** argv) {
+  using namespace ckptfs::cli;
+  if (argc < 2 || std::strcmp(argv[1], "-h") == 0 || std::strcmp(argv[1], "--help") == 0 ||
+      std::strcmp(argv[1], "help") == 0) {
+    MainHelp(argc < 2 ? stderr : stdout);
+    return argc < 2 ? kExitUsage : kExitOk;
+  }
+  if (std::strcmp(argv[1], "--version") == 0) {
+    std::printf("ckpt (ckptfs) 0.1.0, repository format %u\n", ckptfs::kFormatVersion);
+    return kExitOk;
+  }
+  for (const auto& c : kCommands) {
+    if (c.spec->name != argv[1]) continue;
+    bool help = false;
+    auto args = Parse(*c.spec, argc, argv, 2, &help);
+    if (!args.ok()) {
+      std::fprintf(stderr, "ckpt %s: error: %s\n", argv[1], args.status().message().c_str());
+      return kExitUsage;
+    }
+    if (help) return kExitOk;
+    return c.run(*args);
+  }
+  std::fprintf(stderr, "ckpt: error: unknown command '%s' (see 'ckpt --help')\n", argv[1]);
+  return kExitUsage;
+}

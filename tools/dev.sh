@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Developer entry point: installs what ckptfs needs, builds it, and runs the
+# demo or the whole test suite.
+#
+#   tools/dev.sh demo   set up, build, and run the demo on a local repository
+#   tools/dev.sh test   set up, build (plain and ASan+UBSan), and run every test
+#   tools/dev.sh build  set up and build (build/)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+JOBS=${JOBS:-$(nproc)}
+
+setup() { bash tools/setup-debian.sh; }
+
+configure_build() {  # dir, extra cmake args...
+  local dir=$1; shift
+  cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >/dev/null
+  cmake --build "$dir" -j "$JOBS"
+}
+
+cmd=${1:-}
+case "$cmd" in
+  build)
+    setup
+    configure_build build
+    ;;
+  demo)
+    setup
+    configure_build build -DCKPTFS_BUILD_TESTS=OFF
+    bash tools/demo.sh "$ROOT/build/tools/ckpt"
+    ;;
+  test)
+    setup
+    configure_build build
+    echo "== tests (release build)"
+    ctest --test-dir build --output-on-failure -j "$JOBS"
+    echo "== engine unit tests under ASan+UBSan"
+    configure_build build-asan -DCKPTFS_SANITIZE=ON -DCKPTFS_UNIT_TESTS_ONLY=ON
+    ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+      ctest --test-dir build-asan --output-on-failure -j "$JOBS" -L unit
+    ;;
+  *)
+    echo "usage: tools/dev.sh demo|test|build" >&2
+    exit 2
+    ;;
+esac
