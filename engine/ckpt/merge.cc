@@ -310,10 +310,12 @@ Result<std::vector<TensorRecord>> MergeRankTensors(const std::vector<RankRecord>
           copy.ranks = {rank.rank};
           m.shards.push_back(std::move(copy));
         } else if (same->chunks == s.chunks) {
-          same->ranks.push_back(rank.rank);
+          if (std::find(same->ranks.begin(), same->ranks.end(), rank.rank) == same->ranks.end()) {
+            same->ranks.push_back(rank.rank);
+          }
         } else {
           return Status::InvalidArgument("tensor '" + t.name + "': " + RanksToString(same->ranks) +
-                                         " and rank " + std::to_string(rank.rank) +
+                                         (same->ranks == std::vector<uint32_t>{rank.rank} ? " (twice)" : " and rank " + std::to_string(rank.rank)) +
                                          " saved different bytes for the same region " +
                                          s.region.ToString());
         }

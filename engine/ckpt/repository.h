@@ -129,7 +129,8 @@ class CheckpointWriter {
   // copied into the pipeline); hashing, compression and pack writes run on
   // the worker pool. InvalidArgument for a region that does not fit the shape,
   // a source of the wrong size, or a tensor put twice with different dtype or
-  // shape by this rank.
+  // shape by this rank. Putting one region twice is allowed (the copies are
+  // merged like replicas); different bytes for it fail the commit.
   Status PutShard(const TensorInfo& tensor, const Region& region, ShardSource& source);
   // The whole tensor from host memory.
   Status PutTensor(const TensorInfo& tensor, std::span<const std::byte> data);
@@ -221,9 +222,12 @@ class Repository {
   const std::string& path() const;
 
   // Starts (or joins) checkpoint `name` as rank `options.rank` of
-  // `options.world_size`. AlreadyExists if `name` is committed; InvalidArgument
-  // for a bad name, a rank out of range, a world size that disagrees with the
-  // other ranks', or a rank that already committed.
+  // `options.world_size`. AlreadyExists if `name` is committed or this rank
+  // already committed; InvalidArgument for a bad name, a rank out of range, or
+  // a world size or step that disagrees with the ranks that committed. Writes
+  // nothing to the catalog: the checkpoint is recorded (pending) by the first
+  // rank's commit and made visible by the last one's. The same checks run
+  // again at commit, since other ranks may commit meanwhile.
   Result<std::unique_ptr<CheckpointWriter>> BeginCheckpoint(const std::string& name,
                                                             const WriterOptions& options);
   // Committed checkpoints only; NotFound otherwise.

@@ -21,6 +21,8 @@
 
 namespace ckptfs {
 
+Status CheckJoin(const CheckpointRecord& rec, const WriterOptions& options);
+
 Status HostSource::Read(uint64_t offset, std::span<std::byte> dst) {
   if (offset > data_.size() || dst.size() > data_.size() - offset) {
     return Status::InvalidArgument("read past the end of a host source");
@@ -136,6 +138,7 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   bool stop_writer_ = false;
   std::thread writer_thread_;
 
+  const uint64_t created_unix_ms_ = NowUnixMs();
   std::chrono::steady_clock::time_point first_put_{};
   std::chrono::nanoseconds blocking_{0};
 };
@@ -342,12 +345,6 @@ Status WriterImpl::PutShard(const TensorInfo& info, const Region& region_in, Sha
                                      " and now with " + std::string(DTypeName(info.dtype)) + " " +
                                      ShapeToString(info.shape));
     }
-    for (const auto& s : tensor->shards) {
-      if (s.region == region) {
-        return Status::InvalidArgument("tensor '" + info.name + "': region " + region.ToString() +
-                                       " was put twice by this rank");
-      }
-    }
   }
   if (!writer_thread_.joinable()) writer_thread_ = std::thread([this] { WriterLoop(); });
   const uint64_t global_start = region.kind == Region::Kind::kFlat ? region.flat.start * w : 0;
@@ -428,17 +425,16 @@ Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, Commit
   return repo_->catalog->Update([&](WriteTxn& txn) -> Status {
     result->checkpoint_visible = false;
     ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name_)));
-    if (!raw) return Status::NotFound("checkpoint '" + name_ + "' was removed while rank " + std::to_string(options_.rank) + " was writing it");
-    ASSIGN_OR_RETURN(CheckpointRecord ckpt, DecodeCheckpoint(*raw));
-    if (ckpt.state == CheckpointState::kCommitted) {
-      return Status::AlreadyExists("checkpoint '" + name_ + "' was already committed");
-    }
-    if (ckpt.world_size != options_.world_size) {
-      return Status::InvalidArgument("checkpoint '" + name_ + "' has world size " + std::to_string(ckpt.world_size) +
-                                     ", this rank says " + std::to_string(options_.world_size));
-    }
-    if (std::binary_search(ckpt.committed_ranks.begin(), ckpt.committed_ranks.end(), options_.rank)) {
-      return Status::AlreadyExists("rank " + std::to_string(options_.rank) + " of checkpoint '" + name_ + "' already committed");
+    CheckpointRecord ckpt;
+    if (raw) {
+      ASSIGN_OR_RETURN(ckpt, DecodeCheckpoint(*raw));
+      RETURN_IF_ERROR(CheckJoin(ckpt, options_));
+      if (!ckpt.step) ckpt.step = options_.step;
+    } else {
+      ckpt.name = name_;
+      ckpt.step = options_.step;
+      ckpt.world_size = options_.world_size;
+      ckpt.created_unix_ms = created_unix_ms_;
     }
     // Chunks first: a chunk another process stored meanwhile keeps its entry.
     for (const auto& [id, loc] : stored_) {
@@ -574,6 +570,27 @@ void CheckpointWriter::Abort() {
   impl_.reset();
 }
 
+// Whether `options` may join the pending checkpoint `rec`.
+Status CheckJoin(const CheckpointRecord& rec, const WriterOptions& options) {
+  const std::string& name = rec.name;
+  if (rec.state == CheckpointState::kCommitted) {
+    return Status::AlreadyExists("checkpoint '" + name + "' already exists");
+  }
+  if (rec.world_size != options.world_size) {
+    return Status::InvalidArgument("checkpoint '" + name + "' is being written with world size " +
+                                   std::to_string(rec.world_size) + ", not " + std::to_string(options.world_size));
+  }
+  if (options.step && rec.step && *options.step != *rec.step) {
+    return Status::InvalidArgument("checkpoint '" + name + "' is being written as step " + std::to_string(*rec.step) +
+                                   ", not " + std::to_string(*options.step));
+  }
+  if (std::binary_search(rec.committed_ranks.begin(), rec.committed_ranks.end(), options.rank)) {
+    return Status::AlreadyExists("rank " + std::to_string(options.rank) + " of checkpoint '" + name +
+                                 "' already committed");
+  }
+  return Status::OK();
+}
+
 Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std::string& name,
                                                                       const WriterOptions& options) {
   RETURN_IF_ERROR(ValidateCheckpointName(name));
@@ -582,37 +599,13 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
     return Status::InvalidArgument("rank " + std::to_string(options.rank) + " is out of range for world size " +
                                    std::to_string(options.world_size));
   }
-  RETURN_IF_ERROR(impl_->catalog->Update([&](WriteTxn& txn) -> Status {
+  // Nothing is written here: the checkpoint's record appears with the first
+  // rank's commit, so an aborted or killed writer leaves no trace.
+  RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
     ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
-    if (!raw) {
-      CheckpointRecord rec;
-      rec.name = name;
-      rec.step = options.step;
-      rec.world_size = options.world_size;
-      rec.created_unix_ms = NowUnixMs();
-      return txn.Put(Table::kCheckpoints, keys::Checkpoint(name), EncodeCheckpoint(rec));
-    }
+    if (!raw) return Status::OK();
     ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*raw));
-    if (rec.state == CheckpointState::kCommitted) {
-      return Status::AlreadyExists("checkpoint '" + name + "' already exists");
-    }
-    if (rec.world_size != options.world_size) {
-      return Status::InvalidArgument("checkpoint '" + name + "' is being written with world size " +
-                                     std::to_string(rec.world_size) + ", not " + std::to_string(options.world_size));
-    }
-    if (options.step && rec.step && *options.step != *rec.step) {
-      return Status::InvalidArgument("checkpoint '" + name + "' is being written as step " + std::to_string(*rec.step) +
-                                     ", not " + std::to_string(*options.step));
-    }
-    if (std::binary_search(rec.committed_ranks.begin(), rec.committed_ranks.end(), options.rank)) {
-      return Status::AlreadyExists("rank " + std::to_string(options.rank) + " of checkpoint '" + name +
-                                   "' already committed");
-    }
-    if (options.step && !rec.step) {
-      rec.step = options.step;
-      return txn.Put(Table::kCheckpoints, keys::Checkpoint(name), EncodeCheckpoint(rec));
-    }
-    return Status::OK();
+    return CheckJoin(rec, options);
   }));
   auto impl = std::make_shared<WriterImpl>(impl_.get(), name, options);
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));

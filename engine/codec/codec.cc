@@ -155,7 +155,11 @@ Result<Codec> ChunkEncoder::Encode(std::span<const std::byte> raw, DType dtype, 
   if (level == INT32_MIN) level = options_.level;
   const size_t keep_limit = static_cast<size_t>(raw.size() * (1.0 - options_.min_saving));
   auto store_raw = [&]() {
-    out->assign(reinterpret_cast<const char*>(raw.data()), raw.size());
+    if (raw.empty()) {
+      out->clear();
+    } else {
+      out->assign(reinterpret_cast<const char*>(raw.data()), raw.size());
+    }
     return Codec::kRaw;
   };
   if (options_.compression == Compression::kNone || raw.empty()) return store_raw();
@@ -228,7 +232,7 @@ Status DecodeChunk(Codec codec, std::span<const std::byte> stored, std::span<std
         return Status::Corruption("raw chunk has " + std::to_string(stored.size()) +
                                   " bytes, expected " + std::to_string(raw.size()));
       }
-      std::memcpy(raw.data(), stored.data(), raw.size());
+      if (!raw.empty()) std::memcpy(raw.data(), stored.data(), raw.size());
       return Status::OK();
     case Codec::kZstd:
       return ZstdDecode(stored, raw);
@@ -265,7 +269,7 @@ Status DecodeChunk(Codec codec, std::span<const std::byte> stored, std::span<std
       }
       auto* dst = reinterpret_cast<uint8_t*>(raw.data());
       JoinPlanes(reinterpret_cast<const uint8_t*>(planes.data()), n, width, dst);
-      std::memcpy(dst + n * width, p, tail);
+      if (tail) std::memcpy(dst + n * width, p, tail);
       return Status::OK();
     }
   }

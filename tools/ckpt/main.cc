@@ -610,7 +610,7 @@ int CmdVerify(const Args& args) {
                 report->ok() ? "ok" : (std::to_string(report->problems.size()) + " problems").c_str());
   }
   if (!report->ok()) {
-    if (!args.Has("json")) std::fprintf(stderr, "ckpt: error: verify found %zu problems\n", report->problems.size());
+    std::fprintf(stderr, "ckpt: error: verify found %zu problems\n", report->problems.size());
     return kExitError;
   }
   return kExitOk;

@@ -1,0 +1,41 @@
+"""Shared helpers for the integration tests: run the real ckpt binary."""
+import os
+import shutil
+import subprocess
+import tempfile
+import unittest
+
+CKPT = os.environ.get("CKPT_BIN") or os.path.join(os.path.dirname(__file__), "../../build/tools/ckpt")
+
+
+class CkptTestCase(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="ckptfs-it-")
+        self.repo = os.path.join(self.tmp, "repo")
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def path(self, name):
+        return os.path.join(self.tmp, name)
+
+    def run_ckpt(self, *args, ok=True, env=None, stdout=subprocess.PIPE, use_repo=True):
+        cmd = [CKPT, *args]
+        e = dict(os.environ)
+        e.pop("CKPT_REPO", None)
+        if use_repo:
+            e["CKPT_REPO"] = self.repo
+        if env:
+            e.update(env)
+        p = subprocess.run(cmd, stdout=stdout, stderr=subprocess.PIPE, env=e, timeout=300)
+        if ok is True:
+            self.assertEqual(p.returncode, 0, f"{cmd} failed: {p.stderr.decode(errors='replace')}")
+        elif ok is False:
+            self.assertNotEqual(p.returncode, 0, f"{cmd} unexpectedly succeeded")
+            err = p.stderr.decode(errors="replace").strip()
+            self.assertTrue(err, f"{cmd} failed without a message")
+        return p
+
+    def error_of(self, *args, **kw):
+        """Runs a command that must fail; returns its stderr text."""
+        return self.run_ckpt(*args, ok=False, **kw).stderr.decode()

@@ -1,0 +1,322 @@
+"""Integration tests of the ckpt CLI: the real binary, real repositories."""
+import json
+import os
+import struct
+import subprocess
+import unittest
+
+import numpy as np
+
+import st
+from helpers import CKPT, CkptTestCase
+
+COMMANDS = ["init", "import", "ls", "show", "cat", "export", "verify", "reindex"]
+
+
+def rand(rng, dtype_name, shape):
+    np_dtype = st.DTYPES[dtype_name]
+    if np_dtype == np.bool_:
+        return rng.integers(0, 2, size=shape).astype(np.bool_)
+    if np.issubdtype(np_dtype, np.floating):
+        return rng.standard_normal(size=shape).astype(np_dtype)
+    info = np.iinfo(np_dtype)
+    return rng.integers(info.min, info.max, size=shape, dtype=np_dtype, endpoint=True)
+
+
+class HelpAndUsage(CkptTestCase):
+    def test_every_command_has_help(self):
+        for c in COMMANDS:
+            p = self.run_ckpt(c, "--help")
+            out = p.stdout.decode()
+            self.assertIn(f"usage: ckpt {c}", out)
+            self.assertIn("--help", out)
+        self.assertIn("commands:", self.run_ckpt("--help").stdout.decode())
+
+    def test_usage_errors_exit_2(self):
+        self.assertEqual(self.run_ckpt("frobnicate", ok=None).returncode, 2)
+        self.assertEqual(self.run_ckpt("ls", "--bogus", ok=None).returncode, 2)
+        self.assertEqual(self.run_ckpt("cat", "only-one", ok=None).returncode, 2)
+
+    def test_repository_is_required_and_checked(self):
+        self.assertIn("CKPT_REPO", self.error_of("ls", use_repo=False))
+        self.assertIn("does not exist", self.error_of("ls"))
+        os.makedirs(self.path("foreign"))
+        self.assertIn("not a ckptfs repository", self.error_of("ls", "-r", self.path("foreign")))
+        self.run_ckpt("init")
+        self.assertIn("already holds", self.error_of("init"))
+        # -r wins over CKPT_REPO
+        self.run_ckpt("init", "-r", self.path("other"))
+        self.assertIn("no checkpoints", self.run_ckpt("ls", "-r", self.path("other")).stdout.decode())
+
+    def test_newer_format_version_is_refused(self):
+        self.run_ckpt("init")
+        cfg_path = os.path.join(self.repo, "ckptfs.json")
+        cfg = json.load(open(cfg_path))
+        cfg["format_version"] = 7
+        json.dump(cfg, open(cfg_path, "w"))
+        self.assertIn("format version 7", self.error_of("ls"))
+
+    def test_init_options_are_validated(self):
+        self.assertIn("chunk size", self.error_of("init", "--chunk-size", "1000"))
+        self.assertIn("compression", self.error_of("init", "--compression", "lz4"))
+        self.run_ckpt("init", "--chunk-size", "1M", "--level", "3", "--compression", "zstd")
+        cfg = json.load(open(os.path.join(self.repo, "ckptfs.json")))
+        self.assertEqual(cfg["chunk_size"], 1 << 20)
+        self.assertEqual(cfg["level"], 3)
+
+
+class ImportAndRead(CkptTestCase):
+    def setUp(self):
+        super().setUp()
+        self.run_ckpt("init", "--chunk-size", "64K")
+        self.rng = np.random.default_rng(1)
+
+    def check_tensor(self, ckpt, name, want, dtype_name):
+        raw = self.run_ckpt("cat", ckpt, name).stdout
+        self.assertEqual(raw, np.ascontiguousarray(want).astype(st.DTYPES[dtype_name]).tobytes(), name)
+        npy_path = self.path("t.npy")
+        with open(npy_path, "wb") as f:
+            self.run_ckpt("cat", ckpt, name, "--format", "npy", stdout=f)
+        got = np.load(npy_path)
+        self.assertEqual(got.shape, want.shape)
+        self.assertEqual(got.dtype, np.dtype(st.DTYPES[dtype_name]))
+        self.assertEqual(got.tobytes(), np.ascontiguousarray(want).astype(st.DTYPES[dtype_name]).tobytes(), name)
+
+    def test_hf_checkpoint_split_over_files_imports_as_one(self):
+        tensors = {}
+        dtypes = list(st.DTYPES)
+        for i, dt in enumerate(dtypes):
+            shape = [(3, 5), (7,), (), (0, 4), (2, 3, 4)][i % 5]
+            tensors[f"model.layer{i}.{dt.lower()}"] = (dt, rand(self.rng, dt, shape))
+        names = sorted(tensors)
+        st.write(self.path("a.safetensors"), [(n, *tensors[n]) for n in names[:8]])
+        st.write(self.path("b.safetensors"), [(n, *tensors[n]) for n in names[8:]])
+        out = self.run_ckpt("import", "hf", self.path("a.safetensors"), self.path("b.safetensors"), "--step", "12",
+                            "--tag", "run=alpha", "--json").stdout
+        info = json.loads(out)
+        self.assertTrue(info["visible"])
+        for n, (dt, arr) in tensors.items():
+            self.check_tensor("hf", n, arr, dt)
+        listing = json.loads(self.run_ckpt("ls", "--json").stdout)
+        self.assertEqual([c["name"] for c in listing], ["hf"])
+        self.assertEqual(listing[0]["step"], 12)
+        self.assertEqual(listing[0]["tags"], {"run": "alpha"})
+        show = json.loads(self.run_ckpt("show", "hf", "--json").stdout)
+        self.assertEqual(len(show["tensors"]), len(tensors))
+        by_name = {t["name"]: t for t in show["tensors"]}
+        self.assertEqual(by_name[names[0]]["dtype"], tensors[names[0]][0])
+        self.assertIn("hf", self.run_ckpt("show", "hf").stdout.decode())
+        # export, read back with the independent parser
+        self.run_ckpt("export", "hf", self.path("out.safetensors"))
+        got, meta = st.read(self.path("out.safetensors"))
+        self.assertEqual(meta["ckptfs.step"], "12")
+        for n, (dt, arr) in tensors.items():
+            self.assertEqual(got[n][0], dt)
+            self.assertEqual(got[n][1].tobytes(), np.ascontiguousarray(arr).astype(st.DTYPES[dt]).tobytes())
+        self.assertIn("exists", self.error_of("export", "hf", self.path("out.safetensors")))
+        self.run_ckpt("export", "hf", self.path("out.safetensors"), "--force")
+        v = json.loads(self.run_ckpt("verify", "--json").stdout)
+        self.assertTrue(v["ok"])
+        self.assertGreater(v["chunks"], 0)
+
+    def write_ranks(self, world, tensors_fn):
+        """tensors_fn(rank) -> (list of (name, dtype, array), shard map)."""
+        paths = []
+        for r in range(world):
+            ts, shards = tensors_fn(r)
+            p = self.path(f"rank{r}.safetensors")
+            st.write(p, ts, {"ckptfs.shards": json.dumps(shards)} if shards else None)
+            paths.append(p)
+        return paths
+
+    def sharded_state(self, world):
+        w = rand(self.rng, "BF16", (64, 96))
+        f = rand(self.rng, "F32", (33, 17))
+        e = rand(self.rng, "F32", (10,))
+        flat = f.reshape(-1)
+        cuts = [0] + sorted(self.rng.choice(np.arange(1, flat.size), world - 1, replace=False).tolist()) + [flat.size]
+
+        def rank(r):
+            cols = 96 // world
+            ts = [("w", "BF16", w[:, r * cols:(r + 1) * cols]), ("f", "F32", flat[cuts[r]:cuts[r + 1]]), ("e", "F32", e)]
+            shards = {"w": {"global_shape": [64, 96], "offsets": [0, r * cols]},
+                      "f": {"global_shape": [33, 17], "flat_start": cuts[r]}}
+            return ts, shards
+        return {"w": ("BF16", w), "f": ("F32", f), "e": ("F32", e)}, rank
+
+    def test_ranks_in_separate_processes_commit_the_checkpoint_once(self):
+        want, rank = self.sharded_state(4)
+        paths = self.write_ranks(4, rank)
+        # Three ranks first, one after another: not visible yet.
+        for r in range(3):
+            self.run_ckpt("import", "s", paths[r], "--rank", str(r), "--world-size", "4", "--step", "5")
+            self.assertEqual(json.loads(self.run_ckpt("ls", "--json").stdout), [])
+        pending = json.loads(self.run_ckpt("ls", "--all", "--json").stdout)
+        self.assertEqual(pending[0]["state"], "pending")
+        self.assertIn("not committed", self.error_of("cat", "s", "w"))
+        self.run_ckpt("import", "s", paths[3], "--rank", "3", "--world-size", "4", "--step", "5")
+        for n, (dt, arr) in want.items():
+            self.check_tensor("s", n, arr, dt)
+        # Concurrently, as a launcher would run them.
+        procs = [subprocess.Popen([CKPT, "import", "c", p, "--rank", str(r), "--world-size", "4"],
+                                  env={**os.environ, "CKPT_REPO": self.repo}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for r, p in enumerate(paths)]
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            self.assertEqual(p.returncode, 0, err)
+        for n, (dt, arr) in want.items():
+            self.check_tensor("c", n, arr, dt)
+        # Same bytes: the second checkpoint stored nothing new.
+        show = json.loads(self.run_ckpt("show", "c", "--json").stdout)
+        self.assertEqual(show["tensors"][0]["shards"][0]["ranks"], [0, 1, 2, 3])  # replicated 'e'
+        self.run_ckpt("verify")
+
+    def test_all_shards_in_one_import(self):
+        want, rank = self.sharded_state(3)
+        paths = self.write_ranks(3, rank)
+        self.run_ckpt("import", "one", *paths)
+        for n, (dt, arr) in want.items():
+            self.check_tensor("one", n, arr, dt)
+
+    def test_overlapping_shards_with_different_bytes_fail_and_stay_invisible(self):
+        a = rand(self.rng, "F32", (8, 4))
+        b = a.copy()
+        b[4, 0] += 1
+        paths = self.write_ranks(2, lambda r: ([("x", "F32", (a if r == 0 else b)[r * 3:r * 3 + 5])],
+                                               {"x": {"global_shape": [8, 4], "offsets": [r * 3, 0]}}))
+        self.run_ckpt("import", "o", paths[0], "--rank", "0", "--world-size", "2")
+        err = self.error_of("import", "o", paths[1], "--rank", "1", "--world-size", "2")
+        self.assertIn("tensor 'x'", err)
+        self.assertIn("different bytes", err)
+        self.assertEqual(len(err.strip().splitlines()), 1)
+        self.assertEqual(json.loads(self.run_ckpt("ls", "--json").stdout), [])
+
+    def test_gap_fails_naming_the_tensor(self):
+        a = rand(self.rng, "F32", (8, 4))
+        paths = self.write_ranks(2, lambda r: ([("x", "F32", a[r * 5:r * 5 + 3])],
+                                               {"x": {"global_shape": [8, 4], "offsets": [r * 5, 0]}}))
+        self.run_ckpt("import", "g", paths[0], "--rank", "0", "--world-size", "2")
+        err = self.error_of("import", "g", paths[1], "--rank", "1", "--world-size", "2")
+        self.assertIn("tensor 'x'", err)
+        self.assertIn("not fully covered", err)
+        self.assertEqual(json.loads(self.run_ckpt("ls", "--json").stdout), [])
+
+    def test_blobs(self):
+        st.write(self.path("m.safetensors"), [("x", "F32", rand(self.rng, "F32", (3,)))])
+        with open(self.path("rng.bin"), "wb") as f:
+            f.write(os.urandom(100000))
+        self.run_ckpt("import", "b", self.path("m.safetensors"), "--blob", f"rng_state={self.path('rng.bin')}")
+        got = self.run_ckpt("cat", "b", "rng_state", "--blob").stdout
+        with open(self.path("rng.bin"), "rb") as f:
+            self.assertEqual(got, f.read())
+
+    def test_names_and_lookups(self):
+        st.write(self.path("m.safetensors"), [("x", "F32", rand(self.rng, "F32", (3,)))])
+        self.run_ckpt("import", "a", self.path("m.safetensors"))
+        self.assertIn("already exists", self.error_of("import", "a", self.path("m.safetensors")))
+        self.assertIn("may hold only", self.error_of("import", "bad/name", self.path("m.safetensors")))
+        self.assertIn("no checkpoint named 'zzz'", self.error_of("show", "zzz"))
+        self.assertIn("no tensor 'nope'", self.error_of("cat", "a", "nope"))
+        self.assertIn("no checkpoint", self.error_of("export", "zzz", self.path("o.safetensors")))
+        self.assertIn("no checkpoint", self.error_of("verify", "zzz"))
+
+
+class BadInput(CkptTestCase):
+    """Malformed input gets one clear line and a non-zero exit, and the
+    repository stays intact."""
+
+    def setUp(self):
+        super().setUp()
+        self.run_ckpt("init")
+        st.write(self.path("good.safetensors"), [("x", "F32", np.arange(6, dtype=np.float32).reshape(2, 3))])
+        self.run_ckpt("import", "good", self.path("good.safetensors"))
+
+    def assert_intact(self):
+        self.run_ckpt("verify")
+        names = [c["name"] for c in json.loads(self.run_ckpt("ls", "--all", "--json").stdout)]
+        self.assertEqual(names, ["good"])
+
+    def write_raw(self, name, header, data=b""):
+        p = self.path(name)
+        h = header if isinstance(header, bytes) else header.encode()
+        with open(p, "wb") as f:
+            f.write(struct.pack("<Q", len(h)) + h + data)
+        return p
+
+    def test_malformed_safetensors(self):
+        good = open(self.path("good.safetensors"), "rb").read()
+        cases = {
+            "bad header length": (good[:8][::-1] + good[8:], "bad header length"),
+            "truncated": (good[:-5], "past the end"),
+            "too short": (b"abc", "too short"),
+        }
+        for label, (content, expect) in cases.items():
+            p = self.path(label.replace(" ", "_") + ".safetensors")
+            open(p, "wb").write(content)
+            err = self.error_of("import", "new", p)
+            self.assertIn(expect, err, label)
+            self.assertIn(p, err)
+        p = self.write_raw("json.safetensors", '{"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]')
+        self.assertIn("not valid JSON", self.error_of("import", "new", p))
+        p = self.write_raw("dtype.safetensors", '{"x": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 4]}}', b"1234")
+        self.assertIn("unknown dtype 'Q7'", self.error_of("import", "new", p))
+        p = self.write_raw("size.safetensors", '{"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}', b"1234")
+        self.assertIn("needs 8 bytes", self.error_of("import", "new", p))
+        self.assertIn("No such file", self.error_of("import", "new", self.path("missing.safetensors")))
+        self.assert_intact()
+
+    def test_malformed_shard_metadata(self):
+        x = np.zeros((2, 3), np.float32)
+        for meta, expect in [
+            ("not json", "ckptfs.shards"),
+            (json.dumps({"x": {"global_shape": [4, 3]}}), "exactly one of offsets and flat_start"),
+            (json.dumps({"x": {"global_shape": [4, 3], "offsets": [3, 0]}}), "exceeds shape"),
+            (json.dumps({"x": {"global_shape": [4, 3], "offsets": [0]}}), "same rank"),
+            (json.dumps({"x": {"global_shape": [4, 3], "flat_start": 0}}), "must be 1-D"),
+            (json.dumps({"y": {"global_shape": [4, 3], "flat_start": 0}}), "does not hold"),
+        ]:
+            st.write(self.path("m.safetensors"), [("x", "F32", x)], {"ckptfs.shards": meta})
+            self.assertIn(expect, self.error_of("import", "new", self.path("m.safetensors")), meta)
+        self.assert_intact()
+
+    def test_bad_rank_arguments(self):
+        p = self.path("good.safetensors")
+        self.assertIn("go together", self.error_of("import", "n", p, "--rank", "0"))
+        self.assertIn("--rank must be", self.error_of("import", "n", p, "--rank", "2", "--world-size", "2"))
+        self.assertIn("integer", self.error_of("import", "n", p, "--step", "ten"))
+        self.assert_intact()
+
+    def test_corrupt_pack_is_reported_and_never_read_wrong(self):
+        big = np.random.default_rng(0).standard_normal((256, 1024)).astype(np.float32)
+        st.write(self.path("big.safetensors"), [("big", "F32", big)])
+        self.run_ckpt("import", "big", self.path("big.safetensors"))
+        packs = os.path.join(self.repo, "objects", "packs")
+        largest = max((os.path.join(packs, n) for n in os.listdir(packs)), key=os.path.getsize)
+        with open(largest, "r+b") as f:
+            f.seek(4096)
+            b = f.read(1)
+            f.seek(4096)
+            f.write(bytes([b[0] ^ 0xFF]))
+        err = self.error_of("verify")
+        self.assertIn("problem", err)
+        self.assertIn("pack", err)
+        report = json.loads(self.run_ckpt("verify", "--json", ok=False).stdout)
+        self.assertFalse(report["ok"])
+        p = self.run_ckpt("cat", "big", "big", ok=False)
+        self.assertIn("chunk", p.stderr.decode())
+        self.assertIn(os.path.basename(largest).split(".")[0], p.stderr.decode())
+        self.assertNotEqual(p.stdout, big.tobytes())
+        self.assertLess(len(p.stdout), big.nbytes)
+
+    def test_reindex_rebuilds_a_deleted_catalog(self):
+        import shutil
+        shutil.rmtree(os.path.join(self.repo, "catalog"))
+        self.assertIn("reindex", self.error_of("ls"))
+        out = json.loads(self.run_ckpt("reindex", "--json").stdout)
+        self.assertEqual(out["checkpoints"], 1)
+        self.assertEqual(self.run_ckpt("cat", "good", "x").stdout, np.arange(6, dtype=np.float32).tobytes())
+        self.assert_intact()
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,136 @@
+#include "codec/codec.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+namespace ckptfs {
+namespace {
+
+std::vector<std::byte> Normal(size_t bytes, DType dtype, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0, 0.02f);
+  std::vector<std::byte> out(bytes);
+  const uint32_t w = DTypeSize(dtype);
+  for (size_t i = 0; i + w <= bytes; i += w) {
+    float f = nd(rng);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if (w == 2) {
+      uint16_t h = static_cast<uint16_t>(u >> 16);
+      std::memcpy(&out[i], &h, 2);
+    } else if (w == 4) {
+      std::memcpy(&out[i], &f, 4);
+    } else if (w == 8) {
+      double d = f;
+      std::memcpy(&out[i], &d, 8);
+    } else {
+      out[i] = static_cast<std::byte>(u >> 24);
+    }
+  }
+  return out;
+}
+
+std::vector<std::byte> RoundTrip(const std::vector<std::byte>& raw, DType dtype, Codec* used, size_t* stored,
+                                 CodecOptions opts = {}) {
+  ChunkEncoder enc(opts);
+  std::string out;
+  auto codec = enc.Encode(raw, dtype, &out);
+  EXPECT_TRUE(codec.ok());
+  *used = *codec;
+  *stored = out.size();
+  std::vector<std::byte> back(raw.size());
+  Status st = DecodeChunk(*codec, std::as_bytes(std::span(out)), back);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  return back;
+}
+
+TEST(Codec, EveryDTypeRoundTripsBitExact) {
+  for (int code = 0; code < kDTypeCount; ++code) {
+    DType dt = *DTypeFromCode(code);
+    for (size_t size : {size_t{0}, size_t{8}, size_t{1000}, size_t{1 << 20}}) {
+      auto raw = Normal(size, dt, code);
+      Codec used;
+      size_t stored;
+      EXPECT_EQ(RoundTrip(raw, dt, &used, &stored), raw) << DTypeName(dt) << " " << size;
+    }
+  }
+}
+
+TEST(Codec, Bf16WeightsShrinkWithByteGrouping) {
+  auto raw = Normal(4 << 20, DType::kBF16, 1);
+  Codec used;
+  size_t stored;
+  EXPECT_EQ(RoundTrip(raw, DType::kBF16, &used, &stored), raw);
+  EXPECT_EQ(used, Codec::kByteGroupZstd);
+  EXPECT_LT(stored, raw.size() * 0.75);
+}
+
+TEST(Codec, IncompressibleDataIsStoredRaw) {
+  std::mt19937 rng(3);
+  std::vector<std::byte> raw(1 << 20);
+  for (auto& b : raw) b = static_cast<std::byte>(rng());
+  Codec used;
+  size_t stored;
+  EXPECT_EQ(RoundTrip(raw, DType::kU8, &used, &stored), raw);
+  EXPECT_EQ(used, Codec::kRaw);
+  EXPECT_EQ(stored, raw.size());
+  EXPECT_EQ(RoundTrip(raw, DType::kF32, &used, &stored), raw);
+  EXPECT_EQ(used, Codec::kRaw);
+}
+
+TEST(Codec, ZerosCompressWithEveryCodecPath) {
+  std::vector<std::byte> raw(1 << 20);
+  Codec used;
+  size_t stored;
+  EXPECT_EQ(RoundTrip(raw, DType::kI64, &used, &stored), raw);
+  EXPECT_EQ(used, Codec::kZstd);
+  EXPECT_LT(stored, 1000u);
+  CodecOptions high;
+  high.level = 9;  // not the entropy-only mode
+  EXPECT_EQ(RoundTrip(raw, DType::kF16, &used, &stored, high), raw);
+  EXPECT_EQ(used, Codec::kByteGroupZstd);
+}
+
+TEST(Codec, CompressionNoneStoresRaw) {
+  auto raw = Normal(1 << 16, DType::kBF16, 2);
+  CodecOptions none;
+  none.compression = Compression::kNone;
+  Codec used;
+  size_t stored;
+  EXPECT_EQ(RoundTrip(raw, DType::kBF16, &used, &stored, none), raw);
+  EXPECT_EQ(used, Codec::kRaw);
+}
+
+TEST(Codec, CorruptInputIsReportedNotDecodedWrong) {
+  auto raw = Normal(1 << 16, DType::kBF16, 5);
+  ChunkEncoder enc({});
+  std::string out;
+  ASSERT_EQ(*enc.Encode(raw, DType::kBF16, &out), Codec::kByteGroupZstd);
+  std::vector<std::byte> back(raw.size());
+  // Truncated, wrong sizes, garbage: never OK with the wrong bytes.
+  std::string truncated = out.substr(0, out.size() / 2);
+  EXPECT_TRUE(DecodeChunk(Codec::kByteGroupZstd, std::as_bytes(std::span(truncated)), back).IsCorruption());
+  std::string bad_width = out;
+  bad_width[0] = 3;
+  EXPECT_TRUE(DecodeChunk(Codec::kByteGroupZstd, std::as_bytes(std::span(bad_width)), back).IsCorruption());
+  std::vector<std::byte> wrong_len(raw.size() + 2);
+  EXPECT_FALSE(DecodeChunk(Codec::kByteGroupZstd, std::as_bytes(std::span(out)), wrong_len).ok());
+  std::string garbage(100, 'x');
+  EXPECT_TRUE(DecodeChunk(Codec::kZstd, std::as_bytes(std::span(garbage)), back).IsCorruption());
+  EXPECT_TRUE(DecodeChunk(static_cast<Codec>(9), std::as_bytes(std::span(garbage)), back).IsCorruption());
+}
+
+TEST(Codec, EntropyEstimate) {
+  std::vector<std::byte> zeros(1 << 16);
+  EXPECT_LT(EstimateEntropyRatio(zeros), 0.01);
+  std::mt19937 rng(1);
+  std::vector<std::byte> noise(1 << 20);
+  for (auto& b : noise) b = static_cast<std::byte>(rng());
+  EXPECT_GT(EstimateEntropyRatio(noise), 0.98);
+}
+
+}  // namespace
+}  // namespace ckptfs

@@ -1,0 +1,169 @@
+#include "store/pack.h"
+
+#include <gtest/gtest.h>
+
+#include "store/chunk_cache.h"
+#include "test_util.h"
+
+namespace ckptfs {
+namespace {
+
+using testing::RandomBytes;
+
+struct Written {
+  ChunkId id;
+  std::vector<std::byte> raw;
+  ChunkLocation loc;
+};
+
+std::vector<Written> WriteChunks(Backend* b, PackWriter& w, int n, size_t size) {
+  std::vector<Written> out;
+  ChunkEncoder enc({});
+  for (int i = 0; i < n; ++i) {
+    Written c;
+    c.raw = RandomBytes(size, i);
+    // Make half of them compressible.
+    if (i % 2) std::fill(c.raw.begin(), c.raw.begin() + size / 2, std::byte{0});
+    c.id = ChunkId::Of(c.raw);
+    std::string stored;
+    Codec codec = *enc.Encode(c.raw, DType::kU8, &stored);
+    c.loc = *w.Add(c.id, codec, static_cast<uint32_t>(size), std::as_bytes(std::span(stored)));
+    out.push_back(std::move(c));
+  }
+  (void)b;
+  return out;
+}
+
+TEST(Pack, IndexRoundTripsAndChunksVerify) {
+  auto backend = NewMemoryBackend();
+  PackWriter writer(backend.get(), 1 << 20);
+  auto chunks = WriteChunks(backend.get(), writer, 10, 300 << 10);
+  auto sealed = writer.Finish();
+  ASSERT_OK(sealed);
+  ASSERT_GE(sealed->size(), 2u);  // sealed by size
+  size_t entries = 0;
+  for (const auto& p : *sealed) {
+    auto index = ReadPackIndex(backend.get(), p.id);
+    ASSERT_OK(index);
+    EXPECT_EQ(index->size, p.size);
+    EXPECT_EQ(index->entries.size(), p.entries.size());
+    entries += index->entries.size();
+  }
+  EXPECT_EQ(entries, 10u);
+  for (const auto& c : chunks) {
+    std::vector<std::byte> raw(c.raw.size());
+    ASSERT_OK(ReadChunk(backend.get(), c.id, c.loc, raw));
+    EXPECT_EQ(raw, c.raw);
+  }
+}
+
+TEST(Pack, UnsealedPackIsInvisible) {
+  auto backend = NewMemoryBackend();
+  {
+    PackWriter writer(backend.get(), 64 << 20);
+    WriteChunks(backend.get(), writer, 3, 1000);
+  }
+  EXPECT_TRUE(backend->List("packs/")->empty());
+}
+
+TEST(Pack, FlippedByteIsCorruptionNamingChunkAndPack) {
+  auto backend = NewMemoryBackend();
+  PackWriter writer(backend.get(), 64 << 20);
+  auto chunks = WriteChunks(backend.get(), writer, 2, 4096);
+  ASSERT_OK(writer.Finish());
+  const auto& c = chunks[0];
+  std::string pack = *backend->ReadAll(PackKey(c.loc.pack));
+  pack[c.loc.offset + 100] ^= 0x40;
+  ASSERT_OK(backend->Put(PackKey(c.loc.pack), std::as_bytes(std::span(pack))));
+  std::vector<std::byte> raw(c.raw.size());
+  Status st = ReadChunk(backend.get(), c.id, c.loc, raw);
+  EXPECT_TRUE(st.IsCorruption()) << st.ToString();
+  EXPECT_NE(st.message().find(c.id.ToHex()), std::string::npos);
+  EXPECT_NE(st.message().find(c.loc.pack), std::string::npos);
+}
+
+TEST(Pack, DamagedIndexOrTruncationIsDetected) {
+  auto backend = NewMemoryBackend();
+  PackWriter writer(backend.get(), 64 << 20);
+  auto chunks = WriteChunks(backend.get(), writer, 3, 4096);
+  ASSERT_OK(writer.Finish());
+  const std::string id = chunks[0].loc.pack;
+  std::string pack = *backend->ReadAll(PackKey(id));
+  std::string damaged = pack;
+  damaged[damaged.size() - kPackFooterSize - 5] ^= 1;  // inside the index
+  ASSERT_OK(backend->Put(PackKey(id), std::as_bytes(std::span(damaged))));
+  EXPECT_TRUE(ReadPackIndex(backend.get(), id).status().IsCorruption());
+  std::string truncated = pack.substr(0, pack.size() - 3);
+  ASSERT_OK(backend->Put(PackKey(id), std::as_bytes(std::span(truncated))));
+  EXPECT_TRUE(ReadPackIndex(backend.get(), id).status().IsCorruption());
+  ASSERT_OK(backend->Put(PackKey(id), std::as_bytes(std::span("short", 5))));
+  EXPECT_TRUE(ReadPackIndex(backend.get(), id).status().IsCorruption());
+}
+
+TEST(Pack, FailedAppendIsStickyAndSealsNothing) {
+  // A backend whose writers fail after some bytes: a full disk.
+  class FullDisk : public Backend {
+   public:
+    std::unique_ptr<Backend> inner = NewMemoryBackend();
+    class W : public ObjectWriter {
+     public:
+      explicit W(std::unique_ptr<ObjectWriter> w) : w_(std::move(w)) {}
+      Status Append(std::span<const std::byte> d) override {
+        if (w_->size() + d.size() > 10000) return Status::ResourceExhausted("No space left on device");
+        return w_->Append(d);
+      }
+      Status Commit() override { return w_->Commit(); }
+      void Abort() override { w_->Abort(); }
+      uint64_t size() const override { return w_->size(); }
+      std::unique_ptr<ObjectWriter> w_;
+    };
+    Result<std::unique_ptr<ObjectWriter>> Create(std::string_view key) override {
+      ASSIGN_OR_RETURN(auto w, inner->Create(key));
+      return std::unique_ptr<ObjectWriter>(new W(std::move(w)));
+    }
+    Status ReadRange(std::string_view k, uint64_t o, std::span<std::byte> out) override { return inner->ReadRange(k, o, out); }
+    Result<uint64_t> Size(std::string_view k) override { return inner->Size(k); }
+    Result<std::vector<std::string>> List(std::string_view p) override { return inner->List(p); }
+    Status Delete(std::string_view k) override { return inner->Delete(k); }
+    std::string Describe() const override { return "full"; }
+  } disk;
+  PackWriter writer(&disk, 1 << 20);
+  auto data = RandomBytes(6000, 1);
+  ASSERT_OK(writer.Add(ChunkId::Of(data), Codec::kRaw, 6000, data));
+  auto second = writer.Add(ChunkId::Of(data), Codec::kRaw, 6000, data);
+  EXPECT_EQ(second.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_FALSE(writer.Finish().ok());
+  EXPECT_TRUE(disk.List("packs/")->empty());
+}
+
+TEST(ChunkCache, LoadsOnceAndEvictsByBytes) {
+  ChunkCache cache(3000);
+  int loads = 0;
+  auto loader = [&](size_t n) {
+    return [&, n]() -> Result<ChunkData> {
+      ++loads;
+      return ChunkData(std::make_shared<std::vector<std::byte>>(n));
+    };
+  };
+  ChunkId a = ChunkId::Of(RandomBytes(10, 1)), b = ChunkId::Of(RandomBytes(10, 2)), c = ChunkId::Of(RandomBytes(10, 3));
+  ASSERT_OK(cache.Get(a, loader(1000)));
+  ASSERT_OK(cache.Get(a, loader(1000)));
+  EXPECT_EQ(loads, 1);
+  ASSERT_OK(cache.Get(b, loader(1000)));
+  ASSERT_OK(cache.Get(c, loader(1500)));  // evicts a (least recent)
+  EXPECT_LE(cache.bytes(), 3000u);
+  ASSERT_OK(cache.Get(a, loader(1000)));
+  EXPECT_EQ(loads, 4);
+  // Errors are not cached.
+  auto failing = [&]() -> Result<ChunkData> {
+    ++loads;
+    return Status::Corruption("bad");
+  };
+  ChunkId d = ChunkId::Of(RandomBytes(10, 4));
+  EXPECT_FALSE(cache.Get(d, failing).ok());
+  EXPECT_FALSE(cache.Get(d, failing).ok());
+  EXPECT_EQ(loads, 6);
+}
+
+}  // namespace
+}  // namespace ckptfs

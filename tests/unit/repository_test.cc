@@ -1,0 +1,467 @@
+// Save and load through the public API: sharding, resharding, dedup, the
+// multi-rank protocol, bad input and damaged repositories.
+#include "ckpt/repository.h"
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "test_util.h"
+
+namespace ckptfs {
+namespace {
+
+using testing::RandomBytes;
+using testing::TempDir;
+
+// A whole tensor in memory, the reference the store is checked against.
+struct Ref {
+  TensorInfo info;
+  std::vector<std::byte> bytes;
+  uint64_t w() const { return DTypeSize(info.dtype); }
+
+  // Row-major bytes of `box`.
+  std::vector<std::byte> Box(const ckptfs::Box& b) const {
+    std::vector<std::byte> out(b.NumElements() * w());
+    ForEachRun(b, SpaceOfBox(FullBox(info.shape)), SpaceOfBox(b), [&](uint64_t s, uint64_t d, uint64_t n) {
+      std::memcpy(out.data() + d * w(), bytes.data() + s * w(), n * w());
+    });
+    return out;
+  }
+  std::vector<std::byte> Flat(uint64_t s, uint64_t e) const {
+    return std::vector<std::byte>(bytes.begin() + s * w(), bytes.begin() + e * w());
+  }
+};
+
+Ref MakeRef(const std::string& name, DType dtype, Shape shape, uint32_t seed) {
+  Ref r{{name, dtype, shape}, {}};
+  r.bytes = RandomBytes(NumElements(shape) * DTypeSize(dtype), seed);
+  return r;
+}
+
+class RepoTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    RepositoryConfig config;
+    config.chunk_size = 64 << 10;  // small chunks: many per tensor
+    config.pack_size = 1 << 20;
+    ASSERT_OK(Repository::Init(dir_.path(), config));
+    Reopen();
+  }
+  void Reopen() {
+    repo_.reset();
+    OpenOptions opts;
+    opts.threads = 3;
+    opts.cache_bytes = 1 << 20;
+    auto r = Repository::Open(dir_.path(), opts);
+    ASSERT_OK(r);
+    repo_ = std::move(r).value();
+  }
+  std::unique_ptr<CheckpointWriter> Begin(const std::string& name, uint32_t rank = 0, uint32_t world = 1) {
+    auto w = repo_->BeginCheckpoint(name, {rank, world, 7, {}});
+    EXPECT_OK(w);
+    return w.ok() ? std::move(w).value() : nullptr;
+  }
+  void PutBox(CheckpointWriter& w, const Ref& r, const Box& b) {
+    auto data = r.Box(b);
+    HostSource src(data);
+    ASSERT_OK(w.PutShard(r.info, Region::OfBox(b), src));
+  }
+  void PutFlat(CheckpointWriter& w, const Ref& r, uint64_t s, uint64_t e) {
+    auto data = r.Flat(s, e);
+    HostSource src(data);
+    ASSERT_OK(w.PutShard(r.info, Region::OfFlat(s, e), src));
+  }
+  void ExpectWhole(const std::string& ckpt, const Ref& r) {
+    auto reader = repo_->OpenCheckpoint(ckpt);
+    ASSERT_OK(reader);
+    const TensorRecord* t = (*reader)->FindTensor(r.info.name);
+    ASSERT_NE(t, nullptr) << r.info.name;
+    EXPECT_EQ(t->dtype, r.info.dtype);
+    EXPECT_EQ(t->shape, r.info.shape);
+    std::vector<std::byte> got(r.bytes.size());
+    ASSERT_OK((*reader)->ReadBytes(*t, 0, got));
+    EXPECT_TRUE(got == r.bytes) << r.info.name;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<Repository> repo_;
+};
+
+TEST_F(RepoTest, EveryDTypeWholeTensorsRoundTrip) {
+  auto w = Begin("all-dtypes");
+  std::vector<Ref> refs;
+  for (int code = 0; code < kDTypeCount; ++code) {
+    DType dt = *DTypeFromCode(code);
+    refs.push_back(MakeRef(std::string("t.") + std::string(DTypeName(dt)), dt, {37, 129}, code));
+  }
+  refs.push_back(MakeRef("scalar", DType::kF32, {}, 99));
+  refs.push_back(MakeRef("empty", DType::kBF16, {0, 8}, 98));
+  refs.push_back(MakeRef("big", DType::kBF16, {300, 1000}, 97));  // spans many chunks and packs
+  for (const auto& r : refs) ASSERT_OK(w->PutTensor(r.info, r.bytes));
+  auto res = w->Commit().Wait();
+  ASSERT_OK(res);
+  EXPECT_TRUE(res->checkpoint_visible);
+  Reopen();
+  for (const auto& r : refs) ExpectWhole("all-dtypes", r);
+}
+
+TEST_F(RepoTest, BoxAndFlatShardsFromManyRanksReshardOnLoad) {
+  Ref a = MakeRef("attn.qkv", DType::kF32, {64, 48}, 1);   // tensor parallel: column blocks
+  Ref b = MakeRef("mlp.flat", DType::kBF16, {33, 77}, 2);  // FSDP: flat, uneven cuts
+  Ref c = MakeRef("norm", DType::kF16, {48}, 3);           // replicated
+  const uint32_t world = 4;
+  const uint64_t nb = NumElements(b.info.shape);
+  const uint64_t cuts[] = {0, 5, nb / 2 + 3, nb - 1, nb};
+  std::vector<std::thread> ranks;
+  for (uint32_t r = 0; r < world; ++r) {
+    auto w = Begin("tp-fsdp", r, world);
+    PutBox(*w, a, Box{{0, 12 * r}, {64, 12}});
+    PutFlat(*w, b, cuts[r], cuts[r + 1]);
+    PutBox(*w, c, FullBox(c.info.shape));
+    auto res = w->Commit().Wait();
+    ASSERT_OK(res);
+    EXPECT_EQ(res->checkpoint_visible, r == world - 1);
+    if (r + 1 < world) EXPECT_TRUE(repo_->OpenCheckpoint("tp-fsdp").status().IsNotFound());
+  }
+  ExpectWhole("tp-fsdp", a);
+  ExpectWhole("tp-fsdp", b);
+  ExpectWhole("tp-fsdp", c);
+  auto reader = std::move(repo_->OpenCheckpoint("tp-fsdp")).value();
+  // The replicated tensor is stored once, listing every rank.
+  const TensorRecord* norm = reader->FindTensor("norm");
+  ASSERT_EQ(norm->shards.size(), 1u);
+  EXPECT_EQ(norm->shards[0].ranks.size(), world);
+  // Random boxes and flat ranges (a new sharding) read back exactly.
+  std::mt19937 rng(5);
+  for (int i = 0; i < 200; ++i) {
+    const Ref& r = i % 2 ? a : b;
+    const TensorRecord* t = reader->FindTensor(r.info.name);
+    ckptfs::Box box;
+    for (uint64_t d : r.info.shape) {
+      uint64_t lo = rng() % d, len = 1 + rng() % (d - lo);
+      box.offsets.push_back(lo);
+      box.lengths.push_back(len);
+    }
+    std::vector<std::byte> got(box.NumElements() * r.w());
+    ASSERT_OK(reader->ReadBox(*t, box, got));
+    ASSERT_TRUE(got == r.Box(box)) << r.info.name << " " << box.ToString();
+    uint64_t n = NumElements(r.info.shape), s = rng() % n, e = s + rng() % (n - s + 1);
+    std::vector<std::byte> flat((e - s) * r.w());
+    ASSERT_OK(reader->ReadFlat(*t, {s, e}, flat));
+    ASSERT_TRUE(flat == r.Flat(s, e));
+    // Unaligned byte ranges.
+    uint64_t bytes = r.bytes.size(), off = rng() % bytes, len = rng() % (bytes - off + 1);
+    std::vector<std::byte> part(len);
+    ASSERT_OK(reader->ReadBytes(*t, off, part));
+    ASSERT_TRUE(std::equal(part.begin(), part.end(), r.bytes.begin() + off));
+  }
+}
+
+TEST_F(RepoTest, FlatShardsDeduplicateAcrossWorldSizes) {
+  Ref p = MakeRef("flat.param", DType::kF32, {1000, 257}, 11);  // ~1 MiB, 16 chunks
+  const uint64_t n = NumElements(p.info.shape);
+  {
+    auto w = Begin("ws2", 0, 1);
+    PutFlat(*w, p, 0, n / 2 + 17);
+    PutFlat(*w, p, n / 2 + 17, n);
+    ASSERT_OK(w->Commit().Wait());
+  }
+  uint64_t written = 0, deduped = 0;
+  for (uint32_t r = 0; r < 3; ++r) {
+    auto w = Begin("ws3", r, 3);
+    PutFlat(*w, p, n * r / 3 + r, r == 2 ? n : n * (r + 1) / 3 + r + 1);
+    auto res = w->Commit().Wait();
+    ASSERT_OK(res);
+    written += res->chunks_written;
+    deduped += res->chunks_deduplicated;
+  }
+  // Chunk boundaries follow global byte offsets: every chunk but those cut by
+  // a rank boundary is found again.
+  EXPECT_GE(deduped, 12u);
+  EXPECT_LE(written, 6u);
+  ExpectWhole("ws3", p);
+}
+
+TEST_F(RepoTest, SecondSaveOfSameStateStoresNothingNew) {
+  Ref a = MakeRef("w", DType::kBF16, {512, 512}, 1);
+  for (const char* name : {"v1", "v2"}) {
+    auto w = Begin(name);
+    ASSERT_OK(w->PutTensor(a.info, a.bytes));
+    auto res = w->Commit().Wait();
+    ASSERT_OK(res);
+    if (std::string(name) == "v2") {
+      EXPECT_EQ(res->chunks_written, 0u);
+      EXPECT_EQ(res->stored_bytes, 0u);
+    }
+  }
+  ExpectWhole("v2", a);
+}
+
+TEST_F(RepoTest, BlobsRoundTrip) {
+  auto w = Begin("with-blobs");
+  auto rng_state = RandomBytes(200 << 10, 4);
+  ASSERT_OK(w->PutBlob("rng/rank0", rng_state));
+  ASSERT_OK(w->PutBlob("empty", {}));
+  EXPECT_FALSE(w->PutBlob("empty", {}).ok());
+  ASSERT_OK(w->Commit().Wait());
+  auto reader = std::move(repo_->OpenCheckpoint("with-blobs")).value();
+  const BlobRecord* b = reader->FindBlob("rng/rank0");
+  ASSERT_NE(b, nullptr);
+  std::vector<std::byte> got(b->size);
+  ASSERT_OK(reader->ReadBlob(*b, 0, got));
+  EXPECT_EQ(got, rng_state);
+  EXPECT_EQ(reader->FindBlob("empty")->size, 0u);
+}
+
+TEST_F(RepoTest, OverlapWithDifferentBytesFailsAndStaysInvisible) {
+  Ref a = MakeRef("x", DType::kI32, {8, 8}, 1);
+  {
+    auto w = Begin("bad", 0, 2);
+    PutBox(*w, a, Box{{0, 0}, {5, 8}});
+    ASSERT_OK(w->Commit().Wait());
+  }
+  auto w = Begin("bad", 1, 2);
+  Ref other = a;
+  other.bytes[4 * 8 * 4] ^= std::byte{1};  // row 4 differs in the overlap
+  PutBox(*w, other, Box{{4, 0}, {4, 8}});
+  auto res = w->Commit().Wait();
+  ASSERT_FALSE(res.ok());
+  EXPECT_EQ(res.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(res.status().message().find("tensor 'x'"), std::string::npos) << res.status().message();
+  EXPECT_NE(res.status().message().find("different bytes"), std::string::npos);
+  EXPECT_TRUE(repo_->OpenCheckpoint("bad").status().IsNotFound());
+  // The failed rank may try again with the right bytes.
+  auto retry = Begin("bad", 1, 2);
+  PutBox(*retry, a, Box{{4, 0}, {4, 8}});
+  ASSERT_OK(retry->Commit().Wait());
+  ExpectWhole("bad", a);
+}
+
+TEST_F(RepoTest, OverlapWithSameBytesIsAccepted) {
+  Ref a = MakeRef("x", DType::kF32, {6, 4}, 1);
+  auto w0 = Begin("ok", 0, 2);
+  PutFlat(*w0, a, 0, 14);
+  ASSERT_OK(w0->Commit().Wait());
+  auto w1 = Begin("ok", 1, 2);
+  PutFlat(*w1, a, 10, 24);
+  ASSERT_OK(w1->Commit().Wait());
+  ExpectWhole("ok", a);
+}
+
+TEST_F(RepoTest, GapFailsNamingTheTensor) {
+  Ref a = MakeRef("layer.weight", DType::kF32, {10, 4}, 1);
+  auto w = Begin("gappy");
+  PutBox(*w, a, Box{{0, 0}, {4, 4}});
+  PutBox(*w, a, Box{{5, 0}, {5, 4}});
+  auto res = w->Commit().Wait();
+  ASSERT_FALSE(res.ok());
+  EXPECT_NE(res.status().message().find("'layer.weight'"), std::string::npos);
+  EXPECT_NE(res.status().message().find("not fully covered"), std::string::npos);
+  EXPECT_TRUE(repo_->OpenCheckpoint("gappy").status().IsNotFound());
+  // Same for box shards leaving a hole in the middle column.
+  auto w2 = Begin("gappy2");
+  PutBox(*w2, a, Box{{0, 0}, {10, 1}});
+  PutBox(*w2, a, Box{{0, 2}, {10, 2}});
+  EXPECT_FALSE(w2->Commit().Wait().ok());
+}
+
+TEST_F(RepoTest, DTypeOrShapeDisagreementBetweenRanksFails) {
+  Ref a = MakeRef("x", DType::kF32, {4, 4}, 1);
+  auto w0 = Begin("mismatch", 0, 2);
+  PutBox(*w0, a, Box{{0, 0}, {2, 4}});
+  ASSERT_OK(w0->Commit().Wait());
+  Ref b = MakeRef("x", DType::kI32, {4, 4}, 1);
+  auto w1 = Begin("mismatch", 1, 2);
+  PutBox(*w1, b, Box{{2, 0}, {2, 4}});
+  auto res = w1->Commit().Wait();
+  ASSERT_FALSE(res.ok());
+  EXPECT_NE(res.status().message().find("tensor 'x'"), std::string::npos);
+  EXPECT_NE(res.status().message().find("I32"), std::string::npos);
+}
+
+TEST_F(RepoTest, BadPutsAreRejected) {
+  Ref a = MakeRef("x", DType::kF32, {4, 4}, 1);
+  auto w = Begin("puts");
+  std::vector<std::byte> small(10);
+  HostSource src(small);
+  EXPECT_FALSE(w->PutShard(a.info, Region::OfBox(FullBox(a.info.shape)), src).ok());  // wrong size
+  HostSource whole(a.bytes);
+  EXPECT_FALSE(w->PutShard(a.info, Region::OfBox(Box{{2, 0}, {4, 4}}), whole).ok());  // out of bounds
+  EXPECT_FALSE(w->PutShard(a.info, Region::OfFlat(0, 17), whole).ok());
+  ASSERT_OK(w->PutTensor(a.info, a.bytes));
+  TensorInfo other{"x", DType::kF32, {16}};
+  EXPECT_FALSE(w->PutTensor(other, a.bytes).ok());  // another shape
+  ASSERT_OK(w->PutTensor(a.info, a.bytes));  // same region, same bytes: merged
+  ASSERT_OK(w->Commit().Wait());
+  auto reader = std::move(repo_->OpenCheckpoint("puts")).value();
+  EXPECT_EQ(reader->FindTensor("x")->shards.size(), 1u);
+  // Same region with other bytes fails the commit.
+  auto w2 = Begin("puts2");
+  ASSERT_OK(w2->PutTensor(a.info, a.bytes));
+  Ref b = MakeRef("x", DType::kF32, {4, 4}, 2);
+  ASSERT_OK(w2->PutTensor(b.info, b.bytes));
+  auto res = w2->Commit().Wait();
+  ASSERT_FALSE(res.ok());
+  EXPECT_NE(res.status().message().find("different bytes"), std::string::npos);
+}
+
+TEST_F(RepoTest, WriterThatNeverCommitsLeavesNoRecord) {
+  {
+    auto w = Begin("ghost", 0, 2);
+    Ref a = MakeRef("x", DType::kF32, {4, 4}, 1);
+    ASSERT_OK(w->PutTensor(a.info, a.bytes));
+  }
+  EXPECT_TRUE(repo_->ListCheckpoints(true)->empty());
+}
+
+TEST_F(RepoTest, NamesAndRanksAreChecked) {
+  EXPECT_FALSE(repo_->BeginCheckpoint("", {}).ok());
+  EXPECT_FALSE(repo_->BeginCheckpoint("a/b", {}).ok());
+  EXPECT_FALSE(repo_->BeginCheckpoint(".hidden", {}).ok());
+  EXPECT_FALSE(repo_->BeginCheckpoint("x", {2, 2, {}, {}}).ok());
+  auto w = Begin("dup");
+  ASSERT_OK(w->Commit().Wait());
+  EXPECT_EQ(repo_->BeginCheckpoint("dup", {}).status().code(), StatusCode::kAlreadyExists);
+  auto p = Begin("pending", 0, 3);
+  ASSERT_OK(p->Commit().Wait());
+  EXPECT_FALSE(repo_->BeginCheckpoint("pending", {1, 2, {}, {}}).ok());              // world size differs
+  EXPECT_EQ(repo_->BeginCheckpoint("pending", {0, 3, {}, {}}).status().code(),    // rank done
+            StatusCode::kAlreadyExists);
+  EXPECT_TRUE(repo_->OpenCheckpoint("nope").status().IsNotFound());
+  auto list = repo_->ListCheckpoints(true);
+  ASSERT_OK(list);
+  ASSERT_EQ(list->size(), 2u);
+  EXPECT_EQ((*list)[0].name, "dup");
+  EXPECT_EQ((*list)[1].state, CheckpointState::kPending);
+  EXPECT_EQ(repo_->ListCheckpoints(false)->size(), 1u);
+}
+
+TEST_F(RepoTest, AbortedWriterLeavesNothingVisible) {
+  Ref a = MakeRef("x", DType::kF32, {256, 256}, 1);
+  {
+    auto w = Begin("aborted");
+    ASSERT_OK(w->PutTensor(a.info, a.bytes));
+    w->Abort();
+  }
+  EXPECT_TRUE(repo_->OpenCheckpoint("aborted").status().IsNotFound());
+  auto v = repo_->Verify(std::nullopt);
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok());
+}
+
+TEST_F(RepoTest, RanksInSeparateProcessesCommitOnce) {
+  Ref a = MakeRef("x", DType::kBF16, {64, 1024}, 1);
+  repo_.reset();  // children open their own environment
+  const int world = 4;
+  std::vector<pid_t> kids;
+  for (int r = 0; r < world; ++r) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      auto repo = Repository::Open(dir_.path());
+      if (!repo.ok()) _exit(10);
+      auto w = (*repo)->BeginCheckpoint("mp", {static_cast<uint32_t>(r), world, 1, {}});
+      if (!w.ok()) _exit(11);
+      auto data = a.Box(Box{{16ull * r, 0}, {16, 1024}});
+      HostSource src(data);
+      if (!(*w)->PutShard(a.info, Region::OfBox(Box{{16ull * r, 0}, {16, 1024}}), src).ok()) _exit(12);
+      _exit((*w)->Commit().Wait().ok() ? 0 : 13);
+    }
+    kids.push_back(pid);
+  }
+  for (pid_t pid : kids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  }
+  Reopen();
+  ExpectWhole("mp", a);
+}
+
+TEST_F(RepoTest, CorruptPackFailsReadsAndVerifyNeverReturnsWrongBytes) {
+  Ref a = MakeRef("x", DType::kF32, {128, 1024}, 1);
+  auto w = Begin("c");
+  ASSERT_OK(w->PutTensor(a.info, a.bytes));
+  ASSERT_OK(w->Commit().Wait());
+  repo_.reset();
+  // Flip one byte in the middle of every pack's data area.
+  for (const auto& e : std::filesystem::directory_iterator(dir_ / "objects/packs")) {
+    std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(100);
+    char c;
+    f.read(&c, 1);
+    c ^= 0x55;
+    f.seekp(100);
+    f.write(&c, 1);
+  }
+  Reopen();
+  auto reader = std::move(repo_->OpenCheckpoint("c")).value();
+  std::vector<std::byte> got(a.bytes.size());
+  Status st = reader->ReadBytes(*reader->FindTensor("x"), 0, got);
+  EXPECT_TRUE(st.IsCorruption()) << st.ToString();
+  auto v = repo_->Verify(std::string("c"));
+  ASSERT_OK(v);
+  EXPECT_FALSE(v->ok());
+  EXPECT_NE(v->problems[0].message.find("pack"), std::string::npos);
+}
+
+TEST_F(RepoTest, ReindexRebuildsDeletedCatalog) {
+  Ref a = MakeRef("x", DType::kBF16, {100, 100}, 1);
+  auto w = Begin("r1");
+  ASSERT_OK(w->PutTensor(a.info, a.bytes));
+  ASSERT_OK(w->PutBlob("b", RandomBytes(10, 1)));
+  ASSERT_OK(w->Commit().Wait());
+  auto p = Begin("pending", 0, 2);
+  ASSERT_OK(p->Commit().Wait());
+  repo_.reset();
+  std::filesystem::remove_all(dir_ / "catalog");
+  EXPECT_EQ(Repository::Open(dir_.path()).status().code(), StatusCode::kCorruption);
+  auto report = Repository::Reindex(dir_.path());
+  ASSERT_OK(report);
+  EXPECT_EQ(report->checkpoints, 1u);
+  Reopen();
+  ExpectWhole("r1", a);
+  EXPECT_EQ(repo_->ListCheckpoints(true)->size(), 1u);  // pending dropped
+  auto v = repo_->Verify(std::nullopt);
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok());
+  // New commits continue the sequence.
+  auto w2 = Begin("r2");
+  ASSERT_OK(w2->Commit().Wait());
+  auto list = *repo_->ListCheckpoints();
+  EXPECT_LT(list[0].sequence, list[1].sequence);
+}
+
+TEST(RepositoryOpen, MissingForeignAndNewerRepositoriesAreRefused) {
+  TempDir dir;
+  auto missing = Repository::Open(dir / "nothing");
+  EXPECT_TRUE(missing.status().IsNotFound());
+  EXPECT_NE(missing.status().message().find("ckpt init"), std::string::npos);
+  EXPECT_EQ(Repository::Open(dir.path()).status().code(), StatusCode::kFailedPrecondition);
+  std::ofstream(dir / "ckptfs.json") << "{\"format\": \"something-else\"}";
+  EXPECT_EQ(Repository::Open(dir.path()).status().code(), StatusCode::kFailedPrecondition);
+  std::filesystem::remove(dir / "ckptfs.json");
+  ASSERT_OK(Repository::Init(dir / "repo", {}));
+  EXPECT_EQ(Repository::Init(dir / "repo", {}).code(), StatusCode::kAlreadyExists);
+  std::string config;
+  {
+    std::ifstream f(dir / "repo/ckptfs.json");
+    config.assign(std::istreambuf_iterator<char>(f), {});
+  }
+  config.replace(config.find("\"format_version\": 1"), 19, "\"format_version\": 99");
+  std::ofstream(dir / "repo/ckptfs.json") << config;
+  auto newer = Repository::Open(dir / "repo");
+  EXPECT_EQ(newer.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(newer.status().message().find("99"), std::string::npos);
+  RepositoryConfig bad;
+  bad.chunk_size = 1000;
+  EXPECT_FALSE(Repository::Init(dir / "repo2", bad).ok());
+}
+
+}  // namespace
+}  // namespace ckptfs

@@ -1,0 +1,99 @@
+#include "io/safetensors.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+
+#include "test_util.h"
+
+namespace ckptfs {
+namespace {
+
+using testing::TempDir;
+
+std::string File(const std::string& header, const std::string& data) {
+  uint64_t n = header.size();
+  return std::string(reinterpret_cast<const char*>(&n), 8) + header + data;
+}
+
+Status OpenBytes(const TempDir& dir, const std::string& bytes) {
+  std::string path = dir / "f.safetensors";
+  std::ofstream(path, std::ios::binary) << bytes;
+  return SafetensorsFile::Open(path).status();
+}
+
+TEST(Safetensors, ParsesTensorsAndMetadata) {
+  auto h = ParseSafetensorsHeader(
+      R"({"__metadata__": {"format": "pt"}, "b": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [8, 16]},
+          "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "s": {"dtype": "I64", "shape": [], "data_offsets": [16, 24]}})",
+      24);
+  ASSERT_OK(h);
+  ASSERT_EQ(h->tensors.size(), 3u);
+  EXPECT_EQ(h->tensors[0].name, "a");  // data order
+  EXPECT_EQ(h->tensors[1].dtype, DType::kBF16);
+  EXPECT_TRUE(h->tensors[2].shape.empty());
+  EXPECT_EQ(h->metadata[0].second, "pt");
+}
+
+TEST(Safetensors, RejectsMalformedHeaders) {
+  struct Case {
+    const char* json;
+    uint64_t data;
+    const char* expect;
+  } cases[] = {
+      {"{", 0, "not valid JSON"},
+      {"[]", 0, "not a JSON object"},
+      {R"({"a": {"dtype": "F33", "shape": [1], "data_offsets": [0, 4]}})", 4, "unknown dtype 'F33'"},
+      {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", 4, "past the end"},
+      {R"({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})", 8, "needs 12 bytes"},
+      {R"({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", 4, "non-negative"},
+      {R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}})", 8, "reversed"},
+      {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8, "share bytes"},
+      {R"({"a": {"dtype": "F32", "shape": [1]}})", 4, "data_offsets"},
+      {R"({"__metadata__": {"k": 1}})", 0, "not a string"},
+  };
+  for (const auto& c : cases) {
+    auto h = ParseSafetensorsHeader(c.json, c.data);
+    ASSERT_FALSE(h.ok()) << c.json;
+    EXPECT_NE(h.status().message().find(c.expect), std::string::npos) << h.status().message();
+  }
+}
+
+TEST(Safetensors, RejectsBadFiles) {
+  TempDir dir;
+  EXPECT_FALSE(OpenBytes(dir, "abc").ok());                          // too short
+  EXPECT_OK(OpenBytes(dir, File("{}", "")));  // an empty checkpoint is valid
+  std::string huge_len(8, '\xff');
+  EXPECT_NE(OpenBytes(dir, huge_len + "{}").message().find("bad header length"), std::string::npos);
+  std::string truncated = File(R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})", std::string(8, 'x'));
+  EXPECT_NE(OpenBytes(dir, truncated).message().find("truncated"), std::string::npos);
+  EXPECT_TRUE(SafetensorsFile::Open(dir / "missing").status().IsNotFound());
+}
+
+TEST(Safetensors, LayoutIsParseableAndAligned) {
+  std::vector<TensorMeta> ts = {{"x", DType::kF32, {2, 3}}, {"y/z", DType::kBF16, {}}, {"e", DType::kU8, {0}}};
+  auto layout = LayoutSafetensors(ts, {{"step", "5"}});
+  EXPECT_EQ(layout.header.size() % 8, 0u);
+  EXPECT_EQ(layout.total_size, layout.header.size() + 24 + 2);
+  uint64_t n;
+  std::memcpy(&n, layout.header.data(), 8);
+  auto h = ParseSafetensorsHeader(layout.header.substr(8, n), 26);
+  ASSERT_OK(h);
+  EXPECT_EQ(h->tensors.size(), 3u);
+  EXPECT_EQ(layout.offsets[1], layout.header.size() + 24);
+}
+
+TEST(Npy, HeaderFollowsTheFormat) {
+  std::string h = NpyHeader(DType::kBF16, {3});
+  EXPECT_EQ(h.size() % 64, 0u);
+  EXPECT_EQ(h.substr(0, 6), "\x93NUMPY");
+  EXPECT_NE(h.find("'descr': '<u2'"), std::string::npos);
+  EXPECT_NE(h.find("'shape': (3,)"), std::string::npos);
+  EXPECT_EQ(h.back(), '\n');
+  EXPECT_NE(NpyHeader(DType::kF32, {}).find("'shape': ()"), std::string::npos);
+  EXPECT_NE(NpyHeader(DType::kF32, {2, 3}).find("'shape': (2, 3)"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace ckptfs

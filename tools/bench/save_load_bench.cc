@@ -1,0 +1,334 @@
+// Save/load benchmark: LLM-like training state (bf16 weights drawn from
+// N(0, 0.02), fp32 Adam moments) saved by several ranks as box and flat
+// shards, then loaded back resharded to another world size, every byte
+// checked. Baselines on the same bytes and filesystem, in the same run: a raw
+// sequential write with fsync, and a raw sequential read (page cache dropped
+// first when possible).
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "ckpt/repository.h"
+#include "ckpt/repository_impl.h"
+
+using namespace ckptfs;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct Options {
+  std::string dir = ".";
+  double gib = 2.0;
+  int save_ranks = 4;
+  int load_ranks = 3;
+  int runs = 3;
+  int level = 1;
+  bool adaptive = true;
+};
+
+double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// xoshiro-style fast generator and Box-Muller normals.
+struct Rng {
+  uint64_t s;
+  uint64_t Next() {
+    s += 0x9e3779b97f4a7c15ull;
+    uint64_t z = s;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  void Normals(float* out, size_t n, float sigma) {
+    for (size_t i = 0; i + 1 < n; i += 2) {
+      uint64_t r = Next();
+      float u1 = ((r >> 40) + 1) * (1.0f / 16777217.0f);
+      float u2 = ((r & 0xffffff)) * (1.0f / 16777216.0f);
+      float m = std::sqrt(-2.0f * std::log(u1)) * sigma;
+      out[i] = m * std::cos(6.2831853f * u2);
+      out[i + 1] = m * std::sin(6.2831853f * u2);
+    }
+    if (n % 2) out[n - 1] = 0;
+  }
+};
+
+struct Tensor {
+  TensorInfo info;
+  std::vector<std::byte> bytes;
+  bool is_weight;
+};
+
+std::vector<Tensor> BuildState(double gib) {
+  // Per parameter: 2 bytes bf16 weight + 4 + 4 bytes of fp32 moments.
+  const uint64_t cols = 4096;
+  const uint64_t rows_per_tensor = 2048;
+  const uint64_t params = static_cast<uint64_t>(gib * (1ull << 30) / 10);
+  const uint64_t layers = std::max<uint64_t>(1, params / (rows_per_tensor * cols));
+  std::vector<Tensor> state;
+  Rng rng{12345};
+  std::vector<float> tmp(rows_per_tensor * cols);
+  for (uint64_t l = 0; l < layers; ++l) {
+    const Shape shape = {rows_per_tensor, cols};
+    const std::string base = "layers." + std::to_string(l) + ".mlp.weight";
+    Tensor w{{base, DType::kBF16, shape}, std::vector<std::byte>(tmp.size() * 2), true};
+    rng.Normals(tmp.data(), tmp.size(), 0.02f);
+    for (size_t i = 0; i < tmp.size(); ++i) {
+      uint32_t u;
+      std::memcpy(&u, &tmp[i], 4);
+      uint16_t h = static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);  // round to nearest even
+      std::memcpy(&w.bytes[2 * i], &h, 2);
+    }
+    Tensor m{{"optim." + base + ".exp_avg", DType::kF32, shape}, std::vector<std::byte>(tmp.size() * 4), false};
+    rng.Normals(tmp.data(), tmp.size(), 1e-3f);
+    std::memcpy(m.bytes.data(), tmp.data(), m.bytes.size());
+    Tensor v{{"optim." + base + ".exp_avg_sq", DType::kF32, shape}, std::vector<std::byte>(tmp.size() * 4), false};
+    rng.Normals(tmp.data(), tmp.size(), 1e-3f);
+    for (auto& x : tmp) x *= x;
+    std::memcpy(v.bytes.data(), tmp.data(), v.bytes.size());
+    state.push_back(std::move(w));
+    state.push_back(std::move(m));
+    state.push_back(std::move(v));
+  }
+  return state;
+}
+
+// Weights are split by columns (tensor parallel, non-contiguous boxes);
+// moments by flat ranges at uneven cuts (ZeRO/FSDP style).
+Region RankRegion(const Tensor& t, int rank, int world) {
+  const Shape& s = t.info.shape;
+  if (t.is_weight) {
+    uint64_t c0 = s[1] * rank / world, c1 = s[1] * (rank + 1) / world;
+    return Region::OfBox(Box{{0, c0}, {s[0], c1 - c0}});
+  }
+  uint64_t n = NumElements(s);
+  auto cut = [&](int r) -> uint64_t { return r == 0 ? 0 : r == world ? n : n * r / world + 12345 * r; };
+  return Region::OfFlat(cut(rank), cut(rank + 1));
+}
+
+std::vector<std::byte> Extract(const Tensor& t, const Region& r) {
+  const uint64_t w = DTypeSize(t.info.dtype);
+  std::vector<std::byte> out(r.NumElements() * w);
+  if (r.kind == Region::Kind::kFlat) {
+    std::memcpy(out.data(), t.bytes.data() + r.flat.start * w, out.size());
+    return out;
+  }
+  ForEachRun(r.box, SpaceOfBox(FullBox(t.info.shape)), SpaceOfBox(r.box), [&](uint64_t s, uint64_t d, uint64_t n) {
+    std::memcpy(out.data() + d * w, t.bytes.data() + s * w, n * w);
+  });
+  return out;
+}
+
+bool DropCaches() {
+  ::sync();
+  int fd = ::open("/proc/sys/vm/drop_caches", O_WRONLY);
+  if (fd < 0) return false;
+  bool ok = ::write(fd, "3", 1) == 1;
+  ::close(fd);
+  return ok;
+}
+
+double RawWrite(const std::string& path, const std::vector<Tensor>& state) {
+  auto t0 = Clock::now();
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  for (const auto& t : state) {
+    for (size_t off = 0; off < t.bytes.size(); off += 4 << 20) {
+      size_t n = std::min<size_t>(4 << 20, t.bytes.size() - off);
+      if (::write(fd, t.bytes.data() + off, n) != static_cast<ssize_t>(n)) std::abort();
+    }
+  }
+  ::fsync(fd);
+  ::close(fd);
+  return Seconds(t0, Clock::now());
+}
+
+double RawRead(const std::string& path, uint64_t bytes) {
+  std::vector<std::byte> buf(4 << 20);
+  auto t0 = Clock::now();
+  int fd = ::open(path.c_str(), O_RDONLY);
+  uint64_t total = 0;
+  ssize_t n;
+  while ((n = ::read(fd, buf.data(), buf.size())) > 0) total += n;
+  ::close(fd);
+  if (total != bytes) std::abort();
+  return Seconds(t0, Clock::now());
+}
+
+void Check(const Status& st, const char* what) {
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, st.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--dir") o.dir = next();
+    else if (a == "--gib") o.gib = std::atof(next().c_str());
+    else if (a == "--save-ranks") o.save_ranks = std::atoi(next().c_str());
+    else if (a == "--load-ranks") o.load_ranks = std::atoi(next().c_str());
+    else if (a == "--runs") o.runs = std::atoi(next().c_str());
+    else if (a == "--level") o.level = std::atoi(next().c_str());
+    else if (a == "--no-adaptive") o.adaptive = false;
+    else {
+      std::printf(
+          "usage: save_load_bench [--dir DIR] [--gib N] [--save-ranks N] [--load-ranks N] [--runs N]\n"
+          "                       [--level L] [--no-adaptive]\n"
+          "Saves LLM-like state (bf16 weights, fp32 Adam moments) from N ranks and loads it\n"
+          "resharded, against a raw write (fsync) and read of the same bytes in DIR.\n");
+      return a == "--help" || a == "-h" ? 0 : 2;
+    }
+  }
+  auto state = BuildState(o.gib);
+  uint64_t total = 0, weight_bytes = 0;
+  for (const auto& t : state) {
+    total += t.bytes.size();
+    if (t.is_weight) weight_bytes += t.bytes.size();
+  }
+  std::printf("state: %zu tensors, %.2f GiB (bf16 weights %.2f GiB, fp32 moments %.2f GiB); save %d ranks, load %d ranks\n",
+              state.size(), total / double(1 << 30), weight_bytes / double(1 << 30),
+              (total - weight_bytes) / double(1 << 30), o.save_ranks, o.load_ranks);
+  const std::string work = o.dir + "/ckptfs-bench-" + std::to_string(::getpid());
+  std::filesystem::create_directories(work);
+  bool cold = true;
+  std::vector<double> raw_w, raw_r, save, load, ratio_all, ratio_w;
+  for (int run = 0; run < o.runs; ++run) {
+    const std::string raw = work + "/raw.bin", repo_dir = work + "/repo";
+    std::filesystem::remove_all(repo_dir);
+    double tw = RawWrite(raw, state);
+    cold &= DropCaches();
+    double tr = RawRead(raw, total);
+    std::filesystem::remove(raw);
+
+    RepositoryConfig config;
+    config.codec.level = o.level;
+    config.adaptive = o.adaptive;
+    Check(Repository::Init(repo_dir, config), "init");
+    auto repo = std::move(Repository::Open(repo_dir)).value();
+    ::sync();
+    auto t0 = Clock::now();
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < o.save_ranks; ++r) {
+      ranks.emplace_back([&, r] {
+        auto w = std::move(repo->BeginCheckpoint("step-1", {uint32_t(r), uint32_t(o.save_ranks), 1, {}})).value();
+        for (const auto& t : state) {
+          Region region = RankRegion(t, r, o.save_ranks);
+          if (region.kind == Region::Kind::kFlat) {
+            const uint64_t e = DTypeSize(t.info.dtype);
+            HostSource src({t.bytes.data() + region.flat.start * e, region.flat.size() * e});
+            Check(w->PutShard(t.info, region, src), "put");
+          } else {
+            auto part = Extract(t, region);  // a rank holds its own columns contiguously
+            HostSource src(part);
+            Check(w->PutShard(t.info, region, src), "put");
+          }
+        }
+        Check(w->Commit().Wait().status(), "commit");
+      });
+    }
+    for (auto& t : ranks) t.join();
+    double ts = Seconds(t0, Clock::now());
+
+    // Stored bytes, overall and for the bf16 weights.
+    auto reader = std::move(repo->OpenCheckpoint("step-1")).value();
+    uint64_t stored = 0, stored_w = 0;
+    for (const auto& t : reader->tensors()) {
+      std::unordered_set<ChunkId, ChunkIdHash> ids;
+      for (const auto& s : t.shards) for (const auto& c : s.chunks) ids.insert(c.id);
+      for (const auto& id : ids) {
+        auto loc = repo->impl()->LookupChunk(id);
+        stored += loc->stored_len;
+        if (t.dtype == DType::kBF16) stored_w += loc->stored_len;
+      }
+    }
+    reader.reset();
+    repo.reset();
+    cold &= DropCaches();
+
+    // Load at another world size into per-rank buffers.
+    repo = std::move(Repository::Open(repo_dir)).value();
+    auto t1 = Clock::now();
+    reader = std::move(repo->OpenCheckpoint("step-1")).value();
+    std::vector<std::vector<std::vector<std::byte>>> loaded(o.load_ranks);
+    std::vector<std::thread> loaders;
+    for (int r = 0; r < o.load_ranks; ++r) {
+      loaders.emplace_back([&, r] {
+        for (const auto& t : state) {
+          Region region = RankRegion(t, r, o.load_ranks);
+          const TensorRecord* rec = reader->FindTensor(t.info.name);
+          std::vector<std::byte> buf(region.NumElements() * DTypeSize(t.info.dtype));
+          if (region.kind == Region::Kind::kFlat) {
+            Check(reader->ReadFlat(*rec, region.flat, buf), "load");
+          } else {
+            Check(reader->ReadBox(*rec, region.box, buf), "load");
+          }
+          loaded[r].push_back(std::move(buf));
+        }
+      });
+    }
+    for (auto& t : loaders) t.join();
+    double tl = Seconds(t1, Clock::now());
+    for (int r = 0; r < o.load_ranks; ++r) {
+      for (size_t i = 0; i < state.size(); ++i) {
+        if (loaded[r][i] != Extract(state[i], RankRegion(state[i], r, o.load_ranks))) {
+          std::fprintf(stderr, "MISMATCH: rank %d tensor %s\n", r, state[i].info.name.c_str());
+          return 1;
+        }
+      }
+    }
+    reader.reset();
+    repo.reset();
+    std::filesystem::remove_all(repo_dir);
+    const double gb = total / 1e9;
+    std::printf("run %d: raw write %.2f GB/s, raw read %.2f GB/s, save %.2f GB/s (%.2fx), load %.2f GB/s (%.2fx), "
+                "stored %.3f of raw (bf16 weights %.3f); all bytes checked\n",
+                run + 1, gb / tw, gb / tr, gb / ts, tw / ts, gb / tl, tr / tl, double(stored) / total,
+                double(stored_w) / weight_bytes);
+    std::fflush(stdout);
+    raw_w.push_back(gb / tw);
+    raw_r.push_back(gb / tr);
+    save.push_back(gb / ts);
+    load.push_back(gb / tl);
+    ratio_all.push_back(double(stored) / total);
+    ratio_w.push_back(double(stored_w) / weight_bytes);
+  }
+  std::filesystem::remove_all(work);
+  std::vector<double> save_ratio, load_ratio;
+  for (int i = 0; i < o.runs; ++i) {
+    save_ratio.push_back(save[i] / raw_w[i]);
+    load_ratio.push_back(load[i] / raw_r[i]);
+  }
+  std::printf("\nmedian of %d runs (%s page cache for reads):\n", o.runs, cold ? "cold" : "WARM (could not drop)");
+  std::printf("  raw write+fsync  %6.2f GB/s\n", Median(raw_w));
+  std::printf("  save             %6.2f GB/s   ratio to raw write %.2f\n", Median(save), Median(save_ratio));
+  std::printf("  raw read         %6.2f GB/s\n", Median(raw_r));
+  std::printf("  resharded load   %6.2f GB/s   ratio to raw read  %.2f\n", Median(load), Median(load_ratio));
+  std::printf("  stored / raw     %6.3f        bf16 weights %.3f\n", Median(ratio_all), Median(ratio_w));
+  return 0;
+}
