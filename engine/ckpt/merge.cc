@@ -48,7 +48,11 @@ void PlanStreamCopy(const ShardRecord& shard, uint64_t src, uint64_t len, uint64
 }
 
 Status RunGroup(const ChunkGroup& g, std::span<std::byte> dst, ChunkFetcher& fetcher) {
-  ASSIGN_OR_RETURN(ChunkData data, fetcher.Fetch(g.shard->chunks[g.chunk]));
+  const ChunkRef& ref = g.shard->chunks[g.chunk];
+  if (g.ops.size() == 1 && g.ops[0].chunk_offset == 0 && g.ops[0].length == ref.raw_len) {
+    return fetcher.FetchInto(ref, dst.subspan(g.ops[0].dst_offset, ref.raw_len));
+  }
+  ASSIGN_OR_RETURN(ChunkData data, fetcher.Fetch(ref));
   for (const CopyOp& op : g.ops) {
     std::memcpy(dst.data() + op.dst_offset, data->data() + op.chunk_offset, op.length);
   }
@@ -56,6 +60,13 @@ Status RunGroup(const ChunkGroup& g, std::span<std::byte> dst, ChunkFetcher& fet
 }
 
 }  // namespace
+
+Status ChunkFetcher::FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) {
+  ASSIGN_OR_RETURN(ChunkData data, Fetch(chunk));
+  if (data->size() != dst.size()) return Status::Internal("chunk size does not match its destination");
+  std::memcpy(dst.data(), data->data(), dst.size());
+  return Status::OK();
+}
 
 Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<std::byte> dst,
                      ChunkFetcher& fetcher, ThreadPool* pool) {

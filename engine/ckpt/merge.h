@@ -19,6 +19,10 @@ class ChunkFetcher {
  public:
   virtual ~ChunkFetcher() = default;
   virtual Result<ChunkData> Fetch(const ChunkRef& chunk) = 0;
+  // Decodes the whole chunk straight into `dst` (chunk.raw_len bytes),
+  // bypassing any cache when the chunk is not already there: the path of
+  // large sequential reads. On error the content of dst is unspecified.
+  virtual Status FetchInto(const ChunkRef& chunk, std::span<std::byte> dst);
 };
 
 // Copies the elements of `request` (a box in the tensor's index space) into

@@ -226,6 +226,15 @@ Result<ChunkData> DirectFetcher::Fetch(const ChunkRef& chunk) {
   return ChunkData(std::move(data));
 }
 
+Status DirectFetcher::FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) {
+  ASSIGN_OR_RETURN(ChunkLocation loc, lookup_(chunk.id));
+  if (loc.raw_len != chunk.raw_len || dst.size() != chunk.raw_len) {
+    return Status::Corruption("chunk " + chunk.id.ToHex() + " has length " + std::to_string(loc.raw_len) +
+                              " in pack " + loc.pack + ", expected " + std::to_string(chunk.raw_len));
+  }
+  return ReadChunk(backend_, chunk.id, loc, dst);
+}
+
 namespace {
 class CachedFetcher : public ChunkFetcher {
  public:
@@ -233,6 +242,14 @@ class CachedFetcher : public ChunkFetcher {
       : repo_(repo), direct_(repo->backend.get(), [repo](const ChunkId& id) { return repo->LookupChunk(id); }) {}
   Result<ChunkData> Fetch(const ChunkRef& chunk) override {
     return repo_->cache->Get(chunk.id, [&] { return direct_.Fetch(chunk); });
+  }
+  Status FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) override {
+    if (auto hit = repo_->cache->Peek(chunk.id)) {
+      if ((*hit)->size() != dst.size()) return Status::Internal("cached chunk has the wrong size");
+      std::memcpy(dst.data(), (*hit)->data(), dst.size());
+      return Status::OK();
+    }
+    return direct_.FetchInto(chunk, dst);
   }
 
  private:

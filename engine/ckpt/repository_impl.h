@@ -2,6 +2,7 @@
 // Not part of the public API.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -48,6 +49,11 @@ class RepositoryImpl {
   ChunkFetcher* fetcher() { return fetcher_.get(); }
   void InitFetcher();
 
+  // Pack writers of every checkpoint writer in this process report here, so
+  // the adaptive codec sees whether the disk as a whole is waiting.
+  std::atomic<int64_t> queued_chunks{0};   // encoded, not yet appended
+  std::atomic<int> appending{0};           // writer threads inside an append
+
  private:
   std::unique_ptr<ChunkFetcher> fetcher_;
 };
@@ -58,6 +64,7 @@ class DirectFetcher : public ChunkFetcher {
   using Lookup = std::function<Result<ChunkLocation>(const ChunkId&)>;
   DirectFetcher(Backend* backend, Lookup lookup) : backend_(backend), lookup_(std::move(lookup)) {}
   Result<ChunkData> Fetch(const ChunkRef& chunk) override;
+  Status FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) override;
 
  private:
   Backend* backend_;

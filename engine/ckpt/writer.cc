@@ -134,7 +134,6 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;
   std::deque<Encoded> queue_;
-  bool writer_idle_ = true;
   bool stop_writer_ = false;
   std::thread writer_thread_;
 
@@ -144,6 +143,10 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
 };
 
 namespace {
+// While the disk waits for the codec, only chunks estimated to save at least
+// this fraction are compressed.
+constexpr double kAdaptiveMinSaving = 0.25;
+
 thread_local std::unique_ptr<ChunkEncoder> tls_encoder;
 thread_local CodecOptions tls_encoder_options;
 
@@ -226,13 +229,14 @@ void WriterImpl::Process(Job& job) {
   }
   // Adaptive: when the pack writer is idle with nothing queued, the disk is
   // waiting for us; store this chunk raw rather than make it wait longer.
-  bool disk_starving = false;
-  if (repo_->config.adaptive) {
-    std::lock_guard lock(queue_mu_);
-    disk_starving = writer_idle_ && queue_.empty() && writer_thread_.joinable();
-  }
+  const bool disk_starving = repo_->config.adaptive && repo_->queued_chunks.load() == 0 &&
+                             repo_->appending.load() == 0;
+  // Even then, chunks that compress well (bf16 weights: about a third) are
+  // worth the CPU; only the low-yield ones (fp32 moments) are passed raw.
+  const bool skip = disk_starving && EstimateSaving(job.data, job.dtype, repo_->config.codec.min_saving) <
+                                         kAdaptiveMinSaving;
   Encoded enc{id, Codec::kRaw, static_cast<uint32_t>(job.data.size()), {}};
-  if (disk_starving || repo_->config.codec.compression == Compression::kNone) {
+  if (skip || repo_->config.codec.compression == Compression::kNone) {
     enc.bytes.assign(reinterpret_cast<const char*>(job.data.data()), job.data.size());
   } else {
     auto codec = EncoderFor(repo_->config.codec).Encode(job.data, job.dtype, &enc.bytes);
@@ -246,6 +250,7 @@ void WriterImpl::Process(Job& job) {
     std::unique_lock lock(queue_mu_);
     queue_cv_.wait(lock, [&] { return queue_.size() < queue_limit_ || stop_writer_; });
     queue_.push_back(std::move(enc));
+    repo_->queued_chunks.fetch_add(1);
   }
   queue_cv_.notify_all();
 }
@@ -255,14 +260,18 @@ void WriterImpl::WriterLoop() {
     Encoded enc;
     {
       std::unique_lock lock(queue_mu_);
-      writer_idle_ = true;
       queue_cv_.wait(lock, [&] { return !queue_.empty() || stop_writer_; });
       if (queue_.empty()) return;
       enc = std::move(queue_.front());
       queue_.pop_front();
-      writer_idle_ = false;
+      repo_->appending.fetch_add(1);
+      repo_->queued_chunks.fetch_sub(1);
     }
     queue_cv_.notify_all();
+    struct AppendScope {
+      std::atomic<int>& n;
+      ~AppendScope() { n.fetch_sub(1); }
+    } scope{repo_->appending};
     if (!PipelineError().ok()) continue;  // drain without writing after an error
     auto loc = packs_.Add(enc.id, enc.codec, enc.raw_len, std::as_bytes(std::span(enc.bytes)));
     if (!loc.ok()) {

@@ -95,22 +95,111 @@ void Join2(const uint8_t* p0, const uint8_t* p1, size_t n, uint8_t* dst) {
   }
 }
 
-// Splits n elements of `width` bytes into `width` planes of n bytes.
-void SplitPlanes(const uint8_t* src, size_t n, uint32_t width, uint8_t* planes) {
-  if (width == 2) return Split2(src, n, planes, planes + n);
-  for (size_t i = 0; i < n; ++i) {
-    for (uint32_t b = 0; b < width; ++b) planes[b * n + i] = src[i * width + b];
+// Splits n elements of `width` bytes (2, 4 or 8) into `width` planes of n
+// bytes, as compositions of the 2-way split: splitting 4-byte elements at even
+// and odd byte positions gives (b0, b2) and (b1, b3) pairs, and splitting
+// those pairs gives the planes. `tmp` holds 2 * n * width bytes.
+void SplitPlanes(const uint8_t* src, size_t n, uint32_t width, uint8_t* p, uint8_t* tmp) {
+  if (width == 2) {
+    Split2(src, n, p, p + n);
+  } else if (width == 4) {
+    Split2(src, 2 * n, tmp, tmp + 2 * n);
+    Split2(tmp, n, p, p + 2 * n);
+    Split2(tmp + 2 * n, n, p + n, p + 3 * n);
+  } else {
+    uint8_t* t = tmp;          // 8n: even bytes (b0 b2 b4 b6), odd bytes (b1 b3 b5 b7)
+    uint8_t* u = tmp + 8 * n;  // 4n
+    Split2(src, 4 * n, t, t + 4 * n);
+    for (int parity = 0; parity < 2; ++parity) {
+      Split2(t + parity * 4 * n, 2 * n, u, u + 2 * n);  // (b0 b4) (b2 b6), or (b1 b5) (b3 b7)
+      Split2(u, n, p + parity * n, p + (4 + parity) * n);
+      Split2(u + 2 * n, n, p + (2 + parity) * n, p + (6 + parity) * n);
+    }
   }
 }
 
-void JoinPlanes(const uint8_t* planes, size_t n, uint32_t width, uint8_t* dst) {
-  if (width == 2) return Join2(planes, planes + n, n, dst);
-  for (size_t i = 0; i < n; ++i) {
-    for (uint32_t b = 0; b < width; ++b) dst[i * width + b] = planes[b * n + i];
+// Interleaves 4 planes of n bytes into n 4-byte elements in one pass.
+void Join4(const uint8_t* const* p, size_t n, uint8_t* dst) {
+  size_t i = 0;
+#if defined(__SSE2__)
+  for (; i + 16 <= n; i += 16) {
+    __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[0] + i));
+    __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[1] + i));
+    __m128i b2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[2] + i));
+    __m128i b3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[3] + i));
+    __m128i lo01 = _mm_unpacklo_epi8(b0, b1), hi01 = _mm_unpackhi_epi8(b0, b1);
+    __m128i lo23 = _mm_unpacklo_epi8(b2, b3), hi23 = _mm_unpackhi_epi8(b2, b3);
+    auto* out = reinterpret_cast<__m128i*>(dst + 4 * i);
+    _mm_storeu_si128(out + 0, _mm_unpacklo_epi16(lo01, lo23));
+    _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(lo01, lo23));
+    _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(hi01, hi23));
+    _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(hi01, hi23));
+  }
+#endif
+  for (; i < n; ++i) {
+    for (int b = 0; b < 4; ++b) dst[4 * i + b] = p[b][i];
+  }
+}
+
+// Inverse of SplitPlanes; planes may live anywhere. `tmp` holds 8 * n bytes.
+void JoinPlanes(const uint8_t* const* p, size_t n, uint32_t width, uint8_t* dst, uint8_t* tmp) {
+  if (width == 2) {
+    Join2(p[0], p[1], n, dst);
+  } else if (width == 4) {
+    Join4(p, n, dst);
+  } else {
+    // Elements of 8 bytes: the low and high 4-byte halves, then interleave
+    // them as 4-byte units (two 2-byte joins).
+    uint8_t* lo = tmp;
+    uint8_t* hi = tmp + 4 * n;
+    Join4(p, n, lo);
+    Join4(p + 4, n, hi);
+    for (size_t i = 0; i < n; ++i) {
+      std::memcpy(dst + 8 * i, lo + 4 * i, 4);
+      std::memcpy(dst + 8 * i + 4, hi + 4 * i, 4);
+    }
   }
 }
 
 }  // namespace
+
+double EstimateSaving(std::span<const std::byte> data, DType dtype, double min_saving) {
+  if (data.empty()) return 0;
+  const uint32_t width = PreferredCodec(dtype) == Codec::kByteGroupZstd ? DTypeSize(dtype) : 1;
+  // Histograms per byte position of 16 evenly spaced 4 KiB windows.
+  constexpr size_t kWindow = 4096, kWindows = 16;
+  uint32_t hist[8][256] = {};
+  size_t counted[8] = {};
+  const auto* base = reinterpret_cast<const uint8_t*>(data.data());
+  auto add = [&](size_t off, size_t len) {
+    off -= off % width;
+    for (size_t i = 0; i < len && off + i < data.size(); ++i) {
+      size_t pos = (off + i) % width;
+      ++hist[pos][base[off + i]];
+      ++counted[pos];
+    }
+  };
+  if (data.size() <= kWindow * kWindows) {
+    add(0, data.size());
+  } else {
+    size_t stride = data.size() / kWindows;
+    for (size_t w = 0; w < kWindows; ++w) add(w * stride, kWindow);
+  }
+  double saving = 0;
+  for (uint32_t b = 0; b < width; ++b) {
+    if (!counted[b]) continue;
+    double bits = 0;
+    for (uint32_t c : hist[b]) {
+      if (c) {
+        double p = static_cast<double>(c) / counted[b];
+        bits -= p * std::log2(p);
+      }
+    }
+    double plane_saving = 1.0 - bits / 8.0;
+    if (plane_saving >= min_saving) saving += plane_saving / width;
+  }
+  return saving >= min_saving ? saving : 0;
+}
 
 ChunkEncoder::ChunkEncoder(CodecOptions options) : options_(options) {
   cctx_ = ZSTD_createCCtx();
@@ -179,7 +268,9 @@ Result<Codec> ChunkEncoder::Encode(std::span<const std::byte> raw, DType dtype, 
   const size_t tail = raw.size() - n * width;
   scratch_.resize(n * width);
   const auto* src = reinterpret_cast<const uint8_t*>(raw.data());
-  SplitPlanes(src, n, width, reinterpret_cast<uint8_t*>(scratch_.data()));
+  split_tmp_.resize(2 * n * width);
+  SplitPlanes(src, n, width, reinterpret_cast<uint8_t*>(scratch_.data()),
+              reinterpret_cast<uint8_t*>(split_tmp_.data()));
   Encoder header;
   header.U8(static_cast<uint8_t>(width));
   header.U8(0);
@@ -255,20 +346,25 @@ Status DecodeChunk(Codec codec, std::span<const std::byte> stored, std::span<std
       if (total + tail != stored.size()) {
         return Status::Corruption("byte-grouped chunk sizes do not add up");
       }
-      std::vector<std::byte> planes(n * width);
+      // Compressed planes decode into scratch; raw planes are used in place.
+      thread_local std::vector<std::byte> decoded, join_tmp;
+      decoded.resize(n * width);
+      join_tmp.resize(8 * n);
+      const uint8_t* plane_ptr[8];
       const std::byte* p = stored.data() + 2 + 4 * width;
       for (int b = 0; b < width; ++b) {
-        std::span<std::byte> plane(planes.data() + b * n, n);
         if (mask & (1u << b)) {
+          std::span<std::byte> plane(decoded.data() + b * n, n);
           RETURN_IF_ERROR(ZstdDecode({p, sizes[b]}, plane));
+          plane_ptr[b] = reinterpret_cast<const uint8_t*>(plane.data());
         } else {
           if (sizes[b] != n) return Status::Corruption("raw plane has the wrong size");
-          std::memcpy(plane.data(), p, n);
+          plane_ptr[b] = reinterpret_cast<const uint8_t*>(p);
         }
         p += sizes[b];
       }
       auto* dst = reinterpret_cast<uint8_t*>(raw.data());
-      JoinPlanes(reinterpret_cast<const uint8_t*>(planes.data()), n, width, dst);
+      JoinPlanes(plane_ptr, n, width, dst, reinterpret_cast<uint8_t*>(join_tmp.data()));
       if (tail) std::memcpy(dst + n * width, p, tail);
       return Status::OK();
     }

@@ -75,12 +75,18 @@ class ChunkEncoder {
   CodecOptions options_;
   void* cctx_ = nullptr;
   std::vector<std::byte> scratch_;
+  std::vector<std::byte> split_tmp_;
 };
 
 // Decodes `stored` written with `codec` into `raw`, whose size must be the
 // chunk's raw length. Corruption when the stored bytes are malformed or do not
 // decode to exactly raw.size() bytes.
 Status DecodeChunk(Codec codec, std::span<const std::byte> stored, std::span<std::byte> raw);
+
+// Estimated fraction of `data` that encoding with `dtype`'s preferred codec
+// would save (0..1), from per-byte-position entropy of a 64 KiB sample.
+// Byte planes and chunks that would save less than `min_saving` count as 0.
+double EstimateSaving(std::span<const std::byte> data, DType dtype, double min_saving);
 
 // Estimated size after order-0 entropy coding, as a fraction of the input
 // (0..1), from a sample of `data`. Cheap: it reads at most 64 KiB.

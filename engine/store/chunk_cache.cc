@@ -9,6 +9,14 @@ size_t ChunkCache::bytes() const {
   return bytes_;
 }
 
+std::optional<ChunkData> ChunkCache::Peek(const ChunkId& id) {
+  std::lock_guard lock(mu_);
+  auto it = map_.find(id);
+  if (it == map_.end() || it->second.loading) return std::nullopt;
+  lru_.splice(lru_.begin(), lru_, it->second.lru);
+  return it->second.data;
+}
+
 void ChunkCache::Clear() {
   std::lock_guard lock(mu_);
   for (auto it = map_.begin(); it != map_.end();) {

@@ -11,6 +11,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -27,6 +28,8 @@ class ChunkCache {
 
   // Returns the decoded chunk, calling `load` (outside the lock) on a miss.
   Result<ChunkData> Get(const ChunkId& id, const std::function<Result<ChunkData>()>& load);
+  // The chunk when it is cached and loaded; never loads.
+  std::optional<ChunkData> Peek(const ChunkId& id);
   // Drops every entry (e.g. after a chunk was found corrupt elsewhere).
   void Clear();
   size_t bytes() const;

@@ -179,7 +179,9 @@ Status ReadChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc,
     if (loc.stored_len != loc.raw_len) return Status::Corruption(where() + ": raw chunk with wrong length");
     RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, raw).WithContext(where()));
   } else {
-    std::vector<std::byte> stored(loc.stored_len);
+    thread_local std::vector<std::byte> stored_buffer;
+    stored_buffer.resize(loc.stored_len);
+    std::span<std::byte> stored(stored_buffer);
     RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, stored).WithContext(where()));
     Status st = DecodeChunk(loc.codec, stored, raw);
     if (!st.ok()) return Status::Corruption(where() + ": " + st.message());

@@ -127,7 +127,9 @@ TEST_F(RepoTest, BoxAndFlatShardsFromManyRanksReshardOnLoad) {
     auto res = w->Commit().Wait();
     ASSERT_OK(res);
     EXPECT_EQ(res->checkpoint_visible, r == world - 1);
-    if (r + 1 < world) EXPECT_TRUE(repo_->OpenCheckpoint("tp-fsdp").status().IsNotFound());
+    if (r + 1 < world) {
+      EXPECT_TRUE(repo_->OpenCheckpoint("tp-fsdp").status().IsNotFound());
+    }
   }
   ExpectWhole("tp-fsdp", a);
   ExpectWhole("tp-fsdp", b);

@@ -231,29 +231,35 @@ int main(int argc, char** argv) {
     config.adaptive = o.adaptive;
     Check(Repository::Init(repo_dir, config), "init");
     auto repo = std::move(Repository::Open(repo_dir)).value();
+    // Each rank holds its own part of every tensor in its own memory.
+    std::vector<std::vector<std::vector<std::byte>>> parts(o.save_ranks);
+    for (int r = 0; r < o.save_ranks; ++r) {
+      for (const auto& t : state) {
+        Region region = RankRegion(t, r, o.save_ranks);
+        parts[r].push_back(region.kind == Region::Kind::kBox ? Extract(t, region) : std::vector<std::byte>{});
+      }
+    }
     ::sync();
     auto t0 = Clock::now();
     std::vector<std::thread> ranks;
     for (int r = 0; r < o.save_ranks; ++r) {
       ranks.emplace_back([&, r] {
         auto w = std::move(repo->BeginCheckpoint("step-1", {uint32_t(r), uint32_t(o.save_ranks), 1, {}})).value();
-        for (const auto& t : state) {
+        for (size_t i = 0; i < state.size(); ++i) {
+          const Tensor& t = state[i];
           Region region = RankRegion(t, r, o.save_ranks);
-          if (region.kind == Region::Kind::kFlat) {
-            const uint64_t e = DTypeSize(t.info.dtype);
-            HostSource src({t.bytes.data() + region.flat.start * e, region.flat.size() * e});
-            Check(w->PutShard(t.info, region, src), "put");
-          } else {
-            auto part = Extract(t, region);  // a rank holds its own columns contiguously
-            HostSource src(part);
-            Check(w->PutShard(t.info, region, src), "put");
-          }
+          const uint64_t e = DTypeSize(t.info.dtype);
+          HostSource src(region.kind == Region::Kind::kFlat
+                             ? std::span<const std::byte>(t.bytes.data() + region.flat.start * e, region.flat.size() * e)
+                             : std::span<const std::byte>(parts[r][i]));
+          Check(w->PutShard(t.info, region, src), "put");
         }
         Check(w->Commit().Wait().status(), "commit");
       });
     }
     for (auto& t : ranks) t.join();
     double ts = Seconds(t0, Clock::now());
+    parts.clear();
 
     // Stored bytes, overall and for the bf16 weights.
     auto reader = std::move(repo->OpenCheckpoint("step-1")).value();
@@ -272,23 +278,29 @@ int main(int argc, char** argv) {
     cold &= DropCaches();
 
     // Load at another world size into per-rank buffers.
+    // Like load_state_dict, the ranks load into parameters that already exist.
+    std::vector<std::vector<std::vector<std::byte>>> loaded(o.load_ranks);
+    for (int r = 0; r < o.load_ranks; ++r) {
+      for (const auto& t : state) {
+        loaded[r].emplace_back(RankRegion(t, r, o.load_ranks).NumElements() * DTypeSize(t.info.dtype), std::byte{1});
+      }
+    }
     repo = std::move(Repository::Open(repo_dir)).value();
     auto t1 = Clock::now();
     reader = std::move(repo->OpenCheckpoint("step-1")).value();
-    std::vector<std::vector<std::vector<std::byte>>> loaded(o.load_ranks);
     std::vector<std::thread> loaders;
     for (int r = 0; r < o.load_ranks; ++r) {
       loaders.emplace_back([&, r] {
-        for (const auto& t : state) {
+        for (size_t i = 0; i < state.size(); ++i) {
+          const Tensor& t = state[i];
           Region region = RankRegion(t, r, o.load_ranks);
           const TensorRecord* rec = reader->FindTensor(t.info.name);
-          std::vector<std::byte> buf(region.NumElements() * DTypeSize(t.info.dtype));
+          auto& buf = loaded[r][i];
           if (region.kind == Region::Kind::kFlat) {
             Check(reader->ReadFlat(*rec, region.flat, buf), "load");
           } else {
             Check(reader->ReadBox(*rec, region.box, buf), "load");
           }
-          loaded[r].push_back(std::move(buf));
         }
       });
     }
