@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <set>
 #include <unordered_map>
 
 #include "ckpt/repository.h"
@@ -127,6 +128,45 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
   report.chunks = items.size();
   report.bytes = total_bytes;
   return report;
+}
+
+Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
+  std::set<std::string> unique(names.begin(), names.end());
+  // All must exist before anything is touched.
+  RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+    for (const auto& n : unique) {
+      ASSIGN_OR_RETURN(auto v, txn.Get(Table::kCheckpoints, keys::Checkpoint(n)));
+      if (!v) return Status::NotFound("no checkpoint named '" + n + "'; nothing was removed");
+    }
+    return Status::OK();
+  }));
+  // Manifests go first: a crash after this point leaves checkpoints that the
+  // catalog still lists but that reindex would not bring back, never the
+  // reverse (a removed checkpoint resurrected without its chunks).
+  for (const auto& n : unique) {
+    Status st = impl_->backend->Delete(keys::ManifestObject(n));
+    if (!st.ok() && !st.IsNotFound()) return st;
+  }
+  return impl_->catalog->Update([&](WriteTxn& txn) -> Status {
+    for (const auto& n : unique) {
+      std::vector<std::string> members, blobs, ranks;
+      const std::string prefix = keys::MemberPrefix(n);
+      auto collect = [&](Table t, std::vector<std::string>& out) {
+        return txn.Scan(t, prefix, [&](std::string_view k, std::string_view) {
+          out.emplace_back(k);
+          return true;
+        });
+      };
+      RETURN_IF_ERROR(collect(Table::kTensors, members));
+      RETURN_IF_ERROR(collect(Table::kBlobs, blobs));
+      RETURN_IF_ERROR(collect(Table::kRanks, ranks));
+      for (const auto& k : members) RETURN_IF_ERROR(txn.Delete(Table::kTensors, k));
+      for (const auto& k : blobs) RETURN_IF_ERROR(txn.Delete(Table::kBlobs, k));
+      for (const auto& k : ranks) RETURN_IF_ERROR(txn.Delete(Table::kRanks, k));
+      RETURN_IF_ERROR(txn.Delete(Table::kCheckpoints, keys::Checkpoint(n)));
+    }
+    return Status::OK();
+  });
 }
 
 Result<ReindexReport> Repository::Reindex(const std::string& path, const ProgressFn& progress) {

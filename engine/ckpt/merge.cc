@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace ckptfs {
 namespace {
@@ -68,17 +69,11 @@ Status ChunkFetcher::FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) 
   return Status::OK();
 }
 
-Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<std::byte> dst,
-                     ChunkFetcher& fetcher, ThreadPool* pool) {
-  const uint64_t w = DTypeSize(tensor.dtype);
-  RETURN_IF_ERROR(ValidateRegion(tensor.shape, Region::OfBox(request)));
-  if (dst.size() != request.NumElements() * w) {
-    return Status::InvalidArgument("destination of " + std::to_string(dst.size()) +
-                                   " bytes does not match box " + request.ToString());
-  }
-  if (request.Empty()) return Status::OK();
+namespace {
 
-  std::vector<ChunkGroup> groups;
+// Plans the copies that fill `request` (row-major) from the tensor's shards.
+Status PlanBox(const TensorRecord& tensor, const Box& request, std::vector<ChunkGroup>& groups) {
+  const uint64_t w = DTypeSize(tensor.dtype);
   std::unordered_map<uint64_t, size_t> group_of;
   const LinearSpace dst_space = SpaceOfBox(request);
   // Parts of the request not yet planned; each element is copied once even
@@ -107,6 +102,22 @@ Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<s
     return Status::Corruption("tensor '" + tensor.name + "': no stored shard covers " +
                               remaining.front().ToString());
   }
+  return Status::OK();
+}
+
+}  // namespace
+
+Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<std::byte> dst,
+                     ChunkFetcher& fetcher, ThreadPool* pool) {
+  const uint64_t w = DTypeSize(tensor.dtype);
+  RETURN_IF_ERROR(ValidateRegion(tensor.shape, Region::OfBox(request)));
+  if (dst.size() != request.NumElements() * w) {
+    return Status::InvalidArgument("destination of " + std::to_string(dst.size()) +
+                                   " bytes does not match box " + request.ToString());
+  }
+  if (request.Empty()) return Status::OK();
+  std::vector<ChunkGroup> groups;
+  RETURN_IF_ERROR(PlanBox(tensor, request, groups));
 
   if (pool == nullptr || groups.size() <= 1 || ThreadPool::OnPoolThread()) {
     for (const auto& g : groups) RETURN_IF_ERROR(RunGroup(g, dst, fetcher));
@@ -153,6 +164,23 @@ Status ReadTensorBytes(const TensorRecord& tensor, uint64_t offset, std::span<st
   }
   if (!aligned) std::memcpy(dst.data(), staging.data() + (offset - first * w), dst.size());
   return Status::OK();
+}
+
+Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length) {
+  const uint64_t w = DTypeSize(tensor.dtype);
+  const uint64_t total = tensor.ByteSize();
+  std::vector<ChunkRef> out;
+  if (offset >= total || length == 0) return out;
+  length = std::min(length, total - offset);
+  const uint64_t first = offset / w, end = (offset + length + w - 1) / w;
+  std::vector<ChunkGroup> groups;
+  for (const Box& box : FlatRangeToBoxes(tensor.shape, {first, end})) RETURN_IF_ERROR(PlanBox(tensor, box, groups));
+  std::unordered_set<ChunkId, ChunkIdHash> seen;
+  for (const auto& g : groups) {
+    const ChunkRef& c = g.shard->chunks[g.chunk];
+    if (seen.insert(c.id).second) out.push_back(c);
+  }
+  return out;
 }
 
 Status ReadBlobBytes(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst,

@@ -39,6 +39,10 @@ Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<s
 Status ReadTensorBytes(const TensorRecord& tensor, uint64_t offset, std::span<std::byte> dst,
                        ChunkFetcher& fetcher, ThreadPool* pool);
 
+// The chunks that bytes [offset, offset + length) of the tensor need, each
+// once, in the order a read would use them.
+Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length);
+
 // Copies bytes [offset, offset + dst.size()) of a blob.
 Status ReadBlobBytes(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst,
                      ChunkFetcher& fetcher);

@@ -51,6 +51,17 @@ Status CheckpointReader::ReadBlob(const BlobRecord& blob, uint64_t offset, std::
   return ReadBlobBytes(blob, offset, dst, *impl_->repo->fetcher());
 }
 
+void CheckpointReader::Prefetch(const TensorRecord& tensor, uint64_t offset, uint64_t length) const {
+  auto chunks = ChunksForBytes(tensor, offset, length);
+  if (!chunks.ok()) return;
+  RepositoryImpl* repo = impl_->repo;
+  for (const ChunkRef& c : *chunks) {
+    if (repo->cache->Peek(c.id)) continue;
+    // Errors surface to the reader that needs the chunk; a prefetch only warms.
+    repo->pool->Submit([repo, c] { (void)repo->fetcher()->Fetch(c); });
+  }
+}
+
 Result<uint64_t> CheckpointReader::StoredBytes() const {
   std::unordered_set<ChunkId, ChunkIdHash> ids;
   for (const auto& t : tensors()) {

@@ -169,6 +169,10 @@ class CheckpointReader {
   // Bytes of the tensor's row-major image.
   Status ReadBytes(const TensorRecord& tensor, uint64_t offset, std::span<std::byte> dst) const;
   Status ReadBlob(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst) const;
+  // Starts loading, in the background, the chunks that bytes
+  // [offset, offset + length) of the tensor need into the chunk cache, so a
+  // sequential reader finds them decoded. Returns at once.
+  void Prefetch(const TensorRecord& tensor, uint64_t offset, uint64_t length) const;
   // Bytes of stored (compressed) chunks the checkpoint references, counting
   // each distinct chunk once.
   Result<uint64_t> StoredBytes() const;
@@ -234,6 +238,11 @@ class Repository {
   Result<std::unique_ptr<CheckpointReader>> OpenCheckpoint(const std::string& name);
   // Committed checkpoints in commit order; pending ones too when asked.
   Result<std::vector<CheckpointRecord>> ListCheckpoints(bool include_pending = false);
+  // Removes checkpoints (committed or pending), all or none: NotFound when
+  // any name is unknown, and then nothing is removed. Their manifests are
+  // deleted first, then their records in one catalog transaction; their
+  // chunks stay until garbage collection.
+  Status RemoveCheckpoints(const std::vector<std::string>& names);
   // Re-reads and re-hashes every chunk (of `name`, or of the repository),
   // checks every tensor is tiled exactly and every pack index is sound.
   Result<VerifyReport> Verify(const std::optional<std::string>& name,

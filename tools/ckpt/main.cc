@@ -17,6 +17,9 @@
 #include "cli.h"
 #include "core/json.h"
 #include "io/safetensors.h"
+#ifdef CKPTFS_HAVE_FUSE
+#include "mount.h"
+#endif
 
 namespace ckptfs::cli {
 namespace {
@@ -646,6 +649,64 @@ int CmdReindex(const Args& args) {
   return kExitOk;
 }
 
+// ---- rm / mount -----------------------------------------------------------------
+
+const CommandSpec kRm{"rm", "NAME...", "Remove checkpoints (all or none); 'ckpt gc' reclaims their space.",
+                      "Committed and pending checkpoints can be removed. If any NAME is unknown,\n"
+                      "nothing is removed.",
+                      {kRepoOpt}, 1, SIZE_MAX};
+
+int CmdRm(const Args& args) {
+  auto repo = OpenRepo(args);
+  if (!repo.ok()) return Fail(repo.status());
+  Status st = (*repo)->RemoveCheckpoints(args.positional);
+  if (!st.ok()) return Fail(st);
+  for (const auto& n : args.positional) std::printf("removed %s\n", n.c_str());
+  return kExitOk;
+}
+
+const CommandSpec kMount{
+    "mount", "MOUNTPOINT", "Show the repository as a read-only filesystem of whole tensors.",
+    "MOUNTPOINT/latest is a link to the newest checkpoint; MOUNTPOINT/NAME/ holds\n"
+    "<tensor>.npy files, model.safetensors, metadata.json and blobs/. Tensor names\n"
+    "are escaped ('/' -> %2F, '%' -> %25). Unmount with 'fusermount3 -u MOUNTPOINT'\n"
+    "(or Ctrl-C / SIGTERM with --foreground).",
+    {kRepoOpt,
+     {"foreground", 'f', false, false, "", "stay in the foreground (default: daemonize once mounted)"},
+     {"allow-other", 0, false, false, "", "let other users read the mount (needs user_allow_other)"},
+     {"cache-size", 0, true, false, "SIZE", "decoded-chunk cache bound (default 1G)"},
+     {"prefetch", 0, true, false, "N", "chunks decoded ahead of sequential readers (default 8)"},
+     {"debug", 'd', false, false, "", "log every FUSE request (implies --foreground)"}},
+    1, 1};
+
+int CmdMount(const Args& args) {
+#ifdef CKPTFS_HAVE_FUSE
+  auto path = RepoPath(args);
+  if (!path.ok()) return Fail(path.status());
+  mount::MountOptions o;
+  o.repository = *path;
+  o.mountpoint = args.positional[0];
+  o.foreground = args.Has("foreground") || args.Has("debug");
+  o.debug = args.Has("debug");
+  o.allow_other = args.Has("allow-other");
+  if (auto v = args.Get("cache-size")) {
+    auto n = ParseSize(*v);
+    if (!n.ok()) return Fail(n.status());
+    o.cache_bytes = *n;
+  }
+  if (auto v = args.Get("prefetch")) {
+    auto n = ParseInt(*v, "--prefetch");
+    if (!n.ok() || *n < 0) return Fail(Status::InvalidArgument("--prefetch must be a non-negative integer"));
+    o.prefetch_chunks = static_cast<size_t>(*n);
+  }
+  Status st = mount::RunMount(o);
+  return st.ok() ? kExitOk : Fail(st);
+#else
+  (void)args;
+  return Fail(Status::Unsupported("this ckpt was built without libfuse3; install libfuse3-dev and rebuild"));
+#endif
+}
+
 struct Command {
   const CommandSpec* spec;
   int (*run)(const Args&);
@@ -654,6 +715,7 @@ struct Command {
 const Command kCommands[] = {
     {&kInit, CmdInit}, {&kImport, CmdImport}, {&kLs, CmdLs},         {&kShow, CmdShow},
     {&kCat, CmdCat},   {&kExport, CmdExport}, {&kVerify, CmdVerify}, {&kReindex, CmdReindex},
+    {&kRm, CmdRm},     {&kMount, CmdMount},
 };
 
 void MainHelp(FILE* out) {

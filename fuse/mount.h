@@ -1,0 +1,38 @@
+// The read-only FUSE view of a repository (libfuse3 low-level API).
+//
+//   MOUNT/latest -> <newest committed checkpoint>
+//   MOUNT/<checkpoint>/<tensor>.npy     whole merged tensor, NumPy format
+//   MOUNT/<checkpoint>/model.safetensors
+//   MOUNT/<checkpoint>/metadata.json
+//   MOUNT/<checkpoint>/blobs/<blob>
+//
+// Data is produced on demand by the engine's reader; nothing is read when
+// files are listed or opened. See docs/CLI.md.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "core/status.h"
+
+namespace ckptfs::mount {
+
+struct MountOptions {
+  std::string repository;
+  std::string mountpoint;
+  bool foreground = false;
+  bool allow_other = false;
+  bool debug = false;            // libfuse's request log on stderr
+  size_t cache_bytes = 1ull << 30;   // decoded-chunk cache
+  size_t threads = 0;            // engine workers; 0 = hardware concurrency
+  size_t prefetch_chunks = 8;    // chunks read ahead of a sequential reader
+  double poll_seconds = 1.0;     // how often new and removed checkpoints are noticed
+};
+
+// Checks the mountpoint (an existing, empty directory) and the repository,
+// mounts, and serves until unmounted (fusermount3 -u, SIGINT, SIGTERM).
+// Without `foreground` it returns in the parent once the mount is up and
+// serves from a daemon. Returns the reason the mount could not be made.
+Status RunMount(const MountOptions& options);
+
+}  // namespace ckptfs::mount
