@@ -646,7 +646,8 @@ void OpInit(void*, fuse_conn_info* conn) {
   // read requests too.
   conn->max_write = 1 << 20;
   conn->max_readahead = 16 << 20;
-  if (conn->capable & FUSE_CAP_CACHE_SYMLINKS) conn->want |= FUSE_CAP_CACHE_SYMLINKS;
+  // `latest` changes target; symlinks are not cached so it is never stale.
+  conn->want &= ~FUSE_CAP_CACHE_SYMLINKS;
   conn->want &= ~FUSE_CAP_AUTO_INVAL_DATA;  // content never changes under a name
 }
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The ckptfs demo: a two-rank sharded checkpoint goes into a fresh local
-# repository, then a whole merged tensor is read back and checked.
+# repository, the repository is mounted, and a whole merged tensor is read
+# through the mount with NumPy and checked.
 set -euo pipefail
 CKPT=${1:?usage: demo.sh PATH/TO/ckpt}
 PY=/usr/bin/python3
@@ -17,15 +18,25 @@ done
 wait
 "$CKPT" ls
 "$CKPT" show step-000100
-echo "== reading the merged tensor 'layers.0.attn.qkv.weight' (box shards of 2 ranks)"
-"$CKPT" cat step-000100 layers.0.attn.qkv.weight --format npy > "$WORK/qkv.npy"
-"$PY" - "$WORK" <<'PYEOF'
+MNT=$WORK/mnt
+mkdir -p "$MNT"
+echo "== mounting the repository on $MNT"
+"$CKPT" mount "$MNT"
+trap 'fusermount3 -u "$MNT" 2>/dev/null || true' EXIT
+ls -l "$MNT" "$MNT/latest/"
+echo "== reading the merged tensor 'layers.0.attn.qkv.weight' (box shards of 2 ranks) through the mount"
+"$PY" - "$WORK" "$MNT" <<'PYEOF'
 import sys, numpy as np
-work = sys.argv[1]
-got = np.load(f"{work}/qkv.npy")
+work, mnt = sys.argv[1], sys.argv[2]
+got = np.load(f"{mnt}/latest/layers.0.attn.qkv.weight.npy", mmap_mode="r")
 want = np.load(f"{work}/expected/layers.0.attn.qkv.weight.npy")
 assert got.dtype == want.dtype and got.shape == want.shape and (got == want).all(), "mismatch"
-print(f"qkv.npy: {got.dtype} {got.shape} matches the tensor the ranks saved")
+print(f"{mnt}/latest/layers.0.attn.qkv.weight.npy: {got.dtype} {got.shape}, equal to the tensor the ranks saved")
+flat = np.load(f"{mnt}/latest/layers.0.mlp.weight.npy")
+assert (flat == np.load(f"{work}/expected/layers.0.mlp.weight.npy")).all()
+print("layers.0.mlp.weight.npy (flat shards cut mid-row) matches too")
 PYEOF
+fusermount3 -u "$MNT"
+trap - EXIT
 "$CKPT" verify
 echo "== demo done; repository left at $CKPT_REPO"

@@ -1,0 +1,362 @@
+"""Integration tests of `ckpt mount`: a real FUSE mount of a real repository,
+read with NumPy, an independent safetensors parser and plain file I/O."""
+import errno
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import unittest
+
+import numpy as np
+
+import st
+from helpers import CKPT
+
+HAVE_FUSE = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
+
+
+def ckpt(repo, *args, check=True):
+    p = subprocess.run([CKPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       env={**os.environ, "CKPT_REPO": repo}, timeout=120)
+    if check and p.returncode != 0:
+        raise AssertionError(f"ckpt {args} failed: {p.stderr.decode()}")
+    return p
+
+
+def wait_for(pred, timeout=10.0, what="condition"):
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def rand(rng, dtype_name, shape):
+    np_dtype = st.DTYPES[dtype_name]
+    if np_dtype == np.bool_:
+        return rng.integers(0, 2, size=shape).astype(np.bool_)
+    if np.issubdtype(np_dtype, np.floating):
+        return rng.standard_normal(size=shape).astype(np_dtype)
+    info = np.iinfo(np_dtype)
+    return rng.integers(info.min, info.max, size=shape, dtype=np_dtype, endpoint=True)
+
+
+def escape(name):
+    """The mount's file-name escaping, as documented in docs/CLI.md."""
+    out = b""
+    for i, ch in enumerate(name.encode()):
+        dot_name = i == 0 and name in (".", "..")
+        out += (b"%%%02X" % ch) if (ch in (0x25, 0x2F) or ch < 0x20 or ch == 0x7F or dot_name) else bytes([ch])
+    return out.decode()
+
+
+class Mounted(unittest.TestCase):
+    """Mounts a repository once for the class, in the foreground."""
+
+    @classmethod
+    def build_repo(cls):
+        raise NotImplementedError
+
+    @classmethod
+    def setUpClass(cls):
+        if not HAVE_FUSE:
+            raise unittest.SkipTest("no /dev/fuse or fusermount3: FUSE tests need them")
+        cls.tmp = tempfile.mkdtemp(prefix="ckptfs-mount-")
+        cls.repo = os.path.join(cls.tmp, "repo")
+        cls.mnt = os.path.join(cls.tmp, "mnt")
+        os.makedirs(cls.mnt)
+        ckpt(cls.repo, "init", "--chunk-size", "64K")
+        cls.build_repo()
+        cls.proc = subprocess.Popen([CKPT, "mount", "-r", cls.repo, cls.mnt, "--foreground", "--cache-size", "8M"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        wait_for(lambda: os.path.ismount(cls.mnt) or cls.proc.poll() is not None, what="mount")
+        if not os.path.ismount(cls.mnt):
+            raise AssertionError("mount failed: " + cls.proc.stderr.read().decode())
+
+    @classmethod
+    def tearDownClass(cls):
+        if getattr(cls, "proc", None):
+            if cls.proc.poll() is None:
+                cls.proc.send_signal(signal.SIGTERM)
+                cls.proc.wait(timeout=20)
+            cls.proc.stdout.close()
+            cls.proc.stderr.close()
+        if os.path.ismount(cls.mnt):
+            subprocess.run(["fusermount3", "-u", cls.mnt])
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+
+class MountContent(Mounted):
+    @classmethod
+    def build_repo(cls):
+        rng = np.random.default_rng(7)
+        cls.want = {}  # name -> (dtype, array)
+        world = 3
+        ranks = [([], {}) for _ in range(world)]
+        shapes = [(7, 13), (3, 5, 11), (), (0, 4), (129,), (2, 1, 3, 4)]
+        for i, dt in enumerate(st.DTYPES):
+            shape = shapes[i % len(shapes)]
+            arr = rand(rng, dt, shape)
+            name = f"model/layers.{i}/{dt.lower()}"
+            cls.want[name] = (dt, arr)
+            n = arr.size
+            if len(shape) >= 2 and shape[0] >= world and i % 2 == 0:
+                # box shards: split along the first dimension, unevenly
+                cuts = [0, 1, shape[0] // 2 + 1, shape[0]]
+                for r in range(world):
+                    ranks[r][0].append((name, dt, arr[cuts[r]:cuts[r + 1]]))
+                    ranks[r][1][name] = {"global_shape": list(shape), "offsets": [cuts[r]] + [0] * (len(shape) - 1)}
+            elif n >= world:
+                flat = arr.reshape(-1)
+                cuts = [0, n // 3, n // 3 + 1, n]
+                for r in range(world):
+                    ranks[r][0].append((name, dt, flat[cuts[r]:cuts[r + 1]]))
+                    ranks[r][1][name] = {"global_shape": list(shape), "flat_start": cuts[r]}
+            else:  # 0-d and zero-size: replicated whole tensors
+                for r in range(world):
+                    ranks[r][0].append((name, dt, arr))
+        # A big tensor spanning many chunks, and names that need escaping.
+        big = rng.standard_normal((512, 300)).astype(np.float32)
+        cls.want["big"] = ("F32", big)
+        for r in range(world):
+            cut = [0, 50000, 100001, big.size]
+            ranks[r][0].append(("big", "F32", big.reshape(-1)[cut[r]:cut[r + 1]]))
+            ranks[r][1]["big"] = {"global_shape": [512, 300], "flat_start": cut[r]}
+        odd = {"weird%name": rand(rng, "I32", (3,)), "..": rand(rng, "U8", (2,)),
+               "x" * 300: rand(rng, "F16", (4,)), "unicodé tensor": rand(rng, "F32", (2, 2))}
+        for name, arr in odd.items():
+            dt = {np.int32: "I32", np.uint8: "U8", np.float16: "F16", np.float32: "F32"}[arr.dtype.type]
+            cls.want[name] = (dt, arr)
+            ranks[0][0].append((name, dt, arr))
+        for r, (tensors, shards) in enumerate(ranks):
+            p = os.path.join(cls.tmp, f"rank{r}.safetensors")
+            st.write(p, tensors, {"ckptfs.shards": json.dumps(shards)})
+        cls.blobs = {"rng/rank0": os.urandom(70000), "config.json": b'{"lr": 0.001}'}
+        blob_args = []
+        for name, data in cls.blobs.items():
+            bp = os.path.join(cls.tmp, name.replace("/", "_"))
+            open(bp, "wb").write(data)
+            blob_args += ["--blob", f"{name}={bp}"]
+        for r in range(world):
+            ckpt(cls.repo, "import", "step-1", os.path.join(cls.tmp, f"rank{r}.safetensors"), "--rank", str(r),
+                 "--world-size", str(world), "--step", "1", *(blob_args if r == 0 else []))
+
+    def tensor_path(self, name):
+        e = escape(name)
+        if len(e) + 4 > 255:
+            matches = [f for f in os.listdir(os.path.join(self.mnt, "step-1")) if f.startswith(e[:200] + "~")]
+            self.assertEqual(len(matches), 1)
+            return os.path.join(self.mnt, "step-1", matches[0])
+        return os.path.join(self.mnt, "step-1", e + ".npy")
+
+    def test_listing_and_latest(self):
+        self.assertEqual(sorted(os.listdir(self.mnt)), ["latest", "step-1"])
+        self.assertEqual(os.readlink(os.path.join(self.mnt, "latest")), "step-1")
+        files = set(os.listdir(os.path.join(self.mnt, "step-1")))
+        self.assertTrue({"model.safetensors", "metadata.json", "blobs"} <= files)
+        self.assertIn("model%2Flayers.0%2Fbool.npy", files)
+        self.assertIn("weird%25name.npy", files)
+        self.assertIn("%2E..npy", files)
+        self.assertEqual(len(files), len(self.want) + 3)
+        self.assertEqual(sorted(os.listdir(os.path.join(self.mnt, "step-1", "blobs"))), ["config.json", "rng%2Frank0"])
+
+    def test_every_npy_matches_with_numpy(self):
+        for name, (dt, arr) in self.want.items():
+            path = self.tensor_path(name)
+            for mmap in (None, "r"):
+                got = np.load(path, mmap_mode=mmap)
+                self.assertEqual(got.shape, arr.shape, name)
+                self.assertEqual(got.dtype, np.dtype(st.DTYPES[dt]), name)
+                self.assertEqual(np.ascontiguousarray(got).tobytes(), np.ascontiguousarray(arr).astype(st.DTYPES[dt]).tobytes(), name)
+            # stat size is exact before anything is read
+            self.assertEqual(os.stat(path).st_size, len(open(path, "rb").read()))
+
+    def test_xattrs_give_true_dtype_shape_and_name(self):
+        for name, (dt, arr) in self.want.items():
+            path = self.tensor_path(name)
+            self.assertEqual(os.getxattr(path, "user.ckptfs.dtype").decode(), dt)
+            self.assertEqual(json.loads(os.getxattr(path, "user.ckptfs.shape")), list(arr.shape))
+            self.assertEqual(os.getxattr(path, "user.ckptfs.name").decode(), name)
+            self.assertIn("user.ckptfs.dtype", os.listxattr(path))
+
+    def test_safetensors_file_parses_independently(self):
+        path = os.path.join(self.mnt, "step-1", "model.safetensors")
+        got, meta = st.read(path)
+        self.assertEqual(meta["ckptfs.step"], "1")
+        self.assertEqual(set(got), set(self.want))
+        for name, (dt, arr) in self.want.items():
+            self.assertEqual(got[name][0], dt)
+            self.assertEqual(got[name][1].tobytes(), np.ascontiguousarray(arr).astype(st.DTYPES[dt]).tobytes(), name)
+
+    def test_blobs_and_metadata(self):
+        for name, data in self.blobs.items():
+            with open(os.path.join(self.mnt, "step-1", "blobs", escape(name)), "rb") as f:
+                self.assertEqual(f.read(), data)
+        meta = json.load(open(os.path.join(self.mnt, "step-1", "metadata.json")))
+        self.assertEqual(meta["step"], 1)
+        t = meta["tensors"]["big"]
+        self.assertEqual((t["dtype"], t["shape"], t["logical_bytes"]), ("F32", [512, 300], 512 * 300 * 4))
+        self.assertEqual(len(t["shards"]), 3)
+        self.assertGreater(t["stored_bytes"], 0)
+        self.assertEqual(meta["blobs"]["rng/rank0"]["bytes"], 70000)
+
+    def test_random_preads_match(self):
+        rnd = random.Random(3)
+        for name in ["big", "model/layers.11/f32"]:
+            path = self.tensor_path(name)
+            with open(path, "rb") as f:
+                whole = f.read()
+            dt, arr = self.want[name]
+            self.assertEqual(whole[-arr.nbytes:], np.ascontiguousarray(arr).astype(st.DTYPES[dt]).tobytes())
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for _ in range(300):
+                    size = rnd.choice([1, 3, 7, 100, 4096, 65535, 65536, 65537, 200000, 1 << 20])
+                    off = rnd.randrange(0, len(whole) + 10)
+                    self.assertEqual(os.pread(fd, size, off), whole[off:off + size], (name, off, size))
+            finally:
+                os.close(fd)
+
+    def test_writes_are_refused_with_erofs(self):
+        d = os.path.join(self.mnt, "step-1")
+        for fn in [lambda: open(os.path.join(d, "new"), "wb"),
+                   lambda: open(self.tensor_path("big"), "r+b"),
+                   lambda: os.mkdir(os.path.join(d, "dir")),
+                   lambda: os.unlink(self.tensor_path("big")),
+                   lambda: os.rename(self.tensor_path("big"), os.path.join(d, "x"))]:
+            with self.assertRaises(OSError) as cm:
+                fn()
+            self.assertEqual(cm.exception.errno, errno.EROFS)
+
+
+class MountLiveAndFailures(Mounted):
+    @classmethod
+    def build_repo(cls):
+        cls.rng = np.random.default_rng(11)
+        cls.a = cls.rng.integers(0, 1 << 31, size=(256, 256), dtype=np.int32)  # random: stored raw
+        st.write(os.path.join(cls.tmp, "a.safetensors"), [("t", "I32", cls.a)])
+        ckpt(cls.repo, "import", "one", os.path.join(cls.tmp, "a.safetensors"), "--step", "1")
+
+    def test_new_checkpoints_appear_and_removed_ones_disappear(self):
+        b = self.rng.standard_normal((10,)).astype(np.float32)
+        st.write(os.path.join(self.tmp, "b.safetensors"), [("t", "F32", b)])
+        ckpt(self.repo, "import", "two", os.path.join(self.tmp, "b.safetensors"), "--step", "2")
+        wait_for(lambda: "two" in os.listdir(self.mnt), what="new checkpoint to appear")
+        wait_for(lambda: os.readlink(os.path.join(self.mnt, "latest")) == "two", what="latest to move")
+        self.assertTrue((np.load(os.path.join(self.mnt, "latest", "t.npy")) == b).all())
+        ckpt(self.repo, "rm", "two")
+        wait_for(lambda: "two" not in os.listdir(self.mnt), what="removed checkpoint to disappear")
+        wait_for(lambda: not os.path.exists(os.path.join(self.mnt, "two")), what="removed checkpoint lookup to fail")
+        wait_for(lambda: os.readlink(os.path.join(self.mnt, "latest")) == "one", what="latest to move back")
+
+    def test_corrupt_chunk_gives_eio_and_listing_reads_no_data(self):
+        c = self.rng.integers(0, 1 << 31, size=(256, 256), dtype=np.int32)
+        st.write(os.path.join(self.tmp, "c.safetensors"), [("t", "I32", c)])
+        ckpt(self.repo, "import", "corrupt", os.path.join(self.tmp, "c.safetensors"))
+        # Random int32 data is stored raw: find the chunk holding bytes
+        # [65536*3, 65536*4) of the tensor in its pack and flip one byte.
+        raw = c.tobytes()
+        needle = raw[65536 * 3:65536 * 3 + 64]
+        packs = os.path.join(self.repo, "objects", "packs")
+        hit = None
+        for p in os.listdir(packs):
+            data = open(os.path.join(packs, p), "rb").read()
+            if needle in data:
+                hit = (os.path.join(packs, p), data.index(needle))
+        self.assertIsNotNone(hit)
+        with open(hit[0], "r+b") as f:
+            f.seek(hit[1] + 10)
+            b = f.read(1)
+            f.seek(hit[1] + 10)
+            f.write(bytes([b[0] ^ 1]))
+        wait_for(lambda: "corrupt" in os.listdir(self.mnt), what="checkpoint to appear")
+        path = os.path.join(self.mnt, "corrupt", "t.npy")
+        # Listing, stat and open never touch tensor data.
+        self.assertEqual(os.stat(path).st_size, 128 + c.nbytes)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            header = 128
+            # A range that does not need the damaged chunk reads fine ...
+            self.assertEqual(os.pread(fd, 65536, header), raw[:65536])
+            self.assertEqual(os.pread(fd, 1000, header + 65536 * 5), raw[65536 * 5:65536 * 5 + 1000])
+            # ... the damaged chunk's range fails with EIO, never wrong bytes.
+            with self.assertRaises(OSError) as cm:
+                os.pread(fd, 100, header + 65536 * 3 + 5)
+            self.assertEqual(cm.exception.errno, errno.EIO)
+        finally:
+            os.close(fd)
+        # Sequential reads return correct bytes up to the damaged chunk (the
+        # kernel may end a read short there), then EIO.
+        got = b""
+        with self.assertRaises(OSError) as cm:
+            with open(path, "rb", buffering=0) as f:
+                while True:
+                    piece = f.read(1 << 20)
+                    if not piece:
+                        break
+                    got += piece
+        self.assertEqual(cm.exception.errno, errno.EIO)
+        self.assertLessEqual(len(got), header + 65536 * 3 + 10)
+        self.assertEqual(got[header:], raw[:len(got) - header])
+        with self.assertRaises(Exception):
+            np.load(path)
+        ckpt(self.repo, "rm", "corrupt")
+
+
+@unittest.skipUnless(HAVE_FUSE, "no /dev/fuse or fusermount3: FUSE tests need them")
+class MountLifecycle(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="ckptfs-mount-")
+        self.repo = os.path.join(self.tmp, "repo")
+        self.mnt = os.path.join(self.tmp, "mnt")
+        os.makedirs(self.mnt)
+        ckpt(self.repo, "init")
+
+    def tearDown(self):
+        if os.path.ismount(self.mnt):
+            subprocess.run(["fusermount3", "-u", self.mnt])
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def run_mount(self, *args):
+        return subprocess.run([CKPT, "mount", "-r", self.repo, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, timeout=60)
+
+    def test_refuses_missing_or_non_empty_mountpoint(self):
+        p = self.run_mount(os.path.join(self.tmp, "nope"))
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("does not exist", p.stderr.decode())
+        open(os.path.join(self.mnt, "file"), "w").close()
+        p = self.run_mount(self.mnt)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("not empty", p.stderr.decode())
+        p = subprocess.run([CKPT, "mount", "-r", os.path.join(self.tmp, "norepo"), os.path.join(self.tmp)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.assertNotEqual(p.returncode, 0)
+
+    def test_daemon_mode_and_fusermount_unmount(self):
+        p = self.run_mount(self.mnt)
+        self.assertEqual(p.returncode, 0, p.stderr.decode())
+        self.assertTrue(os.path.ismount(self.mnt))
+        self.assertEqual(os.listdir(self.mnt), [])  # empty repository: no latest
+        subprocess.run(["fusermount3", "-u", self.mnt], check=True)
+        wait_for(lambda: not os.path.ismount(self.mnt), what="unmount")
+
+    def test_sigint_and_sigterm_unmount_cleanly(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            proc = subprocess.Popen([CKPT, "mount", "-r", self.repo, self.mnt, "-f"], stderr=subprocess.PIPE)
+            wait_for(lambda: os.path.ismount(self.mnt), what="mount")
+            proc.send_signal(sig)
+            self.assertEqual(proc.wait(timeout=20), 0)
+            proc.stderr.close()
+            self.assertFalse(os.path.ismount(self.mnt))
+            with open("/proc/mounts") as m:
+                self.assertNotIn(self.mnt, m.read())
+
+
+if __name__ == "__main__":
+    unittest.main()
