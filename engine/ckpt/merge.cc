@@ -327,7 +327,13 @@ Result<std::vector<TensorRecord>> MergeRankTensors(const std::vector<RankRecord>
                                                    ChunkFetcher& fetcher) {
   std::map<std::string, TensorRecord> merged;
   std::map<std::string, uint32_t> first_rank;
-  for (const RankRecord& rank : ranks) {
+  // Ranks in rank order, whatever order they committed in: the merged
+  // records are the same for the same inputs.
+  std::vector<const RankRecord*> ordered;
+  for (const RankRecord& r : ranks) ordered.push_back(&r);
+  std::sort(ordered.begin(), ordered.end(), [](const RankRecord* a, const RankRecord* b) { return a->rank < b->rank; });
+  for (const RankRecord* rank_ptr : ordered) {
+    const RankRecord& rank = *rank_ptr;
     for (const TensorRecord& t : rank.tensors) {
       auto [it, inserted] = merged.try_emplace(t.name);
       TensorRecord& m = it->second;
