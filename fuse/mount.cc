@@ -5,6 +5,7 @@
 #include <dirent.h>
 #include <fuse_lowlevel.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/xattr.h>
 #include <unistd.h>
 
@@ -71,7 +72,7 @@ struct OpenFile {
   Kind kind;
   size_t index;
   std::mutex mu;
-  uint64_t next_offset = 0;       // where a sequential reader continues
+  uint64_t next_offset = 0;       // furthest byte a reader reached
   uint64_t prefetched_until = 0;  // tensor bytes already asked for
 };
 
@@ -292,6 +293,7 @@ class Filesystem {
   // Notices new and removed checkpoints and tells the kernel to drop what it
   // cached of the root.
   void Watch(std::stop_token stop) {
+    if (options_.readahead_bytes) SetReadahead();
     std::set<std::string> known;
     std::string latest;
     bool first = true;
@@ -328,6 +330,19 @@ class Filesystem {
 
  private:
   static constexpr fuse_ino_t kLatestIno = 2;
+
+  // Raises the mount's kernel readahead (best effort: needs root). Runs once
+  // the session serves requests, since stat of the mountpoint asks it.
+  void SetReadahead() {
+    struct stat st;
+    if (::stat(options_.mountpoint.c_str(), &st) != 0) return;
+    const std::string path = "/sys/class/bdi/" + std::to_string(major(st.st_dev)) + ":" +
+                             std::to_string(minor(st.st_dev)) + "/read_ahead_kb";
+    FILE* f = std::fopen(path.c_str(), "w");
+    if (!f) return;
+    std::fprintf(f, "%zu\n", options_.readahead_bytes >> 10);
+    std::fclose(f);
+  }
 
   static std::string KeyOf(Kind kind, const std::shared_ptr<CheckpointView>& v, size_t index) {
     return std::to_string(static_cast<int>(kind)) + "/" + (v ? v->name + "@" + std::to_string(v->sequence) : "") +
@@ -595,9 +610,14 @@ class Filesystem {
       return;
     }
     std::lock_guard lock(f.mu);
-    bool sequential = offset == f.next_offset;
-    f.next_offset = offset + n;
+    // Kernel readahead sends several requests at once, slightly out of
+    // order: a read near the furthest point reached so far counts as
+    // sequential.
+    const uint64_t slack = 4 * repo_->config().chunk_size;
+    bool sequential = offset + slack >= f.next_offset && offset <= f.next_offset + slack;
+    f.next_offset = std::max(f.next_offset, offset + n);
     if (!sequential) {
+      f.next_offset = offset + n;
       f.prefetched_until = 0;
       return;
     }
@@ -707,7 +727,9 @@ Status RunMount(const MountOptions& options) {
   RETURN_IF_ERROR(CheckMountpoint(options.mountpoint));
   OpenOptions open_options;
   open_options.cache_bytes = options.cache_bytes;
-  open_options.threads = options.threads;
+  // Reads wait on the disk as much as they decode: twice as many workers as
+  // cores keep both busy.
+  open_options.threads = options.threads ? options.threads : 2 * std::max(1u, std::thread::hardware_concurrency());
   // Check the repository before mounting, so errors reach the caller; the
   // daemon opens it again after forking (LMDB environments and threads do
   // not survive fork).

@@ -27,6 +27,10 @@ struct MountOptions {
   size_t threads = 0;            // engine workers; 0 = hardware concurrency
   size_t prefetch_chunks = 8;    // chunks read ahead of a sequential reader
   double poll_seconds = 1.0;     // how often new and removed checkpoints are noticed
+  // Kernel readahead for the mount (its BDI's read_ahead_kb). The kernel
+  // default, 128 KiB, splits sequential reads into 128 KiB requests; larger
+  // values let requests reach 1 MiB. Needs root; 0 keeps the default.
+  size_t readahead_bytes = 16ull << 20;
 };
 
 // Checks the mountpoint (an existing, empty directory) and the repository,

@@ -119,7 +119,10 @@ Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<s
   std::vector<ChunkGroup> groups;
   RETURN_IF_ERROR(PlanBox(tensor, request, groups));
 
-  if (pool == nullptr || groups.size() <= 1 || ThreadPool::OnPoolThread()) {
+  // Small reads (a FUSE request) run inline: their callers are already
+  // concurrent, and prefetching has usually decoded their chunks.
+  constexpr uint64_t kParallelMinBytes = 8 << 20;
+  if (pool == nullptr || groups.size() <= 1 || ThreadPool::OnPoolThread() || dst.size() < kParallelMinBytes) {
     for (const auto& g : groups) RETURN_IF_ERROR(RunGroup(g, dst, fetcher));
     return Status::OK();
   }

@@ -56,7 +56,7 @@ void CheckpointReader::Prefetch(const TensorRecord& tensor, uint64_t offset, uin
   if (!chunks.ok()) return;
   RepositoryImpl* repo = impl_->repo;
   for (const ChunkRef& c : *chunks) {
-    if (repo->cache->Peek(c.id)) continue;
+    if (repo->cache->Contains(c.id)) continue;
     // Errors surface to the reader that needs the chunk; a prefetch only warms.
     repo->pool->Submit([repo, c] { (void)repo->fetcher()->Fetch(c); });
   }

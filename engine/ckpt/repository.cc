@@ -221,8 +221,8 @@ Result<ChunkData> DirectFetcher::Fetch(const ChunkRef& chunk) {
     return Status::Corruption("chunk " + chunk.id.ToHex() + " has length " + std::to_string(loc.raw_len) +
                               " in pack " + loc.pack + ", expected " + std::to_string(chunk.raw_len));
   }
-  auto data = std::make_shared<std::vector<std::byte>>(loc.raw_len);
-  RETURN_IF_ERROR(ReadChunk(backend_, chunk.id, loc, *data));
+  auto data = std::make_shared<ChunkBuffer>(loc.raw_len);
+  RETURN_IF_ERROR(ReadChunk(backend_, chunk.id, loc, data->span()));
   return ChunkData(std::move(data));
 }
 

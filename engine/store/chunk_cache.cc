@@ -17,6 +17,11 @@ std::optional<ChunkData> ChunkCache::Peek(const ChunkId& id) {
   return it->second.data;
 }
 
+bool ChunkCache::Contains(const ChunkId& id) const {
+  std::lock_guard lock(mu_);
+  return map_.count(id) > 0;
+}
+
 void ChunkCache::Clear() {
   std::lock_guard lock(mu_);
   for (auto it = map_.begin(); it != map_.end();) {

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
@@ -20,7 +21,21 @@
 
 namespace ckptfs {
 
-using ChunkData = std::shared_ptr<const std::vector<std::byte>>;
+// A decoded chunk. Not zero-filled on allocation: decoders write every byte.
+class ChunkBuffer {
+ public:
+  explicit ChunkBuffer(size_t size) : data_(new std::byte[size]), size_(size) {}
+  std::byte* data() { return data_.get(); }
+  const std::byte* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+  std::span<std::byte> span() { return {data_.get(), size_}; }
+
+ private:
+  std::unique_ptr<std::byte[]> data_;
+  size_t size_;
+};
+
+using ChunkData = std::shared_ptr<const ChunkBuffer>;
 
 class ChunkCache {
  public:
@@ -30,6 +45,8 @@ class ChunkCache {
   Result<ChunkData> Get(const ChunkId& id, const std::function<Result<ChunkData>()>& load);
   // The chunk when it is cached and loaded; never loads.
   std::optional<ChunkData> Peek(const ChunkId& id);
+  // True when the chunk is cached or being loaded.
+  bool Contains(const ChunkId& id) const;
   // Drops every entry (e.g. after a chunk was found corrupt elsewhere).
   void Clear();
   size_t bytes() const;

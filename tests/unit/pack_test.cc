@@ -142,7 +142,7 @@ TEST(ChunkCache, LoadsOnceAndEvictsByBytes) {
   auto loader = [&](size_t n) {
     return [&, n]() -> Result<ChunkData> {
       ++loads;
-      return ChunkData(std::make_shared<std::vector<std::byte>>(n));
+      return ChunkData(std::make_shared<ChunkBuffer>(n));
     };
   };
   ChunkId a = ChunkId::Of(RandomBytes(10, 1)), b = ChunkId::Of(RandomBytes(10, 2)), c = ChunkId::Of(RandomBytes(10, 3));

@@ -676,6 +676,7 @@ const CommandSpec kMount{
      {"allow-other", 0, false, false, "", "let other users read the mount (needs user_allow_other)"},
      {"cache-size", 0, true, false, "SIZE", "decoded-chunk cache bound (default 1G)"},
      {"prefetch", 0, true, false, "N", "chunks decoded ahead of sequential readers (default 8)"},
+     {"readahead", 0, true, false, "SIZE", "kernel readahead of the mount, needs root (default 16M; 0: kernel default)"},
      {"debug", 'd', false, false, "", "log every FUSE request (implies --foreground)"}},
     1, 1};
 
@@ -698,6 +699,11 @@ int CmdMount(const Args& args) {
     auto n = ParseInt(*v, "--prefetch");
     if (!n.ok() || *n < 0) return Fail(Status::InvalidArgument("--prefetch must be a non-negative integer"));
     o.prefetch_chunks = static_cast<size_t>(*n);
+  }
+  if (auto v = args.Get("readahead")) {
+    auto n = ParseSize(*v);
+    if (!n.ok()) return Fail(n.status());
+    o.readahead_bytes = *n;
   }
   Status st = mount::RunMount(o);
   return st.ok() ? kExitOk : Fail(st);
