@@ -49,10 +49,9 @@ class RepositoryImpl {
   ChunkFetcher* fetcher() { return fetcher_.get(); }
   void InitFetcher();
 
-  // Pack writers of every checkpoint writer in this process report here, so
-  // the adaptive codec sees whether the disk as a whole is waiting.
-  std::atomic<int64_t> queued_chunks{0};   // encoded, not yet appended
-  std::atomic<int> appending{0};           // writer threads inside an append
+  // Encoded chunks waiting for any pack writer of this process: the
+  // adaptive codec's view of whether the disk keeps up.
+  std::atomic<int64_t> queued_chunks{0};
 
  private:
   std::unique_ptr<ChunkFetcher> fetcher_;

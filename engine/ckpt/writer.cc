@@ -227,10 +227,11 @@ void WriterImpl::Process(Job& job) {
     SetError(known.status());
     return;
   }
-  // Adaptive: when the pack writer is idle with nothing queued, the disk is
-  // waiting for us; store this chunk raw rather than make it wait longer.
-  const bool disk_starving = repo_->config.adaptive && repo_->queued_chunks.load() == 0 &&
-                             repo_->appending.load() == 0;
+  // Adaptive: unless encoded chunks are queueing for the disk, the disk is
+  // waiting for the codec; store this chunk raw rather than make it wait.
+  // The disk keeps up when encoded chunks do not pile up in front of it.
+  const bool disk_starving =
+      repo_->config.adaptive && repo_->queued_chunks.load() < static_cast<int64_t>(repo_->pool->size());
   // Even then, chunks that compress well (bf16 weights: about a third) are
   // worth the CPU; only the low-yield ones (fp32 moments) are passed raw.
   const bool skip = disk_starving && EstimateSaving(job.data, job.dtype, repo_->config.codec.min_saving) <
@@ -264,14 +265,9 @@ void WriterImpl::WriterLoop() {
       if (queue_.empty()) return;
       enc = std::move(queue_.front());
       queue_.pop_front();
-      repo_->appending.fetch_add(1);
       repo_->queued_chunks.fetch_sub(1);
     }
     queue_cv_.notify_all();
-    struct AppendScope {
-      std::atomic<int>& n;
-      ~AppendScope() { n.fetch_sub(1); }
-    } scope{repo_->appending};
     if (!PipelineError().ok()) continue;  // drain without writing after an error
     auto loc = packs_.Add(enc.id, enc.codec, enc.raw_len, std::as_bytes(std::span(enc.bytes)));
     if (!loc.ok()) {
