@@ -56,6 +56,9 @@ class Backend {
   virtual Result<uint64_t> Size(std::string_view key) = 0;
   virtual Result<std::vector<std::string>> List(std::string_view prefix) = 0;
   virtual Status Delete(std::string_view key) = 0;
+  // Removes what writers that never committed left behind (temporary files,
+  // unfinished uploads). Only safe while no writer is active.
+  virtual Status RemoveIncomplete() { return Status::OK(); }
   // A short description for messages ("local:/data/repo/objects").
   virtual std::string Describe() const = 0;
 };

@@ -12,6 +12,7 @@
 #include <unordered_map>
 
 #include "backend/backend.h"
+#include "core/crash_point.h"
 
 namespace ckptfs {
 namespace {
@@ -78,6 +79,7 @@ class LocalBackend final : public Backend {
     Status Append(std::span<const std::byte> data) override {
       if (fd_ < 0) return Status::FailedPrecondition("object writer already finished");
       RETURN_IF_ERROR(WriteAll(fd_, data.data(), data.size(), tmp_path_));
+      CrashPoint();
       size_ += data.size();
       while (size_ - flushed_ >= kWritebackStep) {
         ::sync_file_range(fd_, static_cast<off_t>(flushed_), kWritebackStep, SYNC_FILE_RANGE_WRITE);
@@ -100,11 +102,13 @@ class LocalBackend final : public Backend {
       }
       ::close(fd_);
       fd_ = -1;
+      CrashPoint();
       if (::rename(tmp_path_.c_str(), final_path_.c_str()) != 0) {
         Status st = Status::FromErrno(errno, "renaming " + tmp_path_ + " to " + final_path_);
         ::unlink(tmp_path_.c_str());
         return st;
       }
+      CrashPoint();
       return FsyncDir(final_path_.substr(0, final_path_.rfind('/')));
     }
 
@@ -179,9 +183,13 @@ class LocalBackend final : public Backend {
     RETURN_IF_ERROR(CheckKey(key));
     std::string path = Path(key);
     EvictFd(path);
+    CrashPoint();
     if (::unlink(path.c_str()) != 0) return Status::FromErrno(errno, "deleting " + path);
+    CrashPoint();
     return FsyncDir(path.substr(0, path.rfind('/')));
   }
+
+  Status RemoveIncomplete() override { return RemoveTemporaries(root_); }
 
   std::string Describe() const override { return "local:" + root_; }
 
@@ -218,6 +226,28 @@ class LocalBackend final : public Backend {
   void EvictFd(const std::string& path) {
     std::lock_guard lock(mu_);
     fds_.erase(path);
+  }
+
+  static Status RemoveTemporaries(const std::string& dir) {
+    DIR* d = ::opendir(dir.c_str());
+    if (!d) return errno == ENOENT ? Status::OK() : Status::FromErrno(errno, "listing " + dir);
+    Status st;
+    while (struct dirent* e = ::readdir(d)) {
+      std::string name = e->d_name;
+      if (name == "." || name == "..") continue;
+      std::string path = dir + "/" + name;
+      struct stat sb;
+      if (::lstat(path.c_str(), &sb) != 0) continue;
+      if (S_ISDIR(sb.st_mode)) {
+        st = RemoveTemporaries(path);
+        if (!st.ok()) break;
+      } else if (name.rfind(".tmp-", 0) == 0 && ::unlink(path.c_str()) != 0 && errno != ENOENT) {
+        st = Status::FromErrno(errno, "removing " + path);
+        break;
+      }
+    }
+    ::closedir(d);
+    return st;
   }
 
   Status Walk(const std::string& dir_rel, const std::string& prefix, std::vector<std::string>& keys) {

@@ -222,8 +222,20 @@ Result<ChunkData> DirectFetcher::Fetch(const ChunkRef& chunk) {
                               " in pack " + loc.pack + ", expected " + std::to_string(chunk.raw_len));
   }
   auto data = std::make_shared<ChunkBuffer>(loc.raw_len);
-  RETURN_IF_ERROR(ReadChunk(backend_, chunk.id, loc, data->span()));
+  RETURN_IF_ERROR(ReadWithRelocation(chunk.id, loc, data->span()));
   return ChunkData(std::move(data));
+}
+
+Status DirectFetcher::ReadWithRelocation(const ChunkId& id, ChunkLocation loc, std::span<std::byte> dst) {
+  // Garbage collection may move a live chunk to a new pack and delete the
+  // old one between our lookup and our read: look it up again and retry.
+  for (int attempt = 0;; ++attempt) {
+    Status st = ReadChunk(backend_, id, loc, dst);
+    if (st.ok() || !st.IsNotFound() || attempt >= 3) return st;
+    ASSIGN_OR_RETURN(ChunkLocation again, lookup_(id));
+    if (again.pack == loc.pack && again.offset == loc.offset) return st;
+    loc = again;
+  }
 }
 
 Status DirectFetcher::FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) {
@@ -232,7 +244,7 @@ Status DirectFetcher::FetchInto(const ChunkRef& chunk, std::span<std::byte> dst)
     return Status::Corruption("chunk " + chunk.id.ToHex() + " has length " + std::to_string(loc.raw_len) +
                               " in pack " + loc.pack + ", expected " + std::to_string(chunk.raw_len));
   }
-  return ReadChunk(backend_, chunk.id, loc, dst);
+  return ReadWithRelocation(chunk.id, loc, dst);
 }
 
 namespace {

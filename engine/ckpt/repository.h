@@ -205,6 +205,62 @@ struct ReindexReport {
   std::vector<std::string> problems;  // skipped packs or manifests, and why
 };
 
+// Which checkpoints to keep; the rest are removed by garbage collection. An
+// empty policy removes nothing. Checkpoints are ordered by step when every
+// committed checkpoint has one, by commit order otherwise. Pending
+// checkpoints are never removed by a policy.
+struct RetentionPolicy {
+  std::optional<uint64_t> keep_last;   // the newest N
+  std::optional<uint64_t> keep_every;  // step % K == 0 (without steps: every K-th in commit order, from the first)
+  std::vector<std::string> keep;       // by name
+  bool empty() const { return !keep_last && !keep_every && keep.empty(); }
+};
+
+struct GcOptions {
+  RetentionPolicy retention;
+  bool dry_run = false;
+  // A pack whose live bytes fall below this fraction of its size is
+  // rewritten (live chunks copied to a new pack, then the old one deleted).
+  double rewrite_below = 0.5;
+};
+
+struct GcReport {
+  std::vector<std::string> removed;  // by the retention policy
+  uint64_t dead_chunks = 0;
+  uint64_t orphan_packs = 0;         // packs no catalog entry refers to (killed saves)
+  uint64_t packs_deleted = 0;        // wholly dead, rewritten or orphaned
+  uint64_t packs_rewritten = 0;
+  uint64_t packs_written = 0;
+  uint64_t bytes_before = 0;         // pack bytes on disk
+  uint64_t bytes_after = 0;
+  uint64_t live_bytes = 0;           // stored bytes the remaining checkpoints reference
+  uint64_t bytes_reclaimed() const { return bytes_before > bytes_after ? bytes_before - bytes_after : 0; }
+};
+
+struct UsageEntry {
+  std::string name;
+  uint64_t logical_bytes = 0;     // tensors and blobs as saved
+  uint64_t referenced_bytes = 0;  // stored bytes of the distinct chunks it references
+  uint64_t exclusive_bytes = 0;   // stored bytes no other checkpoint references: what removing it alone frees
+};
+
+struct UsageReport {
+  std::vector<UsageEntry> checkpoints;
+  uint64_t logical_bytes = 0;     // all committed checkpoints
+  uint64_t unique_raw_bytes = 0;  // distinct referenced chunks, decoded
+  uint64_t referenced_bytes = 0;  // distinct referenced chunks, stored
+  uint64_t pack_bytes = 0;        // on disk, including garbage
+  double dedup_ratio() const { return unique_raw_bytes ? double(logical_bytes) / unique_raw_bytes : 1.0; }
+  double compression_ratio() const { return referenced_bytes ? double(unique_raw_bytes) / referenced_bytes : 1.0; }
+};
+
+struct TensorDiff {
+  std::string name;
+  enum class Kind { kUnchanged, kChanged, kOnlyInA, kOnlyInB, kTypeChanged } kind = Kind::kUnchanged;
+  double shared_fraction = 0;          // of A's bytes, in chunks B also has
+  std::optional<double> max_abs_diff;  // changed floating-point tensors
+};
+
 // Progress callback: done and total units (bytes or items).
 using ProgressFn = std::function<void(uint64_t done, uint64_t total)>;
 
@@ -243,6 +299,18 @@ class Repository {
   // deleted first, then their records in one catalog transaction; their
   // chunks stay until garbage collection.
   Status RemoveCheckpoints(const std::vector<std::string>& names);
+  // Applies the retention policy (unless dry_run), then, holding the gc lock
+  // (repo_lock.h), deletes chunks no checkpoint references, rewrites packs
+  // that became mostly dead and deletes packs of killed saves. Crash-safe at
+  // every step: new packs are durable before the catalog refers to them, and
+  // old packs are deleted only after the catalog stopped referring to them.
+  Result<GcReport> CollectGarbage(const GcOptions& options, const ProgressFn& progress = {});
+  // The checkpoints `policy` would remove.
+  Result<std::vector<std::string>> PlanRetention(const RetentionPolicy& policy);
+  // Space per checkpoint (`names`, or every committed one) and in total.
+  Result<UsageReport> DiskUsage(const std::vector<std::string>& names);
+  // Per tensor: changed or not, chunks shared, max |a - b| for floats.
+  Result<std::vector<TensorDiff>> Diff(const std::string& a, const std::string& b);
   // Re-reads and re-hashes every chunk (of `name`, or of the repository),
   // checks every tensor is tiled exactly and every pack index is sound.
   Result<VerifyReport> Verify(const std::optional<std::string>& name,

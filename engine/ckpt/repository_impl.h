@@ -66,6 +66,7 @@ class DirectFetcher : public ChunkFetcher {
   Status FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) override;
 
  private:
+  Status ReadWithRelocation(const ChunkId& id, ChunkLocation loc, std::span<std::byte> dst);
   Backend* backend_;
   Lookup lookup_;
 };

@@ -16,6 +16,7 @@
 #include <unordered_map>
 
 #include "ckpt/repository.h"
+#include "ckpt/repo_lock.h"
 #include "ckpt/repository_impl.h"
 #include "core/encoding.h"
 
@@ -46,8 +47,9 @@ std::chrono::nanoseconds CommitHandle::total_time() const {
 
 class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
  public:
-  WriterImpl(RepositoryImpl* repo, std::string name, WriterOptions options)
-      : repo_(repo),
+  WriterImpl(RepositoryImpl* repo, std::string name, WriterOptions options, RepoLock lock)
+      : lock_(std::move(lock)),
+        repo_(repo),
         name_(std::move(name)),
         options_(std::move(options)),
         packs_(repo->backend.get(), repo->config.pack_size),
@@ -107,6 +109,8 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
                      std::vector<ChunkRef>& chunks);
   std::vector<uint64_t> ChunkBounds(uint64_t global_start, uint64_t size) const;
 
+  // Held shared until this writer is gone: gc waits for it (repo_lock.h).
+  RepoLock lock_;
   RepositoryImpl* repo_;
   const std::string name_;
   const WriterOptions options_;
@@ -604,6 +608,9 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
     return Status::InvalidArgument("rank " + std::to_string(options.rank) + " is out of range for world size " +
                                    std::to_string(options.world_size));
   }
+  // Taken before the catalog is consulted, so gc cannot remove a chunk
+  // between our dedup lookups and our commit.
+  ASSIGN_OR_RETURN(RepoLock lock, RepoLock::Acquire(impl_->path, RepoLock::Mode::kShared));
   // Nothing is written here: the checkpoint's record appears with the first
   // rank's commit, so an aborted or killed writer leaves no trace.
   RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
@@ -612,7 +619,7 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
     ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*raw));
     return CheckJoin(rec, options);
   }));
-  auto impl = std::make_shared<WriterImpl>(impl_.get(), name, options);
+  auto impl = std::make_shared<WriterImpl>(impl_.get(), name, options, std::move(lock));
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
 }
 

@@ -1,5 +1,7 @@
 #include "meta/lmdb_env.h"
 
+#include "core/crash_point.h"
+
 #include <lmdb.h>
 #include <sys/stat.h>
 
@@ -172,8 +174,12 @@ Status LmdbEnv::Update(const std::function<Status(WriteTxn&)>& fn) {
     WriteTxn t(this, txn);
     Status st = fn(t);
     if (st.ok()) {
+      CrashPoint();
       rc = mdb_txn_commit(txn);
-      if (rc == 0) return Status::OK();
+      if (rc == 0) {
+        CrashPoint();
+        return Status::OK();
+      }
       st = LmdbError(rc, "committing a catalog update");
     } else {
       mdb_txn_abort(txn);

@@ -713,6 +713,173 @@ int CmdMount(const Args& args) {
 #endif
 }
 
+// ---- du / diff / gc ------------------------------------------------------------------
+
+const CommandSpec kDu{"du", "[NAME...]", "Show the space checkpoints use, and what deduplication and compression save.",
+                      "Per checkpoint: logical bytes, the stored bytes of the chunks it references, and\n"
+                      "the stored bytes only it references (what removing it alone would reclaim).",
+                      {kRepoOpt, kJsonOpt}, 0, SIZE_MAX};
+
+int CmdDu(const Args& args) {
+  auto repo = OpenRepo(args);
+  if (!repo.ok()) return Fail(repo.status());
+  auto r = (*repo)->DiskUsage(args.positional);
+  if (!r.ok()) return Fail(r.status());
+  if (args.Has("json")) {
+    Json j = Json::MakeObject();
+    Json list = Json::MakeArray();
+    for (const auto& e : r->checkpoints) {
+      Json ej = Json::MakeObject();
+      ej.Set("name", e.name);
+      ej.Set("logical_bytes", e.logical_bytes);
+      ej.Set("referenced_bytes", e.referenced_bytes);
+      ej.Set("exclusive_bytes", e.exclusive_bytes);
+      list.Push(std::move(ej));
+    }
+    j.Set("checkpoints", std::move(list));
+    Json t = Json::MakeObject();
+    t.Set("logical_bytes", r->logical_bytes);
+    t.Set("unique_raw_bytes", r->unique_raw_bytes);
+    t.Set("referenced_bytes", r->referenced_bytes);
+    t.Set("pack_bytes", r->pack_bytes);
+    t.Set("garbage_bytes", r->pack_bytes > r->referenced_bytes ? r->pack_bytes - r->referenced_bytes : 0);
+    t.Set("dedup_ratio", r->dedup_ratio());
+    t.Set("compression_ratio", r->compression_ratio());
+    j.Set("total", std::move(t));
+    PrintJson(j);
+    return kExitOk;
+  }
+  std::printf("%-28s %12s %12s %12s\n", "NAME", "LOGICAL", "REFERENCED", "EXCLUSIVE");
+  for (const auto& e : r->checkpoints) {
+    std::printf("%-28s %12s %12s %12s\n", e.name.c_str(), HumanBytes(e.logical_bytes).c_str(),
+                HumanBytes(e.referenced_bytes).c_str(), HumanBytes(e.exclusive_bytes).c_str());
+  }
+  std::printf("\ntotal: %s logical, %s after dedup, %s stored (%s in packs, %s garbage)\n",
+              HumanBytes(r->logical_bytes).c_str(), HumanBytes(r->unique_raw_bytes).c_str(),
+              HumanBytes(r->referenced_bytes).c_str(), HumanBytes(r->pack_bytes).c_str(),
+              HumanBytes(r->pack_bytes > r->referenced_bytes ? r->pack_bytes - r->referenced_bytes : 0).c_str());
+  std::printf("dedup ratio %.2fx, compression ratio %.2fx, overall %.2fx\n", r->dedup_ratio(), r->compression_ratio(),
+              r->referenced_bytes ? double(r->logical_bytes) / r->referenced_bytes : 1.0);
+  return kExitOk;
+}
+
+const CommandSpec kDiff{"diff", "A B", "Compare two checkpoints tensor by tensor.",
+                        "For each tensor: whether it changed, the fraction of A's bytes in chunks B\n"
+                        "shares, and for changed floating-point tensors the largest |a - b|.",
+                        {kRepoOpt, kJsonOpt, {"all", 'a', false, false, "", "list unchanged tensors too"}}, 2, 2};
+
+const char* DiffKindName(TensorDiff::Kind k) {
+  switch (k) {
+    case TensorDiff::Kind::kUnchanged: return "unchanged";
+    case TensorDiff::Kind::kChanged: return "changed";
+    case TensorDiff::Kind::kOnlyInA: return "removed";
+    case TensorDiff::Kind::kOnlyInB: return "added";
+    case TensorDiff::Kind::kTypeChanged: return "dtype/shape changed";
+  }
+  return "?";
+}
+
+int CmdDiff(const Args& args) {
+  auto repo = OpenRepo(args);
+  if (!repo.ok()) return Fail(repo.status());
+  auto diffs = (*repo)->Diff(args.positional[0], args.positional[1]);
+  if (!diffs.ok()) return Fail(diffs.status());
+  if (args.Has("json")) {
+    Json j = Json::MakeArray();
+    for (const auto& d : *diffs) {
+      Json dj = Json::MakeObject();
+      dj.Set("name", d.name);
+      dj.Set("status", DiffKindName(d.kind));
+      dj.Set("changed", d.kind != TensorDiff::Kind::kUnchanged);
+      dj.Set("shared_fraction", d.shared_fraction);
+      dj.Set("max_abs_diff", d.max_abs_diff ? Json(*d.max_abs_diff) : Json());
+      j.Push(std::move(dj));
+    }
+    PrintJson(j);
+    return kExitOk;
+  }
+  size_t changed = 0;
+  std::printf("%-48s %-20s %8s %14s\n", "TENSOR", "STATUS", "SHARED", "MAX |A-B|");
+  for (const auto& d : *diffs) {
+    if (d.kind != TensorDiff::Kind::kUnchanged) ++changed;
+    if (d.kind == TensorDiff::Kind::kUnchanged && !args.Has("all")) continue;
+    char shared[16] = "-", diff[32] = "-";
+    if (d.kind == TensorDiff::Kind::kChanged || d.kind == TensorDiff::Kind::kUnchanged) {
+      std::snprintf(shared, sizeof shared, "%.1f%%", 100 * d.shared_fraction);
+    }
+    if (d.max_abs_diff) std::snprintf(diff, sizeof diff, "%.6g", *d.max_abs_diff);
+    std::printf("%-48s %-20s %8s %14s\n", d.name.c_str(), DiffKindName(d.kind), shared, diff);
+  }
+  std::printf("%zu of %zu tensors differ\n", changed, diffs->size());
+  return kExitOk;
+}
+
+const CommandSpec kGc{
+    "gc", "", "Apply a retention policy, then reclaim the space no checkpoint uses.",
+    "Checkpoints are ordered by step (by commit order when some have no step). The\n"
+    "--keep-* options together say what stays; without any, nothing is removed and\n"
+    "only unreferenced data is reclaimed. Packs left mostly dead (less than half\n"
+    "live) are rewritten. gc waits for saves in progress, and new saves wait for it.",
+    {kRepoOpt,
+     {"keep-last", 0, true, false, "N", "keep the newest N checkpoints"},
+     {"keep-every", 0, true, false, "K", "keep checkpoints whose step is a multiple of K"},
+     {"keep", 0, true, true, "NAME", "keep this checkpoint (repeatable)"},
+     {"dry-run", 'n', false, false, "", "show what would be removed and reclaimed; change nothing"},
+     kJsonOpt},
+    0, 0};
+
+int CmdGc(const Args& args) {
+  GcOptions o;
+  auto count = [&](const char* name, std::optional<uint64_t>* out) -> Status {
+    if (auto v = args.Get(name)) {
+      auto n = ParseInt(*v, std::string("--") + name);
+      if (!n.ok()) return n.status();
+      if (*n < 0) return Status::InvalidArgument(std::string("--") + name + " must not be negative");
+      *out = static_cast<uint64_t>(*n);
+    }
+    return Status::OK();
+  };
+  Status st = count("keep-last", &o.retention.keep_last);
+  if (st.ok()) st = count("keep-every", &o.retention.keep_every);
+  if (!st.ok()) return Fail(st);
+  o.retention.keep = args.All("keep");
+  o.dry_run = args.Has("dry-run");
+  auto repo = OpenRepo(args);
+  if (!repo.ok()) return Fail(repo.status());
+  auto plan = (*repo)->PlanRetention(o.retention);
+  if (!plan.ok()) return Fail(plan.status());
+  if (!args.Has("json")) {
+    for (const auto& n : *plan) std::printf("%s %s\n", o.dry_run ? "would remove" : "removing", n.c_str());
+  }
+  Progress progress("rewriting packs");
+  auto r = (*repo)->CollectGarbage(o, [&](uint64_t d, uint64_t t) { progress.Update(d, t); });
+  progress.Finish();
+  if (!r.ok()) return Fail(r.status());
+  if (args.Has("json")) {
+    Json j = Json::MakeObject();
+    j.Set("dry_run", o.dry_run);
+    Json removed = Json::MakeArray();
+    for (const auto& n : r->removed) removed.Push(n);
+    j.Set("removed", std::move(removed));
+    j.Set("dead_chunks", r->dead_chunks);
+    j.Set("orphan_packs", r->orphan_packs);
+    j.Set("packs_deleted", r->packs_deleted);
+    j.Set("packs_rewritten", r->packs_rewritten);
+    j.Set("bytes_before", r->bytes_before);
+    j.Set("bytes_after", r->bytes_after);
+    j.Set("bytes_reclaimed", r->bytes_reclaimed());
+    j.Set("live_bytes", r->live_bytes);
+    PrintJson(j);
+    return kExitOk;
+  }
+  std::printf("%s %s (%llu dead chunks, %llu packs deleted, %llu rewritten, %llu orphaned); %s in packs now, %s live\n",
+              o.dry_run ? "would reclaim" : "reclaimed", HumanBytes(r->bytes_reclaimed()).c_str(),
+              static_cast<unsigned long long>(r->dead_chunks), static_cast<unsigned long long>(r->packs_deleted),
+              static_cast<unsigned long long>(r->packs_rewritten), static_cast<unsigned long long>(r->orphan_packs),
+              HumanBytes(r->bytes_after).c_str(), HumanBytes(r->live_bytes).c_str());
+  return kExitOk;
+}
+
 struct Command {
   const CommandSpec* spec;
   int (*run)(const Args&);
@@ -721,7 +888,8 @@ struct Command {
 const Command kCommands[] = {
     {&kInit, CmdInit}, {&kImport, CmdImport}, {&kLs, CmdLs},         {&kShow, CmdShow},
     {&kCat, CmdCat},   {&kExport, CmdExport}, {&kVerify, CmdVerify}, {&kReindex, CmdReindex},
-    {&kRm, CmdRm},     {&kMount, CmdMount},
+    {&kRm, CmdRm},     {&kMount, CmdMount},   {&kDu, CmdDu},         {&kDiff, CmdDiff},
+    {&kGc, CmdGc},
 };
 
 void MainHelp(FILE* out) {

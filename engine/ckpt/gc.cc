@@ -1,0 +1,291 @@
+// Retention, disk usage and garbage collection.
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <set>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "ckpt/repo_lock.h"
+#include "ckpt/repository.h"
+#include "ckpt/repository_impl.h"
+#include "core/crash_point.h"
+
+namespace ckptfs {
+namespace {
+
+std::string CheckpointOfKey(std::string_view key) {
+  size_t zero = key.find('\0');
+  return std::string(key.substr(0, zero));
+}
+
+ChunkId IdOfKey(std::string_view key) {
+  ChunkId id;
+  std::memcpy(id.bytes.data(), key.data(), 16);
+  return id;
+}
+
+// Calls fn(checkpoint, chunk) for every chunk reference in the catalog:
+// committed tensors and blobs, and the contributions of pending ranks.
+Status ForEachReference(const ReadTxn& txn, const std::function<void(const std::string&, const ChunkRef&)>& fn) {
+  Status inner;
+  auto scan = [&](Table table) {
+    return txn.Scan(table, "", [&](std::string_view k, std::string_view v) {
+      const std::string ckpt = CheckpointOfKey(k);
+      if (table == Table::kTensors) {
+        auto t = DecodeTensor(v);
+        if (!t.ok()) return (inner = t.status(), false);
+        for (const auto& s : t->shards) for (const auto& c : s.chunks) fn(ckpt, c);
+      } else if (table == Table::kBlobs) {
+        auto b = DecodeBlob(v);
+        if (!b.ok()) return (inner = b.status(), false);
+        for (const auto& c : b->chunks) fn(ckpt, c);
+      } else {
+        auto r = DecodeRank(v);
+        if (!r.ok()) return (inner = r.status(), false);
+        for (const auto& t : r->tensors) for (const auto& s : t.shards) for (const auto& c : s.chunks) fn(ckpt, c);
+        for (const auto& b : r->blobs) for (const auto& c : b.chunks) fn(ckpt, c);
+      }
+      return true;
+    });
+  };
+  RETURN_IF_ERROR(scan(Table::kTensors));
+  RETURN_IF_ERROR(inner);
+  RETURN_IF_ERROR(scan(Table::kBlobs));
+  RETURN_IF_ERROR(inner);
+  RETURN_IF_ERROR(scan(Table::kRanks));
+  return inner;
+}
+
+}  // namespace
+
+Result<std::vector<std::string>> Repository::PlanRetention(const RetentionPolicy& policy) {
+  if (policy.empty()) return std::vector<std::string>{};
+  if (policy.keep_every && *policy.keep_every == 0) return Status::InvalidArgument("--keep-every must be at least 1");
+  ASSIGN_OR_RETURN(auto list, ListCheckpoints(false));
+  for (const auto& name : policy.keep) {
+    if (std::none_of(list.begin(), list.end(), [&](const CheckpointRecord& c) { return c.name == name; })) {
+      return Status::InvalidArgument("--keep " + name + ": no committed checkpoint has that name");
+    }
+  }
+  const bool by_step = std::all_of(list.begin(), list.end(), [](const CheckpointRecord& c) { return c.step.has_value(); });
+  if (by_step) {
+    std::stable_sort(list.begin(), list.end(), [](const CheckpointRecord& a, const CheckpointRecord& b) {
+      return std::pair(*a.step, a.sequence) < std::pair(*b.step, b.sequence);
+    });
+  }
+  std::set<std::string> keep(policy.keep.begin(), policy.keep.end());
+  for (size_t i = 0; i < list.size(); ++i) {
+    if (policy.keep_last && i + *policy.keep_last >= list.size()) keep.insert(list[i].name);
+    if (policy.keep_every) {
+      const uint64_t k = *policy.keep_every;
+      bool hit = by_step ? (*list[i].step >= 0 && static_cast<uint64_t>(*list[i].step) % k == 0) : i % k == 0;
+      if (hit) keep.insert(list[i].name);
+    }
+  }
+  std::vector<std::string> remove;
+  for (const auto& c : list) {
+    if (!keep.count(c.name)) remove.push_back(c.name);
+  }
+  return remove;
+}
+
+Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names) {
+  ASSIGN_OR_RETURN(auto list, ListCheckpoints(false));
+  std::map<std::string, const CheckpointRecord*> committed;
+  for (const auto& c : list) committed[c.name] = &c;
+  for (const auto& n : names) {
+    if (!committed.count(n)) return Status::NotFound("no committed checkpoint named '" + n + "'");
+  }
+  UsageReport report;
+  struct Use {
+    std::vector<std::string> owners;  // committed checkpoints; "" for pending ones
+    uint32_t raw_len = 0;
+  };
+  std::unordered_map<ChunkId, Use, ChunkIdHash> uses;
+  std::unordered_map<ChunkId, uint32_t, ChunkIdHash> stored_len;
+  RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+    RETURN_IF_ERROR(ForEachReference(txn, [&](const std::string& ckpt, const ChunkRef& c) {
+      Use& u = uses[c.id];
+      u.raw_len = c.raw_len;
+      const std::string owner = committed.count(ckpt) ? ckpt : "";
+      if (std::find(u.owners.begin(), u.owners.end(), owner) == u.owners.end()) u.owners.push_back(owner);
+    }));
+    Status inner;
+    RETURN_IF_ERROR(txn.Scan(Table::kChunks, "", [&](std::string_view k, std::string_view v) {
+      auto loc = DecodeChunkLocation(v);
+      if (!loc.ok()) return (inner = loc.status(), false);
+      stored_len[IdOfKey(k)] = loc->stored_len;
+      return true;
+    }));
+    RETURN_IF_ERROR(inner);
+    return txn.Scan(Table::kPacks, "", [&](std::string_view, std::string_view v) {
+      uint64_t size = 0, count = 0;
+      if (DecodePackInfo(v, &size, &count).ok()) report.pack_bytes += size;
+      return true;
+    });
+  }));
+  std::map<std::string, UsageEntry> entries;
+  for (const auto& c : list) {
+    entries[c.name] = UsageEntry{c.name, c.logical_bytes, 0, 0};
+    report.logical_bytes += c.logical_bytes;
+  }
+  for (const auto& [id, u] : uses) {
+    auto it = stored_len.find(id);
+    const uint64_t stored = it == stored_len.end() ? 0 : it->second;
+    bool any_committed = false;
+    for (const auto& o : u.owners) {
+      if (o.empty()) continue;
+      any_committed = true;
+      entries[o].referenced_bytes += stored;
+      if (u.owners.size() == 1) entries[o].exclusive_bytes += stored;
+    }
+    if (any_committed) {
+      report.unique_raw_bytes += u.raw_len;
+      report.referenced_bytes += stored;
+    }
+  }
+  for (const auto& c : list) {
+    if (names.empty() || std::find(names.begin(), names.end(), c.name) != names.end()) {
+      report.checkpoints.push_back(entries[c.name]);
+    }
+  }
+  return report;
+}
+
+Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const ProgressFn& progress) {
+  GcReport report;
+  ASSIGN_OR_RETURN(report.removed, PlanRetention(options.retention));
+  std::set<std::string> excluded;  // removed, or to be removed in a dry run
+  if (!report.removed.empty()) {
+    if (options.dry_run) {
+      excluded.insert(report.removed.begin(), report.removed.end());
+    } else {
+      RETURN_IF_ERROR(RemoveCheckpoints(report.removed));
+    }
+  }
+  // A dry run only estimates and takes no lock; a real run waits for saves
+  // in flight to finish and keeps new ones waiting until it is done.
+  std::optional<RepoLock> lock;
+  if (!options.dry_run) {
+    ASSIGN_OR_RETURN(RepoLock l, RepoLock::Acquire(impl_->path, RepoLock::Mode::kExclusive));
+    lock.emplace(std::move(l));
+  }
+  Backend* backend = impl_->backend.get();
+
+  struct PackState {
+    uint64_t size = 0;
+    uint64_t live_bytes = 0;
+    std::vector<std::pair<ChunkId, ChunkLocation>> live;
+  };
+  std::map<std::string, PackState> packs;
+  std::vector<ChunkId> dead;
+  std::unordered_set<ChunkId, ChunkIdHash> live;
+  RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+    RETURN_IF_ERROR(ForEachReference(txn, [&](const std::string& ckpt, const ChunkRef& c) {
+      if (!excluded.count(ckpt)) live.insert(c.id);
+    }));
+    Status inner;
+    RETURN_IF_ERROR(txn.Scan(Table::kPacks, "", [&](std::string_view k, std::string_view v) {
+      uint64_t count = 0;
+      inner = DecodePackInfo(v, &packs[std::string(k)].size, &count);
+      return inner.ok();
+    }));
+    RETURN_IF_ERROR(inner);
+    RETURN_IF_ERROR(txn.Scan(Table::kChunks, "", [&](std::string_view k, std::string_view v) {
+      auto loc = DecodeChunkLocation(v);
+      if (!loc.ok()) return (inner = loc.status(), false);
+      ChunkId id = IdOfKey(k);
+      if (live.count(id)) {
+        PackState& p = packs[loc->pack];
+        p.live_bytes += loc->stored_len;
+        p.live.emplace_back(id, *loc);
+        report.live_bytes += loc->stored_len;
+      } else {
+        dead.push_back(id);
+      }
+      return true;
+    }));
+    return inner;
+  }));
+  report.dead_chunks = dead.size();
+
+  // Packs on disk that the catalog does not know: left by killed saves or a
+  // killed gc. Under the exclusive lock no save is writing one.
+  ASSIGN_OR_RETURN(auto keys, backend->List(keys::kPackPrefix));
+  std::vector<std::string> orphans;
+  for (const auto& key : keys) {
+    std::string id;
+    if (ParsePackKey(key, &id) && !packs.count(id)) {
+      orphans.push_back(id);
+      auto size = backend->Size(key);
+      report.bytes_before += size.ok() ? *size : 0;
+    }
+  }
+  report.orphan_packs = orphans.size();
+
+  std::vector<std::string> drop, rewrite;
+  uint64_t rewrite_bytes = 0;
+  for (const auto& [id, p] : packs) {
+    report.bytes_before += p.size;
+    if (p.live_bytes == 0) {
+      drop.push_back(id);
+    } else if (static_cast<double>(p.live_bytes) < options.rewrite_below * static_cast<double>(p.size)) {
+      rewrite.push_back(id);
+      rewrite_bytes += p.live_bytes;
+    } else {
+      report.bytes_after += p.size;
+    }
+  }
+  report.packs_rewritten = rewrite.size();
+  report.packs_deleted = drop.size() + rewrite.size() + orphans.size();
+  if (options.dry_run) {
+    report.bytes_after += rewrite_bytes;  // estimate: the live bytes move to new packs
+    return report;
+  }
+
+  // 1. Copy the live chunks of mostly-dead packs into new packs, durably.
+  std::unordered_map<ChunkId, ChunkLocation, ChunkIdHash> moved;
+  std::vector<SealedPack> sealed;
+  if (!rewrite.empty()) {
+    PackWriter writer(backend, impl_->config.pack_size);
+    uint64_t done = 0;
+    std::vector<std::byte> buf;
+    for (const auto& id : rewrite) {
+      for (const auto& [chunk, loc] : packs[id].live) {
+        buf.resize(loc.stored_len);
+        RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, buf));
+        ASSIGN_OR_RETURN(ChunkLocation nloc, writer.Add(chunk, loc.codec, loc.raw_len, buf));
+        moved[chunk] = nloc;
+        done += loc.stored_len;
+        if (progress) progress(done, rewrite_bytes);
+      }
+    }
+    ASSIGN_OR_RETURN(sealed, writer.Finish());
+    report.packs_written = sealed.size();
+    for (const auto& p : sealed) report.bytes_after += p.size;
+  }
+  // 2. One catalog transaction: forget dead chunks and old packs, point
+  //    moved chunks at their new packs.
+  RETURN_IF_ERROR(impl_->catalog->Update([&](WriteTxn& txn) -> Status {
+    for (const auto& id : dead) RETURN_IF_ERROR(txn.Delete(Table::kChunks, keys::Chunk(id)));
+    for (const auto& [id, loc] : moved) RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(id), EncodeChunkLocation(loc)));
+    for (const auto& id : drop) RETURN_IF_ERROR(txn.Delete(Table::kPacks, id));
+    for (const auto& id : rewrite) RETURN_IF_ERROR(txn.Delete(Table::kPacks, id));
+    for (const auto& p : sealed) RETURN_IF_ERROR(txn.Put(Table::kPacks, p.id, EncodePackInfo(p.size, p.entries.size())));
+    return Status::OK();
+  }));
+  impl_->cache->Clear();
+  // 3. Only now delete files; a crash before this leaves orphans for the next gc.
+  auto remove = [&](const std::string& id) -> Status {
+    Status st = backend->Delete(PackKey(id));
+    return st.IsNotFound() ? Status::OK() : st;
+  };
+  for (const auto& id : drop) RETURN_IF_ERROR(remove(id));
+  for (const auto& id : rewrite) RETURN_IF_ERROR(remove(id));
+  for (const auto& id : orphans) RETURN_IF_ERROR(remove(id));
+  RETURN_IF_ERROR(backend->RemoveIncomplete());
+  return report;
+}
+
+}  // namespace ckptfs

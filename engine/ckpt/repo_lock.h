@@ -1,0 +1,37 @@
+// The garbage-collection lock of a repository: REPO/locks/gc.lock.
+//
+// Checkpoint writers hold it shared from BeginCheckpoint until their commit
+// has finished (or they are aborted); garbage collection holds it exclusively
+// while it decides what is dead and deletes it. So gc never runs while a save
+// that may have deduplicated against an old chunk is in flight, and every
+// pack a save is still writing belongs to a save gc waited for. The lock is
+// an flock(2): it is released when its holder exits, however it exits.
+#pragma once
+
+#include <string>
+
+#include "core/status.h"
+
+namespace ckptfs {
+
+class RepoLock {
+ public:
+  enum class Mode { kShared, kExclusive };
+  // Blocks until the lock is granted.
+  static Result<RepoLock> Acquire(const std::string& repository, Mode mode);
+  // Like Acquire, but returns FailedPrecondition at once when another holder
+  // conflicts.
+  static Result<RepoLock> TryAcquire(const std::string& repository, Mode mode);
+  RepoLock(RepoLock&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+  RepoLock& operator=(RepoLock&& other) noexcept;
+  RepoLock(const RepoLock&) = delete;
+  RepoLock& operator=(const RepoLock&) = delete;
+  ~RepoLock();
+
+ private:
+  explicit RepoLock(int fd) : fd_(fd) {}
+  static Result<RepoLock> Lock(const std::string& repository, Mode mode, bool wait);
+  int fd_;
+};
+
+}  // namespace ckptfs

@@ -1,0 +1,15 @@
+// Crash points for crash-safety tests.
+//
+// When the environment variable CKPTFS_TEST_CRASH_AT is set to N, the N-th
+// crash point this process passes kills it with SIGKILL, as a power cut or
+// OOM kill would. Crash points sit between the durable steps of saves,
+// removals and garbage collection (object appends and commits, fsyncs,
+// renames, deletions, catalog commits). Unset, a crash point costs one
+// relaxed atomic load.
+#pragma once
+
+namespace ckptfs {
+
+void CrashPoint();
+
+}  // namespace ckptfs
