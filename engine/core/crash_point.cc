@@ -4,18 +4,32 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <climits>
+#include <cstdio>
 #include <cstdlib>
 
 namespace ckptfs {
 namespace {
+std::atomic<long> passed{0};
+
+void WriteCount() {
+  if (const char* path = std::getenv("CKPTFS_TEST_CRASH_COUNT_FILE")) {
+    if (FILE* f = std::fopen(path, "w")) {
+      std::fprintf(f, "%ld\n", passed.load());
+      std::fclose(f);
+    }
+  }
+}
+
 long CrashTarget() {
   static const long target = [] {
+    if (std::getenv("CKPTFS_TEST_CRASH_COUNT_FILE")) std::atexit(WriteCount);
     const char* v = std::getenv("CKPTFS_TEST_CRASH_AT");
-    return v ? std::atol(v) : 0L;
+    if (v) return std::atol(v);
+    return std::getenv("CKPTFS_TEST_CRASH_COUNT_FILE") ? LONG_MAX : 0L;
   }();
   return target;
 }
-std::atomic<long> passed{0};
 }  // namespace
 
 void CrashPoint() {

@@ -1,0 +1,343 @@
+"""Integration tests of dedup across versions, du, diff, rm and gc: crash
+safety (SIGKILL at many points of save, rm and gc), gc racing saves in other
+processes, and gc under a live mount."""
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import unittest
+
+import numpy as np
+
+import st
+from helpers import CKPT, CkptTestCase
+
+HAVE_FUSE = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
+KILL_POINTS = 30  # per command, spread over the whole run
+
+
+def run(repo, *args, env=None, check=True):
+    e = {**os.environ, "CKPT_REPO": repo}
+    e.pop("CKPTFS_TEST_CRASH_AT", None)
+    if env:
+        e.update(env)
+    p = subprocess.run([CKPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=e, timeout=300)
+    if check and p.returncode != 0:
+        raise AssertionError(f"ckpt {' '.join(args)} failed ({p.returncode}): {p.stderr.decode()}")
+    return p
+
+
+def digest(repo, ckpt, tensor):
+    return hashlib.sha256(run(repo, "cat", ckpt, tensor).stdout).hexdigest()
+
+
+class DedupAndReports(CkptTestCase):
+    def setUp(self):
+        super().setUp()
+        self.run_ckpt("init", "--chunk-size", "64K")
+        self.rng = np.random.default_rng(5)
+
+    def test_versions_store_only_what_changed_and_reports_agree(self):
+        frozen = self.rng.standard_normal((1024, 256)).astype(np.float32)  # 1 MiB, 16 chunks
+        heads = []
+        for i in range(4):
+            head = self.rng.standard_normal((64, 256)).astype(np.float32)
+            heads.append(head)
+            st.write(self.path(f"v{i}.safetensors"), [("base", "F32", frozen), ("head", "F32", head)])
+            out = json.loads(self.run_ckpt("import", f"v{i}", self.path(f"v{i}.safetensors"), "--step", str(i),
+                                           "--json").stdout)
+            if i > 0:
+                # only the changed tensor's chunks were written
+                self.assertLessEqual(out["stored_bytes"], head.nbytes + 4096)
+                self.assertEqual(out["chunks_deduplicated"], 16)
+        # saving identical state again adds nothing
+        again = json.loads(self.run_ckpt("import", "v3-again", self.path("v3.safetensors"), "--json").stdout)
+        self.assertEqual(again["stored_bytes"], 0)
+        du = json.loads(self.run_ckpt("du", "--json").stdout)
+        self.assertGreater(du["total"]["dedup_ratio"], 3.0)
+        by = {c["name"]: c for c in du["checkpoints"]}
+        self.assertAlmostEqual(by["v1"]["exclusive_bytes"], heads[1].nbytes, delta=8192)
+        self.assertEqual(by["v3"]["exclusive_bytes"], 0)  # v3-again shares everything
+        diff = {d["name"]: d for d in json.loads(self.run_ckpt("diff", "v0", "v1", "--json").stdout)}
+        self.assertFalse(diff["base"]["changed"])
+        self.assertEqual(diff["base"]["shared_fraction"], 1.0)
+        self.assertTrue(diff["head"]["changed"])
+        self.assertAlmostEqual(diff["head"]["max_abs_diff"], float(np.abs(heads[0] - heads[1]).max()), places=5)
+        self.assertIn("1 of 2 tensors differ", self.run_ckpt("diff", "v0", "v1").stdout.decode())
+        self.assertIn("no checkpoint", self.error_of("diff", "v0", "nope"))
+
+    def test_gc_retention_dry_run_and_reclaim(self):
+        base = self.rng.standard_normal((512, 256)).astype(np.float32)
+        for i in range(6):
+            head = self.rng.standard_normal((128, 256)).astype(np.float32)
+            st.write(self.path("s.safetensors"), [("base", "F32", base), ("head", "F32", head)])
+            self.run_ckpt("import", f"step-{i}", self.path("s.safetensors"), "--step", str(i * 10))
+        before = json.loads(self.run_ckpt("du", "--json").stdout)["total"]
+        dry = json.loads(self.run_ckpt("gc", "--keep-last", "2", "--keep-every", "20", "--dry-run", "--json").stdout)
+        self.assertEqual(dry["removed"], ["step-1", "step-3"])
+        self.assertEqual(json.loads(self.run_ckpt("du", "--json").stdout)["total"], before)  # nothing changed
+        out = self.run_ckpt("gc", "--keep-last", "2", "--keep-every", "20").stdout.decode()
+        self.assertIn("removing step-1", out)
+        names = [c["name"] for c in json.loads(self.run_ckpt("ls", "--json").stdout)]
+        self.assertEqual(names, ["step-0", "step-2", "step-4", "step-5"])
+        after = json.loads(self.run_ckpt("du", "--json").stdout)["total"]
+        self.assertLess(after["pack_bytes"], before["pack_bytes"])
+        # stored bytes match what the remaining checkpoints reference, within the
+        # rewrite threshold (packs are at least half live)
+        self.assertLessEqual(after["pack_bytes"], 2 * after["referenced_bytes"])
+        self.run_ckpt("verify")
+        self.assertIn("--keep-every", self.error_of("gc", "--keep-every", "0"))
+        self.assertIn("no committed checkpoint", self.error_of("gc", "--keep", "nope"))
+        self.assertIn("nothing was removed", self.error_of("rm", "step-0", "nope"))
+        self.assertEqual(len(json.loads(self.run_ckpt("ls", "--json").stdout)), 4)
+
+
+class CrashSafety(unittest.TestCase):
+    """SIGKILL at many points of a save, an rm and a gc never loses or
+    corrupts a committed checkpoint that was not being removed."""
+
+    NAMES = [f"c{i:02d}" for i in range(16)]
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="ckptfs-crash-")
+        cls.base = os.path.join(cls.tmp, "base")
+        run(cls.base, "init", "--chunk-size", "64K", "--pack-size", "256K")
+        rng = np.random.default_rng(1)
+        shared = rng.standard_normal((256, 256)).astype(np.float32)
+        cls.digests = {}
+        for i, name in enumerate(cls.NAMES):
+            own = rng.standard_normal((128, 256)).astype(np.float32)
+            p = os.path.join(cls.tmp, f"{name}.safetensors")
+            st.write(p, [("shared", "F32", shared), ("own", "F32", own)])
+            run(cls.base, "import", name, p, "--step", str(i))
+            cls.digests[name] = {"shared": hashlib.sha256(shared.tobytes()).hexdigest(),
+                                 "own": hashlib.sha256(own.tobytes()).hexdigest()}
+        cls.new_own = rng.standard_normal((2048, 256)).astype(np.float32)  # 2 MiB: 32 chunks, several packs
+        cls.new_file = os.path.join(cls.tmp, "new.safetensors")
+        st.write(cls.new_file, [("shared", "F32", shared), ("own", "F32", cls.new_own)])
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def fresh(self, i):
+        repo = os.path.join(self.tmp, f"r{i}")
+        shutil.rmtree(repo, ignore_errors=True)
+        shutil.copytree(self.base, repo)
+        return repo
+
+    def points(self, args, repo=None, minimum=KILL_POINTS):
+        """KILL_POINTS kill points spread over a whole uninterrupted run (every
+        point when the run has fewer)."""
+        repo = repo or self.fresh("count")
+        count_file = os.path.join(self.tmp, "count")
+        run(repo, *args, env={"CKPTFS_TEST_CRASH_COUNT_FILE": count_file})
+        total = int(open(count_file).read())
+        self.assertGreaterEqual(total, minimum, f"{args} passes only {total} crash points")
+        pts = sorted({1 + (total - 1) * k // (KILL_POINTS - 1) for k in range(KILL_POINTS)})
+        self.killed_points = len(pts)
+        return pts
+
+    def names(self, repo, pending=False):
+        return [c["name"] for c in json.loads(run(repo, "ls", "--json", *(["--all"] if pending else [])).stdout)]
+
+    def check_survivors(self, repo, survivors):
+        """verify re-hashes every chunk and checks every tiling; the listing
+        holds every survivor; a sample is compared byte for byte."""
+        run(repo, "verify")
+        names = self.names(repo)
+        for n in survivors:
+            self.assertIn(n, names)
+        for n in survivors[:: max(1, len(survivors) // 3)]:
+            for t in ("shared", "own"):
+                self.assertEqual(digest(repo, n, t), self.digests[n][t], f"{n}/{t}")
+
+    def collect_and_check(self, repo, survivors):
+        """The next gc reclaims whatever the killed command left behind."""
+        run(repo, "gc")
+        du = json.loads(run(repo, "du", "--json").stdout)["total"]
+        self.assertLessEqual(du["pack_bytes"], 2 * du["referenced_bytes"] + 4096)
+        tmp_files = [f for _, _, fs in os.walk(os.path.join(repo, "objects")) for f in fs if f.startswith(".tmp-")]
+        self.assertEqual(tmp_files, [])
+        self.check_survivors(repo, survivors)
+
+    def kill_at(self, repo, args, point):
+        rc = run(repo, *args, env={"CKPTFS_TEST_CRASH_AT": str(point)}, check=False).returncode
+        self.assertEqual(rc, -signal.SIGKILL, f"{args}: crash point {point} did not kill")
+
+    def test_killed_save(self):
+        args = ["import", "new", self.new_file, "--step", "99"]
+        for i, pt in enumerate(self.points(args)):
+            repo = self.fresh(i)
+            self.kill_at(repo, args, pt)
+            self.check_survivors(repo, self.NAMES)
+            if "new" in self.names(repo):  # killed after its commit point: complete and right
+                self.assertEqual(hashlib.sha256(run(repo, "cat", "new", "own").stdout).hexdigest(),
+                                 hashlib.sha256(self.new_own.tobytes()).hexdigest())
+            else:
+                self.assertNotIn("new", self.names(repo, pending=True))
+            self.collect_and_check(repo, self.NAMES + (["new"] if "new" in self.names(repo) else []))
+
+    def test_killed_rm(self):
+        removed = self.NAMES[1:15]
+        args = ["rm", *removed]
+        for i, pt in enumerate(self.points(args)):
+            repo = self.fresh(i)
+            self.kill_at(repo, args, pt)
+            names = self.names(repo)
+            # all or nothing from the catalog's point of view
+            self.assertIn(len(set(removed) & set(names)), (0, len(removed)))
+            survivors = [n for n in self.NAMES if n in names]
+            self.check_survivors(repo, survivors)
+            self.collect_and_check(repo, survivors)
+
+    def test_killed_gc(self):
+        args = ["gc", "--keep-last", "1"]  # removes 15, deletes and rewrites packs
+        for i, pt in enumerate(self.points(args)):
+            repo = self.fresh(i)
+            self.kill_at(repo, args, pt)
+            names = self.names(repo)
+            self.assertIn(self.NAMES[-1], names)
+            survivors = [n for n in self.NAMES if n in names]
+            self.check_survivors(repo, survivors)
+            self.collect_and_check(repo, survivors)
+
+    def test_killed_sweep_after_a_killed_save(self):
+        # a save killed half-way leaves orphans; a gc sweeping them is killed too
+        repo = self.fresh("combo")
+        run(repo, "import", "new", self.new_file, env={"CKPTFS_TEST_CRASH_AT": "30"}, check=False)
+        self.assertNotIn("new", self.names(repo, pending=True))
+        run(repo, "rm", *self.NAMES[:8])
+        args = ["gc"]
+        probe = repo + "-count"
+        shutil.copytree(repo, probe)
+        for pt in self.points(args, repo=probe, minimum=10):
+            r = repo + f"-{pt}"
+            shutil.copytree(repo, r)
+            self.kill_at(r, args, pt)
+            self.collect_and_check(r, self.NAMES[8:])
+            shutil.rmtree(r)
+
+
+class Concurrency(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="ckptfs-conc-")
+        self.repo = os.path.join(self.tmp, "repo")
+        run(self.repo, "init", "--chunk-size", "64K", "--pack-size", "512K")
+        self.rng = np.random.default_rng(9)
+        self.frozen = self.rng.standard_normal((1024, 256)).astype(np.float32)
+
+    def tearDown(self):
+        mnt = os.path.join(self.tmp, "mnt")
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-u", mnt])
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def write_version(self, i):
+        head = np.full((64, 256), i, dtype=np.float32)
+        p = os.path.join(self.tmp, f"v{i}.safetensors")
+        st.write(p, [("frozen", "F32", self.frozen), ("head", "F32", head)])
+        return p
+
+    def test_gc_racing_saves_that_dedup_against_old_chunks(self):
+        files = [self.write_version(i) for i in range(14)]
+        run(self.repo, "import", "v0", files[0], "--step", "0")
+        errors = []
+
+        def saver():
+            for i in range(1, len(files)):
+                p = run(self.repo, "import", f"v{i}", files[i], "--step", str(i), check=False)
+                if p.returncode != 0:
+                    errors.append(p.stderr.decode())
+
+        t = threading.Thread(target=saver)
+        t.start()
+        gcs = 0
+        while t.is_alive():
+            # removes the older versions whose chunks the saves deduplicate against
+            p = run(self.repo, "gc", "--keep-last", "1", check=False)
+            if p.returncode != 0:
+                errors.append(p.stderr.decode())
+            gcs += 1
+        t.join()
+        self.assertEqual(errors, [])
+        self.assertGreater(gcs, 1)
+        run(self.repo, "verify")
+        names = [c["name"] for c in json.loads(run(self.repo, "ls", "--json").stdout)]
+        self.assertIn("v13", names)
+        for n in names:
+            i = int(n[1:])
+            out = run(self.repo, "cat", n, "frozen").stdout
+            self.assertEqual(out, self.frozen.tobytes(), n)
+            self.assertEqual(run(self.repo, "cat", n, "head").stdout, np.full((64, 256), i, np.float32).tobytes())
+
+    @unittest.skipUnless(HAVE_FUSE, "no /dev/fuse or fusermount3")
+    def test_gc_under_a_mount_never_breaks_surviving_reads(self):
+        # "keep" deduplicates its frozen tensor against packs of versions that
+        # gc removes, so gc rewrites those packs and moves keep's chunks.
+        files = [self.write_version(i) for i in range(6)]
+        for i in range(3):
+            run(self.repo, "import", f"old{i}", files[i], "--step", str(i))
+        run(self.repo, "import", "keep", files[5], "--step", "100")
+        mnt = os.path.join(self.tmp, "mnt")
+        os.makedirs(mnt)
+        proc = subprocess.Popen([CKPT, "mount", "-r", self.repo, mnt, "-f", "--cache-size", "1M", "--prefetch", "0"],
+                                stderr=subprocess.PIPE)
+        try:
+            deadline = time.time() + 10
+            while not os.path.ismount(mnt) and time.time() < deadline:
+                time.sleep(0.05)
+            want_frozen = self.frozen.tobytes()
+            want_head = np.full((64, 256), 5, np.float32).tobytes()
+            failures, reads = [], [0]
+            stop = threading.Event()
+
+            def reader():
+                while not stop.is_set():
+                    for name, want in (("frozen", want_frozen), ("head", want_head)):
+                        path = os.path.join(mnt, "keep", f"{name}.npy")
+                        try:
+                            fd = os.open(path, os.O_RDONLY)
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # make the daemon serve it
+                            data = b""
+                            while True:
+                                piece = os.read(fd, 1 << 20)
+                                if not piece:
+                                    break
+                                data += piece
+                            os.close(fd)
+                            if data[128:] != want:
+                                failures.append(f"{name}: wrong bytes")
+                        except OSError as e:
+                            failures.append(f"{name}: {e}")
+                        reads[0] += 1
+
+            threads = [threading.Thread(target=reader) for _ in range(2)]
+            for th in threads:
+                th.start()
+            for i in range(3, 6):
+                run(self.repo, "import", f"old{i}", files[i - 3], "--step", str(i))
+            for _ in range(3):
+                gc = json.loads(run(self.repo, "gc", "--keep", "keep", "--json").stdout)
+                run(self.repo, "import", "tmp", files[1], "--step", "7")
+                run(self.repo, "rm", "tmp")
+            stop.set()
+            for th in threads:
+                th.join()
+            self.assertEqual(failures, [])
+            self.assertGreater(reads[0], 4)
+            run(self.repo, "verify")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)
+            proc.stderr.close()
+
+
+if __name__ == "__main__":
+    unittest.main()

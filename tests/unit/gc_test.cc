@@ -1,0 +1,218 @@
+// Garbage collection, retention, disk usage and diff through the public API.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "ckpt/repo_lock.h"
+#include "ckpt/repository.h"
+#include "test_util.h"
+
+namespace ckptfs {
+namespace {
+
+using testing::RandomBytes;
+using testing::TempDir;
+
+class GcTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    RepositoryConfig config;
+    config.chunk_size = 64 << 10;
+    config.pack_size = 1 << 20;
+    ASSERT_OK(Repository::Init(dir_.path(), config));
+    repo_ = std::move(Repository::Open(dir_.path(), {2, 1 << 20, 64 << 20})).value();
+  }
+  // Saves a checkpoint whose tensor "base" is shared by all and "own" unique.
+  void Save(const std::string& name, std::optional<int64_t> step, uint32_t seed,
+            const std::vector<std::byte>& base) {
+    auto w = std::move(repo_->BeginCheckpoint(name, {0, 1, step, {}})).value();
+    auto own = RandomBytes(300 << 10, 1000 + seed);  // never the seed of a base
+    ASSERT_OK(w->PutTensor({"base", DType::kU8, {base.size()}}, base));
+    ASSERT_OK(w->PutTensor({"own", DType::kU8, {own.size()}}, own));
+    ASSERT_OK(w->Commit().Wait());
+    owns_[name] = own;
+  }
+  uint64_t PackBytesOnDisk() {
+    uint64_t n = 0;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(dir_ / "objects/packs")) {
+      if (e.is_regular_file()) n += e.file_size();
+    }
+    return n;
+  }
+  void ExpectReadable(const std::string& name, const std::vector<std::byte>& base) {
+    auto r = repo_->OpenCheckpoint(name);
+    ASSERT_OK(r);
+    std::vector<std::byte> got(base.size());
+    ASSERT_OK((*r)->ReadBytes(*(*r)->FindTensor("base"), 0, got));
+    EXPECT_EQ(got, base);
+    got.resize(owns_[name].size());
+    ASSERT_OK((*r)->ReadBytes(*(*r)->FindTensor("own"), 0, got));
+    EXPECT_EQ(got, owns_[name]);
+  }
+
+  TempDir dir_;
+  std::unique_ptr<Repository> repo_;
+  std::map<std::string, std::vector<std::byte>> owns_;
+};
+
+TEST_F(GcTest, RetentionByStepAndByCommitOrder) {
+  auto base = RandomBytes(1000, 1);
+  for (int i = 0; i < 6; ++i) Save("s" + std::to_string(i), i * 100, i + 10, base);
+  RetentionPolicy p;
+  p.keep_last = 2;
+  EXPECT_EQ(*repo_->PlanRetention(p), (std::vector<std::string>{"s0", "s1", "s2", "s3"}));
+  p.keep_every = 200;
+  EXPECT_EQ(*repo_->PlanRetention(p), (std::vector<std::string>{"s1", "s3"}));
+  p.keep = {"s1"};
+  EXPECT_EQ(*repo_->PlanRetention(p), (std::vector<std::string>{"s3"}));
+  EXPECT_TRUE(repo_->PlanRetention({}).value().empty());
+  RetentionPolicy unknown;
+  unknown.keep = {"nope"};
+  EXPECT_FALSE(repo_->PlanRetention(unknown).ok());
+  // Without a step everywhere, commit order decides.
+  Save("nostep", std::nullopt, 99, base);
+  RetentionPolicy last1;
+  last1.keep_last = 1;
+  auto plan = *repo_->PlanRetention(last1);
+  EXPECT_EQ(plan.size(), 6u);
+  EXPECT_EQ(std::count(plan.begin(), plan.end(), "nostep"), 0);
+}
+
+TEST_F(GcTest, ReclaimsExactlyWhatIsDeadAndRewritesMostlyDeadPacks) {
+  auto base = RandomBytes(700 << 10, 1);  // shared by every checkpoint
+  for (int i = 0; i < 5; ++i) Save("s" + std::to_string(i), i, i + 10, base);
+  auto before = *repo_->DiskUsage({});
+  EXPECT_GT(before.dedup_ratio(), 1.5);
+  GcOptions o;
+  o.retention.keep_last = 2;
+  o.dry_run = true;
+  auto dry = repo_->CollectGarbage(o);
+  ASSERT_OK(dry);
+  EXPECT_EQ(dry->removed.size(), 3u);
+  EXPECT_EQ(repo_->ListCheckpoints()->size(), 5u);  // nothing changed
+  o.dry_run = false;
+  auto r = repo_->CollectGarbage(o);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->removed, (std::vector<std::string>{"s0", "s1", "s2"}));
+  EXPECT_GT(r->dead_chunks, 0u);
+  // s1 and s2 had packs of their own; s0's pack also holds the shared base
+  // and stays (more than half live).
+  EXPECT_GT(r->bytes_reclaimed(), 2u * (300 << 10));
+  // Stored bytes now match what the remaining checkpoints reference, within
+  // the pack-rewrite threshold: no pack is less than half live.
+  auto after = *repo_->DiskUsage({});
+  EXPECT_EQ(after.referenced_bytes, r->live_bytes);
+  EXPECT_LE(PackBytesOnDisk(), 2 * after.referenced_bytes + (64 << 10));
+  EXPECT_EQ(PackBytesOnDisk(), after.pack_bytes);
+  ExpectReadable("s3", base);
+  ExpectReadable("s4", base);
+  auto v = repo_->Verify(std::nullopt);
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok());
+  // A second gc has nothing left to do.
+  auto again = repo_->CollectGarbage({});
+  ASSERT_OK(again);
+  EXPECT_EQ(again->dead_chunks, 0u);
+  EXPECT_EQ(again->bytes_reclaimed(), 0u);
+}
+
+TEST_F(GcTest, RemovesPacksOfAbortedSaves) {
+  auto base = RandomBytes(1000, 1);
+  Save("keep", 1, 1, base);
+  {
+    auto w = std::move(repo_->BeginCheckpoint("killed", {0, 2, 2, {}})).value();
+    auto big = RandomBytes(2 << 20, 5);
+    ASSERT_OK(w->PutTensor({"x", DType::kU8, {big.size()}}, big));
+    w->Abort();  // its sealed packs stay on disk, unknown to the catalog
+  }
+  const uint64_t with_orphans = PackBytesOnDisk();
+  auto r = repo_->CollectGarbage({});
+  ASSERT_OK(r);
+  EXPECT_GE(r->orphan_packs, 1u);
+  EXPECT_LT(PackBytesOnDisk(), with_orphans - (1 << 20));
+  ExpectReadable("keep", base);
+}
+
+TEST_F(GcTest, ReaderOpenedBeforeARewriteKeepsReading) {
+  auto base = RandomBytes(200 << 10, 1);
+  for (int i = 0; i < 4; ++i) Save("s" + std::to_string(i), i, i + 10, base);
+  auto reader = std::move(repo_->OpenCheckpoint("s3")).value();
+  GcOptions o;
+  o.retention.keep = {"s3"};
+  o.rewrite_below = 0.99;  // rewrite every pack that lost anything
+  auto r = repo_->CollectGarbage(o);
+  ASSERT_OK(r);
+  EXPECT_GT(r->packs_rewritten, 0u);
+  std::vector<std::byte> got(base.size());
+  ASSERT_OK(reader->ReadBytes(*reader->FindTensor("base"), 0, got));
+  EXPECT_EQ(got, base);
+  got.resize(owns_["s3"].size());
+  ASSERT_OK(reader->ReadBytes(*reader->FindTensor("own"), 0, got));
+  EXPECT_EQ(got, owns_["s3"]);
+}
+
+TEST_F(GcTest, GcWaitsForSavesInFlight) {
+  auto w = std::move(repo_->BeginCheckpoint("inflight", {0, 1, 1, {}})).value();
+  // While a writer lives, the exclusive lock cannot be had...
+  EXPECT_FALSE(RepoLock::TryAcquire(dir_.path(), RepoLock::Mode::kExclusive).ok());
+  ASSERT_OK(w->Commit().Wait());
+  w.reset();
+  // ... and once it is gone it can.
+  auto lock = RepoLock::TryAcquire(dir_.path(), RepoLock::Mode::kExclusive);
+  EXPECT_OK(lock);
+}
+
+TEST_F(GcTest, RemoveIsAllOrNothing) {
+  auto base = RandomBytes(1000, 1);
+  Save("a", 1, 1, base);
+  Save("b", 2, 2, base);
+  EXPECT_TRUE(repo_->RemoveCheckpoints({"a", "missing"}).IsNotFound());
+  EXPECT_EQ(repo_->ListCheckpoints()->size(), 2u);
+  ASSERT_OK(repo_->RemoveCheckpoints({"a", "b"}));
+  EXPECT_TRUE(repo_->ListCheckpoints()->empty());
+}
+
+TEST_F(GcTest, DiskUsageCountsExclusiveBytes) {
+  auto base = RandomBytes(500 << 10, 1);
+  Save("a", 1, 1, base);
+  Save("b", 2, 2, base);
+  auto u = repo_->DiskUsage({"a"});
+  ASSERT_OK(u);
+  ASSERT_EQ(u->checkpoints.size(), 1u);
+  const auto& a = u->checkpoints[0];
+  EXPECT_EQ(a.logical_bytes, (500u << 10) + (300u << 10));
+  EXPECT_GE(a.referenced_bytes, a.exclusive_bytes);
+  EXPECT_NEAR(static_cast<double>(a.exclusive_bytes), 300 << 10, 1024);  // random bytes: stored raw
+  EXPECT_NEAR(u->dedup_ratio(), (1600.0) / (1100.0), 0.01);
+  EXPECT_FALSE(repo_->DiskUsage({"zzz"}).ok());
+}
+
+TEST_F(GcTest, DiffReportsChangesSharingAndMaxAbsDiff) {
+  std::vector<float> w(100000), w2;
+  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>(i % 97) * 0.01f;
+  w2 = w;
+  w2[12345] += 0.5f;
+  auto put = [&](const std::string& name, const std::vector<float>& data, bool with_extra) {
+    auto wr = std::move(repo_->BeginCheckpoint(name, {0, 1, 1, {}})).value();
+    ASSERT_OK(wr->PutTensor({"w", DType::kF32, {data.size()}}, std::as_bytes(std::span(data))));
+    std::vector<uint16_t> same(1000, 7);
+    ASSERT_OK(wr->PutTensor({"same", DType::kBF16, {1000}}, std::as_bytes(std::span(same))));
+    if (with_extra) ASSERT_OK(wr->PutTensor({"extra", DType::kU8, {3}}, RandomBytes(3, 1)));
+    ASSERT_OK(wr->Commit().Wait());
+  };
+  put("a", w, false);
+  put("b", w2, true);
+  auto d = repo_->Diff("a", "b");
+  ASSERT_OK(d);
+  std::map<std::string, TensorDiff> by;
+  for (auto& x : *d) by[x.name] = x;
+  EXPECT_EQ(by["extra"].kind, TensorDiff::Kind::kOnlyInB);
+  EXPECT_EQ(by["same"].kind, TensorDiff::Kind::kUnchanged);
+  EXPECT_EQ(by["w"].kind, TensorDiff::Kind::kChanged);
+  EXPECT_NEAR(*by["w"].max_abs_diff, 0.5, 1e-6);
+  EXPECT_GT(by["w"].shared_fraction, 0.8);  // one of seven chunks changed
+  EXPECT_LT(by["w"].shared_fraction, 1.0);
+}
+
+}  // namespace
+}  // namespace ckptfs
