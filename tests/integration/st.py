@@ -46,3 +46,14 @@ def read(path):
         arr = np.frombuffer(raw[8 + n + b:8 + n + end], dtype=DTYPES[e["dtype"]]).reshape(e["shape"])
         out[name] = (e["dtype"], arr)
     return out, meta
+
+
+def random_array(rng, dtype_name, shape):
+    """Random values of a safetensors dtype, held in its NumPy stand-in."""
+    np_dtype = DTYPES[dtype_name]
+    if np_dtype == np.bool_:
+        return rng.integers(0, 2, size=shape).astype(np.bool_)
+    if np.issubdtype(np_dtype, np.floating):
+        return rng.standard_normal(size=shape).astype(np_dtype)
+    info = np.iinfo(np_dtype)
+    return rng.integers(info.min, info.max, size=shape, dtype=np_dtype, endpoint=True)

@@ -13,14 +13,7 @@ from helpers import CKPT, CkptTestCase
 COMMANDS = ["init", "import", "ls", "show", "cat", "export", "verify", "reindex"]
 
 
-def rand(rng, dtype_name, shape):
-    np_dtype = st.DTYPES[dtype_name]
-    if np_dtype == np.bool_:
-        return rng.integers(0, 2, size=shape).astype(np.bool_)
-    if np.issubdtype(np_dtype, np.floating):
-        return rng.standard_normal(size=shape).astype(np_dtype)
-    info = np.iinfo(np_dtype)
-    return rng.integers(info.min, info.max, size=shape, dtype=np_dtype, endpoint=True)
+rand = st.random_array
 
 
 class HelpAndUsage(CkptTestCase):

@@ -36,14 +36,7 @@ def wait_for(pred, timeout=10.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def rand(rng, dtype_name, shape):
-    np_dtype = st.DTYPES[dtype_name]
-    if np_dtype == np.bool_:
-        return rng.integers(0, 2, size=shape).astype(np.bool_)
-    if np.issubdtype(np_dtype, np.floating):
-        return rng.standard_normal(size=shape).astype(np_dtype)
-    info = np.iinfo(np_dtype)
-    return rng.integers(info.min, info.max, size=shape, dtype=np_dtype, endpoint=True)
+rand = st.random_array
 
 
 def escape(name):

@@ -12,38 +12,12 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "ckpt/repository.h"
 
 using namespace ckptfs;
+using bench::Check;
 using Clock = std::chrono::steady_clock;
-
-namespace {
-void Check(const Status& st, const char* what) {
-  if (!st.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, st.ToString().c_str());
-    std::exit(1);
-  }
-}
-
-void FillNormal(std::vector<uint16_t>& out, uint64_t seed) {
-  uint64_t s = seed;
-  for (size_t i = 0; i + 1 < out.size(); i += 2) {
-    s += 0x9e3779b97f4a7c15ull;
-    uint64_t z = s;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    float u1 = ((z >> 40) + 1) * (1.0f / 16777217.0f), u2 = (z & 0xffffff) * (1.0f / 16777216.0f);
-    float m = std::sqrt(-2.0f * std::log(u1)) * 0.02f;
-    float v[2] = {m * std::cos(6.2831853f * u2), m * std::sin(6.2831853f * u2)};
-    for (int k = 0; k < 2; ++k) {
-      uint32_t bits;
-      std::memcpy(&bits, &v[k], 4);
-      out[i + k] = static_cast<uint16_t>(bits >> 16);
-    }
-  }
-}
-}  // namespace
 
 int main(int argc, char** argv) {
   std::string dir = ".";
@@ -67,7 +41,7 @@ int main(int argc, char** argv) {
   std::printf("%d checkpoints of %d bf16 tensors (%.2f GiB each); %d tensors (%.0f%%) change per step\n", steps, tensors,
               tensors * per_tensor * 2 / double(1 << 30), n_changed, 100.0 * n_changed / tensors);
   std::vector<std::vector<uint16_t>> state(tensors, std::vector<uint16_t>(per_tensor));
-  for (int t = 0; t < tensors; ++t) FillNormal(state[t], 1000 + t);
+  for (int t = 0; t < tensors; ++t) bench::FillNormalBf16(state[t].data(), per_tensor, 0.02f, 1000 + t);
   const std::string repo_dir = dir + "/ckptfs-dedup-bench-" + std::to_string(::getpid());
   Check(Repository::Init(repo_dir, {}), "init");
   auto repo = std::move(Repository::Open(repo_dir)).value();
@@ -75,7 +49,9 @@ int main(int argc, char** argv) {
   uint64_t logical = 0;
   for (int step = 0; step < steps; ++step) {
     if (step > 0) {  // the trainable head: the last n_changed tensors
-      for (int t = tensors - n_changed; t < tensors; ++t) FillNormal(state[t], step * 100000 + t);
+      for (int t = tensors - n_changed; t < tensors; ++t) {
+        bench::FillNormalBf16(state[t].data(), per_tensor, 0.02f, step * 100000 + t);
+      }
     }
     auto t0 = Clock::now();
     auto w = std::move(repo->BeginCheckpoint("step-" + std::to_string(step), {0, 1, step, {}})).value();

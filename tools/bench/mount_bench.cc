@@ -23,29 +23,17 @@
 #include <thread>
 #include <vector>
 
+#include "bench_util.h"
 #include "ckpt/repository.h"
 #include "io/safetensors.h"
 
 using namespace ckptfs;
+using bench::Check;
+using bench::DropCaches;
+using bench::Median;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-void Check(const Status& st, const char* what) {
-  if (!st.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, st.ToString().c_str());
-    std::exit(1);
-  }
-}
-
-bool DropCaches() {
-  ::sync();
-  int fd = ::open("/proc/sys/vm/drop_caches", O_WRONLY);
-  if (fd < 0) return false;
-  bool ok = ::write(fd, "3", 1) == 1;
-  ::close(fd);
-  return ok;
-}
 
 // Sequential read in 1 MiB requests; returns seconds and the XXH3 of the bytes.
 std::pair<double, uint64_t> ReadAll(const std::string& path, uint64_t expect) {
@@ -73,11 +61,6 @@ std::pair<double, uint64_t> ReadAll(const std::string& path, uint64_t expect) {
   uint64_t digest = XXH3_64bits_digest(h);
   XXH3_freeState(h);
   return {s, digest};
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
 bool IsMounted(const std::string& path) {
@@ -120,22 +103,7 @@ int main(int argc, char** argv) {
   std::printf("tensor: bf16 [%llu, %llu] = %.2f GiB, %d column shards, N(0, 0.02)\n", (unsigned long long)rows,
               (unsigned long long)cols, rows * cols * 2 / double(1 << 30), ranks);
   std::vector<uint16_t> data(rows * cols);
-  uint64_t s = 99;
-  for (size_t i = 0; i + 1 < data.size(); i += 2) {
-    s += 0x9e3779b97f4a7c15ull;
-    uint64_t z = s;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    float u1 = ((z >> 40) + 1) * (1.0f / 16777217.0f), u2 = (z & 0xffffff) * (1.0f / 16777216.0f);
-    float m = std::sqrt(-2.0f * std::log(u1)) * 0.02f;
-    float v[2] = {m * std::cos(6.2831853f * u2), m * std::sin(6.2831853f * u2)};
-    for (int k = 0; k < 2; ++k) {
-      uint32_t bits;
-      std::memcpy(&bits, &v[k], 4);
-      data[i + k] = static_cast<uint16_t>(bits >> 16);
-    }
-  }
+  bench::FillNormalBf16(data.data(), data.size(), 0.02f, 99);
   const std::string work = dir + "/ckptfs-mount-bench-" + std::to_string(::getpid());
   const std::string repo_dir = work + "/repo", mnt = work + "/mnt", plain = work + "/plain.npy";
   std::filesystem::create_directories(mnt);

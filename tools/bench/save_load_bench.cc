@@ -21,9 +21,13 @@
 #include <vector>
 
 #include "ckpt/repository.h"
+#include "bench_util.h"
 #include "ckpt/repository_impl.h"
 
 using namespace ckptfs;
+using bench::Check;
+using bench::DropCaches;
+using bench::Median;
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -40,29 +44,6 @@ struct Options {
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
-// xoshiro-style fast generator and Box-Muller normals.
-struct Rng {
-  uint64_t s;
-  uint64_t Next() {
-    s += 0x9e3779b97f4a7c15ull;
-    uint64_t z = s;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  void Normals(float* out, size_t n, float sigma) {
-    for (size_t i = 0; i + 1 < n; i += 2) {
-      uint64_t r = Next();
-      float u1 = ((r >> 40) + 1) * (1.0f / 16777217.0f);
-      float u2 = ((r & 0xffffff)) * (1.0f / 16777216.0f);
-      float m = std::sqrt(-2.0f * std::log(u1)) * sigma;
-      out[i] = m * std::cos(6.2831853f * u2);
-      out[i + 1] = m * std::sin(6.2831853f * u2);
-    }
-    if (n % 2) out[n - 1] = 0;
-  }
-};
-
 struct Tensor {
   TensorInfo info;
   std::vector<std::byte> bytes;
@@ -76,7 +57,7 @@ std::vector<Tensor> BuildState(double gib) {
   const uint64_t params = static_cast<uint64_t>(gib * (1ull << 30) / 10);
   const uint64_t layers = std::max<uint64_t>(1, params / (rows_per_tensor * cols));
   std::vector<Tensor> state;
-  Rng rng{12345};
+  bench::Rng rng{12345};
   std::vector<float> tmp(rows_per_tensor * cols);
   for (uint64_t l = 0; l < layers; ++l) {
     const Shape shape = {rows_per_tensor, cols};
@@ -84,9 +65,7 @@ std::vector<Tensor> BuildState(double gib) {
     Tensor w{{base, DType::kBF16, shape}, std::vector<std::byte>(tmp.size() * 2), true};
     rng.Normals(tmp.data(), tmp.size(), 0.02f);
     for (size_t i = 0; i < tmp.size(); ++i) {
-      uint32_t u;
-      std::memcpy(&u, &tmp[i], 4);
-      uint16_t h = static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);  // round to nearest even
+      uint16_t h = bench::ToBf16(tmp[i]);
       std::memcpy(&w.bytes[2 * i], &h, 2);
     }
     Tensor m{{"optim." + base + ".exp_avg", DType::kF32, shape}, std::vector<std::byte>(tmp.size() * 4), false};
@@ -129,15 +108,6 @@ std::vector<std::byte> Extract(const Tensor& t, const Region& r) {
   return out;
 }
 
-bool DropCaches() {
-  ::sync();
-  int fd = ::open("/proc/sys/vm/drop_caches", O_WRONLY);
-  if (fd < 0) return false;
-  bool ok = ::write(fd, "3", 1) == 1;
-  ::close(fd);
-  return ok;
-}
-
 double RawWrite(const std::string& path, const std::vector<Tensor>& state) {
   auto t0 = Clock::now();
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -162,18 +132,6 @@ double RawRead(const std::string& path, uint64_t bytes) {
   ::close(fd);
   if (total != bytes) std::abort();
   return Seconds(t0, Clock::now());
-}
-
-void Check(const Status& st, const char* what) {
-  if (!st.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, st.ToString().c_str());
-    std::exit(1);
-  }
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
 }  // namespace

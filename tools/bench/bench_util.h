@@ -1,0 +1,83 @@
+// Helpers shared by the benchmarks.
+#pragma once
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ckptfs::bench {
+
+inline void Check(const Status& st, const char* what) {
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, st.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+// Drops the page cache (needs root); false when it could not.
+inline bool DropCaches() {
+  ::sync();
+  int fd = ::open("/proc/sys/vm/drop_caches", O_WRONLY);
+  if (fd < 0) return false;
+  bool ok = ::write(fd, "3", 1) == 1;
+  ::close(fd);
+  return ok;
+}
+
+inline double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+// A fast deterministic generator (splitmix64) with Box-Muller normals:
+// billions of values in seconds.
+struct Rng {
+  uint64_t state;
+  uint64_t Next() {
+    state += 0x9e3779b97f4a7c15ull;
+    uint64_t z = state;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  void Normals(float* out, size_t n, float sigma) {
+    for (size_t i = 0; i + 1 < n; i += 2) {
+      uint64_t r = Next();
+      float u1 = ((r >> 40) + 1) * (1.0f / 16777217.0f);
+      float u2 = (r & 0xffffff) * (1.0f / 16777216.0f);
+      float m = std::sqrt(-2.0f * std::log(u1)) * sigma;
+      out[i] = m * std::cos(6.2831853f * u2);
+      out[i + 1] = m * std::sin(6.2831853f * u2);
+    }
+    if (n % 2) out[n - 1] = 0;
+  }
+};
+
+// float -> bf16, rounding to nearest even.
+inline uint16_t ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+// n bf16 values drawn from N(0, sigma).
+inline void FillNormalBf16(uint16_t* out, size_t n, float sigma, uint64_t seed) {
+  Rng rng{seed};
+  std::vector<float> tmp(std::min<size_t>(n, 1 << 20));
+  for (size_t done = 0; done < n; done += tmp.size()) {
+    size_t k = std::min(tmp.size(), n - done);
+    rng.Normals(tmp.data(), k, sigma);
+    for (size_t i = 0; i < k; ++i) out[done + i] = ToBf16(tmp[i]);
+  }
+}
+
+}  // namespace ckptfs::bench
