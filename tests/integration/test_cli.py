@@ -301,6 +301,34 @@ class BadInput(CkptTestCase):
         self.assertNotEqual(p.stdout, big.tobytes())
         self.assertLess(len(p.stdout), big.nbytes)
 
+    def test_full_disk_fails_cleanly_and_keeps_the_repository(self):
+        if os.geteuid() != 0:
+            self.skipTest("needs root to mount a small tmpfs")
+        small = self.path("small")
+        os.makedirs(small)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", small]).returncode != 0:
+            self.skipTest("could not mount a tmpfs")
+        try:
+            repo = os.path.join(small, "repo")
+            self.run_ckpt("init", "-r", repo, "--compression", "none")
+            st.write(self.path("ok.safetensors"), [("x", "F32", np.arange(1000, dtype=np.float32))])
+            self.run_ckpt("import", "-r", repo, "fits", self.path("ok.safetensors"))
+            big = np.random.default_rng(0).standard_normal((2048, 1024)).astype(np.float32)  # 8 MiB
+            st.write(self.path("big.safetensors"), [("big", "F32", big)])
+            err = self.error_of("import", "-r", repo, "too-big", self.path("big.safetensors"))
+            self.assertIn("No space left on device", err)
+            self.assertEqual(len(err.strip().splitlines()), 1)
+            self.run_ckpt("verify", "-r", repo)
+            names = [c["name"] for c in json.loads(self.run_ckpt("ls", "-r", repo, "--all", "--json").stdout)]
+            self.assertEqual(names, ["fits"])
+            self.assertEqual(self.run_ckpt("cat", "-r", repo, "fits", "x").stdout,
+                             np.arange(1000, dtype=np.float32).tobytes())
+            # gc clears what the failed save left; then there is room again
+            self.run_ckpt("gc", "-r", repo)
+            self.run_ckpt("import", "-r", repo, "after", self.path("ok.safetensors"))
+        finally:
+            subprocess.run(["umount", small])
+
     def test_reindex_rebuilds_a_deleted_catalog(self):
         import shutil
         shutil.rmtree(os.path.join(self.repo, "catalog"))
