@@ -1,0 +1,147 @@
+// The CUDA copy engine. Only this file includes CUDA headers; without CUDA
+// in the build the same functions say so.
+#include <cstdlib>
+
+#include "staging.h"
+
+#ifdef CKPTFS_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include <deque>
+#include <mutex>
+#endif
+
+namespace ckptfs::gpu {
+
+#ifdef CKPTFS_HAVE_CUDA
+namespace {
+
+Status CudaError(cudaError_t e, const char* what) {
+  return Status::IOError(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+class CudaCopyEngine final : public CopyEngine {
+ public:
+  explicit CudaCopyEngine(int device) : device_(device) {}
+  ~CudaCopyEngine() override {
+    if (stream_) {
+      cudaSetDevice(device_);
+      cudaStreamSynchronize(stream_);
+      for (auto& [t, ev] : events_) cudaEventDestroy(ev);
+      cudaStreamDestroy(stream_);
+    }
+  }
+  Status Init() {
+    cudaError_t e = cudaSetDevice(device_);
+    if (e != cudaSuccess) return CudaError(e, "cudaSetDevice");
+    e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+    if (e != cudaSuccess) return CudaError(e, "cudaStreamCreateWithFlags");
+    return Status::OK();
+  }
+  std::string Describe() const override {
+    cudaDeviceProp prop{};
+    cudaGetDeviceProperties(&prop, device_);
+    return std::string("CUDA device ") + std::to_string(device_) + " (" + prop.name + ")";
+  }
+  Result<std::byte*> AllocatePinned(size_t bytes) override {
+    void* p = nullptr;
+    cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
+    if (e != cudaSuccess) return CudaError(e, "cudaHostAlloc");
+    return static_cast<std::byte*>(p);
+  }
+  void FreePinned(std::byte* p) override { cudaFreeHost(p); }
+  Result<uint64_t> DeviceToHost(std::byte* host, const std::byte* device, size_t n) override {
+    return Submit(host, device, n, cudaMemcpyDeviceToHost);
+  }
+  Result<uint64_t> HostToDevice(std::byte* device, const std::byte* host, size_t n) override {
+    return Submit(device, host, n, cudaMemcpyHostToDevice);
+  }
+  Status Wait(uint64_t ticket) override {
+    cudaEvent_t ev = nullptr;
+    {
+      std::lock_guard lock(mu_);
+      // Events of tickets up to `ticket` are done once it is: the stream is in order.
+      auto it = events_.begin();
+      while (it != events_.end() && it->first <= ticket) {
+        if (it->first == ticket) ev = it->second;
+        ++it;
+      }
+    }
+    if (ev) {
+      cudaError_t e = cudaEventSynchronize(ev);
+      if (e != cudaSuccess) return CudaError(e, "cudaEventSynchronize");
+      std::lock_guard lock(mu_);
+      while (!events_.empty() && events_.front().first <= ticket) {
+        cudaEventDestroy(events_.front().second);
+        events_.pop_front();
+      }
+    }
+    return Status::OK();
+  }
+
+ private:
+  Result<uint64_t> Submit(std::byte* dst, const std::byte* src, size_t n, cudaMemcpyKind kind) {
+    std::lock_guard lock(mu_);
+    cudaSetDevice(device_);
+    cudaError_t e = cudaMemcpyAsync(dst, src, n, kind, stream_);
+    if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
+    cudaEvent_t ev;
+    e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    if (e != cudaSuccess) return CudaError(e, "cudaEventCreate");
+    e = cudaEventRecord(ev, stream_);
+    if (e != cudaSuccess) return CudaError(e, "cudaEventRecord");
+    uint64_t t = next_ticket_++;
+    events_.emplace_back(t, ev);
+    return t;
+  }
+
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  std::mutex mu_;
+  uint64_t next_ticket_ = 1;
+  std::deque<std::pair<uint64_t, cudaEvent_t>> events_;
+};
+
+}  // namespace
+
+bool CudaAvailable(std::string* why) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    if (why) *why = std::string("no usable GPU: ") + cudaGetErrorString(e);
+    return false;
+  }
+  if (n == 0) {
+    if (why) *why = "no GPU found";
+    return false;
+  }
+  return true;
+}
+
+Result<std::unique_ptr<CopyEngine>> NewCudaCopyEngine(int device) {
+  std::string why;
+  if (!CudaAvailable(&why)) return Status::Unsupported(why);
+  auto engine = std::make_unique<CudaCopyEngine>(device);
+  RETURN_IF_ERROR(engine->Init());
+  return std::unique_ptr<CopyEngine>(std::move(engine));
+}
+
+#else
+
+bool CudaAvailable(std::string* why) {
+  if (why) *why = "this build has no CUDA support (the toolkit was not found at build time)";
+  return false;
+}
+
+Result<std::unique_ptr<CopyEngine>> NewCudaCopyEngine(int) {
+  return Status::Unsupported("this build has no CUDA support (the toolkit was not found at build time)");
+}
+
+#endif
+
+bool NcclAvailable(std::string* why) {
+  if (why) *why = "NCCL broadcast of replicated tensors is not implemented yet";
+  return false;
+}
+
+}  // namespace ckptfs::gpu

@@ -1,0 +1,306 @@
+#include "staging.h"
+
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <future>
+
+namespace ckptfs::gpu {
+
+// ---- PinnedPool ----------------------------------------------------------------
+
+Result<std::unique_ptr<PinnedPool>> PinnedPool::Create(CopyEngine& engine, size_t count, size_t bytes_each) {
+  if (count < 2) return Status::InvalidArgument("a staging pool needs at least two buffers to overlap copies");
+  if (bytes_each == 0) return Status::InvalidArgument("staging buffers must not be empty");
+  std::unique_ptr<PinnedPool> pool(new PinnedPool(engine, bytes_each));
+  for (size_t i = 0; i < count; ++i) {
+    ASSIGN_OR_RETURN(std::byte* p, engine.AllocatePinned(bytes_each));
+    pool->buffers_.push_back(p);
+    pool->free_.push_back(i);
+  }
+  return pool;
+}
+
+PinnedPool::~PinnedPool() {
+  for (std::byte* p : buffers_) engine_.FreePinned(p);
+}
+
+PinnedPool::Lease PinnedPool::Acquire() {
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return !free_.empty(); });
+  size_t i = free_.back();
+  free_.pop_back();
+  return Lease(this, i);
+}
+
+void PinnedPool::Release(size_t index) {
+  {
+    std::lock_guard lock(mu_);
+    free_.push_back(index);
+  }
+  cv_.notify_one();
+}
+
+PinnedPool::Lease& PinnedPool::Lease::operator=(Lease&& o) noexcept {
+  if (this != &o) {
+    if (pool_) pool_->Release(index_);
+    pool_ = o.pool_;
+    index_ = o.index_;
+    o.pool_ = nullptr;
+  }
+  return *this;
+}
+
+PinnedPool::Lease::~Lease() {
+  if (pool_) pool_->Release(index_);
+}
+
+std::span<std::byte> PinnedPool::Lease::buffer() const {
+  return {pool_->buffers_[index_], pool_->bytes_each_};
+}
+
+// ---- streaming save --------------------------------------------------------------
+
+namespace {
+
+// Yields a device region's bytes through the pinned pool: up to pool.count()
+// device-to-host copies are in flight ahead of the reader.
+class StagedSource final : public ShardSource {
+ public:
+  StagedSource(CopyEngine& engine, PinnedPool& pool, const std::byte* device, uint64_t size)
+      : engine_(engine), pool_(pool), device_(device), size_(size) {}
+  ~StagedSource() override {
+    // Copies still in flight write into leased buffers: let them finish.
+    for (auto& p : inflight_) (void)engine_.Wait(p.ticket);
+  }
+
+  uint64_t size() const override { return size_; }
+
+  Status Read(uint64_t offset, std::span<std::byte> dst) override {
+    if (offset != consumed_) return Status::Internal("staged device sources are read in order");
+    size_t copied = 0;
+    while (copied < dst.size()) {
+      RETURN_IF_ERROR(Prime());
+      Piece& p = inflight_.front();
+      if (!p.waited) {
+        RETURN_IF_ERROR(engine_.Wait(p.ticket).WithContext("copying from the device"));
+        p.waited = true;
+      }
+      const uint64_t pos = offset + copied;
+      const uint64_t n = std::min<uint64_t>(dst.size() - copied, p.offset + p.length - pos);
+      std::memcpy(dst.data() + copied, p.lease.buffer().data() + (pos - p.offset), n);
+      copied += n;
+      if (pos + n == p.offset + p.length) inflight_.pop_front();  // the buffer goes back to the pool
+    }
+    consumed_ += dst.size();
+    return Status::OK();
+  }
+
+ private:
+  struct Piece {
+    PinnedPool::Lease lease;
+    uint64_t offset;
+    uint64_t length;
+    uint64_t ticket;
+    bool waited = false;
+  };
+
+  // Keeps the pool's buffers busy with the next copies.
+  Status Prime() {
+    while (inflight_.size() < pool_.count() && submitted_ < size_) {
+      PinnedPool::Lease lease = pool_.Acquire();
+      const uint64_t n = std::min<uint64_t>(pool_.buffer_bytes(), size_ - submitted_);
+      ASSIGN_OR_RETURN(uint64_t ticket, engine_.DeviceToHost(lease.buffer().data(), device_ + submitted_, n));
+      inflight_.push_back(Piece{std::move(lease), submitted_, n, ticket});
+      submitted_ += n;
+    }
+    if (inflight_.empty()) return Status::Internal("read past the end of a staged device source");
+    return Status::OK();
+  }
+
+  CopyEngine& engine_;
+  PinnedPool& pool_;
+  const std::byte* device_;
+  const uint64_t size_;
+  uint64_t submitted_ = 0;
+  uint64_t consumed_ = 0;
+  std::deque<Piece> inflight_;
+};
+
+}  // namespace
+
+Status PutShardFromDevice(CheckpointWriter& writer, const DeviceShard& shard, CopyEngine& engine, PinnedPool& pool) {
+  const uint64_t bytes = shard.region.NumElements() * DTypeSize(shard.tensor.dtype);
+  StagedSource source(engine, pool, shard.device, bytes);
+  return writer.PutShard(shard.tensor, shard.region, source);
+}
+
+// ---- snapshot save -----------------------------------------------------------------
+
+struct SnapshotHandle::State {
+  std::shared_future<Result<CommitResult>> result;
+  std::atomic<int64_t> total_ns{0};
+  std::atomic<bool> durable{false};
+};
+
+Result<CommitResult> SnapshotHandle::Wait() {
+  if (!state_) return Status::FailedPrecondition("empty snapshot handle");
+  return state_->result.get();
+}
+
+std::chrono::nanoseconds SnapshotHandle::total_time() const {
+  return std::chrono::nanoseconds(state_ ? state_->total_ns.load() : 0);
+}
+
+bool SnapshotHandle::durable() const { return state_ && state_->durable.load(); }
+
+Result<SnapshotHandle> SaveSnapshot(Repository& repo, const std::string& name, const WriterOptions& options,
+                                    const std::vector<DeviceShard>& shards, CopyEngine& engine) {
+  const auto start = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer, repo.BeginCheckpoint(name, options));
+  // One pinned host copy of the whole snapshot; every copy is queued at
+  // once so the transfers run back to back at full speed.
+  struct Host {
+    std::byte* data;
+    uint64_t size;
+  };
+  auto copies = std::make_shared<std::vector<Host>>();
+  auto free_all = [&engine](std::vector<Host>& hs) {
+    for (auto& h : hs) engine.FreePinned(h.data);
+    hs.clear();
+  };
+  uint64_t last = 0;
+  for (const auto& s : shards) {
+    const uint64_t n = s.region.NumElements() * DTypeSize(s.tensor.dtype);
+    auto p = engine.AllocatePinned(std::max<uint64_t>(n, 1));
+    if (!p.ok()) {
+      free_all(*copies);
+      return p.status();
+    }
+    copies->push_back({*p, n});
+    auto t = engine.DeviceToHost(*p, s.device, n);
+    if (!t.ok()) {
+      free_all(*copies);
+      return t.status();
+    }
+    last = *t;
+  }
+  Status copied = last ? engine.Wait(last) : Status::OK();
+  if (!copied.ok()) {
+    free_all(*copies);
+    return copied.WithContext("snapshot copy from the device");
+  }
+  SnapshotHandle handle;
+  handle.blocking_ = std::chrono::steady_clock::now() - start;
+  handle.state_ = std::make_shared<SnapshotHandle::State>();
+  auto state = handle.state_;
+  std::shared_ptr<CheckpointWriter> w(std::move(writer));
+  handle.state_->result =
+      std::async(std::launch::async, [w, copies, shards, state, start, &engine]() -> Result<CommitResult> {
+        Status st;
+        for (size_t i = 0; i < shards.size() && st.ok(); ++i) {
+          HostSource source({(*copies)[i].data, (*copies)[i].size});
+          st = w->PutShard(shards[i].tensor, shards[i].region, source);
+        }
+        Result<CommitResult> r = st.ok() ? w->Commit().Wait() : Result<CommitResult>(st);
+        if (!st.ok()) w->Abort();
+        for (auto& h : *copies) engine.FreePinned(h.data);
+        state->total_ns = (std::chrono::steady_clock::now() - start).count();
+        state->durable = r.ok();
+        return r;
+      }).share();
+  return handle;
+}
+
+// ---- load ------------------------------------------------------------------------
+
+namespace {
+
+// Splits `box` into sub-boxes of at most `max_bytes` whose destinations in
+// the row-major image of `box` are contiguous: ranges along the first
+// dimension longer than 1, recursing into single slices that are still too
+// big. Calls fn(sub_box, byte offset in the image).
+void SplitBox(const Box& whole, const Box& box, uint64_t w, uint64_t max_bytes,
+              const std::function<void(const Box&, uint64_t)>& fn) {
+  auto offset_in_whole = [&](const Box& b) {
+    uint64_t idx = 0;
+    for (size_t d = 0; d < whole.rank(); ++d) idx = idx * whole.lengths[d] + (b.offsets[d] - whole.offsets[d]);
+    return idx * w;
+  };
+  if (box.NumElements() * w <= max_bytes) {
+    fn(box, offset_in_whole(box));
+    return;
+  }
+  size_t d = 0;
+  while (d < box.rank() && box.lengths[d] == 1) ++d;
+  uint64_t inner = w;
+  for (size_t e = d + 1; e < box.rank(); ++e) inner *= box.lengths[e];
+  const uint64_t step = std::max<uint64_t>(1, max_bytes / inner);
+  for (uint64_t i = 0; i < box.lengths[d]; i += step) {
+    Box sub = box;
+    sub.offsets[d] = box.offsets[d] + i;
+    sub.lengths[d] = std::min(step, box.lengths[d] - i);
+    if (sub.NumElements() * w <= max_bytes || step > 1) {
+      fn(sub, offset_in_whole(sub));
+    } else {
+      SplitBox(whole, sub, w, max_bytes, fn);
+    }
+  }
+}
+
+}  // namespace
+
+Status LoadToDevice(const CheckpointReader& reader, const TensorRecord& tensor, const Region& region_in,
+                    std::byte* device, CopyEngine& engine, PinnedPool& pool) {
+  RETURN_IF_ERROR(ValidateRegion(tensor.shape, region_in));
+  const Region region = Normalize(tensor.shape, region_in);
+  const uint64_t w = DTypeSize(tensor.dtype);
+  const uint64_t max_bytes = pool.buffer_bytes() / w * w;
+  if (max_bytes == 0) return Status::InvalidArgument("staging buffers are smaller than one element");
+  struct InFlight {
+    PinnedPool::Lease lease;
+    uint64_t ticket;
+  };
+  std::deque<InFlight> inflight;
+  Status st;
+  // Reads one piece into a pinned buffer, then queues its copy to the device;
+  // the next piece is read while that copy runs.
+  auto piece = [&](uint64_t dst_offset, uint64_t bytes, const std::function<Status(std::span<std::byte>)>& fill) {
+    if (!st.ok()) return;
+    if (inflight.size() == pool.count()) {
+      st = engine.Wait(inflight.front().ticket);
+      inflight.pop_front();
+      if (!st.ok()) return;
+    }
+    PinnedPool::Lease lease = pool.Acquire();
+    std::span<std::byte> buf = lease.buffer().first(bytes);
+    st = fill(buf);
+    if (!st.ok()) return;
+    auto t = engine.HostToDevice(device + dst_offset, buf.data(), bytes);
+    if (!t.ok()) {
+      st = t.status();
+      return;
+    }
+    inflight.push_back({std::move(lease), *t});
+  };
+  if (region.kind == Region::Kind::kFlat) {
+    const uint64_t begin = region.flat.start * w, end = region.flat.end * w;
+    for (uint64_t off = begin; off < end && st.ok(); off += max_bytes) {
+      const uint64_t n = std::min(max_bytes, end - off);
+      piece(off - begin, n, [&](std::span<std::byte> buf) { return reader.ReadBytes(tensor, off, buf); });
+    }
+  } else if (!region.box.Empty()) {
+    SplitBox(region.box, region.box, w, max_bytes, [&](const Box& sub, uint64_t dst_offset) {
+      piece(dst_offset, sub.NumElements() * w, [&](std::span<std::byte> buf) { return reader.ReadBox(tensor, sub, buf); });
+    });
+  }
+  while (!inflight.empty()) {
+    Status wst = engine.Wait(inflight.front().ticket);
+    if (st.ok()) st = wst;
+    inflight.pop_front();
+  }
+  return st.WithContext("loading '" + tensor.name + "' to the device");
+}
+
+}  // namespace ckptfs::gpu

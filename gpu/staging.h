@@ -1,0 +1,159 @@
+// GPU staging: saving from and loading into device memory through a small
+// pool of pinned host buffers, with copies overlapped with hashing,
+// compression and I/O.
+//
+// A CopyEngine moves bytes between "device" and host memory asynchronously,
+// in order, like one CUDA stream. Two implementations: CUDA (cudaMemcpyAsync
+// on a dedicated non-blocking stream, events for completion) when the build
+// has CUDA and a GPU is present, and a host engine with the same semantics
+// whose "device" memory is ordinary host memory — what the CPU tests and
+// builds without CUDA use.
+//
+// Thread safety: a CopyEngine may be used from several threads; copies
+// complete in submission order. A PinnedPool's Acquire is thread-safe.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ckpt/repository.h"
+#include "core/status.h"
+
+namespace ckptfs::gpu {
+
+class CopyEngine {
+ public:
+  virtual ~CopyEngine() = default;
+  virtual std::string Describe() const = 0;
+  // Page-locked host memory for staging (pinned, so copies run at full
+  // PCIe speed and asynchronously).
+  virtual Result<std::byte*> AllocatePinned(size_t bytes) = 0;
+  virtual void FreePinned(std::byte* p) = 0;
+  // Starts an asynchronous copy and returns a ticket for Wait. Copies run
+  // in submission order.
+  virtual Result<uint64_t> DeviceToHost(std::byte* host, const std::byte* device, size_t n) = 0;
+  virtual Result<uint64_t> HostToDevice(std::byte* device, const std::byte* host, size_t n) = 0;
+  // Blocks until the copy of `ticket` (and all before it) finished; its
+  // error, if any.
+  virtual Status Wait(uint64_t ticket) = 0;
+};
+
+// Copies on a worker thread; "device" memory is host memory.
+class HostCopyEngine final : public CopyEngine {
+ public:
+  HostCopyEngine();
+  ~HostCopyEngine() override;
+  std::string Describe() const override { return "host copy engine"; }
+  Result<std::byte*> AllocatePinned(size_t bytes) override;
+  void FreePinned(std::byte* p) override;
+  Result<uint64_t> DeviceToHost(std::byte* host, const std::byte* device, size_t n) override;
+  Result<uint64_t> HostToDevice(std::byte* device, const std::byte* host, size_t n) override;
+  Status Wait(uint64_t ticket) override;
+
+  // Test hooks: the copy after `n` more succeed fails, as a device error would.
+  void FailAfter(uint64_t n);
+  uint64_t pinned_allocations() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// True when CUDA is built in and a device can be used; otherwise `why` says
+// why not (no CUDA in this build, or the driver's error, e.g. no GPU).
+bool CudaAvailable(std::string* why);
+// A CUDA engine on `device`; Unsupported when CudaAvailable is false.
+Result<std::unique_ptr<CopyEngine>> NewCudaCopyEngine(int device);
+// NCCL broadcast of replicated tensors for multi-GPU loads.
+bool NcclAvailable(std::string* why);
+
+// A fixed set of pinned buffers, allocated once and reused across saves and
+// loads. Pinned memory never exceeds count x size.
+class PinnedPool {
+ public:
+  // RAII lease of one buffer; returns it to the pool when destroyed.
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(Lease&& o) noexcept : pool_(o.pool_), index_(o.index_) { o.pool_ = nullptr; }
+    Lease& operator=(Lease&& o) noexcept;
+    ~Lease();
+    std::span<std::byte> buffer() const;
+
+   private:
+    friend class PinnedPool;
+    Lease(PinnedPool* pool, size_t index) : pool_(pool), index_(index) {}
+    PinnedPool* pool_ = nullptr;
+    size_t index_ = 0;
+  };
+
+  static Result<std::unique_ptr<PinnedPool>> Create(CopyEngine& engine, size_t count, size_t bytes_each);
+  ~PinnedPool();
+  // Blocks until a buffer is free.
+  Lease Acquire();
+  size_t count() const { return buffers_.size(); }
+  size_t buffer_bytes() const { return bytes_each_; }
+  size_t pinned_bytes() const { return buffers_.size() * bytes_each_; }
+
+ private:
+  PinnedPool(CopyEngine& engine, size_t bytes_each) : engine_(engine), bytes_each_(bytes_each) {}
+  void Release(size_t index);
+  CopyEngine& engine_;
+  size_t bytes_each_;
+  std::vector<std::byte*> buffers_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<size_t> free_;
+};
+
+// A region of a tensor held in device memory, row-major.
+struct DeviceShard {
+  TensorInfo tensor;
+  Region region;
+  const std::byte* device = nullptr;  // region.NumElements() * dtype size bytes
+};
+
+// Streaming save: the shard flows through the pinned pool; while one buffer
+// is hashed, compressed and written, the next is being filled by a
+// device-to-host copy. Pinned memory stays bounded by the pool. The data is
+// durable once the writer's commit is.
+Status PutShardFromDevice(CheckpointWriter& writer, const DeviceShard& shard, CopyEngine& engine, PinnedPool& pool);
+
+// Snapshot save: copies every shard out of device memory at once (into
+// pinned host memory sized to the snapshot), returns as soon as training may
+// modify its tensors, and persists in the background.
+class SnapshotHandle {
+ public:
+  // The outcome of the background save (commit included).
+  Result<CommitResult> Wait();
+  // How long the caller was blocked (the device-to-host copies).
+  std::chrono::nanoseconds blocking_time() const { return blocking_; }
+  // From the start until durable; 0 until Wait returned.
+  std::chrono::nanoseconds total_time() const;
+  bool durable() const;
+
+ private:
+  friend Result<SnapshotHandle> SaveSnapshot(Repository&, const std::string&, const WriterOptions&,
+                                             const std::vector<DeviceShard>&, CopyEngine&);
+  struct State;
+  std::shared_ptr<State> state_;
+  std::chrono::nanoseconds blocking_{0};
+};
+
+Result<SnapshotHandle> SaveSnapshot(Repository& repo, const std::string& name, const WriterOptions& options,
+                                    const std::vector<DeviceShard>& shards, CopyEngine& engine);
+
+// Load: `region` of `tensor` (any box or flat range: this rank's target
+// sharding) into device memory, row-major. The reader's merge plan fills
+// pinned buffers, which are copied to the device while the next is filled.
+Status LoadToDevice(const CheckpointReader& reader, const TensorRecord& tensor, const Region& region,
+                    std::byte* device, CopyEngine& engine, PinnedPool& pool);
+
+}  // namespace ckptfs::gpu

@@ -1,0 +1,284 @@
+// GPU staging through the host copy engine (always), and through CUDA when
+// a GPU is present (skipped, with the reason, otherwise).
+#include "staging.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <list>
+#include <map>
+
+#include "test_util.h"
+
+#ifdef CKPTFS_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace ckptfs::gpu {
+namespace {
+
+using testing::RandomBytes;
+using testing::TempDir;
+
+// Row-major bytes of `region` of a whole tensor image.
+std::vector<std::byte> Extract(const std::vector<std::byte>& whole, const Shape& shape, DType dtype, const Region& r) {
+  const uint64_t w = DTypeSize(dtype);
+  std::vector<std::byte> out(r.NumElements() * w);
+  if (r.kind == Region::Kind::kFlat) {
+    std::memcpy(out.data(), whole.data() + r.flat.start * w, out.size());
+  } else {
+    ForEachRun(r.box, SpaceOfBox(FullBox(shape)), SpaceOfBox(r.box), [&](uint64_t s, uint64_t d, uint64_t n) {
+      std::memcpy(out.data() + d * w, whole.data() + s * w, n * w);
+    });
+  }
+  return out;
+}
+
+// "Device" memory: host memory for the host engine, cudaMalloc for CUDA.
+class DeviceMemory {
+ public:
+  virtual ~DeviceMemory() = default;
+  virtual std::byte* Alloc(size_t n) = 0;
+  virtual void Upload(std::byte* dev, const std::vector<std::byte>& host) = 0;
+  virtual std::vector<std::byte> Download(const std::byte* dev, size_t n) = 0;
+};
+
+class HostMemory : public DeviceMemory {
+ public:
+  std::byte* Alloc(size_t n) override {
+    blocks_.emplace_back(std::max<size_t>(n, 1));
+    return blocks_.back().data();
+  }
+  void Upload(std::byte* dev, const std::vector<std::byte>& host) override {
+    if (!host.empty()) std::memcpy(dev, host.data(), host.size());
+  }
+  std::vector<std::byte> Download(const std::byte* dev, size_t n) override { return {dev, dev + n}; }
+
+ private:
+  std::list<std::vector<std::byte>> blocks_;
+};
+
+#ifdef CKPTFS_HAVE_CUDA
+class CudaMemory : public DeviceMemory {
+ public:
+  ~CudaMemory() override {
+    for (void* p : blocks_) cudaFree(p);
+  }
+  std::byte* Alloc(size_t n) override {
+    void* p = nullptr;
+    EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(n, 1)), cudaSuccess);
+    blocks_.push_back(p);
+    return static_cast<std::byte*>(p);
+  }
+  void Upload(std::byte* dev, const std::vector<std::byte>& host) override {
+    EXPECT_EQ(cudaMemcpy(dev, host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  std::vector<std::byte> Download(const std::byte* dev, size_t n) override {
+    std::vector<std::byte> out(n);
+    EXPECT_EQ(cudaMemcpy(out.data(), dev, n, cudaMemcpyDeviceToHost), cudaSuccess);
+    return out;
+  }
+
+ private:
+  std::vector<void*> blocks_;
+};
+#endif
+
+class Staging {
+ public:
+  explicit Staging(std::unique_ptr<CopyEngine> engine, std::unique_ptr<DeviceMemory> mem)
+      : engine(std::move(engine)), mem(std::move(mem)) {
+    RepositoryConfig config;
+    config.chunk_size = 64 << 10;
+    EXPECT_OK(Repository::Init(dir.path(), config));
+    repo = std::move(Repository::Open(dir.path(), {2, 1 << 20, 64 << 20})).value();
+    // 96 KiB buffers: not a multiple of the chunk size, so chunks straddle them.
+    pool = std::move(PinnedPool::Create(*this->engine, 2, 96 << 10)).value();
+  }
+
+  // Saves every dtype with box and flat shards from 2 ranks, loads at 3.
+  void RoundTripEveryDTypeAndShardKind() {
+    const Shape shape = {37, 129};
+    std::map<std::string, std::pair<DType, std::vector<std::byte>>> tensors;
+    for (int code = 0; code < kDTypeCount; ++code) {
+      DType dt = *DTypeFromCode(code);
+      tensors["t" + std::to_string(code)] = {dt, RandomBytes(NumElements(shape) * DTypeSize(dt), code)};
+    }
+    const uint64_t n = NumElements(shape);
+    for (uint32_t rank = 0; rank < 2; ++rank) {
+      auto w = std::move(repo->BeginCheckpoint("c", {rank, 2, 1, {}})).value();
+      for (const auto& [name, t] : tensors) {
+        const bool as_box = (t.first == DType::kBF16 || DTypeSize(t.first) != 2);
+        Region r = as_box ? Region::OfBox(Box{{0, rank ? 64u : 0u}, {37, rank ? 65u : 64u}})
+                          : Region::OfFlat(rank ? 1000 : 0, rank ? n : 1000);
+        auto part = Extract(t.second, shape, t.first, r);
+        std::byte* dev = mem->Alloc(part.size());
+        mem->Upload(dev, part);
+        ASSERT_OK(PutShardFromDevice(*w, {{name, t.first, shape}, r, dev}, *engine, *pool));
+      }
+      ASSERT_OK(w->Commit().Wait());
+    }
+    auto reader = std::move(repo->OpenCheckpoint("c")).value();
+    for (const auto& [name, t] : tensors) {
+      const TensorRecord* rec = reader->FindTensor(name);
+      ASSERT_NE(rec, nullptr);
+      for (const Region& r : {Region::OfBox(Box{{0, 0}, {13, 129}}), Region::OfBox(Box{{13, 0}, {24, 129}}),
+                              Region::OfBox(Box{{5, 17}, {30, 100}}), Region::OfFlat(7, n - 3)}) {
+        auto want = Extract(t.second, shape, t.first, r);
+        std::byte* dev = mem->Alloc(want.size());
+        ASSERT_OK(LoadToDevice(*reader, *rec, r, dev, *engine, *pool));
+        ASSERT_EQ(mem->Download(dev, want.size()), want) << name << " " << r.ToString();
+      }
+    }
+  }
+
+  TempDir dir;
+  std::unique_ptr<CopyEngine> engine;
+  std::unique_ptr<DeviceMemory> mem;
+  std::unique_ptr<Repository> repo;
+  std::unique_ptr<PinnedPool> pool;
+};
+
+Staging HostStaging() { return Staging(std::make_unique<HostCopyEngine>(), std::make_unique<HostMemory>()); }
+
+TEST(StagingHost, EveryDTypeAndShardKindRoundTripsBitExact) { HostStaging().RoundTripEveryDTypeAndShardKind(); }
+
+TEST(StagingHost, BuffersAreAllocatedOnceAndReused) {
+  Staging s = HostStaging();
+  auto* host = static_cast<HostCopyEngine*>(s.engine.get());
+  s.RoundTripEveryDTypeAndShardKind();
+  const uint64_t after_first = host->pinned_allocations();
+  EXPECT_EQ(after_first, 2u);  // the pool's two buffers, nothing per save or load
+  EXPECT_EQ(s.pool->pinned_bytes(), 2u * (96 << 10));
+  auto data = RandomBytes(1 << 20, 9);
+  std::byte* dev = s.mem->Alloc(data.size());
+  s.mem->Upload(dev, data);
+  for (int i = 0; i < 3; ++i) {
+    auto w = std::move(s.repo->BeginCheckpoint("again" + std::to_string(i), {0, 1, i, {}})).value();
+    ASSERT_OK(PutShardFromDevice(*w, {{"x", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev},
+                                 *s.engine, *s.pool));
+    ASSERT_OK(w->Commit().Wait());
+  }
+  EXPECT_EQ(host->pinned_allocations(), after_first);
+}
+
+TEST(StagingHost, DeviceErrorMidStreamCommitsNothing) {
+  Staging s = HostStaging();
+  auto* host = static_cast<HostCopyEngine*>(s.engine.get());
+  auto data = RandomBytes(1 << 20, 3);
+  std::byte* dev = s.mem->Alloc(data.size());
+  s.mem->Upload(dev, data);
+  host->FailAfter(4);  // the fifth 96 KiB copy fails
+  {
+    auto w = std::move(s.repo->BeginCheckpoint("broken", {0, 1, 1, {}})).value();
+    Status st = PutShardFromDevice(*w, {{"x", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev},
+                                   *s.engine, *s.pool);
+    EXPECT_FALSE(st.ok());
+    EXPECT_NE(st.message().find("device"), std::string::npos) << st.ToString();
+  }
+  EXPECT_TRUE(s.repo->ListCheckpoints(true)->empty());
+}
+
+TEST(StagingHost, FailingPackWriteIsReportedAndNothingCommitted) {
+  // A save whose packs cannot be written: the repository's pack directory is
+  // replaced by a file, so creating a pack fails.
+  Staging s = HostStaging();
+  std::filesystem::remove_all(s.dir / "objects/packs");
+  std::ofstream(s.dir / "objects/packs") << "not a directory";
+  auto data = RandomBytes(300 << 10, 4);
+  std::byte* dev = s.mem->Alloc(data.size());
+  s.mem->Upload(dev, data);
+  auto w = std::move(s.repo->BeginCheckpoint("nopacks", {0, 1, 1, {}})).value();
+  Status put = PutShardFromDevice(*w, {{"x", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev},
+                                  *s.engine, *s.pool);
+  auto r = put.ok() ? w->Commit().Wait() : Result<CommitResult>(put);
+  EXPECT_FALSE(r.ok());
+  EXPECT_TRUE(s.repo->ListCheckpoints(true)->empty());
+}
+
+TEST(StagingHost, CorruptChunkOnLoadIsReported) {
+  Staging s = HostStaging();
+  auto data = RandomBytes(512 << 10, 5);
+  std::byte* dev = s.mem->Alloc(data.size());
+  s.mem->Upload(dev, data);
+  auto w = std::move(s.repo->BeginCheckpoint("c", {0, 1, 1, {}})).value();
+  ASSERT_OK(PutShardFromDevice(*w, {{"x", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev},
+                               *s.engine, *s.pool));
+  ASSERT_OK(w->Commit().Wait());
+  s.repo.reset();
+  for (const auto& e : std::filesystem::directory_iterator(s.dir / "objects/packs")) {
+    std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(300000);
+    f.put('\x5a');
+  }
+  s.repo = std::move(Repository::Open(s.dir.path())).value();
+  auto reader = std::move(s.repo->OpenCheckpoint("c")).value();
+  std::byte* out = s.mem->Alloc(data.size());
+  Status st = LoadToDevice(*reader, *reader->FindTensor("x"), Region::OfFlat(0, data.size()), out, *s.engine, *s.pool);
+  EXPECT_TRUE(st.IsCorruption()) << st.ToString();
+}
+
+TEST(StagingHost, SnapshotReturnsBeforeDurableAndIsIsolatedFromLaterWrites) {
+  Staging s = HostStaging();
+  auto data = RandomBytes(16 << 20, 6);
+  std::byte* dev = s.mem->Alloc(data.size());
+  s.mem->Upload(dev, data);
+  auto handle = SaveSnapshot(*s.repo, "snap", {0, 1, 1, {}},
+                             {{{"w", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev}}, *s.engine);
+  ASSERT_OK(handle);
+  // Training may now modify its tensors: the snapshot must not see it.
+  std::memset(dev, 0, data.size());
+  auto r = handle->Wait();
+  ASSERT_OK(r);
+  EXPECT_TRUE(handle->durable());
+  EXPECT_GT(handle->total_time(), handle->blocking_time());
+  auto reader = std::move(s.repo->OpenCheckpoint("snap")).value();
+  std::vector<std::byte> got(data.size());
+  ASSERT_OK(reader->ReadBytes(*reader->FindTensor("w"), 0, got));
+  EXPECT_EQ(got, data);
+}
+
+TEST(StagingHost, PoolNeedsTwoBuffers) {
+  HostCopyEngine engine;
+  EXPECT_FALSE(PinnedPool::Create(engine, 1, 1024).ok());
+  std::string why;
+  if (!CudaAvailable(&why)) {
+    EXPECT_FALSE(why.empty());
+  }
+  EXPECT_FALSE(NcclAvailable(&why));
+}
+
+#ifdef CKPTFS_HAVE_CUDA
+TEST(StagingGpu, SaveFromDeviceAndLoadAtAnotherSharding) {
+  std::string why;
+  if (!CudaAvailable(&why)) GTEST_SKIP() << "GPU test skipped: " << why;
+  auto engine = NewCudaCopyEngine(0);
+  ASSERT_OK(engine);
+  Staging(std::move(engine).value(), std::make_unique<CudaMemory>()).RoundTripEveryDTypeAndShardKind();
+}
+
+TEST(StagingGpu, SnapshotIsReleasedBeforeDurable) {
+  std::string why;
+  if (!CudaAvailable(&why)) GTEST_SKIP() << "GPU test skipped: " << why;
+  Staging s(std::move(NewCudaCopyEngine(0)).value(), std::make_unique<CudaMemory>());
+  auto data = RandomBytes(64 << 20, 8);
+  std::byte* dev = s.mem->Alloc(data.size());
+  s.mem->Upload(dev, data);
+  auto handle = SaveSnapshot(*s.repo, "snap", {0, 1, 1, {}},
+                             {{{"w", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev}}, *s.engine);
+  ASSERT_OK(handle);
+  EXPECT_FALSE(handle->durable());  // 64 MiB cannot be hashed and written in the copy's time
+  ASSERT_EQ(cudaMemset(dev, 0, data.size()), cudaSuccess);
+  ASSERT_OK(handle->Wait());
+  EXPECT_GT(handle->total_time(), handle->blocking_time());
+  auto reader = std::move(s.repo->OpenCheckpoint("snap")).value();
+  std::vector<std::byte> got(data.size());
+  ASSERT_OK(reader->ReadBytes(*reader->FindTensor("w"), 0, got));
+  EXPECT_EQ(got, data);
+}
+#endif
+
+}  // namespace
+}  // namespace ckptfs::gpu
