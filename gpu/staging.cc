@@ -62,22 +62,14 @@ std::span<std::byte> PinnedPool::Lease::buffer() const {
 
 // ---- streaming save --------------------------------------------------------------
 
-namespace {
-
 // Yields a device region's bytes through the pinned pool: up to pool.count()
 // device-to-host copies are in flight ahead of the reader.
-class StagedSource final : public ShardSource {
- public:
-  StagedSource(CopyEngine& engine, PinnedPool& pool, const std::byte* device, uint64_t size)
-      : engine_(engine), pool_(pool), device_(device), size_(size) {}
-  ~StagedSource() override {
-    // Copies still in flight write into leased buffers: let them finish.
-    for (auto& p : inflight_) (void)engine_.Wait(p.ticket);
-  }
+DeviceSource::~DeviceSource() {
+  // Copies still in flight write into leased buffers: let them finish.
+  for (auto& p : inflight_) (void)engine_.Wait(p.ticket);
+}
 
-  uint64_t size() const override { return size_; }
-
-  Status Read(uint64_t offset, std::span<std::byte> dst) override {
+Status DeviceSource::Read(uint64_t offset, std::span<std::byte> dst) {
     if (offset != consumed_) return Status::Internal("staged device sources are read in order");
     size_t copied = 0;
     while (copied < dst.size()) {
@@ -95,19 +87,9 @@ class StagedSource final : public ShardSource {
     }
     consumed_ += dst.size();
     return Status::OK();
-  }
+}
 
- private:
-  struct Piece {
-    PinnedPool::Lease lease;
-    uint64_t offset;
-    uint64_t length;
-    uint64_t ticket;
-    bool waited = false;
-  };
-
-  // Keeps the pool's buffers busy with the next copies.
-  Status Prime() {
+Status DeviceSource::Prime() {
     while (inflight_.size() < pool_.count() && submitted_ < size_) {
       PinnedPool::Lease lease = pool_.Acquire();
       const uint64_t n = std::min<uint64_t>(pool_.buffer_bytes(), size_ - submitted_);
@@ -117,22 +99,11 @@ class StagedSource final : public ShardSource {
     }
     if (inflight_.empty()) return Status::Internal("read past the end of a staged device source");
     return Status::OK();
-  }
-
-  CopyEngine& engine_;
-  PinnedPool& pool_;
-  const std::byte* device_;
-  const uint64_t size_;
-  uint64_t submitted_ = 0;
-  uint64_t consumed_ = 0;
-  std::deque<Piece> inflight_;
-};
-
-}  // namespace
+}
 
 Status PutShardFromDevice(CheckpointWriter& writer, const DeviceShard& shard, CopyEngine& engine, PinnedPool& pool) {
   const uint64_t bytes = shard.region.NumElements() * DTypeSize(shard.tensor.dtype);
-  StagedSource source(engine, pool, shard.device, bytes);
+  DeviceSource source(engine, pool, shard.device, bytes);
   return writer.PutShard(shard.tensor, shard.region, source);
 }
 

@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -111,6 +112,36 @@ class PinnedPool {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<size_t> free_;
+};
+
+// A ShardSource over device memory that streams through the pinned pool:
+// up to pool.count() device-to-host copies run ahead of the reader, so the
+// next buffer fills while the previous one is consumed. Read in order.
+class DeviceSource final : public ShardSource {
+ public:
+  DeviceSource(CopyEngine& engine, PinnedPool& pool, const std::byte* device, uint64_t size)
+      : engine_(engine), pool_(pool), device_(device), size_(size) {}
+  ~DeviceSource() override;
+  uint64_t size() const override { return size_; }
+  Status Read(uint64_t offset, std::span<std::byte> dst) override;
+
+ private:
+  struct Piece {
+    PinnedPool::Lease lease;
+    uint64_t offset;
+    uint64_t length;
+    uint64_t ticket;
+    bool waited = false;
+  };
+  Status Prime();  // keeps the pool's buffers busy with the next copies
+
+  CopyEngine& engine_;
+  PinnedPool& pool_;
+  const std::byte* device_;
+  const uint64_t size_;
+  uint64_t submitted_ = 0;
+  uint64_t consumed_ = 0;
+  std::deque<Piece> inflight_;
 };
 
 // A region of a tensor held in device memory, row-major.
