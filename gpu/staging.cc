@@ -110,9 +110,12 @@ Status PutShardFromDevice(CheckpointWriter& writer, const DeviceShard& shard, Co
 // ---- snapshot save -----------------------------------------------------------------
 
 struct SnapshotHandle::State {
+  struct Counters {
+    std::atomic<int64_t> total_ns{0};
+    std::atomic<bool> durable{false};
+  };
   std::shared_future<Result<CommitResult>> result;
-  std::atomic<int64_t> total_ns{0};
-  std::atomic<bool> durable{false};
+  std::shared_ptr<Counters> counters = std::make_shared<Counters>();
 };
 
 Result<CommitResult> SnapshotHandle::Wait() {
@@ -121,10 +124,10 @@ Result<CommitResult> SnapshotHandle::Wait() {
 }
 
 std::chrono::nanoseconds SnapshotHandle::total_time() const {
-  return std::chrono::nanoseconds(state_ ? state_->total_ns.load() : 0);
+  return std::chrono::nanoseconds(state_ ? state_->counters->total_ns.load() : 0);
 }
 
-bool SnapshotHandle::durable() const { return state_ && state_->durable.load(); }
+bool SnapshotHandle::durable() const { return state_ && state_->counters->durable.load(); }
 
 Result<SnapshotHandle> SaveSnapshot(Repository& repo, const std::string& name, const WriterOptions& options,
                                     const std::vector<DeviceShard>& shards, CopyEngine& engine) {
@@ -165,10 +168,13 @@ Result<SnapshotHandle> SaveSnapshot(Repository& repo, const std::string& name, c
   SnapshotHandle handle;
   handle.blocking_ = std::chrono::steady_clock::now() - start;
   handle.state_ = std::make_shared<SnapshotHandle::State>();
-  auto state = handle.state_;
+  const auto& state = handle.state_;
   std::shared_ptr<CheckpointWriter> w(std::move(writer));
+  // The task holds only the counters, never the state that holds its own
+  // future (that would be a cycle), and drops the writer when done.
   handle.state_->result =
-      std::async(std::launch::async, [w, copies, shards, state, start, &engine]() -> Result<CommitResult> {
+      std::async(std::launch::async, [w, copies, shards, counters = state->counters, start,
+                                      &engine]() mutable -> Result<CommitResult> {
         Status st;
         for (size_t i = 0; i < shards.size() && st.ok(); ++i) {
           HostSource source({(*copies)[i].data, (*copies)[i].size});
@@ -177,8 +183,10 @@ Result<SnapshotHandle> SaveSnapshot(Repository& repo, const std::string& name, c
         Result<CommitResult> r = st.ok() ? w->Commit().Wait() : Result<CommitResult>(st);
         if (!st.ok()) w->Abort();
         for (auto& h : *copies) engine.FreePinned(h.data);
-        state->total_ns = (std::chrono::steady_clock::now() - start).count();
-        state->durable = r.ok();
+        copies->clear();
+        w.reset();
+        counters->total_ns = (std::chrono::steady_clock::now() - start).count();
+        counters->durable = r.ok();
         return r;
       }).share();
   return handle;

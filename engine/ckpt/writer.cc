@@ -11,6 +11,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -48,7 +49,7 @@ std::chrono::nanoseconds CommitHandle::total_time() const {
 class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
  public:
   WriterImpl(RepositoryImpl* repo, std::string name, WriterOptions options, RepoLock lock)
-      : lock_(std::move(lock)),
+      : lock_(std::in_place, std::move(lock)),
         repo_(repo),
         name_(std::move(name)),
         options_(std::move(options)),
@@ -109,8 +110,9 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
                      std::vector<ChunkRef>& chunks);
   std::vector<uint64_t> ChunkBounds(uint64_t global_start, uint64_t size) const;
 
-  // Held shared until this writer is gone: gc waits for it (repo_lock.h).
-  RepoLock lock_;
+  // Held shared until this writer's commit finished or it is gone: gc waits
+  // for it (repo_lock.h).
+  std::optional<RepoLock> lock_;
   RepositoryImpl* repo_;
   const std::string name_;
   const WriterOptions options_;
@@ -403,7 +405,7 @@ CommitHandle WriterImpl::Commit() {
   handle.blocking_ = blocking_;
   auto total = handle.total_ns_;
   auto start = first_put_;
-  handle.future_ = std::async(std::launch::async, [this, self = shared_from_this(), total, start]() -> Result<CommitResult> {
+  handle.future_ = std::async(std::launch::async, [this, self = shared_from_this(), total, start]() mutable -> Result<CommitResult> {
                      Shutdown();
                      Status st;
                      {
@@ -416,6 +418,10 @@ CommitHandle WriterImpl::Commit() {
                        st = sealed.ok() ? CommitToCatalog(*sealed, &result) : sealed.status();
                      }
                      total->store((std::chrono::steady_clock::now() - start).count());
+                     // Done with the catalog: let gc run even if the caller
+                     // keeps the handle (which keeps this closure) around.
+                     lock_.reset();
+                     self.reset();
                      if (!st.ok()) return st;
                      return result;
                    }).share();

@@ -162,6 +162,14 @@ TEST_F(GcTest, GcWaitsForSavesInFlight) {
   EXPECT_OK(lock);
 }
 
+TEST_F(GcTest, AKeptCommitHandleDoesNotBlockGc) {
+  auto w = std::move(repo_->BeginCheckpoint("kept", {0, 1, 1, {}})).value();
+  CommitHandle handle = w->Commit();
+  ASSERT_OK(handle.Wait());
+  w.reset();  // the handle lives on
+  EXPECT_OK(RepoLock::TryAcquire(dir_.path(), RepoLock::Mode::kExclusive));
+}
+
 TEST_F(GcTest, RemoveIsAllOrNothing) {
   auto base = RandomBytes(1000, 1);
   Save("a", 1, 1, base);
