@@ -36,11 +36,6 @@ PackWriter::~PackWriter() {
   if (current_) current_->Abort();
 }
 
-uint64_t PackWriter::bytes_added() const {
-  std::lock_guard lock(mu_);
-  return bytes_added_;
-}
-
 Result<ChunkLocation> PackWriter::Add(const ChunkId& id, Codec codec, uint32_t raw_len,
                                       std::span<const std::byte> stored) {
   std::lock_guard lock(mu_);
@@ -68,7 +63,6 @@ Result<ChunkLocation> PackWriter::Add(const ChunkId& id, Codec codec, uint32_t r
   ChunkLocation loc{open_.id, offset_, static_cast<uint32_t>(stored.size()), raw_len, codec};
   open_.entries.push_back({id, loc});
   offset_ += stored.size();
-  bytes_added_ += stored.size();
   if (offset_ >= target_size_) {
     Status seal = SealLocked();
     if (!seal.ok()) return fail(seal);

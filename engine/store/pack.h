@@ -66,20 +66,16 @@ class PackWriter {
   // Seals the open pack, if any, and returns every pack sealed so far,
   // clearing that list.
   Result<std::vector<SealedPack>> Finish();
-  // Bytes appended but not yet written to the backend's stable storage; the
-  // adaptive codec reads it to see whether the disk keeps up.
-  uint64_t bytes_added() const;
 
  private:
   Status SealLocked();
 
   Backend* backend_;
   uint64_t target_size_;
-  mutable std::mutex mu_;
+  std::mutex mu_;
   std::unique_ptr<ObjectWriter> current_;
   SealedPack open_;
   uint64_t offset_ = 0;
-  uint64_t bytes_added_ = 0;
   std::vector<SealedPack> sealed_;
   Status error_;  // sticky: after a failed append nothing more is written
 };
