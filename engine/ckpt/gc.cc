@@ -153,6 +153,57 @@ Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names)
   return report;
 }
 
+namespace {
+
+struct PackState {
+  uint64_t size = 0;
+  uint64_t live_bytes = 0;
+  std::vector<std::pair<ChunkId, ChunkLocation>> live;
+};
+
+// The catalog's view of liveness: every pack with its live chunks, and the
+// chunks no checkpoint outside `excluded` references.
+struct Liveness {
+  std::map<std::string, PackState> packs;
+  std::vector<ChunkId> dead;
+  std::unordered_set<ChunkId, ChunkIdHash> live;
+  uint64_t live_bytes = 0;
+};
+
+Result<Liveness> Analyze(LmdbEnv& catalog, const std::set<std::string>& excluded) {
+  Liveness l;
+  RETURN_IF_ERROR(catalog.Read([&](const ReadTxn& txn) -> Status {
+    RETURN_IF_ERROR(ForEachReference(txn, [&](const std::string& ckpt, const ChunkRef& c) {
+      if (!excluded.count(ckpt)) l.live.insert(c.id);
+    }));
+    Status inner;
+    RETURN_IF_ERROR(txn.Scan(Table::kPacks, "", [&](std::string_view k, std::string_view v) {
+      uint64_t count = 0;
+      inner = DecodePackInfo(v, &l.packs[std::string(k)].size, &count);
+      return inner.ok();
+    }));
+    RETURN_IF_ERROR(inner);
+    RETURN_IF_ERROR(txn.Scan(Table::kChunks, "", [&](std::string_view k, std::string_view v) {
+      auto loc = DecodeChunkLocation(v);
+      if (!loc.ok()) return (inner = loc.status(), false);
+      ChunkId id = IdOfKey(k);
+      if (l.live.count(id)) {
+        PackState& p = l.packs[loc->pack];
+        p.live_bytes += loc->stored_len;
+        p.live.emplace_back(id, *loc);
+        l.live_bytes += loc->stored_len;
+      } else {
+        l.dead.push_back(id);
+      }
+      return true;
+    }));
+    return inner;
+  }));
+  return l;
+}
+
+}  // namespace
+
 Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const ProgressFn& progress) {
   GcReport report;
   ASSIGN_OR_RETURN(report.removed, PlanRetention(options.retention));
@@ -164,119 +215,123 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
       RETURN_IF_ERROR(RemoveCheckpoints(report.removed));
     }
   }
-  // A dry run only estimates and takes no lock; a real run waits for saves
-  // in flight to finish and keeps new ones waiting until it is done.
-  std::optional<RepoLock> lock;
-  if (!options.dry_run) {
-    ASSIGN_OR_RETURN(RepoLock l, RepoLock::Acquire(impl_->path, RepoLock::Mode::kExclusive));
-    lock.emplace(std::move(l));
-  }
   Backend* backend = impl_->backend.get();
+  std::optional<RepoLock> run_lock;
+  if (!options.dry_run) {
+    ASSIGN_OR_RETURN(RepoLock l, RepoLock::Acquire(impl_->path, RepoLock::Mode::kExclusive, RepoLock::Name::kGcRun));
+    run_lock.emplace(std::move(l));
+  }
 
-  struct PackState {
-    uint64_t size = 0;
-    uint64_t live_bytes = 0;
-    std::vector<std::pair<ChunkId, ChunkLocation>> live;
-  };
-  std::map<std::string, PackState> packs;
-  std::vector<ChunkId> dead;
-  std::unordered_set<ChunkId, ChunkIdHash> live;
-  RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
-    RETURN_IF_ERROR(ForEachReference(txn, [&](const std::string& ckpt, const ChunkRef& c) {
-      if (!excluded.count(ckpt)) live.insert(c.id);
-    }));
-    Status inner;
-    RETURN_IF_ERROR(txn.Scan(Table::kPacks, "", [&](std::string_view k, std::string_view v) {
-      uint64_t count = 0;
-      inner = DecodePackInfo(v, &packs[std::string(k)].size, &count);
-      return inner.ok();
-    }));
-    RETURN_IF_ERROR(inner);
-    RETURN_IF_ERROR(txn.Scan(Table::kChunks, "", [&](std::string_view k, std::string_view v) {
-      auto loc = DecodeChunkLocation(v);
-      if (!loc.ok()) return (inner = loc.status(), false);
-      ChunkId id = IdOfKey(k);
-      if (live.count(id)) {
-        PackState& p = packs[loc->pack];
-        p.live_bytes += loc->stored_len;
-        p.live.emplace_back(id, *loc);
-        report.live_bytes += loc->stored_len;
-      } else {
-        dead.push_back(id);
+  // 1. Without the gc lock (saves go on): find the mostly-dead packs and copy
+  //    their live chunks into new packs, durably. A dry run stops after the
+  //    estimate.
+  ASSIGN_OR_RETURN(Liveness before, Analyze(*impl_->catalog, excluded));
+  std::set<std::string> rewrite;
+  uint64_t rewrite_bytes = 0;
+  for (const auto& [id, p] : before.packs) {
+    if (p.live_bytes > 0 && static_cast<double>(p.live_bytes) < options.rewrite_below * static_cast<double>(p.size)) {
+      rewrite.insert(id);
+      rewrite_bytes += p.live_bytes;
+    }
+  }
+  if (options.dry_run) {
+    ASSIGN_OR_RETURN(auto keys, backend->List(keys::kPackPrefix));
+    for (const auto& key : keys) {
+      std::string id;
+      if (ParsePackKey(key, &id) && !before.packs.count(id)) {
+        ++report.orphan_packs;
+        auto size = backend->Size(key);
+        report.bytes_before += size.ok() ? *size : 0;
       }
-      return true;
-    }));
-    return inner;
-  }));
-  report.dead_chunks = dead.size();
+    }
+    for (const auto& [id, p] : before.packs) {
+      report.bytes_before += p.size;
+      if (p.live_bytes == 0 || rewrite.count(id)) {
+        ++report.packs_deleted;
+      } else {
+        report.bytes_after += p.size;
+      }
+    }
+    report.packs_deleted += report.orphan_packs;
+    report.packs_rewritten = rewrite.size();
+    report.dead_chunks = before.dead.size();
+    report.live_bytes = before.live_bytes;
+    report.bytes_after += rewrite_bytes;  // estimate: the live bytes move to new packs
+    return report;
+  }
+  PackWriter writer(backend, impl_->config.pack_size);
+  std::unordered_map<ChunkId, std::pair<ChunkLocation, ChunkLocation>, ChunkIdHash> moved;  // old, new
+  std::vector<std::byte> buf;
+  uint64_t copied = 0;
+  auto copy = [&](const ChunkId& chunk, const ChunkLocation& loc) -> Status {
+    buf.resize(loc.stored_len);
+    RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, buf));
+    ASSIGN_OR_RETURN(ChunkLocation nloc, writer.Add(chunk, loc.codec, loc.raw_len, buf));
+    moved[chunk] = {loc, nloc};
+    copied += loc.stored_len;
+    if (progress) progress(copied, rewrite_bytes);
+    return Status::OK();
+  };
+  for (const auto& id : rewrite) {
+    for (const auto& [chunk, loc] : before.packs[id].live) RETURN_IF_ERROR(copy(chunk, loc));
+  }
 
+  // 2. Under the exclusive lock no save is in flight: look again, since
+  //    saves may have committed meanwhile (a chunk that was dead may be
+  //    referenced again) and removals may have freed more.
+  ASSIGN_OR_RETURN(RepoLock lock, RepoLock::Acquire(impl_->path, RepoLock::Mode::kExclusive));
+  ASSIGN_OR_RETURN(Liveness now, Analyze(*impl_->catalog, {}));
+  for (const auto& id : rewrite) {
+    for (const auto& [chunk, loc] : now.packs[id].live) {
+      if (!moved.count(chunk)) RETURN_IF_ERROR(copy(chunk, loc));  // became live since step 1
+    }
+  }
+  ASSIGN_OR_RETURN(std::vector<SealedPack> sealed, writer.Finish());
+  std::set<std::string> written;
+  for (const auto& p : sealed) written.insert(p.id);
+  std::vector<std::string> drop;
+  for (const auto& [id, p] : now.packs) {
+    if (p.live_bytes == 0 && !rewrite.count(id)) drop.push_back(id);
+  }
   // Packs on disk that the catalog does not know: left by killed saves or a
   // killed gc. Under the exclusive lock no save is writing one.
   ASSIGN_OR_RETURN(auto keys, backend->List(keys::kPackPrefix));
   std::vector<std::string> orphans;
   for (const auto& key : keys) {
     std::string id;
-    if (ParsePackKey(key, &id) && !packs.count(id)) {
+    if (ParsePackKey(key, &id) && !now.packs.count(id) && !written.count(id)) {
       orphans.push_back(id);
       auto size = backend->Size(key);
       report.bytes_before += size.ok() ? *size : 0;
     }
   }
-  report.orphan_packs = orphans.size();
-
-  std::vector<std::string> drop, rewrite;
-  uint64_t rewrite_bytes = 0;
-  for (const auto& [id, p] : packs) {
+  for (const auto& [id, p] : now.packs) {
     report.bytes_before += p.size;
-    if (p.live_bytes == 0) {
-      drop.push_back(id);
-    } else if (static_cast<double>(p.live_bytes) < options.rewrite_below * static_cast<double>(p.size)) {
-      rewrite.push_back(id);
-      rewrite_bytes += p.live_bytes;
-    } else {
-      report.bytes_after += p.size;
-    }
+    if (p.live_bytes > 0 && !rewrite.count(id)) report.bytes_after += p.size;
   }
+  for (const auto& p : sealed) report.bytes_after += p.size;
+  report.dead_chunks = now.dead.size();
+  report.orphan_packs = orphans.size();
   report.packs_rewritten = rewrite.size();
+  report.packs_written = sealed.size();
   report.packs_deleted = drop.size() + rewrite.size() + orphans.size();
-  if (options.dry_run) {
-    report.bytes_after += rewrite_bytes;  // estimate: the live bytes move to new packs
-    return report;
-  }
+  report.live_bytes = now.live_bytes;
 
-  // 1. Copy the live chunks of mostly-dead packs into new packs, durably.
-  std::unordered_map<ChunkId, ChunkLocation, ChunkIdHash> moved;
-  std::vector<SealedPack> sealed;
-  if (!rewrite.empty()) {
-    PackWriter writer(backend, impl_->config.pack_size);
-    uint64_t done = 0;
-    std::vector<std::byte> buf;
-    for (const auto& id : rewrite) {
-      for (const auto& [chunk, loc] : packs[id].live) {
-        buf.resize(loc.stored_len);
-        RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, buf));
-        ASSIGN_OR_RETURN(ChunkLocation nloc, writer.Add(chunk, loc.codec, loc.raw_len, buf));
-        moved[chunk] = nloc;
-        done += loc.stored_len;
-        if (progress) progress(done, rewrite_bytes);
-      }
-    }
-    ASSIGN_OR_RETURN(sealed, writer.Finish());
-    report.packs_written = sealed.size();
-    for (const auto& p : sealed) report.bytes_after += p.size;
-  }
-  // 2. One catalog transaction: forget dead chunks and old packs, point
-  //    moved chunks at their new packs.
+  // 3. One catalog transaction: forget dead chunks and old packs, point
+  //    live moved chunks at their new packs.
   RETURN_IF_ERROR(impl_->catalog->Update([&](WriteTxn& txn) -> Status {
-    for (const auto& id : dead) RETURN_IF_ERROR(txn.Delete(Table::kChunks, keys::Chunk(id)));
-    for (const auto& [id, loc] : moved) RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(id), EncodeChunkLocation(loc)));
+    for (const auto& id : now.dead) RETURN_IF_ERROR(txn.Delete(Table::kChunks, keys::Chunk(id)));
+    for (const auto& [id, locs] : moved) {
+      if (!now.live.count(id)) continue;  // died since it was copied; its entry is gone
+      RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(id), EncodeChunkLocation(locs.second)));
+    }
     for (const auto& id : drop) RETURN_IF_ERROR(txn.Delete(Table::kPacks, id));
     for (const auto& id : rewrite) RETURN_IF_ERROR(txn.Delete(Table::kPacks, id));
     for (const auto& p : sealed) RETURN_IF_ERROR(txn.Put(Table::kPacks, p.id, EncodePackInfo(p.size, p.entries.size())));
     return Status::OK();
   }));
   impl_->cache->Clear();
-  // 3. Only now delete files; a crash before this leaves orphans for the next gc.
+  // 4. Only now delete files; a crash before this leaves orphans for the next gc.
   auto remove = [&](const std::string& id) -> Status {
     Status st = backend->Delete(PackKey(id));
     return st.IsNotFound() ? Status::OK() : st;

@@ -9,10 +9,10 @@
 
 namespace ckptfs {
 
-Result<RepoLock> RepoLock::Lock(const std::string& repository, Mode mode, bool wait) {
+Result<RepoLock> RepoLock::Lock(const std::string& repository, Mode mode, Name name, bool wait) {
   const std::string dir = repository + "/locks";
   if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) return Status::FromErrno(errno, "creating " + dir);
-  const std::string path = dir + "/gc.lock";
+  const std::string path = dir + (name == Name::kGc ? "/gc.lock" : "/gc-run.lock");
   int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) return Status::FromErrno(errno, "opening " + path);
   int op = (mode == Mode::kShared ? LOCK_SH : LOCK_EX) | (wait ? 0 : LOCK_NB);
@@ -21,6 +21,7 @@ Result<RepoLock> RepoLock::Lock(const std::string& repository, Mode mode, bool w
     int err = errno;
     ::close(fd);
     if (err == EWOULDBLOCK) {
+      if (name == Name::kGcRun) return Status::FailedPrecondition("another garbage collection is running");
       return Status::FailedPrecondition(mode == Mode::kShared ? "garbage collection is running"
                                                               : "saves are in progress");
     }
@@ -29,9 +30,11 @@ Result<RepoLock> RepoLock::Lock(const std::string& repository, Mode mode, bool w
   return RepoLock(fd);
 }
 
-Result<RepoLock> RepoLock::Acquire(const std::string& repository, Mode mode) { return Lock(repository, mode, true); }
-Result<RepoLock> RepoLock::TryAcquire(const std::string& repository, Mode mode) {
-  return Lock(repository, mode, false);
+Result<RepoLock> RepoLock::Acquire(const std::string& repository, Mode mode, Name name) {
+  return Lock(repository, mode, name, true);
+}
+Result<RepoLock> RepoLock::TryAcquire(const std::string& repository, Mode mode, Name name) {
+  return Lock(repository, mode, name, false);
 }
 
 RepoLock& RepoLock::operator=(RepoLock&& other) noexcept {

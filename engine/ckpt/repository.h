@@ -299,11 +299,13 @@ class Repository {
   // deleted first, then their records in one catalog transaction; their
   // chunks stay until garbage collection.
   Status RemoveCheckpoints(const std::vector<std::string>& names);
-  // Applies the retention policy (unless dry_run), then, holding the gc lock
-  // (repo_lock.h), deletes chunks no checkpoint references, rewrites packs
-  // that became mostly dead and deletes packs of killed saves. Crash-safe at
-  // every step: new packs are durable before the catalog refers to them, and
-  // old packs are deleted only after the catalog stopped referring to them.
+  // Applies the retention policy (unless dry_run), copies the live chunks of
+  // mostly-dead packs into new packs while saves go on, then, holding the gc
+  // lock (repo_lock.h), re-checks liveness, deletes chunks no checkpoint
+  // references, switches moved chunks to their new packs and deletes old
+  // packs and packs of killed saves. Crash-safe at every step: new packs are
+  // durable before the catalog refers to them, and old packs are deleted only
+  // after the catalog stopped referring to them. Gc runs never overlap.
   Result<GcReport> CollectGarbage(const GcOptions& options, const ProgressFn& progress = {});
   // The checkpoints `policy` would remove.
   Result<std::vector<std::string>> PlanRetention(const RetentionPolicy& policy);
