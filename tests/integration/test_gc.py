@@ -107,7 +107,9 @@ class CrashSafety(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="ckptfs-crash-")
         cls.base = os.path.join(cls.tmp, "base")
-        run(cls.base, "init", "--chunk-size", "64K", "--pack-size", "256K")
+        # --no-adaptive: the codec's choices (and so pack sizes and the number
+        # of crash points a run passes) must not depend on timing.
+        run(cls.base, "init", "--chunk-size", "64K", "--pack-size", "256K", "--no-adaptive")
         rng = np.random.default_rng(1)
         shared = rng.standard_normal((256, 256)).astype(np.float32)
         cls.digests = {}
@@ -138,7 +140,8 @@ class CrashSafety(unittest.TestCase):
         repo = repo or self.fresh("count")
         count_file = os.path.join(self.tmp, "count")
         run(repo, *args, env={"CKPTFS_TEST_CRASH_COUNT_FILE": count_file})
-        total = int(open(count_file).read())
+        with open(count_file) as f:
+            total = int(f.read())
         self.assertGreaterEqual(total, minimum, f"{args} passes only {total} crash points")
         pts = sorted({1 + (total - 1) * k // (KILL_POINTS - 1) for k in range(KILL_POINTS)})
         self.killed_points = len(pts)
