@@ -96,6 +96,8 @@ namespace {
 constexpr const char* kConfigFile = "ckptfs.json";
 constexpr const char* kCatalogDir = "catalog";
 constexpr const char* kObjectsDir = "objects";
+// The LMDB map at creation; it doubles on demand (docs/FORMAT.md).
+constexpr uint64_t kInitialMapSize = 64ull << 20;
 
 bool PathExists(const std::string& p) {
   struct stat sb;
@@ -292,7 +294,7 @@ Status Repository::Init(const std::string& path, const RepositoryConfig& config)
     return Status::FromErrno(errno, "creating " + path);
   }
   ASSIGN_OR_RETURN(auto backend, OpenLocalBackend(path + "/" + kObjectsDir));
-  ASSIGN_OR_RETURN(auto env, LmdbEnv::Open(path + "/" + kCatalogDir, true, 64ull << 20));
+  ASSIGN_OR_RETURN(auto env, LmdbEnv::Open(path + "/" + kCatalogDir, true, kInitialMapSize));
   RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
     Encoder e;
     e.U32(kFormatVersion);
@@ -314,7 +316,7 @@ Result<std::unique_ptr<Repository>> Repository::Open(const std::string& path, co
   if (!PathExists(path + "/" + kCatalogDir + "/data.mdb")) {
     return Status::Corruption("repository '" + path + "' has no catalog; rebuild it with 'ckpt reindex'");
   }
-  auto env = LmdbEnv::Open(path + "/" + kCatalogDir, false, options.initial_map_size);
+  auto env = LmdbEnv::Open(path + "/" + kCatalogDir, false, kInitialMapSize);
   if (!env.ok()) {
     return Status(env.status().code(), env.status().message() + " (if the catalog is damaged, rebuild it with 'ckpt reindex')");
   }

@@ -45,7 +45,6 @@ struct RepositoryConfig {
 struct OpenOptions {
   size_t threads = 0;                     // workers; 0 = hardware concurrency
   size_t cache_bytes = 512ull << 20;      // decoded-chunk cache bound
-  uint64_t initial_map_size = 64ull << 20;  // LMDB map at creation; it grows on demand
 };
 
 // Where a shard's bytes come from. Read is called with consecutive

@@ -71,7 +71,8 @@ class WriteTxn : public ReadTxn {
 
 class LmdbEnv {
  public:
-  // Opens (creating when `create`) the environment in directory `dir`.
+  // Opens (creating when `create`) the environment in directory `dir`. The
+  // map size applies at creation; an existing environment keeps its own.
   static Result<std::unique_ptr<LmdbEnv>> Open(const std::string& dir, bool create,
                                                uint64_t initial_map_size);
   ~LmdbEnv();

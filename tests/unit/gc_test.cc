@@ -20,7 +20,7 @@ class GcTest : public ::testing::Test {
     config.chunk_size = 64 << 10;
     config.pack_size = 1 << 20;
     ASSERT_OK(Repository::Init(dir_.path(), config));
-    repo_ = std::move(Repository::Open(dir_.path(), {2, 1 << 20, 64 << 20})).value();
+    repo_ = std::move(Repository::Open(dir_.path(), {2, 1 << 20})).value();
   }
   // Saves a checkpoint whose tensor "base" is shared by all and "own" unique.
   void Save(const std::string& name, std::optional<int64_t> step, uint32_t seed,

@@ -93,7 +93,7 @@ class Staging {
     RepositoryConfig config;
     config.chunk_size = 64 << 10;
     EXPECT_OK(Repository::Init(dir.path(), config));
-    repo = std::move(Repository::Open(dir.path(), {2, 1 << 20, 64 << 20})).value();
+    repo = std::move(Repository::Open(dir.path(), {2, 1 << 20})).value();
     // 96 KiB buffers: not a multiple of the chunk size, so chunks straddle them.
     pool = std::move(PinnedPool::Create(*this->engine, 2, 96 << 10)).value();
   }
