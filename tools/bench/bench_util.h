@@ -4,12 +4,16 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "core/status.h"
@@ -31,6 +35,36 @@ inline bool DropCaches() {
   bool ok = ::write(fd, "3", 1) == 1;
   ::close(fd);
   return ok;
+}
+
+// Reads `path` sequentially in `piece`-byte read()s and returns the seconds
+// it took; exits unless exactly `expect` bytes came back. With `digest`, the
+// XXH3-64 of the bytes is computed on the way (timed too).
+inline double TimedRead(const std::string& path, uint64_t expect, size_t piece, uint64_t* digest = nullptr) {
+  std::vector<char> buf(piece);
+  XXH3_state_t* h = XXH3_createState();
+  XXH3_64bits_reset(h);
+  const auto t0 = std::chrono::steady_clock::now();
+  int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) {
+    std::perror(path.c_str());
+    std::exit(1);
+  }
+  uint64_t total = 0;
+  ssize_t n;
+  while ((n = ::read(fd, buf.data(), buf.size())) > 0) {
+    if (digest) XXH3_64bits_update(h, buf.data(), static_cast<size_t>(n));
+    total += static_cast<uint64_t>(n);
+  }
+  ::close(fd);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (n < 0 || total != expect) {
+    std::fprintf(stderr, "read of %s failed after %llu bytes\n", path.c_str(), static_cast<unsigned long long>(total));
+    std::exit(1);
+  }
+  if (digest) *digest = XXH3_64bits_digest(h);
+  XXH3_freeState(h);
+  return seconds;
 }
 
 inline double Median(std::vector<double> v) {

@@ -35,34 +35,6 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// Sequential read in 1 MiB requests; returns seconds and the XXH3 of the bytes.
-std::pair<double, uint64_t> ReadAll(const std::string& path, uint64_t expect) {
-  std::vector<char> buf(1 << 20);
-  XXH3_state_t* h = XXH3_createState();
-  XXH3_64bits_reset(h);
-  auto t0 = Clock::now();
-  int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) {
-    std::perror(path.c_str());
-    std::exit(1);
-  }
-  uint64_t total = 0;
-  ssize_t n;
-  while ((n = ::read(fd, buf.data(), buf.size())) > 0) {
-    XXH3_64bits_update(h, buf.data(), static_cast<size_t>(n));
-    total += static_cast<uint64_t>(n);
-  }
-  ::close(fd);
-  double s = std::chrono::duration<double>(Clock::now() - t0).count();
-  if (n < 0 || total != expect) {
-    std::fprintf(stderr, "read of %s failed after %llu bytes\n", path.c_str(), (unsigned long long)total);
-    std::exit(1);
-  }
-  uint64_t digest = XXH3_64bits_digest(h);
-  XXH3_freeState(h);
-  return {s, digest};
-}
-
 bool IsMounted(const std::string& path) {
   std::ifstream m("/proc/mounts");
   std::string line;
@@ -149,11 +121,12 @@ int main(int argc, char** argv) {
   std::vector<double> p1, p2, m1, m2;
   for (int run = 0; run < runs; ++run) {
     cold &= DropCaches();
-    auto [pf, ph] = ReadAll(plain, size);
-    auto [ps, ph2] = ReadAll(plain, size);
+    uint64_t ph, ph2, mh, mh2;
+    const double pf = bench::TimedRead(plain, size, 1 << 20, &ph);
+    const double ps = bench::TimedRead(plain, size, 1 << 20, &ph2);
     cold &= DropCaches();
-    auto [mf, mh] = ReadAll(file, size);
-    auto [ms, mh2] = ReadAll(file, size);
+    const double mf = bench::TimedRead(file, size, 1 << 20, &mh);
+    const double ms = bench::TimedRead(file, size, 1 << 20, &mh2);
     if (mh != ph || mh2 != ph || ph2 != ph) {
       std::fprintf(stderr, "MISMATCH: the mount served different bytes\n");
       return 1;

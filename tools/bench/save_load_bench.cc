@@ -122,18 +122,6 @@ double RawWrite(const std::string& path, const std::vector<Tensor>& state) {
   return Seconds(t0, Clock::now());
 }
 
-double RawRead(const std::string& path, uint64_t bytes) {
-  std::vector<std::byte> buf(4 << 20);
-  auto t0 = Clock::now();
-  int fd = ::open(path.c_str(), O_RDONLY);
-  uint64_t total = 0;
-  ssize_t n;
-  while ((n = ::read(fd, buf.data(), buf.size())) > 0) total += n;
-  ::close(fd);
-  if (total != bytes) std::abort();
-  return Seconds(t0, Clock::now());
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -181,7 +169,7 @@ int main(int argc, char** argv) {
     std::filesystem::remove_all(repo_dir);
     double tw = RawWrite(raw, state);
     cold &= DropCaches();
-    double tr = RawRead(raw, total);
+    double tr = bench::TimedRead(raw, total, 4 << 20);
     std::filesystem::remove(raw);
 
     RepositoryConfig config;
