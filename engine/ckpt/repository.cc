@@ -318,6 +318,7 @@ Result<std::unique_ptr<Repository>> Repository::Open(const std::string& path, co
   }
   auto env = LmdbEnv::Open(path + "/" + kCatalogDir, false, kInitialMapSize);
   if (!env.ok()) {
+    if (env.status().IsCorruption()) return env.status();  // already says to reindex
     return Status(env.status().code(), env.status().message() + " (if the catalog is damaged, rebuild it with 'ckpt reindex')");
   }
   impl->catalog = std::move(env).value();

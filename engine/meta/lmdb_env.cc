@@ -23,7 +23,8 @@ Status LmdbError(int rc, std::string_view context) {
     case ENOSPC: return Status::ResourceExhausted(msg);
     case MDB_CORRUPTED:
     case MDB_PAGE_NOTFOUND:
-    case MDB_INVALID: return Status::Corruption(msg);
+    case MDB_INVALID:
+      return Status::Corruption(msg + " (the catalog is damaged; rebuild it from the packs and manifests with 'ckpt reindex')");
     case MDB_VERSION_MISMATCH: return Status::Unsupported(msg);
     case ENOENT: return Status::NotFound(msg);
     default: return Status::IOError(msg);

@@ -329,6 +329,25 @@ class BadInput(CkptTestCase):
         finally:
             subprocess.run(["umount", small])
 
+    def test_reindex_rebuilds_a_damaged_catalog(self):
+        data = os.path.join(self.repo, "catalog", "data.mdb")
+        want = np.arange(6, dtype=np.float32).tobytes()
+        # every page after the two meta pages overwritten, then the whole file
+        for damage in ("pages", "whole"):
+            with open(data, "r+b") as f:
+                if damage == "pages":
+                    size = os.path.getsize(data)
+                    f.seek(2 * 4096)
+                    f.write(os.urandom(size - 2 * 4096))
+                else:
+                    f.truncate(0)
+                    f.write(os.urandom(50000))
+            err = self.error_of("cat", "good", "x")
+            self.assertIn("ckpt reindex", err, damage)
+            self.run_ckpt("reindex")
+            self.assertEqual(self.run_ckpt("cat", "good", "x").stdout, want)
+            self.assert_intact()
+
     def test_reindex_rebuilds_a_deleted_catalog(self):
         import shutil
         shutil.rmtree(os.path.join(self.repo, "catalog"))
