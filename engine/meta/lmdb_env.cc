@@ -24,7 +24,7 @@ Status LmdbError(int rc, std::string_view context) {
     case MDB_CORRUPTED:
     case MDB_PAGE_NOTFOUND:
     case MDB_INVALID:
-      return Status::Corruption(msg + " (the catalog is damaged; rebuild it from the packs and manifests with 'ckpt reindex')");
+      return Status::Corruption(msg + kReindexHint);
     case MDB_VERSION_MISMATCH: return Status::Unsupported(msg);
     case ENOENT: return Status::NotFound(msg);
     default: return Status::IOError(msg);
@@ -108,7 +108,7 @@ Result<std::unique_ptr<LmdbEnv>> LmdbEnv::Open(const std::string& dir, bool crea
     rc = mdb_dbi_open(txn, kTableNames[i], create ? MDB_CREATE : 0, &env->dbi_[i]);
     if (rc != 0) {
       mdb_txn_abort(txn);
-      if (rc == MDB_NOTFOUND) return Status::Corruption("catalog " + dir + " lacks table " + kTableNames[i]);
+      if (rc == MDB_NOTFOUND) return Status::Corruption("catalog " + dir + " lacks table " + kTableNames[i] + kReindexHint);
       return LmdbError(rc, std::string("opening catalog table ") + kTableNames[i]);
     }
   }

@@ -103,5 +103,8 @@ class LmdbEnv {
 };
 
 Status LmdbError(int rc, std::string_view context);
+// What every catalog corruption error ends with: how to recover.
+inline constexpr const char* kReindexHint =
+    " (the catalog is damaged; rebuild it from the packs and manifests with 'ckpt reindex')";
 
 }  // namespace ckptfs

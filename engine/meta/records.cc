@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "core/encoding.h"
+#include "meta/lmdb_env.h"
 
 namespace ckptfs {
 
@@ -190,13 +191,14 @@ Result<T> DecodeWith(std::string_view data, Fn fn, const char* what) {
   Decoder d(data);
   uint8_t version = 0;
   RETURN_IF_ERROR(d.U8(&version));
+  // These records live in the catalog only (manifests decode on their own).
   if (version != kRecordVersion) {
-    return Status::Corruption(std::string(what) + " record has unknown version " + std::to_string(version));
+    return Status::Corruption(std::string(what) + " record has unknown version " + std::to_string(version) + kReindexHint);
   }
   T out;
   Status st = fn(d, &out);
-  if (!st.ok()) return Status::Corruption(std::string(what) + " record: " + st.message());
-  if (!d.done()) return Status::Corruption(std::string(what) + " record has trailing bytes");
+  if (!st.ok()) return Status::Corruption(std::string(what) + " record: " + st.message() + kReindexHint);
+  if (!d.done()) return Status::Corruption(std::string(what) + " record has trailing bytes" + kReindexHint);
   return out;
 }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -906,8 +907,26 @@ void MainHelp(FILE* out) {
 }  // namespace
 }  // namespace ckptfs::cli
 
+namespace {
+
+// SIGBUS in ckpt comes from a memory-mapped file that is damaged or was
+// truncated while mapped: the LMDB catalog (LMDB trusts its pages and can
+// follow a damaged one past the end of the file) or a safetensors input.
+// Say so in one line instead of dying with "Bus error".
+void OnBusError(int) {
+  static const char kMessage[] =
+      "ckpt: error: a memory-mapped file is damaged or was truncated while in use: the repository's catalog "
+      "(rebuild it with 'ckpt reindex'; packs and manifests are not affected) or an input file\n";
+  ssize_t ignored = ::write(STDERR_FILENO, kMessage, sizeof kMessage - 1);
+  (void)ignored;
+  ::_exit(1);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace ckptfs::cli;
+  std::signal(SIGBUS, OnBusError);
   if (argc < 2 || std::strcmp(argv[1], "-h") == 0 || std::strcmp(argv[1], "--help") == 0 ||
       std::strcmp(argv[1], "help") == 0) {
     MainHelp(argc < 2 ? stderr : stdout);
