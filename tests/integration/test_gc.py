@@ -166,6 +166,10 @@ class CrashSafety(unittest.TestCase):
         run(repo, "gc")
         du = json.loads(run(repo, "du", "--json").stdout)["total"]
         self.assertLessEqual(du["pack_bytes"], 2 * du["referenced_bytes"] + 4096)
+        # no orphan pack left on disk: the files are exactly the catalog's packs
+        packs_dir = os.path.join(repo, "objects", "packs")
+        on_disk = sum(os.path.getsize(os.path.join(packs_dir, f)) for f in os.listdir(packs_dir))
+        self.assertEqual(on_disk, du["pack_bytes"])
         tmp_files = [f for _, _, fs in os.walk(os.path.join(repo, "objects")) for f in fs if f.startswith(".tmp-")]
         self.assertEqual(tmp_files, [])
         self.check_survivors(repo, survivors)
