@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "ckpt/repository.h"
-#include "ckpt/repository_impl.h"
+#include "ckpt/describe.h"
 #include "core/json.h"
 #include "io/safetensors.h"
 #include "names.h"
@@ -176,7 +176,7 @@ class Filesystem {
       if (!list.ok()) return ReplyError(req, list.status());
       if (!list->empty()) entries->push_back({"latest", kLatestIno, S_IFLNK});
       for (const auto& c : *list) {
-        auto view = ViewOf(c.name);
+        auto view = ViewOf(c);
         if (view) entries->push_back({c.name, InodeFor(Kind::kCheckpoint, view, 0), S_IFDIR});
       }
     } else if (node->kind == Kind::kCheckpoint) {
@@ -378,18 +378,29 @@ class Filesystem {
     views_.erase(name);
   }
 
-  // The view of committed checkpoint `name`, built on first use. Building
-  // reads the catalog only, never tensor data.
+  // The view of committed checkpoint `name`, built on first use and kept
+  // while its commit sequence is unchanged. Reads the catalog only, never
+  // tensor data; an unchanged checkpoint costs one catalog lookup.
   std::shared_ptr<CheckpointView> ViewOf(const std::string& name) {
+    auto record = repo_->GetCheckpoint(name);
+    if (!record.ok()) {
+      DropView(name);
+      return nullptr;
+    }
+    return ViewOf(*record);
+  }
+
+  std::shared_ptr<CheckpointView> ViewOf(const CheckpointRecord& record) {
+    const std::string& name = record.name;
+    {
+      std::lock_guard lock(views_mu_);
+      auto it = views_.find(name);
+      if (it != views_.end() && it->second->sequence == record.sequence) return it->second;
+    }
     auto reader = repo_->OpenCheckpoint(name);
     if (!reader.ok()) {
       DropView(name);
       return nullptr;
-    }
-    {
-      std::lock_guard lock(views_mu_);
-      auto it = views_.find(name);
-      if (it != views_.end() && it->second->sequence == (*reader)->info().sequence) return it->second;
     }
     auto v = std::make_shared<CheckpointView>();
     v->name = name;
@@ -417,70 +428,18 @@ class Filesystem {
     return v;
   }
 
-  std::string MetadataJson(const CheckpointView& v) {
-    const auto& info = v.reader->info();
-    Json j = Json::MakeObject();
-    j.Set("name", info.name);
-    j.Set("step", info.step ? Json(*info.step) : Json());
-    j.Set("world_size", static_cast<uint64_t>(info.world_size));
-    Json tags = Json::MakeObject();
-    for (const auto& [k, val] : info.tags) tags.Set(k, val);
-    j.Set("tags", std::move(tags));
-    j.Set("logical_bytes", info.logical_bytes);
-    auto stored = v.reader->StoredBytes();
-    j.Set("stored_bytes", stored.ok() ? Json(*stored) : Json());
-    Json tensors = Json::MakeObject();
-    for (size_t i = 0; i < v.reader->tensors().size(); ++i) {
-      const auto& t = v.reader->tensors()[i];
-      Json tj = Json::MakeObject();
-      tj.Set("file", v.tensor_files[i]);
-      tj.Set("dtype", DTypeName(t.dtype));
-      Json shape = Json::MakeArray();
-      for (uint64_t d : t.shape) shape.Push(d);
-      tj.Set("shape", std::move(shape));
-      tj.Set("logical_bytes", t.ByteSize());
-      std::unordered_set<ChunkId, ChunkIdHash> ids;
-      Json shards = Json::MakeArray();
-      for (const auto& s : t.shards) {
-        Json sj = Json::MakeObject();
-        if (s.region.kind == Region::Kind::kFlat) {
-          sj.Set("flat", Json::MakeArray());
-          sj.as_array();
-          Json range = Json::MakeArray();
-          range.Push(s.region.flat.start);
-          range.Push(s.region.flat.end);
-          sj.Set("flat", std::move(range));
-        } else {
-          Json offs = Json::MakeArray(), lens = Json::MakeArray();
-          for (uint64_t o : s.region.box.offsets) offs.Push(o);
-          for (uint64_t l : s.region.box.lengths) lens.Push(l);
-          sj.Set("offsets", std::move(offs));
-          sj.Set("lengths", std::move(lens));
-        }
-        Json ranks = Json::MakeArray();
-        for (uint32_t r : s.ranks) ranks.Push(static_cast<uint64_t>(r));
-        sj.Set("ranks", std::move(ranks));
-        shards.Push(std::move(sj));
-        for (const auto& c : s.chunks) ids.insert(c.id);
-      }
-      uint64_t tensor_stored = 0;
-      for (const auto& id : ids) {
-        auto loc = repo_->impl()->LookupChunk(id);
-        if (loc.ok()) tensor_stored += loc->stored_len;
-      }
-      tj.Set("stored_bytes", tensor_stored);
-      tj.Set("shards", std::move(shards));
-      tensors.Set(t.name, std::move(tj));
-    }
-    j.Set("tensors", std::move(tensors));
-    Json blobs = Json::MakeObject();
-    for (size_t i = 0; i < v.reader->blobs().size(); ++i) {
-      Json bj = Json::MakeObject();
-      bj.Set("file", "blobs/" + v.blob_files[i]);
-      bj.Set("bytes", v.reader->blobs()[i].size);
-      blobs.Set(v.reader->blobs()[i].name, std::move(bj));
-    }
-    j.Set("blobs", std::move(blobs));
+  // `ckpt show --json`'s description plus the file that shows each tensor
+  // and blob.
+  static std::string MetadataJson(const CheckpointView& v) {
+    auto described = DescribeCheckpoint(*v.reader);
+    if (!described.ok()) return Json(described.status().ToString()).Dump() + "\n";
+    Json j = std::move(described).value();
+    auto add_files = [&](const char* key, const std::vector<std::string>& files, const char* dir) {
+      auto& list = j.Find(key)->as_array();
+      for (size_t i = 0; i < list.size(); ++i) list[i].Set("file", std::string(dir) + files[i]);
+    };
+    add_files("tensors", v.tensor_files, "");
+    add_files("blobs", v.blob_files, "blobs/");
     return j.Dump(2) + "\n";
   }
 
@@ -630,15 +589,12 @@ class Filesystem {
     f.prefetched_until = to;
   }
 
-  void ReplyError(fuse_req_t req, const Status& st) {
-    int err = EIO;
-    if (st.IsNotFound()) err = ENOENT;
-    if (st.code() == StatusCode::kResourceExhausted) err = ENOMEM;
-    if (st.IsCorruption() || st.code() == StatusCode::kIOError || st.IsNotFound()) {
-      err = EIO;
-      std::fprintf(stderr, "ckptfs: read failed: %s\n", st.ToString().c_str());
-    }
-    fuse_reply_err(req, err);
+  // A failed read is EIO (logged with the chunk and pack the message names);
+  // it never returns wrong bytes.
+  static void ReplyError(fuse_req_t req, const Status& st) {
+    if (st.code() == StatusCode::kResourceExhausted) return (void)fuse_reply_err(req, ENOMEM);
+    std::fprintf(stderr, "ckptfs: read failed: %s\n", st.ToString().c_str());
+    fuse_reply_err(req, EIO);
   }
 
   std::unique_ptr<Repository> repo_;

@@ -62,28 +62,69 @@ void CheckpointReader::Prefetch(const TensorRecord& tensor, uint64_t offset, uin
   }
 }
 
-Result<uint64_t> CheckpointReader::StoredBytes() const {
-  std::unordered_set<ChunkId, ChunkIdHash> ids;
+Result<StoredSizes> CheckpointReader::StoredBytes() const {
+  // One catalog lookup per distinct chunk.
+  std::unordered_map<ChunkId, uint64_t, ChunkIdHash> sizes;
+  auto collect = [&](const std::vector<ChunkRef>& chunks) {
+    for (const auto& c : chunks) sizes.emplace(c.id, 0);
+  };
   for (const auto& t : tensors()) {
-    for (const auto& s : t.shards) {
-      for (const auto& c : s.chunks) ids.insert(c.id);
-    }
+    for (const auto& s : t.shards) collect(s.chunks);
   }
-  for (const auto& b : blobs()) {
-    for (const auto& c : b.chunks) ids.insert(c.id);
-  }
-  uint64_t total = 0;
-  Status st = impl_->repo->catalog->Read([&](const ReadTxn& txn) -> Status {
-    for (const auto& id : ids) {
+  for (const auto& b : blobs()) collect(b.chunks);
+  StoredSizes out;
+  RETURN_IF_ERROR(impl_->repo->catalog->Read([&](const ReadTxn& txn) -> Status {
+    for (auto& [id, size] : sizes) {
       ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(id)));
-      if (!v) continue;
+      if (!v) continue;  // verify reports missing chunks
       ASSIGN_OR_RETURN(ChunkLocation loc, DecodeChunkLocation(*v));
-      total += loc.stored_len;
+      size = loc.stored_len;
+      out.total += size;
     }
     return Status::OK();
-  });
-  RETURN_IF_ERROR(st);
-  return total;
+  }));
+  auto sum = [&](const std::vector<ChunkRef>& chunks, std::unordered_set<ChunkId, ChunkIdHash>& seen) {
+    uint64_t n = 0;
+    for (const auto& c : chunks) {
+      if (seen.insert(c.id).second) n += sizes[c.id];
+    }
+    return n;
+  };
+  for (const auto& t : tensors()) {
+    std::unordered_set<ChunkId, ChunkIdHash> seen;
+    uint64_t n = 0;
+    for (const auto& s : t.shards) n += sum(s.chunks, seen);
+    out.tensors.push_back(n);
+  }
+  for (const auto& b : blobs()) {
+    std::unordered_set<ChunkId, ChunkIdHash> seen;
+    out.blobs.push_back(sum(b.chunks, seen));
+  }
+  return out;
+}
+
+namespace {
+// The record of `name` when it is committed; NotFound (saying how far a
+// pending one got) otherwise.
+Result<CheckpointRecord> CommittedRecord(const ReadTxn& txn, const std::string& name) {
+  ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
+  if (!raw) return Status::NotFound("no checkpoint named '" + name + "'");
+  ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*raw));
+  if (rec.state != CheckpointState::kCommitted) {
+    return Status::NotFound("checkpoint '" + name + "' is not committed (" + std::to_string(rec.committed_ranks.size()) +
+                            " of " + std::to_string(rec.world_size) + " ranks have committed)");
+  }
+  return rec;
+}
+}  // namespace
+
+Result<CheckpointRecord> Repository::GetCheckpoint(const std::string& name) {
+  CheckpointRecord rec;
+  RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+    ASSIGN_OR_RETURN(rec, CommittedRecord(txn, name));
+    return Status::OK();
+  }));
+  return rec;
 }
 
 Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::string& name) {
@@ -92,14 +133,7 @@ Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::
   Manifest& m = impl->manifest;
   Status inner;
   RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
-    ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
-    if (!raw) return Status::NotFound("no checkpoint named '" + name + "'");
-    ASSIGN_OR_RETURN(m.checkpoint, DecodeCheckpoint(*raw));
-    if (m.checkpoint.state != CheckpointState::kCommitted) {
-      return Status::NotFound("checkpoint '" + name + "' is not committed (" +
-                              std::to_string(m.checkpoint.committed_ranks.size()) + " of " +
-                              std::to_string(m.checkpoint.world_size) + " ranks have committed)");
-    }
+    ASSIGN_OR_RETURN(m.checkpoint, CommittedRecord(txn, name));
     const std::string prefix = keys::MemberPrefix(name);
     RETURN_IF_ERROR(txn.Scan(Table::kTensors, prefix, [&](std::string_view, std::string_view v) {
       auto t = DecodeTensor(v);

@@ -149,6 +149,12 @@ class CheckpointWriter {
   std::shared_ptr<WriterImpl> impl_;  // shared with a commit in flight
 };
 
+struct StoredSizes {
+  uint64_t total = 0;
+  std::vector<uint64_t> tensors;
+  std::vector<uint64_t> blobs;
+};
+
 class ReaderImpl;
 
 // A committed checkpoint, readable by many threads at once.
@@ -172,9 +178,10 @@ class CheckpointReader {
   // [offset, offset + length) of the tensor need into the chunk cache, so a
   // sequential reader finds them decoded. Returns at once.
   void Prefetch(const TensorRecord& tensor, uint64_t offset, uint64_t length) const;
-  // Bytes of stored (compressed) chunks the checkpoint references, counting
-  // each distinct chunk once.
-  Result<uint64_t> StoredBytes() const;
+  // Stored (compressed) bytes of the distinct chunks the checkpoint
+  // references, in total and per tensor and blob (in tensors()/blobs()
+  // order). Reads the catalog only.
+  Result<StoredSizes> StoredBytes() const;
 
  private:
   friend class Repository;
@@ -291,6 +298,8 @@ class Repository {
                                                             const WriterOptions& options);
   // Committed checkpoints only; NotFound otherwise.
   Result<std::unique_ptr<CheckpointReader>> OpenCheckpoint(const std::string& name);
+  // The record of committed checkpoint `name`; NotFound otherwise.
+  Result<CheckpointRecord> GetCheckpoint(const std::string& name);
   // Committed checkpoints in commit order; pending ones too when asked.
   Result<std::vector<CheckpointRecord>> ListCheckpoints(bool include_pending = false);
   // Removes checkpoints (committed or pending), all or none: NotFound when
@@ -317,7 +326,6 @@ class Repository {
   Result<VerifyReport> Verify(const std::optional<std::string>& name,
                               const ProgressFn& progress = {});
 
-  RepositoryImpl* impl() { return impl_.get(); }
 
  private:
   explicit Repository(std::unique_ptr<RepositoryImpl> impl);

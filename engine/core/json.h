@@ -9,7 +9,7 @@
 #include <map>
 #include <string>
 #include <string_view>
-#include <utility>
+#include <utility>  // std::as_const
 #include <vector>
 
 #include "core/status.h"
@@ -57,6 +57,7 @@ class Json {
 
   // Object access: nullptr when absent (or not an object).
   const Json* Find(std::string_view key) const;
+  Json* Find(std::string_view key) { return const_cast<Json*>(std::as_const(*this).Find(key)); }
   // Sets (replacing) a key of an object.
   Json& Set(std::string key, Json value);
   // Appends a key without checking for duplicates (the caller has).

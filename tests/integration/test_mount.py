@@ -190,13 +190,24 @@ class MountContent(Mounted):
         for name, data in self.blobs.items():
             with open(os.path.join(self.mnt, "step-1", "blobs", escape(name)), "rb") as f:
                 self.assertEqual(f.read(), data)
-        meta = json.load(open(os.path.join(self.mnt, "step-1", "metadata.json")))
+        with open(os.path.join(self.mnt, "step-1", "metadata.json")) as f:
+            meta = json.load(f)
         self.assertEqual(meta["step"], 1)
-        t = meta["tensors"]["big"]
+        tensors = {t["name"]: t for t in meta["tensors"]}
+        t = tensors["big"]
         self.assertEqual((t["dtype"], t["shape"], t["logical_bytes"]), ("F32", [512, 300], 512 * 300 * 4))
         self.assertEqual(len(t["shards"]), 3)
         self.assertGreater(t["stored_bytes"], 0)
-        self.assertEqual(meta["blobs"]["rng/rank0"]["bytes"], 70000)
+        self.assertEqual(t["file"], "big.npy")
+        self.assertEqual(tensors["model/layers.0/bool"]["file"], "model%2Flayers.0%2Fbool.npy")
+        blobs = {b["name"]: b for b in meta["blobs"]}
+        self.assertEqual(blobs["rng/rank0"]["bytes"], 70000)
+        self.assertEqual(blobs["rng/rank0"]["file"], "blobs/rng%2Frank0")
+        # the same description `ckpt show --json` gives, plus the file names
+        show = json.loads(ckpt(self.repo, "show", "step-1", "--json").stdout)
+        for entry in meta["tensors"] + meta["blobs"]:
+            del entry["file"]
+        self.assertEqual(meta, show)
 
     def test_random_preads_match(self):
         rnd = random.Random(3)

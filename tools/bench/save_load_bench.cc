@@ -17,12 +17,11 @@
 #include <filesystem>
 #include <string>
 #include <thread>
-#include <unordered_set>
 #include <vector>
 
 #include "ckpt/repository.h"
 #include "bench_util.h"
-#include "ckpt/repository_impl.h"
+#include "ckpt/repository.h"
 
 using namespace ckptfs;
 using bench::Check;
@@ -209,15 +208,11 @@ int main(int argc, char** argv) {
 
     // Stored bytes, overall and for the bf16 weights.
     auto reader = std::move(repo->OpenCheckpoint("step-1")).value();
+    auto sizes = std::move(reader->StoredBytes()).value();
     uint64_t stored = 0, stored_w = 0;
-    for (const auto& t : reader->tensors()) {
-      std::unordered_set<ChunkId, ChunkIdHash> ids;
-      for (const auto& s : t.shards) for (const auto& c : s.chunks) ids.insert(c.id);
-      for (const auto& id : ids) {
-        auto loc = repo->impl()->LookupChunk(id);
-        stored += loc->stored_len;
-        if (t.dtype == DType::kBF16) stored_w += loc->stored_len;
-      }
+    for (size_t i = 0; i < reader->tensors().size(); ++i) {
+      stored += sizes.tensors[i];
+      if (reader->tensors()[i].dtype == DType::kBF16) stored_w += sizes.tensors[i];
     }
     reader.reset();
     repo.reset();

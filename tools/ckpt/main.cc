@@ -11,10 +11,9 @@
 #include <ctime>
 #include <map>
 #include <set>
-#include <unordered_set>
 
 #include "ckpt/repository.h"
-#include "ckpt/repository_impl.h"
+#include "ckpt/describe.h"
 #include "cli.h"
 #include "core/json.h"
 #include "io/safetensors.h"
@@ -41,53 +40,6 @@ Result<std::unique_ptr<Repository>> OpenRepo(const Args& args) {
 }
 
 void PrintJson(const Json& j) { std::printf("%s\n", j.Dump(2).c_str()); }
-
-std::string FormatTime(uint64_t unix_ms) {
-  if (unix_ms == 0) return "-";
-  time_t t = static_cast<time_t>(unix_ms / 1000);
-  struct tm tm;
-  gmtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
-
-Json ShapeJson(const Shape& s) {
-  Json j = Json::MakeArray();
-  for (uint64_t d : s) j.Push(d);
-  return j;
-}
-
-Json RegionJson(const Region& r) {
-  Json j = Json::MakeObject();
-  if (r.kind == Region::Kind::kFlat) {
-    j.Set("kind", "flat");
-    j.Set("start", r.flat.start);
-    j.Set("end", r.flat.end);
-  } else {
-    j.Set("kind", "box");
-    j.Set("offsets", ShapeJson(r.box.offsets));
-    j.Set("lengths", ShapeJson(r.box.lengths));
-  }
-  return j;
-}
-
-Json CheckpointJson(const CheckpointRecord& c) {
-  Json j = Json::MakeObject();
-  j.Set("name", c.name);
-  j.Set("state", c.state == CheckpointState::kCommitted ? "committed" : "pending");
-  j.Set("step", c.step ? Json(*c.step) : Json());
-  j.Set("world_size", static_cast<uint64_t>(c.world_size));
-  j.Set("committed_ranks", static_cast<uint64_t>(c.committed_ranks.size()));
-  j.Set("tensors", c.tensor_count);
-  j.Set("logical_bytes", c.logical_bytes);
-  j.Set("created", FormatTime(c.created_unix_ms));
-  j.Set("committed", c.state == CheckpointState::kCommitted ? Json(FormatTime(c.committed_unix_ms)) : Json());
-  Json tags = Json::MakeObject();
-  for (const auto& [k, v] : c.tags) tags.Set(k, v);
-  j.Set("tags", std::move(tags));
-  return j;
-}
 
 // ---- init --------------------------------------------------------------------
 
@@ -352,7 +304,7 @@ int CmdLs(const Args& args) {
   if (!list.ok()) return Fail(list.status());
   if (args.Has("json")) {
     Json j = Json::MakeArray();
-    for (const auto& c : *list) j.Push(CheckpointJson(c));
+    for (const auto& c : *list) j.Push(DescribeRecord(c));
     PrintJson(j);
     return kExitOk;
   }
@@ -366,7 +318,7 @@ int CmdLs(const Args& args) {
     std::printf("%-28s %-10s %8s %8llu %12s  %s\n", c.name.c_str(), c.step ? std::to_string(*c.step).c_str() : "-",
                 c.state == CheckpointState::kCommitted ? std::to_string(c.world_size).c_str() : ranks.c_str(),
                 static_cast<unsigned long long>(c.tensor_count), HumanBytes(c.logical_bytes).c_str(),
-                c.state == CheckpointState::kCommitted ? FormatTime(c.committed_unix_ms).c_str() : "(pending)");
+                c.state == CheckpointState::kCommitted ? FormatUnixMs(c.committed_unix_ms).c_str() : "(pending)");
   }
   return kExitOk;
 }
@@ -379,71 +331,26 @@ int CmdShow(const Args& args) {
   if (!repo.ok()) return Fail(repo.status());
   auto reader = (*repo)->OpenCheckpoint(args.positional[0]);
   if (!reader.ok()) return Fail(reader.status());
-  RepositoryImpl* impl = (*repo)->impl();
-  // Stored bytes per tensor: distinct chunks, compressed size.
-  std::map<std::string, uint64_t> stored;
-  uint64_t total_stored = 0;
-  std::unordered_set<ChunkId, ChunkIdHash> all;
-  for (const auto& t : (*reader)->tensors()) {
-    std::unordered_set<ChunkId, ChunkIdHash> ids;
-    for (const auto& s : t.shards) for (const auto& c : s.chunks) ids.insert(c.id);
-    uint64_t n = 0;
-    for (const auto& id : ids) {
-      auto loc = impl->LookupChunk(id);
-      if (loc.ok()) {
-        n += loc->stored_len;
-        if (all.insert(id).second) total_stored += loc->stored_len;
-      }
-    }
-    stored[t.name] = n;
-  }
+  auto stored = (*reader)->StoredBytes();
+  if (!stored.ok()) return Fail(stored.status());
   const auto& info = (*reader)->info();
   if (args.Has("json")) {
-    Json j = CheckpointJson(info);
-    j.Set("stored_bytes", total_stored);
-    Json tensors = Json::MakeArray();
-    for (const auto& t : (*reader)->tensors()) {
-      Json tj = Json::MakeObject();
-      tj.Set("name", t.name);
-      tj.Set("dtype", DTypeName(t.dtype));
-      tj.Set("shape", ShapeJson(t.shape));
-      tj.Set("logical_bytes", t.ByteSize());
-      tj.Set("stored_bytes", stored[t.name]);
-      Json shards = Json::MakeArray();
-      for (const auto& s : t.shards) {
-        Json sj = RegionJson(s.region);
-        Json ranks = Json::MakeArray();
-        for (uint32_t r : s.ranks) ranks.Push(static_cast<uint64_t>(r));
-        sj.Set("ranks", std::move(ranks));
-        sj.Set("bytes", s.ByteSize());
-        sj.Set("chunks", static_cast<uint64_t>(s.chunks.size()));
-        shards.Push(std::move(sj));
-      }
-      tj.Set("shards", std::move(shards));
-      tensors.Push(std::move(tj));
-    }
-    j.Set("tensors", std::move(tensors));
-    Json blobs = Json::MakeArray();
-    for (const auto& b : (*reader)->blobs()) {
-      Json bj = Json::MakeObject();
-      bj.Set("name", b.name);
-      bj.Set("bytes", b.size);
-      blobs.Push(std::move(bj));
-    }
-    j.Set("blobs", std::move(blobs));
-    PrintJson(j);
+    auto j = DescribeCheckpoint(**reader);
+    if (!j.ok()) return Fail(j.status());
+    PrintJson(*j);
     return kExitOk;
   }
   std::printf("checkpoint %s\n", info.name.c_str());
   std::printf("  step:      %s\n", info.step ? std::to_string(*info.step).c_str() : "-");
   std::printf("  ranks:     %u\n", info.world_size);
-  std::printf("  committed: %s\n", FormatTime(info.committed_unix_ms).c_str());
+  std::printf("  committed: %s\n", FormatUnixMs(info.committed_unix_ms).c_str());
   for (const auto& [k, v] : info.tags) std::printf("  tag:       %s=%s\n", k.c_str(), v.c_str());
-  std::printf("  size:      %s logical, %s stored\n", HumanBytes(info.logical_bytes).c_str(), HumanBytes(total_stored).c_str());
+  std::printf("  size:      %s logical, %s stored\n", HumanBytes(info.logical_bytes).c_str(), HumanBytes(stored->total).c_str());
   std::printf("\n%-40s %-8s %-18s %10s %10s  %s\n", "TENSOR", "DTYPE", "SHAPE", "SIZE", "STORED", "SHARDS");
-  for (const auto& t : (*reader)->tensors()) {
+  for (size_t i = 0; i < (*reader)->tensors().size(); ++i) {
+    const TensorRecord& t = (*reader)->tensors()[i];
     std::printf("%-40s %-8s %-18s %10s %10s  %zu\n", t.name.c_str(), std::string(DTypeName(t.dtype)).c_str(),
-                ShapeToString(t.shape).c_str(), HumanBytes(t.ByteSize()).c_str(), HumanBytes(stored[t.name]).c_str(),
+                ShapeToString(t.shape).c_str(), HumanBytes(t.ByteSize()).c_str(), HumanBytes(stored->tensors[i]).c_str(),
                 t.shards.size());
     for (const auto& s : t.shards) {
       std::string ranks;

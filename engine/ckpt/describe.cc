@@ -1,0 +1,93 @@
+#include "ckpt/describe.h"
+
+#include <ctime>
+
+namespace ckptfs {
+
+std::string FormatUnixMs(uint64_t unix_ms) {
+  if (unix_ms == 0) return "-";
+  time_t t = static_cast<time_t>(unix_ms / 1000);
+  struct tm tm;
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+Json ShapeToJson(const Shape& shape) {
+  Json j = Json::MakeArray();
+  for (uint64_t d : shape) j.Push(d);
+  return j;
+}
+
+Json RegionToJson(const Region& r) {
+  Json j = Json::MakeObject();
+  if (r.kind == Region::Kind::kFlat) {
+    j.Set("kind", "flat");
+    j.Set("start", r.flat.start);
+    j.Set("end", r.flat.end);
+  } else {
+    j.Set("kind", "box");
+    j.Set("offsets", ShapeToJson(r.box.offsets));
+    j.Set("lengths", ShapeToJson(r.box.lengths));
+  }
+  return j;
+}
+
+Json DescribeRecord(const CheckpointRecord& c) {
+  const bool committed = c.state == CheckpointState::kCommitted;
+  Json j = Json::MakeObject();
+  j.Set("name", c.name);
+  j.Set("state", committed ? "committed" : "pending");
+  j.Set("step", c.step ? Json(*c.step) : Json());
+  j.Set("world_size", static_cast<uint64_t>(c.world_size));
+  j.Set("committed_ranks", static_cast<uint64_t>(c.committed_ranks.size()));
+  j.Set("tensors", c.tensor_count);
+  j.Set("logical_bytes", c.logical_bytes);
+  j.Set("created", FormatUnixMs(c.created_unix_ms));
+  j.Set("committed", committed ? Json(FormatUnixMs(c.committed_unix_ms)) : Json());
+  Json tags = Json::MakeObject();
+  for (const auto& [k, v] : c.tags) tags.Set(k, v);
+  j.Set("tags", std::move(tags));
+  return j;
+}
+
+Result<Json> DescribeCheckpoint(const CheckpointReader& reader) {
+  ASSIGN_OR_RETURN(StoredSizes stored, reader.StoredBytes());
+  Json j = DescribeRecord(reader.info());
+  j.Set("stored_bytes", stored.total);
+  Json tensors = Json::MakeArray();
+  for (size_t i = 0; i < reader.tensors().size(); ++i) {
+    const TensorRecord& t = reader.tensors()[i];
+    Json tj = Json::MakeObject();
+    tj.Set("name", t.name);
+    tj.Set("dtype", DTypeName(t.dtype));
+    tj.Set("shape", ShapeToJson(t.shape));
+    tj.Set("logical_bytes", t.ByteSize());
+    tj.Set("stored_bytes", stored.tensors[i]);
+    Json shards = Json::MakeArray();
+    for (const auto& s : t.shards) {
+      Json sj = RegionToJson(s.region);
+      Json ranks = Json::MakeArray();
+      for (uint32_t r : s.ranks) ranks.Push(static_cast<uint64_t>(r));
+      sj.Set("ranks", std::move(ranks));
+      sj.Set("bytes", s.ByteSize());
+      sj.Set("chunks", static_cast<uint64_t>(s.chunks.size()));
+      shards.Push(std::move(sj));
+    }
+    tj.Set("shards", std::move(shards));
+    tensors.Push(std::move(tj));
+  }
+  j.Set("tensors", std::move(tensors));
+  Json blobs = Json::MakeArray();
+  for (const auto& b : reader.blobs()) {
+    Json bj = Json::MakeObject();
+    bj.Set("name", b.name);
+    bj.Set("bytes", b.size);
+    blobs.Push(std::move(bj));
+  }
+  j.Set("blobs", std::move(blobs));
+  return j;
+}
+
+}  // namespace ckptfs

@@ -1,0 +1,25 @@
+// Machine-readable descriptions of checkpoints: what `ckpt ls --json` and
+// `ckpt show --json` print and what the mount serves as metadata.json.
+#pragma once
+
+#include <string>
+
+#include "ckpt/repository.h"
+#include "core/json.h"
+
+namespace ckptfs {
+
+// "2026-11-21T18:09:03Z"; "-" for 0.
+std::string FormatUnixMs(uint64_t unix_ms);
+Json ShapeToJson(const Shape& shape);
+// {"kind": "flat", "start", "end"} or {"kind": "box", "offsets", "lengths"}.
+Json RegionToJson(const Region& region);
+// name, state, step, world size, ranks committed, tensor count, logical
+// bytes, times, tags.
+Json DescribeRecord(const CheckpointRecord& record);
+// DescribeRecord plus stored bytes and every tensor (dtype, shape, logical
+// and stored bytes, shards with region, ranks, bytes, chunks) and blob.
+// Reads the catalog (chunk sizes), never tensor data.
+Result<Json> DescribeCheckpoint(const CheckpointReader& reader);
+
+}  // namespace ckptfs
