@@ -202,6 +202,43 @@ Result<Liveness> Analyze(LmdbEnv& catalog, const std::set<std::string>& excluded
   return l;
 }
 
+// What a collection deletes, seen from `l`: packs with nothing live (those
+// not being rewritten) and orphans — pack files the catalog does not know and
+// this run did not write. Fills the report's counts and byte totals; what
+// replaces the rewritten packs is added by the caller.
+struct Disposal {
+  std::vector<std::string> drop;
+  std::vector<std::string> orphans;
+};
+
+Result<Disposal> Dispose(Backend* backend, const Liveness& l, const std::set<std::string>& rewrite,
+                         const std::set<std::string>& written, GcReport& report) {
+  Disposal d;
+  ASSIGN_OR_RETURN(auto keys, backend->List(keys::kPackPrefix));
+  for (const auto& key : keys) {
+    std::string id;
+    if (ParsePackKey(key, &id) && !l.packs.count(id) && !written.count(id)) {
+      d.orphans.push_back(id);
+      auto size = backend->Size(key);
+      report.bytes_before += size.ok() ? *size : 0;
+    }
+  }
+  for (const auto& [id, p] : l.packs) {
+    report.bytes_before += p.size;
+    if (p.live_bytes == 0 && !rewrite.count(id)) {
+      d.drop.push_back(id);
+    } else if (!rewrite.count(id)) {
+      report.bytes_after += p.size;
+    }
+  }
+  report.dead_chunks = l.dead.size();
+  report.live_bytes = l.live_bytes;
+  report.orphan_packs = d.orphans.size();
+  report.packs_rewritten = rewrite.size();
+  report.packs_deleted = d.drop.size() + rewrite.size() + d.orphans.size();
+  return d;
+}
+
 }  // namespace
 
 Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const ProgressFn& progress) {
@@ -235,27 +272,7 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
     }
   }
   if (options.dry_run) {
-    ASSIGN_OR_RETURN(auto keys, backend->List(keys::kPackPrefix));
-    for (const auto& key : keys) {
-      std::string id;
-      if (ParsePackKey(key, &id) && !before.packs.count(id)) {
-        ++report.orphan_packs;
-        auto size = backend->Size(key);
-        report.bytes_before += size.ok() ? *size : 0;
-      }
-    }
-    for (const auto& [id, p] : before.packs) {
-      report.bytes_before += p.size;
-      if (p.live_bytes == 0 || rewrite.count(id)) {
-        ++report.packs_deleted;
-      } else {
-        report.bytes_after += p.size;
-      }
-    }
-    report.packs_deleted += report.orphan_packs;
-    report.packs_rewritten = rewrite.size();
-    report.dead_chunks = before.dead.size();
-    report.live_bytes = before.live_bytes;
+    RETURN_IF_ERROR(Dispose(backend, before, rewrite, {}, report).status());
     report.bytes_after += rewrite_bytes;  // estimate: the live bytes move to new packs
     return report;
   }
@@ -288,34 +305,16 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
   }
   ASSIGN_OR_RETURN(std::vector<SealedPack> sealed, writer.Finish());
   std::set<std::string> written;
-  for (const auto& p : sealed) written.insert(p.id);
-  std::vector<std::string> drop;
-  for (const auto& [id, p] : now.packs) {
-    if (p.live_bytes == 0 && !rewrite.count(id)) drop.push_back(id);
+  for (const auto& p : sealed) {
+    written.insert(p.id);
+    report.bytes_after += p.size;
   }
-  // Packs on disk that the catalog does not know: left by killed saves or a
-  // killed gc. Under the exclusive lock no save is writing one.
-  ASSIGN_OR_RETURN(auto keys, backend->List(keys::kPackPrefix));
-  std::vector<std::string> orphans;
-  for (const auto& key : keys) {
-    std::string id;
-    if (ParsePackKey(key, &id) && !now.packs.count(id) && !written.count(id)) {
-      orphans.push_back(id);
-      auto size = backend->Size(key);
-      report.bytes_before += size.ok() ? *size : 0;
-    }
-  }
-  for (const auto& [id, p] : now.packs) {
-    report.bytes_before += p.size;
-    if (p.live_bytes > 0 && !rewrite.count(id)) report.bytes_after += p.size;
-  }
-  for (const auto& p : sealed) report.bytes_after += p.size;
-  report.dead_chunks = now.dead.size();
-  report.orphan_packs = orphans.size();
-  report.packs_rewritten = rewrite.size();
   report.packs_written = sealed.size();
-  report.packs_deleted = drop.size() + rewrite.size() + orphans.size();
-  report.live_bytes = now.live_bytes;
+  // Packs on disk the catalog does not know were left by killed saves or a
+  // killed gc: under the exclusive lock no save is writing one.
+  ASSIGN_OR_RETURN(Disposal disposal, Dispose(backend, now, rewrite, written, report));
+  const std::vector<std::string>& drop = disposal.drop;
+  const std::vector<std::string>& orphans = disposal.orphans;
 
   // 3. One catalog transaction: forget dead chunks and old packs, point
   //    live moved chunks at their new packs.
