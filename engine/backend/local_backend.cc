@@ -8,11 +8,11 @@
 #include <cerrno>
 #include <list>
 #include <mutex>
-#include <random>
 #include <unordered_map>
 
 #include "backend/backend.h"
 #include "core/crash_point.h"
+#include "core/random.h"
 
 namespace ckptfs {
 namespace {
@@ -57,14 +57,6 @@ Status MakeDirs(const std::string& path) {
   }
 }
 
-std::string RandomSuffix() {
-  thread_local std::mt19937_64 rng(std::random_device{}() ^ (uint64_t(::getpid()) << 32));
-  static const char* kDigits = "0123456789abcdef";
-  uint64_t v = rng();
-  std::string s(16, '0');
-  for (int i = 0; i < 16; ++i) s[i] = kDigits[(v >> (4 * i)) & 15];
-  return s;
-}
 
 class LocalBackend final : public Backend {
  public:
@@ -134,7 +126,7 @@ class LocalBackend final : public Backend {
     std::string path = Path(key);
     std::string dir = path.substr(0, path.rfind('/'));
     RETURN_IF_ERROR(MakeDirs(dir));
-    std::string tmp = dir + "/.tmp-" + RandomSuffix();
+    std::string tmp = dir + "/.tmp-" + RandomHex(16);
     int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd < 0) return Status::FromErrno(errno, "creating " + tmp);
     EvictFd(path);

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
-#include <random>
 #include <set>
 #include <sstream>
 #include <unordered_map>
@@ -15,6 +14,7 @@
 #include "ckpt/repository_impl.h"
 #include "core/encoding.h"
 #include "core/json.h"
+#include "core/random.h"
 
 namespace ckptfs {
 
@@ -102,32 +102,6 @@ constexpr uint64_t kInitialMapSize = 64ull << 20;
 bool PathExists(const std::string& p) {
   struct stat sb;
   return ::stat(p.c_str(), &sb) == 0;
-}
-
-Status WriteFileAtomic(const std::string& path, const std::string& content) {
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) return Status::FromErrno(errno, "creating " + tmp);
-    f << content;
-    f.flush();
-    if (!f) return Status::FromErrno(errno, "writing " + tmp);
-  }
-  FILE* f = std::fopen(tmp.c_str(), "rb");
-  if (f) {
-    ::fsync(fileno(f));
-    std::fclose(f);
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) return Status::FromErrno(errno, "renaming " + tmp);
-  return Status::OK();
-}
-
-std::string RandomHex(int digits) {
-  std::random_device rd;
-  std::string s;
-  static const char* kDigits = "0123456789abcdef";
-  for (int i = 0; i < digits; ++i) s.push_back(kDigits[rd() & 15]);
-  return s;
 }
 
 Json ConfigToJson(const RepositoryConfig& c) {
@@ -303,8 +277,11 @@ Status Repository::Init(const std::string& path, const RepositoryConfig& config)
     seq.U64(1);
     return txn.Put(Table::kMeta, keys::kNextSequenceKey, seq.data());
   }));
-  // The config file goes last: a directory holding it is a complete repository.
-  return WriteFileAtomic(path + "/" + kConfigFile, ConfigToJson(config).Dump(2) + "\n");
+  // The config file goes last: a directory holding it is a complete
+  // repository. Written like any object: atomically and durably.
+  ASSIGN_OR_RETURN(auto root, OpenLocalBackend(path));
+  const std::string json = ConfigToJson(config).Dump(2) + "\n";
+  return root->Put(kConfigFile, std::as_bytes(std::span(json)));
 }
 
 Result<std::unique_ptr<Repository>> Repository::Open(const std::string& path, const OpenOptions& options) {

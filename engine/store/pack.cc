@@ -1,9 +1,9 @@
 #include "store/pack.h"
 
 #include <cstring>
-#include <random>
 
 #include "core/encoding.h"
+#include "core/random.h"
 
 namespace ckptfs {
 
@@ -19,15 +19,7 @@ bool ParsePackKey(const std::string& key, std::string* pack_id) {
   return pack_id->find('/') == std::string::npos;
 }
 
-std::string NewPackId() {
-  thread_local std::mt19937_64 rng(std::random_device{}());
-  static const char* kDigits = "0123456789abcdef";
-  std::string s(24, '0');
-  uint64_t a = rng(), b = rng();
-  for (int i = 0; i < 16; ++i) s[i] = kDigits[(a >> (4 * i)) & 15];
-  for (int i = 0; i < 8; ++i) s[16 + i] = kDigits[(b >> (4 * i)) & 15];
-  return s;
-}
+std::string NewPackId() { return RandomHex(24); }
 
 PackWriter::PackWriter(Backend* backend, uint64_t target_size)
     : backend_(backend), target_size_(target_size) {}
