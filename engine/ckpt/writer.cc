@@ -15,6 +15,7 @@
 #include <set>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "ckpt/repository.h"
 #include "ckpt/repo_lock.h"
@@ -124,8 +125,9 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   RankRecord record_;
   std::map<std::string, size_t> tensor_index_;
   std::set<std::string> blob_names_;
-  // Chunks this writer has seen: true when it stored them itself.
-  std::unordered_map<ChunkId, bool, ChunkIdHash> seen_;
+  // Chunks this writer has handled: the first job with an id stores or
+  // deduplicates it, later ones only reference it.
+  std::unordered_set<ChunkId, ChunkIdHash> seen_;
   std::unordered_map<ChunkId, ChunkLocation, ChunkIdHash> stored_;
   CommitResult stats_;
 
@@ -217,8 +219,7 @@ void WriterImpl::Process(Job& job) {
   job.slot->raw_len = static_cast<uint32_t>(job.data.size());
   {
     std::lock_guard lock(mu_);
-    auto [it, inserted] = seen_.try_emplace(id, false);
-    if (!inserted) {
+    if (!seen_.insert(id).second) {
       ++stats_.chunks_deduplicated;
       return;
     }
@@ -281,7 +282,6 @@ void WriterImpl::WriterLoop() {
       continue;
     }
     std::lock_guard lock(mu_);
-    seen_[enc.id] = true;
     stored_[enc.id] = *loc;
     ++stats_.chunks_written;
     stats_.stored_bytes += enc.bytes.size();
