@@ -1,6 +1,7 @@
 """Integration tests of the ckpt CLI: the real binary, real repositories."""
 import json
 import os
+import pathlib
 import struct
 import subprocess
 import unittest
@@ -44,16 +45,18 @@ class HelpAndUsage(CkptTestCase):
     def test_newer_format_version_is_refused(self):
         self.run_ckpt("init")
         cfg_path = os.path.join(self.repo, "ckptfs.json")
-        cfg = json.load(open(cfg_path))
+        with open(cfg_path) as f:
+            cfg = json.load(f)
         cfg["format_version"] = 7
-        json.dump(cfg, open(cfg_path, "w"))
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
         self.assertIn("format version 7", self.error_of("ls"))
 
     def test_init_options_are_validated(self):
         self.assertIn("chunk size", self.error_of("init", "--chunk-size", "1000"))
         self.assertIn("compression", self.error_of("init", "--compression", "lz4"))
         self.run_ckpt("init", "--chunk-size", "1M", "--level", "3", "--compression", "zstd")
-        cfg = json.load(open(os.path.join(self.repo, "ckptfs.json")))
+        cfg = json.loads(pathlib.Path(self.repo, "ckptfs.json").read_text())
         self.assertEqual(cfg["chunk_size"], 1 << 20)
         self.assertEqual(cfg["level"], 3)
 
@@ -194,6 +197,34 @@ class ImportAndRead(CkptTestCase):
         self.assertIn("not fully covered", err)
         self.assertEqual(json.loads(self.run_ckpt("ls", "--json").stdout), [])
 
+    def test_progress_is_shown_on_a_terminal_only(self):
+        big = self.rng.standard_normal((1024, 1024)).astype(np.float32)
+        st.write(self.path("big.safetensors"), [("big", "F32", big)])
+        self.run_ckpt("import", "p", self.path("big.safetensors"))
+        # stderr is a pseudo-terminal: progress is drawn, then cleared
+        import pty
+        master, slave = pty.openpty()
+        env = {**os.environ, "CKPT_REPO": self.repo}
+        p = subprocess.run([CKPT, "export", "p", self.path("p.safetensors")], stdout=subprocess.PIPE, stderr=slave,
+                           env=env, timeout=120)
+        os.close(slave)
+        drawn = b""
+        while True:
+            try:
+                piece = os.read(master, 65536)
+            except OSError:
+                break
+            if not piece:
+                break
+            drawn += piece
+        os.close(master)
+        self.assertEqual(p.returncode, 0)
+        self.assertIn(b"exporting p: 100.0%", drawn)
+        self.assertIn(b"\r\x1b[K", drawn)  # the line is cleared when done
+        # not a terminal: nothing but the result
+        q = self.run_ckpt("export", "p", self.path("p2.safetensors"))
+        self.assertEqual(q.stderr, b"")
+
     def test_blobs(self):
         st.write(self.path("m.safetensors"), [("x", "F32", rand(self.rng, "F32", (3,)))])
         with open(self.path("rng.bin"), "wb") as f:
@@ -237,7 +268,7 @@ class BadInput(CkptTestCase):
         return p
 
     def test_malformed_safetensors(self):
-        good = open(self.path("good.safetensors"), "rb").read()
+        good = pathlib.Path(self.path("good.safetensors")).read_bytes()
         cases = {
             "bad header length": (good[:8][::-1] + good[8:], "bad header length"),
             "truncated": (good[:-5], "past the end"),
@@ -245,7 +276,7 @@ class BadInput(CkptTestCase):
         }
         for label, (content, expect) in cases.items():
             p = self.path(label.replace(" ", "_") + ".safetensors")
-            open(p, "wb").write(content)
+            pathlib.Path(p).write_bytes(content)
             err = self.error_of("import", "new", p)
             self.assertIn(expect, err, label)
             self.assertIn(p, err)

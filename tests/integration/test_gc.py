@@ -62,6 +62,14 @@ class DedupAndReports(CkptTestCase):
         self.assertGreater(du["total"]["dedup_ratio"], 3.0)
         by = {c["name"]: c for c in du["checkpoints"]}
         self.assertAlmostEqual(by["v1"]["exclusive_bytes"], heads[1].nbytes, delta=8192)
+        # exclusive bytes are what removing v1 alone reclaims
+        before = json.loads(self.run_ckpt("du", "--json").stdout)["total"]
+        self.run_ckpt("rm", "v1")
+        self.run_ckpt("gc")
+        after = json.loads(self.run_ckpt("du", "--json").stdout)["total"]
+        self.assertEqual(before["referenced_bytes"] - after["referenced_bytes"], by["v1"]["exclusive_bytes"])
+        self.assertGreaterEqual(before["pack_bytes"] - after["pack_bytes"], by["v1"]["exclusive_bytes"])
+        self.run_ckpt("import", "v1", self.path("v1.safetensors"), "--step", "1")
         self.assertEqual(by["v3"]["exclusive_bytes"], 0)  # v3-again shares everything
         diff = {d["name"]: d for d in json.loads(self.run_ckpt("diff", "v0", "v1", "--json").stdout)}
         self.assertFalse(diff["base"]["changed"])

@@ -3,6 +3,7 @@ read with NumPy, an independent safetensors parser and plain file I/O."""
 import errno
 import json
 import os
+import pathlib
 import random
 import shutil
 import signal
@@ -65,11 +66,14 @@ class Mounted(unittest.TestCase):
         os.makedirs(cls.mnt)
         ckpt(cls.repo, "init", "--chunk-size", "64K")
         cls.build_repo()
+        cls.log_path = os.path.join(cls.tmp, "mount.log")
+        cls.log = open(cls.log_path, "wb")
         cls.proc = subprocess.Popen([CKPT, "mount", "-r", cls.repo, cls.mnt, "--foreground", "--cache-size", "8M"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                    stdout=subprocess.DEVNULL, stderr=cls.log)
         wait_for(lambda: os.path.ismount(cls.mnt) or cls.proc.poll() is not None, what="mount")
         if not os.path.ismount(cls.mnt):
-            raise AssertionError("mount failed: " + cls.proc.stderr.read().decode())
+            with open(cls.log_path) as f:
+                raise AssertionError("mount failed: " + f.read())
 
     @classmethod
     def tearDownClass(cls):
@@ -77,8 +81,7 @@ class Mounted(unittest.TestCase):
             if cls.proc.poll() is None:
                 cls.proc.send_signal(signal.SIGTERM)
                 cls.proc.wait(timeout=20)
-            cls.proc.stdout.close()
-            cls.proc.stderr.close()
+            cls.log.close()
         if os.path.ismount(cls.mnt):
             subprocess.run(["fusermount3", "-u", cls.mnt])
         shutil.rmtree(cls.tmp, ignore_errors=True)
@@ -133,7 +136,7 @@ class MountContent(Mounted):
         blob_args = []
         for name, data in cls.blobs.items():
             bp = os.path.join(cls.tmp, name.replace("/", "_"))
-            open(bp, "wb").write(data)
+            pathlib.Path(bp).write_bytes(data)
             blob_args += ["--blob", f"{name}={bp}"]
         for r in range(world):
             ckpt(cls.repo, "import", "step-1", os.path.join(cls.tmp, f"rank{r}.safetensors"), "--rank", str(r),
@@ -167,7 +170,7 @@ class MountContent(Mounted):
                 self.assertEqual(got.dtype, np.dtype(st.DTYPES[dt]), name)
                 self.assertEqual(np.ascontiguousarray(got).tobytes(), np.ascontiguousarray(arr).astype(st.DTYPES[dt]).tobytes(), name)
             # stat size is exact before anything is read
-            self.assertEqual(os.stat(path).st_size, len(open(path, "rb").read()))
+            self.assertEqual(os.stat(path).st_size, len(pathlib.Path(path).read_bytes()))
 
     def test_xattrs_give_true_dtype_shape_and_name(self):
         for name, (dt, arr) in self.want.items():
@@ -226,6 +229,24 @@ class MountContent(Mounted):
             finally:
                 os.close(fd)
 
+    def test_standard_tools_read_the_files(self):
+        path = self.tensor_path("big")
+        with open(path, "rb") as f:
+            whole = f.read()
+        copy = os.path.join(self.tmp, "big.copy")
+        with open(copy, "wb") as f:
+            f.write(whole)
+        cat = subprocess.run(["cat", path], stdout=subprocess.PIPE, check=True).stdout
+        self.assertEqual(cat, whole)
+        dd = subprocess.run(["dd", f"if={path}", "bs=4096", "skip=3", "count=5", "status=none"],
+                            stdout=subprocess.PIPE, check=True).stdout
+        self.assertEqual(dd, whole[3 * 4096:8 * 4096])
+        self.assertEqual(subprocess.run(["cmp", path, copy]).returncode, 0)
+        sums = subprocess.run(["sha256sum", path, copy], stdout=subprocess.PIPE, check=True).stdout.decode().split()
+        self.assertEqual(sums[0], sums[2])
+        safetensors = os.path.join(self.mnt, "step-1", "model.safetensors")
+        self.assertEqual(subprocess.run(["cmp", "-s", safetensors, safetensors]).returncode, 0)
+
     def test_writes_are_refused_with_erofs(self):
         d = os.path.join(self.mnt, "step-1")
         for fn in [lambda: open(os.path.join(d, "new"), "wb"),
@@ -269,7 +290,7 @@ class MountLiveAndFailures(Mounted):
         packs = os.path.join(self.repo, "objects", "packs")
         hit = None
         for p in os.listdir(packs):
-            data = open(os.path.join(packs, p), "rb").read()
+            data = pathlib.Path(packs, p).read_bytes()
             if needle in data:
                 hit = (os.path.join(packs, p), data.index(needle))
         self.assertIsNotNone(hit)
@@ -294,6 +315,11 @@ class MountLiveAndFailures(Mounted):
             self.assertEqual(cm.exception.errno, errno.EIO)
         finally:
             os.close(fd)
+        # the daemon logged which chunk of which pack failed
+        pack_id = os.path.basename(hit[0])[: -len(".pack")]
+        with open(self.log_path) as f:
+            log = f.read()
+        self.assertRegex(log, r"chunk [0-9a-f]{32} in pack " + pack_id)
         # Sequential reads return correct bytes up to the damaged chunk (the
         # kernel may end a read short there), then EIO.
         got = b""
@@ -341,6 +367,20 @@ class MountLifecycle(unittest.TestCase):
         p = subprocess.run([CKPT, "mount", "-r", os.path.join(self.tmp, "norepo"), os.path.join(self.tmp)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.assertNotEqual(p.returncode, 0)
+
+    def test_allow_other_only_when_asked(self):
+        def options():
+            with open("/proc/mounts") as m:
+                return [line.split()[3] for line in m if line.split()[1] == self.mnt]
+        for extra, expected in (([], False), (["--allow-other"], True)):
+            p = self.run_mount(self.mnt, *extra)
+            self.assertEqual(p.returncode, 0, p.stderr.decode())
+            opts = options()
+            self.assertEqual(len(opts), 1)
+            self.assertEqual("allow_other" in opts[0], expected, opts[0])
+            self.assertIn("ro", opts[0].split(","))
+            subprocess.run(["fusermount3", "-u", self.mnt], check=True)
+            wait_for(lambda: not os.path.ismount(self.mnt), what="unmount")
 
     def test_daemon_mode_and_fusermount_unmount(self):
         p = self.run_mount(self.mnt)

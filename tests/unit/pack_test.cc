@@ -3,6 +3,10 @@
 #include <gtest/gtest.h>
 
 #include "store/chunk_cache.h"
+
+#include <atomic>
+#include <chrono>
+#include <thread>
 #include "test_util.h"
 
 namespace ckptfs {
@@ -163,6 +167,28 @@ TEST(ChunkCache, LoadsOnceAndEvictsByBytes) {
   EXPECT_FALSE(cache.Get(d, failing).ok());
   EXPECT_FALSE(cache.Get(d, failing).ok());
   EXPECT_EQ(loads, 6);
+}
+
+TEST(ChunkCache, ConcurrentReadersDecodeAChunkOnce) {
+  ChunkCache cache(64 << 20);
+  std::atomic<int> loads{0};
+  const ChunkId id = ChunkId::Of(RandomBytes(10, 7));
+  std::vector<std::thread> threads;
+  std::vector<const ChunkBuffer*> got(8);
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      auto r = cache.Get(id, [&]() -> Result<ChunkData> {
+        ++loads;
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));  // a slow decode
+        return ChunkData(std::make_shared<ChunkBuffer>(4096));
+      });
+      ASSERT_OK(r);
+      got[t] = r->get();
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(loads.load(), 1);
+  for (const ChunkBuffer* p : got) EXPECT_EQ(p, got[0]);  // all share the one decoded buffer
 }
 
 }  // namespace

@@ -285,6 +285,23 @@ TEST_F(RepoTest, DTypeOrShapeDisagreementBetweenRanksFails) {
   ASSERT_FALSE(res.ok());
   EXPECT_NE(res.status().message().find("tensor 'x'"), std::string::npos);
   EXPECT_NE(res.status().message().find("I32"), std::string::npos);
+  EXPECT_TRUE(repo_->OpenCheckpoint("mismatch").status().IsNotFound());
+}
+
+TEST_F(RepoTest, GlobalShapeDisagreementBetweenRanksFailsAtTheLastCommit) {
+  Ref a = MakeRef("w", DType::kF32, {4, 6}, 1);
+  auto w0 = Begin("shapes", 0, 2);
+  PutFlat(*w0, a, 0, 12);
+  ASSERT_OK(w0->Commit().Wait());
+  Ref b = MakeRef("w", DType::kF32, {6, 4}, 1);  // same element count, other global shape
+  auto w1 = Begin("shapes", 1, 2);
+  PutFlat(*w1, b, 12, 24);
+  auto res = w1->Commit().Wait();
+  ASSERT_FALSE(res.ok());
+  EXPECT_EQ(res.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(res.status().message().find("tensor 'w'"), std::string::npos);
+  EXPECT_NE(res.status().message().find("[6, 4]"), std::string::npos) << res.status().message();
+  EXPECT_TRUE(repo_->OpenCheckpoint("shapes").status().IsNotFound());
 }
 
 TEST_F(RepoTest, BadPutsAreRejected) {
