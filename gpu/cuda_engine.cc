@@ -140,7 +140,11 @@ Result<std::unique_ptr<CopyEngine>> NewCudaCopyEngine(int) {
 #endif
 
 bool NcclAvailable(std::string* why) {
-  if (why) *why = "NCCL broadcast of replicated tensors is not implemented yet";
+#ifdef CKPTFS_HAVE_NCCL
+  if (why) *why = "NCCL was found at build time, but the broadcast of replicated tensors is not implemented yet";
+#else
+  if (why) *why = "NCCL was not found at build time (it is looked for beside the CUDA installation)";
+#endif
   return false;
 }
 

@@ -72,7 +72,9 @@ class HostCopyEngine final : public CopyEngine {
 bool CudaAvailable(std::string* why);
 // A CUDA engine on `device`; Unsupported when CudaAvailable is false.
 Result<std::unique_ptr<CopyEngine>> NewCudaCopyEngine(int device);
-// NCCL broadcast of replicated tensors for multi-GPU loads.
+// NCCL broadcast of replicated tensors for multi-GPU loads. Always false
+// for now: `why` says whether NCCL was found and that the broadcast is not
+// implemented.
 bool NcclAvailable(std::string* why);
 
 // A fixed set of pinned buffers, allocated once and reused across saves and

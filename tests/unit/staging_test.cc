@@ -248,6 +248,7 @@ TEST(StagingHost, PoolNeedsTwoBuffers) {
     EXPECT_FALSE(why.empty());
   }
   EXPECT_FALSE(NcclAvailable(&why));
+  EXPECT_NE(why.find("NCCL"), std::string::npos);
 }
 
 #ifdef CKPTFS_HAVE_CUDA
