@@ -26,10 +26,29 @@ class HelpAndUsage(CkptTestCase):
             self.assertIn("--help", out)
         self.assertIn("commands:", self.run_ckpt("--help").stdout.decode())
 
-    def test_usage_errors_exit_2(self):
-        self.assertEqual(self.run_ckpt("frobnicate", ok=None).returncode, 2)
-        self.assertEqual(self.run_ckpt("ls", "--bogus", ok=None).returncode, 2)
-        self.assertEqual(self.run_ckpt("cat", "only-one", ok=None).returncode, 2)
+    def test_usage_errors_exit_2_and_failures_exit_1(self):
+        def status(*args, **kw):
+            p = self.run_ckpt(*args, ok=None, **kw)
+            self.assertEqual(len(p.stderr.decode().strip().splitlines()), 1, args)
+            return p.returncode
+        self.assertEqual(status("frobnicate"), 2)
+        self.assertEqual(status("ls", "--bogus"), 2)
+        self.assertEqual(status("cat", "only-one"), 2)
+        self.assertEqual(status("ls", use_repo=False), 2)  # no repository named
+        self.assertEqual(status("init", "--chunk-size", "1000"), 2)
+        self.run_ckpt("init")
+        st.write(self.path("m.safetensors"), [("x", "F32", np.zeros(3, np.float32))])
+        self.assertEqual(status("import", "a", self.path("m.safetensors"), "--step", "ten"), 2)
+        self.assertEqual(status("import", "a", self.path("m.safetensors"), "--rank", "2", "--world-size", "2"), 2)
+        self.assertEqual(status("import", "a", self.path("m.safetensors"), "--tag", "novalue"), 2)
+        self.assertEqual(status("cat", "a", "x", "--format", "csv"), 2)
+        self.assertEqual(status("gc", "--keep-every", "0"), 2)
+        self.assertEqual(status("gc", "--keep-last", "-1"), 2)
+        # the command line is fine but the operation fails
+        self.assertEqual(status("show", "nope"), 1)
+        self.assertEqual(status("import", "a", self.path("missing.safetensors")), 1)
+        self.assertEqual(status("init"), 1)  # already a repository
+        self.assertEqual(status("gc", "--keep", "nope"), 1)
 
     def test_repository_is_required_and_checked(self):
         self.assertIn("CKPT_REPO", self.error_of("ls", use_repo=False))

@@ -34,9 +34,32 @@ Result<std::string> RepoPath(const Args& args) {
   return Status::InvalidArgument("no repository given: pass -r PATH or set CKPT_REPO");
 }
 
-Result<std::unique_ptr<Repository>> OpenRepo(const Args& args) {
-  ASSIGN_OR_RETURN(std::string path, RepoPath(args));
-  return Repository::Open(path);
+// A command line that cannot work: one line on stderr, exit status 2.
+int UsageError(const Status& st) {
+  std::fprintf(stderr, "ckpt: error: %s\n", st.message().c_str());
+  return kExitUsage;
+}
+
+// The operation failed: one line on stderr, exit status 1.
+int Fail(const Status& st) {
+  std::fprintf(stderr, "ckpt: error: %s\n", st.message().c_str());
+  return kExitError;
+}
+
+// Opens the repository that -r or CKPT_REPO names. On failure the error is
+// printed and *exit_code set (2 when no repository was named).
+std::unique_ptr<Repository> OpenRepoOr(const Args& args, int* exit_code) {
+  auto path = RepoPath(args);
+  if (!path.ok()) {
+    *exit_code = UsageError(path.status());
+    return nullptr;
+  }
+  auto repo = Repository::Open(*path);
+  if (!repo.ok()) {
+    *exit_code = Fail(repo.status());
+    return nullptr;
+  }
+  return std::move(repo).value();
 }
 
 void PrintJson(const Json& j) { std::printf("%s\n", j.Dump(2).c_str()); }
@@ -56,35 +79,32 @@ const CommandSpec kInit{
 
 int CmdInit(const Args& args) {
   auto path = RepoPath(args);
-  if (!path.ok()) return (std::fprintf(stderr, "ckpt: error: %s\n", path.status().message().c_str()), kExitUsage);
+  if (!path.ok()) return UsageError(path.status());
   RepositoryConfig config;
-  auto fail = [](const Status& st) {
-    std::fprintf(stderr, "ckpt: error: %s\n", st.message().c_str());
-    return st.code() == StatusCode::kInvalidArgument ? kExitUsage : kExitError;
-  };
   if (auto v = args.Get("chunk-size")) {
     auto s = ParseSize(*v);
-    if (!s.ok()) return fail(s.status());
+    if (!s.ok()) return UsageError(s.status());
     config.chunk_size = *s;
   }
   if (auto v = args.Get("pack-size")) {
     auto s = ParseSize(*v);
-    if (!s.ok()) return fail(s.status());
+    if (!s.ok()) return UsageError(s.status());
     config.pack_size = *s;
   }
   if (auto v = args.Get("compression")) {
     if (*v == "zstd") config.codec.compression = Compression::kZstd;
     else if (*v == "none") config.codec.compression = Compression::kNone;
-    else return fail(Status::InvalidArgument("compression must be 'zstd' or 'none', not '" + *v + "'"));
+    else return UsageError(Status::InvalidArgument("compression must be 'zstd' or 'none', not '" + *v + "'"));
   }
   if (auto v = args.Get("level")) {
     auto l = ParseInt(*v, "level");
-    if (!l.ok()) return fail(l.status());
+    if (!l.ok()) return UsageError(l.status());
     config.codec.level = static_cast<int>(*l);
   }
   if (args.Has("no-adaptive")) config.adaptive = false;
   Status st = Repository::Init(*path, config);
-  if (!st.ok()) return fail(st);
+  // Init rejects option values (chunk size, level) as InvalidArgument.
+  if (!st.ok()) return st.code() == StatusCode::kInvalidArgument ? UsageError(st) : Fail(st);
   std::printf("initialized ckptfs repository in %s (chunk size %s, %s level %d)\n", path->c_str(),
               HumanBytes(config.chunk_size).c_str(),
               config.codec.compression == Compression::kZstd ? "zstd" : "no compression", config.codec.level);
@@ -157,36 +177,31 @@ Result<std::map<std::string, ShardSpec>> ParseShardMap(const SafetensorsHeader& 
   return out;
 }
 
-int Fail(const Status& st) {
-  std::fprintf(stderr, "ckpt: error: %s\n", st.message().c_str());
-  return kExitError;
-}
-
 int CmdImport(const Args& args) {
   const std::string name = args.positional[0];
   WriterOptions wopts;
   if (auto v = args.Get("step")) {
     auto s = ParseInt(*v, "--step");
-    if (!s.ok()) return Fail(s.status());
+    if (!s.ok()) return UsageError(s.status());
     wopts.step = *s;
   }
   if (args.Has("rank") != args.Has("world-size")) {
-    return Fail(Status::InvalidArgument("--rank and --world-size go together"));
+    return UsageError(Status::InvalidArgument("--rank and --world-size go together"));
   }
   if (args.Has("rank")) {
     auto r = ParseInt(*args.Get("rank"), "--rank");
     auto w = ParseInt(*args.Get("world-size"), "--world-size");
-    if (!r.ok()) return Fail(r.status());
-    if (!w.ok()) return Fail(w.status());
+    if (!r.ok()) return UsageError(r.status());
+    if (!w.ok()) return UsageError(w.status());
     if (*w < 1 || *r < 0 || *r >= *w) {
-      return Fail(Status::InvalidArgument("--rank must be in [0, --world-size) and --world-size at least 1"));
+      return UsageError(Status::InvalidArgument("--rank must be in [0, --world-size) and --world-size at least 1"));
     }
     wopts.rank = static_cast<uint32_t>(*r);
     wopts.world_size = static_cast<uint32_t>(*w);
   }
   for (const auto& t : args.All("tag")) {
     size_t eq = t.find('=');
-    if (eq == std::string::npos || eq == 0) return Fail(Status::InvalidArgument("--tag must be KEY=VALUE, not '" + t + "'"));
+    if (eq == std::string::npos || eq == 0) return UsageError(Status::InvalidArgument("--tag must be KEY=VALUE, not '" + t + "'"));
     wopts.tags.emplace_back(t.substr(0, eq), t.substr(eq + 1));
   }
   // Read and check every input before anything is written.
@@ -214,7 +229,7 @@ int CmdImport(const Args& args) {
   std::vector<BlobInput> blobs;
   for (const auto& b : args.All("blob")) {
     size_t eq = b.find('=');
-    if (eq == std::string::npos || eq == 0) return Fail(Status::InvalidArgument("--blob must be NAME=FILE, not '" + b + "'"));
+    if (eq == std::string::npos || eq == 0) return UsageError(Status::InvalidArgument("--blob must be NAME=FILE, not '" + b + "'"));
     FILE* fp = std::fopen(b.substr(eq + 1).c_str(), "rb");
     if (!fp) return Fail(Status::FromErrno(errno, "opening " + b.substr(eq + 1)));
     std::string data;
@@ -225,9 +240,10 @@ int CmdImport(const Args& args) {
     blobs.push_back({b.substr(0, eq), std::move(data)});
     total += blobs.back().data.size();
   }
-  auto repo = OpenRepo(args);
-  if (!repo.ok()) return Fail(repo.status());
-  auto writer = (*repo)->BeginCheckpoint(name, wopts);
+  int rc = kExitOk;
+  auto repo = OpenRepoOr(args, &rc);
+  if (!repo) return rc;
+  auto writer = repo->BeginCheckpoint(name, wopts);
   if (!writer.ok()) return Fail(writer.status());
   Progress progress("importing " + name);
   uint64_t done = 0;
@@ -298,9 +314,10 @@ const CommandSpec kLs{"ls", "", "List checkpoints in commit order.", "",
                       0, 0};
 
 int CmdLs(const Args& args) {
-  auto repo = OpenRepo(args);
-  if (!repo.ok()) return Fail(repo.status());
-  auto list = (*repo)->ListCheckpoints(args.Has("all"));
+  int rc = kExitOk;
+  auto repo = OpenRepoOr(args, &rc);
+  if (!repo) return rc;
+  auto list = repo->ListCheckpoints(args.Has("all"));
   if (!list.ok()) return Fail(list.status());
   if (args.Has("json")) {
     Json j = Json::MakeArray();
@@ -327,9 +344,10 @@ const CommandSpec kShow{"show", "NAME", "Show a checkpoint: tensors, dtypes, sha
                         {kRepoOpt, kJsonOpt}, 1, 1};
 
 int CmdShow(const Args& args) {
-  auto repo = OpenRepo(args);
-  if (!repo.ok()) return Fail(repo.status());
-  auto reader = (*repo)->OpenCheckpoint(args.positional[0]);
+  int rc = kExitOk;
+  auto repo = OpenRepoOr(args, &rc);
+  if (!repo) return rc;
+  auto reader = repo->OpenCheckpoint(args.positional[0]);
   if (!reader.ok()) return Fail(reader.status());
   auto stored = (*reader)->StoredBytes();
   if (!stored.ok()) return Fail(stored.status());
@@ -406,10 +424,11 @@ const CommandSpec kCat{"cat", "NAME TENSOR", "Write a whole merged tensor (or a 
 
 int CmdCat(const Args& args) {
   std::string format = args.Get("format").value_or("raw");
-  if (format != "raw" && format != "npy") return Fail(Status::InvalidArgument("--format must be raw or npy"));
-  auto repo = OpenRepo(args);
-  if (!repo.ok()) return Fail(repo.status());
-  auto reader = (*repo)->OpenCheckpoint(args.positional[0]);
+  if (format != "raw" && format != "npy") return UsageError(Status::InvalidArgument("--format must be raw or npy"));
+  int rc = kExitOk;
+  auto repo = OpenRepoOr(args, &rc);
+  if (!repo) return rc;
+  auto reader = repo->OpenCheckpoint(args.positional[0]);
   if (!reader.ok()) return Fail(reader.status());
   if (::isatty(STDOUT_FILENO)) {
     return Fail(Status::InvalidArgument("refusing to write binary data to a terminal; redirect stdout"));
@@ -441,9 +460,10 @@ const CommandSpec kExport{"export", "NAME OUT.safetensors", "Write a checkpoint 
                           {kRepoOpt, {"force", 'f', false, false, "", "overwrite OUT if it exists"}}, 2, 2};
 
 int CmdExport(const Args& args) {
-  auto repo = OpenRepo(args);
-  if (!repo.ok()) return Fail(repo.status());
-  auto reader = (*repo)->OpenCheckpoint(args.positional[0]);
+  int rc = kExitOk;
+  auto repo = OpenRepoOr(args, &rc);
+  if (!repo) return rc;
+  auto reader = repo->OpenCheckpoint(args.positional[0]);
   if (!reader.ok()) return Fail(reader.status());
   const std::string out = args.positional[1];
   if (!args.Has("force") && ::access(out.c_str(), F_OK) == 0) {
@@ -485,12 +505,13 @@ const CommandSpec kVerify{"verify", "[NAME]", "Re-read and re-hash every chunk; 
                           {kRepoOpt, kJsonOpt}, 0, 1};
 
 int CmdVerify(const Args& args) {
-  auto repo = OpenRepo(args);
-  if (!repo.ok()) return Fail(repo.status());
+  int rc = kExitOk;
+  auto repo = OpenRepoOr(args, &rc);
+  if (!repo) return rc;
   std::optional<std::string> name;
   if (!args.positional.empty()) name = args.positional[0];
   Progress progress("verifying");
-  auto report = (*repo)->Verify(name, [&](uint64_t d, uint64_t t) { progress.Update(d, t); });
+  auto report = repo->Verify(name, [&](uint64_t d, uint64_t t) { progress.Update(d, t); });
   progress.Finish();
   if (!report.ok()) return Fail(report.status());
   if (args.Has("json")) {
@@ -534,7 +555,7 @@ const CommandSpec kReindex{"reindex", "", "Rebuild the catalog from pack files a
 
 int CmdReindex(const Args& args) {
   auto path = RepoPath(args);
-  if (!path.ok()) return Fail(path.status());
+  if (!path.ok()) return UsageError(path.status());
   Progress progress("reindexing");
   auto report = Repository::Reindex(*path, [&](uint64_t d, uint64_t t) { progress.Update(d, t); });
   progress.Finish();
@@ -565,9 +586,10 @@ const CommandSpec kRm{"rm", "NAME...", "Remove checkpoints (all or none); 'ckpt 
                       {kRepoOpt}, 1, SIZE_MAX};
 
 int CmdRm(const Args& args) {
-  auto repo = OpenRepo(args);
-  if (!repo.ok()) return Fail(repo.status());
-  Status st = (*repo)->RemoveCheckpoints(args.positional);
+  int rc = kExitOk;
+  auto repo = OpenRepoOr(args, &rc);
+  if (!repo) return rc;
+  Status st = repo->RemoveCheckpoints(args.positional);
   if (!st.ok()) return Fail(st);
   for (const auto& n : args.positional) std::printf("removed %s\n", n.c_str());
   return kExitOk;
@@ -591,7 +613,7 @@ const CommandSpec kMount{
 int CmdMount(const Args& args) {
 #ifdef CKPTFS_HAVE_FUSE
   auto path = RepoPath(args);
-  if (!path.ok()) return Fail(path.status());
+  if (!path.ok()) return UsageError(path.status());
   mount::MountOptions o;
   o.repository = *path;
   o.mountpoint = args.positional[0];
@@ -600,17 +622,17 @@ int CmdMount(const Args& args) {
   o.allow_other = args.Has("allow-other");
   if (auto v = args.Get("cache-size")) {
     auto n = ParseSize(*v);
-    if (!n.ok()) return Fail(n.status());
+    if (!n.ok()) return UsageError(n.status());
     o.cache_bytes = *n;
   }
   if (auto v = args.Get("prefetch")) {
     auto n = ParseInt(*v, "--prefetch");
-    if (!n.ok() || *n < 0) return Fail(Status::InvalidArgument("--prefetch must be a non-negative integer"));
+    if (!n.ok() || *n < 0) return UsageError(Status::InvalidArgument("--prefetch must be a non-negative integer"));
     o.prefetch_chunks = static_cast<size_t>(*n);
   }
   if (auto v = args.Get("readahead")) {
     auto n = ParseSize(*v);
-    if (!n.ok()) return Fail(n.status());
+    if (!n.ok()) return UsageError(n.status());
     o.readahead_bytes = *n;
   }
   Status st = mount::RunMount(o);
@@ -629,9 +651,10 @@ const CommandSpec kDu{"du", "[NAME...]", "Show the space checkpoints use, and wh
                       {kRepoOpt, kJsonOpt}, 0, SIZE_MAX};
 
 int CmdDu(const Args& args) {
-  auto repo = OpenRepo(args);
-  if (!repo.ok()) return Fail(repo.status());
-  auto r = (*repo)->DiskUsage(args.positional);
+  int rc = kExitOk;
+  auto repo = OpenRepoOr(args, &rc);
+  if (!repo) return rc;
+  auto r = repo->DiskUsage(args.positional);
   if (!r.ok()) return Fail(r.status());
   if (args.Has("json")) {
     Json j = Json::MakeObject();
@@ -688,9 +711,10 @@ const char* DiffKindName(TensorDiff::Kind k) {
 }
 
 int CmdDiff(const Args& args) {
-  auto repo = OpenRepo(args);
-  if (!repo.ok()) return Fail(repo.status());
-  auto diffs = (*repo)->Diff(args.positional[0], args.positional[1]);
+  int rc = kExitOk;
+  auto repo = OpenRepoOr(args, &rc);
+  if (!repo) return rc;
+  auto diffs = repo->Diff(args.positional[0], args.positional[1]);
   if (!diffs.ok()) return Fail(diffs.status());
   if (args.Has("json")) {
     Json j = Json::MakeArray();
@@ -749,18 +773,20 @@ int CmdGc(const Args& args) {
   };
   Status st = count("keep-last", &o.retention.keep_last);
   if (st.ok()) st = count("keep-every", &o.retention.keep_every);
-  if (!st.ok()) return Fail(st);
+  if (st.ok() && o.retention.keep_every == uint64_t{0}) st = Status::InvalidArgument("--keep-every must be at least 1");
+  if (!st.ok()) return UsageError(st);
   o.retention.keep = args.All("keep");
   o.dry_run = args.Has("dry-run");
-  auto repo = OpenRepo(args);
-  if (!repo.ok()) return Fail(repo.status());
-  auto plan = (*repo)->PlanRetention(o.retention);
+  int rc = kExitOk;
+  auto repo = OpenRepoOr(args, &rc);
+  if (!repo) return rc;
+  auto plan = repo->PlanRetention(o.retention);
   if (!plan.ok()) return Fail(plan.status());
   if (!args.Has("json")) {
     for (const auto& n : *plan) std::printf("%s %s\n", o.dry_run ? "would remove" : "removing", n.c_str());
   }
   Progress progress("rewriting packs");
-  auto r = (*repo)->CollectGarbage(o, [&](uint64_t d, uint64_t t) { progress.Update(d, t); });
+  auto r = repo->CollectGarbage(o, [&](uint64_t d, uint64_t t) { progress.Update(d, t); });
   progress.Finish();
   if (!r.ok()) return Fail(r.status());
   if (args.Has("json")) {
