@@ -326,10 +326,27 @@ Status CheckTiling(const TensorRecord& t, ChunkFetcher& fetcher) {
   return Status::OK();
 }
 
+Status CheckTensorsAgree(const std::vector<RankRecord>& ranks) {
+  std::map<std::string, std::pair<const TensorRecord*, uint32_t>> first;  // by name: record, rank
+  for (const RankRecord& r : ranks) {
+    for (const TensorRecord& t : r.tensors) {
+      auto [it, inserted] = first.try_emplace(t.name, &t, r.rank);
+      const TensorRecord& f = *it->second.first;
+      if (!inserted && (f.dtype != t.dtype || f.shape != t.shape)) {
+        return Status::InvalidArgument("tensor '" + t.name + "': rank " + std::to_string(r.rank) + " saved it as " +
+                                       std::string(DTypeName(t.dtype)) + " " + ShapeToString(t.shape) + " but rank " +
+                                       std::to_string(it->second.second) + " as " + std::string(DTypeName(f.dtype)) +
+                                       " " + ShapeToString(f.shape));
+      }
+    }
+  }
+  return Status::OK();
+}
+
 Result<std::vector<TensorRecord>> MergeRankTensors(const std::vector<RankRecord>& ranks,
                                                    ChunkFetcher& fetcher) {
+  RETURN_IF_ERROR(CheckTensorsAgree(ranks));
   std::map<std::string, TensorRecord> merged;
-  std::map<std::string, uint32_t> first_rank;
   // Ranks in rank order, whatever order they committed in: the merged
   // records are the same for the same inputs.
   std::vector<const RankRecord*> ordered;
@@ -340,16 +357,7 @@ Result<std::vector<TensorRecord>> MergeRankTensors(const std::vector<RankRecord>
     for (const TensorRecord& t : rank.tensors) {
       auto [it, inserted] = merged.try_emplace(t.name);
       TensorRecord& m = it->second;
-      if (inserted) {
-        m = TensorRecord{t.name, t.dtype, t.shape, {}};
-        first_rank[t.name] = rank.rank;
-      } else if (m.dtype != t.dtype || m.shape != t.shape) {
-        return Status::InvalidArgument(
-            "tensor '" + t.name + "': rank " + std::to_string(rank.rank) + " saved it as " +
-            std::string(DTypeName(t.dtype)) + " " + ShapeToString(t.shape) + " but rank " +
-            std::to_string(first_rank[t.name]) + " as " + std::string(DTypeName(m.dtype)) + " " +
-            ShapeToString(m.shape));
-      }
+      if (inserted) m = TensorRecord{t.name, t.dtype, t.shape, {}};
       for (const ShardRecord& s : t.shards) {
         auto same = std::find_if(m.shards.begin(), m.shards.end(),
                                  [&](const ShardRecord& x) { return x.region == s.region; });

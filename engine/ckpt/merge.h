@@ -52,6 +52,11 @@ Status ReadBlobBytes(const BlobRecord& blob, uint64_t offset, std::span<std::byt
 // an error names the tensor and the ranks and regions involved.
 Status CheckTiling(const TensorRecord& tensor, ChunkFetcher& fetcher);
 
+// Checks that every rank that saved a tensor gave it the same dtype and
+// global shape; InvalidArgument naming the tensor and two ranks otherwise.
+// Runs at every rank's commit, so a disagreement is reported early.
+Status CheckTensorsAgree(const std::vector<RankRecord>& ranks);
+
 // Merges the contributions of all ranks into the tensors of a checkpoint:
 // replicas (same region, same bytes) become one shard listing every rank;
 // dtype or shape disagreement, different bytes for one region, overlaps with

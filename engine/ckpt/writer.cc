@@ -499,19 +499,8 @@ Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, Commit
       return DecodeChunkLocation(*v);
     });
     if (ckpt.committed_ranks.size() < ckpt.world_size) {
-      // Catch dtype and shape disagreement early; tiling waits for the last rank.
-      std::map<std::string, const TensorRecord*> seen;
-      for (const auto& r : ranks) {
-        for (const auto& t : r.tensors) {
-          auto [it, inserted] = seen.emplace(t.name, &t);
-          if (!inserted && (it->second->dtype != t.dtype || it->second->shape != t.shape)) {
-            return Status::InvalidArgument("tensor '" + t.name + "': rank " + std::to_string(r.rank) + " saved it as " +
-                                           std::string(DTypeName(t.dtype)) + " " + ShapeToString(t.shape) +
-                                           " but another rank as " + std::string(DTypeName(it->second->dtype)) + " " +
-                                           ShapeToString(it->second->shape));
-          }
-        }
-      }
+      // Dtype and shape disagreement shows now; tiling waits for the last rank.
+      RETURN_IF_ERROR(CheckTensorsAgree(ranks));
       RETURN_IF_ERROR(txn.Put(Table::kRanks, keys::Rank(name_, options_.rank), EncodeRank(record_)));
       return txn.Put(Table::kCheckpoints, keys::Checkpoint(name_), EncodeCheckpoint(ckpt));
     }

@@ -288,6 +288,19 @@ TEST_F(RepoTest, DTypeOrShapeDisagreementBetweenRanksFails) {
   EXPECT_TRUE(repo_->OpenCheckpoint("mismatch").status().IsNotFound());
 }
 
+TEST_F(RepoTest, DisagreementIsReportedBeforeTheLastRank) {
+  Ref a = MakeRef("x", DType::kF32, {6, 4}, 1);
+  auto w0 = Begin("early", 0, 3);
+  PutBox(*w0, a, Box{{0, 0}, {2, 4}});
+  ASSERT_OK(w0->Commit().Wait());
+  Ref b = MakeRef("x", DType::kI32, {6, 4}, 1);
+  auto w1 = Begin("early", 1, 3);
+  PutBox(*w1, b, Box{{2, 0}, {2, 4}});
+  auto res = w1->Commit().Wait();  // rank 2 has not committed yet
+  ASSERT_FALSE(res.ok());
+  EXPECT_EQ(res.status().message(), "tensor 'x': rank 1 saved it as I32 [6, 4] but rank 0 as F32 [6, 4]");
+}
+
 TEST_F(RepoTest, GlobalShapeDisagreementBetweenRanksFailsAtTheLastCommit) {
   Ref a = MakeRef("w", DType::kF32, {4, 6}, 1);
   auto w0 = Begin("shapes", 0, 2);
