@@ -139,13 +139,4 @@ Result<std::unique_ptr<CopyEngine>> NewCudaCopyEngine(int) {
 
 #endif
 
-bool NcclAvailable(std::string* why) {
-#ifdef CKPTFS_HAVE_NCCL
-  if (why) *why = "NCCL was found at build time, but the broadcast of replicated tensors is not implemented yet";
-#else
-  if (why) *why = "NCCL was not found at build time (it is looked for beside the CUDA installation)";
-#endif
-  return false;
-}
-
 }  // namespace ckptfs::gpu

@@ -1,5 +1,6 @@
 #include "staging.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <deque>
@@ -42,6 +43,14 @@ void PinnedPool::Release(size_t index) {
   cv_.notify_one();
 }
 
+PinnedPool::Lease PinnedPool::TryAcquire() {
+  std::lock_guard lock(mu_);
+  if (free_.empty()) return Lease();
+  size_t i = free_.back();
+  free_.pop_back();
+  return Lease(this, i);
+}
+
 PinnedPool::Lease& PinnedPool::Lease::operator=(Lease&& o) noexcept {
   if (this != &o) {
     if (pool_) pool_->Release(index_);
@@ -62,43 +71,78 @@ std::span<std::byte> PinnedPool::Lease::buffer() const {
 
 // ---- streaming save --------------------------------------------------------------
 
-// Yields a device region's bytes through the pinned pool: up to pool.count()
-// device-to-host copies are in flight ahead of the reader.
 DeviceSource::~DeviceSource() {
-  // Copies still in flight write into leased buffers: let them finish.
-  for (auto& p : inflight_) (void)engine_.Wait(p.ticket);
+  // Copies still in flight write into leased buffers: let them finish, then
+  // wait until the writer has returned every buffer it borrowed.
+  for (auto& p : inflight_) {
+    if (!p->waited) (void)engine_.Wait(p->ticket);
+  }
+  inflight_.clear();
+  outstanding_.Wait();
 }
 
-Status DeviceSource::Read(uint64_t offset, std::span<std::byte> dst) {
-    if (offset != consumed_) return Status::Internal("staged device sources are read in order");
-    size_t copied = 0;
-    while (copied < dst.size()) {
-      RETURN_IF_ERROR(Prime());
-      Piece& p = inflight_.front();
-      if (!p.waited) {
-        RETURN_IF_ERROR(engine_.Wait(p.ticket).WithContext("copying from the device"));
-        p.waited = true;
-      }
-      const uint64_t pos = offset + copied;
-      const uint64_t n = std::min<uint64_t>(dst.size() - copied, p.offset + p.length - pos);
-      std::memcpy(dst.data() + copied, p.lease.buffer().data() + (pos - p.offset), n);
-      copied += n;
-      if (pos + n == p.offset + p.length) inflight_.pop_front();  // the buffer goes back to the pool
-    }
-    consumed_ += dst.size();
-    return Status::OK();
+void DeviceSource::PlanChunks(std::span<const uint64_t> bounds) {
+  if (submitted_ == 0) bounds_.assign(bounds.begin(), bounds.end());
+}
+
+uint64_t DeviceSource::NextPieceEnd() const {
+  const uint64_t limit = std::min<uint64_t>(size_, submitted_ + pool_.buffer_bytes());
+  // As many whole chunks as fit; part of one when a chunk is bigger than a buffer.
+  auto it = std::upper_bound(bounds_.begin(), bounds_.end(), limit);
+  if (it != bounds_.begin() && *std::prev(it) > submitted_) return *std::prev(it);
+  return limit;
 }
 
 Status DeviceSource::Prime() {
-    while (inflight_.size() < pool_.count() && submitted_ < size_) {
-      PinnedPool::Lease lease = pool_.Acquire();
-      const uint64_t n = std::min<uint64_t>(pool_.buffer_bytes(), size_ - submitted_);
-      ASSIGN_OR_RETURN(uint64_t ticket, engine_.DeviceToHost(lease.buffer().data(), device_ + submitted_, n));
-      inflight_.push_back(Piece{std::move(lease), submitted_, n, ticket});
-      submitted_ += n;
-    }
-    if (inflight_.empty()) return Status::Internal("read past the end of a staged device source");
-    return Status::OK();
+  while (submitted_ < size_) {
+    PinnedPool::Lease lease = inflight_.empty() ? pool_.Acquire() : pool_.TryAcquire();
+    if (!lease.valid()) break;
+    const uint64_t end = NextPieceEnd();
+    ASSIGN_OR_RETURN(uint64_t ticket,
+                     engine_.DeviceToHost(lease.buffer().data(), device_ + submitted_, end - submitted_));
+    inflight_.push_back(std::make_shared<Piece>(std::move(lease), submitted_, end - submitted_, ticket, &outstanding_));
+    submitted_ = end;
+  }
+  if (inflight_.empty()) return Status::Internal("read past the end of a staged device source");
+  return Status::OK();
+}
+
+Result<DeviceSource::Piece*> DeviceSource::Front(uint64_t offset) {
+  if (offset != consumed_) return Status::Internal("staged device sources are read in order");
+  RETURN_IF_ERROR(Prime());
+  Piece& p = *inflight_.front();
+  if (!p.waited) {
+    RETURN_IF_ERROR(engine_.Wait(p.ticket).WithContext("copying from the device"));
+    p.waited = true;
+  }
+  return &p;
+}
+
+Result<BorrowedBytes> DeviceSource::Borrow(uint64_t offset, uint64_t n) {
+  if (n == 0) return BorrowedBytes{};
+  ASSIGN_OR_RETURN(Piece * p, Front(offset));
+  if (offset + n > p->offset + p->length) return BorrowedBytes{};  // spans buffers: Read copies it
+  BorrowedBytes out;
+  out.bytes = {p->lease.buffer().data() + (offset - p->offset), n};
+  out.keep = inflight_.front();
+  consumed_ += n;
+  lent_ += n;
+  if (consumed_ == p->offset + p->length) inflight_.pop_front();  // the writer's jobs hold it now
+  return out;
+}
+
+Status DeviceSource::Read(uint64_t offset, std::span<std::byte> dst) {
+  size_t copied = 0;
+  while (copied < dst.size()) {
+    ASSIGN_OR_RETURN(Piece * p, Front(offset + copied));
+    const uint64_t pos = offset + copied;
+    const uint64_t n = std::min<uint64_t>(dst.size() - copied, p->offset + p->length - pos);
+    std::memcpy(dst.data() + copied, p->lease.buffer().data() + (pos - p->offset), n);
+    copied += n;
+    consumed_ += n;
+    if (consumed_ == p->offset + p->length) inflight_.pop_front();  // the buffer goes back to the pool
+  }
+  return Status::OK();
 }
 
 Status PutShardFromDevice(CheckpointWriter& writer, const DeviceShard& shard, CopyEngine& engine, PinnedPool& pool) {

@@ -26,6 +26,7 @@
 
 #include "ckpt/repository.h"
 #include "core/status.h"
+#include "core/thread_pool.h"
 
 namespace ckptfs::gpu {
 
@@ -72,10 +73,6 @@ class HostCopyEngine final : public CopyEngine {
 bool CudaAvailable(std::string* why);
 // A CUDA engine on `device`; Unsupported when CudaAvailable is false.
 Result<std::unique_ptr<CopyEngine>> NewCudaCopyEngine(int device);
-// NCCL broadcast of replicated tensors for multi-GPU loads. Always false
-// for now: `why` says whether NCCL was found and that the broadcast is not
-// implemented.
-bool NcclAvailable(std::string* why);
 
 // A fixed set of pinned buffers, allocated once and reused across saves and
 // loads. Pinned memory never exceeds count x size.
@@ -89,6 +86,7 @@ class PinnedPool {
     Lease& operator=(Lease&& o) noexcept;
     ~Lease();
     std::span<std::byte> buffer() const;
+    bool valid() const { return pool_ != nullptr; }
 
    private:
     friend class PinnedPool;
@@ -101,6 +99,8 @@ class PinnedPool {
   ~PinnedPool();
   // Blocks until a buffer is free.
   Lease Acquire();
+  // A free buffer, or an empty lease (valid() false) when none is.
+  Lease TryAcquire();
   size_t count() const { return buffers_.size(); }
   size_t buffer_bytes() const { return bytes_each_; }
   size_t pinned_bytes() const { return buffers_.size() * bytes_each_; }
@@ -117,8 +117,13 @@ class PinnedPool {
 };
 
 // A ShardSource over device memory that streams through the pinned pool:
-// up to pool.count() device-to-host copies run ahead of the reader, so the
-// next buffer fills while the previous one is consumed. Read in order.
+// device-to-host copies run ahead of the reader into every free buffer, so
+// the next buffer fills while the previous one is hashed and compressed.
+// Copies are cut at the writer's chunk boundaries, so a chunk lies in one
+// buffer and is lent to the writer in place (Borrow): it is hashed and
+// compressed straight from pinned memory, and its buffer returns to the pool
+// when the last of its chunks is encoded. A chunk larger than a buffer is
+// copied out instead (Read).
 class DeviceSource final : public ShardSource {
  public:
   DeviceSource(CopyEngine& engine, PinnedPool& pool, const std::byte* device, uint64_t size)
@@ -126,24 +131,50 @@ class DeviceSource final : public ShardSource {
   ~DeviceSource() override;
   uint64_t size() const override { return size_; }
   Status Read(uint64_t offset, std::span<std::byte> dst) override;
+  void PlanChunks(std::span<const uint64_t> bounds) override;
+  Result<BorrowedBytes> Borrow(uint64_t offset, uint64_t n) override;
+  // Bytes handed out in place rather than copied (for tests and benchmarks).
+  uint64_t lent_bytes() const { return lent_; }
 
  private:
+  // One device-to-host copy into a leased buffer; the buffer goes back to
+  // the pool when the piece is destroyed (by the source, or by the writer's
+  // last job still using bytes lent from it).
   struct Piece {
+    Piece(PinnedPool::Lease l, uint64_t off, uint64_t len, uint64_t t, WaitGroup* wg)
+        : lease(std::move(l)), offset(off), length(len), ticket(t), outstanding(wg) {
+      outstanding->Add();
+    }
+    ~Piece() {
+      lease = PinnedPool::Lease();
+      outstanding->Done();
+    }
     PinnedPool::Lease lease;
     uint64_t offset;
     uint64_t length;
     uint64_t ticket;
+    WaitGroup* outstanding;
     bool waited = false;
   };
-  Status Prime();  // keeps the pool's buffers busy with the next copies
+  // Keeps the pool's free buffers busy with the next copies; blocks for a
+  // buffer only when no copy is in flight.
+  Status Prime();
+  // The piece holding `offset`, its copy finished.
+  Result<Piece*> Front(uint64_t offset);
+  uint64_t NextPieceEnd() const;
 
   CopyEngine& engine_;
   PinnedPool& pool_;
   const std::byte* device_;
   const uint64_t size_;
+  std::vector<uint64_t> bounds_;  // planned chunk boundaries, if any
   uint64_t submitted_ = 0;
   uint64_t consumed_ = 0;
-  std::deque<Piece> inflight_;
+  uint64_t lent_ = 0;
+  std::deque<std::shared_ptr<Piece>> inflight_;
+  // Pieces alive, lent ones included: the destructor waits for them, so no
+  // buffer is still in use by the writer once PutShard returned.
+  WaitGroup outstanding_;
 };
 
 // A region of a tensor held in device memory, row-major.

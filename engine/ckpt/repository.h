@@ -47,9 +47,16 @@ struct OpenOptions {
   size_t cache_bytes = 512ull << 20;      // decoded-chunk cache bound
 };
 
-// Where a shard's bytes come from. Read is called with consecutive
-// offsets from one thread. The GPU layer implements this to stream from
-// device memory.
+// Bytes a source lends to the writer: valid and unchanged while `keep` is
+// held. The writer drops `keep` as soon as it has hashed and encoded them.
+struct BorrowedBytes {
+  std::span<const std::byte> bytes;
+  std::shared_ptr<const void> keep;  // empty: nothing was lent
+};
+
+// Where a shard's bytes come from. Read and Borrow are called from one
+// thread, together covering consecutive offsets. The GPU layer implements
+// this to stream from device memory.
 class ShardSource {
  public:
   virtual ~ShardSource() = default;
@@ -58,6 +65,16 @@ class ShardSource {
   // The bytes, when they are in host memory that stays valid and unchanged
   // until PutShard returns; lets the writer hash and compress them in place.
   virtual const std::byte* HostData() const { return nullptr; }
+  // Zero-copy for sources that stage through their own buffers: the writer
+  // first announces its chunk boundaries (offsets into the source, from 0 to
+  // size()), then asks to borrow each chunk. A source that cannot lend one
+  // returns empty BorrowedBytes, and the writer Reads that chunk instead.
+  virtual void PlanChunks(std::span<const uint64_t> bounds) { (void)bounds; }
+  virtual Result<BorrowedBytes> Borrow(uint64_t offset, uint64_t n) {
+    (void)offset;
+    (void)n;
+    return BorrowedBytes{};
+  }
 };
 
 // A ShardSource over caller memory.

@@ -77,7 +77,8 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
  private:
   struct Job {
     std::span<const std::byte> data;
-    std::vector<std::byte> owned;  // when the source is not host memory
+    std::vector<std::byte> owned;       // when the source is not host memory
+    std::shared_ptr<const void> keep;   // holds bytes a source lent
     DType dtype;
     ChunkRef* slot;
     WaitGroup* shard_wg;  // waited on by PutShard for zero-copy jobs
@@ -202,6 +203,7 @@ void WriterImpl::Submit(Job job) {
   if (job.shard_wg) job.shard_wg->Add();
   repo_->pool->Submit([this, job = std::move(job)]() mutable {
     Process(job);
+    job.keep.reset();  // lent bytes go back to their source now, not when the task is freed
     if (job.shard_wg) job.shard_wg->Done();
     {
       std::lock_guard lock(mu_);
@@ -301,6 +303,7 @@ Status WriterImpl::ChunkStream(const std::vector<uint64_t>& bounds, DType dtype,
                                std::vector<ChunkRef>& chunks) {
   chunks.resize(bounds.size() - 1);
   const std::byte* host = source.HostData();
+  if (!host) source.PlanChunks(bounds);
   WaitGroup shard_wg;
   Status st;
   for (size_t i = 0; i + 1 < bounds.size(); ++i) {
@@ -312,10 +315,24 @@ Status WriterImpl::ChunkStream(const std::vector<uint64_t>& bounds, DType dtype,
       job.data = {host + bounds[i], len};
       job.shard_wg = &shard_wg;
     } else {
-      job.owned.resize(len);
-      st = source.Read(bounds[i], job.owned);
-      if (!st.ok()) break;
-      job.data = job.owned;
+      auto lent = source.Borrow(bounds[i], len);
+      if (!lent.ok()) {
+        st = lent.status();
+        break;
+      }
+      if (lent->keep) {
+        if (lent->bytes.size() != len) {
+          st = Status::Internal("a shard source lent the wrong number of bytes");
+          break;
+        }
+        job.data = lent->bytes;
+        job.keep = std::move(lent->keep);
+      } else {
+        job.owned.resize(len);
+        st = source.Read(bounds[i], job.owned);
+        if (!st.ok()) break;
+        job.data = job.owned;
+      }
       job.shard_wg = nullptr;
     }
     Submit(std::move(job));

@@ -67,12 +67,25 @@ int main(int argc, char** argv) {
     auto t0 = Clock::now();
     cudaMemcpy(pinned, dev, bytes, cudaMemcpyDeviceToHost);
     const double t_plain = std::chrono::duration<double>(Clock::now() - t0).count();
-    // Staging alone: through the pool into a reused 4 MiB sink.
-    std::vector<std::byte> sink(4 << 20);
-    gpu::DeviceSource source(*engine, *pool, dev, bytes);
+    // Staging alone, as the writer drives it: 4 MiB chunks lent in place
+    // from the pinned buffers and handed back at once.
+    const uint64_t chunk = RepositoryConfig{}.chunk_size;
+    std::vector<uint64_t> bounds;
+    for (uint64_t off = 0; off < bytes; off += chunk) bounds.push_back(off);
+    bounds.push_back(bytes);
     t0 = Clock::now();
-    for (size_t off = 0; off < bytes; off += sink.size()) {
-      Check(source.Read(off, std::span(sink.data(), std::min(sink.size(), bytes - off))), "staging");
+    {
+      gpu::DeviceSource source(*engine, *pool, dev, bytes);
+      source.PlanChunks(bounds);
+      for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+        auto lent = source.Borrow(bounds[i], bounds[i + 1] - bounds[i]);
+        Check(lent.status(), "staging");
+        if (!lent->keep) {
+          std::fprintf(stderr, "staging buffers smaller than a chunk: use --buffer-mib >= %llu\n",
+                       static_cast<unsigned long long>(chunk >> 20));
+          return 2;
+        }
+      }
     }
     const double t_staged = std::chrono::duration<double>(Clock::now() - t0).count();
     // Snapshot save: blocking time against the plain copy; then durable.

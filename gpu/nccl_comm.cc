@@ -1,0 +1,167 @@
+// The NCCL communicator. Only this file includes NCCL; without NCCL (or
+// without CUDA) in the build the same functions say so.
+#include "replicated.h"
+
+#ifdef CKPTFS_HAVE_NCCL
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstring>
+#endif
+
+namespace ckptfs::gpu {
+
+#ifdef CKPTFS_HAVE_NCCL
+namespace {
+
+Status NcclError(ncclResult_t r, const char* what, ncclComm_t comm = nullptr) {
+  std::string msg = std::string(what) + ": " + ncclGetErrorString(r);
+  if (comm) {
+    const char* last = ncclGetLastError(comm);
+    if (last && *last) msg += std::string(" (") + last + ")";
+  }
+  return Status::IOError(msg);
+}
+
+Status CudaError(cudaError_t e, const char* what) {
+  return Status::IOError(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+std::string NcclVersion() {
+  int v = 0;
+  ncclGetVersion(&v);
+  // NCCL >= 2.9 encodes major * 10000 + minor * 100 + patch.
+  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(int device, int size, int rank) : device_(device), size_(size), rank_(rank) {}
+  ~NcclCommunicator() override {
+    cudaSetDevice(device_);
+    if (stream_) cudaStreamSynchronize(stream_);
+    if (comm_) ncclCommDestroy(comm_);
+    if (scratch_) cudaFree(scratch_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  Status Init(const NcclId& id) {
+    cudaError_t e = cudaSetDevice(device_);
+    if (e != cudaSuccess) return CudaError(e, "cudaSetDevice");
+    e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+    if (e != cudaSuccess) return CudaError(e, "cudaStreamCreateWithFlags");
+    e = cudaMalloc(reinterpret_cast<void**>(&scratch_), kMaxReduceValues * sizeof(uint64_t));
+    if (e != cudaSuccess) return CudaError(e, "cudaMalloc");
+    ncclUniqueId uid;
+    static_assert(sizeof(uid.internal) == sizeof(id.bytes));
+    std::memcpy(uid.internal, id.bytes.data(), sizeof(uid.internal));
+    ncclResult_t r = ncclCommInitRank(&comm_, size_, uid, rank_);
+    if (r != ncclSuccess) {
+      comm_ = nullptr;
+      return NcclError(r, "ncclCommInitRank");
+    }
+    return Status::OK();
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string Describe() const override {
+    return "NCCL " + NcclVersion() + " rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
+           " on CUDA device " + std::to_string(device_);
+  }
+
+  Status Broadcast(std::byte* device, size_t bytes, int root) override {
+    if (root < 0 || root >= size_) return Status::InvalidArgument("broadcast root out of range");
+    cudaSetDevice(device_);
+    ncclResult_t r = ncclBroadcast(device, device, bytes, ncclUint8, root, comm_, stream_);
+    if (r != ncclSuccess) return NcclError(r, "ncclBroadcast", comm_);
+    return Sync("ncclBroadcast");
+  }
+
+  Status AllReduceMin(std::span<uint64_t> values) override {
+    if (values.size() > kMaxReduceValues) return Status::InvalidArgument("too many values to reduce");
+    if (values.empty()) return Status::OK();
+    cudaSetDevice(device_);
+    const size_t n = values.size() * sizeof(uint64_t);
+    cudaError_t e = cudaMemcpyAsync(scratch_, values.data(), n, cudaMemcpyHostToDevice, stream_);
+    if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
+    ncclResult_t r = ncclAllReduce(scratch_, scratch_, values.size(), ncclUint64, ncclMin, comm_, stream_);
+    if (r != ncclSuccess) return NcclError(r, "ncclAllReduce", comm_);
+    e = cudaMemcpyAsync(values.data(), scratch_, n, cudaMemcpyDeviceToHost, stream_);
+    if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
+    return Sync("ncclAllReduce");
+  }
+
+ private:
+  // Waits for the stream; a peer's failure shows up as NCCL's asynchronous error.
+  Status Sync(const char* what) {
+    cudaError_t e = cudaStreamSynchronize(stream_);
+    if (e != cudaSuccess) return CudaError(e, what);
+    ncclResult_t async = ncclSuccess;
+    ncclCommGetAsyncError(comm_, &async);
+    if (async != ncclSuccess) return NcclError(async, what, comm_);
+    return Status::OK();
+  }
+
+  const int device_, size_, rank_;
+  cudaStream_t stream_ = nullptr;
+  uint64_t* scratch_ = nullptr;
+  ncclComm_t comm_ = nullptr;
+};
+
+}  // namespace
+
+bool NcclAvailable(std::string* why) {
+  std::string cuda_why;
+  if (!CudaAvailable(&cuda_why)) {
+    if (why) *why = "NCCL " + NcclVersion() + " is built in, but " + cuda_why;
+    return false;
+  }
+  if (why) *why = "NCCL " + NcclVersion();
+  return true;
+}
+
+Result<NcclId> NewNcclId() {
+  std::string why;
+  if (!NcclAvailable(&why)) return Status::Unsupported(why);
+  ncclUniqueId uid;
+  ncclResult_t r = ncclGetUniqueId(&uid);
+  if (r != ncclSuccess) return NcclError(r, "ncclGetUniqueId");
+  NcclId id;
+  std::memcpy(id.bytes.data(), uid.internal, sizeof(uid.internal));
+  return id;
+}
+
+Result<std::unique_ptr<Communicator>> NewNcclCommunicator(int device, int size, int rank, const NcclId& id) {
+  std::string why;
+  if (!NcclAvailable(&why)) return Status::Unsupported(why);
+  if (size < 1 || rank < 0 || rank >= size) {
+    return Status::InvalidArgument("NCCL rank " + std::to_string(rank) + " of " + std::to_string(size));
+  }
+  auto comm = std::make_unique<NcclCommunicator>(device, size, rank);
+  RETURN_IF_ERROR(comm->Init(id));
+  return std::unique_ptr<Communicator>(std::move(comm));
+}
+
+#else
+
+namespace {
+const char* kNoNccl =
+    "this build has no NCCL (it is looked for beside the CUDA installation at build time); replicated tensors "
+    "cannot be broadcast, each rank reads them from the store";
+}  // namespace
+
+bool NcclAvailable(std::string* why) {
+  if (why) *why = kNoNccl;
+  return false;
+}
+
+Result<NcclId> NewNcclId() { return Status::Unsupported(kNoNccl); }
+
+Result<std::unique_ptr<Communicator>> NewNcclCommunicator(int, int, int, const NcclId&) {
+  return Status::Unsupported(kNoNccl);
+}
+
+#endif
+
+}  // namespace ckptfs::gpu
