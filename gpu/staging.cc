@@ -153,6 +153,58 @@ Status PutShardFromDevice(CheckpointWriter& writer, const DeviceShard& shard, Co
 
 // ---- snapshot save -----------------------------------------------------------------
 
+SnapshotBuffer::~SnapshotBuffer() {
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return !busy_; });
+  if (data_) engine_.FreePinned(data_);
+}
+
+uint64_t SnapshotBuffer::capacity() const {
+  std::lock_guard lock(mu_);
+  return capacity_;
+}
+
+Status SnapshotBuffer::Reserve(uint64_t bytes) {
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return !busy_; });
+  if (bytes <= capacity_) return Status::OK();
+  if (data_) engine_.FreePinned(data_);
+  data_ = nullptr;
+  capacity_ = 0;
+  ASSIGN_OR_RETURN(data_, engine_.AllocatePinned(bytes));
+  capacity_ = bytes;
+  return Status::OK();
+}
+
+// Holds a SnapshotBuffer for one snapshot, from its copies until it is durable.
+class SnapshotBufferUse {
+ public:
+  static Result<std::shared_ptr<SnapshotBufferUse>> Acquire(SnapshotBuffer& b, uint64_t bytes) {
+    RETURN_IF_ERROR(b.Reserve(bytes));  // waits for the previous snapshot
+    std::unique_lock lock(b.mu_);
+    // Another snapshot may have taken it between Reserve and here.
+    while (b.busy_ || b.capacity_ < bytes) {
+      lock.unlock();
+      RETURN_IF_ERROR(b.Reserve(bytes));
+      lock.lock();
+    }
+    b.busy_ = true;
+    return std::make_shared<SnapshotBufferUse>(b);
+  }
+  explicit SnapshotBufferUse(SnapshotBuffer& b) : b_(b) {}
+  ~SnapshotBufferUse() {
+    {
+      std::lock_guard lock(b_.mu_);
+      b_.busy_ = false;
+    }
+    b_.cv_.notify_all();
+  }
+  std::byte* data() const { return b_.data_; }
+
+ private:
+  SnapshotBuffer& b_;
+};
+
 struct SnapshotHandle::State {
   struct Counters {
     std::atomic<int64_t> total_ns{0};
@@ -174,63 +226,61 @@ std::chrono::nanoseconds SnapshotHandle::total_time() const {
 bool SnapshotHandle::durable() const { return state_ && state_->counters->durable.load(); }
 
 Result<SnapshotHandle> SaveSnapshot(Repository& repo, const std::string& name, const WriterOptions& options,
-                                    const std::vector<DeviceShard>& shards, CopyEngine& engine) {
+                                    const std::vector<DeviceShard>& shards, CopyEngine& engine,
+                                    SnapshotBuffer& buffer) {
   const auto start = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer, repo.BeginCheckpoint(name, options));
-  // One pinned host copy of the whole snapshot; every copy is queued at
-  // once so the transfers run back to back at full speed.
-  struct Host {
-    std::byte* data;
-    uint64_t size;
-  };
-  auto copies = std::make_shared<std::vector<Host>>();
-  auto free_all = [&engine](std::vector<Host>& hs) {
-    for (auto& h : hs) engine.FreePinned(h.data);
-    hs.clear();
-  };
-  uint64_t last = 0;
+  // Shards lie back to back in the buffer, each 256-byte aligned.
+  std::vector<uint64_t> offsets, sizes;
+  uint64_t total = 0;
   for (const auto& s : shards) {
-    const uint64_t n = s.region.NumElements() * DTypeSize(s.tensor.dtype);
-    auto p = engine.AllocatePinned(std::max<uint64_t>(n, 1));
-    if (!p.ok()) {
-      free_all(*copies);
-      return p.status();
-    }
-    copies->push_back({*p, n});
-    auto t = engine.DeviceToHost(*p, s.device, n);
-    if (!t.ok()) {
-      free_all(*copies);
-      return t.status();
-    }
-    last = *t;
+    RETURN_IF_ERROR(ValidateRegion(s.tensor.shape, s.region).WithContext("tensor '" + s.tensor.name + "'"));
+    const uint64_t n = Normalize(s.tensor.shape, s.region).NumElements() * DTypeSize(s.tensor.dtype);
+    offsets.push_back(total);
+    sizes.push_back(n);
+    total += (n + 255) / 256 * 256;
   }
-  Status copied = last ? engine.Wait(last) : Status::OK();
-  if (!copied.ok()) {
-    free_all(*copies);
-    return copied.WithContext("snapshot copy from the device");
+  ASSIGN_OR_RETURN(std::shared_ptr<SnapshotBufferUse> use, SnapshotBufferUse::Acquire(buffer, std::max<uint64_t>(total, 1)));
+  // Every copy is queued at once so the transfers run back to back.
+  uint64_t last = 0;
+  Status copied;
+  for (size_t i = 0; i < shards.size() && copied.ok(); ++i) {
+    if (sizes[i] == 0) continue;
+    auto t = engine.DeviceToHost(use->data() + offsets[i], shards[i].device, sizes[i]);
+    if (t.ok()) {
+      last = *t;
+    } else {
+      copied = t.status();
+    }
   }
+  // Even after an error, the copies queued before it finish before the
+  // buffer is given back.
+  if (last) {
+    Status waited = engine.Wait(last);
+    if (copied.ok()) copied = waited;
+  }
+  RETURN_IF_ERROR(copied.WithContext("snapshot copy from the device"));
   SnapshotHandle handle;
   handle.blocking_ = std::chrono::steady_clock::now() - start;
   handle.state_ = std::make_shared<SnapshotHandle::State>();
-  const auto& state = handle.state_;
   std::shared_ptr<CheckpointWriter> w(std::move(writer));
   // The task holds only the counters, never the state that holds its own
-  // future (that would be a cycle), and drops the writer when done.
+  // future (that would be a cycle), and releases the writer and the buffer
+  // when done.
   handle.state_->result =
-      std::async(std::launch::async, [w, copies, shards, counters = state->counters, start,
-                                      &engine]() mutable -> Result<CommitResult> {
+      std::async(std::launch::async, [w, use, shards, offsets, sizes, counters = handle.state_->counters,
+                                      start]() mutable -> Result<CommitResult> {
         Status st;
         for (size_t i = 0; i < shards.size() && st.ok(); ++i) {
-          HostSource source({(*copies)[i].data, (*copies)[i].size});
+          HostSource source({use->data() + offsets[i], sizes[i]});
           st = w->PutShard(shards[i].tensor, shards[i].region, source);
         }
         Result<CommitResult> r = st.ok() ? w->Commit().Wait() : Result<CommitResult>(st);
         if (!st.ok()) w->Abort();
-        for (auto& h : *copies) engine.FreePinned(h.data);
-        copies->clear();
         w.reset();
         counters->total_ns = (std::chrono::steady_clock::now() - start).count();
         counters->durable = r.ok();
+        use.reset();  // the next snapshot may use the buffer now
         return r;
       }).share();
   return handle;

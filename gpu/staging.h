@@ -190,14 +190,41 @@ struct DeviceShard {
 // durable once the writer's commit is.
 Status PutShardFromDevice(CheckpointWriter& writer, const DeviceShard& shard, CopyEngine& engine, PinnedPool& pool);
 
-// Snapshot save: copies every shard out of device memory at once (into
-// pinned host memory sized to the snapshot), returns as soon as training may
-// modify its tensors, and persists in the background.
+// Pinned host memory for snapshot saves, allocated on the first snapshot
+// (or up front with Reserve), grown only for a larger one, and reused, so a
+// snapshot save blocks for the device-to-host copies alone. One snapshot
+// uses it at a time: the next SaveSnapshot waits until the previous one is
+// durable (or failed). The engine must outlive it.
+class SnapshotBuffer {
+ public:
+  explicit SnapshotBuffer(CopyEngine& engine) : engine_(engine) {}
+  ~SnapshotBuffer();  // waits for a snapshot still persisting
+  SnapshotBuffer(const SnapshotBuffer&) = delete;
+  SnapshotBuffer& operator=(const SnapshotBuffer&) = delete;
+  Status Reserve(uint64_t bytes);
+  uint64_t capacity() const;
+
+ private:
+  friend class SnapshotBufferUse;
+  CopyEngine& engine_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::byte* data_ = nullptr;
+  uint64_t capacity_ = 0;
+  bool busy_ = false;
+};
+
+// Snapshot save: copies every shard out of device memory into `buffer` at
+// full speed (all copies queued at once), returns as soon as training may
+// modify its tensors, and persists in the background. `buffer` and `engine`
+// must outlive the handle's background work (Wait, or the buffer's
+// destructor, waits for it).
 class SnapshotHandle {
  public:
   // The outcome of the background save (commit included).
   Result<CommitResult> Wait();
-  // How long the caller was blocked (the device-to-host copies).
+  // How long the caller was blocked: waiting for the previous snapshot to
+  // release the buffer, and the device-to-host copies.
   std::chrono::nanoseconds blocking_time() const { return blocking_; }
   // From the start until durable; 0 until Wait returned.
   std::chrono::nanoseconds total_time() const;
@@ -205,14 +232,15 @@ class SnapshotHandle {
 
  private:
   friend Result<SnapshotHandle> SaveSnapshot(Repository&, const std::string&, const WriterOptions&,
-                                             const std::vector<DeviceShard>&, CopyEngine&);
+                                             const std::vector<DeviceShard>&, CopyEngine&, SnapshotBuffer&);
   struct State;
   std::shared_ptr<State> state_;
   std::chrono::nanoseconds blocking_{0};
 };
 
 Result<SnapshotHandle> SaveSnapshot(Repository& repo, const std::string& name, const WriterOptions& options,
-                                    const std::vector<DeviceShard>& shards, CopyEngine& engine);
+                                    const std::vector<DeviceShard>& shards, CopyEngine& engine,
+                                    SnapshotBuffer& buffer);
 
 // Load: `region` of `tensor` (any box or flat range: this rank's target
 // sharding) into device memory, row-major. The reader's merge plan fills

@@ -214,8 +214,10 @@ TEST(StagingHost, SnapshotReturnsBeforeDurableAndIsIsolatedFromLaterWrites) {
   auto data = RandomBytes(16 << 20, 6);
   std::byte* dev = s.mem->Alloc(data.size());
   s.mem->Upload(dev, data);
+  SnapshotBuffer buffer(*s.engine);
   auto handle = SaveSnapshot(*s.repo, "snap", {0, 1, 1, {}},
-                             {{{"w", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev}}, *s.engine);
+                             {{{"w", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev}}, *s.engine,
+                             buffer);
   ASSERT_OK(handle);
   // Training may now modify its tensors: the snapshot must not see it.
   std::memset(dev, 0, data.size());
@@ -227,6 +229,63 @@ TEST(StagingHost, SnapshotReturnsBeforeDurableAndIsIsolatedFromLaterWrites) {
   std::vector<std::byte> got(data.size());
   ASSERT_OK(reader->ReadBytes(*reader->FindTensor("w"), 0, got));
   EXPECT_EQ(got, data);
+}
+
+TEST(StagingHost, SnapshotBufferIsReusedAndOneSnapshotUsesItAtATime) {
+  Staging s = HostStaging();
+  auto* host = static_cast<HostCopyEngine*>(s.engine.get());
+  SnapshotBuffer buffer(*s.engine);
+  const uint64_t before = host->pinned_allocations();
+  std::vector<std::vector<std::byte>> states;
+  for (int i = 0; i < 3; ++i) states.push_back(RandomBytes(16 << 20, 20 + i));
+  std::vector<SnapshotHandle> handles;
+  std::byte* dev = s.mem->Alloc(16 << 20);
+  const Shape shape = {8 << 20};
+  for (int i = 0; i < 3; ++i) {
+    // Each step trains the tensor; the next snapshot starts while the
+    // previous one is still persisting and must not overwrite its bytes.
+    s.mem->Upload(dev, states[i]);
+    auto h = SaveSnapshot(*s.repo, "step" + std::to_string(i), {0, 1, i, {}},
+                          {{{"w", DType::kBF16, shape}, Region::OfBox(FullBox(shape)), dev}}, *s.engine, buffer);
+    ASSERT_OK(h);
+    // It could start copying only once the previous snapshot was durable.
+    if (i > 0) EXPECT_TRUE(handles.back().durable()) << "snapshot " << i << " overlapped the previous one";
+    handles.push_back(std::move(h).value());
+  }
+  for (auto& h : handles) ASSERT_OK(h.Wait());
+  EXPECT_EQ(host->pinned_allocations(), before + 1);  // one allocation, reused by every snapshot
+  EXPECT_EQ(buffer.capacity(), 16u << 20);
+  for (int i = 0; i < 3; ++i) {
+    auto reader = std::move(s.repo->OpenCheckpoint("step" + std::to_string(i))).value();
+    std::vector<std::byte> got(16 << 20);
+    ASSERT_OK(reader->ReadBytes(*reader->FindTensor("w"), 0, got));
+    EXPECT_EQ(got, states[i]) << "snapshot " << i;
+  }
+  // A larger snapshot grows the buffer once.
+  std::byte* big = s.mem->Alloc(20 << 20);
+  auto h = SaveSnapshot(*s.repo, "big", {0, 1, 3, {}},
+                        {{{"b", DType::kU8, {20 << 20}}, Region::OfFlat(0, 20 << 20), big}}, *s.engine, buffer);
+  ASSERT_OK(h);
+  ASSERT_OK(h->Wait());
+  EXPECT_EQ(host->pinned_allocations(), before + 2);
+  EXPECT_EQ(buffer.capacity(), 20u << 20);
+}
+
+TEST(StagingHost, SnapshotDeviceErrorReturnsAndCommitsNothing) {
+  Staging s = HostStaging();
+  auto* host = static_cast<HostCopyEngine*>(s.engine.get());
+  SnapshotBuffer buffer(*s.engine);
+  std::byte* a = s.mem->Alloc(1 << 20);
+  std::byte* b = s.mem->Alloc(1 << 20);
+  host->FailAfter(1);  // the second shard's copy fails
+  auto h = SaveSnapshot(*s.repo, "broken", {0, 1, 1, {}},
+                        {{{"a", DType::kU8, {1 << 20}}, Region::OfFlat(0, 1 << 20), a},
+                         {{"b", DType::kU8, {1 << 20}}, Region::OfFlat(0, 1 << 20), b}},
+                        *s.engine, buffer);
+  ASSERT_FALSE(h.ok());
+  EXPECT_NE(h.status().message().find("snapshot copy"), std::string::npos) << h.status().ToString();
+  EXPECT_TRUE(s.repo->ListCheckpoints(true)->empty());
+  EXPECT_OK(buffer.Reserve(1));  // the buffer was given back
 }
 
 TEST(StagingHost, PoolNeedsTwoBuffers) {
@@ -254,8 +313,10 @@ TEST(StagingGpu, SnapshotIsReleasedBeforeDurable) {
   auto data = RandomBytes(64 << 20, 8);
   std::byte* dev = s.mem->Alloc(data.size());
   s.mem->Upload(dev, data);
+  SnapshotBuffer buffer(*s.engine);
   auto handle = SaveSnapshot(*s.repo, "snap", {0, 1, 1, {}},
-                             {{{"w", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev}}, *s.engine);
+                             {{{"w", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev}}, *s.engine,
+                             buffer);
   ASSERT_OK(handle);
   EXPECT_FALSE(handle->durable());  // 64 MiB cannot be hashed and written in the copy's time
   ASSERT_EQ(cudaMemset(dev, 0, data.size()), cudaSuccess);
