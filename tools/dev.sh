@@ -33,7 +33,15 @@ case "$cmd" in
     setup
     configure_build build
     echo "== tests (release build)"
-    ctest --test-dir build --output-on-failure -j "$JOBS"
+    ctest --test-dir build --output-on-failure -j "$JOBS" -LE gpu
+    echo "== GPU tests (label gpu; where no GPU is usable, each says so and is skipped)"
+    gpu_log=$(mktemp)
+    if ! ctest --test-dir build --output-on-failure -L gpu -V >"$gpu_log" 2>&1; then
+      cat "$gpu_log"
+      exit 1
+    fi
+    grep -E "^[0-9]+: (\[ (RUN|  OK|  FAILED|  SKIPPED) |.*skipped:)|tests passed" "$gpu_log" || true
+    rm -f "$gpu_log"
     echo "== engine unit tests under ASan+UBSan"
     configure_build build-asan -DCKPTFS_SANITIZE=ON -DCKPTFS_UNIT_TESTS_ONLY=ON
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \

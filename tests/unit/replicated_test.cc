@@ -193,7 +193,9 @@ TEST(Replicated, NcclSaysWhyItIsUnavailable) {
 }
 
 #ifdef CKPTFS_HAVE_CUDA
-TEST_F(ReplicatedTest, GpuBroadcastOverNccl) {
+class ReplicatedGpu : public ReplicatedTest {};
+
+TEST_F(ReplicatedGpu, BroadcastOverNccl) {
   std::string why;
   if (!NcclAvailable(&why)) GTEST_SKIP() << "GPU test skipped: " << why;
   int gpus = 0;

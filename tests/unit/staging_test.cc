@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -187,6 +189,23 @@ TEST(StagingHost, FailingPackWriteIsReportedAndNothingCommitted) {
   EXPECT_TRUE(s.repo->ListCheckpoints(true)->empty());
 }
 
+TEST(StagingHost, SnapshotWhosePacksCannotBeWrittenFailsThroughItsHandle) {
+  Staging s = HostStaging();
+  std::filesystem::remove_all(s.dir / "objects/packs");
+  std::ofstream(s.dir / "objects/packs") << "not a directory";
+  auto data = RandomBytes(2 << 20, 12);
+  std::byte* dev = s.mem->Alloc(data.size());
+  s.mem->Upload(dev, data);
+  SnapshotBuffer buffer(*s.engine);
+  auto h = SaveSnapshot(*s.repo, "nopacks", {0, 1, 1, {}},
+                        {{{"x", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev}}, *s.engine, buffer);
+  ASSERT_OK(h);  // the copies succeeded: training goes on
+  auto r = h->Wait();
+  EXPECT_FALSE(r.ok());
+  EXPECT_FALSE(h->durable());
+  EXPECT_TRUE(s.repo->ListCheckpoints(true)->empty());
+}
+
 TEST(StagingHost, CorruptChunkOnLoadIsReported) {
   Staging s = HostStaging();
   auto data = RandomBytes(512 << 10, 5);
@@ -249,7 +268,9 @@ TEST(StagingHost, SnapshotBufferIsReusedAndOneSnapshotUsesItAtATime) {
                           {{{"w", DType::kBF16, shape}, Region::OfBox(FullBox(shape)), dev}}, *s.engine, buffer);
     ASSERT_OK(h);
     // It could start copying only once the previous snapshot was durable.
-    if (i > 0) EXPECT_TRUE(handles.back().durable()) << "snapshot " << i << " overlapped the previous one";
+    if (i > 0) {
+      EXPECT_TRUE(handles.back().durable()) << "snapshot " << i << " overlapped the previous one";
+    }
     handles.push_back(std::move(h).value());
   }
   for (auto& h : handles) ASSERT_OK(h.Wait());
@@ -326,6 +347,41 @@ TEST(StagingGpu, SnapshotIsReleasedBeforeDurable) {
   std::vector<std::byte> got(data.size());
   ASSERT_OK(reader->ReadBytes(*reader->FindTensor("w"), 0, got));
   EXPECT_EQ(got, data);
+}
+TEST(StagingGpu, StagingThroughputIsReported) {
+  // Reported, not asserted (tools/bench/gpu_bench measures it properly).
+  std::string why;
+  if (!CudaAvailable(&why)) GTEST_SKIP() << "GPU test skipped: " << why;
+  auto engine = std::move(NewCudaCopyEngine(0)).value();
+  const size_t bytes = 1ull << 30, chunk = 4 << 20;
+  CudaMemory mem;
+  std::byte* dev = mem.Alloc(bytes);
+  ASSERT_EQ(cudaMemset(dev, 0x5a, bytes), cudaSuccess);
+  auto plain_dst = engine->AllocatePinned(bytes);
+  ASSERT_OK(plain_dst);
+  auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(cudaMemcpy(*plain_dst, dev, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  const double plain = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  engine->FreePinned(*plain_dst);
+  auto pool = std::move(PinnedPool::Create(*engine, 2, 64 << 20)).value();
+  std::vector<uint64_t> bounds;
+  for (uint64_t off = 0; off < bytes; off += chunk) bounds.push_back(off);
+  bounds.push_back(bytes);
+  t0 = std::chrono::steady_clock::now();
+  {
+    DeviceSource source(*engine, *pool, dev, bytes);
+    source.PlanChunks(bounds);
+    for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+      auto lent = source.Borrow(bounds[i], chunk);
+      ASSERT_OK(lent);
+      ASSERT_TRUE(lent->keep);
+      ASSERT_EQ(lent->bytes[chunk - 1], std::byte{0x5a});
+    }
+  }
+  const double staged = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("plain pinned D2H %.2f GB/s, staged %.2f GB/s (%.2fx)\n", bytes / plain / 1e9, bytes / staged / 1e9,
+              plain / staged);
+  ::testing::Test::RecordProperty("staging_vs_plain", std::to_string(plain / staged));
 }
 #endif
 
