@@ -256,6 +256,9 @@ void WriterImpl::Process(Job& job) {
     }
     enc.codec = *codec;
   }
+  // The encoded bytes are a copy: lent source bytes go back now, not after
+  // a wait for the disk.
+  job.keep.reset();
   {
     std::unique_lock lock(queue_mu_);
     queue_cv_.wait(lock, [&] { return queue_.size() < queue_limit_ || stop_writer_; });
