@@ -1,5 +1,6 @@
-// The CUDA copy engine. Only this file includes CUDA headers; without CUDA
-// in the build the same functions say so.
+// The CUDA copy engine. CUDA headers are included only here, in
+// nccl_comm.cc and in cuda_util.h; without CUDA in the build the same
+// functions say so.
 #include <cstdlib>
 
 #include "staging.h"
@@ -7,7 +8,10 @@
 #ifdef CKPTFS_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "cuda_util.h"
+
 #include <deque>
+#include <memory>
 #include <mutex>
 #endif
 
@@ -16,25 +20,29 @@ namespace ckptfs::gpu {
 #ifdef CKPTFS_HAVE_CUDA
 namespace {
 
-Status CudaError(cudaError_t e, const char* what) {
-  return Status::IOError(std::string(what) + ": " + cudaGetErrorString(e));
-}
+// An event destroyed when the last holder lets go: a thread may still be
+// synchronizing on it while another retires it.
+struct Event {
+  ~Event() {
+    if (ev) cudaEventDestroy(ev);
+  }
+  cudaEvent_t ev = nullptr;
+};
 
 class CudaCopyEngine final : public CopyEngine {
  public:
   explicit CudaCopyEngine(int device) : device_(device) {}
   ~CudaCopyEngine() override {
     if (stream_) {
-      cudaSetDevice(device_);
+      DeviceGuard guard(device_);
       cudaStreamSynchronize(stream_);
-      for (auto& [t, ev] : events_) cudaEventDestroy(ev);
+      events_.clear();
       cudaStreamDestroy(stream_);
     }
   }
   Status Init() {
-    cudaError_t e = cudaSetDevice(device_);
-    if (e != cudaSuccess) return CudaError(e, "cudaSetDevice");
-    e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+    DeviceGuard guard(device_);
+    cudaError_t e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
     if (e != cudaSuccess) return CudaError(e, "cudaStreamCreateWithFlags");
     return Status::OK();
   }
@@ -44,6 +52,7 @@ class CudaCopyEngine final : public CopyEngine {
     return std::string("CUDA device ") + std::to_string(device_) + " (" + prop.name + ")";
   }
   Result<std::byte*> AllocatePinned(size_t bytes) override {
+    DeviceGuard guard(device_);
     void* p = nullptr;
     cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
     if (e != cudaSuccess) return CudaError(e, "cudaHostAlloc");
@@ -57,41 +66,37 @@ class CudaCopyEngine final : public CopyEngine {
     return Submit(device, host, n, cudaMemcpyHostToDevice);
   }
   Status Wait(uint64_t ticket) override {
-    cudaEvent_t ev = nullptr;
+    std::shared_ptr<Event> ev;
     {
       std::lock_guard lock(mu_);
-      // Events of tickets up to `ticket` are done once it is: the stream is in order.
-      auto it = events_.begin();
-      while (it != events_.end() && it->first <= ticket) {
-        if (it->first == ticket) ev = it->second;
-        ++it;
+      // Tickets before the first retained one are done already (the stream
+      // runs in order); otherwise wait for this ticket's own event.
+      for (const auto& [t, e] : events_) {
+        if (t == ticket) ev = e;
+        if (t >= ticket) break;
       }
     }
-    if (ev) {
-      cudaError_t e = cudaEventSynchronize(ev);
-      if (e != cudaSuccess) return CudaError(e, "cudaEventSynchronize");
-      std::lock_guard lock(mu_);
-      while (!events_.empty() && events_.front().first <= ticket) {
-        cudaEventDestroy(events_.front().second);
-        events_.pop_front();
-      }
-    }
+    if (!ev) return Status::OK();
+    cudaError_t e = cudaEventSynchronize(ev->ev);
+    if (e != cudaSuccess) return CudaError(e, "cudaEventSynchronize");
+    std::lock_guard lock(mu_);
+    while (!events_.empty() && events_.front().first <= ticket) events_.pop_front();
     return Status::OK();
   }
 
  private:
   Result<uint64_t> Submit(std::byte* dst, const std::byte* src, size_t n, cudaMemcpyKind kind) {
     std::lock_guard lock(mu_);
-    cudaSetDevice(device_);
+    DeviceGuard guard(device_);
     cudaError_t e = cudaMemcpyAsync(dst, src, n, kind, stream_);
     if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
-    cudaEvent_t ev;
-    e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    auto ev = std::make_shared<Event>();
+    e = cudaEventCreateWithFlags(&ev->ev, cudaEventDisableTiming);
     if (e != cudaSuccess) return CudaError(e, "cudaEventCreate");
-    e = cudaEventRecord(ev, stream_);
+    e = cudaEventRecord(ev->ev, stream_);
     if (e != cudaSuccess) return CudaError(e, "cudaEventRecord");
     uint64_t t = next_ticket_++;
-    events_.emplace_back(t, ev);
+    events_.emplace_back(t, std::move(ev));
     return t;
   }
 
@@ -99,7 +104,7 @@ class CudaCopyEngine final : public CopyEngine {
   cudaStream_t stream_ = nullptr;
   std::mutex mu_;
   uint64_t next_ticket_ = 1;
-  std::deque<std::pair<uint64_t, cudaEvent_t>> events_;
+  std::deque<std::pair<uint64_t, std::shared_ptr<Event>>> events_;
 };
 
 }  // namespace

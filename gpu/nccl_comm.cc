@@ -6,6 +6,8 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include "cuda_util.h"
+
 #include <cstring>
 #endif
 
@@ -23,10 +25,6 @@ Status NcclError(ncclResult_t r, const char* what, ncclComm_t comm = nullptr) {
   return Status::IOError(msg);
 }
 
-Status CudaError(cudaError_t e, const char* what) {
-  return Status::IOError(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
 std::string NcclVersion() {
   int v = 0;
   ncclGetVersion(&v);
@@ -38,7 +36,7 @@ class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(int device, int size, int rank) : device_(device), size_(size), rank_(rank) {}
   ~NcclCommunicator() override {
-    cudaSetDevice(device_);
+    DeviceGuard guard(device_);
     if (stream_) cudaStreamSynchronize(stream_);
     if (comm_) ncclCommDestroy(comm_);
     if (scratch_) cudaFree(scratch_);
@@ -46,9 +44,8 @@ class NcclCommunicator final : public Communicator {
   }
 
   Status Init(const NcclId& id) {
-    cudaError_t e = cudaSetDevice(device_);
-    if (e != cudaSuccess) return CudaError(e, "cudaSetDevice");
-    e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+    DeviceGuard guard(device_);
+    cudaError_t e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
     if (e != cudaSuccess) return CudaError(e, "cudaStreamCreateWithFlags");
     e = cudaMalloc(reinterpret_cast<void**>(&scratch_), kMaxReduceValues * sizeof(uint64_t));
     if (e != cudaSuccess) return CudaError(e, "cudaMalloc");
@@ -72,7 +69,7 @@ class NcclCommunicator final : public Communicator {
 
   Status Broadcast(std::byte* device, size_t bytes, int root) override {
     if (root < 0 || root >= size_) return Status::InvalidArgument("broadcast root out of range");
-    cudaSetDevice(device_);
+    DeviceGuard guard(device_);
     ncclResult_t r = ncclBroadcast(device, device, bytes, ncclUint8, root, comm_, stream_);
     if (r != ncclSuccess) return NcclError(r, "ncclBroadcast", comm_);
     return Sync("ncclBroadcast");
@@ -81,7 +78,7 @@ class NcclCommunicator final : public Communicator {
   Status AllReduceMin(std::span<uint64_t> values) override {
     if (values.size() > kMaxReduceValues) return Status::InvalidArgument("too many values to reduce");
     if (values.empty()) return Status::OK();
-    cudaSetDevice(device_);
+    DeviceGuard guard(device_);
     const size_t n = values.size() * sizeof(uint64_t);
     cudaError_t e = cudaMemcpyAsync(scratch_, values.data(), n, cudaMemcpyHostToDevice, stream_);
     if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
