@@ -40,7 +40,7 @@ case "$cmd" in
       cat "$gpu_log"
       exit 1
     fi
-    grep -E "^[0-9]+: (\[ (RUN|  OK|  FAILED|  SKIPPED) |.*skipped:)|tests passed" "$gpu_log" || true
+    grep -E "Test +#[0-9]+:|skipped:|tests passed" "$gpu_log" || true
     rm -f "$gpu_log"
     echo "== engine unit tests under ASan+UBSan"
     configure_build build-asan -DCKPTFS_SANITIZE=ON -DCKPTFS_UNIT_TESTS_ONLY=ON
