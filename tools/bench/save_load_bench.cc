@@ -108,17 +108,9 @@ std::vector<std::byte> Extract(const Tensor& t, const Region& r) {
 }
 
 double RawWrite(const std::string& path, const std::vector<Tensor>& state) {
-  auto t0 = Clock::now();
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  for (const auto& t : state) {
-    for (size_t off = 0; off < t.bytes.size(); off += 4 << 20) {
-      size_t n = std::min<size_t>(4 << 20, t.bytes.size() - off);
-      if (::write(fd, t.bytes.data() + off, n) != static_cast<ssize_t>(n)) std::abort();
-    }
-  }
-  ::fsync(fd);
-  ::close(fd);
-  return Seconds(t0, Clock::now());
+  std::vector<std::span<const std::byte>> parts;
+  for (const auto& t : state) parts.emplace_back(t.bytes);
+  return bench::TimedWrite(path, parts);
 }
 
 }  // namespace
