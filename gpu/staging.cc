@@ -193,10 +193,10 @@ class SnapshotBufferUse {
   }
   explicit SnapshotBufferUse(SnapshotBuffer& b) : b_(b) {}
   ~SnapshotBufferUse() {
-    {
-      std::lock_guard lock(b_.mu_);
-      b_.busy_ = false;
-    }
+    // Notified under the lock: the buffer's destructor may be waiting, and
+    // must not destroy the condition variable before this is done with it.
+    std::lock_guard lock(b_.mu_);
+    b_.busy_ = false;
     b_.cv_.notify_all();
   }
   std::byte* data() const { return b_.data_; }
