@@ -3,7 +3,7 @@
 # demo or the whole test suite.
 #
 #   tools/dev.sh demo   set up, build, and run the demo on a local repository
-#   tools/dev.sh test   set up, build (plain and ASan+UBSan), and run every test
+#   tools/dev.sh test   set up, build (plain, ASan+UBSan, TSan), and run every test
 #   tools/dev.sh build  set up and build (build/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +46,10 @@ case "$cmd" in
     configure_build build-asan -DCKPTFS_SANITIZE=ON -DCKPTFS_UNIT_TESTS_ONLY=ON
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
       ctest --test-dir build-asan --output-on-failure -j "$JOBS" -L unit
+    echo "== engine unit tests under TSan"
+    configure_build build-tsan -DCKPTFS_SANITIZE_THREAD=ON -DCKPTFS_UNIT_TESTS_ONLY=ON
+    TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+      ctest --test-dir build-tsan --output-on-failure -j "$JOBS" -L unit
     ;;
   *)
     echo "usage: tools/dev.sh demo|test|build" >&2

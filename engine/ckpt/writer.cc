@@ -342,8 +342,13 @@ Status WriterImpl::ChunkStream(const std::vector<uint64_t>& bounds, DType dtype,
   }
   // Zero-copy jobs read the caller's memory: wait until they are done with it.
   shard_wg.Wait();
-  RETURN_IF_ERROR(st);
-  return PipelineError();
+  if (st.ok()) st = PipelineError();
+  if (!st.ok()) {
+    // Jobs already submitted still write into `chunks`, which the caller
+    // drops on an error: let them finish first.
+    inflight_wg_.Wait();
+  }
+  return st;
 }
 
 Status WriterImpl::PutShard(const TensorInfo& info, const Region& region_in, ShardSource& source) {
