@@ -164,8 +164,7 @@ uint64_t SnapshotBuffer::capacity() const {
   return capacity_;
 }
 
-Status SnapshotBuffer::Reserve(uint64_t bytes) {
-  std::unique_lock lock(mu_);
+Status SnapshotBuffer::GrowLocked(std::unique_lock<std::mutex>& lock, uint64_t bytes) {
   cv_.wait(lock, [&] { return !busy_; });
   if (bytes <= capacity_) return Status::OK();
   if (data_) engine_.FreePinned(data_);
@@ -176,18 +175,18 @@ Status SnapshotBuffer::Reserve(uint64_t bytes) {
   return Status::OK();
 }
 
+Status SnapshotBuffer::Reserve(uint64_t bytes) {
+  std::unique_lock lock(mu_);
+  return GrowLocked(lock, bytes);
+}
+
 // Holds a SnapshotBuffer for one snapshot, from its copies until it is durable.
 class SnapshotBufferUse {
  public:
+  // Waits for the previous snapshot, grows the buffer if needed, takes it.
   static Result<std::shared_ptr<SnapshotBufferUse>> Acquire(SnapshotBuffer& b, uint64_t bytes) {
-    RETURN_IF_ERROR(b.Reserve(bytes));  // waits for the previous snapshot
     std::unique_lock lock(b.mu_);
-    // Another snapshot may have taken it between Reserve and here.
-    while (b.busy_ || b.capacity_ < bytes) {
-      lock.unlock();
-      RETURN_IF_ERROR(b.Reserve(bytes));
-      lock.lock();
-    }
+    RETURN_IF_ERROR(b.GrowLocked(lock, bytes));
     b.busy_ = true;
     return std::make_shared<SnapshotBufferUse>(b);
   }

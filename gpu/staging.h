@@ -206,6 +206,8 @@ class SnapshotBuffer {
 
  private:
   friend class SnapshotBufferUse;
+  // Waits until no snapshot uses the buffer, then makes it at least `bytes`.
+  Status GrowLocked(std::unique_lock<std::mutex>& lock, uint64_t bytes);
   CopyEngine& engine_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
