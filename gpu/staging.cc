@@ -151,6 +151,15 @@ Status PutShardFromDevice(CheckpointWriter& writer, const DeviceShard& shard, Co
   return writer.PutShard(shard.tensor, shard.region, source);
 }
 
+Result<CommitResult> SaveStreaming(Repository& repo, const std::string& name, const WriterOptions& options,
+                                   const std::vector<DeviceShard>& shards, CopyEngine& engine, PinnedPool& pool) {
+  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer, repo.BeginCheckpoint(name, options));
+  for (const auto& shard : shards) {
+    RETURN_IF_ERROR(PutShardFromDevice(*writer, shard, engine, pool));  // the writer aborts when dropped
+  }
+  return writer->Commit().Wait();
+}
+
 // ---- snapshot save -----------------------------------------------------------------
 
 SnapshotBuffer::~SnapshotBuffer() {

@@ -184,11 +184,17 @@ struct DeviceShard {
   const std::byte* device = nullptr;  // region.NumElements() * dtype size bytes
 };
 
-// Streaming save: the shard flows through the pinned pool; while one buffer
-// is hashed, compressed and written, the next is being filled by a
-// device-to-host copy. Pinned memory stays bounded by the pool. The data is
-// durable once the writer's commit is.
+// Streaming save of one shard into a writer: the shard flows through the
+// pinned pool; while one buffer is hashed, compressed and written, the next
+// is being filled by a device-to-host copy. Pinned memory stays bounded by
+// the pool. The data is durable once the writer's commit is.
 Status PutShardFromDevice(CheckpointWriter& writer, const DeviceShard& shard, CopyEngine& engine, PinnedPool& pool);
+
+// Streaming save of this rank's shards of checkpoint `name`, each through
+// PutShardFromDevice, then the commit: returns when they are durable. On an
+// error nothing of this rank is committed.
+Result<CommitResult> SaveStreaming(Repository& repo, const std::string& name, const WriterOptions& options,
+                                   const std::vector<DeviceShard>& shards, CopyEngine& engine, PinnedPool& pool);
 
 // Pinned host memory for snapshot saves, allocated on the first snapshot
 // (or up front with Reserve), grown only for a larger one, and reused, so a

@@ -16,8 +16,6 @@
 namespace ckptfs::gpu {
 namespace {
 
-using testing::DeviceMemory;
-using testing::Extract;
 using testing::HostMemory;
 using testing::RandomBytes;
 using testing::TempDir;

@@ -42,6 +42,28 @@ class Staging {
     pool = std::move(PinnedPool::Create(*this->engine, 2, 96 << 10)).value();
   }
 
+  // A copy of `data` in device memory.
+  std::byte* OnDevice(const std::vector<std::byte>& data) {
+    std::byte* dev = mem->Alloc(data.size());
+    mem->Upload(dev, data);
+    return dev;
+  }
+
+  // Replaces the pack directory by a file: creating a pack fails.
+  void BreakPacks() {
+    std::filesystem::remove_all(dir / "objects/packs");
+    std::ofstream(dir / "objects/packs") << "not a directory";
+  }
+
+  // The whole of tensor `tensor` of committed checkpoint `name`.
+  std::vector<std::byte> Saved(const std::string& name, const std::string& tensor) {
+    auto reader = std::move(repo->OpenCheckpoint(name)).value();
+    const TensorRecord* rec = reader->FindTensor(tensor);
+    std::vector<std::byte> out(NumElements(rec->shape) * DTypeSize(rec->dtype));
+    EXPECT_OK(reader->ReadBytes(*rec, 0, out));
+    return out;
+  }
+
   // Saves every dtype with box and flat shards from 2 ranks, loads at 3.
   void RoundTripEveryDTypeAndShardKind() {
     const Shape shape = {37, 129};
@@ -52,17 +74,16 @@ class Staging {
     }
     const uint64_t n = NumElements(shape);
     for (uint32_t rank = 0; rank < 2; ++rank) {
-      auto w = std::move(repo->BeginCheckpoint("c", {rank, 2, 1, {}})).value();
+      std::vector<DeviceShard> shards;
       for (const auto& [name, t] : tensors) {
         const bool as_box = (t.first == DType::kBF16 || DTypeSize(t.first) != 2);
         Region r = as_box ? Region::OfBox(Box{{0, rank ? 64u : 0u}, {37, rank ? 65u : 64u}})
                           : Region::OfFlat(rank ? 1000 : 0, rank ? n : 1000);
-        auto part = Extract(t.second, shape, t.first, r);
-        std::byte* dev = mem->Alloc(part.size());
-        mem->Upload(dev, part);
-        ASSERT_OK(PutShardFromDevice(*w, {{name, t.first, shape}, r, dev}, *engine, *pool));
+        shards.push_back({{name, t.first, shape}, r, OnDevice(Extract(t.second, shape, t.first, r))});
       }
-      ASSERT_OK(w->Commit().Wait());
+      auto saved = SaveStreaming(*repo, "c", {rank, 2, 1, {}}, shards, *engine, *pool);
+      ASSERT_OK(saved);
+      EXPECT_EQ(saved->checkpoint_visible, rank == 1);  // durable and visible with the last rank's save
     }
     auto reader = std::move(repo->OpenCheckpoint("c")).value();
     for (const auto& [name, t] : tensors) {
@@ -87,6 +108,11 @@ class Staging {
 
 Staging HostStaging() { return Staging(std::make_unique<HostCopyEngine>(), std::make_unique<HostMemory>()); }
 
+// A whole 1-d u8 tensor in device memory.
+DeviceShard Bytes(const std::string& name, std::byte* dev, uint64_t n) {
+  return {{name, DType::kU8, {n}}, Region::OfFlat(0, n), dev};
+}
+
 TEST(StagingHost, EveryDTypeAndShardKindRoundTripsBitExact) { HostStaging().RoundTripEveryDTypeAndShardKind(); }
 
 TEST(StagingHost, BuffersAreAllocatedOnceAndReused) {
@@ -97,13 +123,10 @@ TEST(StagingHost, BuffersAreAllocatedOnceAndReused) {
   EXPECT_EQ(after_first, 2u);  // the pool's two buffers, nothing per save or load
   EXPECT_EQ(s.pool->pinned_bytes(), 2u * (96 << 10));
   auto data = RandomBytes(1 << 20, 9);
-  std::byte* dev = s.mem->Alloc(data.size());
-  s.mem->Upload(dev, data);
+  std::byte* dev = s.OnDevice(data);
   for (int i = 0; i < 3; ++i) {
-    auto w = std::move(s.repo->BeginCheckpoint("again" + std::to_string(i), {0, 1, i, {}})).value();
-    ASSERT_OK(PutShardFromDevice(*w, {{"x", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev},
-                                 *s.engine, *s.pool));
-    ASSERT_OK(w->Commit().Wait());
+    ASSERT_OK(SaveStreaming(*s.repo, "again" + std::to_string(i), {0, 1, i, {}}, {Bytes("x", dev, data.size())},
+                            *s.engine, *s.pool));
   }
   EXPECT_EQ(host->pinned_allocations(), after_first);
 }
@@ -111,8 +134,7 @@ TEST(StagingHost, BuffersAreAllocatedOnceAndReused) {
 TEST(StagingHost, ChunksAreHashedInPlaceFromPinnedBuffers) {
   Staging s = HostStaging();
   auto data = RandomBytes(1 << 20, 10);
-  std::byte* dev = s.mem->Alloc(data.size());
-  s.mem->Upload(dev, data);
+  std::byte* dev = s.OnDevice(data);
   auto w = std::move(s.repo->BeginCheckpoint("lent", {0, 1, 1, {}})).value();
   {
     DeviceSource source(*s.engine, *s.pool, dev, data.size());
@@ -127,18 +149,14 @@ TEST(StagingHost, ChunksAreHashedInPlaceFromPinnedBuffers) {
   a = {};
   b = {};
   ASSERT_OK(w->Commit().Wait());
-  auto reader = std::move(s.repo->OpenCheckpoint("lent")).value();
-  std::vector<std::byte> got(data.size());
-  ASSERT_OK(reader->ReadBytes(*reader->FindTensor("x"), 0, got));
-  EXPECT_EQ(got, data);
+  EXPECT_EQ(s.Saved("lent", "x"), data);
 }
 
 TEST(StagingHost, ChunksBiggerThanABufferAreCopiedOut) {
   Staging s = HostStaging();
   s.pool = std::move(PinnedPool::Create(*s.engine, 3, 40 << 10)).value();  // smaller than a 64 KiB chunk
   auto data = RandomBytes((1 << 20) + 12345, 11);
-  std::byte* dev = s.mem->Alloc(data.size());
-  s.mem->Upload(dev, data);
+  std::byte* dev = s.OnDevice(data);
   auto w = std::move(s.repo->BeginCheckpoint("copied", {0, 1, 1, {}})).value();
   {
     DeviceSource source(*s.engine, *s.pool, dev, data.size());
@@ -146,10 +164,8 @@ TEST(StagingHost, ChunksBiggerThanABufferAreCopiedOut) {
     EXPECT_EQ(source.lent_bytes(), 12345u);  // only the short last chunk fits in a buffer
   }
   ASSERT_OK(w->Commit().Wait());
+  EXPECT_EQ(s.Saved("copied", "x"), data);
   auto reader = std::move(s.repo->OpenCheckpoint("copied")).value();
-  std::vector<std::byte> got(data.size());
-  ASSERT_OK(reader->ReadBytes(*reader->FindTensor("x"), 0, got));
-  EXPECT_EQ(got, data);
   std::byte* back = s.mem->Alloc(data.size());
   ASSERT_OK(LoadToDevice(*reader, *reader->FindTensor("x"), Region::OfFlat(0, data.size()), back, *s.engine, *s.pool));
   EXPECT_EQ(s.mem->Download(back, data.size()), data);
@@ -159,16 +175,11 @@ TEST(StagingHost, DeviceErrorMidStreamCommitsNothing) {
   Staging s = HostStaging();
   auto* host = static_cast<HostCopyEngine*>(s.engine.get());
   auto data = RandomBytes(1 << 20, 3);
-  std::byte* dev = s.mem->Alloc(data.size());
-  s.mem->Upload(dev, data);
+  std::byte* dev = s.OnDevice(data);
   host->FailAfter(4);  // the fifth 96 KiB copy fails
-  {
-    auto w = std::move(s.repo->BeginCheckpoint("broken", {0, 1, 1, {}})).value();
-    Status st = PutShardFromDevice(*w, {{"x", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev},
-                                   *s.engine, *s.pool);
-    EXPECT_FALSE(st.ok());
-    EXPECT_NE(st.message().find("device"), std::string::npos) << st.ToString();
-  }
+  auto r = SaveStreaming(*s.repo, "broken", {0, 1, 1, {}}, {Bytes("x", dev, data.size())}, *s.engine, *s.pool);
+  EXPECT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("device"), std::string::npos) << r.status().ToString();
   EXPECT_TRUE(s.repo->ListCheckpoints(true)->empty());
 }
 
@@ -176,29 +187,21 @@ TEST(StagingHost, FailingPackWriteIsReportedAndNothingCommitted) {
   // A save whose packs cannot be written: the repository's pack directory is
   // replaced by a file, so creating a pack fails.
   Staging s = HostStaging();
-  std::filesystem::remove_all(s.dir / "objects/packs");
-  std::ofstream(s.dir / "objects/packs") << "not a directory";
+  s.BreakPacks();
   auto data = RandomBytes(300 << 10, 4);
-  std::byte* dev = s.mem->Alloc(data.size());
-  s.mem->Upload(dev, data);
-  auto w = std::move(s.repo->BeginCheckpoint("nopacks", {0, 1, 1, {}})).value();
-  Status put = PutShardFromDevice(*w, {{"x", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev},
-                                  *s.engine, *s.pool);
-  auto r = put.ok() ? w->Commit().Wait() : Result<CommitResult>(put);
+  auto r = SaveStreaming(*s.repo, "nopacks", {0, 1, 1, {}}, {Bytes("x", s.OnDevice(data), data.size())}, *s.engine,
+                         *s.pool);
   EXPECT_FALSE(r.ok());
   EXPECT_TRUE(s.repo->ListCheckpoints(true)->empty());
 }
 
 TEST(StagingHost, SnapshotWhosePacksCannotBeWrittenFailsThroughItsHandle) {
   Staging s = HostStaging();
-  std::filesystem::remove_all(s.dir / "objects/packs");
-  std::ofstream(s.dir / "objects/packs") << "not a directory";
+  s.BreakPacks();
   auto data = RandomBytes(2 << 20, 12);
-  std::byte* dev = s.mem->Alloc(data.size());
-  s.mem->Upload(dev, data);
   SnapshotBuffer buffer(*s.engine);
-  auto h = SaveSnapshot(*s.repo, "nopacks", {0, 1, 1, {}},
-                        {{{"x", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev}}, *s.engine, buffer);
+  auto h = SaveSnapshot(*s.repo, "nopacks", {0, 1, 1, {}}, {Bytes("x", s.OnDevice(data), data.size())}, *s.engine,
+                        buffer);
   ASSERT_OK(h);  // the copies succeeded: training goes on
   auto r = h->Wait();
   EXPECT_FALSE(r.ok());
@@ -209,12 +212,8 @@ TEST(StagingHost, SnapshotWhosePacksCannotBeWrittenFailsThroughItsHandle) {
 TEST(StagingHost, CorruptChunkOnLoadIsReported) {
   Staging s = HostStaging();
   auto data = RandomBytes(512 << 10, 5);
-  std::byte* dev = s.mem->Alloc(data.size());
-  s.mem->Upload(dev, data);
-  auto w = std::move(s.repo->BeginCheckpoint("c", {0, 1, 1, {}})).value();
-  ASSERT_OK(PutShardFromDevice(*w, {{"x", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev},
-                               *s.engine, *s.pool));
-  ASSERT_OK(w->Commit().Wait());
+  ASSERT_OK(
+      SaveStreaming(*s.repo, "c", {0, 1, 1, {}}, {Bytes("x", s.OnDevice(data), data.size())}, *s.engine, *s.pool));
   s.repo.reset();
   for (const auto& e : std::filesystem::directory_iterator(s.dir / "objects/packs")) {
     std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
@@ -231,12 +230,9 @@ TEST(StagingHost, CorruptChunkOnLoadIsReported) {
 TEST(StagingHost, SnapshotReturnsBeforeDurableAndIsIsolatedFromLaterWrites) {
   Staging s = HostStaging();
   auto data = RandomBytes(16 << 20, 6);
-  std::byte* dev = s.mem->Alloc(data.size());
-  s.mem->Upload(dev, data);
+  std::byte* dev = s.OnDevice(data);
   SnapshotBuffer buffer(*s.engine);
-  auto handle = SaveSnapshot(*s.repo, "snap", {0, 1, 1, {}},
-                             {{{"w", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev}}, *s.engine,
-                             buffer);
+  auto handle = SaveSnapshot(*s.repo, "snap", {0, 1, 1, {}}, {Bytes("w", dev, data.size())}, *s.engine, buffer);
   ASSERT_OK(handle);
   // Training may now modify its tensors: the snapshot must not see it.
   std::memset(dev, 0, data.size());
@@ -244,10 +240,7 @@ TEST(StagingHost, SnapshotReturnsBeforeDurableAndIsIsolatedFromLaterWrites) {
   ASSERT_OK(r);
   EXPECT_TRUE(handle->durable());
   EXPECT_GT(handle->total_time(), handle->blocking_time());
-  auto reader = std::move(s.repo->OpenCheckpoint("snap")).value();
-  std::vector<std::byte> got(data.size());
-  ASSERT_OK(reader->ReadBytes(*reader->FindTensor("w"), 0, got));
-  EXPECT_EQ(got, data);
+  EXPECT_EQ(s.Saved("snap", "w"), data);
 }
 
 TEST(StagingHost, SnapshotBufferIsReusedAndOneSnapshotUsesItAtATime) {
@@ -276,16 +269,10 @@ TEST(StagingHost, SnapshotBufferIsReusedAndOneSnapshotUsesItAtATime) {
   for (auto& h : handles) ASSERT_OK(h.Wait());
   EXPECT_EQ(host->pinned_allocations(), before + 1);  // one allocation, reused by every snapshot
   EXPECT_EQ(buffer.capacity(), 16u << 20);
-  for (int i = 0; i < 3; ++i) {
-    auto reader = std::move(s.repo->OpenCheckpoint("step" + std::to_string(i))).value();
-    std::vector<std::byte> got(16 << 20);
-    ASSERT_OK(reader->ReadBytes(*reader->FindTensor("w"), 0, got));
-    EXPECT_EQ(got, states[i]) << "snapshot " << i;
-  }
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(s.Saved("step" + std::to_string(i), "w"), states[i]) << "snapshot " << i;
   // A larger snapshot grows the buffer once.
   std::byte* big = s.mem->Alloc(20 << 20);
-  auto h = SaveSnapshot(*s.repo, "big", {0, 1, 3, {}},
-                        {{{"b", DType::kU8, {20 << 20}}, Region::OfFlat(0, 20 << 20), big}}, *s.engine, buffer);
+  auto h = SaveSnapshot(*s.repo, "big", {0, 1, 3, {}}, {Bytes("b", big, 20 << 20)}, *s.engine, buffer);
   ASSERT_OK(h);
   ASSERT_OK(h->Wait());
   EXPECT_EQ(host->pinned_allocations(), before + 2);
@@ -299,9 +286,7 @@ TEST(StagingHost, SnapshotDeviceErrorReturnsAndCommitsNothing) {
   std::byte* a = s.mem->Alloc(1 << 20);
   std::byte* b = s.mem->Alloc(1 << 20);
   host->FailAfter(1);  // the second shard's copy fails
-  auto h = SaveSnapshot(*s.repo, "broken", {0, 1, 1, {}},
-                        {{{"a", DType::kU8, {1 << 20}}, Region::OfFlat(0, 1 << 20), a},
-                         {{"b", DType::kU8, {1 << 20}}, Region::OfFlat(0, 1 << 20), b}},
+  auto h = SaveSnapshot(*s.repo, "broken", {0, 1, 1, {}}, {Bytes("a", a, 1 << 20), Bytes("b", b, 1 << 20)},
                         *s.engine, buffer);
   ASSERT_FALSE(h.ok());
   EXPECT_NE(h.status().message().find("snapshot copy"), std::string::npos) << h.status().ToString();
@@ -332,21 +317,15 @@ TEST(StagingGpu, SnapshotIsReleasedBeforeDurable) {
   if (!CudaAvailable(&why)) GTEST_SKIP() << "GPU test skipped: " << why;
   Staging s(std::move(NewCudaCopyEngine(0)).value(), std::make_unique<CudaMemory>());
   auto data = RandomBytes(64 << 20, 8);
-  std::byte* dev = s.mem->Alloc(data.size());
-  s.mem->Upload(dev, data);
+  std::byte* dev = s.OnDevice(data);
   SnapshotBuffer buffer(*s.engine);
-  auto handle = SaveSnapshot(*s.repo, "snap", {0, 1, 1, {}},
-                             {{{"w", DType::kU8, {data.size()}}, Region::OfFlat(0, data.size()), dev}}, *s.engine,
-                             buffer);
+  auto handle = SaveSnapshot(*s.repo, "snap", {0, 1, 1, {}}, {Bytes("w", dev, data.size())}, *s.engine, buffer);
   ASSERT_OK(handle);
   EXPECT_FALSE(handle->durable());  // 64 MiB cannot be hashed and written in the copy's time
   ASSERT_EQ(cudaMemset(dev, 0, data.size()), cudaSuccess);
   ASSERT_OK(handle->Wait());
   EXPECT_GT(handle->total_time(), handle->blocking_time());
-  auto reader = std::move(s.repo->OpenCheckpoint("snap")).value();
-  std::vector<std::byte> got(data.size());
-  ASSERT_OK(reader->ReadBytes(*reader->FindTensor("w"), 0, got));
-  EXPECT_EQ(got, data);
+  EXPECT_EQ(s.Saved("snap", "w"), data);
 }
 TEST(StagingGpu, StagingThroughputIsReported) {
   // Reported, not asserted (tools/bench/gpu_bench measures it properly).

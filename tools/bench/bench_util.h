@@ -28,6 +28,12 @@ inline void Check(const Status& st, const char* what) {
   }
 }
 
+// Seconds from `since` to `until` (now by default).
+inline double Seconds(std::chrono::steady_clock::time_point since,
+                      std::chrono::steady_clock::time_point until = std::chrono::steady_clock::now()) {
+  return std::chrono::duration<double>(until - since).count();
+}
+
 // Drops the page cache (needs root); false when it could not.
 inline bool DropCaches() {
   ::sync();
@@ -58,7 +64,7 @@ inline double TimedWrite(const std::string& path, const std::vector<std::span<co
   }
   ::fsync(fd);
   ::close(fd);
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return Seconds(t0);
 }
 
 // Reads `path` sequentially in `piece`-byte read()s and returns the seconds
@@ -81,7 +87,7 @@ inline double TimedRead(const std::string& path, uint64_t expect, size_t piece, 
     total += static_cast<uint64_t>(n);
   }
   ::close(fd);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double seconds = Seconds(t0);
   if (n < 0 || total != expect) {
     std::fprintf(stderr, "read of %s failed after %llu bytes\n", path.c_str(), static_cast<unsigned long long>(total));
     std::exit(1);

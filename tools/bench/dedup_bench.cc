@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
     }
     auto res = w->Commit().Wait();
     Check(res.status(), "commit");
-    double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    double s = bench::Seconds(t0);
     times.push_back(s);
     logical += res->logical_bytes;
     std::printf("save %2d: %6.2f s (%.2fx of the first), %8.1f MiB new stored\n", step, s, s / times[0],
@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
   auto r = repo->CollectGarbage(gc);
   Check(r.status(), "gc");
   std::printf("gc --keep-last 3: %.2f s, removed %zu checkpoints, reclaimed %.1f MiB, rewrote %llu packs\n",
-              std::chrono::duration<double>(Clock::now() - t0).count(), r->removed.size(),
+              bench::Seconds(t0), r->removed.size(),
               r->bytes_reclaimed() / double(1 << 20), static_cast<unsigned long long>(r->packs_rewritten));
   repo.reset();
   std::filesystem::remove_all(repo_dir);

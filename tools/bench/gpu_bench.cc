@@ -23,11 +23,10 @@
 #endif
 
 using namespace ckptfs;
+using bench::Seconds;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-double Seconds(Clock::time_point since) { return std::chrono::duration<double>(Clock::now() - since).count(); }
 
 // Device memory of the engine under test.
 struct DeviceBuffer {
@@ -167,9 +166,10 @@ int main(int argc, char** argv) {
     Check(Repository::Init(repo_dir, {}), "init");
     repo = std::move(Repository::Open(repo_dir)).value();
     t0 = Clock::now();
-    auto w = std::move(repo->BeginCheckpoint("stream", {0, 1, 2, {}})).value();
-    Check(gpu::PutShardFromDevice(*w, {info, Region::OfFlat(0, bytes / 2), dev.p}, *engine, *pool), "put");
-    Check(w->Commit().Wait().status(), "commit");
+    Check(gpu::SaveStreaming(*repo, "stream", {0, 1, 2, {}}, {{info, Region::OfFlat(0, bytes / 2), dev.p}}, *engine,
+                             *pool)
+              .status(),
+          "streaming save");
     const double t_save = Seconds(t0);
     bench::DropCaches();
     auto reader = std::move(repo->OpenCheckpoint("stream")).value();

@@ -27,6 +27,7 @@ using namespace ckptfs;
 using bench::Check;
 using bench::DropCaches;
 using bench::Median;
+using bench::Seconds;
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -40,8 +41,6 @@ struct Options {
   int level = 1;
   bool adaptive = true;
 };
-
-double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
 struct Tensor {
   TensorInfo info;
@@ -195,7 +194,7 @@ int main(int argc, char** argv) {
       });
     }
     for (auto& t : ranks) t.join();
-    double ts = Seconds(t0, Clock::now());
+    double ts = Seconds(t0);
     parts.clear();
 
     // Stored bytes, overall and for the bf16 weights.
@@ -238,7 +237,7 @@ int main(int argc, char** argv) {
       });
     }
     for (auto& t : loaders) t.join();
-    double tl = Seconds(t1, Clock::now());
+    double tl = Seconds(t1);
     for (int r = 0; r < o.load_ranks; ++r) {
       for (size_t i = 0; i < state.size(); ++i) {
         if (loaded[r][i] != Extract(state[i], RankRegion(state[i], r, o.load_ranks))) {
