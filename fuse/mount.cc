@@ -99,8 +99,11 @@ class Filesystem {
         ino = kLatestIno;
       } else {
         auto view = ViewOf(n);
-        if (!view) return (void)fuse_reply_err(req, ENOENT);
-        ino = InodeFor(Kind::kCheckpoint, view, 0);
+        if (!view.ok()) {
+          if (view.status().IsNotFound()) return (void)fuse_reply_err(req, ENOENT);
+          return ReplyError(req, view.status());  // damaged records: EIO, logged
+        }
+        ino = InodeFor(Kind::kCheckpoint, *view, 0);
       }
     } else if (node->kind == Kind::kCheckpoint) {
       const auto& v = node->view;
@@ -176,8 +179,10 @@ class Filesystem {
       if (!list.ok()) return ReplyError(req, list.status());
       if (!list->empty()) entries->push_back({"latest", kLatestIno, S_IFLNK});
       for (const auto& c : *list) {
+        // A checkpoint whose records are damaged is left out of the listing;
+        // looking it up gives EIO with the reason in the log.
         auto view = ViewOf(c);
-        if (view) entries->push_back({c.name, InodeFor(Kind::kCheckpoint, view, 0), S_IFDIR});
+        if (view.ok()) entries->push_back({c.name, InodeFor(Kind::kCheckpoint, *view, 0), S_IFDIR});
       }
     } else if (node->kind == Kind::kCheckpoint) {
       const auto& v = node->view;
@@ -381,16 +386,18 @@ class Filesystem {
   // The view of committed checkpoint `name`, built on first use and kept
   // while its commit sequence is unchanged. Reads the catalog only, never
   // tensor data; an unchanged checkpoint costs one catalog lookup.
-  std::shared_ptr<CheckpointView> ViewOf(const std::string& name) {
+  // NotFound when no committed checkpoint has that name; Corruption when
+  // its records are damaged.
+  Result<std::shared_ptr<CheckpointView>> ViewOf(const std::string& name) {
     auto record = repo_->GetCheckpoint(name);
     if (!record.ok()) {
       DropView(name);
-      return nullptr;
+      return record.status();
     }
     return ViewOf(*record);
   }
 
-  std::shared_ptr<CheckpointView> ViewOf(const CheckpointRecord& record) {
+  Result<std::shared_ptr<CheckpointView>> ViewOf(const CheckpointRecord& record) {
     const std::string& name = record.name;
     {
       std::lock_guard lock(views_mu_);
@@ -400,7 +407,7 @@ class Filesystem {
     auto reader = repo_->OpenCheckpoint(name);
     if (!reader.ok()) {
       DropView(name);
-      return nullptr;
+      return reader.status();
     }
     auto v = std::make_shared<CheckpointView>();
     v->name = name;

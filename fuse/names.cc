@@ -1,8 +1,8 @@
 #include "names.h"
 
-#include <xxhash.h>
-
 #include <cstdio>
+
+#include "core/chunk_id.h"
 
 namespace ckptfs::mount {
 
@@ -11,7 +11,8 @@ std::string FileNameFor(std::string_view name, std::string_view suffix) {
   for (size_t i = 0; i < name.size(); ++i) {
     unsigned char c = static_cast<unsigned char>(name[i]);
     bool dot_name = i == 0 && c == '.' && (name == "." || name == "..");
-    if (c == '%' || c == '/' || c < 0x20 || c == 0x7f || dot_name) {
+    // '~' is escaped so that only shortened names hold one.
+    if (c == '%' || c == '/' || c == '~' || c < 0x20 || c == 0x7f || dot_name) {
       char buf[4];
       std::snprintf(buf, sizeof buf, "%%%02X", c);
       out += buf;
@@ -22,7 +23,7 @@ std::string FileNameFor(std::string_view name, std::string_view suffix) {
   if (out.size() + suffix.size() > 255) {
     char hash[20];
     std::snprintf(hash, sizeof hash, "~%016llx",
-                  static_cast<unsigned long long>(XXH3_64bits(name.data(), name.size())));
+                  static_cast<unsigned long long>(Checksum64(std::as_bytes(std::span(name.data(), name.size())))));
     out.resize(200);
     out += hash;
   }

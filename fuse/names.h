@@ -7,7 +7,8 @@
 
 namespace ckptfs::mount {
 
-// '%' -> "%25", '/' -> "%2F", bytes below 0x20 and 0x7F -> "%XX"; a name
+// '%' -> "%25", '/' -> "%2F", '~' -> "%7E", bytes below 0x20 and 0x7F ->
+// "%XX"; a name
 // that is "." or ".." has its first '.' written "%2E". Names whose escaped
 // form (plus `suffix`) would exceed 255 bytes keep their first 200 bytes,
 // then '~' and 16 hex digits of a hash: unique but not reversible; the

@@ -3,7 +3,8 @@
 # demo or the whole test suite.
 #
 #   tools/dev.sh demo   set up, build, and run the demo on a local repository
-#   tools/dev.sh test   set up, build (plain, ASan+UBSan, TSan), and run every test
+#   tools/dev.sh test   set up, build (plain, ASan+UBSan, TSan, fuzz), and run every
+#                       test, then each fuzz target for 20 s
 #   tools/dev.sh build  set up and build (build/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,12 +32,13 @@ case "$cmd" in
     ;;
   test)
     setup
-    configure_build build
+    # Tests on explicitly: the demo configures the same build/ without them.
+    configure_build build -DCKPTFS_BUILD_TESTS=ON
     echo "== tests (release build)"
-    ctest --test-dir build --output-on-failure -j "$JOBS" -LE gpu
+    ctest --test-dir build --output-on-failure --no-tests=error -j "$JOBS" -LE gpu
     echo "== GPU tests (label gpu; where no GPU is usable, each says so and is skipped)"
     gpu_log=$(mktemp)
-    if ! ctest --test-dir build --output-on-failure -L gpu -V >"$gpu_log" 2>&1; then
+    if ! ctest --test-dir build --output-on-failure --no-tests=error -L gpu -V >"$gpu_log" 2>&1; then
       cat "$gpu_log"
       exit 1
     fi
@@ -45,11 +47,13 @@ case "$cmd" in
     echo "== engine unit tests under ASan+UBSan"
     configure_build build-asan -DCKPTFS_SANITIZE=ON -DCKPTFS_UNIT_TESTS_ONLY=ON
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-      ctest --test-dir build-asan --output-on-failure -j "$JOBS" -L unit
+      ctest --test-dir build-asan --output-on-failure --no-tests=error -j "$JOBS" -L unit
     echo "== engine unit tests under TSan"
     configure_build build-tsan -DCKPTFS_SANITIZE_THREAD=ON -DCKPTFS_UNIT_TESTS_ONLY=ON
     TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
-      ctest --test-dir build-tsan --output-on-failure -j "$JOBS" -L unit
+      ctest --test-dir build-tsan --output-on-failure --no-tests=error -j "$JOBS" -L unit
+    echo "== fuzz targets, 20 s each (clang-16, ASan+UBSan)"
+    bash tools/fuzz.sh 20
     ;;
   *)
     echo "usage: tools/dev.sh demo|test|build" >&2

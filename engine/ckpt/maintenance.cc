@@ -36,7 +36,13 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
   std::unordered_map<ChunkId, ChunkUse, ChunkIdHash> chunks;
   DirectFetcher direct(impl_->backend.get(), [this](const ChunkId& id) { return impl_->LookupChunk(id); });
   for (const auto& n : names) {
-    ASSIGN_OR_RETURN(auto reader, OpenCheckpoint(n));
+    auto opened = OpenCheckpoint(n);
+    if (!opened.ok() && opened.status().IsCorruption()) {
+      // A damaged record is one problem; the other checkpoints still count.
+      report.problems.push_back({n, "catalog", opened.status().message()});
+      continue;
+    }
+    ASSIGN_OR_RETURN(auto reader, std::move(opened));
     ++report.checkpoints;
     for (const auto& t : reader->tensors()) {
       ++report.tensors;
@@ -98,6 +104,18 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
     });
   }));
   RETURN_IF_ERROR(inner);
+  if (!name) {
+    // Manifests are what reindex rebuilds from: one that does not decode
+    // would be skipped there, so it is a problem here.
+    ASSIGN_OR_RETURN(auto manifest_keys, impl_->backend->List(keys::kManifestPrefix));
+    for (const auto& key : manifest_keys) {
+      std::string checkpoint;
+      if (!keys::ParseManifestObject(key, &checkpoint)) continue;
+      auto data = impl_->backend->ReadAll(key);
+      Status st = data.ok() ? DecodeManifest(*data).status() : data.status();
+      if (!st.ok()) report.problems.push_back({checkpoint, "manifest " + key, st.message()});
+    }
+  }
 
   uint64_t total_bytes = 0;
   for (const auto& it : items) total_bytes += it.loc.raw_len;

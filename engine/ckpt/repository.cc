@@ -65,7 +65,9 @@ Status DecodePackInfo(std::string_view data, uint64_t* size, uint64_t* chunks) {
   RETURN_IF_ERROR(d.U8(&v));
   if (v != 1) return Status::Corruption("pack record has unknown version");
   RETURN_IF_ERROR(d.Varint(size));
-  return d.Varint(chunks);
+  RETURN_IF_ERROR(d.Varint(chunks));
+  if (!d.done()) return Status::Corruption("pack record has trailing bytes");
+  return Status::OK();
 }
 
 uint64_t NowUnixMs() {
@@ -118,7 +120,7 @@ Json ConfigToJson(const RepositoryConfig& c) {
 }
 
 Status ValidateConfig(const RepositoryConfig& c) {
-  if (c.chunk_size % 8 != 0 || c.chunk_size < (64 << 10) || c.chunk_size > (256u << 20)) {
+  if (c.chunk_size % 8 != 0 || c.chunk_size < (64 << 10) || c.chunk_size > kMaxChunkSize) {
     return Status::InvalidArgument("chunk size must be a multiple of 8 between 64 KiB and 256 MiB");
   }
   if (c.pack_size < c.chunk_size) return Status::InvalidArgument("pack size must be at least the chunk size");

@@ -9,6 +9,7 @@
 #endif
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #include "core/encoding.h"
 
@@ -303,8 +304,13 @@ Result<Codec> ChunkEncoder::Encode(std::span<const std::byte> raw, DType dtype, 
 
 namespace {
 Status ZstdDecode(std::span<const std::byte> in, std::span<std::byte> out) {
-  thread_local ZSTD_DCtx* dctx = ZSTD_createDCtx();
-  size_t n = ZSTD_decompressDCtx(dctx, out.data(), out.size(), in.data(), in.size());
+  // One context per thread, freed when the thread exits.
+  struct FreeDCtx {
+    void operator()(ZSTD_DCtx* c) const { ZSTD_freeDCtx(c); }
+  };
+  thread_local std::unique_ptr<ZSTD_DCtx, FreeDCtx> dctx(ZSTD_createDCtx());
+  if (!dctx) return Status::ResourceExhausted("cannot allocate a zstd decompression context");
+  size_t n = ZSTD_decompressDCtx(dctx.get(), out.data(), out.size(), in.data(), in.size());
   if (ZSTD_isError(n)) {
     return Status::Corruption(std::string("zstd frame does not decode: ") + ZSTD_getErrorName(n));
   }
@@ -334,6 +340,9 @@ Status DecodeChunk(Codec codec, std::span<const std::byte> stored, std::span<std
       RETURN_IF_ERROR(d.U8(&mask));
       if (width != 2 && width != 4 && width != 8) {
         return Status::Corruption("byte-grouped chunk has element width " + std::to_string(width));
+      }
+      if (width < 8 && (mask >> width) != 0) {
+        return Status::Corruption("byte-grouped chunk marks planes beyond its width");
       }
       uint32_t sizes[8];
       uint64_t total = 2 + 4 * width;

@@ -14,6 +14,9 @@
 
 #include "core/status.h"
 
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "ckptfs's on-disk formats are little-endian and are encoded with plain copies");
+
 namespace ckptfs {
 
 class Encoder {
@@ -50,13 +53,17 @@ class Decoder {
   Status U8(uint8_t* v) { return Fixed(v, 1); }
   Status U32(uint32_t* v) { return Fixed(v, 4); }
   Status U64(uint64_t* v) { return Fixed(v, 8); }
+  // Only the encoder's own (shortest) form is accepted: a value has one
+  // encoding, so a record that decodes re-encodes to the same bytes.
   Status Varint(uint64_t* v) {
     uint64_t r = 0;
     for (int shift = 0; shift <= 63; shift += 7) {
       if (p_ == end_) return Truncated();
       uint8_t b = static_cast<uint8_t>(*p_++);
+      if (shift == 63 && b > 1) return Status::Corruption("varint overflows 64 bits");
       r |= uint64_t{b & 0x7fu} << shift;
       if (!(b & 0x80)) {
+        if (b == 0 && shift > 0) return Status::Corruption("varint is not in its shortest form");
         *v = r;
         return Status::OK();
       }

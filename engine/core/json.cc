@@ -1,8 +1,10 @@
 #include "core/json.h"
 
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <unordered_set>
 
 namespace ckptfs {
@@ -18,6 +20,23 @@ Json::Json(int64_t v) : type_(Type::kNumber), double_(static_cast<double>(v)) {
 }
 Json::Json(uint64_t v) : type_(Type::kNumber), is_uint_(true), uint_(v), double_(static_cast<double>(v)) {}
 Json::Json(double v) : type_(Type::kNumber), double_(v) {}
+
+bool Json::operator==(const Json& o) const {
+  if (type_ != o.type_) return false;
+  switch (type_) {
+    case Type::kNull: return true;
+    case Type::kBool: return bool_ == o.bool_;
+    case Type::kNumber:
+      if (is_uint_ != o.is_uint_ || is_int_ != o.is_int_) return false;
+      if (is_uint_) return uint_ == o.uint_;
+      if (is_int_) return int_ == o.int_;
+      return std::memcmp(&double_, &o.double_, sizeof double_) == 0;  // tells -0.0 from 0.0
+    case Type::kString: return string_ == o.string_;
+    case Type::kArray: return array_ == o.array_;
+    case Type::kObject: return object_ == o.object_;
+  }
+  return false;
+}
 
 const Json* Json::Find(std::string_view key) const {
   if (type_ != Type::kObject) return nullptr;
@@ -90,9 +109,14 @@ void Json::DumpTo(std::string& out, int indent, int level) const {
       } else if (!std::isfinite(double_)) {
         out += "null";
       } else {
-        char buf[32];
-        std::snprintf(buf, sizeof buf, "%.17g", double_);
-        out += buf;
+        // Shortest form that reads back as the same double, whatever the
+        // locale; always with a '.' or an exponent, so it parses back as a
+        // double and not as an integer ("-0.0", "3.0").
+        char buf[64];
+        auto [end, ec] = std::to_chars(buf, buf + sizeof buf, double_);
+        std::string_view text(buf, ec == std::errc() ? static_cast<size_t>(end - buf) : 0);
+        out += text;
+        if (text.find_first_of(".e") == std::string_view::npos) out += ".0";
       }
       break;
     case Type::kString: AppendJsonString(out, string_); break;
@@ -172,37 +196,88 @@ class Parser {
     return Error(std::string("unexpected character '") + c + "'");
   }
 
+  // The power of ten of a well-formed number's first non-zero digit
+  // ("123" -> 2, "0.05" -> -2, "1e400" -> 400), saturating; a zero gives a
+  // large negative value.
+  static int64_t DecimalExponent(const char* first, const char* last) {
+    constexpr int64_t kLimit = int64_t{1} << 40;
+    std::string_view text(first, static_cast<size_t>(last - first));
+    if (!text.empty() && text[0] == '-') text.remove_prefix(1);
+    const size_t e = std::min(text.find_first_of("eE"), text.size());
+    const std::string_view mantissa = text.substr(0, e);
+    const size_t point = std::min(mantissa.find('.'), mantissa.size());
+    const std::string_view int_part = mantissa.substr(0, point);
+    const std::string_view frac_part = point < mantissa.size() ? mantissa.substr(point + 1) : std::string_view();
+    int64_t position;
+    if (size_t i = int_part.find_first_not_of('0'); i != std::string_view::npos) {
+      position = static_cast<int64_t>(int_part.size() - 1 - i);
+    } else if (size_t j = frac_part.find_first_not_of('0'); j != std::string_view::npos) {
+      position = -static_cast<int64_t>(j + 1);
+    } else {
+      return -kLimit;
+    }
+    int64_t exponent = 0;
+    if (e < text.size()) {
+      std::string_view digits = text.substr(e + 1);
+      const bool negative = !digits.empty() && digits[0] == '-';
+      if (!digits.empty() && (digits[0] == '+' || digits[0] == '-')) digits.remove_prefix(1);
+      for (char c : digits) exponent = std::min(kLimit, exponent * 10 + (c - '0'));
+      if (negative) exponent = -exponent;
+    }
+    return position + exponent;
+  }
+
+  // RFC 8259 numbers: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?, converted
+  // with std::from_chars (independent of the locale). Integers that fit are
+  // kept exact; "-0" is the double -0.0; a number beyond the range of a
+  // double is an error, so every parsed number is finite.
   Status ParseNumber(Json& out) {
-    size_t start = pos_;
+    const size_t start = pos_;
+    auto digits = [&] {
+      size_t from = pos_;
+      while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_;
+      return pos_ - from;
+    };
     bool neg = false, is_integer = true;
     if (s_[pos_] == '-') { neg = true; ++pos_; }
-    if (pos_ >= s_.size() || !(s_[pos_] >= '0' && s_[pos_] <= '9')) return Error("malformed number");
-    while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_;
+    const size_t int_start = pos_;
+    const size_t int_digits = digits();
+    if (int_digits == 0) return Error("malformed number");
+    if (int_digits > 1 && s_[int_start] == '0') return Error("number with a leading zero");
     if (pos_ < s_.size() && s_[pos_] == '.') {
       is_integer = false;
       ++pos_;
-      if (pos_ >= s_.size() || !(s_[pos_] >= '0' && s_[pos_] <= '9')) return Error("malformed number");
-      while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_;
+      if (digits() == 0) return Error("malformed number");
     }
     if (pos_ < s_.size() && (s_[pos_] == 'e' || s_[pos_] == 'E')) {
       is_integer = false;
       ++pos_;
       if (pos_ < s_.size() && (s_[pos_] == '+' || s_[pos_] == '-')) ++pos_;
-      if (pos_ >= s_.size() || !(s_[pos_] >= '0' && s_[pos_] <= '9')) return Error("malformed number");
-      while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_;
+      if (digits() == 0) return Error("malformed number");
     }
-    std::string text(s_.substr(start, pos_ - start));
-    if (is_integer) {
-      errno = 0;
+    const char* first = s_.data() + start;
+    const char* last = s_.data() + pos_;
+    if (is_integer && !(neg && int_digits == 1 && s_[int_start] == '0')) {
       if (neg) {
-        long long v = std::strtoll(text.c_str(), nullptr, 10);
-        if (errno == 0) { out = Json(static_cast<int64_t>(v)); return Status::OK(); }
+        int64_t v = 0;
+        auto [p, ec] = std::from_chars(first, last, v);
+        if (ec == std::errc() && p == last) { out = Json(v); return Status::OK(); }
       } else {
-        unsigned long long v = std::strtoull(text.c_str(), nullptr, 10);
-        if (errno == 0) { out = Json(static_cast<uint64_t>(v)); return Status::OK(); }
+        uint64_t v = 0;
+        auto [p, ec] = std::from_chars(first, last, v);
+        if (ec == std::errc() && p == last) { out = Json(v); return Status::OK(); }
       }
     }
-    out = Json(std::strtod(text.c_str(), nullptr));
+    double d = 0;
+    auto [p, ec] = std::from_chars(first, last, d);
+    if (ec == std::errc::result_out_of_range) {
+      // Too large is an error (no finite value); too small is a zero.
+      if (DecimalExponent(first, last) > 0) return Error("number out of range");
+      d = neg ? -0.0 : 0.0;
+    } else if (ec != std::errc() || p != last) {
+      return Error("malformed number");
+    }
+    out = Json(d);
     return Status::OK();
   }
 

@@ -55,6 +55,10 @@ class Json {
   Array& as_array() { return array_; }
   const Object& as_object() const { return object_; }
 
+  // Same type and value; numbers compare as the kind they were parsed or
+  // built as (an integer 1 differs from the double 1.0), doubles bitwise.
+  bool operator==(const Json& o) const;
+
   // Object access: nullptr when absent (or not an object).
   const Json* Find(std::string_view key) const;
   Json* Find(std::string_view key) { return const_cast<Json*>(std::as_const(*this).Find(key)); }

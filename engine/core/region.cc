@@ -42,9 +42,11 @@ uint64_t Box::NumElements() const {
 std::string Box::ToString() const {
   std::ostringstream os;
   os << '[';
-  for (size_t i = 0; i < offsets.size(); ++i) {
+  // Safe on a malformed box too (it may describe one in an error message).
+  for (size_t i = 0; i < std::min(offsets.size(), lengths.size()); ++i) {
     os << (i ? ", " : "") << offsets[i] << ':' << offsets[i] + lengths[i];
   }
+  if (offsets.size() != lengths.size()) os << (offsets.empty() ? "" : ", ") << "rank mismatch";
   os << ']';
   return os.str();
 }

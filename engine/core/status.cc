@@ -1,5 +1,8 @@
 #include "core/status.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 #include <cerrno>
 #include <cstring>
 
@@ -53,5 +56,12 @@ Status Status::WithContext(std::string_view context) const {
   if (ok()) return *this;
   return Status(rep_->code, std::string(context) + ": " + rep_->message);
 }
+
+namespace internal {
+void DieOnValueOfError(const Status& status) {
+  std::fprintf(stderr, "ckptfs: value() called on an error result: %s\n", status.ToString().c_str());
+  std::abort();
+}
+}  // namespace internal
 
 }  // namespace ckptfs

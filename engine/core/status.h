@@ -71,6 +71,11 @@ class [[nodiscard]] Status {
   std::shared_ptr<const Rep> rep_;  // null means OK: copying OK is free
 };
 
+namespace internal {
+// Prints "value() called on an error result: <status>" and aborts.
+[[noreturn]] void DieOnValueOfError(const Status& status);
+}  // namespace internal
+
 // Holds a T or a non-OK Status.
 template <typename T>
 class [[nodiscard]] Result {
@@ -83,15 +88,20 @@ class [[nodiscard]] Result {
 
   bool ok() const { return value_.has_value(); }
   const Status& status() const { return status_; }
-  T& value() & { assert(ok()); return *value_; }
-  const T& value() const& { assert(ok()); return *value_; }
-  T&& value() && { assert(ok()); return std::move(*value_); }
+  // The value; calling these on an error is a bug, which stops the process
+  // with the error's message in every build (never undefined behaviour).
+  T& value() & { CheckOk(); return *value_; }
+  const T& value() const& { CheckOk(); return *value_; }
+  T&& value() && { CheckOk(); return std::move(*value_); }
   T* operator->() { return &value(); }
   const T* operator->() const { return &value(); }
   T& operator*() & { return value(); }
   const T& operator*() const& { return value(); }
 
  private:
+  void CheckOk() const {
+    if (!ok()) [[unlikely]] internal::DieOnValueOfError(status_);
+  }
   Status status_;
   std::optional<T> value_;
 };

@@ -74,6 +74,69 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t
   return h;
 }
 
+Result<std::vector<SafetensorsShard>> ShardsOfSafetensors(const SafetensorsHeader& header) {
+  std::vector<SafetensorsShard> out;
+  out.reserve(header.tensors.size());
+  for (size_t i = 0; i < header.tensors.size(); ++i) {
+    const SafetensorsTensor& t = header.tensors[i];
+    out.push_back({i, t.shape, Region::OfBox(FullBox(t.shape))});
+  }
+  const std::string* map_text = nullptr;
+  for (const auto& [k, v] : header.metadata) {
+    if (k == kShardsMetadataKey) map_text = &v;
+  }
+  if (map_text == nullptr) return out;
+  auto bad = [](const std::string& what) {
+    return Status::InvalidArgument(std::string("__metadata__ \"") + kShardsMetadataKey + "\": " + what);
+  };
+  auto j = Json::Parse(*map_text);
+  if (!j.ok()) return bad(j.status().message());
+  if (!j->is_object()) return bad("is not a JSON object");
+  auto uints = [](const Json& array, std::vector<uint64_t>* v) {
+    if (!array.is_array()) return false;
+    for (const Json& d : array.as_array()) {
+      if (!d.is_uint()) return false;
+      v->push_back(d.as_uint());
+    }
+    return true;
+  };
+  for (const auto& [name, spec] : j->as_object()) {
+    auto bad_tensor = [&](const std::string& what) { return bad("tensor '" + name + "': " + what); };
+    auto it = std::find_if(header.tensors.begin(), header.tensors.end(),
+                           [&](const SafetensorsTensor& t) { return t.name == name; });
+    if (it == header.tensors.end()) return bad("names tensor '" + name + "', which the file does not hold");
+    const SafetensorsTensor& stored = *it;
+    SafetensorsShard& shard = out[static_cast<size_t>(it - header.tensors.begin())];
+    if (!spec.is_object()) return bad_tensor("entry is not an object");
+    const Json* gs = spec.Find("global_shape");
+    const Json* offsets = spec.Find("offsets");
+    const Json* flat = spec.Find("flat_start");
+    shard.global_shape.clear();
+    if (!gs || !uints(*gs, &shard.global_shape)) return bad_tensor("global_shape must be an array of non-negative integers");
+    if ((offsets != nullptr) == (flat != nullptr)) return bad_tensor("needs exactly one of offsets and flat_start");
+    if (offsets) {
+      std::vector<uint64_t> o;
+      if (!uints(*offsets, &o)) return bad_tensor("offsets must be an array of non-negative integers");
+      if (o.size() != shard.global_shape.size() || stored.shape.size() != shard.global_shape.size()) {
+        return bad_tensor("offsets, global_shape and the stored shape " + ShapeToString(stored.shape) +
+                          " must have the same rank");
+      }
+      shard.region = Region::OfBox(Box{std::move(o), stored.shape});
+    } else {
+      if (!flat->is_uint()) return bad_tensor("flat_start must be a non-negative integer");
+      if (stored.shape.size() != 1) {
+        return bad_tensor("is a flat shard but is stored with shape " + ShapeToString(stored.shape) + " (it must be 1-D)");
+      }
+      const uint64_t start = flat->as_uint();
+      if (stored.shape[0] > UINT64_MAX - start) return bad_tensor("flat_start + length overflows");
+      shard.region = Region::OfFlat(start, start + stored.shape[0]);
+    }
+    Status fits = ValidateRegion(shard.global_shape, shard.region);
+    if (!fits.ok()) return bad_tensor(fits.message());
+  }
+  return out;
+}
+
 Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return Status::FromErrno(errno, "opening " + path);

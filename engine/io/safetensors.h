@@ -40,6 +40,28 @@ struct SafetensorsHeader {
 // no two tensors sharing bytes. InvalidArgument names what is wrong.
 Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t data_size);
 
+// The sharded-safetensors convention (docs/FORMAT.md): the __metadata__ key
+// "ckptfs.shards" holds a JSON object mapping tensor names to
+//   {"global_shape": [..], "offsets": [..]}  a box of the global tensor, whose
+//                                             lengths are the stored shape, or
+//   {"global_shape": [..], "flat_start": N}  elements [N, N + len) of the
+//                                             row-major global tensor, stored
+//                                             as a 1-D tensor of len elements.
+inline constexpr const char* kShardsMetadataKey = "ckptfs.shards";
+
+// What one stored tensor of a file contributes to a checkpoint.
+struct SafetensorsShard {
+  size_t tensor = 0;  // index into SafetensorsHeader::tensors
+  Shape global_shape;
+  Region region;      // inside global_shape (validated)
+};
+
+// One entry per tensor of `header`, in its order: the whole tensor when the
+// shard map does not name it. InvalidArgument (naming the tensor) when the
+// map is malformed, names a tensor the header lacks, or describes a region
+// that does not fit its global shape or the stored shape.
+Result<std::vector<SafetensorsShard>> ShardsOfSafetensors(const SafetensorsHeader& header);
+
 // A safetensors file mapped read-only into memory.
 class SafetensorsFile {
  public:

@@ -1,5 +1,11 @@
 #include "meta/lmdb_env.h"
 
+#include <unistd.h>
+
+#include <mutex>
+#include <set>
+#include <tuple>
+
 #include "core/crash_point.h"
 
 #include <lmdb.h>
@@ -77,15 +83,36 @@ Status WriteTxn::Delete(Table t, std::string_view key) {
   return Status::OK();
 }
 
+namespace {
+// The environments this process has open, by (pid, device, inode) of their
+// directory. LMDB must not open one environment twice in a process: the
+// second open re-initialises the shared lock table under the first (both
+// hold the same process's file locks), and closing either one drops the
+// other's reader slots, so readers of the first fail or read garbage at
+// random. The pid makes entries inherited across fork() not count.
+std::mutex open_envs_mu;
+std::set<std::tuple<pid_t, dev_t, ino_t>> open_envs;
+}  // namespace
+
 Result<std::unique_ptr<LmdbEnv>> LmdbEnv::Open(const std::string& dir, bool create,
                                               uint64_t initial_map_size) {
   struct stat sb;
   if (::stat(dir.c_str(), &sb) != 0) {
     if (!create) return Status::NotFound("catalog directory " + dir + " is missing");
     if (::mkdir(dir.c_str(), 0755) != 0) return Status::FromErrno(errno, "creating " + dir);
+    if (::stat(dir.c_str(), &sb) != 0) return Status::FromErrno(errno, "stat of " + dir);
   }
   std::unique_ptr<LmdbEnv> env(new LmdbEnv());
   env->dir_ = dir;
+  {
+    std::lock_guard lock(open_envs_mu);
+    auto key = std::make_tuple(::getpid(), sb.st_dev, sb.st_ino);
+    if (!open_envs.insert(key).second) {
+      return Status::FailedPrecondition("catalog " + dir +
+                                        " is already open in this process; share its Repository handle");
+    }
+    env->open_key_ = key;
+  }
   int rc = mdb_env_create(&env->env_);
   if (rc != 0) return LmdbError(rc, "creating LMDB environment");
   mdb_env_set_maxdbs(env->env_, static_cast<MDB_dbi>(Table::kCount));
@@ -119,6 +146,10 @@ Result<std::unique_ptr<LmdbEnv>> LmdbEnv::Open(const std::string& dir, bool crea
 
 LmdbEnv::~LmdbEnv() {
   if (env_) mdb_env_close(env_);
+  if (open_key_) {
+    std::lock_guard lock(open_envs_mu);
+    open_envs.erase(*open_key_);
+  }
 }
 
 uint64_t LmdbEnv::map_size() const {

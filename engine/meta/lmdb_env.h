@@ -14,10 +14,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <sys/types.h>
+
 #include <optional>
 #include <shared_mutex>
 #include <string>
 #include <string_view>
+#include <tuple>
+
 
 #include "core/status.h"
 
@@ -73,6 +77,8 @@ class LmdbEnv {
  public:
   // Opens (creating when `create`) the environment in directory `dir`. The
   // map size applies at creation; an existing environment keeps its own.
+  // FailedPrecondition when this process already has `dir` open (LMDB
+  // forbids two environments of one database in one process).
   static Result<std::unique_ptr<LmdbEnv>> Open(const std::string& dir, bool create,
                                                uint64_t initial_map_size);
   ~LmdbEnv();
@@ -96,6 +102,7 @@ class LmdbEnv {
 
   std::string dir_;
   MDB_env* env_ = nullptr;
+  std::optional<std::tuple<pid_t, dev_t, ino_t>> open_key_;  // in the open-environments registry
   MDB_dbi dbi_[static_cast<int>(Table::kCount)] = {};
   // Held shared by every transaction of this process, exclusively while
   // the map is resized (LMDB forbids resizing with transactions open).

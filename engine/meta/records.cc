@@ -17,6 +17,59 @@ void ShardRecord::ComputeStarts() {
   starts[chunks.size()] = n;
 }
 
+Status ValidateTensorRecord(const TensorRecord& t) {
+  auto bad = [&](const std::string& what) { return Status::Corruption("tensor '" + t.name + "': " + what); };
+  auto elements = CheckedNumElements(t.shape);
+  if (!elements.ok()) return bad(elements.status().message());
+  const uint64_t width = DTypeSize(t.dtype);
+  if (*elements > (uint64_t{1} << 63) / width) return bad("shape " + ShapeToString(t.shape) + " is too large");
+  for (const ShardRecord& s : t.shards) {
+    Status region = ValidateRegion(t.shape, s.region);
+    if (!region.ok()) return bad("shard " + s.region.ToString() + ": " + region.message());
+    if (s.starts.size() != s.chunks.size() + 1) return bad("shard " + s.region.ToString() + " has no chunk offsets");
+    for (const ChunkRef& c : s.chunks) {
+      if (c.raw_len == 0 || c.raw_len > kMaxChunkSize) return bad("chunk of " + std::to_string(c.raw_len) + " bytes");
+    }
+    const uint64_t want = s.region.NumElements() * width;
+    if (s.ByteSize() != want) {
+      return bad("shard " + s.region.ToString() + " has chunks of " + std::to_string(s.ByteSize()) +
+                 " bytes, its region needs " + std::to_string(want));
+    }
+  }
+  return Status::OK();
+}
+
+Status ValidateBlobRecord(const BlobRecord& b) {
+  uint64_t sum = 0;
+  for (const ChunkRef& c : b.chunks) {
+    if (c.raw_len == 0 || c.raw_len > kMaxChunkSize) {
+      return Status::Corruption("blob '" + b.name + "': chunk of " + std::to_string(c.raw_len) + " bytes");
+    }
+    sum += c.raw_len;  // at most 2^32 chunks of < 2^32 bytes: no overflow
+  }
+  if (sum != b.size) {
+    return Status::Corruption("blob '" + b.name + "' of " + std::to_string(b.size) + " bytes has chunks of " +
+                              std::to_string(sum) + " bytes");
+  }
+  return Status::OK();
+}
+
+Status ValidateCheckpointRecord(const CheckpointRecord& c) {
+  auto bad = [&](const std::string& what) { return Status::Corruption("checkpoint '" + c.name + "': " + what); };
+  if (c.world_size == 0) return bad("world size 0");
+  for (size_t i = 0; i < c.committed_ranks.size(); ++i) {
+    if (c.committed_ranks[i] >= c.world_size) {
+      return bad("rank " + std::to_string(c.committed_ranks[i]) + " is outside world size " + std::to_string(c.world_size));
+    }
+    if (i > 0 && c.committed_ranks[i] <= c.committed_ranks[i - 1]) return bad("committed ranks are not in order");
+  }
+  if (c.state == CheckpointState::kCommitted && c.committed_ranks.size() != c.world_size) {
+    return bad("committed with " + std::to_string(c.committed_ranks.size()) + " of " + std::to_string(c.world_size) +
+               " ranks");
+  }
+  return Status::OK();
+}
+
 namespace {
 
 constexpr uint8_t kRecordVersion = 1;
@@ -39,8 +92,18 @@ Status GetChunks(Decoder& d, std::vector<ChunkRef>* chunks) {
     uint64_t len;
     RETURN_IF_ERROR(d.Bytes(c.id.bytes.data(), 16));
     RETURN_IF_ERROR(d.Varint(&len));
+    if (len == 0 || len > kMaxChunkSize) return Status::Corruption("chunk of " + std::to_string(len) + " bytes");
     c.raw_len = static_cast<uint32_t>(len);
   }
+  return Status::OK();
+}
+
+// A varint that must fit in 32 bits (ranks, world sizes).
+Status GetU32(Decoder& d, uint32_t* out, const char* what) {
+  uint64_t v;
+  RETURN_IF_ERROR(d.Varint(&v));
+  if (v > UINT32_MAX) return Status::Corruption(std::string(what) + " " + std::to_string(v) + " does not fit 32 bits");
+  *out = static_cast<uint32_t>(v);
   return Status::OK();
 }
 
@@ -108,15 +171,11 @@ Status GetTensor(Decoder& d, TensorRecord* t) {
     RETURN_IF_ERROR(d.Varint(&nranks));
     if (nranks > d.remaining()) return Status::Corruption("rank count exceeds record size");
     s.ranks.resize(nranks);
-    for (auto& r : s.ranks) {
-      uint64_t v;
-      RETURN_IF_ERROR(d.Varint(&v));
-      r = static_cast<uint32_t>(v);
-    }
+    for (auto& r : s.ranks) RETURN_IF_ERROR(GetU32(d, &r, "rank"));
     RETURN_IF_ERROR(GetChunks(d, &s.chunks));
     s.ComputeStarts();
   }
-  return Status::OK();
+  return ValidateTensorRecord(*t);
 }
 
 void PutBlob(Encoder& e, const BlobRecord& b) {
@@ -128,7 +187,8 @@ void PutBlob(Encoder& e, const BlobRecord& b) {
 Status GetBlob(Decoder& d, BlobRecord* b) {
   RETURN_IF_ERROR(d.String(&b->name));
   RETURN_IF_ERROR(d.Varint(&b->size));
-  return GetChunks(d, &b->chunks);
+  RETURN_IF_ERROR(GetChunks(d, &b->chunks));
+  return ValidateBlobRecord(*b);
 }
 
 void PutCheckpoint(Encoder& e, const CheckpointRecord& c) {
@@ -153,13 +213,13 @@ void PutCheckpoint(Encoder& e, const CheckpointRecord& c) {
 
 Status GetCheckpoint(Decoder& d, CheckpointRecord* c) {
   uint8_t has_step, state;
-  uint64_t step, v;
+  uint64_t step;
   RETURN_IF_ERROR(d.String(&c->name));
   RETURN_IF_ERROR(d.U8(&has_step));
   RETURN_IF_ERROR(d.U64(&step));
+  if (has_step > 1 || (!has_step && step != 0)) return Status::Corruption("malformed step");
   if (has_step) c->step = static_cast<int64_t>(step);
-  RETURN_IF_ERROR(d.Varint(&v));
-  c->world_size = static_cast<uint32_t>(v);
+  RETURN_IF_ERROR(GetU32(d, &c->world_size, "world size"));
   RETURN_IF_ERROR(d.U8(&state));
   if (state > 1) return Status::Corruption("unknown checkpoint state");
   c->state = static_cast<CheckpointState>(state);
@@ -167,10 +227,7 @@ Status GetCheckpoint(Decoder& d, CheckpointRecord* c) {
   RETURN_IF_ERROR(d.Varint(&n));
   if (n > d.remaining()) return Status::Corruption("rank count exceeds record size");
   c->committed_ranks.resize(n);
-  for (auto& r : c->committed_ranks) {
-    RETURN_IF_ERROR(d.Varint(&v));
-    r = static_cast<uint32_t>(v);
-  }
+  for (auto& r : c->committed_ranks) RETURN_IF_ERROR(GetU32(d, &r, "rank"));
   RETURN_IF_ERROR(d.Varint(&c->created_unix_ms));
   RETURN_IF_ERROR(d.Varint(&c->committed_unix_ms));
   RETURN_IF_ERROR(d.Varint(&c->sequence));
@@ -183,7 +240,7 @@ Status GetCheckpoint(Decoder& d, CheckpointRecord* c) {
   }
   RETURN_IF_ERROR(d.Varint(&c->tensor_count));
   RETURN_IF_ERROR(d.Varint(&c->logical_bytes));
-  return Status::OK();
+  return ValidateCheckpointRecord(*c);
 }
 
 template <typename T, typename Fn>
@@ -219,9 +276,8 @@ void PutRank(Encoder& e, const RankRecord& r) {
 }
 
 Status GetRank(Decoder& d, RankRecord* r) {
-  uint64_t v, n;
-  RETURN_IF_ERROR(d.Varint(&v));
-  r->rank = static_cast<uint32_t>(v);
+  uint64_t n;
+  RETURN_IF_ERROR(GetU32(d, &r->rank, "rank"));
   RETURN_IF_ERROR(d.Varint(&n));
   if (n > d.remaining()) return Status::Corruption("tensor count exceeds record size");
   r->tensors.resize(n);
@@ -242,17 +298,18 @@ void PutLocation(Encoder& e, const ChunkLocation& l) {
 }
 
 Status GetLocation(Decoder& d, ChunkLocation* l) {
-  uint64_t v;
   uint8_t codec;
   RETURN_IF_ERROR(d.String(&l->pack));
   RETURN_IF_ERROR(d.Varint(&l->offset));
-  RETURN_IF_ERROR(d.Varint(&v));
-  l->stored_len = static_cast<uint32_t>(v);
-  RETURN_IF_ERROR(d.Varint(&v));
-  l->raw_len = static_cast<uint32_t>(v);
+  RETURN_IF_ERROR(GetU32(d, &l->stored_len, "stored length"));
+  RETURN_IF_ERROR(GetU32(d, &l->raw_len, "raw length"));
   RETURN_IF_ERROR(d.U8(&codec));
   if (codec > static_cast<uint8_t>(Codec::kByteGroupZstd)) return Status::Corruption("unknown codec");
   l->codec = static_cast<Codec>(codec);
+  if (l->raw_len == 0 || l->raw_len > kMaxChunkSize) {
+    return Status::Corruption("chunk of " + std::to_string(l->raw_len) + " bytes");
+  }
+  if (l->offset > UINT64_MAX - l->stored_len) return Status::Corruption("chunk offset overflows");
   return Status::OK();
 }
 

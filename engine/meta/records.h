@@ -79,6 +79,22 @@ struct Manifest {
   std::vector<BlobRecord> blobs;
 };
 
+// Internal consistency of records, checked by every decoder below before a
+// record is returned, so no reader ever plans a copy from a record that
+// cannot hold what it claims. Corruption names what is wrong:
+//   tensor: its element count and byte size fit in 2^63; every shard's
+//     region lies inside the tensor (box ranks agree with the shape); every
+//     chunk has 1 to kMaxChunkSize bytes; a shard's chunks hold exactly its
+//     region's bytes;
+//   blob: its chunks hold exactly `size` bytes, each 1 to kMaxChunkSize;
+//   checkpoint: world size >= 1; committed ranks strictly increasing and
+//     below the world size; a committed checkpoint has every rank.
+// Tiling (shards covering the tensor, overlaps agreeing) needs the chunks'
+// bytes and is checked at commit and by verify, not here.
+Status ValidateTensorRecord(const TensorRecord& t);
+Status ValidateBlobRecord(const BlobRecord& b);
+Status ValidateCheckpointRecord(const CheckpointRecord& c);
+
 std::string EncodeCheckpoint(const CheckpointRecord& r);
 Result<CheckpointRecord> DecodeCheckpoint(std::string_view data);
 std::string EncodeTensor(const TensorRecord& r);

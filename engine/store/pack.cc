@@ -125,7 +125,8 @@ Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id) {
   RETURN_IF_ERROR(fd.U64(&checksum));
   RETURN_IF_ERROR(fd.Bytes(end_magic, 8));
   if (std::memcmp(end_magic, kPackEndMagic, 8) != 0) return corrupt("bad footer magic (truncated pack?)");
-  if (index_offset < kPackHeaderSize || count > (size - kPackFooterSize - index_offset) / kPackIndexEntrySize ||
+  if (index_offset < kPackHeaderSize || index_offset > size - kPackFooterSize ||
+      count != (size - kPackFooterSize - index_offset) / kPackIndexEntrySize ||
       index_offset + count * kPackIndexEntrySize + kPackFooterSize != size) {
     return corrupt("index bounds do not match the pack size");
   }
@@ -145,8 +146,16 @@ Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id) {
     RETURN_IF_ERROR(d.U8(&codec));
     RETURN_IF_ERROR(d.Bytes(pad, 7));
     if (codec > static_cast<uint8_t>(Codec::kByteGroupZstd)) return corrupt("unknown codec in index");
-    if (e.location.offset < kPackHeaderSize || e.location.offset + e.location.stored_len > index_offset) {
-      return corrupt("index entry points outside the data area");
+    // Compared without adding, so an offset near 2^64 cannot wrap around.
+    if (e.location.offset < kPackHeaderSize || e.location.offset > index_offset ||
+        e.location.stored_len > index_offset - e.location.offset) {
+      return corrupt("index entry " + std::to_string(i) + " points outside the data area");
+    }
+    if (e.location.raw_len == 0 || e.location.raw_len > kMaxChunkSize) {
+      return corrupt("index entry " + std::to_string(i) + " has raw length " + std::to_string(e.location.raw_len));
+    }
+    if (codec == static_cast<uint8_t>(Codec::kRaw) && e.location.stored_len != e.location.raw_len) {
+      return corrupt("index entry " + std::to_string(i) + " is a raw chunk whose stored and raw lengths differ");
     }
     e.location.codec = static_cast<Codec>(codec);
     e.location.pack = pack_id;

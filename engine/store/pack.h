@@ -23,6 +23,10 @@ inline constexpr uint32_t kPackVersion = 1;
 inline constexpr size_t kPackHeaderSize = 16;
 inline constexpr size_t kPackFooterSize = 32;
 inline constexpr size_t kPackIndexEntrySize = 40;
+// The largest raw chunk a repository may hold (the upper bound of its chunk
+// size). Records and pack indexes that claim a longer chunk are corrupt,
+// which bounds the memory a read of damaged metadata can ask for.
+inline constexpr uint32_t kMaxChunkSize = 256u << 20;
 
 // Where a chunk is stored.
 struct ChunkLocation {

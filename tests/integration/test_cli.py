@@ -415,3 +415,88 @@ class BadInput(CkptTestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+CRAFT = os.environ.get("CRAFT_RECORD_BIN") or os.path.join(os.path.dirname(__file__), "../../build/tests/craft_record")
+DAMAGE_KINDS = {
+    # kind: what the one-line error says
+    "short-shard": "its region needs",
+    "box-rank": "does not match a tensor of shape",
+    "huge-chunk": "chunk of 268435457 bytes",
+}
+
+
+class DamagedRecords(CkptTestCase):
+    """Records that pass their checksum but contradict themselves (written by
+    a bug, a bad disk or on purpose) are rejected by every command with one
+    line, never a crash, and never touch the checkpoints that are intact."""
+
+    def setUp(self):
+        super().setUp()
+        self.run_ckpt("init", "--chunk-size", "64K")
+        rng = np.random.default_rng(3)
+        self.w = rng.standard_normal((300, 256)).astype(np.float32)  # 300 KiB: several chunks
+        self.v = rng.standard_normal((40000,)).astype(np.float32)    # 160 KiB: several chunks
+        st.write(self.path("m.safetensors"), [("w", "F32", self.w), ("v", "F32", self.v)])
+        self.run_ckpt("import", "good", self.path("m.safetensors"), "--step", "1")
+        self.good_export = self.path("good.safetensors")
+        self.run_ckpt("export", "good", self.good_export)
+
+    def craft(self, *args):
+        p = subprocess.run([CRAFT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+        self.assertEqual(p.returncode, 0, p.stderr.decode())
+        return p.stdout.decode().strip()
+
+    def fails_cleanly(self, *args, expect):
+        p = self.run_ckpt(*args, ok=None)
+        err = p.stderr.decode(errors="replace").strip()
+        self.assertEqual(p.returncode, 1, f"{args}: exit {p.returncode} (negative: killed by a signal): {err}")
+        self.assertEqual(len(err.splitlines()), 1, f"{args}: {err}")
+        self.assertIn(expect, err, args)
+        return err
+
+    def assert_good_intact(self):
+        self.run_ckpt("export", "good", self.path("again.safetensors"), "--force")
+        self.assertEqual(pathlib.Path(self.path("again.safetensors")).read_bytes(),
+                         pathlib.Path(self.good_export).read_bytes())
+
+    def test_damaged_catalog_records_fail_every_command_cleanly(self):
+        for kind, expect in DAMAGE_KINDS.items():
+            with self.subTest(kind=kind):
+                tensor = self.craft("catalog", self.repo, "good", kind)
+                self.assertEqual(tensor, "v")  # tensors are in name order
+                for args in [("show", "good"), ("show", "good", "--json"), ("cat", "good", "v"),
+                             ("cat", "good", "w"), ("export", "good", self.path("out.safetensors")),
+                             ("du",), ("diff", "good", "good")]:
+                    err = self.fails_cleanly(*args, expect=expect)
+                    self.assertIn("ckpt reindex", err)
+                self.assertFalse(os.path.exists(self.path("out.safetensors")))
+                p = self.run_ckpt("verify", ok=None)
+                self.assertEqual(p.returncode, 1)
+                self.assertIn(expect, p.stderr.decode())
+                # The manifest is intact: reindex brings the checkpoint back whole.
+                self.run_ckpt("reindex")
+                self.run_ckpt("verify")
+                self.assert_good_intact()
+
+    def test_damaged_manifests_are_skipped_by_reindex_and_reported_by_verify(self):
+        for kind in DAMAGE_KINDS:
+            self.assertEqual(self.craft("manifest", self.repo, "good", "bad-" + kind, kind), "v")
+        p = self.run_ckpt("reindex", ok=None)
+        err = p.stderr.decode()
+        self.assertEqual(p.returncode, 1, err)
+        for kind, expect in DAMAGE_KINDS.items():
+            self.assertRegex(err, f"skipped manifest manifests/bad-{kind}.manifest: .*{expect}")
+        self.assertIn("reindex skipped 3 damaged objects", err)
+        # None of them became visible; the intact checkpoint is whole.
+        listed = [c["name"] for c in json.loads(self.run_ckpt("ls", "--json").stdout)]
+        self.assertEqual(listed, ["good"])
+        for kind in DAMAGE_KINDS:
+            self.fails_cleanly("cat", "bad-" + kind, "v", expect="no checkpoint named")
+            self.fails_cleanly("export", "bad-" + kind, self.path("out.safetensors"), expect="no checkpoint named")
+        p = self.run_ckpt("verify", ok=None)
+        self.assertEqual(p.returncode, 1)
+        for kind, expect in DAMAGE_KINDS.items():
+            self.assertRegex(p.stderr.decode(), f"manifest manifests/bad-{kind}.manifest: .*{expect}")
+        self.run_ckpt("verify", "good")
+        self.assert_good_intact()

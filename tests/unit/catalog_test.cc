@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include "core/encoding.h"
 #include "meta/lmdb_env.h"
 #include "meta/records.h"
 #include "test_util.h"
@@ -134,6 +135,117 @@ TEST(Records, ManifestChecksumCatchesDamage) {
     bad[i] ^= 0x10;
     EXPECT_TRUE(DecodeManifest(bad).status().IsCorruption()) << i;
   }
+}
+
+// A record whose checksum (for manifests) or encoding is fine but whose
+// content contradicts itself is Corruption at decode, naming what is wrong;
+// no reader ever sees it.
+void ExpectRejected(const TensorRecord& t, const std::string& why) {
+  auto back = DecodeTensor(EncodeTensor(t));
+  ASSERT_FALSE(back.ok()) << why;
+  EXPECT_TRUE(back.status().IsCorruption());
+  EXPECT_NE(back.status().message().find(why), std::string::npos) << back.status().message();
+  EXPECT_NE(back.status().message().find("ckpt reindex"), std::string::npos);
+  Manifest m;
+  m.checkpoint.name = "c";
+  m.checkpoint.state = CheckpointState::kCommitted;
+  m.checkpoint.committed_ranks = {0};
+  m.tensors = {t};
+  auto manifest = DecodeManifest(EncodeManifest(m));  // checksum valid
+  ASSERT_FALSE(manifest.ok()) << why;
+  EXPECT_NE(manifest.status().message().find(why), std::string::npos) << manifest.status().message();
+  RankRecord rank{0, {t}, {}};
+  EXPECT_TRUE(DecodeRank(EncodeRank(rank)).status().IsCorruption());
+}
+
+TEST(Records, ShardWhoseChunksHoldFewerBytesThanItsRegionIsCorrupt) {
+  TensorRecord t = SampleTensor();
+  t.shards[1].chunks.pop_back();  // none of its 12 bytes
+  t.shards[1].ComputeStarts();
+  ExpectRejected(t, "has chunks of 0 bytes, its region needs 12");
+  t = SampleTensor();
+  t.shards[0].chunks[0].raw_len += 1;  // more bytes than the region
+  t.shards[0].ComputeStarts();
+  ExpectRejected(t, "its region needs");
+}
+
+TEST(Records, BoxWhoseRankDiffersFromTheTensorIsCorrupt) {
+  TensorRecord t = SampleTensor();
+  t.shards[0].region = Region::OfBox(Box{{0, 0, 0}, {1, 2, 1}});  // rank 3, tensor rank 2
+  ExpectRejected(t, "does not match a tensor of shape");
+  t.shards[0].region = Region::OfBox(Box{{0, 0}, {1}});  // offsets and lengths differ
+  ExpectRejected(t, "does not match a tensor of shape");
+  t.shards[0].region = Region::OfBox(Box{{4, 0}, {1, 2}});  // outside the tensor
+  ExpectRejected(t, "exceeds shape");
+  t.shards[0].region = Region::OfFlat(4, 3);
+  ExpectRejected(t, "does not fit");
+}
+
+TEST(Records, ChunkLengthsAreBoundedAndShapesCannotOverflow) {
+  TensorRecord t = SampleTensor();
+  t.shards[0].chunks[0].raw_len = 0;
+  t.shards[0].ComputeStarts();
+  EXPECT_TRUE(DecodeTensor(EncodeTensor(t)).status().IsCorruption());
+  t.shards[0].chunks[0].raw_len = kMaxChunkSize + 1;
+  t.shards[0].ComputeStarts();
+  ExpectRejected(t, "chunk of 268435457 bytes");
+  t = SampleTensor();
+  t.shape = {uint64_t{1} << 40, uint64_t{1} << 30};
+  ExpectRejected(t, "too many elements");
+  t.shape = {uint64_t{1} << 62};
+  t.dtype = DType::kF64;
+  t.shards.clear();
+  ExpectRejected(t, "too large");
+
+  ChunkLocation loc{"p", UINT64_MAX - 2, 100, 100, Codec::kRaw};
+  EXPECT_TRUE(DecodeChunkLocation(EncodeChunkLocation(loc)).status().IsCorruption());
+  loc.offset = 16;
+  EXPECT_OK(DecodeChunkLocation(EncodeChunkLocation(loc)));
+  loc.raw_len = kMaxChunkSize + 1;
+  EXPECT_TRUE(DecodeChunkLocation(EncodeChunkLocation(loc)).status().IsCorruption());
+
+  BlobRecord b{"rng", 6, {{ChunkId::Of({}), 5}}};
+  auto blob = DecodeBlob(EncodeBlob(b));
+  ASSERT_FALSE(blob.ok());
+  EXPECT_NE(blob.status().message().find("blob 'rng' of 6 bytes has chunks of 5 bytes"), std::string::npos);
+}
+
+TEST(Records, CheckpointRanksMustFitTheWorld) {
+  CheckpointRecord c;
+  c.name = "c";
+  c.world_size = 2;
+  c.committed_ranks = {0, 1};
+  c.state = CheckpointState::kCommitted;
+  EXPECT_OK(DecodeCheckpoint(EncodeCheckpoint(c)));
+  c.committed_ranks = {1, 0};
+  EXPECT_TRUE(DecodeCheckpoint(EncodeCheckpoint(c)).status().IsCorruption());
+  c.committed_ranks = {0, 2};
+  EXPECT_TRUE(DecodeCheckpoint(EncodeCheckpoint(c)).status().IsCorruption());
+  c.committed_ranks = {0};  // committed without every rank
+  EXPECT_TRUE(DecodeCheckpoint(EncodeCheckpoint(c)).status().IsCorruption());
+  c.state = CheckpointState::kPending;
+  EXPECT_OK(DecodeCheckpoint(EncodeCheckpoint(c)));
+  c.world_size = 0;
+  c.committed_ranks = {};
+  EXPECT_TRUE(DecodeCheckpoint(EncodeCheckpoint(c)).status().IsCorruption());
+}
+
+TEST(Records, EveryValueHasOneEncoding) {
+  // Decoders accept only what the encoders write, so a decoded record
+  // encodes back to the same bytes (the fuzz targets rely on it).
+  std::string enc = EncodeBlob(BlobRecord{"b", 0, {}});
+  ASSERT_OK(DecodeBlob(enc));
+  std::string overlong = enc;
+  overlong.replace(overlong.size() - 2, 1, std::string("\x80\x00", 2));  // size 0 as two bytes
+  EXPECT_TRUE(DecodeBlob(overlong).status().IsCorruption());
+  Decoder d(std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\x02", 10));  // 2^64 and more
+  uint64_t v;
+  EXPECT_TRUE(d.Varint(&v).IsCorruption());
+  CheckpointRecord c;
+  c.name = "c";
+  std::string cp = EncodeCheckpoint(c);
+  cp[1 + 1 + 1] = 2;  // version, name length, name, then the has-step flag
+  EXPECT_TRUE(DecodeCheckpoint(cp).status().IsCorruption());
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include "store/chunk_cache.h"
 
 #include <atomic>
+#include <cstring>
 #include <chrono>
 #include <thread>
 #include "test_util.h"
@@ -102,6 +103,47 @@ TEST(Pack, DamagedIndexOrTruncationIsDetected) {
   EXPECT_TRUE(ReadPackIndex(backend.get(), id).status().IsCorruption());
   ASSERT_OK(backend->Put(PackKey(id), std::as_bytes(std::span("short", 5))));
   EXPECT_TRUE(ReadPackIndex(backend.get(), id).status().IsCorruption());
+}
+
+// Rewrites entry `i` of a pack's index with `patch` and fixes the index
+// checksum, so only the bounds checks stand between it and a reader.
+std::string PatchIndexEntry(std::string pack, size_t i, size_t field_offset, uint64_t value, size_t width) {
+  uint64_t index_offset, count;
+  std::memcpy(&index_offset, pack.data() + pack.size() - kPackFooterSize, 8);
+  std::memcpy(&count, pack.data() + pack.size() - kPackFooterSize + 8, 8);
+  std::memcpy(pack.data() + index_offset + i * kPackIndexEntrySize + field_offset, &value, width);
+  const uint64_t sum = Checksum64(std::as_bytes(std::span(pack.data() + index_offset, count * kPackIndexEntrySize)));
+  std::memcpy(pack.data() + pack.size() - kPackFooterSize + 16, &sum, 8);
+  return pack;
+}
+
+TEST(Pack, IndexEntriesOutsideTheDataAreaAreRejectedWithoutOverflow) {
+  auto backend = NewMemoryBackend();
+  PackWriter writer(backend.get(), 64 << 20);
+  auto chunks = WriteChunks(backend.get(), writer, 3, 4096);
+  ASSERT_OK(writer.Finish());
+  const std::string id = chunks[0].loc.pack;
+  const std::string pack = *backend->ReadAll(PackKey(id));
+  ASSERT_OK(ReadPackIndex(backend.get(), id));
+  struct Case {
+    size_t field, width;
+    uint64_t value;
+    const char* why;
+  } cases[] = {
+      {16, 8, UINT64_MAX - 100, "points outside the data area"},  // offset + length wraps past 2^64
+      {16, 8, 3, "points outside the data area"},                 // inside the header
+      {24, 4, 1u << 30, "points outside the data area"},          // stored length past the index
+      {28, 4, 0, "raw length 0"},
+      {28, 4, kMaxChunkSize + 1, "raw length 268435457"},
+  };
+  for (const Case& c : cases) {
+    const std::string bad = PatchIndexEntry(pack, 1, c.field, c.value, c.width);
+    ASSERT_OK(backend->Put(PackKey(id), std::as_bytes(std::span(bad))));
+    auto index = ReadPackIndex(backend.get(), id);
+    ASSERT_FALSE(index.ok()) << c.why;
+    EXPECT_TRUE(index.status().IsCorruption());
+    EXPECT_NE(index.status().message().find(c.why), std::string::npos) << index.status().message();
+  }
 }
 
 TEST(Pack, FailedAppendIsStickyAndSealsNothing) {

@@ -1,5 +1,5 @@
 // Replicated tensors read once and broadcast: a host group of threads (one
-// per rank, each with its own repository handle, engine and pool, like one
+// per rank, each with its own reader, engine and pool, like one
 // process per GPU) always, and NCCL over the GPUs present when there are any.
 #include "replicated.h"
 
@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <thread>
 
 #include "staging_util.h"
@@ -64,18 +65,37 @@ class ReplicatedTest : public ::testing::Test {
     std::vector<std::vector<std::byte>> got;
   };
 
-  // Runs LoadReplicated on `ranks` threads of a host group. Rank r opens
+  // Runs LoadReplicated on `ranks` threads of a host group. Rank r reads
   // repos[r] (the healthy repository when empty) and loads `regions(r)`.
+  // Ranks that read one path share its Repository handle, as threads of one
+  // process must (LMDB allows one environment per database and process);
+  // each opens its own reader.
   std::vector<RankResult> Run(int ranks, const std::vector<std::string>& repos,
                               const std::function<std::vector<Region>(int)>& regions) {
     auto group = NewHostGroup(ranks);
     std::vector<RankResult> results(ranks);
+    std::map<std::string, std::unique_ptr<Repository>> handles;
+    std::vector<Repository*> repo_of(ranks);
+    for (int r = 0; r < ranks; ++r) {
+      const std::string path = r < static_cast<int>(repos.size()) && !repos[r].empty() ? repos[r] : dir_.path();
+      auto& handle = handles[path];
+      if (!handle) {
+        auto opened = Repository::Open(path);
+        EXPECT_OK(opened);
+        if (!opened.ok()) return results;
+        handle = std::move(opened).value();
+      }
+      repo_of[r] = handle.get();
+    }
     std::vector<std::thread> threads;
     for (int r = 0; r < ranks; ++r) {
       threads.emplace_back([&, r] {
-        const std::string path = r < static_cast<int>(repos.size()) && !repos[r].empty() ? repos[r] : dir_.path();
-        auto repo = std::move(Repository::Open(path)).value();
-        auto reader = std::move(repo->OpenCheckpoint("c")).value();
+        auto opened = repo_of[r]->OpenCheckpoint("c");
+        if (!opened.ok()) {
+          results[r].stats = opened.status();
+          return;
+        }
+        auto reader = std::move(opened).value();
         HostCopyEngine engine;
         auto pool = std::move(PinnedPool::Create(engine, 2, 80 << 10)).value();
         HostMemory mem;

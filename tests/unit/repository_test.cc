@@ -11,6 +11,7 @@
 #include <random>
 #include <thread>
 
+#include "ckpt/repository_impl.h"
 #include "test_util.h"
 
 namespace ckptfs {
@@ -493,6 +494,112 @@ TEST(RepositoryOpen, MissingForeignAndNewerRepositoriesAreRefused) {
   RepositoryConfig bad;
   bad.chunk_size = 1000;
   EXPECT_FALSE(Repository::Init(dir / "repo2", bad).ok());
+}
+
+}  // namespace
+}  // namespace ckptfs
+
+namespace ckptfs {
+namespace {
+
+TEST_F(RepoTest, SecondOpenOfOneRepositoryInAProcessIsRefused) {
+  // Two LMDB environments of one catalog in one process corrupt each other's
+  // lock table: the second open is refused, and a forked child, which does
+  // not share the parent's environment, may open its own.
+  auto second = Repository::Open(dir_.path());
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(second.status().message().find("already open in this process"), std::string::npos);
+  pid_t pid = fork();
+  if (pid == 0) _exit(Repository::Open(dir_.path()).ok() ? 0 : 1);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  repo_.reset();
+  EXPECT_OK(Repository::Open(dir_.path()));  // once closed, it opens again
+}
+
+// Writes `t` over its record in the catalog, as a damaged disk or a bug could.
+void OverwriteTensorRecord(const std::string& repo, const std::string& checkpoint, const TensorRecord& t) {
+  auto env = LmdbEnv::Open(repo + "/catalog", false, 0);
+  ASSERT_OK(env);
+  ASSERT_OK((*env)->Update([&](WriteTxn& txn) {
+    return txn.Put(Table::kTensors, keys::Member(checkpoint, t.name), EncodeTensor(t));
+  }));
+}
+
+TEST_F(RepoTest, DamagedRecordsAreRejectedWhenOpenedAndReportedByVerifyAndReindex) {
+  Ref a = MakeRef("a", DType::kF32, {64, 1024}, 1);  // 256 KiB: 4 chunks
+  Ref b = MakeRef("b", DType::kBF16, {100}, 2);
+  for (const char* name : {"good", "bad"}) {
+    auto w = Begin(name);
+    ASSERT_OK(w->PutTensor(a.info, a.bytes));
+    ASSERT_OK(w->PutTensor(b.info, b.bytes));
+    ASSERT_OK(w->Commit().Wait());
+  }
+  TensorRecord damaged;
+  {
+    auto reader = repo_->OpenCheckpoint("bad");
+    ASSERT_OK(reader);
+    damaged = *(*reader)->FindTensor("a");
+  }
+  ASSERT_GE(damaged.shards[0].chunks.size(), 2u);
+  damaged.shards[0].chunks.pop_back();  // the shard's chunks no longer cover its region
+  damaged.shards[0].ComputeStarts();
+  repo_.reset();
+  OverwriteTensorRecord(dir_.path(), "bad", damaged);
+  Reopen();
+
+  auto reader = repo_->OpenCheckpoint("bad");
+  ASSERT_FALSE(reader.ok());
+  EXPECT_TRUE(reader.status().IsCorruption());
+  EXPECT_NE(reader.status().message().find("tensor 'a'"), std::string::npos) << reader.status().message();
+  EXPECT_NE(reader.status().message().find("ckpt reindex"), std::string::npos);
+  ExpectWhole("good", a);
+  auto report = repo_->Verify(std::nullopt);
+  ASSERT_OK(report);
+  ASSERT_EQ(report->problems.size(), 1u);
+  EXPECT_EQ(report->problems[0].checkpoint, "bad");
+  EXPECT_EQ(report->checkpoints, 1u);  // the intact one was verified
+
+  // Reindex rebuilds the record from the intact manifest.
+  repo_.reset();
+  auto rebuilt = Repository::Reindex(dir_.path());
+  ASSERT_OK(rebuilt);
+  EXPECT_TRUE(rebuilt->problems.empty());
+  Reopen();
+  ExpectWhole("bad", a);
+  ExpectWhole("bad", b);
+
+  // A damaged manifest (valid checksum) is skipped by reindex and reported by verify.
+  Manifest m;
+  {
+    auto r2 = repo_->OpenCheckpoint("bad");
+    ASSERT_OK(r2);
+    m.checkpoint = (*r2)->info();
+    m.tensors = (*r2)->tensors();
+  }
+  m.checkpoint.name = "crafted";
+  m.tensors[0] = damaged;
+  const std::string bytes = EncodeManifest(m);
+  {
+    auto backend = OpenLocalBackend(dir_.path() + "/objects");
+    ASSERT_OK(backend);
+    ASSERT_OK((*backend)->Put(keys::ManifestObject("crafted"), std::as_bytes(std::span(bytes))));
+  }
+  repo_.reset();
+  rebuilt = Repository::Reindex(dir_.path());
+  ASSERT_OK(rebuilt);
+  ASSERT_EQ(rebuilt->problems.size(), 1u);
+  EXPECT_NE(rebuilt->problems[0].find("manifests/crafted.manifest"), std::string::npos);
+  EXPECT_NE(rebuilt->problems[0].find("its region needs"), std::string::npos) << rebuilt->problems[0];
+  EXPECT_EQ(rebuilt->checkpoints, 2u);
+  Reopen();
+  EXPECT_TRUE(repo_->OpenCheckpoint("crafted").status().IsNotFound());
+  report = repo_->Verify(std::nullopt);
+  ASSERT_OK(report);
+  ASSERT_EQ(report->problems.size(), 1u);
+  EXPECT_NE(report->problems[0].what.find("manifests/crafted.manifest"), std::string::npos);
 }
 
 }  // namespace

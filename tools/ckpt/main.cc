@@ -130,53 +130,6 @@ const CommandSpec kImport{
      kJsonOpt},
     2, SIZE_MAX};
 
-struct ShardSpec {
-  Shape global_shape;
-  std::optional<std::vector<uint64_t>> offsets;
-  std::optional<uint64_t> flat_start;
-};
-
-Result<std::map<std::string, ShardSpec>> ParseShardMap(const SafetensorsHeader& h, const std::string& file) {
-  std::map<std::string, ShardSpec> out;
-  for (const auto& [k, v] : h.metadata) {
-    if (k != "ckptfs.shards") continue;
-    auto bad = [&](const std::string& what) {
-      return Status::InvalidArgument(file + ": __metadata__ \"ckptfs.shards\": " + what);
-    };
-    auto j = Json::Parse(v);
-    if (!j.ok()) return bad(j.status().message());
-    if (!j->is_object()) return bad("is not a JSON object");
-    for (const auto& [name, spec] : j->as_object()) {
-      ShardSpec s;
-      const Json* gs = spec.Find("global_shape");
-      if (!spec.is_object() || !gs || !gs->is_array()) return bad("tensor '" + name + "' lacks global_shape");
-      for (const Json& d : gs->as_array()) {
-        if (!d.is_uint()) return bad("tensor '" + name + "': global_shape must hold non-negative integers");
-        s.global_shape.push_back(d.as_uint());
-      }
-      const Json* offs = spec.Find("offsets");
-      const Json* flat = spec.Find("flat_start");
-      if ((offs != nullptr) == (flat != nullptr)) {
-        return bad("tensor '" + name + "' needs exactly one of offsets and flat_start");
-      }
-      if (offs) {
-        if (!offs->is_array()) return bad("tensor '" + name + "': offsets must be an array");
-        std::vector<uint64_t> o;
-        for (const Json& d : offs->as_array()) {
-          if (!d.is_uint()) return bad("tensor '" + name + "': offsets must hold non-negative integers");
-          o.push_back(d.as_uint());
-        }
-        s.offsets = std::move(o);
-      } else {
-        if (!flat->is_uint()) return bad("tensor '" + name + "': flat_start must be a non-negative integer");
-        s.flat_start = flat->as_uint();
-      }
-      out[name] = std::move(s);
-    }
-  }
-  return out;
-}
-
 int CmdImport(const Args& args) {
   const std::string name = args.positional[0];
   WriterOptions wopts;
@@ -206,21 +159,16 @@ int CmdImport(const Args& args) {
   }
   // Read and check every input before anything is written.
   std::vector<std::unique_ptr<SafetensorsFile>> files;
-  std::vector<std::map<std::string, ShardSpec>> shard_maps;
+  std::vector<std::vector<SafetensorsShard>> shard_lists;
   uint64_t total = 0;
   for (size_t i = 1; i < args.positional.size(); ++i) {
     auto f = SafetensorsFile::Open(args.positional[i]);
     if (!f.ok()) return Fail(f.status());
-    auto m = ParseShardMap((*f)->header(), args.positional[i]);
-    if (!m.ok()) return Fail(m.status());
+    auto shards = ShardsOfSafetensors((*f)->header());
+    if (!shards.ok()) return Fail(shards.status().WithContext(args.positional[i]));
     for (const auto& t : (*f)->header().tensors) total += t.end - t.begin;
-    for (const auto& [tname, spec] : *m) {
-      bool found = std::any_of((*f)->header().tensors.begin(), (*f)->header().tensors.end(),
-                               [&](const SafetensorsTensor& t) { return t.name == tname; });
-      if (!found) return Fail(Status::InvalidArgument(args.positional[i] + ": ckptfs.shards names tensor '" + tname + "', which the file does not hold"));
-    }
     files.push_back(std::move(f).value());
-    shard_maps.push_back(std::move(m).value());
+    shard_lists.push_back(std::move(shards).value());
   }
   struct BlobInput {
     std::string name;
@@ -249,29 +197,11 @@ int CmdImport(const Args& args) {
   uint64_t done = 0;
   for (size_t fi = 0; fi < files.size(); ++fi) {
     const auto& f = *files[fi];
-    for (const auto& t : f.header().tensors) {
-      TensorInfo info{t.name, t.dtype, t.shape};
-      Region region = Region::OfBox(FullBox(t.shape));
-      auto it = shard_maps[fi].find(t.name);
-      if (it != shard_maps[fi].end()) {
-        const ShardSpec& s = it->second;
-        info.shape = s.global_shape;
-        if (s.offsets) {
-          if (s.offsets->size() != s.global_shape.size() || t.shape.size() != s.global_shape.size()) {
-            return Fail(Status::InvalidArgument(f.path() + ": tensor '" + t.name + "': offsets, global_shape and the stored shape " +
-                                                ShapeToString(t.shape) + " must have the same rank"));
-          }
-          region = Region::OfBox(Box{*s.offsets, t.shape});
-        } else {
-          if (t.shape.size() != 1) {
-            return Fail(Status::InvalidArgument(f.path() + ": tensor '" + t.name + "' is a flat shard but is stored with shape " +
-                                                ShapeToString(t.shape) + " (it must be 1-D)"));
-          }
-          region = Region::OfFlat(*s.flat_start, *s.flat_start + t.shape[0]);
-        }
-      }
+    for (const SafetensorsShard& shard : shard_lists[fi]) {
+      const SafetensorsTensor& t = f.header().tensors[shard.tensor];
+      TensorInfo info{t.name, t.dtype, shard.global_shape};
       HostSource source(f.Data(t));
-      Status st = (*writer)->PutShard(info, region, source);
+      Status st = (*writer)->PutShard(info, shard.region, source);
       if (!st.ok()) return Fail(st.WithContext(f.path()));
       done += t.end - t.begin;
       progress.Update(done, total);
@@ -574,6 +504,13 @@ int CmdReindex(const Args& args) {
     std::printf("rebuilt catalog: %llu checkpoints, %llu packs, %llu chunks\n",
                 static_cast<unsigned long long>(report->checkpoints), static_cast<unsigned long long>(report->packs),
                 static_cast<unsigned long long>(report->chunks));
+  }
+  if (!report->problems.empty()) {
+    // The catalog is rebuilt from everything else; what was skipped is lost
+    // to it, which a script must be able to tell.
+    std::fprintf(stderr, "ckpt: error: reindex skipped %zu damaged objects (warnings above)\n",
+                 report->problems.size());
+    return kExitError;
   }
   return kExitOk;
 }
