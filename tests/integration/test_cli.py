@@ -60,6 +60,14 @@ class HelpAndUsage(CkptTestCase):
         # -r wins over CKPT_REPO
         self.run_ckpt("init", "-r", self.path("other"))
         self.assertIn("no checkpoints", self.run_ckpt("ls", "-r", self.path("other")).stdout.decode())
+        # Global options may also come before the command, in any spelling.
+        for args in (["-r", self.path("other"), "ls"], ["--repo", self.path("other"), "ls"],
+                     ["--repo=" + self.path("other"), "ls"], ["-r" + self.path("other"), "ls", "--json"]):
+            out = self.run_ckpt(*args, use_repo=False).stdout.decode()
+            self.assertTrue("no checkpoints" in out or out.strip() == "[]", (args, out))
+        p = self.run_ckpt("-r", ok=None, use_repo=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("needs a value", p.stderr.decode())
 
     def test_newer_format_version_is_refused(self):
         self.run_ckpt("init")

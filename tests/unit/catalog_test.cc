@@ -238,7 +238,8 @@ TEST(Records, EveryValueHasOneEncoding) {
   std::string overlong = enc;
   overlong.replace(overlong.size() - 2, 1, std::string("\x80\x00", 2));  // size 0 as two bytes
   EXPECT_TRUE(DecodeBlob(overlong).status().IsCorruption());
-  Decoder d(std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\x02", 10));  // 2^64 and more
+  const std::string too_big("\xff\xff\xff\xff\xff\xff\xff\xff\xff\x02", 10);  // 2^64 and more
+  Decoder d(too_big);
   uint64_t v;
   EXPECT_TRUE(d.Varint(&v).IsCorruption());
   CheckpointRecord c;

@@ -17,6 +17,8 @@ TEST(MountNames, EscapesWhatAFileNameCannotHold) {
   EXPECT_EQ(FileNameFor(".hidden", ".npy"), ".hidden.npy");
   EXPECT_EQ(FileNameFor("tab\there", ""), "tab%09here");
   EXPECT_EQ(FileNameFor("unicodé", ".npy"), "unicodé.npy");
+  // '~' marks shortened names only, so an escaped name never looks like one.
+  EXPECT_EQ(FileNameFor("a~0123456789abcdef", ""), "a%7E0123456789abcdef");
 }
 
 TEST(MountNames, EscapingIsReversible) {
@@ -42,6 +44,10 @@ TEST(MountNames, LongNamesAreShortenedUniquely) {
   EXPECT_LE(fa.size(), 255u);
   EXPECT_NE(fa, fb);
   EXPECT_EQ(fa.substr(0, 200), a.substr(0, 200));
+  EXPECT_EQ(fa[200], '~');
+  // A name that is not shortened cannot collide with one that is.
+  std::string lookalike = fa.substr(0, fa.size() - 4);
+  EXPECT_NE(FileNameFor(lookalike, ".npy"), fa);
 }
 
 }  // namespace

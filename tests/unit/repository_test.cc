@@ -502,6 +502,16 @@ TEST(RepositoryOpen, MissingForeignAndNewerRepositoriesAreRefused) {
 namespace ckptfs {
 namespace {
 
+TEST(PackInfo, RecordsDecodeOnlyFromTheirExactEncoding) {
+  // Found by fuzz_catalog_records: trailing bytes were ignored.
+  uint64_t size = 0, chunks = 0;
+  ASSERT_OK(DecodePackInfo(EncodePackInfo(1 << 20, 12), &size, &chunks));
+  EXPECT_EQ(size, 1u << 20);
+  EXPECT_EQ(chunks, 12u);
+  EXPECT_TRUE(DecodePackInfo(EncodePackInfo(1 << 20, 12) + "x", &size, &chunks).IsCorruption());
+  EXPECT_TRUE(DecodePackInfo("\x02\x01\x01", &size, &chunks).IsCorruption());
+}
+
 TEST_F(RepoTest, SecondOpenOfOneRepositoryInAProcessIsRefused) {
   // Two LMDB environments of one catalog in one process corrupt each other's
   // lock table: the second open is refused, and a forked child, which does

@@ -770,7 +770,7 @@ void MainHelp(FILE* out) {
                "commands:\n");
   for (const auto& c : kCommands) std::fprintf(out, "  %-10s %s\n", c.spec->name.c_str(), c.spec->summary.c_str());
   std::fprintf(out,
-               "\nThe repository comes from -r/--repo PATH or $CKPT_REPO.\n"
+               "\nThe repository comes from -r/--repo PATH (before or after the command) or $CKPT_REPO.\n"
                "Run 'ckpt COMMAND --help' for a command's options.\n");
 }
 
@@ -794,16 +794,49 @@ void OnBusError(int) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+// Global options may come before the command, as in `ckpt -r REPO ls`
+// (restic's and git's order): they are moved behind the command name, where
+// every command parses them. Returns the reordered arguments, or nullopt
+// when a global option lacks its value.
+std::optional<std::vector<char*>> MoveGlobalOptionsBehindCommand(int argc, char** argv) {
+  std::vector<char*> globals, rest;
+  int i = 1;
+  for (; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "-r" || a == "--repo") {
+      if (i + 1 >= argc) return std::nullopt;
+      globals.push_back(argv[i]);
+      globals.push_back(argv[++i]);
+    } else if ((a.size() > 2 && a.compare(0, 2, "-r") == 0) || a.rfind("--repo=", 0) == 0) {
+      globals.push_back(argv[i]);
+    } else {
+      break;
+    }
+  }
+  std::vector<char*> out = {argv[0]};
+  if (i < argc) out.push_back(argv[i++]);  // the command
+  out.insert(out.end(), globals.begin(), globals.end());
+  for (; i < argc; ++i) out.push_back(argv[i]);
+  return out;
+}
+
+int main(int raw_argc, char** raw_argv) {
   using namespace ckptfs::cli;
   std::signal(SIGBUS, OnBusError);
+  auto reordered = MoveGlobalOptionsBehindCommand(raw_argc, raw_argv);
+  if (!reordered) {
+    std::fprintf(stderr, "ckpt: error: option -r/--repo needs a value\n");
+    return kExitUsage;
+  }
+  const int argc = static_cast<int>(reordered->size());
+  char** argv = reordered->data();
   if (argc < 2 || std::strcmp(argv[1], "-h") == 0 || std::strcmp(argv[1], "--help") == 0 ||
       std::strcmp(argv[1], "help") == 0) {
     MainHelp(argc < 2 ? stderr : stdout);
     return argc < 2 ? kExitUsage : kExitOk;
   }
   if (std::strcmp(argv[1], "--version") == 0) {
-    std::printf("ckpt (ckptfs) 0.1.0, repository format %u\n", ckptfs::kFormatVersion);
+    std::printf("ckpt (ckptfs) %s, repository format %u\n", CKPTFS_VERSION, ckptfs::kFormatVersion);
     return kExitOk;
   }
   for (const auto& c : kCommands) {
