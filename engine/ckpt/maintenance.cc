@@ -34,7 +34,8 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
   }
   // Chunk id -> first user, for messages.
   std::unordered_map<ChunkId, ChunkUse, ChunkIdHash> chunks;
-  DirectFetcher direct(impl_->backend.get(), [this](const ChunkId& id) { return impl_->LookupChunk(id); });
+  DirectFetcher direct(impl_->backend.get(), [this](const ChunkId& id) { return impl_->LookupChunk(id); },
+                       impl_->buffers.get());
   for (const auto& n : names) {
     auto opened = OpenCheckpoint(n);
     if (!opened.ok() && opened.status().IsCorruption()) {
@@ -125,8 +126,8 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
   wg.Add(items.size());
   for (const auto& it : items) {
     impl_->pool->Submit([&, item = &it] {
-      std::vector<std::byte> raw(item->loc.raw_len);
-      Status st = ReadChunk(impl_->backend.get(), item->id, item->loc, raw);
+      BufferPool::Lease raw = impl_->buffers->Acquire(item->loc.raw_len);
+      Status st = ReadChunk(impl_->backend.get(), item->id, item->loc, raw.first(item->loc.raw_len));
       if (st.ok() && item->use && item->use->raw_len != item->loc.raw_len) {
         st = Status::Corruption("chunk " + item->id.ToHex() + " has the wrong length");
       }

@@ -199,7 +199,8 @@ Result<ChunkData> DirectFetcher::Fetch(const ChunkRef& chunk) {
     return Status::Corruption("chunk " + chunk.id.ToHex() + " has length " + std::to_string(loc.raw_len) +
                               " in pack " + loc.pack + ", expected " + std::to_string(chunk.raw_len));
   }
-  auto data = std::make_shared<ChunkBuffer>(loc.raw_len);
+  auto data = buffers_ ? std::make_shared<ChunkBuffer>(buffers_->Acquire(loc.raw_len), loc.raw_len)
+                       : std::make_shared<ChunkBuffer>(loc.raw_len);
   RETURN_IF_ERROR(ReadWithRelocation(chunk.id, loc, data->span()));
   return ChunkData(std::move(data));
 }
@@ -229,7 +230,9 @@ namespace {
 class CachedFetcher : public ChunkFetcher {
  public:
   explicit CachedFetcher(RepositoryImpl* repo)
-      : repo_(repo), direct_(repo->backend.get(), [repo](const ChunkId& id) { return repo->LookupChunk(id); }) {}
+      : repo_(repo),
+        direct_(repo->backend.get(), [repo](const ChunkId& id) { return repo->LookupChunk(id); },
+                repo->buffers.get()) {}
   Result<ChunkData> Fetch(const ChunkRef& chunk) override {
     return repo_->cache->Get(chunk.id, [&] { return direct_.Fetch(chunk); });
   }
@@ -256,6 +259,7 @@ Repository::Repository(std::unique_ptr<RepositoryImpl> impl) : impl_(std::move(i
 Repository::~Repository() = default;
 const RepositoryConfig& Repository::config() const { return impl_->config; }
 const std::string& Repository::path() const { return impl_->path; }
+BufferPoolStats Repository::buffer_stats() const { return impl_->buffers->stats(); }
 
 Status Repository::Init(const std::string& path, const RepositoryConfig& config) {
   RETURN_IF_ERROR(ValidateConfig(config));
@@ -314,6 +318,9 @@ Result<std::unique_ptr<Repository>> Repository::Open(const std::string& path, co
   RETURN_IF_ERROR(st);
   size_t threads = options.threads ? options.threads : std::max(1u, std::thread::hardware_concurrency());
   impl->pool = std::make_unique<ThreadPool>(threads);
+  // Idle buffers kept: enough for every worker's chunks in flight (the
+  // writer bounds those to about 4 per worker).
+  impl->buffers = std::make_unique<BufferPool>(config.chunk_size, 4 * threads + 8);
   impl->cache = std::make_unique<ChunkCache>(options.cache_bytes);
   impl->InitFetcher();
   return std::unique_ptr<Repository>(new Repository(std::move(impl)));

@@ -25,6 +25,7 @@
 
 #include "backend/backend.h"
 #include "codec/codec.h"
+#include "core/buffer_pool.h"
 #include "core/region.h"
 #include "core/status.h"
 #include "meta/records.h"
@@ -303,6 +304,9 @@ class Repository {
 
   const RepositoryConfig& config() const;
   const std::string& path() const;
+  // The chunk-buffer pool's counters (allocations, reuses, bytes held): in
+  // steady state reads and saves reuse buffers and allocate none.
+  BufferPoolStats buffer_stats() const;
 
   // Starts (or joins) checkpoint `name` as rank `options.rank` of
   // `options.world_size`. AlreadyExists if `name` is committed or this rank

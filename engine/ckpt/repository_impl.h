@@ -9,6 +9,7 @@
 #include "backend/backend.h"
 #include "ckpt/merge.h"
 #include "ckpt/repository.h"
+#include "core/buffer_pool.h"
 #include "core/thread_pool.h"
 #include "meta/lmdb_env.h"
 #include "store/chunk_cache.h"
@@ -40,6 +41,10 @@ class RepositoryImpl {
   RepositoryConfig config;
   std::unique_ptr<Backend> backend;
   std::unique_ptr<LmdbEnv> catalog;
+  // Chunk-sized buffers for decoded chunks (the cache holds them), encoded
+  // chunks and staged source bytes. Declared before the cache, so it is
+  // destroyed after it.
+  std::unique_ptr<BufferPool> buffers;
   std::unique_ptr<ChunkCache> cache;
   std::unique_ptr<ThreadPool> pool;
 
@@ -61,7 +66,9 @@ class RepositoryImpl {
 class DirectFetcher : public ChunkFetcher {
  public:
   using Lookup = std::function<Result<ChunkLocation>(const ChunkId&)>;
-  DirectFetcher(Backend* backend, Lookup lookup) : backend_(backend), lookup_(std::move(lookup)) {}
+  // Decoded chunks are leased from `buffers` (allocated per chunk when null).
+  DirectFetcher(Backend* backend, Lookup lookup, BufferPool* buffers = nullptr)
+      : backend_(backend), lookup_(std::move(lookup)), buffers_(buffers) {}
   Result<ChunkData> Fetch(const ChunkRef& chunk) override;
   Status FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) override;
 
@@ -69,6 +76,7 @@ class DirectFetcher : public ChunkFetcher {
   Status ReadWithRelocation(const ChunkId& id, ChunkLocation loc, std::span<std::byte> dst);
   Backend* backend_;
   Lookup lookup_;
+  BufferPool* buffers_;
 };
 
 Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path);

@@ -77,7 +77,7 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
  private:
   struct Job {
     std::span<const std::byte> data;
-    std::vector<std::byte> owned;       // when the source is not host memory
+    BufferPool::Lease owned;            // when the source is not host memory
     std::shared_ptr<const void> keep;   // holds bytes a source lent
     DType dtype;
     ChunkRef* slot;
@@ -87,7 +87,8 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
     ChunkId id;
     Codec codec;
     uint32_t raw_len;
-    std::string bytes;
+    BufferPool::Lease buffer;  // the stored bytes: buffer.first(size)
+    size_t size = 0;
   };
 
   Status CheckUsable() {
@@ -201,9 +202,12 @@ void WriterImpl::Submit(Job job) {
   }
   inflight_wg_.Add();
   if (job.shard_wg) job.shard_wg->Add();
-  repo_->pool->Submit([this, job = std::move(job)]() mutable {
+  // Shared: the pool's tasks must be copyable, and a job owns a lease.
+  repo_->pool->Submit([this, shared = std::make_shared<Job>(std::move(job))] {
+    Job& job = *shared;
     Process(job);
     job.keep.reset();  // lent bytes go back to their source now, not when the task is freed
+    job.owned.Reset();
     if (job.shard_wg) job.shard_wg->Done();
     {
       std::lock_guard lock(mu_);
@@ -245,16 +249,18 @@ void WriterImpl::Process(Job& job) {
   // worth the CPU; only the low-yield ones (fp32 moments) are passed raw.
   const bool skip = disk_starving && EstimateSaving(job.data, job.dtype, repo_->config.codec.min_saving) <
                                          kAdaptiveMinSaving;
-  Encoded enc{id, Codec::kRaw, static_cast<uint32_t>(job.data.size()), {}};
+  Encoded enc{id, Codec::kRaw, static_cast<uint32_t>(job.data.size()), repo_->buffers->Acquire(job.data.size())};
   if (skip || repo_->config.codec.compression == Compression::kNone) {
-    enc.bytes.assign(reinterpret_cast<const char*>(job.data.data()), job.data.size());
+    std::memcpy(enc.buffer.data(), job.data.data(), job.data.size());
+    enc.size = job.data.size();
   } else {
-    auto codec = EncoderFor(repo_->config.codec).Encode(job.data, job.dtype, &enc.bytes);
-    if (!codec.ok()) {
-      SetError(codec.status());
+    auto encoded = EncoderFor(repo_->config.codec).EncodeInto(job.data, job.dtype, enc.buffer.first(job.data.size()));
+    if (!encoded.ok()) {
+      SetError(encoded.status());
       return;
     }
-    enc.codec = *codec;
+    enc.codec = encoded->codec;
+    enc.size = encoded->size;
   }
   // The encoded bytes are a copy: lent source bytes go back now, not after
   // a wait for the disk.
@@ -281,7 +287,8 @@ void WriterImpl::WriterLoop() {
     }
     queue_cv_.notify_all();
     if (!PipelineError().ok()) continue;  // drain without writing after an error
-    auto loc = packs_.Add(enc.id, enc.codec, enc.raw_len, std::as_bytes(std::span(enc.bytes)));
+    auto loc = packs_.Add(enc.id, enc.codec, enc.raw_len, enc.buffer.first(enc.size));
+    enc.buffer.Reset();  // back to the pool for the next chunk
     if (!loc.ok()) {
       SetError(loc.status());
       continue;
@@ -289,7 +296,7 @@ void WriterImpl::WriterLoop() {
     std::lock_guard lock(mu_);
     stored_[enc.id] = *loc;
     ++stats_.chunks_written;
-    stats_.stored_bytes += enc.bytes.size();
+    stats_.stored_bytes += enc.size;
   }
 }
 
@@ -331,10 +338,10 @@ Status WriterImpl::ChunkStream(const std::vector<uint64_t>& bounds, DType dtype,
         job.data = lent->bytes;
         job.keep = std::move(lent->keep);
       } else {
-        job.owned.resize(len);
-        st = source.Read(bounds[i], job.owned);
+        job.owned = repo_->buffers->Acquire(len);
+        st = source.Read(bounds[i], job.owned.first(len));
         if (!st.ok()) break;
-        job.data = job.owned;
+        job.data = job.owned.first(len);
       }
       job.shard_wg = nullptr;
     }

@@ -2,6 +2,7 @@
 
 #define ZSTD_STATIC_LINKING_ONLY  // ZSTD_c_literalCompressionMode
 #include <zstd.h>
+#include <zstd_errors.h>
 
 #include <climits>
 #if defined(__SSE2__)
@@ -10,7 +11,9 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 
+#include "core/buffer_pool.h"
 #include "core/encoding.h"
 
 namespace ckptfs {
@@ -208,8 +211,8 @@ ChunkEncoder::ChunkEncoder(CodecOptions options) : options_(options) {
 
 ChunkEncoder::~ChunkEncoder() { ZSTD_freeCCtx(static_cast<ZSTD_CCtx*>(cctx_)); }
 
-Status ChunkEncoder::Zstd(std::span<const std::byte> in, int level, bool entropy_only,
-                          std::string* out) {
+Result<std::optional<size_t>> ChunkEncoder::Zstd(std::span<const std::byte> in, int level, bool entropy_only,
+                                                  std::span<std::byte> out) {
   auto* cctx = static_cast<ZSTD_CCtx*>(cctx_);
   ZSTD_CCtx_reset(cctx, ZSTD_reset_session_and_parameters);
   if (entropy_only) {
@@ -227,39 +230,43 @@ Status ChunkEncoder::Zstd(std::span<const std::byte> in, int level, bool entropy
   ZSTD_CCtx_setParameter(cctx, ZSTD_c_literalCompressionMode, ZSTD_ps_enable);
   ZSTD_CCtx_setParameter(cctx, ZSTD_c_contentSizeFlag, 0);
   ZSTD_CCtx_setParameter(cctx, ZSTD_c_checksumFlag, 0);
-  size_t bound = ZSTD_compressBound(in.size());
-  size_t old = out->size();
-  out->resize(old + bound);
-  size_t n = ZSTD_compress2(cctx, out->data() + old, bound, in.data(), in.size());
+  // `out` is only as large as a result worth keeping: a frame that does not
+  // fit is not worth it.
+  size_t n = ZSTD_compress2(cctx, out.data(), out.size(), in.data(), in.size());
   if (ZSTD_isError(n)) {
-    out->resize(old);
+    if (ZSTD_getErrorCode(n) == ZSTD_error_dstSize_tooSmall) return std::optional<size_t>();
     return Status::Internal(std::string("zstd compression failed: ") + ZSTD_getErrorName(n));
   }
-  out->resize(old + n);
-  return Status::OK();
+  return std::optional<size_t>(n);
 }
 
-Result<Codec> ChunkEncoder::Encode(std::span<const std::byte> raw, DType dtype, std::string* out,
-                                   int level) {
-  out->clear();
+Result<Codec> ChunkEncoder::Encode(std::span<const std::byte> raw, DType dtype, std::string* out, int level) {
+  out->resize(raw.size());
+  auto encoded = EncodeInto(raw, dtype, std::as_writable_bytes(std::span(out->data(), out->size())), level);
+  if (!encoded.ok()) return encoded.status();
+  out->resize(encoded->size);
+  return encoded->codec;
+}
+
+Result<EncodedChunk> ChunkEncoder::EncodeInto(std::span<const std::byte> raw, DType dtype, std::span<std::byte> out,
+                                              int level) {
+  if (out.size() < raw.size()) return Status::Internal("encoder output smaller than the chunk");
   if (level == INT32_MIN) level = options_.level;
+  // Compressed forms larger than this are not worth keeping: the chunk is
+  // stored raw instead.
   const size_t keep_limit = static_cast<size_t>(raw.size() * (1.0 - options_.min_saving));
-  auto store_raw = [&]() {
-    if (raw.empty()) {
-      out->clear();
-    } else {
-      out->assign(reinterpret_cast<const char*>(raw.data()), raw.size());
-    }
-    return Codec::kRaw;
+  auto store_raw = [&]() -> Result<EncodedChunk> {
+    if (!raw.empty()) std::memcpy(out.data(), raw.data(), raw.size());
+    return EncodedChunk{Codec::kRaw, raw.size()};
   };
   if (options_.compression == Compression::kNone || raw.empty()) return store_raw();
 
   Codec codec = PreferredCodec(dtype);
   const uint32_t width = DTypeSize(dtype);
   if (codec == Codec::kZstd) {
-    RETURN_IF_ERROR(Zstd(raw, level, false, out));
-    if (out->size() > keep_limit) return store_raw();
-    return Codec::kZstd;
+    ASSIGN_OR_RETURN(auto n, Zstd(raw, level, false, out.first(keep_limit)));
+    if (!n) return store_raw();
+    return EncodedChunk{Codec::kZstd, *n};
   }
 
   // Byte grouping. Layout: u8 width, u8 plane_mask (bit p: plane p is zstd),
@@ -267,39 +274,43 @@ Result<Codec> ChunkEncoder::Encode(std::span<const std::byte> raw, DType dtype, 
   // not fill a whole element.
   const size_t n = raw.size() / width;
   const size_t tail = raw.size() - n * width;
-  scratch_.resize(n * width);
+  const size_t header = 2 + 4 * width;
+  if (header >= keep_limit) return store_raw();
+  std::byte* planes = scratch_.Reserve(n * width);
   const auto* src = reinterpret_cast<const uint8_t*>(raw.data());
-  split_tmp_.resize(2 * n * width);
-  SplitPlanes(src, n, width, reinterpret_cast<uint8_t*>(scratch_.data()),
-              reinterpret_cast<uint8_t*>(split_tmp_.data()));
-  Encoder header;
-  header.U8(static_cast<uint8_t>(width));
-  header.U8(0);
-  for (uint32_t b = 0; b < width; ++b) header.U32(0);
-  *out = header.Take();
+  SplitPlanes(src, n, width, reinterpret_cast<uint8_t*>(planes),
+              reinterpret_cast<uint8_t*>(split_tmp_.Reserve(2 * n * width)));
   uint8_t mask = 0;
-  std::vector<uint32_t> sizes(width);
+  uint32_t sizes[8] = {};
+  size_t pos = header;
+  const size_t plane_limit = static_cast<size_t>(n * (1.0 - options_.min_saving));
   for (uint32_t b = 0; b < width; ++b) {
-    std::span<const std::byte> plane(scratch_.data() + b * n, n);
-    size_t before = out->size();
+    std::span<const std::byte> plane(planes + b * n, n);
+    const size_t budget = keep_limit - pos;  // pos <= keep_limit holds throughout
     bool compressed = false;
     if (EstimateEntropyRatio(plane) < 1.0 - options_.min_saving) {
-      RETURN_IF_ERROR(Zstd(plane, level, level <= kMaxEntropyOnlyLevel, out));
-      if (out->size() - before <= n * (1.0 - options_.min_saving)) {
+      ASSIGN_OR_RETURN(auto z, Zstd(plane, level, level <= kMaxEntropyOnlyLevel,
+                                    out.subspan(pos, std::min(budget, plane_limit))));
+      if (z) {
         compressed = true;
-      } else {
-        out->resize(before);
+        mask |= static_cast<uint8_t>(1u << b);
+        sizes[b] = static_cast<uint32_t>(*z);
       }
     }
-    if (!compressed) out->append(reinterpret_cast<const char*>(plane.data()), n);
-    if (compressed) mask |= static_cast<uint8_t>(1u << b);
-    sizes[b] = static_cast<uint32_t>(out->size() - before);
+    if (!compressed) {
+      if (n > budget) return store_raw();  // the whole would not save enough
+      std::memcpy(out.data() + pos, plane.data(), n);
+      sizes[b] = static_cast<uint32_t>(n);
+    }
+    pos += sizes[b];
   }
-  out->append(reinterpret_cast<const char*>(raw.data()) + n * width, tail);
-  (*out)[1] = static_cast<char>(mask);
-  std::memcpy(out->data() + 2, sizes.data(), 4 * width);
-  if (mask == 0 || out->size() > keep_limit) return store_raw();
-  return Codec::kByteGroupZstd;
+  if (mask == 0 || tail > keep_limit - pos) return store_raw();
+  std::memcpy(out.data() + pos, raw.data() + n * width, tail);
+  pos += tail;
+  out[0] = static_cast<std::byte>(width);
+  out[1] = static_cast<std::byte>(mask);
+  std::memcpy(out.data() + 2, sizes, 4 * width);
+  return EncodedChunk{Codec::kByteGroupZstd, pos};
 }
 
 namespace {
@@ -355,15 +366,16 @@ Status DecodeChunk(Codec codec, std::span<const std::byte> stored, std::span<std
       if (total + tail != stored.size()) {
         return Status::Corruption("byte-grouped chunk sizes do not add up");
       }
-      // Compressed planes decode into scratch; raw planes are used in place.
-      thread_local std::vector<std::byte> decoded, join_tmp;
-      decoded.resize(n * width);
-      join_tmp.resize(8 * n);
+      // Compressed planes decode into this thread's scratch (reused, never
+      // zero-filled); raw planes are used in place.
+      thread_local ScratchBuffer decoded_buffer, join_buffer;
+      std::byte* decoded = decoded_buffer.Reserve(n * width);
+      std::byte* join_tmp = width == 8 ? join_buffer.Reserve(8 * n) : nullptr;  // only 8-byte joins need it
       const uint8_t* plane_ptr[8];
       const std::byte* p = stored.data() + 2 + 4 * width;
       for (int b = 0; b < width; ++b) {
         if (mask & (1u << b)) {
-          std::span<std::byte> plane(decoded.data() + b * n, n);
+          std::span<std::byte> plane(decoded + b * n, n);
           RETURN_IF_ERROR(ZstdDecode({p, sizes[b]}, plane));
           plane_ptr[b] = reinterpret_cast<const uint8_t*>(plane.data());
         } else {
@@ -373,7 +385,7 @@ Status DecodeChunk(Codec codec, std::span<const std::byte> stored, std::span<std
         p += sizes[b];
       }
       auto* dst = reinterpret_cast<uint8_t*>(raw.data());
-      JoinPlanes(plane_ptr, n, width, dst, reinterpret_cast<uint8_t*>(join_tmp.data()));
+      JoinPlanes(plane_ptr, n, width, dst, reinterpret_cast<uint8_t*>(join_tmp));
       if (tail) std::memcpy(dst + n * width, p, tail);
       return Status::OK();
     }

@@ -14,10 +14,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "core/buffer_pool.h"
 #include "core/dtype.h"
 #include "core/status.h"
 
@@ -54,6 +56,11 @@ inline constexpr int kMaxEntropyOnlyLevel = 1;
 // The codec ckptfs uses for a dtype when compression is on.
 Codec PreferredCodec(DType dtype);
 
+struct EncodedChunk {
+  Codec codec;
+  size_t size;  // stored bytes written
+};
+
 class ChunkEncoder {
  public:
   explicit ChunkEncoder(CodecOptions options);
@@ -61,21 +68,27 @@ class ChunkEncoder {
   ChunkEncoder(const ChunkEncoder&) = delete;
   ChunkEncoder& operator=(const ChunkEncoder&) = delete;
 
-  // Encodes `raw` (elements of `dtype`) into `out` (replaced) and returns the
-  // codec used. Never fails for valid input; a codec that does not save
-  // `min_saving` is replaced by kRaw. `level` overrides options.level when
-  // not INT32_MIN (used by the adaptive writer).
+  // Encodes `raw` (elements of `dtype`) into the first bytes of `out`, which
+  // must hold at least raw.size() bytes (a stored chunk is never larger than
+  // its raw bytes: a codec that does not save `min_saving` is replaced by
+  // kRaw). Never fails for valid input. `level` overrides options.level when
+  // not INT32_MIN (used by the adaptive writer). Allocates nothing per call.
+  Result<EncodedChunk> EncodeInto(std::span<const std::byte> raw, DType dtype, std::span<std::byte> out,
+                                  int level = INT32_MIN);
+  // The same into a string (replaced); for tests and tools.
   Result<Codec> Encode(std::span<const std::byte> raw, DType dtype, std::string* out,
                        int level = INT32_MIN);
 
   const CodecOptions& options() const { return options_; }
 
  private:
-  Status Zstd(std::span<const std::byte> in, int level, bool entropy_only, std::string* out);
+  // The zstd frame of `in` in `out`; nullopt when it does not fit.
+  Result<std::optional<size_t>> Zstd(std::span<const std::byte> in, int level, bool entropy_only,
+                                     std::span<std::byte> out);
   CodecOptions options_;
   void* cctx_ = nullptr;
-  std::vector<std::byte> scratch_;
-  std::vector<std::byte> split_tmp_;
+  ScratchBuffer scratch_;    // byte planes
+  ScratchBuffer split_tmp_;  // intermediate splits
 };
 
 // Decodes `stored` written with `codec` into `raw`, whose size must be the

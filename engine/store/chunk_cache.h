@@ -16,22 +16,27 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/buffer_pool.h"
 #include "core/chunk_id.h"
 #include "core/status.h"
 
 namespace ckptfs {
 
-// A decoded chunk. Not zero-filled on allocation: decoders write every byte.
+// A decoded chunk, in a buffer leased from a BufferPool (given back when the
+// last reference goes, e.g. when the cache evicts it) or allocated for it
+// alone. Not zero-filled: decoders write every byte.
 class ChunkBuffer {
  public:
-  explicit ChunkBuffer(size_t size) : data_(new std::byte[size]), size_(size) {}
-  std::byte* data() { return data_.get(); }
-  const std::byte* data() const { return data_.get(); }
+  ChunkBuffer(BufferPool::Lease lease, size_t size) : lease_(std::move(lease)), size_(size) {}
+  explicit ChunkBuffer(size_t size) : owned_(new std::byte[size]), size_(size) {}
+  std::byte* data() { return lease_ ? lease_.data() : owned_.get(); }
+  const std::byte* data() const { return lease_ ? lease_.data() : owned_.get(); }
   size_t size() const { return size_; }
-  std::span<std::byte> span() { return {data_.get(), size_}; }
+  std::span<std::byte> span() { return {data(), size_}; }
 
  private:
-  std::unique_ptr<std::byte[]> data_;
+  BufferPool::Lease lease_;
+  std::unique_ptr<std::byte[]> owned_;
   size_t size_;
 };
 

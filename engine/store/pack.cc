@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "core/buffer_pool.h"
 #include "core/encoding.h"
 #include "core/random.h"
 
@@ -174,9 +175,9 @@ Status ReadChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc,
     if (loc.stored_len != loc.raw_len) return Status::Corruption(where() + ": raw chunk with wrong length");
     RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, raw).WithContext(where()));
   } else {
-    thread_local std::vector<std::byte> stored_buffer;
-    stored_buffer.resize(loc.stored_len);
-    std::span<std::byte> stored(stored_buffer);
+    // Reused by every chunk this thread reads: no allocation, no zero-fill.
+    thread_local ScratchBuffer stored_buffer;
+    std::span<std::byte> stored(stored_buffer.Reserve(loc.stored_len), loc.stored_len);
     RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, stored).WithContext(where()));
     Status st = DecodeChunk(loc.codec, stored, raw);
     if (!st.ok()) return Status::Corruption(where() + ": " + st.message());
