@@ -24,11 +24,9 @@
 #include <unordered_set>
 #include <vector>
 
+#include "ckpt/files.h"
 #include "ckpt/repository.h"
-#include "ckpt/describe.h"
-#include "core/json.h"
-#include "io/safetensors.h"
-#include "names.h"
+#include "core/buffer_pool.h"
 
 namespace ckptfs::mount {
 namespace {
@@ -38,26 +36,23 @@ constexpr double kImmutableTimeout = 3600.0;
 // The root changes as checkpoints come and go.
 constexpr double kRootTimeout = 1.0;
 
-enum class Kind { kRoot, kLatest, kCheckpoint, kTensor, kSafetensors, kMetadata, kBlobsDir, kBlob };
+enum class Kind { kRoot, kLatest, kCheckpoint, kBlobsDir, kFile };
 
-// Everything the mount shows of one committed checkpoint; immutable once built.
+// One committed checkpoint as the mount shows it: its files (the engine's
+// CheckpointFiles) and the inode-level lookups of its two directories.
+// Immutable once built.
 struct CheckpointView {
   std::string name;
   uint64_t sequence = 0;
   uint64_t mtime = 0;  // commit time, seconds
-  std::unique_ptr<CheckpointReader> reader;
-  std::vector<std::string> tensor_files;  // per tensor (reader order)
-  std::vector<std::string> npy_headers;
-  std::vector<std::string> blob_files;
-  std::map<std::string, size_t> tensor_by_file, blob_by_file;
-  SafetensorsLayout safetensors;
-  std::string metadata;
+  std::unique_ptr<CheckpointFiles> files;
+  std::map<std::string, size_t, std::less<>> top, blobs;  // file name -> index into files->files()
 };
 
 struct Node {
   Kind kind;
   std::shared_ptr<CheckpointView> view;  // null for root and latest
-  size_t index = 0;                      // tensor or blob
+  size_t file = 0;                       // index into view->files->files()
   uint64_t lookups = 0;
 };
 
@@ -68,13 +63,15 @@ struct DirEntry {
 };
 
 struct OpenFile {
-  std::shared_ptr<CheckpointView> view;
-  Kind kind;
-  size_t index;
-  std::mutex mu;
-  uint64_t next_offset = 0;       // furthest byte a reader reached
-  uint64_t prefetched_until = 0;  // tensor bytes already asked for
+  OpenFile(std::shared_ptr<CheckpointView> v, const CheckpointFile& f, uint64_t window)
+      : view(std::move(v)), file(f), readahead(*view->files, f, window) {}
+  std::shared_ptr<CheckpointView> view;  // keeps `file` alive
+  const CheckpointFile& file;
+  FileReadahead readahead;
 };
+
+// The one place a file handle becomes an OpenFile.
+OpenFile& OpenFileOf(const fuse_file_info* fi) { return *reinterpret_cast<OpenFile*>(fi->fh); }
 
 class Filesystem {
  public:
@@ -91,37 +88,30 @@ class Filesystem {
   void Lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
     auto node = GetNode(parent);
     if (!node) return (void)fuse_reply_err(req, ENOENT);
-    std::string n = name;
+    std::string_view n = name;
     fuse_ino_t ino = 0;
     if (node->kind == Kind::kRoot) {
       if (n == "latest") {
         if (LatestName().empty()) return (void)fuse_reply_err(req, ENOENT);
         ino = kLatestIno;
       } else {
-        auto view = ViewOf(n);
+        auto view = ViewOf(std::string(n));
         if (!view.ok()) {
           if (view.status().IsNotFound()) return (void)fuse_reply_err(req, ENOENT);
           return ReplyError(req, view.status());  // damaged records: EIO, logged
         }
         ino = InodeFor(Kind::kCheckpoint, *view, 0);
       }
-    } else if (node->kind == Kind::kCheckpoint) {
+    } else if (node->kind == Kind::kCheckpoint || node->kind == Kind::kBlobsDir) {
       const auto& v = node->view;
-      if (n == "model.safetensors") {
-        ino = InodeFor(Kind::kSafetensors, v, 0);
-      } else if (n == "metadata.json") {
-        ino = InodeFor(Kind::kMetadata, v, 0);
-      } else if (n == "blobs") {
+      if (node->kind == Kind::kCheckpoint && n == "blobs") {
         ino = InodeFor(Kind::kBlobsDir, v, 0);
-      } else if (auto it = v->tensor_by_file.find(n); it != v->tensor_by_file.end()) {
-        ino = InodeFor(Kind::kTensor, v, it->second);
       } else {
-        return (void)fuse_reply_err(req, ENOENT);
+        const auto& dir = node->kind == Kind::kCheckpoint ? v->top : v->blobs;
+        auto it = dir.find(n);
+        if (it == dir.end()) return (void)fuse_reply_err(req, ENOENT);
+        ino = InodeFor(Kind::kFile, v, it->second);
       }
-    } else if (node->kind == Kind::kBlobsDir) {
-      auto it = node->view->blob_by_file.find(n);
-      if (it == node->view->blob_by_file.end()) return (void)fuse_reply_err(req, ENOENT);
-      ino = InodeFor(Kind::kBlob, node->view, it->second);
     } else {
       return (void)fuse_reply_err(req, ENOTDIR);
     }
@@ -148,7 +138,7 @@ class Filesystem {
     if (it == nodes_.end()) return;
     it->second.lookups = it->second.lookups > n ? it->second.lookups - n : 0;
     if (it->second.lookups == 0) {
-      ino_of_.erase(KeyOf(it->second.kind, it->second.view, it->second.index));
+      ino_of_.erase(KeyOf(it->second.kind, it->second.view, it->second.file));
       nodes_.erase(it);
     }
   }
@@ -184,19 +174,17 @@ class Filesystem {
         auto view = ViewOf(c);
         if (view.ok()) entries->push_back({c.name, InodeFor(Kind::kCheckpoint, *view, 0), S_IFDIR});
       }
-    } else if (node->kind == Kind::kCheckpoint) {
+    } else if (node->kind == Kind::kCheckpoint || node->kind == Kind::kBlobsDir) {
       const auto& v = node->view;
-      for (size_t i = 0; i < v->tensor_files.size(); ++i) {
-        entries->push_back({v->tensor_files[i], InodeFor(Kind::kTensor, v, i), S_IFREG});
+      // In the order of CheckpointFiles: tensors, model.safetensors, metadata.json.
+      const auto& files = v->files->files();
+      for (size_t i = 0; i < files.size(); ++i) {
+        const bool blob = files[i].kind == FileKind::kBlob;
+        if (blob != (node->kind == Kind::kBlobsDir)) continue;
+        std::string name = blob ? files[i].name.substr(kBlobsPrefix.size()) : files[i].name;
+        entries->push_back({std::move(name), InodeFor(Kind::kFile, v, i), S_IFREG});
       }
-      entries->push_back({"model.safetensors", InodeFor(Kind::kSafetensors, v, 0), S_IFREG});
-      entries->push_back({"metadata.json", InodeFor(Kind::kMetadata, v, 0), S_IFREG});
-      entries->push_back({"blobs", InodeFor(Kind::kBlobsDir, v, 0), S_IFDIR});
-    } else if (node->kind == Kind::kBlobsDir) {
-      const auto& v = node->view;
-      for (size_t i = 0; i < v->blob_files.size(); ++i) {
-        entries->push_back({v->blob_files[i], InodeFor(Kind::kBlob, v, i), S_IFREG});
-      }
+      if (node->kind == Kind::kCheckpoint) entries->push_back({"blobs", InodeFor(Kind::kBlobsDir, v, 0), S_IFDIR});
     } else {
       return (void)fuse_reply_err(req, ENOTDIR);
     }
@@ -235,30 +223,30 @@ class Filesystem {
       return (void)fuse_reply_err(req, EISDIR);
     }
     if (node->kind == Kind::kLatest) return (void)fuse_reply_err(req, ELOOP);
-    auto* f = new OpenFile{node->view, node->kind, node->index};
+    const CheckpointFile& file = node->view->files->files()[node->file];
+    auto* f = new OpenFile(node->view, file, options_.prefetch_chunks * repo_->config().chunk_size);
+    f->readahead.OnOpen();
     fi->fh = reinterpret_cast<uint64_t>(f);
     fi->keep_cache = 1;  // immutable content: keep the page cache across opens
     fuse_reply_open(req, fi);
   }
 
   void Release(fuse_req_t req, fuse_file_info* fi) {
-    delete reinterpret_cast<OpenFile*>(fi->fh);
+    delete &OpenFileOf(fi);
     fuse_reply_err(req, 0);
   }
 
   void Read(fuse_req_t req, size_t size, off_t off, fuse_file_info* fi) {
-    auto* f = reinterpret_cast<OpenFile*>(fi->fh);
-    const uint64_t file_size = FileSize(*f->view, f->kind, f->index);
+    OpenFile& f = OpenFileOf(fi);
     const uint64_t offset = static_cast<uint64_t>(off);
-    if (offset >= file_size) return (void)fuse_reply_buf(req, nullptr, 0);
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(size, file_size - offset));
-    thread_local std::vector<std::byte> buf;
-    if (buf.size() < n) buf.resize(n);
-    std::span<std::byte> out(buf.data(), n);
-    MaybePrefetch(*f, offset, n);
-    Status st = Fill(*f, offset, out);
+    if (offset >= f.file.size) return (void)fuse_reply_buf(req, nullptr, 0);
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(size, f.file.size - offset));
+    thread_local ScratchBuffer buf;
+    std::span<std::byte> out(buf.Reserve(n), n);
+    f.readahead.BeforeRead(offset, n);
+    Status st = f.view->files->Read(f.file, offset, out);
     if (!st.ok()) return ReplyError(req, st);
-    fuse_reply_buf(req, reinterpret_cast<const char*>(buf.data()), n);
+    fuse_reply_buf(req, reinterpret_cast<const char*>(out.data()), n);
   }
 
   void GetXattr(fuse_req_t req, fuse_ino_t ino, const char* name, size_t size) {
@@ -335,6 +323,7 @@ class Filesystem {
 
  private:
   static constexpr fuse_ino_t kLatestIno = 2;
+  static constexpr std::string_view kBlobsPrefix = "blobs/";
 
   // Raises the mount's kernel readahead (best effort: needs root). Runs once
   // the session serves requests, since stat of the mountpoint asks it.
@@ -409,55 +398,24 @@ class Filesystem {
       DropView(name);
       return reader.status();
     }
+    auto files = CheckpointFiles::Build(std::move(reader).value());
+    if (!files.ok()) return files.status();
     auto v = std::make_shared<CheckpointView>();
     v->name = name;
-    v->sequence = (*reader)->info().sequence;
-    v->mtime = (*reader)->info().committed_unix_ms / 1000;
-    v->reader = std::move(reader).value();
-    std::vector<TensorMeta> metas;
-    for (size_t i = 0; i < v->reader->tensors().size(); ++i) {
-      const auto& t = v->reader->tensors()[i];
-      v->tensor_files.push_back(FileNameFor(t.name, ".npy"));
-      v->tensor_by_file[v->tensor_files.back()] = i;
-      v->npy_headers.push_back(NpyHeader(t.dtype, t.shape));
-      metas.push_back({t.name, t.dtype, t.shape});
+    v->sequence = record.sequence;
+    v->mtime = record.committed_unix_ms / 1000;
+    v->files = std::move(files).value();
+    const auto& list = v->files->files();
+    for (size_t i = 0; i < list.size(); ++i) {
+      if (list[i].kind == FileKind::kBlob) {
+        v->blobs.emplace(list[i].name.substr(kBlobsPrefix.size()), i);
+      } else {
+        v->top.emplace(list[i].name, i);
+      }
     }
-    for (size_t i = 0; i < v->reader->blobs().size(); ++i) {
-      v->blob_files.push_back(FileNameFor(v->reader->blobs()[i].name, ""));
-      v->blob_by_file[v->blob_files.back()] = i;
-    }
-    std::vector<std::pair<std::string, std::string>> meta = {{"ckptfs.checkpoint", name}};
-    if (v->reader->info().step) meta.emplace_back("ckptfs.step", std::to_string(*v->reader->info().step));
-    v->safetensors = LayoutSafetensors(metas, meta);
-    v->metadata = MetadataJson(*v);
     std::lock_guard lock(views_mu_);
     views_[name] = v;
     return v;
-  }
-
-  // `ckpt show --json`'s description plus the file that shows each tensor
-  // and blob.
-  static std::string MetadataJson(const CheckpointView& v) {
-    auto described = DescribeCheckpoint(*v.reader);
-    if (!described.ok()) return Json(described.status().ToString()).Dump() + "\n";
-    Json j = std::move(described).value();
-    auto add_files = [&](const char* key, const std::vector<std::string>& files, const char* dir) {
-      auto& list = j.Find(key)->as_array();
-      for (size_t i = 0; i < list.size(); ++i) list[i].Set("file", std::string(dir) + files[i]);
-    };
-    add_files("tensors", v.tensor_files, "");
-    add_files("blobs", v.blob_files, "blobs/");
-    return j.Dump(2) + "\n";
-  }
-
-  static uint64_t FileSize(const CheckpointView& v, Kind kind, size_t index) {
-    switch (kind) {
-      case Kind::kTensor: return v.npy_headers[index].size() + v.reader->tensors()[index].ByteSize();
-      case Kind::kSafetensors: return v.safetensors.total_size;
-      case Kind::kMetadata: return v.metadata.size();
-      case Kind::kBlob: return v.reader->blobs()[index].size;
-      default: return 0;
-    }
   }
 
   struct stat Attr(fuse_ino_t ino, const Node& node) {
@@ -478,10 +436,10 @@ class Filesystem {
         st.st_nlink = 1;
         st.st_size = static_cast<off_t>(LatestName().size());
         break;
-      default:
+      case Kind::kFile:
         st.st_mode = S_IFREG | 0444;
         st.st_nlink = 1;
-        st.st_size = static_cast<off_t>(FileSize(*node.view, node.kind, node.index));
+        st.st_size = static_cast<off_t>(node.view->files->files()[node.file].size);
         st.st_blocks = (st.st_size + 511) / 512;
     }
     const time_t t = node.view ? static_cast<time_t>(node.view->mtime) : mounted_at_;
@@ -491,109 +449,24 @@ class Filesystem {
 
   std::vector<std::pair<std::string, std::string>> Xattrs(const Node& node) {
     std::vector<std::pair<std::string, std::string>> out;
-    if (node.kind == Kind::kTensor) {
-      const auto& t = node.view->reader->tensors()[node.index];
-      out.emplace_back("user.ckptfs.name", t.name);
-      out.emplace_back("user.ckptfs.dtype", std::string(DTypeName(t.dtype)));
-      out.emplace_back("user.ckptfs.shape", ShapeToString(t.shape));
-    } else if (node.kind == Kind::kBlob) {
-      out.emplace_back("user.ckptfs.name", node.view->reader->blobs()[node.index].name);
+    if (node.kind == Kind::kFile) {
+      const CheckpointFile& f = node.view->files->files()[node.file];
+      const CheckpointReader& r = node.view->files->reader();
+      if (f.kind == FileKind::kTensor) {
+        const auto& t = r.tensors()[f.index];
+        out.emplace_back("user.ckptfs.name", t.name);
+        out.emplace_back("user.ckptfs.dtype", std::string(DTypeName(t.dtype)));
+        out.emplace_back("user.ckptfs.shape", ShapeToString(t.shape));
+      } else if (f.kind == FileKind::kBlob) {
+        out.emplace_back("user.ckptfs.name", r.blobs()[f.index].name);
+      }
     } else if (node.kind == Kind::kCheckpoint) {
       out.emplace_back("user.ckptfs.checkpoint", node.view->name);
-      if (node.view->reader->info().step) {
-        out.emplace_back("user.ckptfs.step", std::to_string(*node.view->reader->info().step));
+      if (const auto& step = node.view->files->reader().info().step) {
+        out.emplace_back("user.ckptfs.step", std::to_string(*step));
       }
     }
     return out;
-  }
-
-  // Bytes [offset, offset + out.size()) of an open file.
-  Status Fill(OpenFile& f, uint64_t offset, std::span<std::byte> out) {
-    const CheckpointView& v = *f.view;
-    const CheckpointReader& r = *v.reader;
-    auto copy_string = [&](const std::string& s, uint64_t at, std::span<std::byte> dst) {
-      std::memcpy(dst.data(), s.data() + at, dst.size());
-    };
-    switch (f.kind) {
-      case Kind::kMetadata:
-        copy_string(v.metadata, offset, out);
-        return Status::OK();
-      case Kind::kBlob:
-        return r.ReadBlob(r.blobs()[f.index], offset, out);
-      case Kind::kTensor: {
-        const std::string& h = v.npy_headers[f.index];
-        size_t done = 0;
-        if (offset < h.size()) {
-          done = std::min<size_t>(out.size(), h.size() - offset);
-          copy_string(h, offset, out.subspan(0, done));
-        }
-        if (done == out.size()) return Status::OK();
-        return r.ReadBytes(r.tensors()[f.index], offset + done - h.size(), out.subspan(done));
-      }
-      case Kind::kSafetensors: {
-        const auto& L = v.safetensors;
-        size_t done = 0;
-        while (done < out.size()) {
-          uint64_t pos = offset + done;
-          if (pos < L.header.size()) {
-            size_t n = std::min<size_t>(out.size() - done, L.header.size() - pos);
-            copy_string(L.header, pos, out.subspan(done, n));
-            done += n;
-            continue;
-          }
-          // The tensor holding `pos`: the last one starting at or before it
-          // (zero-size tensors share offsets and are skipped by n == 0).
-          size_t i = static_cast<size_t>(std::upper_bound(L.offsets.begin(), L.offsets.end(), pos) - L.offsets.begin()) - 1;
-          while (i + 1 < L.offsets.size() && L.offsets[i] + L.sizes[i] <= pos) ++i;
-          uint64_t in = pos - L.offsets[i];
-          size_t n = std::min<uint64_t>(out.size() - done, L.sizes[i] - in);
-          RETURN_IF_ERROR(r.ReadBytes(r.tensors()[i], in, out.subspan(done, n)));
-          done += n;
-        }
-        return Status::OK();
-      }
-      default:
-        return Status::InvalidArgument("not a file");
-    }
-  }
-
-  // A reader that continues where it stopped gets the next chunks decoded
-  // ahead of it.
-  void MaybePrefetch(OpenFile& f, uint64_t offset, size_t n) {
-    if (options_.prefetch_chunks == 0) return;
-    const CheckpointView& v = *f.view;
-    uint64_t tensor_offset;
-    size_t index;
-    if (f.kind == Kind::kTensor) {
-      index = f.index;
-      tensor_offset = offset > v.npy_headers[index].size() ? offset - v.npy_headers[index].size() : 0;
-    } else if (f.kind == Kind::kSafetensors) {
-      const auto& L = v.safetensors;
-      if (offset < L.header.size()) return;
-      index = static_cast<size_t>(std::upper_bound(L.offsets.begin(), L.offsets.end(), offset) - L.offsets.begin()) - 1;
-      tensor_offset = offset - L.offsets[index];
-    } else {
-      return;
-    }
-    std::lock_guard lock(f.mu);
-    // Kernel readahead sends several requests at once, slightly out of
-    // order: a read near the furthest point reached so far counts as
-    // sequential.
-    const uint64_t slack = 4 * repo_->config().chunk_size;
-    bool sequential = offset + slack >= f.next_offset && offset <= f.next_offset + slack;
-    f.next_offset = std::max(f.next_offset, offset + n);
-    if (!sequential) {
-      f.next_offset = offset + n;
-      f.prefetched_until = 0;
-      return;
-    }
-    const auto& t = v.reader->tensors()[index];
-    const uint64_t window = options_.prefetch_chunks * repo_->config().chunk_size;
-    uint64_t from = std::max(tensor_offset + n, f.prefetched_until);
-    uint64_t to = std::min<uint64_t>(t.ByteSize(), tensor_offset + n + window);
-    if (to <= from + repo_->config().chunk_size / 2) return;  // enough is in flight
-    v.reader->Prefetch(t, from, to - from);
-    f.prefetched_until = to;
   }
 
   // A failed read is EIO (logged with the chunk and pack the message names);

@@ -11,39 +11,12 @@
 #include <unordered_map>
 
 #include "backend/backend.h"
+#include "backend/durable_file.h"
 #include "core/crash_point.h"
 #include "core/random.h"
 
 namespace ckptfs {
 namespace {
-
-// Start writeback every kWritebackStep bytes and wait for the range that is
-// kWritebackLag behind, so dirty pages stay bounded and the final fsync is short.
-constexpr uint64_t kWritebackStep = 8 << 20;
-constexpr uint64_t kWritebackLag = 64 << 20;
-
-Status WriteAll(int fd, const std::byte* p, size_t n, const std::string& what) {
-  while (n > 0) {
-    ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return Status::FromErrno(errno, "writing " + what);
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return Status::OK();
-}
-
-Status FsyncDir(const std::string& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return Status::FromErrno(errno, "opening directory " + dir);
-  int rc = ::fsync(fd);
-  int err = errno;
-  ::close(fd);
-  if (rc != 0) return Status::FromErrno(err, "fsync of directory " + dir);
-  return Status::OK();
-}
 
 Status MakeDirs(const std::string& path) {
   size_t pos = 0;
@@ -62,63 +35,17 @@ class LocalBackend final : public Backend {
  public:
   explicit LocalBackend(std::string root) : root_(std::move(root)) {}
 
+  // An object is a DurableFile under a hidden temporary name.
   class Writer final : public ObjectWriter {
    public:
-    Writer(std::string final_path, std::string tmp_path, int fd)
-        : final_path_(std::move(final_path)), tmp_path_(std::move(tmp_path)), fd_(fd) {}
-    ~Writer() override { Abort(); }
-
-    Status Append(std::span<const std::byte> data) override {
-      if (fd_ < 0) return Status::FailedPrecondition("object writer already finished");
-      RETURN_IF_ERROR(WriteAll(fd_, data.data(), data.size(), tmp_path_));
-      CrashPoint();
-      size_ += data.size();
-      while (size_ - flushed_ >= kWritebackStep) {
-        ::sync_file_range(fd_, static_cast<off_t>(flushed_), kWritebackStep, SYNC_FILE_RANGE_WRITE);
-        flushed_ += kWritebackStep;
-        if (flushed_ >= kWritebackLag) {
-          ::sync_file_range(fd_, static_cast<off_t>(flushed_ - kWritebackLag), kWritebackStep,
-                            SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
-                                SYNC_FILE_RANGE_WAIT_AFTER);
-        }
-      }
-      return Status::OK();
-    }
-
-    Status Commit() override {
-      if (fd_ < 0) return Status::FailedPrecondition("object writer already finished");
-      if (::fdatasync(fd_) != 0) {
-        Status st = Status::FromErrno(errno, "fsync of " + tmp_path_);
-        Abort();
-        return st;
-      }
-      ::close(fd_);
-      fd_ = -1;
-      CrashPoint();
-      if (::rename(tmp_path_.c_str(), final_path_.c_str()) != 0) {
-        Status st = Status::FromErrno(errno, "renaming " + tmp_path_ + " to " + final_path_);
-        ::unlink(tmp_path_.c_str());
-        return st;
-      }
-      CrashPoint();
-      return FsyncDir(final_path_.substr(0, final_path_.rfind('/')));
-    }
-
-    void Abort() override {
-      if (fd_ < 0) return;
-      ::close(fd_);
-      fd_ = -1;
-      ::unlink(tmp_path_.c_str());
-    }
-
-    uint64_t size() const override { return size_; }
+    explicit Writer(std::unique_ptr<DurableFile> file) : file_(std::move(file)) {}
+    Status Append(std::span<const std::byte> data) override { return file_->Append(data); }
+    Status Commit() override { return file_->Commit(); }
+    void Abort() override { file_->Abort(); }
+    uint64_t size() const override { return file_->size(); }
 
    private:
-    std::string final_path_;
-    std::string tmp_path_;
-    int fd_;
-    uint64_t size_ = 0;
-    uint64_t flushed_ = 0;
+    std::unique_ptr<DurableFile> file_;
   };
 
   Result<std::unique_ptr<ObjectWriter>> Create(std::string_view key) override {
@@ -126,11 +53,9 @@ class LocalBackend final : public Backend {
     std::string path = Path(key);
     std::string dir = path.substr(0, path.rfind('/'));
     RETURN_IF_ERROR(MakeDirs(dir));
-    std::string tmp = dir + "/.tmp-" + RandomHex(16);
-    int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd < 0) return Status::FromErrno(errno, "creating " + tmp);
+    ASSIGN_OR_RETURN(auto file, DurableFile::Create(path, dir + "/.tmp-" + RandomHex(16)));
     EvictFd(path);
-    return std::unique_ptr<ObjectWriter>(new Writer(path, tmp, fd));
+    return std::unique_ptr<ObjectWriter>(new Writer(std::move(file)));
   }
 
   Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) override {

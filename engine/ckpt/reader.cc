@@ -20,6 +20,8 @@ const CheckpointRecord& CheckpointReader::info() const { return impl_->manifest.
 const std::vector<TensorRecord>& CheckpointReader::tensors() const { return impl_->manifest.tensors; }
 const std::vector<BlobRecord>& CheckpointReader::blobs() const { return impl_->manifest.blobs; }
 
+uint64_t CheckpointReader::chunk_size() const { return impl_->repo->config.chunk_size; }
+
 const TensorRecord* CheckpointReader::FindTensor(std::string_view name) const {
   auto it = impl_->tensor_index.find(std::string(name));
   return it == impl_->tensor_index.end() ? nullptr : &impl_->manifest.tensors[it->second];

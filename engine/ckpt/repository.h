@@ -184,6 +184,8 @@ class CheckpointReader {
   const std::vector<BlobRecord>& blobs() const;
   const TensorRecord* FindTensor(std::string_view name) const;
   const BlobRecord* FindBlob(std::string_view name) const;
+  // The repository's chunk size (prefetch windows are counted in chunks).
+  uint64_t chunk_size() const;
 
   // Any box of a tensor, row-major into dst (load-time resharding).
   Status ReadBox(const TensorRecord& tensor, const Box& box, std::span<std::byte> dst) const;

@@ -9,9 +9,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <functional>
 #include <map>
 #include <set>
 
+#include "backend/durable_file.h"
+#include "ckpt/files.h"
 #include "ckpt/repository.h"
 #include "ckpt/describe.h"
 #include "cli.h"
@@ -331,17 +334,23 @@ Status WriteFd(int fd, const void* p, size_t n) {
 
 constexpr uint64_t kCopyPiece = 64ull << 20;
 
-Status StreamTensor(const CheckpointReader& reader, const TensorRecord& t, int fd, Progress* progress,
-                    uint64_t* done, uint64_t total) {
-  std::vector<std::byte> buf(std::min<uint64_t>(kCopyPiece, std::max<uint64_t>(t.ByteSize(), 1)));
-  for (uint64_t off = 0; off < t.ByteSize(); off += buf.size()) {
-    uint64_t n = std::min<uint64_t>(buf.size(), t.ByteSize() - off);
-    RETURN_IF_ERROR(reader.ReadBytes(t, off, std::span(buf.data(), n)));
-    RETURN_IF_ERROR(WriteFd(fd, buf.data(), n));
-    *done += n;
-    if (progress) progress->Update(*done, total);
+// Passes bytes [from, file.size) of `file` to `sink` in large pieces.
+Status StreamFile(const CheckpointFiles& files, const CheckpointFile& file, uint64_t from,
+                  const std::function<Status(std::span<const std::byte>)>& sink, Progress* progress) {
+  std::vector<std::byte> buf(std::min<uint64_t>(kCopyPiece, std::max<uint64_t>(file.size - from, 1)));
+  for (uint64_t off = from; off < file.size; off += buf.size()) {
+    const uint64_t n = std::min<uint64_t>(buf.size(), file.size - off);
+    RETURN_IF_ERROR(files.Read(file, off, std::span(buf.data(), n)));
+    RETURN_IF_ERROR(sink(std::span(buf.data(), n)));
+    if (progress) progress->Update(off + n - from, file.size - from);
   }
   return Status::OK();
+}
+
+// The files of committed checkpoint `name` (ckpt/files.h).
+Result<std::unique_ptr<CheckpointFiles>> FilesOf(Repository& repo, const std::string& name) {
+  ASSIGN_OR_RETURN(auto reader, repo.OpenCheckpoint(name));
+  return CheckpointFiles::Build(std::move(reader));
 }
 
 const CommandSpec kCat{"cat", "NAME TENSOR", "Write a whole merged tensor (or a blob) to stdout.",
@@ -358,30 +367,31 @@ int CmdCat(const Args& args) {
   int rc = kExitOk;
   auto repo = OpenRepoOr(args, &rc);
   if (!repo) return rc;
-  auto reader = repo->OpenCheckpoint(args.positional[0]);
-  if (!reader.ok()) return Fail(reader.status());
+  auto files = FilesOf(*repo, args.positional[0]);
+  if (!files.ok()) return Fail(files.status());
   if (::isatty(STDOUT_FILENO)) {
     return Fail(Status::InvalidArgument("refusing to write binary data to a terminal; redirect stdout"));
   }
   const std::string& name = args.positional[1];
+  const CheckpointReader& reader = (*files)->reader();
+  const CheckpointFile* file = nullptr;
+  uint64_t from = 0;
   if (args.Has("blob")) {
-    const BlobRecord* b = (*reader)->FindBlob(name);
+    const BlobRecord* b = reader.FindBlob(name);
     if (!b) return Fail(Status::NotFound("checkpoint '" + args.positional[0] + "' has no blob '" + name + "'"));
-    std::vector<std::byte> buf(b->size);
-    Status st = (*reader)->ReadBlob(*b, 0, buf);
-    if (st.ok()) st = WriteFd(STDOUT_FILENO, buf.data(), buf.size());
-    return st.ok() ? kExitOk : Fail(st);
-  }
-  const TensorRecord* t = (*reader)->FindTensor(name);
-  if (!t) return Fail(Status::NotFound("checkpoint '" + args.positional[0] + "' has no tensor '" + name + "'"));
-  if (format == "npy") {
-    std::string header = NpyHeader(t->dtype, t->shape);
-    Status st = WriteFd(STDOUT_FILENO, header.data(), header.size());
-    if (!st.ok()) return Fail(st);
+    file = &(*files)->blob_file(static_cast<size_t>(b - reader.blobs().data()));
+  } else {
+    const TensorRecord* t = reader.FindTensor(name);
+    if (!t) return Fail(Status::NotFound("checkpoint '" + args.positional[0] + "' has no tensor '" + name + "'"));
+    // The .npy file of the mount; raw output is the same without its header.
+    file = &(*files)->tensor_file(static_cast<size_t>(t - reader.tensors().data()));
+    if (format == "raw") from = (*files)->HeaderSize(*file);
   }
   Progress progress("reading " + name);
-  uint64_t done = 0;
-  Status st = StreamTensor(**reader, *t, STDOUT_FILENO, &progress, &done, t->ByteSize());
+  Status st = StreamFile(**files, *file, from, [](std::span<const std::byte> piece) {
+    return WriteFd(STDOUT_FILENO, piece.data(), piece.size());
+  }, &progress);
+  progress.Finish();
   return st.ok() ? kExitOk : Fail(st);
 }
 
@@ -393,37 +403,24 @@ int CmdExport(const Args& args) {
   int rc = kExitOk;
   auto repo = OpenRepoOr(args, &rc);
   if (!repo) return rc;
-  auto reader = repo->OpenCheckpoint(args.positional[0]);
-  if (!reader.ok()) return Fail(reader.status());
+  auto files = FilesOf(*repo, args.positional[0]);
+  if (!files.ok()) return Fail(files.status());
   const std::string out = args.positional[1];
   if (!args.Has("force") && ::access(out.c_str(), F_OK) == 0) {
     return Fail(Status::AlreadyExists(out + " exists (use --force to overwrite)"));
   }
-  std::vector<TensorMeta> metas;
-  for (const auto& t : (*reader)->tensors()) metas.push_back({t.name, t.dtype, t.shape});
-  std::vector<std::pair<std::string, std::string>> meta = {{"ckptfs.checkpoint", (*reader)->info().name}};
-  if ((*reader)->info().step) meta.emplace_back("ckptfs.step", std::to_string(*(*reader)->info().step));
-  SafetensorsLayout layout = LayoutSafetensors(metas, meta);
-  const std::string tmp = out + ".ckpt-tmp";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Fail(Status::FromErrno(errno, "creating " + tmp));
+  // The mount's model.safetensors, written atomically and durably.
+  const CheckpointFile& file = (*files)->safetensors_file();
   Progress progress("exporting " + args.positional[0]);
-  uint64_t done = 0;
-  Status st = WriteFd(fd, layout.header.data(), layout.header.size());
-  for (const auto& t : (*reader)->tensors()) {
-    if (!st.ok()) break;
-    st = StreamTensor(**reader, t, fd, &progress, &done, layout.total_size - layout.header.size());
-  }
-  if (st.ok() && ::fsync(fd) != 0) st = Status::FromErrno(errno, "fsync of " + tmp);
-  ::close(fd);
-  if (st.ok() && ::rename(tmp.c_str(), out.c_str()) != 0) st = Status::FromErrno(errno, "renaming " + tmp);
+  auto durable = DurableFile::Create(out, out + ".ckpt-tmp-" + std::to_string(::getpid()));
+  if (!durable.ok()) return Fail(durable.status());
+  Status st = StreamFile(**files, file, 0, [&](std::span<const std::byte> piece) { return (*durable)->Append(piece); },
+                         &progress);
+  if (st.ok()) st = (*durable)->Commit();
   progress.Finish();
-  if (!st.ok()) {
-    ::unlink(tmp.c_str());
-    return Fail(st);
-  }
-  std::printf("exported %s: %zu tensors, %s to %s\n", args.positional[0].c_str(), metas.size(),
-              HumanBytes(layout.total_size).c_str(), out.c_str());
+  if (!st.ok()) return Fail(st);
+  std::printf("exported %s: %zu tensors, %s to %s\n", args.positional[0].c_str(), (*files)->reader().tensors().size(),
+              HumanBytes(file.size).c_str(), out.c_str());
   return kExitOk;
 }
 

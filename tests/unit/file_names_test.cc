@@ -1,15 +1,15 @@
-// File names of the mount: the escaping is reversible and never yields a
+// File names of a checkpoint's files: the escaping is reversible and never yields a
 // name a directory cannot hold.
-#include "names.h"
+#include "io/file_names.h"
 
 #include <gtest/gtest.h>
 
 #include <random>
 
-namespace ckptfs::mount {
+namespace ckptfs {
 namespace {
 
-TEST(MountNames, EscapesWhatAFileNameCannotHold) {
+TEST(FileNames, EscapesWhatAFileNameCannotHold) {
   EXPECT_EQ(FileNameFor("model/layers.0/weight", ".npy"), "model%2Flayers.0%2Fweight.npy");
   EXPECT_EQ(FileNameFor("50%", ""), "50%25");
   EXPECT_EQ(FileNameFor(".", ""), "%2E");
@@ -21,7 +21,7 @@ TEST(MountNames, EscapesWhatAFileNameCannotHold) {
   EXPECT_EQ(FileNameFor("a~0123456789abcdef", ""), "a%7E0123456789abcdef");
 }
 
-TEST(MountNames, EscapingIsReversible) {
+TEST(FileNames, EscapingIsReversible) {
   std::mt19937 rng(1);
   for (int i = 0; i < 2000; ++i) {
     std::string name;
@@ -37,7 +37,7 @@ TEST(MountNames, EscapingIsReversible) {
   EXPECT_FALSE(UnescapeName("bad%zz").has_value());
 }
 
-TEST(MountNames, LongNamesAreShortenedUniquely) {
+TEST(FileNames, LongNamesAreShortenedUniquely) {
   std::string a(300, 'a'), b = a;
   b.back() = 'b';
   std::string fa = FileNameFor(a, ".npy"), fb = FileNameFor(b, ".npy");
@@ -51,4 +51,4 @@ TEST(MountNames, LongNamesAreShortenedUniquely) {
 }
 
 }  // namespace
-}  // namespace ckptfs::mount
+}  // namespace ckptfs

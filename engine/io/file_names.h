@@ -1,11 +1,12 @@
-// File names of the mount: tensor and blob names escaped reversibly.
+// File names of a checkpoint's files (the mount, export): tensor and blob
+// names escaped reversibly.
 #pragma once
 
 #include <optional>
 #include <string>
 #include <string_view>
 
-namespace ckptfs::mount {
+namespace ckptfs {
 
 // '%' -> "%25", '/' -> "%2F", '~' -> "%7E", bytes below 0x20 and 0x7F ->
 // "%XX"; a name
@@ -17,4 +18,4 @@ std::string FileNameFor(std::string_view name, std::string_view suffix);
 // Inverse of the escaping (not of the shortening); nullopt if malformed.
 std::optional<std::string> UnescapeName(std::string_view escaped);
 
-}  // namespace ckptfs::mount
+}  // namespace ckptfs

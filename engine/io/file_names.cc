@@ -1,10 +1,10 @@
-#include "names.h"
+#include "io/file_names.h"
 
 #include <cstdio>
 
 #include "core/chunk_id.h"
 
-namespace ckptfs::mount {
+namespace ckptfs {
 
 std::string FileNameFor(std::string_view name, std::string_view suffix) {
   std::string out;
@@ -52,4 +52,4 @@ std::optional<std::string> UnescapeName(std::string_view escaped) {
   return out;
 }
 
-}  // namespace ckptfs::mount
+}  // namespace ckptfs

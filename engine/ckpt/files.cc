@@ -1,0 +1,169 @@
+#include "ckpt/files.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "ckpt/describe.h"
+#include "io/file_names.h"
+
+namespace ckptfs {
+
+Result<std::unique_ptr<CheckpointFiles>> CheckpointFiles::Build(std::unique_ptr<CheckpointReader> reader) {
+  std::unique_ptr<CheckpointFiles> f(new CheckpointFiles());
+  const auto& tensors = reader->tensors();
+  const auto& blobs = reader->blobs();
+  std::vector<TensorMeta> metas;
+  metas.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorRecord& t = tensors[i];
+    f->npy_headers_.push_back(NpyHeader(t.dtype, t.shape));
+    f->files_.push_back({FileKind::kTensor, FileNameFor(t.name, ".npy"), i, f->npy_headers_.back().size() + t.ByteSize()});
+    metas.push_back({t.name, t.dtype, t.shape});
+  }
+  std::vector<std::pair<std::string, std::string>> meta = {{"ckptfs.checkpoint", reader->info().name}};
+  if (reader->info().step) meta.emplace_back("ckptfs.step", std::to_string(*reader->info().step));
+  f->safetensors_ = LayoutSafetensors(metas, meta);
+  f->files_.push_back({FileKind::kSafetensors, "model.safetensors", 0, f->safetensors_.total_size});
+
+  // metadata.json: the description of `ckpt show --json`, plus the file that
+  // shows each tensor and blob.
+  ASSIGN_OR_RETURN(Json described, DescribeCheckpoint(*reader));
+  auto& tensor_list = described.Find("tensors")->as_array();
+  for (size_t i = 0; i < tensor_list.size(); ++i) tensor_list[i].Set("file", f->files_[i].name);
+  auto& blob_list = described.Find("blobs")->as_array();
+  for (size_t i = 0; i < blob_list.size(); ++i) blob_list[i].Set("file", "blobs/" + FileNameFor(blobs[i].name, ""));
+  f->metadata_ = described.Dump(2) + "\n";
+  f->files_.push_back({FileKind::kMetadata, "metadata.json", 0, f->metadata_.size()});
+  for (size_t i = 0; i < blobs.size(); ++i) {
+    f->files_.push_back({FileKind::kBlob, "blobs/" + FileNameFor(blobs[i].name, ""), i, blobs[i].size});
+  }
+  f->opened_.reset(new std::atomic<bool>[f->files_.size()]());
+  f->reader_ = std::move(reader);
+  return f;
+}
+
+const CheckpointFile* CheckpointFiles::Find(std::string_view path) const {
+  for (const auto& file : files_) {
+    if (file.name == path) return &file;
+  }
+  return nullptr;
+}
+
+uint64_t CheckpointFiles::HeaderSize(const CheckpointFile& file) const {
+  switch (file.kind) {
+    case FileKind::kTensor: return npy_headers_[file.index].size();
+    case FileKind::kSafetensors: return safetensors_.header.size();
+    default: return 0;
+  }
+}
+
+size_t CheckpointFiles::SafetensorsTensorAt(uint64_t pos) const {
+  const auto& L = safetensors_;
+  // The last tensor starting at or before pos; zero-size tensors share their
+  // offset with the next one and are stepped over.
+  size_t i = static_cast<size_t>(std::upper_bound(L.offsets.begin(), L.offsets.end(), pos) - L.offsets.begin()) - 1;
+  while (i + 1 < L.offsets.size() && L.offsets[i] + L.sizes[i] <= pos) ++i;
+  return i;
+}
+
+Status CheckpointFiles::Read(const CheckpointFile& file, uint64_t offset, std::span<std::byte> dst) const {
+  if (offset > file.size || dst.size() > file.size - offset) {
+    return Status::InvalidArgument("read past the end of " + file.name);
+  }
+  auto copy_string = [](const std::string& s, uint64_t at, std::span<std::byte> out) {
+    std::memcpy(out.data(), s.data() + at, out.size());
+  };
+  const CheckpointReader& r = *reader_;
+  switch (file.kind) {
+    case FileKind::kMetadata:
+      copy_string(metadata_, offset, dst);
+      return Status::OK();
+    case FileKind::kBlob:
+      return r.ReadBlob(r.blobs()[file.index], offset, dst);
+    case FileKind::kTensor: {
+      const std::string& h = npy_headers_[file.index];
+      size_t done = 0;
+      if (offset < h.size()) {
+        done = std::min<size_t>(dst.size(), h.size() - offset);
+        copy_string(h, offset, dst.subspan(0, done));
+      }
+      if (done == dst.size()) return Status::OK();
+      return r.ReadBytes(r.tensors()[file.index], offset + done - h.size(), dst.subspan(done));
+    }
+    case FileKind::kSafetensors: {
+      const auto& L = safetensors_;
+      size_t done = 0;
+      while (done < dst.size()) {
+        const uint64_t pos = offset + done;
+        if (pos < L.header.size()) {
+          const size_t n = std::min<size_t>(dst.size() - done, L.header.size() - pos);
+          copy_string(L.header, pos, dst.subspan(done, n));
+          done += n;
+          continue;
+        }
+        const size_t i = SafetensorsTensorAt(pos);
+        const uint64_t in = pos - L.offsets[i];
+        const size_t n = std::min<uint64_t>(dst.size() - done, L.sizes[i] - in);
+        RETURN_IF_ERROR(r.ReadBytes(r.tensors()[i], in, dst.subspan(done, n)));
+        done += n;
+      }
+      return Status::OK();
+    }
+  }
+  return Status::Internal("unknown file kind");
+}
+
+FileReadahead::FileReadahead(const CheckpointFiles& files, const CheckpointFile& file, uint64_t window)
+    : files_(files),
+      file_(file),
+      window_(window),
+      slack_(4 * files.reader().chunk_size()) {}
+
+void FileReadahead::PrefetchFileRange(uint64_t from, uint64_t to) {
+  const CheckpointReader& r = files_.reader();
+  if (file_.kind == FileKind::kTensor) {
+    const uint64_t h = files_.HeaderSize(file_);
+    from = std::max(from, h);
+    if (to > from) r.Prefetch(r.tensors()[file_.index], from - h, to - from);
+    return;
+  }
+  if (file_.kind != FileKind::kSafetensors) return;
+  const auto& L = files_.safetensors_;
+  from = std::max<uint64_t>(from, L.header.size());
+  // Across tensor boundaries: each tensor the range touches gets its part.
+  while (from < to && from < L.total_size) {
+    const size_t i = files_.SafetensorsTensorAt(from);
+    const uint64_t in = from - L.offsets[i];
+    const uint64_t n = std::min<uint64_t>(to - from, L.sizes[i] - in);
+    if (n > 0) r.Prefetch(r.tensors()[i], in, n);
+    from += std::max<uint64_t>(n, 1);
+  }
+}
+
+void FileReadahead::OnOpen() {
+  if (window_ == 0 || files_.opened_[&file_ - files_.files_.data()].exchange(true)) return;
+  std::lock_guard lock(mu_);
+  const uint64_t to = std::min(file_.size, files_.HeaderSize(file_) + window_);
+  PrefetchFileRange(0, to);
+  prefetched_until_ = to;
+}
+
+void FileReadahead::BeforeRead(uint64_t offset, uint64_t n) {
+  if (window_ == 0) return;
+  std::lock_guard lock(mu_);
+  const bool sequential = offset + slack_ >= next_offset_ && offset <= next_offset_ + slack_;
+  next_offset_ = std::max(next_offset_, offset + n);
+  if (!sequential) {
+    next_offset_ = offset + n;
+    prefetched_until_ = 0;
+    return;
+  }
+  const uint64_t from = std::max(offset + n, prefetched_until_);
+  const uint64_t to = std::min(file_.size, offset + n + window_);
+  // Enough is in flight unless the window moved on by half a chunk or more.
+  if (to <= from + files_.reader().chunk_size() / 2) return;
+  PrefetchFileRange(from, to);
+  prefetched_until_ = to;
+}
+
+}  // namespace ckptfs

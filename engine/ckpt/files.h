@@ -1,0 +1,114 @@
+// A committed checkpoint presented as files, without FUSE: what the mount
+// shows, what `ckpt export` writes and what `ckpt cat` prints come from
+// here, so they are the same bytes.
+//
+//   <tensor file name>.npy   one per tensor, the whole merged tensor (.npy 1.0/2.0)
+//   model.safetensors        every tensor, with ckptfs.checkpoint/ckptfs.step metadata
+//   metadata.json            `ckpt show --json` plus the file showing each tensor and blob
+//   blobs/<blob file name>   one per blob, its bytes
+//
+// File names escape tensor and blob names (io/file_names.h). Sizes are exact
+// and known without reading tensor data. Read() fills any byte range; a
+// FileReadahead per open file decodes the chunks a sequential reader will
+// want next, across tensor boundaries.
+//
+// Thread safety: a CheckpointFiles is immutable once built and may be read
+// from any number of threads. A FileReadahead belongs to one open file; its
+// methods are serialised by an internal mutex.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ckpt/repository.h"
+#include "io/safetensors.h"
+
+namespace ckptfs {
+
+enum class FileKind : uint8_t { kTensor, kSafetensors, kMetadata, kBlob };
+
+struct CheckpointFile {
+  FileKind kind;
+  std::string name;   // path inside the checkpoint's directory ("blobs/" for blobs)
+  size_t index = 0;   // tensor or blob index in the reader's lists
+  uint64_t size = 0;  // exact, in bytes
+};
+
+class CheckpointFiles {
+ public:
+  // The files of `reader`'s checkpoint. Reads the catalog (stored sizes for
+  // metadata.json), never tensor data.
+  static Result<std::unique_ptr<CheckpointFiles>> Build(std::unique_ptr<CheckpointReader> reader);
+
+  const CheckpointReader& reader() const { return *reader_; }
+  // Tensors in the reader's order, then model.safetensors, metadata.json and
+  // the blobs in the reader's order.
+  const std::vector<CheckpointFile>& files() const { return files_; }
+  // The file at `path` ("x.npy", "blobs/rng"); nullptr when there is none.
+  const CheckpointFile* Find(std::string_view path) const;
+  const CheckpointFile& tensor_file(size_t tensor) const { return files_[tensor]; }
+  const CheckpointFile& safetensors_file() const { return files_[reader_->tensors().size()]; }
+  const CheckpointFile& blob_file(size_t blob) const { return files_[reader_->tensors().size() + 2 + blob]; }
+
+  // Copies bytes [offset, offset + dst.size()) of `file` into dst. InvalidArgument
+  // when the range runs past the end; a read error names the chunk and pack.
+  Status Read(const CheckpointFile& file, uint64_t offset, std::span<std::byte> dst) const;
+
+  // Where tensor data of `file` starts: the .npy header's size, or for
+  // model.safetensors its header's size. 0 for other files.
+  uint64_t HeaderSize(const CheckpointFile& file) const;
+
+ private:
+  CheckpointFiles() = default;
+  friend class FileReadahead;
+  // The tensor holding byte `pos` of model.safetensors (pos past its header).
+  size_t SafetensorsTensorAt(uint64_t pos) const;
+
+  std::unique_ptr<CheckpointReader> reader_;
+  std::vector<CheckpointFile> files_;
+  std::unique_ptr<std::atomic<bool>[]> opened_;  // per file: opened before
+  std::vector<std::string> npy_headers_;  // per tensor
+  SafetensorsLayout safetensors_;
+  std::string metadata_;
+};
+
+// The sequential-read prefetch policy of one open file. A reader that
+// continues where it stopped (within a few chunks: kernel readahead sends
+// requests slightly out of order) gets the next `window` bytes of tensor
+// data decoded ahead of it into the repository's chunk cache; in
+// model.safetensors the window runs on into the following tensors.
+class FileReadahead {
+ public:
+  FileReadahead(const CheckpointFiles& files, const CheckpointFile& file, uint64_t window);
+  // When the file is opened: starts decoding its first chunks, the first
+  // time the file is opened only (later opens are usually served from the
+  // kernel's page cache and should cost nothing).
+  void OnOpen();
+  // Before bytes [offset, offset + n) are read.
+  void BeforeRead(uint64_t offset, uint64_t n);
+  // The file offset up to which data has been asked for.
+  uint64_t prefetched_until() const {
+    std::lock_guard lock(mu_);
+    return prefetched_until_;
+  }
+
+ private:
+  // Asks for tensor data of the file between file offsets [from, to).
+  void PrefetchFileRange(uint64_t from, uint64_t to);
+
+  const CheckpointFiles& files_;
+  const CheckpointFile& file_;
+  const uint64_t window_;
+  const uint64_t slack_;
+  mutable std::mutex mu_;
+  uint64_t next_offset_ = 0;       // furthest byte a reader reached
+  uint64_t prefetched_until_ = 0;  // file offset up to which prefetch was asked
+};
+
+}  // namespace ckptfs

@@ -1,0 +1,198 @@
+// A checkpoint as files, without FUSE: names, exact sizes, any byte range,
+// and prefetch that never changes bytes.
+#include "ckpt/files.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "core/json.h"
+#include "io/file_names.h"
+#include "test_util.h"
+
+namespace ckptfs {
+namespace {
+
+using testing::RandomBytes;
+using testing::TempDir;
+
+struct Saved {
+  TensorInfo info;
+  std::vector<std::byte> bytes;
+};
+
+class FilesTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    RepositoryConfig config;
+    config.chunk_size = 64 << 10;
+    ASSERT_OK(Repository::Init(dir_.path(), config));
+    OpenOptions options;
+    options.threads = 2;
+    options.cache_bytes = 8 * (64 << 10);
+    repo_ = std::move(Repository::Open(dir_.path(), options)).value();
+    // Every dtype, odd shapes, 0-d and zero-size; saved as box and flat shards
+    // by two ranks.
+    uint32_t seed = 1;
+    for (int code = 0; code < kDTypeCount; ++code) {
+      const DType dt = *DTypeFromCode(code);
+      const Shape shape = code % 3 == 0 ? Shape{37, 129} : code % 3 == 1 ? Shape{3000} : Shape{5, 7, 11};
+      saved_.push_back({{"layer/" + std::string(DTypeName(dt)), dt, shape}, {}});
+    }
+    saved_.push_back({{"scalar", DType::kF64, {}}, {}});
+    saved_.push_back({{"empty", DType::kF32, {0, 4}}, {}});
+    saved_.push_back({{"big%name", DType::kBF16, {300, 1000}}, {}});  // several chunks
+    for (auto& s : saved_) s.bytes = RandomBytes(NumElements(s.info.shape) * DTypeSize(s.info.dtype), seed++);
+    for (uint32_t rank = 0; rank < 2; ++rank) {
+      auto w = std::move(repo_->BeginCheckpoint("c", {rank, 2, 42, {}})).value();
+      for (const auto& s : saved_) {
+        const uint64_t n = NumElements(s.info.shape), width = DTypeSize(s.info.dtype);
+        if (s.info.shape.size() == 2 && s.info.shape[0] > 1) {
+          // Box shards: rows split between the ranks.
+          const uint64_t r0 = rank == 0 ? 0 : s.info.shape[0] / 2, r1 = rank == 0 ? s.info.shape[0] / 2 : s.info.shape[0];
+          const uint64_t row = s.info.shape[1] * width;
+          HostSource src(std::span(s.bytes).subspan(r0 * row, (r1 - r0) * row));
+          ASSERT_OK(w->PutShard(s.info, Region::OfBox(Box{{r0, 0}, {r1 - r0, s.info.shape[1]}}), src));
+        } else {
+          // Flat shards cut at an odd element.
+          const uint64_t cut = n / 3;
+          const uint64_t e0 = rank == 0 ? 0 : cut, e1 = rank == 0 ? cut : n;
+          HostSource src(std::span(s.bytes).subspan(e0 * width, (e1 - e0) * width));
+          ASSERT_OK(w->PutShard(s.info, Region::OfFlat(e0, e1), src));
+        }
+      }
+      if (rank == 0) ASSERT_OK(w->PutBlob("rng/state", RandomBytes(1000, 99)));
+      ASSERT_OK(w->Commit().Wait());
+    }
+    blob_ = RandomBytes(1000, 99);
+    auto reader = repo_->OpenCheckpoint("c");
+    ASSERT_OK(reader);
+    auto files = CheckpointFiles::Build(std::move(reader).value());
+    ASSERT_OK(files);
+    files_ = std::move(files).value();
+  }
+
+  const Saved& SavedFor(const std::string& name) {
+    for (const auto& s : saved_) {
+      if (s.info.name == name) return s;
+    }
+    ADD_FAILURE() << name;
+    return saved_[0];
+  }
+
+  // The whole file, read in one piece.
+  std::vector<std::byte> Whole(const CheckpointFile& f) {
+    std::vector<std::byte> out(f.size);
+    EXPECT_OK(files_->Read(f, 0, out));
+    return out;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<Repository> repo_;
+  std::vector<Saved> saved_;
+  std::vector<std::byte> blob_;
+  std::unique_ptr<CheckpointFiles> files_;
+};
+
+TEST_F(FilesTest, NamesAndExactSizesAreKnownBeforeAnyRead) {
+  const BufferPoolStats before = repo_->buffer_stats();
+  const auto& files = files_->files();
+  ASSERT_EQ(files.size(), saved_.size() + 3);  // tensors, model.safetensors, metadata.json, one blob
+  uint64_t tensor_bytes = 0;
+  for (size_t i = 0; i < saved_.size(); ++i) {
+    const CheckpointFile& f = files_->tensor_file(i);
+    const TensorRecord& t = files_->reader().tensors()[i];
+    EXPECT_EQ(f.kind, FileKind::kTensor);
+    EXPECT_EQ(f.name, FileNameFor(t.name, ".npy"));
+    EXPECT_EQ(f.size, NpyHeader(t.dtype, t.shape).size() + t.ByteSize());
+    tensor_bytes += t.ByteSize();
+  }
+  EXPECT_EQ(files_->safetensors_file().name, "model.safetensors");
+  EXPECT_EQ(files_->safetensors_file().size, files_->HeaderSize(files_->safetensors_file()) + tensor_bytes);
+  EXPECT_EQ(files_->blob_file(0).name, "blobs/rng%2Fstate");
+  EXPECT_EQ(files_->blob_file(0).size, 1000u);
+  EXPECT_NE(files_->Find("metadata.json"), nullptr);
+  EXPECT_EQ(files_->Find("big%25name.npy"), &files_->tensor_file(0));
+  EXPECT_EQ(files_->Find("nope"), nullptr);
+  // Building the files read no tensor data.
+  EXPECT_EQ(repo_->buffer_stats().allocations, before.allocations);
+  EXPECT_EQ(repo_->buffer_stats().reuses, before.reuses);
+}
+
+TEST_F(FilesTest, FilesHoldTheSavedBytes) {
+  for (size_t i = 0; i < saved_.size(); ++i) {
+    const CheckpointFile& f = files_->tensor_file(i);
+    const auto& s = SavedFor(files_->reader().tensors()[i].name);
+    auto got = Whole(f);
+    const uint64_t h = files_->HeaderSize(f);
+    ASSERT_EQ(got.size(), h + s.bytes.size());
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(got.data()), h), NpyHeader(s.info.dtype, s.info.shape));
+    EXPECT_TRUE(std::equal(s.bytes.begin(), s.bytes.end(), got.begin() + h)) << f.name;
+  }
+  // model.safetensors parses to the same tensors, at the offsets it names.
+  auto st = Whole(files_->safetensors_file());
+  uint64_t n;
+  std::memcpy(&n, st.data(), 8);
+  auto header = ParseSafetensorsHeader(std::string_view(reinterpret_cast<const char*>(st.data()) + 8, n), st.size() - 8 - n);
+  ASSERT_OK(header);
+  ASSERT_EQ(header->tensors.size(), saved_.size());
+  for (const auto& t : header->tensors) {
+    const auto& s = SavedFor(t.name);
+    EXPECT_TRUE(std::equal(s.bytes.begin(), s.bytes.end(), st.begin() + 8 + n + t.begin)) << t.name;
+  }
+  EXPECT_EQ(header->metadata, (std::vector<std::pair<std::string, std::string>>{{"ckptfs.checkpoint", "c"}, {"ckptfs.step", "42"}}));
+  EXPECT_TRUE(Whole(files_->blob_file(0)) == blob_);
+  auto meta = Whole(*files_->Find("metadata.json"));
+  auto json = Json::Parse(std::string_view(reinterpret_cast<const char*>(meta.data()), meta.size()));
+  ASSERT_OK(json);
+  EXPECT_EQ(json->Find("tensors")->as_array()[0].Find("file")->as_string(), "big%25name.npy");
+}
+
+TEST_F(FilesTest, EveryByteRangeOfEveryFileMatchesTheWholeFile) {
+  std::mt19937_64 rng(7);
+  for (const auto& f : files_->files()) {
+    const auto whole = Whole(f);
+    for (int i = 0; i < 40; ++i) {
+      const uint64_t off = f.size ? rng() % (f.size + 1) : 0;
+      const uint64_t len = (f.size - off) ? rng() % (f.size - off + 1) : 0;
+      std::vector<std::byte> got(len);
+      ASSERT_OK(files_->Read(f, off, got));
+      EXPECT_TRUE(std::equal(got.begin(), got.end(), whole.begin() + off)) << f.name << " " << off << "+" << len;
+    }
+    std::vector<std::byte> past(2);
+    EXPECT_EQ(files_->Read(f, f.size - std::min<uint64_t>(f.size, 1), past).code(), StatusCode::kInvalidArgument);
+  }
+}
+
+TEST_F(FilesTest, PrefetchNeverChangesBytesAndCrossesTensorBoundaries) {
+  const CheckpointFile& st = files_->safetensors_file();
+  const auto expect = Whole(st);
+  // Read front to back in 64 KiB requests with readahead; compare.
+  const uint64_t window = 4 * (64 << 10);
+  FileReadahead ahead(*files_, st, window);
+  ahead.OnOpen();
+  // The first tensor's data ends here; the window runs on past it.
+  const uint64_t end_of_first = files_->HeaderSize(st) + files_->reader().tensors()[0].ByteSize();
+  std::vector<std::byte> got(st.size);
+  for (uint64_t off = 0; off < st.size; off += 64 << 10) {
+    const uint64_t n = std::min<uint64_t>(64 << 10, st.size - off);
+    ahead.BeforeRead(off, n);
+    if (off < end_of_first && off + n + window > end_of_first + (64 << 10)) {
+      EXPECT_GT(ahead.prefetched_until(), end_of_first) << "the window stopped at a tensor boundary";
+    }
+    ASSERT_OK(files_->Read(st, off, std::span(got).subspan(off, n)));
+  }
+  EXPECT_TRUE(got == expect);
+  // Random jumps (not sequential) and reads after them still give the bytes.
+  std::mt19937_64 rng(3);
+  for (int i = 0; i < 50; ++i) {
+    const uint64_t off = rng() % st.size, n = std::min<uint64_t>(1 + rng() % 100000, st.size - off);
+    ahead.BeforeRead(off, n);
+    std::vector<std::byte> piece(n);
+    ASSERT_OK(files_->Read(st, off, piece));
+    EXPECT_TRUE(std::equal(piece.begin(), piece.end(), expect.begin() + off));
+  }
+}
+
+}  // namespace
+}  // namespace ckptfs
