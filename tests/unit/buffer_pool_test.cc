@@ -136,14 +136,17 @@ TEST_F(SteadyState, ReadingChunksAllocatesNoNewBuffers) {
   EXPECT_EQ(after.bytes_held, warm.bytes_held);
 }
 
-TEST_F(SteadyState, SavingChunksAllocatesNoNewBuffers) {
-  Save("a", 1);  // warms the pool up
-  const BufferPoolStats warm = repo_->buffer_stats();
-  Save("b", 2);  // 48 new chunks, each encoded into a pooled buffer
+TEST_F(SteadyState, SavingChunksAllocatesBuffersForWhatIsInFlightOnly) {
+  // The writer keeps at most a few chunks per worker in flight (encoding,
+  // queued, being written); how many are in flight at once depends on
+  // timing, so the bound is the pool's idle limit (4 per worker + 8), not
+  // an exact count. 3 x 48 chunks are saved.
+  Save("a", 1);
+  Save("b", 2);
   Save("c", 3);
   const BufferPoolStats after = repo_->buffer_stats();
-  EXPECT_EQ(after.allocations, warm.allocations);
-  EXPECT_GE(after.reuses, warm.reuses + 2 * kChunks);
+  EXPECT_LE(after.allocations, 4u * 2 + 8);
+  EXPECT_GE(after.reuses, 3 * kChunks - after.allocations);
   ReadBack("c");
 }
 
