@@ -144,4 +144,23 @@ inline void FillNormalBf16(uint16_t* out, size_t n, float sigma, uint64_t seed) 
   }
 }
 
+// Minor page faults of process `pid` so far (/proc/PID/stat, field 10);
+// -1 when it cannot be read.
+inline long long MinorFaults(pid_t pid) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (!f) return -1;
+  char buf[1024];
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  // Fields after the command name, which is in parentheses and may hold spaces.
+  const char* p = std::strrchr(buf, ')');
+  if (!p) return -1;
+  long long minflt = -1;
+  // state ppid pgrp session tty_nr tpgid flags minflt
+  if (std::sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %lld", &minflt) != 1) return -1;
+  return minflt;
+}
+
 }  // namespace ckptfs::bench
