@@ -607,8 +607,11 @@ Status RunMount(const MountOptions& options) {
     holder.fs = fs.get();
     std::jthread watcher([&](std::stop_token stop) { fs->Watch(stop); });
     fuse_loop_config* config = fuse_loop_cfg_create();
+    // Worker threads are kept, never torn down when idle: each holds
+    // per-thread buffers (the reply, a pack read's stored bytes, codec
+    // scratch) that a new thread would have to fault in again.
     fuse_loop_cfg_set_max_threads(config, 16);
-    fuse_loop_cfg_set_idle_threads(config, 4);
+    fuse_loop_cfg_set_idle_threads(config, 16);
     int rc = fuse_session_loop_mt(se, config);
     fuse_loop_cfg_destroy(config);
     watcher.request_stop();

@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <mutex>
 #include <new>
 #include <vector>
@@ -125,12 +126,21 @@ BufferPool::Lease BufferPool::Acquire(size_t size) {
   return lease;
 }
 
+ScratchBuffer::~ScratchBuffer() {
+  if (data_) FreeBuffer(data_, capacity_);
+}
+
 std::byte* ScratchBuffer::Reserve(size_t size) {
   if (size > capacity_) {
-    data_.reset(new std::byte[size]);  // default-initialised: not zero-filled
-    capacity_ = size;
+    // Grown to at least 1 MiB at once: small first requests (a short read)
+    // should not cause a chain of ever larger allocations.
+    const size_t capacity = std::max<size_t>(size, 1 << 20);
+    std::byte* p = AllocateBuffer(capacity);
+    if (data_) FreeBuffer(data_, capacity_);
+    data_ = p;
+    capacity_ = capacity;
   }
-  return data_.get();
+  return data_;
 }
 
 }  // namespace ckptfs

@@ -84,13 +84,18 @@ class BufferPool {
 };
 
 // Grow-only scratch memory for one thread's codec work: reused from call to
-// call, never zero-filled, never shrunk.
+// call, never zero-filled, never shrunk; allocated like the pool's buffers
+// (huge-page aligned from 2 MiB on).
 class ScratchBuffer {
  public:
+  ScratchBuffer() = default;
+  ScratchBuffer(const ScratchBuffer&) = delete;
+  ScratchBuffer& operator=(const ScratchBuffer&) = delete;
+  ~ScratchBuffer();
   std::byte* Reserve(size_t size);
 
  private:
-  std::unique_ptr<std::byte[]> data_;
+  std::byte* data_ = nullptr;
   size_t capacity_ = 0;
 };
 

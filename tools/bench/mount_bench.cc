@@ -235,6 +235,7 @@ int main(int argc, char** argv) {
     Check(w->Commit().Wait().status(), "commit");
   }
   std::sort(npy_names.begin(), npy_names.end());  // `cat DIR/*.npy` order
+  std::printf("a first touch of a 4 KiB page costs %.2f us here\n", bench::PageFaultMicros());
   std::printf("one tensor: bf16 [%llu, %llu] = %.2f GiB, 4 column shards\n", (unsigned long long)rows,
               (unsigned long long)cols, rows * cols * 2 / double(1 << 30));
   std::printf("LLM-like: %zu tensors ([2048, 4096] bf16 weights, fp32 master and Adam moments) = %.2f GiB\n",

@@ -153,7 +153,8 @@ int main(int argc, char** argv) {
   const std::string work = o.dir + "/ckptfs-bench-" + std::to_string(::getpid());
   std::filesystem::create_directories(work);
   bool cold = true;
-  std::vector<double> raw_w, raw_r, save, load, ratio_all, ratio_w;
+  std::vector<double> raw_w, raw_r, save, load, ratio_all, ratio_w, save_fpg, load_fpg;
+  std::printf("a first touch of a 4 KiB page costs %.2f us here\n", bench::PageFaultMicros());
   for (int run = 0; run < o.runs; ++run) {
     const std::string raw = work + "/raw.bin", repo_dir = work + "/repo";
     std::filesystem::remove_all(repo_dir);
@@ -176,6 +177,7 @@ int main(int argc, char** argv) {
       }
     }
     ::sync();
+    const long long faults_before_save = bench::MinorFaults(::getpid());
     auto t0 = Clock::now();
     std::vector<std::thread> ranks;
     for (int r = 0; r < o.save_ranks; ++r) {
@@ -195,6 +197,7 @@ int main(int argc, char** argv) {
     }
     for (auto& t : ranks) t.join();
     double ts = Seconds(t0);
+    const long long save_faults = bench::MinorFaults(::getpid()) - faults_before_save;
     parts.clear();
 
     // Stored bytes, overall and for the bf16 weights.
@@ -218,6 +221,7 @@ int main(int argc, char** argv) {
       }
     }
     repo = std::move(Repository::Open(repo_dir)).value();
+    const long long faults_before_load = bench::MinorFaults(::getpid());
     auto t1 = Clock::now();
     reader = std::move(repo->OpenCheckpoint("step-1")).value();
     std::vector<std::thread> loaders;
@@ -238,6 +242,7 @@ int main(int argc, char** argv) {
     }
     for (auto& t : loaders) t.join();
     double tl = Seconds(t1);
+    const long long load_faults = bench::MinorFaults(::getpid()) - faults_before_load;
     for (int r = 0; r < o.load_ranks; ++r) {
       for (size_t i = 0; i < state.size(); ++i) {
         if (loaded[r][i] != Extract(state[i], RankRegion(state[i], r, o.load_ranks))) {
@@ -250,10 +255,14 @@ int main(int argc, char** argv) {
     repo.reset();
     std::filesystem::remove_all(repo_dir);
     const double gb = total / 1e9;
+    const double gib = total / double(1ull << 30);
     std::printf("run %d: raw write %.2f GB/s, raw read %.2f GB/s, save %.2f GB/s (%.2fx), load %.2f GB/s (%.2fx), "
-                "stored %.3f of raw (bf16 weights %.3f); all bytes checked\n",
+                "stored %.3f of raw (bf16 weights %.3f); minor page faults per GiB: save %.0f, load %.0f; "
+                "all bytes checked\n",
                 run + 1, gb / tw, gb / tr, gb / ts, tw / ts, gb / tl, tr / tl, double(stored) / total,
-                double(stored_w) / weight_bytes);
+                double(stored_w) / weight_bytes, save_faults / gib, load_faults / gib);
+    save_fpg.push_back(save_faults / gib);
+    load_fpg.push_back(load_faults / gib);
     std::fflush(stdout);
     raw_w.push_back(gb / tw);
     raw_r.push_back(gb / tr);
@@ -274,5 +283,7 @@ int main(int argc, char** argv) {
   std::printf("  raw read         %6.2f GB/s\n", Median(raw_r));
   std::printf("  resharded load   %6.2f GB/s   ratio to raw read  %.2f\n", Median(load), Median(load_ratio));
   std::printf("  stored / raw     %6.3f        bf16 weights %.3f\n", Median(ratio_all), Median(ratio_w));
+  std::printf("  minor page faults per GiB: save %.0f, load %.0f (whole runs, warm-up included)\n", Median(save_fpg),
+              Median(load_fpg));
   return 0;
 }
