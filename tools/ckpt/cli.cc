@@ -120,6 +120,23 @@ Result<int64_t> ParseInt(const std::string& text, const std::string& what) {
   return static_cast<int64_t>(v);
 }
 
+Result<std::optional<uint64_t>> Args::Size(const std::string& name) const {
+  auto v = Get(name);
+  if (!v) return std::optional<uint64_t>();
+  auto n = ParseSize(*v);
+  if (!n.ok()) return Status::InvalidArgument("--" + name + ": " + n.status().message());
+  return std::optional<uint64_t>(*n);
+}
+
+Result<std::optional<int64_t>> Args::Int(const std::string& name, int64_t min) const {
+  auto v = Get(name);
+  if (!v) return std::optional<int64_t>();
+  auto n = ParseInt(*v, "--" + name);
+  if (!n.ok()) return n.status();
+  if (*n < min) return Status::InvalidArgument("--" + name + " must be at least " + std::to_string(min));
+  return std::optional<int64_t>(*n);
+}
+
 std::string HumanBytes(uint64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   double v = static_cast<double>(bytes);

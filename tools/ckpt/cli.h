@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <climits>
 #include <functional>
 #include <map>
 #include <optional>
@@ -50,6 +51,10 @@ struct Args {
     auto it = values.find(name);
     return it == values.end() ? std::vector<std::string>{} : it->second;
   }
+  // Typed values: nullopt when the option is absent; InvalidArgument naming
+  // the option when its value is malformed or below `min`.
+  Result<std::optional<uint64_t>> Size(const std::string& name) const;  // "4M", "64KiB", "4096"
+  Result<std::optional<int64_t>> Int(const std::string& name, int64_t min = INT64_MIN) const;
 };
 
 // Parses argv[first..]; --help prints help and sets *help_shown.

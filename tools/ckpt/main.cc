@@ -84,25 +84,19 @@ int CmdInit(const Args& args) {
   auto path = RepoPath(args);
   if (!path.ok()) return UsageError(path.status());
   RepositoryConfig config;
-  if (auto v = args.Get("chunk-size")) {
-    auto s = ParseSize(*v);
-    if (!s.ok()) return UsageError(s.status());
-    config.chunk_size = *s;
+  auto chunk_size = args.Size("chunk-size");
+  auto pack_size = args.Size("pack-size");
+  auto level = args.Int("level");
+  for (const Status* st : {&chunk_size.status(), &pack_size.status(), &level.status()}) {
+    if (!st->ok()) return UsageError(*st);
   }
-  if (auto v = args.Get("pack-size")) {
-    auto s = ParseSize(*v);
-    if (!s.ok()) return UsageError(s.status());
-    config.pack_size = *s;
-  }
+  if (*chunk_size) config.chunk_size = **chunk_size;
+  if (*pack_size) config.pack_size = **pack_size;
+  if (*level) config.codec.level = static_cast<int>(**level);
   if (auto v = args.Get("compression")) {
     if (*v == "zstd") config.codec.compression = Compression::kZstd;
     else if (*v == "none") config.codec.compression = Compression::kNone;
     else return UsageError(Status::InvalidArgument("compression must be 'zstd' or 'none', not '" + *v + "'"));
-  }
-  if (auto v = args.Get("level")) {
-    auto l = ParseInt(*v, "level");
-    if (!l.ok()) return UsageError(l.status());
-    config.codec.level = static_cast<int>(*l);
   }
   if (args.Has("no-adaptive")) config.adaptive = false;
   Status st = Repository::Init(*path, config);
@@ -136,24 +130,22 @@ const CommandSpec kImport{
 int CmdImport(const Args& args) {
   const std::string name = args.positional[0];
   WriterOptions wopts;
-  if (auto v = args.Get("step")) {
-    auto s = ParseInt(*v, "--step");
-    if (!s.ok()) return UsageError(s.status());
-    wopts.step = *s;
-  }
+  auto step = args.Int("step");
+  if (!step.ok()) return UsageError(step.status());
+  wopts.step = *step;
   if (args.Has("rank") != args.Has("world-size")) {
     return UsageError(Status::InvalidArgument("--rank and --world-size go together"));
   }
-  if (args.Has("rank")) {
-    auto r = ParseInt(*args.Get("rank"), "--rank");
-    auto w = ParseInt(*args.Get("world-size"), "--world-size");
-    if (!r.ok()) return UsageError(r.status());
-    if (!w.ok()) return UsageError(w.status());
-    if (*w < 1 || *r < 0 || *r >= *w) {
+  auto rank = args.Int("rank");
+  auto world = args.Int("world-size");
+  if (!rank.ok()) return UsageError(rank.status());
+  if (!world.ok()) return UsageError(world.status());
+  if (*rank) {
+    if (**world < 1 || **world > UINT32_MAX || **rank < 0 || **rank >= **world) {
       return UsageError(Status::InvalidArgument("--rank must be in [0, --world-size) and --world-size at least 1"));
     }
-    wopts.rank = static_cast<uint32_t>(*r);
-    wopts.world_size = static_cast<uint32_t>(*w);
+    wopts.rank = static_cast<uint32_t>(**rank);
+    wopts.world_size = static_cast<uint32_t>(**world);
   }
   for (const auto& t : args.All("tag")) {
     size_t eq = t.find('=');
@@ -554,21 +546,15 @@ int CmdMount(const Args& args) {
   o.foreground = args.Has("foreground") || args.Has("debug");
   o.debug = args.Has("debug");
   o.allow_other = args.Has("allow-other");
-  if (auto v = args.Get("cache-size")) {
-    auto n = ParseSize(*v);
-    if (!n.ok()) return UsageError(n.status());
-    o.cache_bytes = *n;
+  auto cache = args.Size("cache-size");
+  auto prefetch = args.Int("prefetch", 0);
+  auto readahead = args.Size("readahead");
+  for (const Status* st : {&cache.status(), &prefetch.status(), &readahead.status()}) {
+    if (!st->ok()) return UsageError(*st);
   }
-  if (auto v = args.Get("prefetch")) {
-    auto n = ParseInt(*v, "--prefetch");
-    if (!n.ok() || *n < 0) return UsageError(Status::InvalidArgument("--prefetch must be a non-negative integer"));
-    o.prefetch_chunks = static_cast<size_t>(*n);
-  }
-  if (auto v = args.Get("readahead")) {
-    auto n = ParseSize(*v);
-    if (!n.ok()) return UsageError(n.status());
-    o.readahead_bytes = *n;
-  }
+  if (*cache) o.cache_bytes = **cache;
+  if (*prefetch) o.prefetch_chunks = static_cast<size_t>(**prefetch);
+  if (*readahead) o.readahead_bytes = **readahead;
   Status st = mount::RunMount(o);
   return st.ok() ? kExitOk : Fail(st);
 #else
@@ -696,19 +682,12 @@ const CommandSpec kGc{
 
 int CmdGc(const Args& args) {
   GcOptions o;
-  auto count = [&](const char* name, std::optional<uint64_t>* out) -> Status {
-    if (auto v = args.Get(name)) {
-      auto n = ParseInt(*v, std::string("--") + name);
-      if (!n.ok()) return n.status();
-      if (*n < 0) return Status::InvalidArgument(std::string("--") + name + " must not be negative");
-      *out = static_cast<uint64_t>(*n);
-    }
-    return Status::OK();
-  };
-  Status st = count("keep-last", &o.retention.keep_last);
-  if (st.ok()) st = count("keep-every", &o.retention.keep_every);
-  if (st.ok() && o.retention.keep_every == uint64_t{0}) st = Status::InvalidArgument("--keep-every must be at least 1");
-  if (!st.ok()) return UsageError(st);
+  auto keep_last = args.Int("keep-last", 0);
+  auto keep_every = args.Int("keep-every", 1);
+  if (!keep_last.ok()) return UsageError(keep_last.status());
+  if (!keep_every.ok()) return UsageError(keep_every.status());
+  if (*keep_last) o.retention.keep_last = static_cast<uint64_t>(**keep_last);
+  if (*keep_every) o.retention.keep_every = static_cast<uint64_t>(**keep_every);
   o.retention.keep = args.All("keep");
   o.dry_run = args.Has("dry-run");
   int rc = kExitOk;
