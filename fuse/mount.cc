@@ -560,7 +560,7 @@ Status CheckMountpoint(const std::string& path) {
 }  // namespace
 
 Status RunMount(const MountOptions& options) {
-  RETURN_IF_ERROR(CheckMountpoint(options.mountpoint));
+  CKPT_RETURN_IF_ERROR(CheckMountpoint(options.mountpoint));
   OpenOptions open_options;
   open_options.cache_bytes = options.cache_bytes;
   // Reads wait on the disk as much as they decode: twice as many workers as

@@ -127,7 +127,7 @@ Result<std::unique_ptr<CopyEngine>> NewCudaCopyEngine(int device) {
   std::string why;
   if (!CudaAvailable(&why)) return Status::Unsupported(why);
   auto engine = std::make_unique<CudaCopyEngine>(device);
-  RETURN_IF_ERROR(engine->Init());
+  CKPT_RETURN_IF_ERROR(engine->Init());
   return std::unique_ptr<CopyEngine>(std::move(engine));
 }
 

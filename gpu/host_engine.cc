@@ -53,7 +53,7 @@ struct HostCopyEngine::Impl {
 
   Result<uint64_t> Submit(std::byte* dst, const std::byte* src, size_t n) {
     std::lock_guard lock(mu);
-    RETURN_IF_ERROR(error);
+    CKPT_RETURN_IF_ERROR(error);
     uint64_t t = next_ticket++;
     queue.push_back({t, dst, src, n});
     cv.notify_all();

@@ -136,7 +136,7 @@ Result<std::unique_ptr<Communicator>> NewNcclCommunicator(int device, int size, 
     return Status::InvalidArgument("NCCL rank " + std::to_string(rank) + " of " + std::to_string(size));
   }
   auto comm = std::make_unique<NcclCommunicator>(device, size, rank);
-  RETURN_IF_ERROR(comm->Init(id));
+  CKPT_RETURN_IF_ERROR(comm->Init(id));
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 

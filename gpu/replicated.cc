@@ -41,7 +41,7 @@ Status CheckLocal(const std::vector<ReplicatedTensor>& tensors) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     if (!t.tensor) return Status::InvalidArgument("replicated tensor #" + std::to_string(i) + " is null");
-    RETURN_IF_ERROR(ValidateRegion(t.tensor->shape, t.region).WithContext("tensor '" + t.tensor->name + "'"));
+    CKPT_RETURN_IF_ERROR(ValidateRegion(t.tensor->shape, t.region).WithContext("tensor '" + t.tensor->name + "'"));
     if (!t.device && Normalize(t.tensor->shape, t.region).NumElements() > 0) {
       return Status::InvalidArgument("tensor '" + t.tensor->name + "' has no device buffer");
     }
@@ -60,7 +60,7 @@ Result<ReplicatedLoadStats> LoadReplicated(const CheckpointReader& reader,
   const Status local = CheckLocal(tensors);
   const uint64_t fp = Fingerprint(tensors);
   uint64_t agree[3] = {local.ok() ? 1u : 0u, fp, ~fp};
-  RETURN_IF_ERROR(comm.AllReduceMin(agree).WithContext("agreeing on replicated tensors"));
+  CKPT_RETURN_IF_ERROR(comm.AllReduceMin(agree).WithContext("agreeing on replicated tensors"));
   if (!local.ok()) return local;
   if (agree[0] == 0) return Status::InvalidArgument("another rank's replicated tensors are invalid");
   if (agree[1] != fp || agree[2] != ~fp) {
@@ -84,13 +84,13 @@ Result<ReplicatedLoadStats> LoadReplicated(const CheckpointReader& reader,
     }
     // The reader's outcome, everywhere, before anyone waits on a broadcast.
     uint64_t ok[1] = {st.ok() ? 1u : 0u};
-    RETURN_IF_ERROR(comm.AllReduceMin(ok).WithContext("loading '" + t.tensor->name + "'"));
+    CKPT_RETURN_IF_ERROR(comm.AllReduceMin(ok).WithContext("loading '" + t.tensor->name + "'"));
     if (!st.ok()) return st;
     if (ok[0] == 0) {
       return Status::IOError("'" + t.tensor->name + "' was not loaded: rank " + std::to_string(owner[i]) +
                              ", which reads it from the store, failed");
     }
-    RETURN_IF_ERROR(
+    CKPT_RETURN_IF_ERROR(
         comm.Broadcast(t.device, bytes[i], owner[i]).WithContext("broadcasting '" + t.tensor->name + "'"));
     if (owner[i] != comm.rank()) stats.bytes_received += bytes[i];
   }

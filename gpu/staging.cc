@@ -16,7 +16,7 @@ Result<std::unique_ptr<PinnedPool>> PinnedPool::Create(CopyEngine& engine, size_
   if (bytes_each == 0) return Status::InvalidArgument("staging buffers must not be empty");
   std::unique_ptr<PinnedPool> pool(new PinnedPool(engine, bytes_each));
   for (size_t i = 0; i < count; ++i) {
-    ASSIGN_OR_RETURN(std::byte* p, engine.AllocatePinned(bytes_each));
+    CKPT_ASSIGN_OR_RETURN(std::byte* p, engine.AllocatePinned(bytes_each));
     pool->buffers_.push_back(p);
     pool->free_.push_back(i);
   }
@@ -98,7 +98,7 @@ Status DeviceSource::Prime() {
     PinnedPool::Lease lease = inflight_.empty() ? pool_.Acquire() : pool_.TryAcquire();
     if (!lease.valid()) break;
     const uint64_t end = NextPieceEnd();
-    ASSIGN_OR_RETURN(uint64_t ticket,
+    CKPT_ASSIGN_OR_RETURN(uint64_t ticket,
                      engine_.DeviceToHost(lease.buffer().data(), device_ + submitted_, end - submitted_));
     inflight_.push_back(std::make_shared<Piece>(std::move(lease), submitted_, end - submitted_, ticket, &outstanding_));
     submitted_ = end;
@@ -109,10 +109,10 @@ Status DeviceSource::Prime() {
 
 Result<DeviceSource::Piece*> DeviceSource::Front(uint64_t offset) {
   if (offset != consumed_) return Status::Internal("staged device sources are read in order");
-  RETURN_IF_ERROR(Prime());
+  CKPT_RETURN_IF_ERROR(Prime());
   Piece& p = *inflight_.front();
   if (!p.waited) {
-    RETURN_IF_ERROR(engine_.Wait(p.ticket).WithContext("copying from the device"));
+    CKPT_RETURN_IF_ERROR(engine_.Wait(p.ticket).WithContext("copying from the device"));
     p.waited = true;
   }
   return &p;
@@ -120,7 +120,7 @@ Result<DeviceSource::Piece*> DeviceSource::Front(uint64_t offset) {
 
 Result<BorrowedBytes> DeviceSource::Borrow(uint64_t offset, uint64_t n) {
   if (n == 0) return BorrowedBytes{};
-  ASSIGN_OR_RETURN(Piece * p, Front(offset));
+  CKPT_ASSIGN_OR_RETURN(Piece * p, Front(offset));
   if (offset + n > p->offset + p->length) return BorrowedBytes{};  // spans buffers: Read copies it
   BorrowedBytes out;
   out.bytes = {p->lease.buffer().data() + (offset - p->offset), n};
@@ -134,7 +134,7 @@ Result<BorrowedBytes> DeviceSource::Borrow(uint64_t offset, uint64_t n) {
 Status DeviceSource::Read(uint64_t offset, std::span<std::byte> dst) {
   size_t copied = 0;
   while (copied < dst.size()) {
-    ASSIGN_OR_RETURN(Piece * p, Front(offset + copied));
+    CKPT_ASSIGN_OR_RETURN(Piece * p, Front(offset + copied));
     const uint64_t pos = offset + copied;
     const uint64_t n = std::min<uint64_t>(dst.size() - copied, p->offset + p->length - pos);
     std::memcpy(dst.data() + copied, p->lease.buffer().data() + (pos - p->offset), n);
@@ -153,9 +153,9 @@ Status PutShardFromDevice(CheckpointWriter& writer, const DeviceShard& shard, Co
 
 Result<CommitResult> SaveStreaming(Repository& repo, const std::string& name, const WriterOptions& options,
                                    const std::vector<DeviceShard>& shards, CopyEngine& engine, PinnedPool& pool) {
-  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer, repo.BeginCheckpoint(name, options));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer, repo.BeginCheckpoint(name, options));
   for (const auto& shard : shards) {
-    RETURN_IF_ERROR(PutShardFromDevice(*writer, shard, engine, pool));  // the writer aborts when dropped
+    CKPT_RETURN_IF_ERROR(PutShardFromDevice(*writer, shard, engine, pool));  // the writer aborts when dropped
   }
   return writer->Commit().Wait();
 }
@@ -179,7 +179,7 @@ Status SnapshotBuffer::GrowLocked(std::unique_lock<std::mutex>& lock, uint64_t b
   if (data_) engine_.FreePinned(data_);
   data_ = nullptr;
   capacity_ = 0;
-  ASSIGN_OR_RETURN(data_, engine_.AllocatePinned(bytes));
+  CKPT_ASSIGN_OR_RETURN(data_, engine_.AllocatePinned(bytes));
   capacity_ = bytes;
   return Status::OK();
 }
@@ -195,7 +195,7 @@ class SnapshotBufferUse {
   // Waits for the previous snapshot, grows the buffer if needed, takes it.
   static Result<std::shared_ptr<SnapshotBufferUse>> Acquire(SnapshotBuffer& b, uint64_t bytes) {
     std::unique_lock lock(b.mu_);
-    RETURN_IF_ERROR(b.GrowLocked(lock, bytes));
+    CKPT_RETURN_IF_ERROR(b.GrowLocked(lock, bytes));
     b.busy_ = true;
     return std::make_shared<SnapshotBufferUse>(b);
   }
@@ -237,18 +237,18 @@ Result<SnapshotHandle> SaveSnapshot(Repository& repo, const std::string& name, c
                                     const std::vector<DeviceShard>& shards, CopyEngine& engine,
                                     SnapshotBuffer& buffer) {
   const auto start = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer, repo.BeginCheckpoint(name, options));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer, repo.BeginCheckpoint(name, options));
   // Shards lie back to back in the buffer, each 256-byte aligned.
   std::vector<uint64_t> offsets, sizes;
   uint64_t total = 0;
   for (const auto& s : shards) {
-    RETURN_IF_ERROR(ValidateRegion(s.tensor.shape, s.region).WithContext("tensor '" + s.tensor.name + "'"));
+    CKPT_RETURN_IF_ERROR(ValidateRegion(s.tensor.shape, s.region).WithContext("tensor '" + s.tensor.name + "'"));
     const uint64_t n = Normalize(s.tensor.shape, s.region).NumElements() * DTypeSize(s.tensor.dtype);
     offsets.push_back(total);
     sizes.push_back(n);
     total += (n + 255) / 256 * 256;
   }
-  ASSIGN_OR_RETURN(std::shared_ptr<SnapshotBufferUse> use, SnapshotBufferUse::Acquire(buffer, std::max<uint64_t>(total, 1)));
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<SnapshotBufferUse> use, SnapshotBufferUse::Acquire(buffer, std::max<uint64_t>(total, 1)));
   // Every copy is queued at once so the transfers run back to back.
   uint64_t last = 0;
   Status copied;
@@ -267,7 +267,7 @@ Result<SnapshotHandle> SaveSnapshot(Repository& repo, const std::string& name, c
     Status waited = engine.Wait(last);
     if (copied.ok()) copied = waited;
   }
-  RETURN_IF_ERROR(copied.WithContext("snapshot copy from the device"));
+  CKPT_RETURN_IF_ERROR(copied.WithContext("snapshot copy from the device"));
   SnapshotHandle handle;
   handle.blocking_ = std::chrono::steady_clock::now() - start;
   handle.state_ = std::make_shared<SnapshotHandle::State>();
@@ -334,7 +334,7 @@ void SplitBox(const Box& whole, const Box& box, uint64_t w, uint64_t max_bytes,
 
 Status LoadToDevice(const CheckpointReader& reader, const TensorRecord& tensor, const Region& region_in,
                     std::byte* device, CopyEngine& engine, PinnedPool& pool) {
-  RETURN_IF_ERROR(ValidateRegion(tensor.shape, region_in));
+  CKPT_RETURN_IF_ERROR(ValidateRegion(tensor.shape, region_in));
   const Region region = Normalize(tensor.shape, region_in);
   const uint64_t w = DTypeSize(tensor.dtype);
   const uint64_t max_bytes = pool.buffer_bytes() / w * w;

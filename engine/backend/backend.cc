@@ -25,7 +25,7 @@ bool IsValidObjectKey(std::string_view key) {
 }
 
 Status Backend::Put(std::string_view key, std::span<const std::byte> data) {
-  ASSIGN_OR_RETURN(auto writer, Create(key));
+  CKPT_ASSIGN_OR_RETURN(auto writer, Create(key));
   Status st = writer->Append(data);
   if (!st.ok()) {
     writer->Abort();
@@ -35,9 +35,9 @@ Status Backend::Put(std::string_view key, std::span<const std::byte> data) {
 }
 
 Result<std::string> Backend::ReadAll(std::string_view key) {
-  ASSIGN_OR_RETURN(uint64_t size, Size(key));
+  CKPT_ASSIGN_OR_RETURN(uint64_t size, Size(key));
   std::string out(size, '\0');
-  RETURN_IF_ERROR(ReadRange(key, 0, std::as_writable_bytes(std::span(out.data(), out.size()))));
+  CKPT_RETURN_IF_ERROR(ReadRange(key, 0, std::as_writable_bytes(std::span(out.data(), out.size()))));
   return out;
 }
 
@@ -76,7 +76,7 @@ class MemoryBackend final : public Backend {
   }
 
   Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) override {
-    ASSIGN_OR_RETURN(auto obj, Get(key));
+    CKPT_ASSIGN_OR_RETURN(auto obj, Get(key));
     if (offset > obj->size() || out.size() > obj->size() - offset) {
       return Status::InvalidArgument("read of " + std::to_string(out.size()) + " bytes at " +
                                      std::to_string(offset) + " is past the end of '" +
@@ -87,7 +87,7 @@ class MemoryBackend final : public Backend {
   }
 
   Result<uint64_t> Size(std::string_view key) override {
-    ASSIGN_OR_RETURN(auto obj, Get(key));
+    CKPT_ASSIGN_OR_RETURN(auto obj, Get(key));
     return static_cast<uint64_t>(obj->size());
   }
 

@@ -49,18 +49,18 @@ class LocalBackend final : public Backend {
   };
 
   Result<std::unique_ptr<ObjectWriter>> Create(std::string_view key) override {
-    RETURN_IF_ERROR(CheckKey(key));
+    CKPT_RETURN_IF_ERROR(CheckKey(key));
     std::string path = Path(key);
     std::string dir = path.substr(0, path.rfind('/'));
-    RETURN_IF_ERROR(MakeDirs(dir));
-    ASSIGN_OR_RETURN(auto file, DurableFile::Create(path, dir + "/.tmp-" + RandomHex(16)));
+    CKPT_RETURN_IF_ERROR(MakeDirs(dir));
+    CKPT_ASSIGN_OR_RETURN(auto file, DurableFile::Create(path, dir + "/.tmp-" + RandomHex(16)));
     EvictFd(path);
     return std::unique_ptr<ObjectWriter>(new Writer(std::move(file)));
   }
 
   Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) override {
-    RETURN_IF_ERROR(CheckKey(key));
-    ASSIGN_OR_RETURN(auto file, OpenFd(Path(key)));
+    CKPT_RETURN_IF_ERROR(CheckKey(key));
+    CKPT_ASSIGN_OR_RETURN(auto file, OpenFd(Path(key)));
     size_t done = 0;
     while (done < out.size()) {
       ssize_t r = ::pread(file->fd, out.data() + done, out.size() - done,
@@ -79,7 +79,7 @@ class LocalBackend final : public Backend {
   }
 
   Result<uint64_t> Size(std::string_view key) override {
-    RETURN_IF_ERROR(CheckKey(key));
+    CKPT_RETURN_IF_ERROR(CheckKey(key));
     struct stat st;
     std::string path = Path(key);
     if (::stat(path.c_str(), &st) != 0) return Status::FromErrno(errno, "stat of " + path);
@@ -91,13 +91,13 @@ class LocalBackend final : public Backend {
     // Walk from the deepest directory the prefix names.
     std::string p(prefix);
     std::string dir_rel = p.substr(0, p.rfind('/') == std::string::npos ? 0 : p.rfind('/'));
-    RETURN_IF_ERROR(Walk(dir_rel, p, keys));
+    CKPT_RETURN_IF_ERROR(Walk(dir_rel, p, keys));
     std::sort(keys.begin(), keys.end());
     return keys;
   }
 
   Status Delete(std::string_view key) override {
-    RETURN_IF_ERROR(CheckKey(key));
+    CKPT_RETURN_IF_ERROR(CheckKey(key));
     std::string path = Path(key);
     EvictFd(path);
     CrashPoint();
@@ -209,7 +209,7 @@ class LocalBackend final : public Backend {
 }  // namespace
 
 Result<std::unique_ptr<Backend>> OpenLocalBackend(const std::string& root) {
-  RETURN_IF_ERROR(MakeDirs(root));
+  CKPT_RETURN_IF_ERROR(MakeDirs(root));
   return std::unique_ptr<Backend>(new LocalBackend(root));
 }
 

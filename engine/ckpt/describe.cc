@@ -53,7 +53,7 @@ Json DescribeRecord(const CheckpointRecord& c) {
 }
 
 Result<Json> DescribeCheckpoint(const CheckpointReader& reader) {
-  ASSIGN_OR_RETURN(StoredSizes stored, reader.StoredBytes());
+  CKPT_ASSIGN_OR_RETURN(StoredSizes stored, reader.StoredBytes());
   Json j = DescribeRecord(reader.info());
   j.Set("stored_bytes", stored.total);
   Json tensors = Json::MakeArray();

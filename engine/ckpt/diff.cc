@@ -28,8 +28,8 @@ bool SameLayoutAndChunks(const TensorRecord& a, const TensorRecord& b) {
 }  // namespace
 
 Result<std::vector<TensorDiff>> Repository::Diff(const std::string& a_name, const std::string& b_name) {
-  ASSIGN_OR_RETURN(auto a, OpenCheckpoint(a_name));
-  ASSIGN_OR_RETURN(auto b, OpenCheckpoint(b_name));
+  CKPT_ASSIGN_OR_RETURN(auto a, OpenCheckpoint(a_name));
+  CKPT_ASSIGN_OR_RETURN(auto b, OpenCheckpoint(b_name));
   std::map<std::string, std::pair<const TensorRecord*, const TensorRecord*>> all;
   for (const auto& t : a->tensors()) all[t.name].first = &t;
   for (const auto& t : b->tensors()) all[t.name].second = &t;
@@ -70,8 +70,8 @@ Result<std::vector<TensorDiff>> Repository::Diff(const std::string& a_name, cons
           const uint64_t n = std::min(kPiece, size - off);
           x.resize(n);
           y.resize(n);
-          RETURN_IF_ERROR(a->ReadBytes(*ta, off, x));
-          RETURN_IF_ERROR(b->ReadBytes(*tb, off, y));
+          CKPT_RETURN_IF_ERROR(a->ReadBytes(*ta, off, x));
+          CKPT_RETURN_IF_ERROR(b->ReadBytes(*tb, off, y));
           if (x == y) continue;
           equal = false;
           if (!IsFloat(ta->dtype)) break;

@@ -27,7 +27,7 @@ Result<std::unique_ptr<CheckpointFiles>> CheckpointFiles::Build(std::unique_ptr<
 
   // metadata.json: the description of `ckpt show --json`, plus the file that
   // shows each tensor and blob.
-  ASSIGN_OR_RETURN(Json described, DescribeCheckpoint(*reader));
+  CKPT_ASSIGN_OR_RETURN(Json described, DescribeCheckpoint(*reader));
   auto& tensor_list = described.Find("tensors")->as_array();
   for (size_t i = 0; i < tensor_list.size(); ++i) tensor_list[i].Set("file", f->files_[i].name);
   auto& blob_list = described.Find("blobs")->as_array();
@@ -104,7 +104,7 @@ Status CheckpointFiles::Read(const CheckpointFile& file, uint64_t offset, std::s
         const size_t i = SafetensorsTensorAt(pos);
         const uint64_t in = pos - L.offsets[i];
         const size_t n = std::min<uint64_t>(dst.size() - done, L.sizes[i] - in);
-        RETURN_IF_ERROR(r.ReadBytes(r.tensors()[i], in, dst.subspan(done, n)));
+        CKPT_RETURN_IF_ERROR(r.ReadBytes(r.tensors()[i], in, dst.subspan(done, n)));
         done += n;
       }
       return Status::OK();

@@ -49,11 +49,11 @@ Status ForEachReference(const ReadTxn& txn, const std::function<void(const std::
       return true;
     });
   };
-  RETURN_IF_ERROR(scan(Table::kTensors));
-  RETURN_IF_ERROR(inner);
-  RETURN_IF_ERROR(scan(Table::kBlobs));
-  RETURN_IF_ERROR(inner);
-  RETURN_IF_ERROR(scan(Table::kRanks));
+  CKPT_RETURN_IF_ERROR(scan(Table::kTensors));
+  CKPT_RETURN_IF_ERROR(inner);
+  CKPT_RETURN_IF_ERROR(scan(Table::kBlobs));
+  CKPT_RETURN_IF_ERROR(inner);
+  CKPT_RETURN_IF_ERROR(scan(Table::kRanks));
   return inner;
 }
 
@@ -62,7 +62,7 @@ Status ForEachReference(const ReadTxn& txn, const std::function<void(const std::
 Result<std::vector<std::string>> Repository::PlanRetention(const RetentionPolicy& policy) {
   if (policy.empty()) return std::vector<std::string>{};
   if (policy.keep_every && *policy.keep_every == 0) return Status::InvalidArgument("--keep-every must be at least 1");
-  ASSIGN_OR_RETURN(auto list, ListCheckpoints(false));
+  CKPT_ASSIGN_OR_RETURN(auto list, ListCheckpoints(false));
   for (const auto& name : policy.keep) {
     if (std::none_of(list.begin(), list.end(), [&](const CheckpointRecord& c) { return c.name == name; })) {
       return Status::InvalidArgument("--keep " + name + ": no committed checkpoint has that name");
@@ -91,7 +91,7 @@ Result<std::vector<std::string>> Repository::PlanRetention(const RetentionPolicy
 }
 
 Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names) {
-  ASSIGN_OR_RETURN(auto list, ListCheckpoints(false));
+  CKPT_ASSIGN_OR_RETURN(auto list, ListCheckpoints(false));
   std::map<std::string, const CheckpointRecord*> committed;
   for (const auto& c : list) committed[c.name] = &c;
   for (const auto& n : names) {
@@ -104,21 +104,21 @@ Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names)
   };
   std::unordered_map<ChunkId, Use, ChunkIdHash> uses;
   std::unordered_map<ChunkId, uint32_t, ChunkIdHash> stored_len;
-  RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
-    RETURN_IF_ERROR(ForEachReference(txn, [&](const std::string& ckpt, const ChunkRef& c) {
+  CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+    CKPT_RETURN_IF_ERROR(ForEachReference(txn, [&](const std::string& ckpt, const ChunkRef& c) {
       Use& u = uses[c.id];
       u.raw_len = c.raw_len;
       const std::string owner = committed.count(ckpt) ? ckpt : "";
       if (std::find(u.owners.begin(), u.owners.end(), owner) == u.owners.end()) u.owners.push_back(owner);
     }));
     Status inner;
-    RETURN_IF_ERROR(txn.Scan(Table::kChunks, "", [&](std::string_view k, std::string_view v) {
+    CKPT_RETURN_IF_ERROR(txn.Scan(Table::kChunks, "", [&](std::string_view k, std::string_view v) {
       auto loc = DecodeChunkLocation(v);
       if (!loc.ok()) return (inner = loc.status(), false);
       stored_len[IdOfKey(k)] = loc->stored_len;
       return true;
     }));
-    RETURN_IF_ERROR(inner);
+    CKPT_RETURN_IF_ERROR(inner);
     return txn.Scan(Table::kPacks, "", [&](std::string_view, std::string_view v) {
       uint64_t size = 0, count = 0;
       if (DecodePackInfo(v, &size, &count).ok()) report.pack_bytes += size;
@@ -172,18 +172,18 @@ struct Liveness {
 
 Result<Liveness> Analyze(LmdbEnv& catalog, const std::set<std::string>& excluded) {
   Liveness l;
-  RETURN_IF_ERROR(catalog.Read([&](const ReadTxn& txn) -> Status {
-    RETURN_IF_ERROR(ForEachReference(txn, [&](const std::string& ckpt, const ChunkRef& c) {
+  CKPT_RETURN_IF_ERROR(catalog.Read([&](const ReadTxn& txn) -> Status {
+    CKPT_RETURN_IF_ERROR(ForEachReference(txn, [&](const std::string& ckpt, const ChunkRef& c) {
       if (!excluded.count(ckpt)) l.live.insert(c.id);
     }));
     Status inner;
-    RETURN_IF_ERROR(txn.Scan(Table::kPacks, "", [&](std::string_view k, std::string_view v) {
+    CKPT_RETURN_IF_ERROR(txn.Scan(Table::kPacks, "", [&](std::string_view k, std::string_view v) {
       uint64_t count = 0;
       inner = DecodePackInfo(v, &l.packs[std::string(k)].size, &count);
       return inner.ok();
     }));
-    RETURN_IF_ERROR(inner);
-    RETURN_IF_ERROR(txn.Scan(Table::kChunks, "", [&](std::string_view k, std::string_view v) {
+    CKPT_RETURN_IF_ERROR(inner);
+    CKPT_RETURN_IF_ERROR(txn.Scan(Table::kChunks, "", [&](std::string_view k, std::string_view v) {
       auto loc = DecodeChunkLocation(v);
       if (!loc.ok()) return (inner = loc.status(), false);
       ChunkId id = IdOfKey(k);
@@ -214,7 +214,7 @@ struct Disposal {
 Result<Disposal> Dispose(Backend* backend, const Liveness& l, const std::set<std::string>& rewrite,
                          const std::set<std::string>& written, GcReport& report) {
   Disposal d;
-  ASSIGN_OR_RETURN(auto keys, backend->List(keys::kPackPrefix));
+  CKPT_ASSIGN_OR_RETURN(auto keys, backend->List(keys::kPackPrefix));
   for (const auto& key : keys) {
     std::string id;
     if (ParsePackKey(key, &id) && !l.packs.count(id) && !written.count(id)) {
@@ -243,26 +243,26 @@ Result<Disposal> Dispose(Backend* backend, const Liveness& l, const std::set<std
 
 Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const ProgressFn& progress) {
   GcReport report;
-  ASSIGN_OR_RETURN(report.removed, PlanRetention(options.retention));
+  CKPT_ASSIGN_OR_RETURN(report.removed, PlanRetention(options.retention));
   std::set<std::string> excluded;  // removed, or to be removed in a dry run
   if (!report.removed.empty()) {
     if (options.dry_run) {
       excluded.insert(report.removed.begin(), report.removed.end());
     } else {
-      RETURN_IF_ERROR(RemoveCheckpoints(report.removed));
+      CKPT_RETURN_IF_ERROR(RemoveCheckpoints(report.removed));
     }
   }
   Backend* backend = impl_->backend.get();
   std::optional<RepoLock> run_lock;
   if (!options.dry_run) {
-    ASSIGN_OR_RETURN(RepoLock l, RepoLock::Acquire(impl_->path, RepoLock::Mode::kExclusive, RepoLock::Name::kGcRun));
+    CKPT_ASSIGN_OR_RETURN(RepoLock l, RepoLock::Acquire(impl_->path, RepoLock::Mode::kExclusive, RepoLock::Name::kGcRun));
     run_lock.emplace(std::move(l));
   }
 
   // 1. Without the gc lock (saves go on): find the mostly-dead packs and copy
   //    their live chunks into new packs, durably. A dry run stops after the
   //    estimate.
-  ASSIGN_OR_RETURN(Liveness before, Analyze(*impl_->catalog, excluded));
+  CKPT_ASSIGN_OR_RETURN(Liveness before, Analyze(*impl_->catalog, excluded));
   std::set<std::string> rewrite;
   uint64_t rewrite_bytes = 0;
   for (const auto& [id, p] : before.packs) {
@@ -272,7 +272,7 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
     }
   }
   if (options.dry_run) {
-    RETURN_IF_ERROR(Dispose(backend, before, rewrite, {}, report).status());
+    CKPT_RETURN_IF_ERROR(Dispose(backend, before, rewrite, {}, report).status());
     report.bytes_after += rewrite_bytes;  // estimate: the live bytes move to new packs
     return report;
   }
@@ -282,28 +282,28 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
   uint64_t copied = 0;
   auto copy = [&](const ChunkId& chunk, const ChunkLocation& loc) -> Status {
     buf.resize(loc.stored_len);
-    RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, buf));
-    ASSIGN_OR_RETURN(ChunkLocation nloc, writer.Add(chunk, loc.codec, loc.raw_len, buf));
+    CKPT_RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, buf));
+    CKPT_ASSIGN_OR_RETURN(ChunkLocation nloc, writer.Add(chunk, loc.codec, loc.raw_len, buf));
     moved[chunk] = {loc, nloc};
     copied += loc.stored_len;
     if (progress) progress(copied, rewrite_bytes);
     return Status::OK();
   };
   for (const auto& id : rewrite) {
-    for (const auto& [chunk, loc] : before.packs[id].live) RETURN_IF_ERROR(copy(chunk, loc));
+    for (const auto& [chunk, loc] : before.packs[id].live) CKPT_RETURN_IF_ERROR(copy(chunk, loc));
   }
 
   // 2. Under the exclusive lock no save is in flight: look again, since
   //    saves may have committed meanwhile (a chunk that was dead may be
   //    referenced again) and removals may have freed more.
-  ASSIGN_OR_RETURN(RepoLock lock, RepoLock::Acquire(impl_->path, RepoLock::Mode::kExclusive));
-  ASSIGN_OR_RETURN(Liveness now, Analyze(*impl_->catalog, {}));
+  CKPT_ASSIGN_OR_RETURN(RepoLock lock, RepoLock::Acquire(impl_->path, RepoLock::Mode::kExclusive));
+  CKPT_ASSIGN_OR_RETURN(Liveness now, Analyze(*impl_->catalog, {}));
   for (const auto& id : rewrite) {
     for (const auto& [chunk, loc] : now.packs[id].live) {
-      if (!moved.count(chunk)) RETURN_IF_ERROR(copy(chunk, loc));  // became live since step 1
+      if (!moved.count(chunk)) CKPT_RETURN_IF_ERROR(copy(chunk, loc));  // became live since step 1
     }
   }
-  ASSIGN_OR_RETURN(std::vector<SealedPack> sealed, writer.Finish());
+  CKPT_ASSIGN_OR_RETURN(std::vector<SealedPack> sealed, writer.Finish());
   std::set<std::string> written;
   for (const auto& p : sealed) {
     written.insert(p.id);
@@ -312,21 +312,21 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
   report.packs_written = sealed.size();
   // Packs on disk the catalog does not know were left by killed saves or a
   // killed gc: under the exclusive lock no save is writing one.
-  ASSIGN_OR_RETURN(Disposal disposal, Dispose(backend, now, rewrite, written, report));
+  CKPT_ASSIGN_OR_RETURN(Disposal disposal, Dispose(backend, now, rewrite, written, report));
   const std::vector<std::string>& drop = disposal.drop;
   const std::vector<std::string>& orphans = disposal.orphans;
 
   // 3. One catalog transaction: forget dead chunks and old packs, point
   //    live moved chunks at their new packs.
-  RETURN_IF_ERROR(impl_->catalog->Update([&](WriteTxn& txn) -> Status {
-    for (const auto& id : now.dead) RETURN_IF_ERROR(txn.Delete(Table::kChunks, keys::Chunk(id)));
+  CKPT_RETURN_IF_ERROR(impl_->catalog->Update([&](WriteTxn& txn) -> Status {
+    for (const auto& id : now.dead) CKPT_RETURN_IF_ERROR(txn.Delete(Table::kChunks, keys::Chunk(id)));
     for (const auto& [id, locs] : moved) {
       if (!now.live.count(id)) continue;  // died since it was copied; its entry is gone
-      RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(id), EncodeChunkLocation(locs.second)));
+      CKPT_RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(id), EncodeChunkLocation(locs.second)));
     }
-    for (const auto& id : drop) RETURN_IF_ERROR(txn.Delete(Table::kPacks, id));
-    for (const auto& id : rewrite) RETURN_IF_ERROR(txn.Delete(Table::kPacks, id));
-    for (const auto& p : sealed) RETURN_IF_ERROR(txn.Put(Table::kPacks, p.id, EncodePackInfo(p.size, p.entries.size())));
+    for (const auto& id : drop) CKPT_RETURN_IF_ERROR(txn.Delete(Table::kPacks, id));
+    for (const auto& id : rewrite) CKPT_RETURN_IF_ERROR(txn.Delete(Table::kPacks, id));
+    for (const auto& p : sealed) CKPT_RETURN_IF_ERROR(txn.Put(Table::kPacks, p.id, EncodePackInfo(p.size, p.entries.size())));
     return Status::OK();
   }));
   impl_->cache->Clear();
@@ -335,10 +335,10 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
     Status st = backend->Delete(PackKey(id));
     return st.IsNotFound() ? Status::OK() : st;
   };
-  for (const auto& id : drop) RETURN_IF_ERROR(remove(id));
-  for (const auto& id : rewrite) RETURN_IF_ERROR(remove(id));
-  for (const auto& id : orphans) RETURN_IF_ERROR(remove(id));
-  RETURN_IF_ERROR(backend->RemoveIncomplete());
+  for (const auto& id : drop) CKPT_RETURN_IF_ERROR(remove(id));
+  for (const auto& id : rewrite) CKPT_RETURN_IF_ERROR(remove(id));
+  for (const auto& id : orphans) CKPT_RETURN_IF_ERROR(remove(id));
+  CKPT_RETURN_IF_ERROR(backend->RemoveIncomplete());
   return report;
 }
 

@@ -29,7 +29,7 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
   if (name) {
     names.push_back(*name);
   } else {
-    ASSIGN_OR_RETURN(auto all, ListCheckpoints(false));
+    CKPT_ASSIGN_OR_RETURN(auto all, ListCheckpoints(false));
     for (const auto& c : all) names.push_back(c.name);
   }
   // Chunk id -> first user, for messages.
@@ -43,7 +43,7 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
       report.problems.push_back({n, "catalog", opened.status().message()});
       continue;
     }
-    ASSIGN_OR_RETURN(auto reader, std::move(opened));
+    CKPT_ASSIGN_OR_RETURN(auto reader, std::move(opened));
     ++report.checkpoints;
     for (const auto& t : reader->tensors()) {
       ++report.tensors;
@@ -64,19 +64,19 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
   };
   std::vector<Item> items;
   Status inner;
-  RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+  CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
     for (const auto& [id, use] : chunks) {
-      ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(id)));
+      CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(id)));
       if (!v) {
         report.problems.push_back({use.checkpoint, use.member, "chunk " + id.ToHex() + " is missing from the catalog"});
         continue;
       }
-      ASSIGN_OR_RETURN(ChunkLocation loc, DecodeChunkLocation(*v));
+      CKPT_ASSIGN_OR_RETURN(ChunkLocation loc, DecodeChunkLocation(*v));
       items.push_back({id, loc, &use});
     }
     if (name) return Status::OK();
     // The whole repository: also chunks no checkpoint references, and packs.
-    RETURN_IF_ERROR(txn.Scan(Table::kChunks, "", [&](std::string_view k, std::string_view v) {
+    CKPT_RETURN_IF_ERROR(txn.Scan(Table::kChunks, "", [&](std::string_view k, std::string_view v) {
       ChunkId id;
       std::memcpy(id.bytes.data(), k.data(), 16);
       if (chunks.count(id)) return true;
@@ -104,11 +104,11 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
       return true;
     });
   }));
-  RETURN_IF_ERROR(inner);
+  CKPT_RETURN_IF_ERROR(inner);
   if (!name) {
     // Manifests are what reindex rebuilds from: one that does not decode
     // would be skipped there, so it is a problem here.
-    ASSIGN_OR_RETURN(auto manifest_keys, impl_->backend->List(keys::kManifestPrefix));
+    CKPT_ASSIGN_OR_RETURN(auto manifest_keys, impl_->backend->List(keys::kManifestPrefix));
     for (const auto& key : manifest_keys) {
       std::string checkpoint;
       if (!keys::ParseManifestObject(key, &checkpoint)) continue;
@@ -152,9 +152,9 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
 Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
   std::set<std::string> unique(names.begin(), names.end());
   // All must exist before anything is touched.
-  RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+  CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
     for (const auto& n : unique) {
-      ASSIGN_OR_RETURN(auto v, txn.Get(Table::kCheckpoints, keys::Checkpoint(n)));
+      CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kCheckpoints, keys::Checkpoint(n)));
       if (!v) return Status::NotFound("no checkpoint named '" + n + "'; nothing was removed");
     }
     return Status::OK();
@@ -176,30 +176,30 @@ Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
           return true;
         });
       };
-      RETURN_IF_ERROR(collect(Table::kTensors, members));
-      RETURN_IF_ERROR(collect(Table::kBlobs, blobs));
-      RETURN_IF_ERROR(collect(Table::kRanks, ranks));
-      for (const auto& k : members) RETURN_IF_ERROR(txn.Delete(Table::kTensors, k));
-      for (const auto& k : blobs) RETURN_IF_ERROR(txn.Delete(Table::kBlobs, k));
-      for (const auto& k : ranks) RETURN_IF_ERROR(txn.Delete(Table::kRanks, k));
-      RETURN_IF_ERROR(txn.Delete(Table::kCheckpoints, keys::Checkpoint(n)));
+      CKPT_RETURN_IF_ERROR(collect(Table::kTensors, members));
+      CKPT_RETURN_IF_ERROR(collect(Table::kBlobs, blobs));
+      CKPT_RETURN_IF_ERROR(collect(Table::kRanks, ranks));
+      for (const auto& k : members) CKPT_RETURN_IF_ERROR(txn.Delete(Table::kTensors, k));
+      for (const auto& k : blobs) CKPT_RETURN_IF_ERROR(txn.Delete(Table::kBlobs, k));
+      for (const auto& k : ranks) CKPT_RETURN_IF_ERROR(txn.Delete(Table::kRanks, k));
+      CKPT_RETURN_IF_ERROR(txn.Delete(Table::kCheckpoints, keys::Checkpoint(n)));
     }
     return Status::OK();
   });
 }
 
 Result<ReindexReport> Repository::Reindex(const std::string& path, const ProgressFn& progress) {
-  ASSIGN_OR_RETURN(RepositoryConfig config, ReadRepositoryConfig(path));
+  CKPT_ASSIGN_OR_RETURN(RepositoryConfig config, ReadRepositoryConfig(path));
   (void)config;
   ReindexReport report;
-  ASSIGN_OR_RETURN(auto backend, OpenLocalBackend(path + "/objects"));
+  CKPT_ASSIGN_OR_RETURN(auto backend, OpenLocalBackend(path + "/objects"));
   const std::string fresh = path + "/catalog.rebuild";
   std::error_code ec;
   std::filesystem::remove_all(fresh, ec);
-  ASSIGN_OR_RETURN(auto env, LmdbEnv::Open(fresh, true, 64ull << 20));
+  CKPT_ASSIGN_OR_RETURN(auto env, LmdbEnv::Open(fresh, true, 64ull << 20));
 
-  ASSIGN_OR_RETURN(auto pack_keys, backend->List(keys::kPackPrefix));
-  ASSIGN_OR_RETURN(auto manifest_keys, backend->List(keys::kManifestPrefix));
+  CKPT_ASSIGN_OR_RETURN(auto pack_keys, backend->List(keys::kPackPrefix));
+  CKPT_ASSIGN_OR_RETURN(auto manifest_keys, backend->List(keys::kManifestPrefix));
   const uint64_t total = pack_keys.size() + manifest_keys.size();
   uint64_t done = 0;
   uint64_t max_seq = 0;
@@ -215,10 +215,10 @@ Result<ReindexReport> Repository::Reindex(const std::string& path, const Progres
       report.problems.push_back("skipped pack " + id + ": " + pack.status().message());
       continue;
     }
-    RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
+    CKPT_RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
       for (const auto& e : pack->entries) {
-        ASSIGN_OR_RETURN(auto existing, txn.Get(Table::kChunks, keys::Chunk(e.id)));
-        if (!existing) RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(e.id), EncodeChunkLocation(e.location)));
+        CKPT_ASSIGN_OR_RETURN(auto existing, txn.Get(Table::kChunks, keys::Chunk(e.id)));
+        if (!existing) CKPT_RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(e.id), EncodeChunkLocation(e.location)));
       }
       return txn.Put(Table::kPacks, id, EncodePackInfo(pack->size, pack->entries.size()));
     }));
@@ -243,19 +243,19 @@ Result<ReindexReport> Repository::Reindex(const std::string& path, const Progres
       report.problems.push_back("skipped manifest " + key + ": it names checkpoint '" + m->checkpoint.name + "'");
       continue;
     }
-    RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
-      RETURN_IF_ERROR(txn.Put(Table::kCheckpoints, keys::Checkpoint(name), EncodeCheckpoint(m->checkpoint)));
-      for (const auto& t : m->tensors) RETURN_IF_ERROR(txn.Put(Table::kTensors, keys::Member(name, t.name), EncodeTensor(t)));
-      for (const auto& b : m->blobs) RETURN_IF_ERROR(txn.Put(Table::kBlobs, keys::Member(name, b.name), EncodeBlob(b)));
+    CKPT_RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
+      CKPT_RETURN_IF_ERROR(txn.Put(Table::kCheckpoints, keys::Checkpoint(name), EncodeCheckpoint(m->checkpoint)));
+      for (const auto& t : m->tensors) CKPT_RETURN_IF_ERROR(txn.Put(Table::kTensors, keys::Member(name, t.name), EncodeTensor(t)));
+      for (const auto& b : m->blobs) CKPT_RETURN_IF_ERROR(txn.Put(Table::kBlobs, keys::Member(name, b.name), EncodeBlob(b)));
       return Status::OK();
     }));
     max_seq = std::max(max_seq, m->checkpoint.sequence);
     ++report.checkpoints;
   }
-  RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
+  CKPT_RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
     Encoder v;
     v.U32(kFormatVersion);
-    RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kFormatVersionKey, v.data()));
+    CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kFormatVersionKey, v.data()));
     Encoder seq;
     seq.U64(max_seq + 1);
     return txn.Put(Table::kMeta, keys::kNextSequenceKey, seq.data());

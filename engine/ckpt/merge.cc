@@ -53,7 +53,7 @@ Status RunGroup(const ChunkGroup& g, std::span<std::byte> dst, ChunkFetcher& fet
   if (g.ops.size() == 1 && g.ops[0].chunk_offset == 0 && g.ops[0].length == ref.raw_len) {
     return fetcher.FetchInto(ref, dst.subspan(g.ops[0].dst_offset, ref.raw_len));
   }
-  ASSIGN_OR_RETURN(ChunkData data, fetcher.Fetch(ref));
+  CKPT_ASSIGN_OR_RETURN(ChunkData data, fetcher.Fetch(ref));
   for (const CopyOp& op : g.ops) {
     std::memcpy(dst.data() + op.dst_offset, data->data() + op.chunk_offset, op.length);
   }
@@ -63,7 +63,7 @@ Status RunGroup(const ChunkGroup& g, std::span<std::byte> dst, ChunkFetcher& fet
 }  // namespace
 
 Status ChunkFetcher::FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) {
-  ASSIGN_OR_RETURN(ChunkData data, Fetch(chunk));
+  CKPT_ASSIGN_OR_RETURN(ChunkData data, Fetch(chunk));
   if (data->size() != dst.size()) return Status::Internal("chunk size does not match its destination");
   std::memcpy(dst.data(), data->data(), dst.size());
   return Status::OK();
@@ -110,20 +110,20 @@ Status PlanBox(const TensorRecord& tensor, const Box& request, std::vector<Chunk
 Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<std::byte> dst,
                      ChunkFetcher& fetcher, ThreadPool* pool) {
   const uint64_t w = DTypeSize(tensor.dtype);
-  RETURN_IF_ERROR(ValidateRegion(tensor.shape, Region::OfBox(request)));
+  CKPT_RETURN_IF_ERROR(ValidateRegion(tensor.shape, Region::OfBox(request)));
   if (dst.size() != request.NumElements() * w) {
     return Status::InvalidArgument("destination of " + std::to_string(dst.size()) +
                                    " bytes does not match box " + request.ToString());
   }
   if (request.Empty()) return Status::OK();
   std::vector<ChunkGroup> groups;
-  RETURN_IF_ERROR(PlanBox(tensor, request, groups));
+  CKPT_RETURN_IF_ERROR(PlanBox(tensor, request, groups));
 
   // Small reads (a FUSE request) run inline: their callers are already
   // concurrent, and prefetching has usually decoded their chunks.
   constexpr uint64_t kParallelMinBytes = 8 << 20;
   if (pool == nullptr || groups.size() <= 1 || ThreadPool::OnPoolThread() || dst.size() < kParallelMinBytes) {
-    for (const auto& g : groups) RETURN_IF_ERROR(RunGroup(g, dst, fetcher));
+    for (const auto& g : groups) CKPT_RETURN_IF_ERROR(RunGroup(g, dst, fetcher));
     return Status::OK();
   }
   WaitGroup wg;
@@ -163,7 +163,7 @@ Status ReadTensorBytes(const TensorRecord& tensor, uint64_t offset, std::span<st
   }
   for (const Box& box : FlatRangeToBoxes(tensor.shape, {first, end})) {
     uint64_t at = (FlatIndexOf(tensor.shape, box.offsets) - first) * w;
-    RETURN_IF_ERROR(ReadTensorBox(tensor, box, out.subspan(at, box.NumElements() * w), fetcher, pool));
+    CKPT_RETURN_IF_ERROR(ReadTensorBox(tensor, box, out.subspan(at, box.NumElements() * w), fetcher, pool));
   }
   if (!aligned) std::memcpy(dst.data(), staging.data() + (offset - first * w), dst.size());
   return Status::OK();
@@ -177,7 +177,7 @@ Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_
   length = std::min(length, total - offset);
   const uint64_t first = offset / w, end = (offset + length + w - 1) / w;
   std::vector<ChunkGroup> groups;
-  for (const Box& box : FlatRangeToBoxes(tensor.shape, {first, end})) RETURN_IF_ERROR(PlanBox(tensor, box, groups));
+  for (const Box& box : FlatRangeToBoxes(tensor.shape, {first, end})) CKPT_RETURN_IF_ERROR(PlanBox(tensor, box, groups));
   std::unordered_set<ChunkId, ChunkIdHash> seen;
   for (const auto& g : groups) {
     const ChunkRef& c = g.shard->chunks[g.chunk];
@@ -196,7 +196,7 @@ Status ReadBlobBytes(const BlobRecord& blob, uint64_t offset, std::span<std::byt
     uint64_t chunk_end = chunk_start + c.raw_len;
     uint64_t pos = offset + done;
     if (done < dst.size() && pos < chunk_end) {
-      ASSIGN_OR_RETURN(ChunkData data, fetcher.Fetch(c));
+      CKPT_ASSIGN_OR_RETURN(ChunkData data, fetcher.Fetch(c));
       uint64_t n = std::min<uint64_t>(chunk_end - pos, dst.size() - done);
       std::memcpy(dst.data() + done, data->data() + (pos - chunk_start), n);
       done += n;
@@ -219,8 +219,8 @@ Status CompareOverlap(const TensorRecord& t, const ShardRecord& a, const ShardRe
                       const Box& box, ChunkFetcher& fetcher) {
   const size_t n = box.NumElements() * DTypeSize(t.dtype);
   std::vector<std::byte> x(n), y(n);
-  RETURN_IF_ERROR(ReadTensorBox(OnlyShard(t, a), box, x, fetcher, nullptr));
-  RETURN_IF_ERROR(ReadTensorBox(OnlyShard(t, b), box, y, fetcher, nullptr));
+  CKPT_RETURN_IF_ERROR(ReadTensorBox(OnlyShard(t, a), box, x, fetcher, nullptr));
+  CKPT_RETURN_IF_ERROR(ReadTensorBox(OnlyShard(t, b), box, y, fetcher, nullptr));
   if (x != y) {
     return Status::InvalidArgument("tensor '" + t.name + "': shards of " + RanksToString(a.ranks) +
                                    " (" + a.region.ToString() + ") and " + RanksToString(b.ranks) +
@@ -239,10 +239,10 @@ Status GapError(const TensorRecord& t, const std::string& where, uint64_t missin
 }  // namespace
 
 Status CheckTiling(const TensorRecord& t, ChunkFetcher& fetcher) {
-  ASSIGN_OR_RETURN(const uint64_t total, CheckedNumElements(t.shape));
+  CKPT_ASSIGN_OR_RETURN(const uint64_t total, CheckedNumElements(t.shape));
   const uint64_t w = DTypeSize(t.dtype);
   for (const auto& s : t.shards) {
-    RETURN_IF_ERROR(ValidateRegion(t.shape, s.region).WithContext("tensor '" + t.name + "'"));
+    CKPT_RETURN_IF_ERROR(ValidateRegion(t.shape, s.region).WithContext("tensor '" + t.name + "'"));
     if (s.ByteSize() != s.region.NumElements() * w) {
       return Status::Corruption("tensor '" + t.name + "': shard " + s.region.ToString() + " holds " +
                                 std::to_string(s.ByteSize()) + " bytes, expected " +
@@ -271,7 +271,7 @@ Status CheckTiling(const TensorRecord& t, ChunkFetcher& fetcher) {
       if (r.start < covered_to && reach != nullptr) {
         FlatRange both{r.start, std::min(covered_to, r.end)};
         for (const Box& b : FlatRangeToBoxes(t.shape, both)) {
-          RETURN_IF_ERROR(CompareOverlap(t, *reach, *s, b, fetcher));
+          CKPT_RETURN_IF_ERROR(CompareOverlap(t, *reach, *s, b, fetcher));
         }
       }
       if (r.end > covered_to) {
@@ -297,7 +297,7 @@ Status CheckTiling(const TensorRecord& t, ChunkFetcher& fetcher) {
         std::vector<Box> next;
         for (const Box& p : pieces) {
           if (auto inter = Intersect(p, c.box)) {
-            RETURN_IF_ERROR(CompareOverlap(t, *c.shard, s, *inter, fetcher));
+            CKPT_RETURN_IF_ERROR(CompareOverlap(t, *c.shard, s, *inter, fetcher));
             for (Box& rest : Subtract(p, c.box)) next.push_back(std::move(rest));
           } else {
             next.push_back(p);
@@ -345,7 +345,7 @@ Status CheckTensorsAgree(const std::vector<RankRecord>& ranks) {
 
 Result<std::vector<TensorRecord>> MergeRankTensors(const std::vector<RankRecord>& ranks,
                                                    ChunkFetcher& fetcher) {
-  RETURN_IF_ERROR(CheckTensorsAgree(ranks));
+  CKPT_RETURN_IF_ERROR(CheckTensorsAgree(ranks));
   std::map<std::string, TensorRecord> merged;
   // Ranks in rank order, whatever order they committed in: the merged
   // records are the same for the same inputs.
@@ -381,7 +381,7 @@ Result<std::vector<TensorRecord>> MergeRankTensors(const std::vector<RankRecord>
   std::vector<TensorRecord> out;
   out.reserve(merged.size());
   for (auto& [name, t] : merged) {
-    RETURN_IF_ERROR(CheckTiling(t, fetcher));
+    CKPT_RETURN_IF_ERROR(CheckTiling(t, fetcher));
     out.push_back(std::move(t));
   }
   return out;

@@ -75,11 +75,11 @@ Result<StoredSizes> CheckpointReader::StoredBytes() const {
   }
   for (const auto& b : blobs()) collect(b.chunks);
   StoredSizes out;
-  RETURN_IF_ERROR(impl_->repo->catalog->Read([&](const ReadTxn& txn) -> Status {
+  CKPT_RETURN_IF_ERROR(impl_->repo->catalog->Read([&](const ReadTxn& txn) -> Status {
     for (auto& [id, size] : sizes) {
-      ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(id)));
+      CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(id)));
       if (!v) continue;  // verify reports missing chunks
-      ASSIGN_OR_RETURN(ChunkLocation loc, DecodeChunkLocation(*v));
+      CKPT_ASSIGN_OR_RETURN(ChunkLocation loc, DecodeChunkLocation(*v));
       size = loc.stored_len;
       out.total += size;
     }
@@ -109,9 +109,9 @@ namespace {
 // The record of `name` when it is committed; NotFound (saying how far a
 // pending one got) otherwise.
 Result<CheckpointRecord> CommittedRecord(const ReadTxn& txn, const std::string& name) {
-  ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
+  CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
   if (!raw) return Status::NotFound("no checkpoint named '" + name + "'");
-  ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*raw));
+  CKPT_ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*raw));
   if (rec.state != CheckpointState::kCommitted) {
     return Status::NotFound("checkpoint '" + name + "' is not committed (" + std::to_string(rec.committed_ranks.size()) +
                             " of " + std::to_string(rec.world_size) + " ranks have committed)");
@@ -122,8 +122,8 @@ Result<CheckpointRecord> CommittedRecord(const ReadTxn& txn, const std::string& 
 
 Result<CheckpointRecord> Repository::GetCheckpoint(const std::string& name) {
   CheckpointRecord rec;
-  RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
-    ASSIGN_OR_RETURN(rec, CommittedRecord(txn, name));
+  CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+    CKPT_ASSIGN_OR_RETURN(rec, CommittedRecord(txn, name));
     return Status::OK();
   }));
   return rec;
@@ -134,10 +134,10 @@ Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::
   impl->repo = impl_.get();
   Manifest& m = impl->manifest;
   Status inner;
-  RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
-    ASSIGN_OR_RETURN(m.checkpoint, CommittedRecord(txn, name));
+  CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+    CKPT_ASSIGN_OR_RETURN(m.checkpoint, CommittedRecord(txn, name));
     const std::string prefix = keys::MemberPrefix(name);
-    RETURN_IF_ERROR(txn.Scan(Table::kTensors, prefix, [&](std::string_view, std::string_view v) {
+    CKPT_RETURN_IF_ERROR(txn.Scan(Table::kTensors, prefix, [&](std::string_view, std::string_view v) {
       auto t = DecodeTensor(v);
       if (!t.ok()) {
         inner = t.status().WithContext("checkpoint '" + name + "'");
@@ -156,7 +156,7 @@ Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::
       return true;
     });
   }));
-  RETURN_IF_ERROR(inner);
+  CKPT_RETURN_IF_ERROR(inner);
   for (size_t i = 0; i < m.tensors.size(); ++i) impl->tensor_index[m.tensors[i].name] = i;
   for (size_t i = 0; i < m.blobs.size(); ++i) impl->blob_index[m.blobs[i].name] = i;
   return std::unique_ptr<CheckpointReader>(new CheckpointReader(std::move(impl)));

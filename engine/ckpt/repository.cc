@@ -62,10 +62,10 @@ std::string EncodePackInfo(uint64_t size, uint64_t chunks) {
 Status DecodePackInfo(std::string_view data, uint64_t* size, uint64_t* chunks) {
   Decoder d(data);
   uint8_t v = 0;
-  RETURN_IF_ERROR(d.U8(&v));
+  CKPT_RETURN_IF_ERROR(d.U8(&v));
   if (v != 1) return Status::Corruption("pack record has unknown version");
-  RETURN_IF_ERROR(d.Varint(size));
-  RETURN_IF_ERROR(d.Varint(chunks));
+  CKPT_RETURN_IF_ERROR(d.Varint(size));
+  CKPT_RETURN_IF_ERROR(d.Varint(chunks));
   if (!d.done()) return Status::Corruption("pack record has trailing bytes");
   return Status::OK();
 }
@@ -163,8 +163,8 @@ Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path) {
     *out = v->as_uint();
     return Status::OK();
   };
-  RETURN_IF_ERROR(get_uint("chunk_size", &c.chunk_size));
-  RETURN_IF_ERROR(get_uint("pack_size", &c.pack_size));
+  CKPT_RETURN_IF_ERROR(get_uint("chunk_size", &c.chunk_size));
+  CKPT_RETURN_IF_ERROR(get_uint("pack_size", &c.pack_size));
   const Json* comp = j.Find("compression");
   if (!comp || !comp->is_string() || (comp->as_string() != "zstd" && comp->as_string() != "none")) {
     return Status::Corruption(file + ": 'compression' must be \"zstd\" or \"none\"");
@@ -175,7 +175,7 @@ Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path) {
   c.codec.level = static_cast<int>(level->as_int());
   const Json* adaptive = j.Find("adaptive");
   c.adaptive = adaptive && adaptive->is_bool() ? adaptive->as_bool() : true;
-  RETURN_IF_ERROR(ValidateConfig(c).WithContext(file));
+  CKPT_RETURN_IF_ERROR(ValidateConfig(c).WithContext(file));
   return c;
 }
 
@@ -184,24 +184,24 @@ Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path) {
 Result<ChunkLocation> RepositoryImpl::LookupChunk(const ChunkId& id) const {
   ChunkLocation loc;
   Status st = catalog->Read([&](const ReadTxn& txn) -> Status {
-    ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(id)));
+    CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(id)));
     if (!v) return Status::NotFound("chunk " + id.ToHex() + " is not in the catalog");
-    ASSIGN_OR_RETURN(loc, DecodeChunkLocation(*v));
+    CKPT_ASSIGN_OR_RETURN(loc, DecodeChunkLocation(*v));
     return Status::OK();
   });
-  RETURN_IF_ERROR(st);
+  CKPT_RETURN_IF_ERROR(st);
   return loc;
 }
 
 Result<ChunkData> DirectFetcher::Fetch(const ChunkRef& chunk) {
-  ASSIGN_OR_RETURN(ChunkLocation loc, lookup_(chunk.id));
+  CKPT_ASSIGN_OR_RETURN(ChunkLocation loc, lookup_(chunk.id));
   if (loc.raw_len != chunk.raw_len) {
     return Status::Corruption("chunk " + chunk.id.ToHex() + " has length " + std::to_string(loc.raw_len) +
                               " in pack " + loc.pack + ", expected " + std::to_string(chunk.raw_len));
   }
   auto data = buffers_ ? std::make_shared<ChunkBuffer>(buffers_->Acquire(loc.raw_len), loc.raw_len)
                        : std::make_shared<ChunkBuffer>(loc.raw_len);
-  RETURN_IF_ERROR(ReadWithRelocation(chunk.id, loc, data->span()));
+  CKPT_RETURN_IF_ERROR(ReadWithRelocation(chunk.id, loc, data->span()));
   return ChunkData(std::move(data));
 }
 
@@ -211,14 +211,14 @@ Status DirectFetcher::ReadWithRelocation(const ChunkId& id, ChunkLocation loc, s
   for (int attempt = 0;; ++attempt) {
     Status st = ReadChunk(backend_, id, loc, dst);
     if (st.ok() || !st.IsNotFound() || attempt >= 3) return st;
-    ASSIGN_OR_RETURN(ChunkLocation again, lookup_(id));
+    CKPT_ASSIGN_OR_RETURN(ChunkLocation again, lookup_(id));
     if (again.pack == loc.pack && again.offset == loc.offset) return st;
     loc = again;
   }
 }
 
 Status DirectFetcher::FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) {
-  ASSIGN_OR_RETURN(ChunkLocation loc, lookup_(chunk.id));
+  CKPT_ASSIGN_OR_RETURN(ChunkLocation loc, lookup_(chunk.id));
   if (loc.raw_len != chunk.raw_len || dst.size() != chunk.raw_len) {
     return Status::Corruption("chunk " + chunk.id.ToHex() + " has length " + std::to_string(loc.raw_len) +
                               " in pack " + loc.pack + ", expected " + std::to_string(chunk.raw_len));
@@ -262,7 +262,7 @@ const std::string& Repository::path() const { return impl_->path; }
 BufferPoolStats Repository::buffer_stats() const { return impl_->buffers->stats(); }
 
 Status Repository::Init(const std::string& path, const RepositoryConfig& config) {
-  RETURN_IF_ERROR(ValidateConfig(config));
+  CKPT_RETURN_IF_ERROR(ValidateConfig(config));
   if (PathExists(path + "/" + kConfigFile)) {
     return Status::AlreadyExists("'" + path + "' already holds a ckptfs repository");
   }
@@ -273,29 +273,29 @@ Status Repository::Init(const std::string& path, const RepositoryConfig& config)
   } else if (::mkdir(path.c_str(), 0755) != 0) {
     return Status::FromErrno(errno, "creating " + path);
   }
-  ASSIGN_OR_RETURN(auto backend, OpenLocalBackend(path + "/" + kObjectsDir));
-  ASSIGN_OR_RETURN(auto env, LmdbEnv::Open(path + "/" + kCatalogDir, true, kInitialMapSize));
-  RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
+  CKPT_ASSIGN_OR_RETURN(auto backend, OpenLocalBackend(path + "/" + kObjectsDir));
+  CKPT_ASSIGN_OR_RETURN(auto env, LmdbEnv::Open(path + "/" + kCatalogDir, true, kInitialMapSize));
+  CKPT_RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
     Encoder e;
     e.U32(kFormatVersion);
-    RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kFormatVersionKey, e.data()));
+    CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kFormatVersionKey, e.data()));
     Encoder seq;
     seq.U64(1);
     return txn.Put(Table::kMeta, keys::kNextSequenceKey, seq.data());
   }));
   // The config file goes last: a directory holding it is a complete
   // repository. Written like any object: atomically and durably.
-  ASSIGN_OR_RETURN(auto root, OpenLocalBackend(path));
+  CKPT_ASSIGN_OR_RETURN(auto root, OpenLocalBackend(path));
   const std::string json = ConfigToJson(config).Dump(2) + "\n";
   return root->Put(kConfigFile, std::as_bytes(std::span(json)));
 }
 
 Result<std::unique_ptr<Repository>> Repository::Open(const std::string& path, const OpenOptions& options) {
-  ASSIGN_OR_RETURN(RepositoryConfig config, ReadRepositoryConfig(path));
+  CKPT_ASSIGN_OR_RETURN(RepositoryConfig config, ReadRepositoryConfig(path));
   auto impl = std::make_unique<RepositoryImpl>();
   impl->path = path;
   impl->config = config;
-  ASSIGN_OR_RETURN(impl->backend, OpenLocalBackend(path + "/" + kObjectsDir));
+  CKPT_ASSIGN_OR_RETURN(impl->backend, OpenLocalBackend(path + "/" + kObjectsDir));
   if (!PathExists(path + "/" + kCatalogDir + "/data.mdb")) {
     return Status::Corruption("repository '" + path + "' has no catalog; rebuild it with 'ckpt reindex'");
   }
@@ -306,7 +306,7 @@ Result<std::unique_ptr<Repository>> Repository::Open(const std::string& path, co
   }
   impl->catalog = std::move(env).value();
   Status st = impl->catalog->Read([&](const ReadTxn& txn) -> Status {
-    ASSIGN_OR_RETURN(auto v, txn.Get(Table::kMeta, keys::kFormatVersionKey));
+    CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kMeta, keys::kFormatVersionKey));
     if (!v || v->size() != 4) return Status::Corruption("catalog lacks its format version; run 'ckpt reindex'");
     uint32_t version;
     std::memcpy(&version, v->data(), 4);
@@ -315,7 +315,7 @@ Result<std::unique_ptr<Repository>> Repository::Open(const std::string& path, co
     }
     return Status::OK();
   });
-  RETURN_IF_ERROR(st);
+  CKPT_RETURN_IF_ERROR(st);
   size_t threads = options.threads ? options.threads : std::max(1u, std::thread::hardware_concurrency());
   impl->pool = std::make_unique<ThreadPool>(threads);
   // Idle buffers kept: enough for every worker's chunks in flight (the
@@ -329,7 +329,7 @@ Result<std::unique_ptr<Repository>> Repository::Open(const std::string& path, co
 Result<std::vector<CheckpointRecord>> Repository::ListCheckpoints(bool include_pending) {
   std::vector<CheckpointRecord> committed, pending;
   Status inner;
-  RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) {
+  CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) {
     return txn.Scan(Table::kCheckpoints, "", [&](std::string_view, std::string_view v) {
       auto rec = DecodeCheckpoint(v);
       if (!rec.ok()) {
@@ -344,7 +344,7 @@ Result<std::vector<CheckpointRecord>> Repository::ListCheckpoints(bool include_p
       return true;
     });
   }));
-  RETURN_IF_ERROR(inner);
+  CKPT_RETURN_IF_ERROR(inner);
   std::sort(committed.begin(), committed.end(),
             [](const CheckpointRecord& a, const CheckpointRecord& b) { return a.sequence < b.sequence; });
   for (auto& p : pending) committed.push_back(std::move(p));

@@ -360,10 +360,10 @@ Status WriterImpl::ChunkStream(const std::vector<uint64_t>& bounds, DType dtype,
 
 Status WriterImpl::PutShard(const TensorInfo& info, const Region& region_in, ShardSource& source) {
   BlockTimer timer(&blocking_);
-  RETURN_IF_ERROR(CheckUsable());
+  CKPT_RETURN_IF_ERROR(CheckUsable());
   if (first_put_ == std::chrono::steady_clock::time_point{}) first_put_ = std::chrono::steady_clock::now();
   if (info.name.empty()) return Status::InvalidArgument("tensor name is empty");
-  RETURN_IF_ERROR(ValidateRegion(info.shape, region_in).WithContext("tensor '" + info.name + "'"));
+  CKPT_RETURN_IF_ERROR(ValidateRegion(info.shape, region_in).WithContext("tensor '" + info.name + "'"));
   const Region region = Normalize(info.shape, region_in);
   const uint64_t w = DTypeSize(info.dtype);
   const uint64_t bytes = region.NumElements() * w;
@@ -394,7 +394,7 @@ Status WriterImpl::PutShard(const TensorInfo& info, const Region& region_in, Sha
   ShardRecord shard;
   shard.region = region;
   shard.ranks = {options_.rank};
-  RETURN_IF_ERROR(ChunkStream(ChunkBounds(global_start, bytes), info.dtype, source, shard.chunks));
+  CKPT_RETURN_IF_ERROR(ChunkStream(ChunkBounds(global_start, bytes), info.dtype, source, shard.chunks));
   std::lock_guard lock(mu_);
   stats_.logical_bytes += bytes;
   record_.tensors[tensor_index_[info.name]].shards.push_back(std::move(shard));
@@ -403,7 +403,7 @@ Status WriterImpl::PutShard(const TensorInfo& info, const Region& region_in, Sha
 
 Status WriterImpl::PutBlob(const std::string& name, std::span<const std::byte> data) {
   BlockTimer timer(&blocking_);
-  RETURN_IF_ERROR(CheckUsable());
+  CKPT_RETURN_IF_ERROR(CheckUsable());
   if (first_put_ == std::chrono::steady_clock::time_point{}) first_put_ = std::chrono::steady_clock::now();
   if (name.empty()) return Status::InvalidArgument("blob name is empty");
   {
@@ -413,7 +413,7 @@ Status WriterImpl::PutBlob(const std::string& name, std::span<const std::byte> d
   if (!writer_thread_.joinable()) writer_thread_ = std::thread([this] { WriterLoop(); });
   BlobRecord blob{name, data.size(), {}};
   HostSource source(data);
-  RETURN_IF_ERROR(ChunkStream(ChunkBounds(0, data.size()), DType::kU8, source, blob.chunks));
+  CKPT_RETURN_IF_ERROR(ChunkStream(ChunkBounds(0, data.size()), DType::kU8, source, blob.chunks));
   std::lock_guard lock(mu_);
   stats_.logical_bytes += data.size();
   record_.blobs.push_back(std::move(blob));
@@ -471,11 +471,11 @@ Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, Commit
   Backend* backend = repo_->backend.get();
   return repo_->catalog->Update([&](WriteTxn& txn) -> Status {
     result->checkpoint_visible = false;
-    ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name_)));
+    CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name_)));
     CheckpointRecord ckpt;
     if (raw) {
-      ASSIGN_OR_RETURN(ckpt, DecodeCheckpoint(*raw));
-      RETURN_IF_ERROR(CheckJoin(ckpt, options_));
+      CKPT_ASSIGN_OR_RETURN(ckpt, DecodeCheckpoint(*raw));
+      CKPT_RETURN_IF_ERROR(CheckJoin(ckpt, options_));
       if (!ckpt.step) ckpt.step = options_.step;
     } else {
       ckpt.name = name_;
@@ -485,29 +485,29 @@ Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, Commit
     }
     // Chunks first: a chunk another process stored meanwhile keeps its entry.
     for (const auto& [id, loc] : stored_) {
-      ASSIGN_OR_RETURN(auto existing, txn.Get(Table::kChunks, keys::Chunk(id)));
-      if (!existing) RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(id), EncodeChunkLocation(loc)));
+      CKPT_ASSIGN_OR_RETURN(auto existing, txn.Get(Table::kChunks, keys::Chunk(id)));
+      if (!existing) CKPT_RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(id), EncodeChunkLocation(loc)));
     }
     for (const auto& p : sealed) {
-      RETURN_IF_ERROR(txn.Put(Table::kPacks, p.id, EncodePackInfo(p.size, p.entries.size())));
+      CKPT_RETURN_IF_ERROR(txn.Put(Table::kPacks, p.id, EncodePackInfo(p.size, p.entries.size())));
     }
     // Every chunk this rank references must be in the catalog now: one that
     // was deduplicated against a chunk since removed fails the commit rather
     // than leave a dangling reference.
     auto check_present = [&](const std::vector<ChunkRef>& chunks, const std::string& what) -> Status {
       for (const auto& c : chunks) {
-        ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(c.id)));
+        CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(c.id)));
         if (!v) return Status::Internal(what + ": chunk " + c.id.ToHex() + " was neither stored nor found in the catalog");
       }
       return Status::OK();
     };
     for (const auto& t : record_.tensors) {
-      for (const auto& s : t.shards) RETURN_IF_ERROR(check_present(s.chunks, "tensor '" + t.name + "'"));
+      for (const auto& s : t.shards) CKPT_RETURN_IF_ERROR(check_present(s.chunks, "tensor '" + t.name + "'"));
     }
-    for (const auto& b : record_.blobs) RETURN_IF_ERROR(check_present(b.chunks, "blob '" + b.name + "'"));
+    for (const auto& b : record_.blobs) CKPT_RETURN_IF_ERROR(check_present(b.chunks, "blob '" + b.name + "'"));
     std::vector<RankRecord> ranks;
     Status inner;
-    RETURN_IF_ERROR(txn.Scan(Table::kRanks, keys::MemberPrefix(name_), [&](std::string_view, std::string_view v) {
+    CKPT_RETURN_IF_ERROR(txn.Scan(Table::kRanks, keys::MemberPrefix(name_), [&](std::string_view, std::string_view v) {
       auto r = DecodeRank(v);
       if (!r.ok()) {
         inner = r.status();
@@ -516,7 +516,7 @@ Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, Commit
       ranks.push_back(std::move(r).value());
       return true;
     }));
-    RETURN_IF_ERROR(inner);
+    CKPT_RETURN_IF_ERROR(inner);
     ranks.push_back(record_);
     ckpt.committed_ranks.push_back(options_.rank);
     std::sort(ckpt.committed_ranks.begin(), ckpt.committed_ranks.end());
@@ -526,21 +526,21 @@ Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, Commit
       }
     }
     DirectFetcher fetcher(backend, [&](const ChunkId& id) -> Result<ChunkLocation> {
-      ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(id)));
+      CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(id)));
       if (!v) return Status::NotFound("chunk " + id.ToHex() + " is not in the catalog");
       return DecodeChunkLocation(*v);
     });
     if (ckpt.committed_ranks.size() < ckpt.world_size) {
       // Dtype and shape disagreement shows now; tiling waits for the last rank.
-      RETURN_IF_ERROR(CheckTensorsAgree(ranks));
-      RETURN_IF_ERROR(txn.Put(Table::kRanks, keys::Rank(name_, options_.rank), EncodeRank(record_)));
+      CKPT_RETURN_IF_ERROR(CheckTensorsAgree(ranks));
+      CKPT_RETURN_IF_ERROR(txn.Put(Table::kRanks, keys::Rank(name_, options_.rank), EncodeRank(record_)));
       return txn.Put(Table::kCheckpoints, keys::Checkpoint(name_), EncodeCheckpoint(ckpt));
     }
     // Last rank: merge, check, publish.
     Manifest manifest;
-    ASSIGN_OR_RETURN(manifest.tensors, MergeRankTensors(ranks, fetcher));
-    ASSIGN_OR_RETURN(manifest.blobs, MergeRankBlobs(ranks));
-    ASSIGN_OR_RETURN(auto seq_raw, txn.Get(Table::kMeta, keys::kNextSequenceKey));
+    CKPT_ASSIGN_OR_RETURN(manifest.tensors, MergeRankTensors(ranks, fetcher));
+    CKPT_ASSIGN_OR_RETURN(manifest.blobs, MergeRankBlobs(ranks));
+    CKPT_ASSIGN_OR_RETURN(auto seq_raw, txn.Get(Table::kMeta, keys::kNextSequenceKey));
     uint64_t seq = 1;
     if (seq_raw && seq_raw->size() == 8) std::memcpy(&seq, seq_raw->data(), 8);
     ckpt.state = CheckpointState::kCommitted;
@@ -554,20 +554,20 @@ Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, Commit
     // The manifest object is written before the catalog makes the checkpoint
     // visible; reindex trusts manifests, so both views agree after a crash.
     std::string encoded = EncodeManifest(manifest);
-    RETURN_IF_ERROR(backend->Put(keys::ManifestObject(name_), std::as_bytes(std::span(encoded))));
+    CKPT_RETURN_IF_ERROR(backend->Put(keys::ManifestObject(name_), std::as_bytes(std::span(encoded))));
     for (const auto& t : manifest.tensors) {
-      RETURN_IF_ERROR(txn.Put(Table::kTensors, keys::Member(name_, t.name), EncodeTensor(t)));
+      CKPT_RETURN_IF_ERROR(txn.Put(Table::kTensors, keys::Member(name_, t.name), EncodeTensor(t)));
     }
     for (const auto& b : manifest.blobs) {
-      RETURN_IF_ERROR(txn.Put(Table::kBlobs, keys::Member(name_, b.name), EncodeBlob(b)));
+      CKPT_RETURN_IF_ERROR(txn.Put(Table::kBlobs, keys::Member(name_, b.name), EncodeBlob(b)));
     }
     for (const auto& r : ranks) {
-      RETURN_IF_ERROR(txn.Delete(Table::kRanks, keys::Rank(name_, r.rank)));
+      CKPT_RETURN_IF_ERROR(txn.Delete(Table::kRanks, keys::Rank(name_, r.rank)));
     }
     Encoder next;
     next.U64(seq + 1);
-    RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kNextSequenceKey, next.data()));
-    RETURN_IF_ERROR(txn.Put(Table::kCheckpoints, keys::Checkpoint(name_), EncodeCheckpoint(ckpt)));
+    CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kNextSequenceKey, next.data()));
+    CKPT_RETURN_IF_ERROR(txn.Put(Table::kCheckpoints, keys::Checkpoint(name_), EncodeCheckpoint(ckpt)));
     result->checkpoint_visible = true;
     return Status::OK();
   });
@@ -629,7 +629,7 @@ Status CheckJoin(const CheckpointRecord& rec, const WriterOptions& options) {
 
 Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std::string& name,
                                                                       const WriterOptions& options) {
-  RETURN_IF_ERROR(ValidateCheckpointName(name));
+  CKPT_RETURN_IF_ERROR(ValidateCheckpointName(name));
   if (options.world_size == 0) return Status::InvalidArgument("world size must be at least 1");
   if (options.rank >= options.world_size) {
     return Status::InvalidArgument("rank " + std::to_string(options.rank) + " is out of range for world size " +
@@ -637,13 +637,13 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
   }
   // Taken before the catalog is consulted, so gc cannot remove a chunk
   // between our dedup lookups and our commit.
-  ASSIGN_OR_RETURN(RepoLock lock, RepoLock::Acquire(impl_->path, RepoLock::Mode::kShared));
+  CKPT_ASSIGN_OR_RETURN(RepoLock lock, RepoLock::Acquire(impl_->path, RepoLock::Mode::kShared));
   // Nothing is written here: the checkpoint's record appears with the first
   // rank's commit, so an aborted or killed writer leaves no trace.
-  RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
-    ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
+  CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+    CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
     if (!raw) return Status::OK();
-    ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*raw));
+    CKPT_ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*raw));
     return CheckJoin(rec, options);
   }));
   auto impl = std::make_shared<WriterImpl>(impl_.get(), name, options, std::move(lock));

@@ -264,7 +264,7 @@ Result<EncodedChunk> ChunkEncoder::EncodeInto(std::span<const std::byte> raw, DT
   Codec codec = PreferredCodec(dtype);
   const uint32_t width = DTypeSize(dtype);
   if (codec == Codec::kZstd) {
-    ASSIGN_OR_RETURN(auto n, Zstd(raw, level, false, out.first(keep_limit)));
+    CKPT_ASSIGN_OR_RETURN(auto n, Zstd(raw, level, false, out.first(keep_limit)));
     if (!n) return store_raw();
     return EncodedChunk{Codec::kZstd, *n};
   }
@@ -289,7 +289,7 @@ Result<EncodedChunk> ChunkEncoder::EncodeInto(std::span<const std::byte> raw, DT
     const size_t budget = keep_limit - pos;  // pos <= keep_limit holds throughout
     bool compressed = false;
     if (EstimateEntropyRatio(plane) < 1.0 - options_.min_saving) {
-      ASSIGN_OR_RETURN(auto z, Zstd(plane, level, level <= kMaxEntropyOnlyLevel,
+      CKPT_ASSIGN_OR_RETURN(auto z, Zstd(plane, level, level <= kMaxEntropyOnlyLevel,
                                     out.subspan(pos, std::min(budget, plane_limit))));
       if (z) {
         compressed = true;
@@ -347,8 +347,8 @@ Status DecodeChunk(Codec codec, std::span<const std::byte> stored, std::span<std
     case Codec::kByteGroupZstd: {
       Decoder d(stored.data(), stored.size());
       uint8_t width = 0, mask = 0;
-      RETURN_IF_ERROR(d.U8(&width));
-      RETURN_IF_ERROR(d.U8(&mask));
+      CKPT_RETURN_IF_ERROR(d.U8(&width));
+      CKPT_RETURN_IF_ERROR(d.U8(&mask));
       if (width != 2 && width != 4 && width != 8) {
         return Status::Corruption("byte-grouped chunk has element width " + std::to_string(width));
       }
@@ -358,7 +358,7 @@ Status DecodeChunk(Codec codec, std::span<const std::byte> stored, std::span<std
       uint32_t sizes[8];
       uint64_t total = 2 + 4 * width;
       for (int b = 0; b < width; ++b) {
-        RETURN_IF_ERROR(d.U32(&sizes[b]));
+        CKPT_RETURN_IF_ERROR(d.U32(&sizes[b]));
         total += sizes[b];
       }
       const size_t n = raw.size() / width;
@@ -376,7 +376,7 @@ Status DecodeChunk(Codec codec, std::span<const std::byte> stored, std::span<std
       for (int b = 0; b < width; ++b) {
         if (mask & (1u << b)) {
           std::span<std::byte> plane(decoded + b * n, n);
-          RETURN_IF_ERROR(ZstdDecode({p, sizes[b]}, plane));
+          CKPT_RETURN_IF_ERROR(ZstdDecode({p, sizes[b]}, plane));
           plane_ptr[b] = reinterpret_cast<const uint8_t*>(plane.data());
         } else {
           if (sizes[b] != n) return Status::Corruption("raw plane has the wrong size");

@@ -73,7 +73,7 @@ class Decoder {
   Status Bytes(void* out, size_t n) { return Fixed(out, n); }
   Status String(std::string* s) {
     uint64_t n;
-    RETURN_IF_ERROR(Varint(&n));
+    CKPT_RETURN_IF_ERROR(Varint(&n));
     if (n > static_cast<uint64_t>(end_ - p_)) return Truncated();
     s->assign(p_, n);
     p_ += n;

@@ -153,7 +153,7 @@ class Parser {
 
   Result<Json> ParseDocument() {
     Json v;
-    RETURN_IF_ERROR(ParseValue(v, 0));
+    CKPT_RETURN_IF_ERROR(ParseValue(v, 0));
     SkipSpace();
     if (pos_ != s_.size()) return Error("unexpected trailing characters");
     return v;
@@ -185,7 +185,7 @@ class Parser {
     if (c == '[') return ParseArray(out, depth);
     if (c == '"') {
       std::string str;
-      RETURN_IF_ERROR(ParseString(str));
+      CKPT_RETURN_IF_ERROR(ParseString(str));
       out = Json(std::move(str));
       return Status::OK();
     }
@@ -338,11 +338,11 @@ class Parser {
         case 't': out.push_back('\t'); break;
         case 'u': {
           uint32_t cp = 0;
-          RETURN_IF_ERROR(ParseHex4(&cp));
+          CKPT_RETURN_IF_ERROR(ParseHex4(&cp));
           if (cp >= 0xD800 && cp < 0xDC00) {
             uint32_t lo = 0;
             if (!Consume("\\u")) return Error("unpaired surrogate");
-            RETURN_IF_ERROR(ParseHex4(&lo));
+            CKPT_RETURN_IF_ERROR(ParseHex4(&lo));
             if (lo < 0xDC00 || lo >= 0xE000) return Error("unpaired surrogate");
             cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
           } else if (cp >= 0xDC00 && cp < 0xE000) {
@@ -363,7 +363,7 @@ class Parser {
     if (pos_ < s_.size() && s_[pos_] == ']') { ++pos_; return Status::OK(); }
     while (true) {
       Json v;
-      RETURN_IF_ERROR(ParseValue(v, depth + 1));
+      CKPT_RETURN_IF_ERROR(ParseValue(v, depth + 1));
       out.Push(std::move(v));
       SkipSpace();
       if (pos_ >= s_.size()) return Error("unterminated array");
@@ -383,12 +383,12 @@ class Parser {
       SkipSpace();
       if (pos_ >= s_.size() || s_[pos_] != '"') return Error("expected a string key");
       std::string key;
-      RETURN_IF_ERROR(ParseString(key));
+      CKPT_RETURN_IF_ERROR(ParseString(key));
       SkipSpace();
       if (pos_ >= s_.size() || s_[pos_] != ':') return Error("expected ':'");
       ++pos_;
       Json v;
-      RETURN_IF_ERROR(ParseValue(v, depth + 1));
+      CKPT_RETURN_IF_ERROR(ParseValue(v, depth + 1));
       if (!seen.insert(key).second) return Error("duplicate key \"" + key + "\"");
       out.Append(std::move(key), std::move(v));
       SkipSpace();

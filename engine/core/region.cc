@@ -64,7 +64,7 @@ Box FullBox(const Shape& shape) {
 }
 
 Status ValidateRegion(const Shape& shape, const Region& region) {
-  ASSIGN_OR_RETURN(uint64_t total, CheckedNumElements(shape));
+  CKPT_ASSIGN_OR_RETURN(uint64_t total, CheckedNumElements(shape));
   if (region.kind == Region::Kind::kFlat) {
     if (region.flat.start > region.flat.end || region.flat.end > total) {
       return Status::InvalidArgument("flat range [" + std::to_string(region.flat.start) + ", " +

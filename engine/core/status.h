@@ -118,16 +118,18 @@ const Status& GetStatus(const Result<T>& r) { return r.status(); }
 #define CKPT_CONCAT(a, b) CKPT_CONCAT_INNER(a, b)
 
 // Returns the Status of `expr` from the enclosing function if it is not OK.
-#define RETURN_IF_ERROR(expr)                                         \
+// (Prefixed: a library linked into a training process must not collide with
+// absl's or anyone else's macros.)
+#define CKPT_RETURN_IF_ERROR(expr)                                    \
   do {                                                                \
     const ::ckptfs::Status _st = ::ckptfs::internal::GetStatus(expr); \
     if (!_st.ok()) return _st;                                        \
   } while (0)
 
 // `lhs = value of rexpr`, or returns its Status from the enclosing function.
-#define ASSIGN_OR_RETURN(lhs, rexpr) \
-  ASSIGN_OR_RETURN_IMPL(CKPT_CONCAT(_result_, __LINE__), lhs, rexpr)
-#define ASSIGN_OR_RETURN_IMPL(tmp, lhs, rexpr) \
-  auto tmp = (rexpr);                          \
-  if (!tmp.ok()) return tmp.status();          \
+#define CKPT_ASSIGN_OR_RETURN(lhs, rexpr) \
+  CKPT_ASSIGN_OR_RETURN_IMPL(CKPT_CONCAT(_result_, __LINE__), lhs, rexpr)
+#define CKPT_ASSIGN_OR_RETURN_IMPL(tmp, lhs, rexpr) \
+  auto tmp = (rexpr);                               \
+  if (!tmp.ok()) return tmp.status();               \
   lhs = std::move(tmp).value()

@@ -181,7 +181,7 @@ Status LmdbEnv::Read(const std::function<Status(const ReadTxn&)>& fn) const {
     int rc = mdb_txn_begin(env_, nullptr, MDB_RDONLY, &txn);
     if (rc == MDB_MAP_RESIZED && attempt < 8) {
       lock.unlock();
-      RETURN_IF_ERROR(const_cast<LmdbEnv*>(this)->AdoptSize());
+      CKPT_RETURN_IF_ERROR(const_cast<LmdbEnv*>(this)->AdoptSize());
       continue;
     }
     if (rc != 0) return LmdbError(rc, "beginning a catalog read");
@@ -199,7 +199,7 @@ Status LmdbEnv::Update(const std::function<Status(WriteTxn&)>& fn) {
     int rc = mdb_txn_begin(env_, nullptr, 0, &txn);
     if (rc == MDB_MAP_RESIZED && attempt < 8) {
       lock.unlock();
-      RETURN_IF_ERROR(AdoptSize());
+      CKPT_RETURN_IF_ERROR(AdoptSize());
       continue;
     }
     if (rc != 0) return LmdbError(rc, "beginning a catalog update");
@@ -221,7 +221,7 @@ Status LmdbEnv::Update(const std::function<Status(WriteTxn&)>& fn) {
                     st.message().find(mdb_strerror(MDB_MAP_FULL)) != std::string::npos;
     if (!map_full || attempt >= 40) return st;
     lock.unlock();
-    RETURN_IF_ERROR(Grow());
+    CKPT_RETURN_IF_ERROR(Grow());
   }
 }
 

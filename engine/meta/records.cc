@@ -85,13 +85,13 @@ void PutChunks(Encoder& e, const std::vector<ChunkRef>& chunks) {
 
 Status GetChunks(Decoder& d, std::vector<ChunkRef>* chunks) {
   uint64_t n;
-  RETURN_IF_ERROR(d.Varint(&n));
+  CKPT_RETURN_IF_ERROR(d.Varint(&n));
   if (n > d.remaining() / 17) return Status::Corruption("chunk count exceeds record size");
   chunks->resize(n);
   for (auto& c : *chunks) {
     uint64_t len;
-    RETURN_IF_ERROR(d.Bytes(c.id.bytes.data(), 16));
-    RETURN_IF_ERROR(d.Varint(&len));
+    CKPT_RETURN_IF_ERROR(d.Bytes(c.id.bytes.data(), 16));
+    CKPT_RETURN_IF_ERROR(d.Varint(&len));
     if (len == 0 || len > kMaxChunkSize) return Status::Corruption("chunk of " + std::to_string(len) + " bytes");
     c.raw_len = static_cast<uint32_t>(len);
   }
@@ -101,7 +101,7 @@ Status GetChunks(Decoder& d, std::vector<ChunkRef>* chunks) {
 // A varint that must fit in 32 bits (ranks, world sizes).
 Status GetU32(Decoder& d, uint32_t* out, const char* what) {
   uint64_t v;
-  RETURN_IF_ERROR(d.Varint(&v));
+  CKPT_RETURN_IF_ERROR(d.Varint(&v));
   if (v > UINT32_MAX) return Status::Corruption(std::string(what) + " " + std::to_string(v) + " does not fit 32 bits");
   *out = static_cast<uint32_t>(v);
   return Status::OK();
@@ -114,10 +114,10 @@ void PutU64s(Encoder& e, const std::vector<uint64_t>& v) {
 
 Status GetU64s(Decoder& d, std::vector<uint64_t>* v) {
   uint64_t n;
-  RETURN_IF_ERROR(d.Varint(&n));
+  CKPT_RETURN_IF_ERROR(d.Varint(&n));
   if (n > d.remaining()) return Status::Corruption("list length exceeds record size");
   v->resize(n);
-  for (auto& x : *v) RETURN_IF_ERROR(d.Varint(&x));
+  for (auto& x : *v) CKPT_RETURN_IF_ERROR(d.Varint(&x));
   return Status::OK();
 }
 
@@ -143,36 +143,36 @@ void PutTensor(Encoder& e, const TensorRecord& t) {
 
 Status GetTensor(Decoder& d, TensorRecord* t) {
   uint8_t dtype;
-  RETURN_IF_ERROR(d.String(&t->name));
-  RETURN_IF_ERROR(d.U8(&dtype));
+  CKPT_RETURN_IF_ERROR(d.String(&t->name));
+  CKPT_RETURN_IF_ERROR(d.U8(&dtype));
   auto dt = DTypeFromCode(dtype);
   if (!dt) return Status::Corruption("unknown dtype code " + std::to_string(dtype));
   t->dtype = *dt;
-  RETURN_IF_ERROR(GetU64s(d, &t->shape));
+  CKPT_RETURN_IF_ERROR(GetU64s(d, &t->shape));
   uint64_t nshards;
-  RETURN_IF_ERROR(d.Varint(&nshards));
+  CKPT_RETURN_IF_ERROR(d.Varint(&nshards));
   if (nshards > d.remaining()) return Status::Corruption("shard count exceeds record size");
   t->shards.resize(nshards);
   for (auto& s : t->shards) {
     uint8_t kind;
-    RETURN_IF_ERROR(d.U8(&kind));
+    CKPT_RETURN_IF_ERROR(d.U8(&kind));
     if (kind == static_cast<uint8_t>(Region::Kind::kFlat)) {
       s.region.kind = Region::Kind::kFlat;
-      RETURN_IF_ERROR(d.Varint(&s.region.flat.start));
-      RETURN_IF_ERROR(d.Varint(&s.region.flat.end));
+      CKPT_RETURN_IF_ERROR(d.Varint(&s.region.flat.start));
+      CKPT_RETURN_IF_ERROR(d.Varint(&s.region.flat.end));
     } else if (kind == static_cast<uint8_t>(Region::Kind::kBox)) {
       s.region.kind = Region::Kind::kBox;
-      RETURN_IF_ERROR(GetU64s(d, &s.region.box.offsets));
-      RETURN_IF_ERROR(GetU64s(d, &s.region.box.lengths));
+      CKPT_RETURN_IF_ERROR(GetU64s(d, &s.region.box.offsets));
+      CKPT_RETURN_IF_ERROR(GetU64s(d, &s.region.box.lengths));
     } else {
       return Status::Corruption("unknown region kind");
     }
     uint64_t nranks;
-    RETURN_IF_ERROR(d.Varint(&nranks));
+    CKPT_RETURN_IF_ERROR(d.Varint(&nranks));
     if (nranks > d.remaining()) return Status::Corruption("rank count exceeds record size");
     s.ranks.resize(nranks);
-    for (auto& r : s.ranks) RETURN_IF_ERROR(GetU32(d, &r, "rank"));
-    RETURN_IF_ERROR(GetChunks(d, &s.chunks));
+    for (auto& r : s.ranks) CKPT_RETURN_IF_ERROR(GetU32(d, &r, "rank"));
+    CKPT_RETURN_IF_ERROR(GetChunks(d, &s.chunks));
     s.ComputeStarts();
   }
   return ValidateTensorRecord(*t);
@@ -185,9 +185,9 @@ void PutBlob(Encoder& e, const BlobRecord& b) {
 }
 
 Status GetBlob(Decoder& d, BlobRecord* b) {
-  RETURN_IF_ERROR(d.String(&b->name));
-  RETURN_IF_ERROR(d.Varint(&b->size));
-  RETURN_IF_ERROR(GetChunks(d, &b->chunks));
+  CKPT_RETURN_IF_ERROR(d.String(&b->name));
+  CKPT_RETURN_IF_ERROR(d.Varint(&b->size));
+  CKPT_RETURN_IF_ERROR(GetChunks(d, &b->chunks));
   return ValidateBlobRecord(*b);
 }
 
@@ -214,32 +214,32 @@ void PutCheckpoint(Encoder& e, const CheckpointRecord& c) {
 Status GetCheckpoint(Decoder& d, CheckpointRecord* c) {
   uint8_t has_step, state;
   uint64_t step;
-  RETURN_IF_ERROR(d.String(&c->name));
-  RETURN_IF_ERROR(d.U8(&has_step));
-  RETURN_IF_ERROR(d.U64(&step));
+  CKPT_RETURN_IF_ERROR(d.String(&c->name));
+  CKPT_RETURN_IF_ERROR(d.U8(&has_step));
+  CKPT_RETURN_IF_ERROR(d.U64(&step));
   if (has_step > 1 || (!has_step && step != 0)) return Status::Corruption("malformed step");
   if (has_step) c->step = static_cast<int64_t>(step);
-  RETURN_IF_ERROR(GetU32(d, &c->world_size, "world size"));
-  RETURN_IF_ERROR(d.U8(&state));
+  CKPT_RETURN_IF_ERROR(GetU32(d, &c->world_size, "world size"));
+  CKPT_RETURN_IF_ERROR(d.U8(&state));
   if (state > 1) return Status::Corruption("unknown checkpoint state");
   c->state = static_cast<CheckpointState>(state);
   uint64_t n;
-  RETURN_IF_ERROR(d.Varint(&n));
+  CKPT_RETURN_IF_ERROR(d.Varint(&n));
   if (n > d.remaining()) return Status::Corruption("rank count exceeds record size");
   c->committed_ranks.resize(n);
-  for (auto& r : c->committed_ranks) RETURN_IF_ERROR(GetU32(d, &r, "rank"));
-  RETURN_IF_ERROR(d.Varint(&c->created_unix_ms));
-  RETURN_IF_ERROR(d.Varint(&c->committed_unix_ms));
-  RETURN_IF_ERROR(d.Varint(&c->sequence));
-  RETURN_IF_ERROR(d.Varint(&n));
+  for (auto& r : c->committed_ranks) CKPT_RETURN_IF_ERROR(GetU32(d, &r, "rank"));
+  CKPT_RETURN_IF_ERROR(d.Varint(&c->created_unix_ms));
+  CKPT_RETURN_IF_ERROR(d.Varint(&c->committed_unix_ms));
+  CKPT_RETURN_IF_ERROR(d.Varint(&c->sequence));
+  CKPT_RETURN_IF_ERROR(d.Varint(&n));
   if (n > d.remaining()) return Status::Corruption("tag count exceeds record size");
   c->tags.resize(n);
   for (auto& [k, val] : c->tags) {
-    RETURN_IF_ERROR(d.String(&k));
-    RETURN_IF_ERROR(d.String(&val));
+    CKPT_RETURN_IF_ERROR(d.String(&k));
+    CKPT_RETURN_IF_ERROR(d.String(&val));
   }
-  RETURN_IF_ERROR(d.Varint(&c->tensor_count));
-  RETURN_IF_ERROR(d.Varint(&c->logical_bytes));
+  CKPT_RETURN_IF_ERROR(d.Varint(&c->tensor_count));
+  CKPT_RETURN_IF_ERROR(d.Varint(&c->logical_bytes));
   return ValidateCheckpointRecord(*c);
 }
 
@@ -247,7 +247,7 @@ template <typename T, typename Fn>
 Result<T> DecodeWith(std::string_view data, Fn fn, const char* what) {
   Decoder d(data);
   uint8_t version = 0;
-  RETURN_IF_ERROR(d.U8(&version));
+  CKPT_RETURN_IF_ERROR(d.U8(&version));
   // These records live in the catalog only (manifests decode on their own).
   if (version != kRecordVersion) {
     return Status::Corruption(std::string(what) + " record has unknown version " + std::to_string(version) + kReindexHint);
@@ -277,15 +277,15 @@ void PutRank(Encoder& e, const RankRecord& r) {
 
 Status GetRank(Decoder& d, RankRecord* r) {
   uint64_t n;
-  RETURN_IF_ERROR(GetU32(d, &r->rank, "rank"));
-  RETURN_IF_ERROR(d.Varint(&n));
+  CKPT_RETURN_IF_ERROR(GetU32(d, &r->rank, "rank"));
+  CKPT_RETURN_IF_ERROR(d.Varint(&n));
   if (n > d.remaining()) return Status::Corruption("tensor count exceeds record size");
   r->tensors.resize(n);
-  for (auto& t : r->tensors) RETURN_IF_ERROR(GetTensor(d, &t));
-  RETURN_IF_ERROR(d.Varint(&n));
+  for (auto& t : r->tensors) CKPT_RETURN_IF_ERROR(GetTensor(d, &t));
+  CKPT_RETURN_IF_ERROR(d.Varint(&n));
   if (n > d.remaining()) return Status::Corruption("blob count exceeds record size");
   r->blobs.resize(n);
-  for (auto& b : r->blobs) RETURN_IF_ERROR(GetBlob(d, &b));
+  for (auto& b : r->blobs) CKPT_RETURN_IF_ERROR(GetBlob(d, &b));
   return Status::OK();
 }
 
@@ -299,11 +299,11 @@ void PutLocation(Encoder& e, const ChunkLocation& l) {
 
 Status GetLocation(Decoder& d, ChunkLocation* l) {
   uint8_t codec;
-  RETURN_IF_ERROR(d.String(&l->pack));
-  RETURN_IF_ERROR(d.Varint(&l->offset));
-  RETURN_IF_ERROR(GetU32(d, &l->stored_len, "stored length"));
-  RETURN_IF_ERROR(GetU32(d, &l->raw_len, "raw length"));
-  RETURN_IF_ERROR(d.U8(&codec));
+  CKPT_RETURN_IF_ERROR(d.String(&l->pack));
+  CKPT_RETURN_IF_ERROR(d.Varint(&l->offset));
+  CKPT_RETURN_IF_ERROR(GetU32(d, &l->stored_len, "stored length"));
+  CKPT_RETURN_IF_ERROR(GetU32(d, &l->raw_len, "raw length"));
+  CKPT_RETURN_IF_ERROR(d.U8(&codec));
   if (codec > static_cast<uint8_t>(Codec::kByteGroupZstd)) return Status::Corruption("unknown codec");
   l->codec = static_cast<Codec>(codec);
   if (l->raw_len == 0 || l->raw_len > kMaxChunkSize) {
@@ -358,19 +358,19 @@ Result<Manifest> DecodeManifest(std::string_view data) {
   }
   Decoder d(body.substr(8));
   uint8_t version = 0;
-  RETURN_IF_ERROR(d.U8(&version));
+  CKPT_RETURN_IF_ERROR(d.U8(&version));
   if (version != kRecordVersion) return Status::Corruption("manifest has unknown version");
   Manifest m;
-  RETURN_IF_ERROR(GetCheckpoint(d, &m.checkpoint));
+  CKPT_RETURN_IF_ERROR(GetCheckpoint(d, &m.checkpoint));
   uint64_t n;
-  RETURN_IF_ERROR(d.Varint(&n));
+  CKPT_RETURN_IF_ERROR(d.Varint(&n));
   if (n > d.remaining()) return Status::Corruption("manifest tensor count exceeds size");
   m.tensors.resize(n);
-  for (auto& t : m.tensors) RETURN_IF_ERROR(GetTensor(d, &t));
-  RETURN_IF_ERROR(d.Varint(&n));
+  for (auto& t : m.tensors) CKPT_RETURN_IF_ERROR(GetTensor(d, &t));
+  CKPT_RETURN_IF_ERROR(d.Varint(&n));
   if (n > d.remaining()) return Status::Corruption("manifest blob count exceeds size");
   m.blobs.resize(n);
-  for (auto& b : m.blobs) RETURN_IF_ERROR(GetBlob(d, &b));
+  for (auto& b : m.blobs) CKPT_RETURN_IF_ERROR(GetBlob(d, &b));
   if (!d.done()) return Status::Corruption("manifest has trailing bytes");
   return m;
 }

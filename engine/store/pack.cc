@@ -32,7 +32,7 @@ PackWriter::~PackWriter() {
 Result<ChunkLocation> PackWriter::Add(const ChunkId& id, Codec codec, uint32_t raw_len,
                                       std::span<const std::byte> stored) {
   std::lock_guard lock(mu_);
-  RETURN_IF_ERROR(error_);
+  CKPT_RETURN_IF_ERROR(error_);
   auto fail = [&](Status st) {
     error_ = st;
     if (current_) current_->Abort();
@@ -79,12 +79,12 @@ Status PackWriter::SealLocked() {
   footer.U64(open_.entries.size());
   footer.U64(Checksum64(std::as_bytes(std::span(index.data()))));
   footer.Bytes(kPackEndMagic, 8);
-  RETURN_IF_ERROR(current_->Append(std::as_bytes(std::span(index.data()))));
-  RETURN_IF_ERROR(current_->Append(std::as_bytes(std::span(footer.data()))));
+  CKPT_RETURN_IF_ERROR(current_->Append(std::as_bytes(std::span(index.data()))));
+  CKPT_RETURN_IF_ERROR(current_->Append(std::as_bytes(std::span(footer.data()))));
   open_.size = offset_ + index.data().size() + footer.data().size();
   Status st = current_->Commit();
   current_.reset();
-  RETURN_IF_ERROR(st.WithContext("sealing pack " + open_.id));
+  CKPT_RETURN_IF_ERROR(st.WithContext("sealing pack " + open_.id));
   sealed_.push_back(std::move(open_));
   open_ = SealedPack{};
   return Status::OK();
@@ -92,7 +92,7 @@ Status PackWriter::SealLocked() {
 
 Result<std::vector<SealedPack>> PackWriter::Finish() {
   std::lock_guard lock(mu_);
-  RETURN_IF_ERROR(error_);
+  CKPT_RETURN_IF_ERROR(error_);
   Status st = SealLocked();
   if (!st.ok()) {
     error_ = st;
@@ -108,23 +108,23 @@ Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id) {
   auto corrupt = [&](const std::string& what) {
     return Status::Corruption("pack " + pack_id + ": " + what);
   };
-  ASSIGN_OR_RETURN(uint64_t size, backend->Size(key));
+  CKPT_ASSIGN_OR_RETURN(uint64_t size, backend->Size(key));
   if (size < kPackHeaderSize + kPackFooterSize) return corrupt("too short to be a pack");
   char header[kPackHeaderSize];
-  RETURN_IF_ERROR(backend->ReadRange(key, 0, std::as_writable_bytes(std::span(header))));
+  CKPT_RETURN_IF_ERROR(backend->ReadRange(key, 0, std::as_writable_bytes(std::span(header))));
   if (std::memcmp(header, kPackMagic, 8) != 0) return corrupt("bad magic");
   uint32_t version;
   std::memcpy(&version, header + 8, 4);
   if (version != kPackVersion) return corrupt("unknown pack version " + std::to_string(version));
   char footer[kPackFooterSize];
-  RETURN_IF_ERROR(backend->ReadRange(key, size - kPackFooterSize, std::as_writable_bytes(std::span(footer))));
+  CKPT_RETURN_IF_ERROR(backend->ReadRange(key, size - kPackFooterSize, std::as_writable_bytes(std::span(footer))));
   Decoder fd(footer, sizeof footer);
   uint64_t index_offset = 0, count = 0, checksum = 0;
   char end_magic[8];
-  RETURN_IF_ERROR(fd.U64(&index_offset));
-  RETURN_IF_ERROR(fd.U64(&count));
-  RETURN_IF_ERROR(fd.U64(&checksum));
-  RETURN_IF_ERROR(fd.Bytes(end_magic, 8));
+  CKPT_RETURN_IF_ERROR(fd.U64(&index_offset));
+  CKPT_RETURN_IF_ERROR(fd.U64(&count));
+  CKPT_RETURN_IF_ERROR(fd.U64(&checksum));
+  CKPT_RETURN_IF_ERROR(fd.Bytes(end_magic, 8));
   if (std::memcmp(end_magic, kPackEndMagic, 8) != 0) return corrupt("bad footer magic (truncated pack?)");
   if (index_offset < kPackHeaderSize || index_offset > size - kPackFooterSize ||
       count != (size - kPackFooterSize - index_offset) / kPackIndexEntrySize ||
@@ -132,7 +132,7 @@ Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id) {
     return corrupt("index bounds do not match the pack size");
   }
   std::string index(count * kPackIndexEntrySize, '\0');
-  RETURN_IF_ERROR(backend->ReadRange(key, index_offset, std::as_writable_bytes(std::span(index.data(), index.size()))));
+  CKPT_RETURN_IF_ERROR(backend->ReadRange(key, index_offset, std::as_writable_bytes(std::span(index.data(), index.size()))));
   if (Checksum64(std::as_bytes(std::span(index))) != checksum) return corrupt("index checksum mismatch");
   SealedPack pack{pack_id, size, {}};
   pack.entries.reserve(count);
@@ -140,12 +140,12 @@ Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id) {
   for (uint64_t i = 0; i < count; ++i) {
     PackIndexEntry e;
     uint8_t codec, pad[7];
-    RETURN_IF_ERROR(d.Bytes(e.id.bytes.data(), 16));
-    RETURN_IF_ERROR(d.U64(&e.location.offset));
-    RETURN_IF_ERROR(d.U32(&e.location.stored_len));
-    RETURN_IF_ERROR(d.U32(&e.location.raw_len));
-    RETURN_IF_ERROR(d.U8(&codec));
-    RETURN_IF_ERROR(d.Bytes(pad, 7));
+    CKPT_RETURN_IF_ERROR(d.Bytes(e.id.bytes.data(), 16));
+    CKPT_RETURN_IF_ERROR(d.U64(&e.location.offset));
+    CKPT_RETURN_IF_ERROR(d.U32(&e.location.stored_len));
+    CKPT_RETURN_IF_ERROR(d.U32(&e.location.raw_len));
+    CKPT_RETURN_IF_ERROR(d.U8(&codec));
+    CKPT_RETURN_IF_ERROR(d.Bytes(pad, 7));
     if (codec > static_cast<uint8_t>(Codec::kByteGroupZstd)) return corrupt("unknown codec in index");
     // Compared without adding, so an offset near 2^64 cannot wrap around.
     if (e.location.offset < kPackHeaderSize || e.location.offset > index_offset ||
@@ -173,12 +173,12 @@ Status ReadChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc,
   if (raw.size() != loc.raw_len) return Status::Internal("buffer size does not match " + where());
   if (loc.codec == Codec::kRaw) {
     if (loc.stored_len != loc.raw_len) return Status::Corruption(where() + ": raw chunk with wrong length");
-    RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, raw).WithContext(where()));
+    CKPT_RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, raw).WithContext(where()));
   } else {
     // Reused by every chunk this thread reads: no allocation, no zero-fill.
     thread_local ScratchBuffer stored_buffer;
     std::span<std::byte> stored(stored_buffer.Reserve(loc.stored_len), loc.stored_len);
-    RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, stored).WithContext(where()));
+    CKPT_RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, stored).WithContext(where()));
     Status st = DecodeChunk(loc.codec, stored, raw);
     if (!st.ok()) return Status::Corruption(where() + ": " + st.message());
   }

@@ -7,6 +7,7 @@
 //               chunk (byte flipped where the input says) decodes to the same
 //               bytes or to different bytes whose XXH3-128 differs, which is
 //               what the read path checks, or gives an error.
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -30,7 +31,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const size_t flip_at = data[1] | (size_t{data[2]} << 8);
   const int level = static_cast<int8_t>(data[3]) % 8;
   std::span<const std::byte> raw(reinterpret_cast<const std::byte*>(data + 4), size - 4);
-  ChunkEncoder encoder(CodecOptions{Compression::kZstd, level, 0.03});
+  // One encoder per level, reused like the writer's per-thread encoders.
+  static std::unique_ptr<ChunkEncoder> encoders[15];
+  auto& slot = encoders[level + 7];
+  if (!slot) slot = std::make_unique<ChunkEncoder>(CodecOptions{Compression::kZstd, level, 0.03});
+  ChunkEncoder& encoder = *slot;
   std::string stored;
   auto codec = encoder.Encode(raw, dtype, &stored);
   FUZZ_CHECK(codec.ok(), codec.status().ToString());

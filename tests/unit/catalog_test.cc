@@ -15,8 +15,8 @@ TEST(Lmdb, PutGetScanDelete) {
   auto env = LmdbEnv::Open(dir / "cat", true, 1 << 20);
   ASSERT_OK(env);
   ASSERT_OK((*env)->Update([](WriteTxn& t) -> Status {
-    RETURN_IF_ERROR(t.Put(Table::kTensors, std::string("a\0x", 3), "1"));
-    RETURN_IF_ERROR(t.Put(Table::kTensors, std::string("a\0y", 3), "2"));
+    CKPT_RETURN_IF_ERROR(t.Put(Table::kTensors, std::string("a\0x", 3), "1"));
+    CKPT_RETURN_IF_ERROR(t.Put(Table::kTensors, std::string("a\0y", 3), "2"));
     return t.Put(Table::kTensors, std::string("b\0x", 3), "3");
   }));
   std::vector<std::string> seen;
@@ -41,7 +41,7 @@ TEST(Lmdb, FailedUpdateRollsBack) {
   TempDir dir;
   auto env = std::move(LmdbEnv::Open(dir / "cat", true, 1 << 20)).value();
   Status st = env->Update([](WriteTxn& t) -> Status {
-    RETURN_IF_ERROR(t.Put(Table::kMeta, "k", "v"));
+    CKPT_RETURN_IF_ERROR(t.Put(Table::kMeta, "k", "v"));
     return Status::InvalidArgument("no");
   });
   EXPECT_FALSE(st.ok());
@@ -58,7 +58,7 @@ TEST(Lmdb, MapGrowsWhenFull) {
   std::string value(4000, 'v');
   for (int batch = 0; batch < 20; ++batch) {
     ASSERT_OK(env->Update([&](WriteTxn& t) -> Status {
-      for (int i = 0; i < 100; ++i) RETURN_IF_ERROR(t.Put(Table::kChunks, std::to_string(batch * 100 + i), value));
+      for (int i = 0; i < 100; ++i) CKPT_RETURN_IF_ERROR(t.Put(Table::kChunks, std::to_string(batch * 100 + i), value));
       return Status::OK();
     }));
   }

@@ -164,7 +164,7 @@ TEST(Pack, FailedAppendIsStickyAndSealsNothing) {
       std::unique_ptr<ObjectWriter> w_;
     };
     Result<std::unique_ptr<ObjectWriter>> Create(std::string_view key) override {
-      ASSIGN_OR_RETURN(auto w, inner->Create(key));
+      CKPT_ASSIGN_OR_RETURN(auto w, inner->Create(key));
       return std::unique_ptr<ObjectWriter>(new W(std::move(w)));
     }
     Status ReadRange(std::string_view k, uint64_t o, std::span<std::byte> out) override { return inner->ReadRange(k, o, out); }

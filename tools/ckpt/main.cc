@@ -332,8 +332,8 @@ Status StreamFile(const CheckpointFiles& files, const CheckpointFile& file, uint
   std::vector<std::byte> buf(std::min<uint64_t>(kCopyPiece, std::max<uint64_t>(file.size - from, 1)));
   for (uint64_t off = from; off < file.size; off += buf.size()) {
     const uint64_t n = std::min<uint64_t>(buf.size(), file.size - off);
-    RETURN_IF_ERROR(files.Read(file, off, std::span(buf.data(), n)));
-    RETURN_IF_ERROR(sink(std::span(buf.data(), n)));
+    CKPT_RETURN_IF_ERROR(files.Read(file, off, std::span(buf.data(), n)));
+    CKPT_RETURN_IF_ERROR(sink(std::span(buf.data(), n)));
     if (progress) progress->Update(off + n - from, file.size - from);
   }
   return Status::OK();
@@ -341,7 +341,7 @@ Status StreamFile(const CheckpointFiles& files, const CheckpointFile& file, uint
 
 // The files of committed checkpoint `name` (ckpt/files.h).
 Result<std::unique_ptr<CheckpointFiles>> FilesOf(Repository& repo, const std::string& name) {
-  ASSIGN_OR_RETURN(auto reader, repo.OpenCheckpoint(name));
+  CKPT_ASSIGN_OR_RETURN(auto reader, repo.OpenCheckpoint(name));
   return CheckpointFiles::Build(std::move(reader));
 }
 
