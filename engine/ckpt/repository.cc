@@ -181,6 +181,8 @@ Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path) {
 
 // ---- RepositoryImpl ----------------------------------------------------------
 
+RepositoryImpl::~RepositoryImpl() { pool.reset(); }
+
 Result<ChunkLocation> RepositoryImpl::LookupChunk(const ChunkId& id) const {
   ChunkLocation loc;
   Status st = catalog->Read([&](const ReadTxn& txn) -> Status {

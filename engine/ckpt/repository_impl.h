@@ -37,6 +37,10 @@ Status DecodePackInfo(std::string_view data, uint64_t* size, uint64_t* chunks);
 
 class RepositoryImpl {
  public:
+  // Finishes the worker pool's queued tasks (prefetches use the fetcher,
+  // the cache and the catalog) before any member they use is destroyed.
+  ~RepositoryImpl();
+
   std::string path;
   RepositoryConfig config;
   std::unique_ptr<Backend> backend;
