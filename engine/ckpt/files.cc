@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <unordered_set>
 
 #include "ckpt/describe.h"
+#include "ckpt/merge.h"
 #include "io/file_names.h"
 
 namespace ckptfs {
@@ -119,25 +121,55 @@ FileReadahead::FileReadahead(const CheckpointFiles& files, const CheckpointFile&
       window_(window),
       slack_(4 * files.reader().chunk_size()) {}
 
-void FileReadahead::PrefetchFileRange(uint64_t from, uint64_t to) {
-  const CheckpointReader& r = files_.reader();
+void FileReadahead::ForEachTensorRange(uint64_t from, uint64_t to,
+                                       const std::function<void(size_t, uint64_t, uint64_t)>& fn) const {
   if (file_.kind == FileKind::kTensor) {
     const uint64_t h = files_.HeaderSize(file_);
     from = std::max(from, h);
-    if (to > from) r.Prefetch(r.tensors()[file_.index], from - h, to - from);
+    to = std::min(to, file_.size);
+    if (to > from) fn(file_.index, from - h, to - from);
     return;
   }
   if (file_.kind != FileKind::kSafetensors) return;
   const auto& L = files_.safetensors_;
   from = std::max<uint64_t>(from, L.header.size());
+  to = std::min(to, L.total_size);
   // Across tensor boundaries: each tensor the range touches gets its part.
-  while (from < to && from < L.total_size) {
+  while (from < to) {
     const size_t i = files_.SafetensorsTensorAt(from);
     const uint64_t in = from - L.offsets[i];
     const uint64_t n = std::min<uint64_t>(to - from, L.sizes[i] - in);
-    if (n > 0) r.Prefetch(r.tensors()[i], in, n);
+    if (n > 0) fn(i, in, n);
     from += std::max<uint64_t>(n, 1);
   }
+}
+
+void FileReadahead::PrefetchFileRange(uint64_t from, uint64_t to) {
+  const CheckpointReader& r = files_.reader();
+  ForEachTensorRange(from, to, [&](size_t i, uint64_t in, uint64_t n) { r.Prefetch(r.tensors()[i], in, n); });
+}
+
+void FileReadahead::DropBehind(uint64_t until) {
+  const CheckpointReader& r = files_.reader();
+  if (until < dropped_until_ + r.chunk_size()) return;  // less than a chunk behind: nothing to gain yet
+  auto chunks_of = [&](uint64_t from, uint64_t to, const std::function<void(const ChunkRef&)>& take) {
+    ForEachTensorRange(from, to, [&](size_t i, uint64_t in, uint64_t n) {
+      auto chunks = ChunksForBytes(r.tensors()[i], in, n);
+      if (chunks.ok()) {
+        for (const ChunkRef& c : *chunks) take(c);
+      }
+    });
+  };
+  // What the reader still needs (from `until` to the end of the window)
+  // stays, even where a chunk spans both sides.
+  std::unordered_set<ChunkId, ChunkIdHash> ahead;
+  chunks_of(until, std::max(prefetched_until_, until + r.chunk_size()), [&](const ChunkRef& c) { ahead.insert(c.id); });
+  std::vector<ChunkRef> behind;
+  chunks_of(dropped_until_, until, [&](const ChunkRef& c) {
+    if (!ahead.count(c.id)) behind.push_back(c);
+  });
+  r.DropCached(behind);
+  dropped_until_ = until;
 }
 
 void FileReadahead::OnOpen() {
@@ -156,8 +188,12 @@ void FileReadahead::BeforeRead(uint64_t offset, uint64_t n) {
   if (!sequential) {
     next_offset_ = offset + n;
     prefetched_until_ = 0;
+    dropped_until_ = offset;
     return;
   }
+  // Chunks well behind a sequential reader go back to the pool: the cache
+  // then holds what is ahead, not everything read so far.
+  if (offset > slack_) DropBehind(offset - slack_);
   const uint64_t from = std::max(offset + n, prefetched_until_);
   const uint64_t to = std::min(file_.size, offset + n + window_);
   // Enough is in flight unless the window moved on by half a chunk or more.

@@ -19,6 +19,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -78,11 +79,14 @@ class CheckpointFiles {
   std::string metadata_;
 };
 
-// The sequential-read prefetch policy of one open file. A reader that
-// continues where it stopped (within a few chunks: kernel readahead sends
-// requests slightly out of order) gets the next `window` bytes of tensor
-// data decoded ahead of it into the repository's chunk cache; in
-// model.safetensors the window runs on into the following tensors.
+// The sequential-read policy of one open file. A reader that continues
+// where it stopped (within a few chunks: kernel readahead sends requests
+// slightly out of order) gets the next `window` bytes of tensor data decoded
+// ahead of it into the repository's chunk cache; in model.safetensors the
+// window runs on into the following tensors. Chunks it has left well behind
+// are dropped from the cache (drop-behind), so a sequential read circulates
+// a window's worth of buffers instead of filling the cache with data the
+// kernel's page cache already holds.
 class FileReadahead {
  public:
   FileReadahead(const CheckpointFiles& files, const CheckpointFile& file, uint64_t window);
@@ -99,8 +103,15 @@ class FileReadahead {
   }
 
  private:
+  // Calls fn(tensor index, offset in the tensor, length) for the tensor
+  // data between file offsets [from, to).
+  void ForEachTensorRange(uint64_t from, uint64_t to,
+                          const std::function<void(size_t, uint64_t, uint64_t)>& fn) const;
   // Asks for tensor data of the file between file offsets [from, to).
   void PrefetchFileRange(uint64_t from, uint64_t to);
+  // Drops from the chunk cache the chunks of [dropped_until_, until) that
+  // the reader does not need again.
+  void DropBehind(uint64_t until);
 
   const CheckpointFiles& files_;
   const CheckpointFile& file_;
@@ -109,6 +120,7 @@ class FileReadahead {
   mutable std::mutex mu_;
   uint64_t next_offset_ = 0;       // furthest byte a reader reached
   uint64_t prefetched_until_ = 0;  // file offset up to which prefetch was asked
+  uint64_t dropped_until_ = 0;     // file offset before which chunks were dropped
 };
 
 }  // namespace ckptfs

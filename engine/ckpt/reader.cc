@@ -64,6 +64,10 @@ void CheckpointReader::Prefetch(const TensorRecord& tensor, uint64_t offset, uin
   }
 }
 
+void CheckpointReader::DropCached(std::span<const ChunkRef> chunks) const {
+  for (const ChunkRef& c : chunks) impl_->repo->cache->Drop(c.id);
+}
+
 Result<StoredSizes> CheckpointReader::StoredBytes() const {
   // One catalog lookup per distinct chunk.
   std::unordered_map<ChunkId, uint64_t, ChunkIdHash> sizes;

@@ -198,6 +198,9 @@ class CheckpointReader {
   // [offset, offset + length) of the tensor need into the chunk cache, so a
   // sequential reader finds them decoded. Returns at once.
   void Prefetch(const TensorRecord& tensor, uint64_t offset, uint64_t length) const;
+  // Drops these chunks from the chunk cache (a sequential reader is past
+  // them), so their buffers serve the chunks ahead instead of new memory.
+  void DropCached(std::span<const ChunkRef> chunks) const;
   // Stored (compressed) bytes of the distinct chunks the checkpoint
   // references, in total and per tensor and blob (in tensors()/blobs()
   // order). Reads the catalog only.

@@ -35,6 +35,15 @@ void ChunkCache::Clear() {
   }
 }
 
+void ChunkCache::Drop(const ChunkId& id) {
+  std::lock_guard lock(mu_);
+  auto it = map_.find(id);
+  if (it == map_.end() || it->second.loading) return;
+  bytes_ -= it->second.data->size();
+  lru_.erase(it->second.lru);
+  map_.erase(it);
+}
+
 void ChunkCache::EvictLocked() {
   while (bytes_ > capacity_ && !lru_.empty()) {
     auto it = map_.find(lru_.back());

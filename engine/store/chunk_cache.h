@@ -54,6 +54,10 @@ class ChunkCache {
   bool Contains(const ChunkId& id) const;
   // Drops every entry (e.g. after a chunk was found corrupt elsewhere).
   void Clear();
+  // Drops one chunk unless it is being loaded: a sequential reader is done
+  // with it, so its buffer can serve the next chunk (holders of its data
+  // keep it until they let go).
+  void Drop(const ChunkId& id);
   size_t bytes() const;
   size_t capacity() const { return capacity_; }
 
