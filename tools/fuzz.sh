@@ -27,7 +27,7 @@ cmake --build build-fuzz -j "$JOBS"
 
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(fuzz_json fuzz_safetensors fuzz_names fuzz_chunk_codec fuzz_pack_index fuzz_manifest
+  targets=(fuzz_json fuzz_safetensors fuzz_shard_map fuzz_names fuzz_chunk_codec fuzz_pack_index fuzz_manifest
            fuzz_catalog_records fuzz_repository_pack)
 fi
 work=build-fuzz/run

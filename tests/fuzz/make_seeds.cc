@@ -81,6 +81,9 @@ int main(int argc, char** argv) {
   }
   Write("fuzz_json", "numbers", R"([0, -0.0, 1.5e300, -12, 18446744073709551615, 3.25, 1e-320, "\u00e9\ud83d\ude00"])");
   Write("fuzz_json", "shards", shards.Dump(2));
+  Write("fuzz_shard_map", "box-and-flat", std::string(1, '\0') + shards.Dump());
+  Write("fuzz_shard_map", "flat-3d",
+        std::string(1, '\2') + R"({"b": {"global_shape": [4, 5], "flat_start": 3}, "s": {"global_shape": [4, 2, 2], "offsets": [2, 0, 0]}})");
 
   // File names.
   Write("fuzz_names", "plain", "model.layers.0.mlp.weight");
