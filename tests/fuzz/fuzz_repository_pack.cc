@@ -19,8 +19,12 @@ struct State {
 State& Get() {
   static State* s = [] {
     auto* st = new State;
-    char tmpl[] = "/tmp/ckptfs-fuzz-XXXXXX";
+    static char tmpl[] = "/tmp/ckptfs-fuzz-XXXXXX";
     if (!::mkdtemp(tmpl)) std::abort();
+    std::atexit([] {
+      std::error_code ec;
+      std::filesystem::remove_all(tmpl, ec);
+    });
     st->small = ckptfs::fuzz::MakeSmallRepository(std::string(tmpl) + "/repo");
     // No decoded-chunk cache: every read goes to the (mutated) pack.
     auto repo = ckptfs::Repository::Open(st->small.path, ckptfs::OpenOptions{1, 0});
