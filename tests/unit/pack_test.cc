@@ -87,13 +87,24 @@ TEST(Pack, FlippedByteIsCorruptionNamingChunkAndPack) {
   EXPECT_NE(st.message().find(c.loc.pack), std::string::npos);
 }
 
+// A sealed pack of three 4 KiB chunks in a memory backend, and its bytes.
+struct ThreeChunkPack {
+  std::unique_ptr<Backend> backend = NewMemoryBackend();
+  std::string id;
+  std::string bytes;
+  ThreeChunkPack() {
+    PackWriter writer(backend.get(), 64 << 20);
+    id = WriteChunks(backend.get(), writer, 3, 4096)[0].loc.pack;
+    EXPECT_OK(writer.Finish());
+    bytes = *backend->ReadAll(PackKey(id));
+  }
+};
+
 TEST(Pack, DamagedIndexOrTruncationIsDetected) {
-  auto backend = NewMemoryBackend();
-  PackWriter writer(backend.get(), 64 << 20);
-  auto chunks = WriteChunks(backend.get(), writer, 3, 4096);
-  ASSERT_OK(writer.Finish());
-  const std::string id = chunks[0].loc.pack;
-  std::string pack = *backend->ReadAll(PackKey(id));
+  ThreeChunkPack p;
+  auto& backend = p.backend;
+  const std::string& id = p.id;
+  const std::string& pack = p.bytes;
   std::string damaged = pack;
   damaged[damaged.size() - kPackFooterSize - 5] ^= 1;  // inside the index
   ASSERT_OK(backend->Put(PackKey(id), std::as_bytes(std::span(damaged))));
@@ -118,12 +129,10 @@ std::string PatchIndexEntry(std::string pack, size_t i, size_t field_offset, uin
 }
 
 TEST(Pack, IndexEntriesOutsideTheDataAreaAreRejectedWithoutOverflow) {
-  auto backend = NewMemoryBackend();
-  PackWriter writer(backend.get(), 64 << 20);
-  auto chunks = WriteChunks(backend.get(), writer, 3, 4096);
-  ASSERT_OK(writer.Finish());
-  const std::string id = chunks[0].loc.pack;
-  const std::string pack = *backend->ReadAll(PackKey(id));
+  ThreeChunkPack p;
+  auto& backend = p.backend;
+  const std::string& id = p.id;
+  const std::string& pack = p.bytes;
   ASSERT_OK(ReadPackIndex(backend.get(), id));
   struct Case {
     size_t field, width;
