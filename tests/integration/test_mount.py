@@ -49,6 +49,20 @@ def escape(name):
     return out.decode()
 
 
+def unmount(path):
+    """fusermount3 -u, retried for a few seconds: right after a mount comes
+    up, the daemon stats its own mountpoint once (to find the device whose
+    readahead it raises), and an unmount during that stat is EBUSY."""
+    end = time.time() + 5
+    while True:
+        p = subprocess.run(["fusermount3", "-u", path], stderr=subprocess.PIPE)
+        if p.returncode == 0 or time.time() > end:
+            break
+        time.sleep(0.1)
+    if p.returncode != 0:
+        raise AssertionError("fusermount3 -u failed: " + p.stderr.decode())
+
+
 class Mounted(unittest.TestCase):
     """Mounts a repository once for the class, in the foreground."""
 
@@ -401,7 +415,7 @@ class MountLifecycle(unittest.TestCase):
             self.assertEqual(len(opts), 1)
             self.assertEqual("allow_other" in opts[0], expected, opts[0])
             self.assertIn("ro", opts[0].split(","))
-            subprocess.run(["fusermount3", "-u", self.mnt], check=True)
+            unmount(self.mnt)
             wait_for(lambda: not os.path.ismount(self.mnt), what="unmount")
 
     def test_daemon_mode_and_fusermount_unmount(self):
@@ -409,7 +423,7 @@ class MountLifecycle(unittest.TestCase):
         self.assertEqual(p.returncode, 0, p.stderr.decode())
         self.assertTrue(os.path.ismount(self.mnt))
         self.assertEqual(os.listdir(self.mnt), [])  # empty repository: no latest
-        subprocess.run(["fusermount3", "-u", self.mnt], check=True)
+        unmount(self.mnt)
         wait_for(lambda: not os.path.ismount(self.mnt), what="unmount")
 
     def test_sigint_and_sigterm_unmount_cleanly(self):
