@@ -238,6 +238,12 @@ Result<SnapshotHandle> SaveSnapshot(Repository& repo, const std::string& name, c
                                     SnapshotBuffer& buffer) {
   const auto start = std::chrono::steady_clock::now();
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer, repo.BeginCheckpoint(name, options));
+  return SnapshotAndCommit(std::move(writer), shards, engine, buffer, start);
+}
+
+Result<SnapshotHandle> SnapshotAndCommit(std::unique_ptr<CheckpointWriter> writer,
+                                         const std::vector<DeviceShard>& shards, CopyEngine& engine,
+                                         SnapshotBuffer& buffer, std::chrono::steady_clock::time_point start) {
   // Shards lie back to back in the buffer, each 256-byte aligned.
   std::vector<uint64_t> offsets, sizes;
   uint64_t total = 0;

@@ -239,8 +239,8 @@ class SnapshotHandle {
   bool durable() const;
 
  private:
-  friend Result<SnapshotHandle> SaveSnapshot(Repository&, const std::string&, const WriterOptions&,
-                                             const std::vector<DeviceShard>&, CopyEngine&, SnapshotBuffer&);
+  friend Result<SnapshotHandle> SnapshotAndCommit(std::unique_ptr<CheckpointWriter>, const std::vector<DeviceShard>&,
+                                                  CopyEngine&, SnapshotBuffer&, std::chrono::steady_clock::time_point);
   struct State;
   std::shared_ptr<State> state_;
   std::chrono::nanoseconds blocking_{0};
@@ -249,6 +249,16 @@ class SnapshotHandle {
 Result<SnapshotHandle> SaveSnapshot(Repository& repo, const std::string& name, const WriterOptions& options,
                                     const std::vector<DeviceShard>& shards, CopyEngine& engine,
                                     SnapshotBuffer& buffer);
+
+// The same for a writer that may already hold other puts (host tensors,
+// blobs): copies the device shards out, returns, then puts them and commits
+// in the background. `start` is when the caller's blocking began (for
+// blocking_time). On an error before the handle is returned, the writer is
+// aborted.
+Result<SnapshotHandle> SnapshotAndCommit(std::unique_ptr<CheckpointWriter> writer,
+                                         const std::vector<DeviceShard>& shards, CopyEngine& engine,
+                                         SnapshotBuffer& buffer,
+                                         std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now());
 
 // Load: `region` of `tensor` (any box or flat range: this rank's target
 // sharding) into device memory, row-major. The reader's merge plan fills

@@ -15,7 +15,8 @@ setup() { bash tools/setup-debian.sh; }
 
 configure_build() {  # dir, extra cmake args...
   local dir=$1; shift
-  cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >/dev/null
+  cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DPython3_EXECUTABLE=/usr/bin/python3 "$@" >/dev/null
   cmake --build "$dir" -j "$JOBS"
 }
 

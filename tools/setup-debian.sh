@@ -8,6 +8,7 @@ packages=(
   liblmdb-dev lmdb-utils libzstd-dev libxxhash-dev libgtest-dev
   libfuse3-dev fuse3
   python3 python3-numpy
+  python3-dev pybind11-dev python3-torch   # the Python package (tools/python) and its tests
   clang-16 libfuzzer-16-dev   # fuzz targets (tools/fuzz.sh)
   locales                     # a comma-decimal locale for the locale-independence tests
 )

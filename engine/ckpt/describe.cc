@@ -90,4 +90,21 @@ Result<Json> DescribeCheckpoint(const CheckpointReader& reader) {
   return j;
 }
 
+Json DescribeGcReport(const GcReport& r, bool dry_run) {
+  Json j = Json::MakeObject();
+  j.Set("dry_run", dry_run);
+  Json removed = Json::MakeArray();
+  for (const auto& n : r.removed) removed.Push(n);
+  j.Set("removed", std::move(removed));
+  j.Set("dead_chunks", r.dead_chunks);
+  j.Set("orphan_packs", r.orphan_packs);
+  j.Set("packs_deleted", r.packs_deleted);
+  j.Set("packs_rewritten", r.packs_rewritten);
+  j.Set("bytes_before", r.bytes_before);
+  j.Set("bytes_after", r.bytes_after);
+  j.Set("bytes_reclaimed", r.bytes_reclaimed());
+  j.Set("live_bytes", r.live_bytes);
+  return j;
+}
+
 }  // namespace ckptfs

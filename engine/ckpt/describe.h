@@ -21,5 +21,8 @@ Json DescribeRecord(const CheckpointRecord& record);
 // and stored bytes, shards with region, ranks, bytes, chunks) and blob.
 // Reads the catalog (chunk sizes), never tensor data.
 Result<Json> DescribeCheckpoint(const CheckpointReader& reader);
+// What `ckpt gc --json` prints: dry_run, removed, dead chunks, packs
+// deleted, rewritten and orphaned, bytes before, after, reclaimed and live.
+Json DescribeGcReport(const GcReport& report, bool dry_run);
 
 }  // namespace ckptfs

@@ -32,6 +32,44 @@ const BlobRecord* CheckpointReader::FindBlob(std::string_view name) const {
   return it == impl_->blob_index.end() ? nullptr : &impl_->manifest.blobs[it->second];
 }
 
+Result<const TensorRecord*> CheckpointReader::GetTensor(std::string_view name) const {
+  const TensorRecord* t = FindTensor(name);
+  if (!t) return Status::NotFound("checkpoint '" + info().name + "' has no tensor '" + std::string(name) + "'");
+  return t;
+}
+
+Result<const BlobRecord*> CheckpointReader::GetBlob(std::string_view name) const {
+  const BlobRecord* b = FindBlob(name);
+  if (!b) return Status::NotFound("checkpoint '" + info().name + "' has no blob '" + std::string(name) + "'");
+  return b;
+}
+
+Result<const TensorRecord*> CheckpointReader::FindTarget(std::string_view name, DType dtype,
+                                                         const Shape& shape) const {
+  CKPT_ASSIGN_OR_RETURN(const TensorRecord* t, GetTensor(name));
+  if (t->dtype != dtype) {
+    return Status::InvalidArgument("tensor '" + t->name + "' of checkpoint '" + info().name + "' is " +
+                                   std::string(DTypeName(t->dtype)) + ", the target is " +
+                                   std::string(DTypeName(dtype)));
+  }
+  if (t->shape != shape) {
+    return Status::InvalidArgument("tensor '" + t->name + "' of checkpoint '" + info().name + "' has shape " +
+                                   ShapeToString(t->shape) + ", the target expects " + ShapeToString(shape));
+  }
+  return t;
+}
+
+Status CheckpointReader::ReadRegion(const TensorRecord& tensor, const Region& region, std::span<std::byte> dst) const {
+  CKPT_RETURN_IF_ERROR(ValidateRegion(tensor.shape, region).WithContext("tensor '" + tensor.name + "'"));
+  if (dst.size() != region.NumElements() * DTypeSize(tensor.dtype)) {
+    return Status::InvalidArgument("tensor '" + tensor.name + "': the destination holds " +
+                                   std::to_string(dst.size()) + " bytes, region " + region.ToString() + " is " +
+                                   std::to_string(region.NumElements() * DTypeSize(tensor.dtype)));
+  }
+  if (region.kind == Region::Kind::kFlat) return ReadFlat(tensor, region.flat, dst);
+  return ReadBox(tensor, region.box, dst);
+}
+
 Status CheckpointReader::ReadBox(const TensorRecord& tensor, const Box& box, std::span<std::byte> dst) const {
   return ReadTensorBox(tensor, box, dst, *impl_->repo->fetcher(), impl_->repo->pool.get());
 }

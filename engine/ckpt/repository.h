@@ -187,6 +187,19 @@ class CheckpointReader {
   // The repository's chunk size (prefetch windows are counted in chunks).
   uint64_t chunk_size() const;
 
+  // The tensor or blob `name`, NotFound ("checkpoint 'c' has no tensor 'x'")
+  // when the checkpoint has none.
+  Result<const TensorRecord*> GetTensor(std::string_view name) const;
+  Result<const BlobRecord*> GetBlob(std::string_view name) const;
+  // The tensor a load target names, checked against the target's element
+  // type and the global shape the caller expects: NotFound as GetTensor;
+  // InvalidArgument naming the tensor and both values when either differs.
+  Result<const TensorRecord*> FindTarget(std::string_view name, DType dtype, const Shape& shape) const;
+
+  // Any region (box or flat range) of a tensor, row-major into dst.
+  // InvalidArgument when the region does not lie inside the tensor or dst
+  // is not exactly its size.
+  Status ReadRegion(const TensorRecord& tensor, const Region& region, std::span<std::byte> dst) const;
   // Any box of a tensor, row-major into dst (load-time resharding).
   Status ReadBox(const TensorRecord& tensor, const Box& box, std::span<std::byte> dst) const;
   // A flat element range, e.g. this rank's part of a flattened parameter.

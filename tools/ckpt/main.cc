@@ -369,14 +369,14 @@ int CmdCat(const Args& args) {
   const CheckpointFile* file = nullptr;
   uint64_t from = 0;
   if (args.Has("blob")) {
-    const BlobRecord* b = reader.FindBlob(name);
-    if (!b) return Fail(Status::NotFound("checkpoint '" + args.positional[0] + "' has no blob '" + name + "'"));
-    file = &(*files)->blob_file(static_cast<size_t>(b - reader.blobs().data()));
+    auto b = reader.GetBlob(name);
+    if (!b.ok()) return Fail(b.status());
+    file = &(*files)->blob_file(static_cast<size_t>(*b - reader.blobs().data()));
   } else {
-    const TensorRecord* t = reader.FindTensor(name);
-    if (!t) return Fail(Status::NotFound("checkpoint '" + args.positional[0] + "' has no tensor '" + name + "'"));
+    auto t = reader.GetTensor(name);
+    if (!t.ok()) return Fail(t.status());
     // The .npy file of the mount; raw output is the same without its header.
-    file = &(*files)->tensor_file(static_cast<size_t>(t - reader.tensors().data()));
+    file = &(*files)->tensor_file(static_cast<size_t>(*t - reader.tensors().data()));
     if (format == "raw") from = (*files)->HeaderSize(*file);
   }
   Progress progress("reading " + name);
@@ -703,19 +703,7 @@ int CmdGc(const Args& args) {
   progress.Finish();
   if (!r.ok()) return Fail(r.status());
   if (args.Has("json")) {
-    Json j = Json::MakeObject();
-    j.Set("dry_run", o.dry_run);
-    Json removed = Json::MakeArray();
-    for (const auto& n : r->removed) removed.Push(n);
-    j.Set("removed", std::move(removed));
-    j.Set("dead_chunks", r->dead_chunks);
-    j.Set("orphan_packs", r->orphan_packs);
-    j.Set("packs_deleted", r->packs_deleted);
-    j.Set("packs_rewritten", r->packs_rewritten);
-    j.Set("bytes_before", r->bytes_before);
-    j.Set("bytes_after", r->bytes_after);
-    j.Set("bytes_reclaimed", r->bytes_reclaimed());
-    j.Set("live_bytes", r->live_bytes);
+    Json j = DescribeGcReport(*r, o.dry_run);
     PrintJson(j);
     return kExitOk;
   }

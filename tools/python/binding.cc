@@ -1,0 +1,582 @@
+// ckptfs._core: the C++ side of the Python package. It knows raw memory
+// (address, byte count, device) and the engine's types; the Python side
+// (ckptfs/__init__.py) turns torch tensors and NumPy arrays into those.
+//
+// Every call that does I/O or waits releases the GIL. Engine errors become
+// exceptions whose text is the CLI's one-line message; the class follows the
+// status code (ckptfs.NotFoundError is also a LookupError, InvalidArgument a
+// ValueError, I/O errors an OSError).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <filesystem>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ckpt/describe.h"
+#include "ckpt/repository.h"
+#include "core/dtype.h"
+#include "core/region.h"
+#include "staging.h"
+
+namespace py = pybind11;
+
+namespace ckptfs::python {
+namespace {
+
+// ---- errors --------------------------------------------------------------------
+
+struct StatusError {
+  Status status;
+};
+
+PyObject* g_error = nullptr;
+PyObject* g_not_found = nullptr;
+PyObject* g_invalid = nullptr;
+PyObject* g_exists = nullptr;
+PyObject* g_corruption = nullptr;
+PyObject* g_io = nullptr;
+PyObject* g_unsupported = nullptr;
+
+PyObject* ErrorClassFor(StatusCode code) {
+  switch (code) {
+    case StatusCode::kNotFound: return g_not_found;
+    case StatusCode::kInvalidArgument: return g_invalid;
+    case StatusCode::kAlreadyExists: return g_exists;
+    case StatusCode::kCorruption: return g_corruption;
+    case StatusCode::kIOError:
+    case StatusCode::kResourceExhausted: return g_io;
+    case StatusCode::kUnsupported: return g_unsupported;
+    default: return g_error;
+  }
+}
+
+PyObject* NewErrorClass(py::module_& m, const char* name, PyObject* base, PyObject* builtin, const char* doc) {
+  py::tuple bases = builtin ? py::make_tuple(py::handle(base), py::handle(builtin)) : py::make_tuple(py::handle(base));
+  std::string qualified = std::string("ckptfs.") + name;
+  PyObject* cls = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, bases.ptr(), nullptr);
+  if (!cls) throw py::error_already_set();
+  m.add_object(name, py::handle(cls));
+  return cls;
+}
+
+void Check(const Status& st) {
+  if (!st.ok()) throw StatusError{st};
+}
+
+template <typename T>
+T Value(Result<T> r) {
+  if (!r.ok()) throw StatusError{r.status()};
+  return std::move(*r);
+}
+
+// ---- conversions -----------------------------------------------------------------
+
+DType ParseDTypeOrThrow(const std::string& name) {
+  auto d = ParseDType(name);
+  if (!d) throw StatusError{Status::InvalidArgument("unknown dtype '" + name + "'")};
+  return *d;
+}
+
+// A region as the Python side describes it: "whole", "box" (offsets; the
+// lengths are the local shape) or "flat" (start; the length is the local
+// element count).
+Region MakeRegion(const Shape& global, const std::string& kind, const std::vector<uint64_t>& local_shape,
+                  const std::vector<uint64_t>& offsets, uint64_t start) {
+  if (kind == "whole") return Region::OfBox(FullBox(global));
+  if (kind == "box") return Region::OfBox(Box{offsets, local_shape});
+  if (kind == "flat") {
+    const uint64_t n = Value(CheckedNumElements(local_shape));
+    return Region::OfFlat(start, start + n);
+  }
+  throw StatusError{Status::InvalidArgument("unknown region kind '" + kind + "'")};
+}
+
+py::object JsonToPython(const Json& j) {
+  // Imported per call (a dictionary lookup once loaded): a static py::object
+  // would be released after the interpreter is gone.
+  return py::module_::import("json").attr("loads")(j.Dump());
+}
+
+std::span<std::byte> HostSpan(uintptr_t address, uint64_t bytes) {
+  if (bytes == 0) return {};
+  if (address == 0) throw StatusError{Status::InvalidArgument("null data pointer for a non-empty tensor")};
+  return {reinterpret_cast<std::byte*>(address), static_cast<size_t>(bytes)};
+}
+
+// ---- GPU staging: one copy engine, pinned pool and snapshot buffer per device ----
+
+struct DeviceStaging {
+  std::unique_ptr<gpu::CopyEngine> engine;
+  std::unique_ptr<gpu::PinnedPool> pool;
+  std::unique_ptr<gpu::SnapshotBuffer> snapshot;
+};
+
+// Streaming buffers: four of these keep the copy engine and the writer busy.
+constexpr size_t kPinnedBuffers = 4;
+constexpr size_t kPinnedBufferBytes = 32u << 20;
+
+class GpuRegistry {
+ public:
+  static GpuRegistry& Get() {
+    static GpuRegistry* r = new GpuRegistry;  // never destroyed: CUDA may be torn down first at exit
+    return *r;
+  }
+  DeviceStaging& For(int device) {
+    std::lock_guard lock(mu_);
+    auto& s = devices_[device];
+    if (!s.engine) {
+      s.engine = Value(gpu::NewCudaCopyEngine(device));
+      s.pool = Value(gpu::PinnedPool::Create(*s.engine, kPinnedBuffers, kPinnedBufferBytes));
+      s.snapshot = std::make_unique<gpu::SnapshotBuffer>(*s.engine);
+    }
+    return s;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<int, DeviceStaging> devices_;
+};
+
+// ---- save ------------------------------------------------------------------------
+
+// Runs `fn` on a thread of its own. Unlike std::async's, the future does not
+// block when dropped, so a caller may let go of a save's handle; the Python
+// side waits for saves still in flight when the interpreter exits.
+std::shared_future<Result<CommitResult>> InBackground(std::function<Result<CommitResult>()> fn) {
+  auto promise = std::make_shared<std::promise<Result<CommitResult>>>();
+  auto future = promise->get_future().share();
+  std::thread([promise, fn = std::move(fn)] { promise->set_value(fn()); }).detach();
+  return future;
+}
+
+// The outcome of a save, waited for off the GIL.
+class SaveHandle {
+ public:
+  SaveHandle(std::shared_future<Result<CommitResult>> f, double blocking_seconds)
+      : future_(std::move(f)), blocking_seconds_(blocking_seconds) {}
+  bool done() const { return future_.wait_for(std::chrono::seconds(0)) == std::future_status::ready; }
+  // Waits up to `timeout` seconds (forever when None); false on timeout.
+  bool wait(std::optional<double> timeout) const {
+    py::gil_scoped_release nogil;
+    if (!timeout) {
+      future_.wait();
+      return true;
+    }
+    return future_.wait_for(std::chrono::duration<double>(*timeout)) == std::future_status::ready;
+  }
+  py::dict result() const {
+    Result<CommitResult> r = future_.get();  // ready: callers wait first
+    if (!r.ok()) throw StatusError{r.status()};
+    py::dict d;
+    d["checkpoint_visible"] = r->checkpoint_visible;
+    d["chunks_written"] = r->chunks_written;
+    d["chunks_deduplicated"] = r->chunks_deduplicated;
+    d["logical_bytes"] = r->logical_bytes;
+    d["stored_bytes"] = r->stored_bytes;
+    return d;
+  }
+  double blocking_seconds() const { return blocking_seconds_; }
+
+ private:
+  std::shared_future<Result<CommitResult>> future_;
+  double blocking_seconds_;
+};
+
+// One rank's part of a checkpoint. Host tensors and blobs are consumed (hashed
+// and encoded) when put, so the caller may change them afterwards; device
+// tensors are put when committed: streamed through pinned buffers by a
+// blocking commit, or copied out at once by an asynchronous one.
+class Writer {
+ public:
+  Writer(std::shared_ptr<Repository> repo, std::unique_ptr<CheckpointWriter> w)
+      : repo_(std::move(repo)), writer_(std::move(w)) {}
+
+  void put(const std::string& name, const std::string& dtype, const Shape& shape, const std::string& kind,
+           const std::vector<uint64_t>& local_shape, const std::vector<uint64_t>& offsets, uint64_t start,
+           uintptr_t address, uint64_t bytes, int device) {
+    TensorInfo info{name, ParseDTypeOrThrow(dtype), shape};
+    Region region = MakeRegion(shape, kind, local_shape, offsets, start);
+    if (device >= 0) {
+      Check(ValidateRegion(shape, region).WithContext("tensor '" + name + "'"));
+      if (bytes != region.NumElements() * DTypeSize(info.dtype)) {
+        throw StatusError{Status::InvalidArgument("tensor '" + name + "': " + std::to_string(bytes) +
+                                                  " bytes do not fill region " + region.ToString())};
+      }
+      device_shards_.push_back(
+          {device, gpu::DeviceShard{std::move(info), std::move(region), reinterpret_cast<const std::byte*>(address)}});
+      return;
+    }
+    std::span<std::byte> data = HostSpan(address, bytes);
+    py::gil_scoped_release nogil;
+    HostSource source(data);
+    Check(Live().PutShard(info, region, source));
+  }
+
+  void put_blob(const std::string& name, py::buffer data) {
+    py::buffer_info b = data.request();
+    if (b.ndim > 1 && !PyBuffer_IsContiguous(b.view(), 'C')) {
+      throw StatusError{Status::InvalidArgument("blob '" + name + "' is not contiguous memory")};
+    }
+    std::span<const std::byte> bytes(static_cast<const std::byte*>(b.ptr), static_cast<size_t>(b.size * b.itemsize));
+    py::gil_scoped_release nogil;
+    Check(Live().PutBlob(name, bytes));
+  }
+
+  // Commits; with `snapshot`, device shards are copied to pinned host memory
+  // before this returns and persisted in the background.
+  SaveHandle commit(bool snapshot) {
+    py::gil_scoped_release nogil;
+    const auto start = std::chrono::steady_clock::now();
+    if (!writer_) throw StatusError{Status::FailedPrecondition("this save was already committed or aborted")};
+    std::unique_ptr<CheckpointWriter> w = std::move(writer_);
+    auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+    // The background work keeps the repository open until it is done.
+    std::shared_ptr<Repository> repo = repo_;
+    if (device_shards_.empty()) {
+      CommitHandle h = w->Commit();
+      return SaveHandle(InBackground([h, repo]() mutable { return h.Wait(); }), seconds());
+    }
+    const int device = device_shards_.front().first;
+    std::vector<gpu::DeviceShard> shards;
+    for (auto& [d, s] : device_shards_) {
+      if (d != device) {
+        throw StatusError{Status::InvalidArgument("tensors of one save must be on one GPU (found cuda:" +
+                                                  std::to_string(device) + " and cuda:" + std::to_string(d) + ")")};
+      }
+      shards.push_back(std::move(s));
+    }
+    device_shards_.clear();
+    DeviceStaging& staging = GpuRegistry::Get().For(device);
+    if (snapshot) {
+      gpu::SnapshotHandle h =
+          Value(gpu::SnapshotAndCommit(std::move(w), shards, *staging.engine, *staging.snapshot, start));
+      return SaveHandle(InBackground([h, repo]() mutable { return h.Wait(); }), seconds());
+    }
+    for (const auto& s : shards) Check(gpu::PutShardFromDevice(*w, s, *staging.engine, *staging.pool));
+    CommitHandle h = w->Commit();
+    return SaveHandle(InBackground([h, repo]() mutable { return h.Wait(); }), seconds());
+  }
+
+  void abort() {
+    if (writer_) writer_->Abort();
+    writer_.reset();
+    device_shards_.clear();
+  }
+
+ private:
+  CheckpointWriter& Live() {
+    if (!writer_) throw StatusError{Status::FailedPrecondition("this save was already committed or aborted")};
+    return *writer_;
+  }
+  std::shared_ptr<Repository> repo_;
+  std::unique_ptr<CheckpointWriter> writer_;
+  std::vector<std::pair<int, gpu::DeviceShard>> device_shards_;
+};
+
+// ---- load ------------------------------------------------------------------------
+
+class Reader {
+ public:
+  Reader(std::shared_ptr<Repository> repo, std::unique_ptr<CheckpointReader> r)
+      : repo_(std::move(repo)), reader_(std::move(r)) {}
+
+  // [(name, dtype, shape)] in name order.
+  std::vector<std::tuple<std::string, std::string, Shape>> tensors() const {
+    std::vector<std::tuple<std::string, std::string, Shape>> out;
+    for (const auto& t : reader_->tensors()) out.emplace_back(t.name, std::string(DTypeName(t.dtype)), t.shape);
+    return out;
+  }
+  std::vector<std::pair<std::string, uint64_t>> blobs() const {
+    std::vector<std::pair<std::string, uint64_t>> out;
+    for (const auto& b : reader_->blobs()) out.emplace_back(b.name, b.size);
+    return out;
+  }
+  std::tuple<std::string, Shape> tensor_info(const std::string& name) const {
+    const TensorRecord* t = Value(reader_->GetTensor(name));
+    return {std::string(DTypeName(t->dtype)), t->shape};
+  }
+
+  void read(const std::string& name, const std::string& dtype, const Shape& shape, const std::string& kind,
+            const std::vector<uint64_t>& local_shape, const std::vector<uint64_t>& offsets, uint64_t start,
+            uintptr_t address, uint64_t bytes, int device) const {
+    const DType d = ParseDTypeOrThrow(dtype);
+    const TensorRecord* t = Value(reader_->FindTarget(name, d, shape));
+    Region region = MakeRegion(shape, kind, local_shape, offsets, start);
+    if (device >= 0) {
+      Check(ValidateRegion(shape, region).WithContext("tensor '" + name + "'"));
+      if (bytes != region.NumElements() * DTypeSize(d)) {
+        throw StatusError{Status::InvalidArgument("tensor '" + name + "': the target holds " + std::to_string(bytes) +
+                                                  " bytes, region " + region.ToString() + " needs " +
+                                                  std::to_string(region.NumElements() * DTypeSize(d)))};
+      }
+      DeviceStaging& staging = GpuRegistry::Get().For(device);
+      py::gil_scoped_release nogil;
+      Check(gpu::LoadToDevice(*reader_, *t, region, reinterpret_cast<std::byte*>(address), *staging.engine,
+                              *staging.pool));
+      return;
+    }
+    std::span<std::byte> dst = HostSpan(address, bytes);
+    py::gil_scoped_release nogil;
+    Check(reader_->ReadRegion(*t, region, dst));
+  }
+
+  py::bytes blob(const std::string& name) const {
+    const BlobRecord* b = Value(reader_->GetBlob(name));
+    std::string out(b->size, '\0');
+    {
+      py::gil_scoped_release nogil;
+      Check(reader_->ReadBlob(*b, 0, std::as_writable_bytes(std::span<char>(out.data(), out.size()))));
+    }
+    return py::bytes(out);
+  }
+
+  py::object show() const {
+    Json j = Value(DescribeCheckpoint(*reader_));
+    return JsonToPython(j);
+  }
+
+ private:
+  std::shared_ptr<Repository> repo_;  // outlives the reader
+  std::unique_ptr<CheckpointReader> reader_;
+};
+
+// ---- the repository ----------------------------------------------------------------
+
+// LMDB allows one environment per file per process, so every Python object
+// opened on one repository shares one engine Repository.
+class RepositoryCache {
+ public:
+  static RepositoryCache& Get() {
+    static RepositoryCache* c = new RepositoryCache;
+    return *c;
+  }
+  std::shared_ptr<Repository> Open(const std::string& path, const OpenOptions& options) {
+    std::error_code ec;
+    std::string key = std::filesystem::weakly_canonical(path, ec).string();
+    if (ec) key = path;
+    std::lock_guard lock(mu_);
+    if (auto live = open_[key].lock()) return live;
+    std::shared_ptr<Repository> repo = Value(Repository::Open(path, options));
+    open_[key] = repo;
+    return repo;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, std::weak_ptr<Repository>> open_;
+};
+
+void RejectRemote(const std::string& url) {
+  if (url.rfind("s3://", 0) == 0) {
+    throw StatusError{Status::Unsupported("'" + url + "': S3 repositories are not supported by this version of ckptfs")};
+  }
+}
+
+class PyRepository {
+ public:
+  explicit PyRepository(std::shared_ptr<Repository> repo) : repo_(std::move(repo)) {}
+
+  static void Init(const std::string& path, uint64_t chunk_size, uint64_t pack_size, const std::string& compression,
+                   int level, bool adaptive) {
+    RejectRemote(path);
+    RepositoryConfig c;
+    c.chunk_size = chunk_size;
+    c.pack_size = pack_size;
+    if (compression == "zstd") c.codec.compression = Compression::kZstd;
+    else if (compression == "none") c.codec.compression = Compression::kNone;
+    else throw StatusError{Status::InvalidArgument("compression must be 'zstd' or 'none', not '" + compression + "'")};
+    c.codec.level = level;
+    c.adaptive = adaptive;
+    py::gil_scoped_release nogil;
+    Check(Repository::Init(path, c));
+  }
+
+  static PyRepository Open(const std::string& path, size_t threads, uint64_t cache_bytes) {
+    RejectRemote(path);
+    OpenOptions o;
+    o.threads = threads;
+    o.cache_bytes = cache_bytes;
+    py::gil_scoped_release nogil;
+    return PyRepository(RepositoryCache::Get().Open(path, o));
+  }
+
+  std::string path() const { return repo_->path(); }
+  py::dict config() const {
+    const RepositoryConfig& c = repo_->config();
+    py::dict d;
+    d["chunk_size"] = c.chunk_size;
+    d["pack_size"] = c.pack_size;
+    d["compression"] = c.codec.compression == Compression::kZstd ? "zstd" : "none";
+    d["level"] = c.codec.level;
+    d["adaptive"] = c.adaptive;
+    return d;
+  }
+
+  Writer begin(const std::string& name, uint32_t rank, uint32_t world_size, std::optional<int64_t> step,
+               const std::vector<std::pair<std::string, std::string>>& tags) {
+    WriterOptions o;
+    o.rank = rank;
+    o.world_size = world_size;
+    o.step = step;
+    o.tags = tags;
+    py::gil_scoped_release nogil;
+    return Writer(repo_, Value(repo_->BeginCheckpoint(name, o)));
+  }
+
+  Reader open_checkpoint(const std::string& name) {
+    py::gil_scoped_release nogil;
+    return Reader(repo_, Value(repo_->OpenCheckpoint(name)));
+  }
+
+  py::object checkpoints(bool include_pending) {
+    std::vector<CheckpointRecord> list;
+    {
+      py::gil_scoped_release nogil;
+      list = Value(repo_->ListCheckpoints(include_pending));
+    }
+    Json j = Json::MakeArray();
+    for (const auto& c : list) j.Push(DescribeRecord(c));
+    return JsonToPython(j);
+  }
+
+  void rm(const std::vector<std::string>& names) {
+    py::gil_scoped_release nogil;
+    Check(repo_->RemoveCheckpoints(names));
+  }
+
+  py::object gc(std::optional<uint64_t> keep_last, std::optional<uint64_t> keep_every,
+                const std::vector<std::string>& keep, bool dry_run, double rewrite_below) {
+    if (keep_every && *keep_every == 0) throw StatusError{Status::InvalidArgument("keep_every must be at least 1")};
+    GcOptions o;
+    o.retention.keep_last = keep_last;
+    o.retention.keep_every = keep_every;
+    o.retention.keep = keep;
+    o.dry_run = dry_run;
+    o.rewrite_below = rewrite_below;
+    GcReport r;
+    {
+      py::gil_scoped_release nogil;
+      r = Value(repo_->CollectGarbage(o));
+    }
+    return JsonToPython(DescribeGcReport(r, dry_run));
+  }
+
+  py::dict verify(std::optional<std::string> name) {
+    VerifyReport r;
+    {
+      py::gil_scoped_release nogil;
+      r = Value(repo_->Verify(name));
+    }
+    py::dict d;
+    d["ok"] = r.ok();
+    d["checkpoints"] = r.checkpoints;
+    d["tensors"] = r.tensors;
+    d["chunks"] = r.chunks;
+    d["bytes"] = r.bytes;
+    py::list problems;
+    for (const auto& p : r.problems) {
+      py::dict pd;
+      pd["checkpoint"] = p.checkpoint;
+      pd["what"] = p.what;
+      pd["message"] = p.message;
+      problems.append(pd);
+    }
+    d["problems"] = problems;
+    return d;
+  }
+
+  py::dict buffer_stats() const {
+    BufferPoolStats s = repo_->buffer_stats();
+    py::dict d;
+    d["allocations"] = s.allocations;
+    d["reuses"] = s.reuses;
+    d["bytes_held"] = s.bytes_held;
+    return d;
+  }
+
+ private:
+  std::shared_ptr<Repository> repo_;
+};
+
+}  // namespace
+}  // namespace ckptfs::python
+
+using namespace ckptfs;
+using namespace ckptfs::python;
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "C++ core of ckptfs (use the ckptfs package, not this module)";
+  m.attr("__version__") = CKPTFS_VERSION;
+
+  g_error = NewErrorClass(m, "Error", PyExc_Exception, nullptr, "An error from ckptfs; str() is a one-line message.");
+  g_not_found = NewErrorClass(m, "NotFoundError", g_error, PyExc_LookupError,
+                              "A repository, checkpoint, tensor or blob does not exist.");
+  g_invalid = NewErrorClass(m, "InvalidArgumentError", g_error, PyExc_ValueError,
+                            "Arguments that do not fit (dtype, shape, region, name, option).");
+  g_exists = NewErrorClass(m, "AlreadyExistsError", g_error, nullptr, "A name is taken (a committed checkpoint).");
+  g_corruption = NewErrorClass(m, "CorruptionError", g_error, nullptr, "Stored bytes fail a check.");
+  g_io = NewErrorClass(m, "StorageError", g_error, PyExc_OSError, "The operating system refused an operation (disk full, permissions).");
+  g_unsupported = NewErrorClass(m, "UnsupportedError", g_error, nullptr, "Valid, but not handled by this build.");
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      PyErr_SetString(ErrorClassFor(e.status.code()), e.status.message().c_str());
+    }
+  });
+
+  m.def("cuda_available", [] {
+    std::string why;
+    bool ok = gpu::CudaAvailable(&why);
+    return std::make_pair(ok, why);
+  }, "(available, reason): whether this build can stage through a GPU, and why not.");
+
+  py::class_<SaveHandle>(m, "SaveHandle")
+      .def("done", &SaveHandle::done)
+      .def("wait", &SaveHandle::wait, py::arg("timeout") = py::none())
+      .def("result", &SaveHandle::result)
+      .def_property_readonly("blocking_seconds", &SaveHandle::blocking_seconds);
+
+  py::class_<Writer>(m, "Writer")
+      .def("put", &Writer::put, py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("kind"),
+           py::arg("local_shape"), py::arg("offsets"), py::arg("start"), py::arg("address"), py::arg("nbytes"),
+           py::arg("device"))
+      .def("put_blob", &Writer::put_blob, py::arg("name"), py::arg("data"))
+      .def("commit", &Writer::commit, py::arg("snapshot"))
+      .def("abort", &Writer::abort);
+
+  py::class_<Reader>(m, "Reader")
+      .def("tensors", &Reader::tensors)
+      .def("blobs", &Reader::blobs)
+      .def("tensor_info", &Reader::tensor_info, py::arg("name"))
+      .def("read", &Reader::read, py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("kind"),
+           py::arg("local_shape"), py::arg("offsets"), py::arg("start"), py::arg("address"), py::arg("nbytes"),
+           py::arg("device"))
+      .def("blob", &Reader::blob, py::arg("name"))
+      .def("show", &Reader::show);
+
+  py::class_<PyRepository>(m, "Repository")
+      .def_static("init", &PyRepository::Init, py::arg("path"), py::arg("chunk_size"), py::arg("pack_size"),
+                  py::arg("compression"), py::arg("level"), py::arg("adaptive"))
+      .def_static("open", &PyRepository::Open, py::arg("path"), py::arg("threads"), py::arg("cache_bytes"))
+      .def_property_readonly("path", &PyRepository::path)
+      .def_property_readonly("config", &PyRepository::config)
+      .def("begin", &PyRepository::begin, py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("step"),
+           py::arg("tags"))
+      .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"))
+      .def("checkpoints", &PyRepository::checkpoints, py::arg("include_pending"))
+      .def("rm", &PyRepository::rm, py::arg("names"))
+      .def("gc", &PyRepository::gc, py::arg("keep_last"), py::arg("keep_every"), py::arg("keep"), py::arg("dry_run"),
+           py::arg("rewrite_below"))
+      .def("verify", &PyRepository::verify, py::arg("name"))
+      .def("buffer_stats", &PyRepository::buffer_stats);
+}

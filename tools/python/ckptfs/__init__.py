@@ -1,0 +1,533 @@
+"""ckptfs: save and load training state in a ckptfs repository.
+
+A repository keeps checkpoints of named tensors (and named byte blobs),
+deduplicated and compressed. Each rank of a job saves its part (whole
+tensors, or shards: a ``Box`` of the global tensor or a ``Flat`` run of its
+row-major elements); the checkpoint becomes visible when the last rank has
+committed. Any region of any tensor can be loaded back, at any sharding.
+
+    import ckptfs, torch
+    repo = ckptfs.init("/data/ckpt")            # or ckptfs.open(...)
+    repo.save("step-100", model.state_dict(), step=100)
+    state = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+    repo.load("step-100", state)
+
+Values are torch tensors (CPU or CUDA), NumPy arrays, or bytes (blobs).
+Errors raise ckptfs.Error subclasses whose text is the command-line tool's
+one-line message. See docs/PYTHON.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+from . import _core
+from ._core import (  # noqa: F401  (re-exported)
+    AlreadyExistsError,
+    CorruptionError,
+    Error,
+    InvalidArgumentError,
+    NotFoundError,
+    StorageError,
+    UnsupportedError,
+)
+
+__version__ = _core.__version__
+
+__all__ = [
+    "Box",
+    "Flat",
+    "Repository",
+    "SaveHandle",
+    "init",
+    "open",
+    "cuda_available",
+    "Error",
+    "NotFoundError",
+    "InvalidArgumentError",
+    "AlreadyExistsError",
+    "CorruptionError",
+    "StorageError",
+    "UnsupportedError",
+]
+
+
+# ---- shards ---------------------------------------------------------------------
+
+
+class Box:
+    """A shard that is an N-d box of a global tensor.
+
+    ``global_shape`` is the whole tensor's shape and ``offsets`` the global
+    index of the shard's first element; the box's lengths are the shape of
+    the tensor or array it is given with (tensor parallelism, DTensor).
+    """
+
+    __slots__ = ("global_shape", "offsets")
+
+    def __init__(self, global_shape: Sequence[int], offsets: Sequence[int]):
+        self.global_shape = tuple(int(d) for d in global_shape)
+        self.offsets = tuple(int(o) for o in offsets)
+        if len(self.offsets) != len(self.global_shape):
+            raise InvalidArgumentError(
+                f"Box offsets {list(self.offsets)} do not match the rank of global shape {list(self.global_shape)}"
+            )
+
+    def __repr__(self) -> str:
+        return f"Box(global_shape={list(self.global_shape)}, offsets={list(self.offsets)})"
+
+
+class Flat:
+    """A shard that is a run of a global tensor's row-major elements.
+
+    ``global_shape`` is the whole tensor's shape and ``start`` the index of
+    the run's first element in the flattened tensor; its length is the
+    number of elements of the tensor or array it is given with (FSDP/ZeRO
+    flat parameters, which split tensors at arbitrary elements).
+    """
+
+    __slots__ = ("global_shape", "start")
+
+    def __init__(self, global_shape: Sequence[int], start: int):
+        self.global_shape = tuple(int(d) for d in global_shape)
+        self.start = int(start)
+        if self.start < 0:
+            raise InvalidArgumentError(f"Flat start {self.start} is negative")
+
+    def __repr__(self) -> str:
+        return f"Flat(global_shape={list(self.global_shape)}, start={self.start})"
+
+
+Shard = Union[Box, Flat]
+
+
+# ---- torch and NumPy memory -------------------------------------------------------
+
+_TORCH_NAMES = [
+    ("bool", "BOOL"), ("uint8", "U8"), ("int8", "I8"), ("int16", "I16"), ("int32", "I32"),
+    ("int64", "I64"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
+    ("float16", "F16"), ("bfloat16", "BF16"), ("float32", "F32"), ("float64", "F64"),
+    ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
+]
+_torch_module: Any = None
+_torch_to_name: Dict[Any, str] = {}
+_name_to_torch: Dict[str, Any] = {}
+
+
+def _torch():
+    """torch, or None when it cannot be imported (NumPy-only use)."""
+    global _torch_module
+    if _torch_module is None:
+        try:
+            import torch  # noqa: PLC0415
+        except ImportError:
+            _torch_module = False
+        else:
+            _torch_module = torch
+            for attr, name in _TORCH_NAMES:
+                dt = getattr(torch, attr, None)  # newer dtypes exist only in newer torch
+                if dt is not None:
+                    _torch_to_name[dt] = name
+                    _name_to_torch[name] = dt
+    return _torch_module or None
+
+
+def _is_tensor(value) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _numpy_name(dtype) -> Optional[str]:
+    if dtype.kind == "b":
+        return "BOOL"
+    if dtype.kind in "iuf" and dtype.itemsize in (1, 2, 4, 8):
+        name = {"i": "I", "u": "U", "f": "F"}[dtype.kind] + str(8 * dtype.itemsize)
+        return None if name == "F8" else name
+    return None
+
+
+class _Memory:
+    """Where a value's elements lie: dtype name, shape, address, size, device
+    (-1 for host memory), and the object that keeps the memory alive."""
+
+    __slots__ = ("dtype", "shape", "address", "nbytes", "device", "keep")
+
+    def __init__(self, dtype, shape, address, nbytes, device, keep):
+        self.dtype, self.shape, self.address, self.nbytes, self.device, self.keep = (
+            dtype, shape, address, nbytes, device, keep)
+
+
+def _device_index(tensor, what: str) -> int:
+    if tensor.device.type == "cpu":
+        return -1
+    if tensor.device.type == "cuda":
+        return tensor.device.index if tensor.device.index is not None else _torch().cuda.current_device()
+    raise InvalidArgumentError(f"{what} is on device '{tensor.device}'; ckptfs reads CPU and CUDA tensors")
+
+
+def _source_memory(value, what: str) -> _Memory:
+    """The memory of a value to save (a contiguous copy when it is not)."""
+    if _is_tensor(value):
+        t = value.detach()
+        if t.layout != _torch().strided:
+            raise InvalidArgumentError(f"{what} has layout {t.layout}; only dense (strided) tensors can be saved")
+        name = _torch_to_name.get(t.dtype)
+        if name is None:
+            raise InvalidArgumentError(f"{what} has dtype {t.dtype}, which ckptfs does not store")
+        device = _device_index(t, what)
+        if not t.is_contiguous():
+            t = t.contiguous()
+        return _Memory(name, tuple(t.shape), t.data_ptr(), t.numel() * t.element_size(), device, t)
+    import numpy as np  # noqa: PLC0415
+
+    if isinstance(value, (np.ndarray, np.generic)):
+        a = np.asarray(value)
+        name = _numpy_name(a.dtype)
+        if name is None:
+            raise InvalidArgumentError(f"{what} has dtype {a.dtype}, which ckptfs does not store")
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        a = np.ascontiguousarray(a)
+        return _Memory(name, tuple(a.shape), a.__array_interface__["data"][0], a.nbytes, -1, a)
+    raise InvalidArgumentError(
+        f"{what} is a {type(value).__name__}; values are torch tensors, NumPy arrays or bytes "
+        "(serialize other state into bytes)")
+
+
+class _Target:
+    """A load target's memory: the target itself when it is contiguous,
+    otherwise a contiguous scratch copied into it by finish()."""
+
+    def __init__(self, target, what: str):
+        self.target = target
+        self.scratch = None
+        if _is_tensor(target):
+            t = target.detach()
+            name = _torch_to_name.get(t.dtype)
+            if name is None:
+                raise InvalidArgumentError(f"{what} has dtype {t.dtype}, which ckptfs does not store")
+            device = _device_index(t, what)
+            if not t.is_contiguous():
+                self.scratch = t = _torch().empty(t.shape, dtype=t.dtype, device=t.device)
+            self.memory = _Memory(name, tuple(t.shape), t.data_ptr(), t.numel() * t.element_size(), device, t)
+            return
+        import numpy as np  # noqa: PLC0415
+
+        if not isinstance(target, np.ndarray):
+            raise InvalidArgumentError(
+                f"{what} is a {type(target).__name__}; load targets are torch tensors or NumPy arrays")
+        if not target.flags.writeable:
+            raise InvalidArgumentError(f"{what} is a read-only array")
+        name = _numpy_name(target.dtype)
+        if name is None:
+            raise InvalidArgumentError(f"{what} has dtype {target.dtype}, which ckptfs does not store")
+        a = target
+        if not a.flags.c_contiguous or a.dtype.byteorder == ">":
+            self.scratch = a = np.empty(a.shape, dtype=a.dtype.newbyteorder("="))
+        self.memory = _Memory(name, tuple(a.shape), a.__array_interface__["data"][0], a.nbytes, -1, a)
+
+    def finish(self):
+        if self.scratch is None:
+            return
+        if _is_tensor(self.target):
+            with _torch().no_grad():
+                self.target.copy_(self.scratch)
+        else:
+            self.target[...] = self.scratch
+
+
+def _region(shard: Optional[Shard], memory: _Memory, what: str):
+    """(global shape, kind, offsets, start) of a value saved or loaded as `shard`."""
+    if shard is None:
+        return memory.shape, "whole", [], 0
+    if isinstance(shard, Box):
+        if len(shard.offsets) != len(memory.shape):
+            raise InvalidArgumentError(
+                f"{what}: {shard!r} has rank {len(shard.offsets)}, the tensor has shape {list(memory.shape)}")
+        return shard.global_shape, "box", list(shard.offsets), 0
+    if isinstance(shard, Flat):
+        return shard.global_shape, "flat", [], shard.start
+    raise InvalidArgumentError(f"{what}: shards must be ckptfs.Box or ckptfs.Flat, not {type(shard).__name__}")
+
+
+def _sync_cuda(memories: Iterable[_Memory]) -> None:
+    """Waits for the work queued on the CUDA devices holding these tensors,
+    so the copies ckptfs makes on its own stream see their final values."""
+    devices = {m.device for m in memories if m.device >= 0}
+    for d in devices:
+        _torch().cuda.synchronize(d)
+
+
+def _check_names(kind: str, names: Iterable[Any]) -> None:
+    for n in names:
+        if not isinstance(n, str):
+            raise InvalidArgumentError(f"{kind} names must be str, not {type(n).__name__} ({n!r})")
+
+
+# ---- saves in flight ----------------------------------------------------------------
+
+_in_flight: "set[SaveHandle]" = set()
+_in_flight_lock = threading.Lock()
+
+
+@atexit.register
+def _finish_saves_at_exit() -> None:
+    # A save handed to the background finishes before the interpreter exits.
+    with _in_flight_lock:
+        pending = list(_in_flight)
+    for h in pending:
+        h._core.wait(None)
+
+
+class SaveHandle:
+    """A save in progress (from Repository.async_save).
+
+    The tensors passed to async_save have been copied or consumed when it
+    returns; the checkpoint is durable (and visible, when this was the last
+    rank) once result() returns.
+    """
+
+    def __init__(self, core_handle, blocking_seconds: float):
+        self._core = core_handle
+        self._blocking = blocking_seconds
+        with _in_flight_lock:
+            _in_flight.add(self)
+
+    @property
+    def blocking_seconds(self) -> float:
+        """Seconds the async_save call blocked the caller."""
+        return self._blocking
+
+    def done(self) -> bool:
+        """True once the save has finished, successfully or not."""
+        return self._core.done()
+
+    def result(self, timeout: Optional[float] = None) -> Dict[str, Any]:
+        """Waits until the save is durable and returns its summary
+        (checkpoint_visible, chunks_written, chunks_deduplicated,
+        logical_bytes, stored_bytes). Raises the save's error, or
+        TimeoutError when `timeout` seconds pass first."""
+        if not self._core.wait(timeout):
+            raise TimeoutError(f"the save did not finish within {timeout} s")
+        with _in_flight_lock:
+            _in_flight.discard(self)
+        return self._core.result()
+
+
+# ---- the repository ------------------------------------------------------------------
+
+
+class Repository:
+    """A ckptfs repository. Obtain one with ckptfs.init or ckptfs.open.
+
+    Thread safety: one Repository may be used by many threads; calls that do
+    I/O release the GIL. Opening one repository twice in a process shares
+    one engine instance.
+    """
+
+    def __init__(self, core_repo):
+        self._repo = core_repo
+
+    def __repr__(self) -> str:
+        return f"ckptfs.Repository({self._repo.path!r})"
+
+    @property
+    def path(self) -> str:
+        """The repository's location."""
+        return self._repo.path
+
+    @property
+    def config(self) -> Dict[str, Any]:
+        """chunk_size, pack_size, compression, level, adaptive."""
+        return self._repo.config
+
+    # -- save --
+
+    def _put_all(self, name, state_dict, step, rank, world_size, shards, tags):
+        if not isinstance(state_dict, Mapping):
+            raise InvalidArgumentError(f"state_dict must be a mapping of names to values, not {type(state_dict).__name__}")
+        shards = dict(shards or {})
+        _check_names("tensor", state_dict.keys())
+        unknown = sorted(set(shards) - set(state_dict))
+        if unknown:
+            raise InvalidArgumentError(f"shards names {unknown} that are not in the state dict")
+        writer = self._repo.begin(name, int(rank), int(world_size), None if step is None else int(step),
+                                  [(str(k), str(v)) for k, v in (tags or {}).items()])
+        kept = []  # device memory must stay alive until the commit has copied it
+        try:
+            for key, value in state_dict.items():
+                what = f"'{key}'"
+                if isinstance(value, (bytes, bytearray, memoryview)):
+                    if key in shards:
+                        raise InvalidArgumentError(f"{what} is bytes (a blob) and cannot be a shard")
+                    writer.put_blob(key, value)
+                    continue
+                memory = _source_memory(value, what)
+                global_shape, kind, offsets, start = _region(shards.get(key), memory, what)
+                if memory.device >= 0:
+                    kept.append(memory)
+                writer.put(key, memory.dtype, list(global_shape), kind, list(memory.shape), offsets, start,
+                           memory.address, memory.nbytes, memory.device)
+        except BaseException:
+            writer.abort()
+            raise
+        return writer, kept
+
+    def save(self, name: str, state_dict: Mapping[str, Any], *, step: Optional[int] = None, rank: int = 0,
+             world_size: int = 1, shards: Optional[Mapping[str, Shard]] = None,
+             tags: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+        """Saves this rank's part of checkpoint `name` and returns once it is durable.
+
+        state_dict maps names to torch tensors (CPU or CUDA), NumPy arrays
+        or bytes (blobs). A tensor is whole unless shards[name] is a Box or
+        Flat saying which part of a global tensor it is. With world_size N,
+        the checkpoint becomes visible when all N ranks have saved; their
+        shards must tile every tensor exactly (replicas with equal bytes are
+        allowed). Returns this rank's summary (checkpoint_visible,
+        chunks_written, chunks_deduplicated, logical_bytes, stored_bytes).
+        Raises AlreadyExistsError when `name` is committed, InvalidArgumentError
+        for values, shards or ranks that do not fit.
+        """
+        writer, kept = self._put_all(name, state_dict, step, rank, world_size, shards, tags)
+        _sync_cuda(kept)
+        handle = writer.commit(snapshot=False)
+        del kept
+        handle.wait(None)
+        return handle.result()
+
+    def async_save(self, name: str, state_dict: Mapping[str, Any], *, step: Optional[int] = None, rank: int = 0,
+                   world_size: int = 1, shards: Optional[Mapping[str, Shard]] = None,
+                   tags: Optional[Mapping[str, str]] = None) -> SaveHandle:
+        """Like save, but returns as soon as the caller may modify its
+        tensors: CPU tensors, arrays and blobs have been hashed and encoded,
+        CUDA tensors copied to pinned host memory. The rest (compression
+        not yet done, writes, fsync, commit) runs in the background; wait for
+        it with the handle's result(). Saves still running when the
+        interpreter exits are finished first.
+        """
+        start = time.perf_counter()
+        writer, kept = self._put_all(name, state_dict, step, rank, world_size, shards, tags)
+        _sync_cuda(kept)
+        handle = writer.commit(snapshot=True)
+        del kept
+        return SaveHandle(handle, time.perf_counter() - start)
+
+    # -- load --
+
+    def load(self, name: str, targets: Mapping[str, Any], *, shards: Optional[Mapping[str, Shard]] = None):
+        """Fills pre-allocated tensors or arrays from checkpoint `name`.
+
+        targets maps tensor names to CPU or CUDA tensors or NumPy arrays. A
+        target receives the whole tensor, or, when shards[name] is a Box or
+        Flat, that region of the global tensor: any sharding, whatever the
+        sharding it was saved at. Raises NotFoundError for an unknown
+        checkpoint or tensor, InvalidArgumentError when a target's dtype or
+        shape does not match. Returns `targets`.
+        """
+        if not isinstance(targets, Mapping):
+            raise InvalidArgumentError(f"targets must be a mapping of names to tensors, not {type(targets).__name__}")
+        shards = dict(shards or {})
+        _check_names("tensor", targets.keys())
+        unknown = sorted(set(shards) - set(targets))
+        if unknown:
+            raise InvalidArgumentError(f"shards names {unknown} that are not in targets")
+        reader = self._repo.open_checkpoint(name)
+        for key, target in targets.items():
+            what = f"target '{key}'"
+            t = _Target(target, what)
+            m = t.memory
+            global_shape, kind, offsets, start = _region(shards.get(key), m, what)
+            reader.read(key, m.dtype, list(global_shape), kind, list(m.shape), offsets, start, m.address, m.nbytes,
+                        m.device)
+            t.finish()
+        return targets
+
+    def tensor(self, name: str, tensor_name: str, *, device: Any = "cpu"):
+        """The whole tensor `tensor_name` of checkpoint `name`, merged from
+        its shards, as a new torch tensor of its stored dtype on `device`."""
+        torch = _torch()
+        if torch is None:
+            raise UnsupportedError("Repository.tensor needs torch; load into a NumPy array with Repository.load")
+        reader = self._repo.open_checkpoint(name)
+        dtype_name, shape = reader.tensor_info(tensor_name)
+        dtype = _name_to_torch.get(dtype_name)
+        if dtype is None:
+            raise UnsupportedError(
+                f"tensor '{tensor_name}' is {dtype_name}, which torch {torch.__version__} has no dtype for")
+        out = torch.empty(tuple(shape), dtype=dtype, device=device)
+        t = _Target(out, f"tensor '{tensor_name}'")
+        m = t.memory
+        reader.read(tensor_name, m.dtype, list(shape), "whole", list(shape), [], 0, m.address, m.nbytes, m.device)
+        return out
+
+    def blob(self, name: str, blob_name: str) -> bytes:
+        """The bytes of blob `blob_name` of checkpoint `name`."""
+        return self._repo.open_checkpoint(name).blob(blob_name)
+
+    # -- inspect and maintain --
+
+    def checkpoints(self, *, include_pending: bool = False) -> List[Dict[str, Any]]:
+        """Committed checkpoints in commit order (pending ones too when asked),
+        with the fields of `ckpt ls --json`."""
+        return self._repo.checkpoints(bool(include_pending))
+
+    def show(self, name: str) -> Dict[str, Any]:
+        """Checkpoint `name` with its tensors, shards and blobs: the fields of
+        `ckpt show --json`."""
+        return self._repo.open_checkpoint(name).show()
+
+    def rm(self, *names: str) -> None:
+        """Removes checkpoints, all or none (NotFoundError when any is
+        unknown). Their space is reclaimed by gc."""
+        if len(names) == 1 and not isinstance(names[0], str):
+            names = tuple(names[0])
+        _check_names("checkpoint", names)
+        self._repo.rm(list(names))
+
+    def gc(self, *, keep_last: Optional[int] = None, keep_every: Optional[int] = None, keep: Sequence[str] = (),
+           dry_run: bool = False, rewrite_below: float = 0.5) -> Dict[str, Any]:
+        """Applies a retention policy (keep the newest `keep_last`, steps that
+        are multiples of `keep_every`, and the names in `keep`; without any,
+        nothing is removed), then reclaims the space no checkpoint uses.
+        Returns the fields of `ckpt gc --json`."""
+        if isinstance(keep, str):
+            keep = [keep]
+        return self._repo.gc(keep_last, keep_every, list(keep), bool(dry_run), float(rewrite_below))
+
+    def verify(self, name: Optional[str] = None) -> Dict[str, Any]:
+        """Re-reads and re-hashes every chunk (of `name`, or of every
+        checkpoint) and checks every tensor is tiled; the report's `ok` is
+        False and `problems` lists what is wrong otherwise."""
+        return self._repo.verify(name)
+
+
+def init(url: str, *, chunk_size: int = 4 << 20, pack_size: int = 256 << 20, compression: str = "zstd",
+         level: int = 1, adaptive: bool = True, threads: int = 0, cache_bytes: int = 512 << 20) -> Repository:
+    """Creates a repository at `url` (an empty or missing directory) and opens it.
+
+    chunk_size: bytes per chunk, a multiple of 8 in [64 KiB, 256 MiB];
+    pack_size: a pack file is sealed at this size; compression: "zstd" or
+    "none"; level: zstd level; adaptive: store raw while the disk is idle.
+    threads and cache_bytes are as for open().
+    """
+    _core.Repository.init(url, int(chunk_size), int(pack_size), compression, int(level), bool(adaptive))
+    return open(url, threads=threads, cache_bytes=cache_bytes)
+
+
+def open(url: str, *, threads: int = 0, cache_bytes: int = 512 << 20) -> Repository:  # noqa: A001
+    """Opens the repository at `url` (a local path).
+
+    threads: worker threads for hashing, compression and reads (0: one per
+    core); cache_bytes: bound of the decoded-chunk cache. Raises
+    NotFoundError when there is no repository there.
+    """
+    return Repository(_core.Repository.open(url, int(threads), int(cache_bytes)))
+
+
+def cuda_available() -> Tuple[bool, str]:
+    """(available, reason): whether CUDA tensors can be staged by this
+    build on this machine, and why not."""
+    return _core.cuda_available()

@@ -1,0 +1,1 @@
+"""torch.distributed.checkpoint storage for ckptfs (being written)."""
