@@ -36,14 +36,15 @@ case "$cmd" in
     # Tests on explicitly: the demo configures the same build/ without them.
     configure_build build -DCKPTFS_BUILD_TESTS=ON
     echo "== tests (release build)"
-    ctest --test-dir build --output-on-failure --no-tests=error -j "$JOBS" -LE gpu
-    echo "== GPU tests (label gpu; where no GPU is usable, each says so and is skipped)"
+    ctest --test-dir build --output-on-failure --no-tests=error -j "$JOBS" -LE "gpu|device"
+    echo "== GPU and device tests (labels gpu, device: a GPU, or torch >= 2.4 for DCP; where"
+    echo "   those are missing, each test says so and is skipped)"
     gpu_log=$(mktemp)
-    if ! ctest --test-dir build --output-on-failure --no-tests=error -L gpu -V >"$gpu_log" 2>&1; then
+    if ! ctest --test-dir build --output-on-failure --no-tests=error -L "gpu|device" -V >"$gpu_log" 2>&1; then
       cat "$gpu_log"
       exit 1
     fi
-    grep -E "Test +#[0-9]+:|skipped:|tests passed" "$gpu_log" || true
+    grep -E "Test +#[0-9]+:|skipped:|skipped '|tests passed" "$gpu_log" || true
     rm -f "$gpu_log"
     echo "== engine unit tests under ASan+UBSan"
     configure_build build-asan -DCKPTFS_SANITIZE=ON -DCKPTFS_UNIT_TESTS_ONLY=ON

@@ -190,7 +190,8 @@ def _source_memory(value, what: str) -> _Memory:
             raise InvalidArgumentError(f"{what} has dtype {a.dtype}, which ckptfs does not store")
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
-        a = np.ascontiguousarray(a)
+        if not a.flags.c_contiguous:
+            a = a.copy(order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
         return _Memory(name, tuple(a.shape), a.__array_interface__["data"][0], a.nbytes, -1, a)
     raise InvalidArgumentError(
         f"{what} is a {type(value).__name__}; values are torch tensors, NumPy arrays or bytes "
@@ -251,6 +252,32 @@ def _region(shard: Optional[Shard], memory: _Memory, what: str):
     if isinstance(shard, Flat):
         return shard.global_shape, "flat", [], shard.start
     raise InvalidArgumentError(f"{what}: shards must be ckptfs.Box or ckptfs.Flat, not {type(shard).__name__}")
+
+
+def _put_value(writer, key: str, value, shard: Optional[Shard], sharded: bool, kept: List[_Memory]) -> None:
+    """Puts one state-dict entry into a core writer; device memory that the
+    commit still has to copy is appended to `kept`."""
+    what = f"'{key}'"
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        if sharded:
+            raise InvalidArgumentError(f"{what} is bytes (a blob) and cannot be a shard")
+        writer.put_blob(key, value)
+        return
+    memory = _source_memory(value, what)
+    global_shape, kind, offsets, start = _region(shard, memory, what)
+    if memory.device >= 0:
+        kept.append(memory)
+    writer.put(key, memory.dtype, list(global_shape), kind, list(memory.shape), offsets, start, memory.address,
+               memory.nbytes, memory.device)
+
+
+def _read_value(reader, key: str, target, shard: Optional[Shard]) -> None:
+    """Fills one load target from a core reader."""
+    t = _Target(target, f"target '{key}'")
+    m = t.memory
+    global_shape, kind, offsets, start = _region(shard, m, f"target '{key}'")
+    reader.read(key, m.dtype, list(global_shape), kind, list(m.shape), offsets, start, m.address, m.nbytes, m.device)
+    t.finish()
 
 
 def _sync_cuda(memories: Iterable[_Memory]) -> None:
@@ -359,18 +386,7 @@ class Repository:
         kept = []  # device memory must stay alive until the commit has copied it
         try:
             for key, value in state_dict.items():
-                what = f"'{key}'"
-                if isinstance(value, (bytes, bytearray, memoryview)):
-                    if key in shards:
-                        raise InvalidArgumentError(f"{what} is bytes (a blob) and cannot be a shard")
-                    writer.put_blob(key, value)
-                    continue
-                memory = _source_memory(value, what)
-                global_shape, kind, offsets, start = _region(shards.get(key), memory, what)
-                if memory.device >= 0:
-                    kept.append(memory)
-                writer.put(key, memory.dtype, list(global_shape), kind, list(memory.shape), offsets, start,
-                           memory.address, memory.nbytes, memory.device)
+                _put_value(writer, key, value, shards.get(key), key in shards, kept)
         except BaseException:
             writer.abort()
             raise
@@ -436,13 +452,7 @@ class Repository:
             raise InvalidArgumentError(f"shards names {unknown} that are not in targets")
         reader = self._repo.open_checkpoint(name)
         for key, target in targets.items():
-            what = f"target '{key}'"
-            t = _Target(target, what)
-            m = t.memory
-            global_shape, kind, offsets, start = _region(shards.get(key), m, what)
-            reader.read(key, m.dtype, list(global_shape), kind, list(m.shape), offsets, start, m.address, m.nbytes,
-                        m.device)
-            t.finish()
+            _read_value(reader, key, target, shards.get(key))
         return targets
 
     def tensor(self, name: str, tensor_name: str, *, device: Any = "cpu"):
@@ -458,9 +468,7 @@ class Repository:
             raise UnsupportedError(
                 f"tensor '{tensor_name}' is {dtype_name}, which torch {torch.__version__} has no dtype for")
         out = torch.empty(tuple(shape), dtype=dtype, device=device)
-        t = _Target(out, f"tensor '{tensor_name}'")
-        m = t.memory
-        reader.read(tensor_name, m.dtype, list(shape), "whole", list(shape), [], 0, m.address, m.nbytes, m.device)
+        _read_value(reader, tensor_name, out, None)
         return out
 
     def blob(self, name: str, blob_name: str) -> bytes:

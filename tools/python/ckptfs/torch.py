@@ -1,1 +1,243 @@
-"""torch.distributed.checkpoint storage for ckptfs (being written)."""
+"""torch.distributed.checkpoint (DCP) storage backed by a ckptfs repository.
+
+    import torch.distributed.checkpoint as dcp
+    from ckptfs.torch import StorageReader, StorageWriter
+
+    dcp.save(state_dict, storage_writer=StorageWriter("/data/ckpt", "step-100"))
+    dcp.load(state_dict, storage_reader=StorageReader("/data/ckpt", "step-100"))
+
+Every rank writes its items as one rank of ckptfs checkpoint `name` (rank and
+world size from the default process group); tensor chunks become box shards
+of their global tensors, non-tensor items (pickled by DCP) become blobs. The
+coordinator commits last, after DCP's finish, so the checkpoint becomes
+visible only when the whole save succeeded. The result is deduplicated,
+compressed and readable like any other checkpoint (mount, export, np.load).
+
+The reader builds DCP's metadata from the checkpoint's records, one whole
+chunk per tensor (ckptfs merges shards on read), so any ckptfs checkpoint,
+however it was saved, loads at any sharding; no pickled metadata is stored.
+
+Needs torch >= 2.4; with an older torch, constructing either class raises
+ckptfs.UnsupportedError.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, List, Optional, Union
+
+import ckptfs
+from ckptfs import UnsupportedError, _put_value, _read_value, _sync_cuda
+
+__all__ = ["StorageWriter", "StorageReader", "dcp_unavailable_reason"]
+
+
+def dcp_unavailable_reason() -> Optional[str]:
+    """None when this torch has the DCP storage interfaces ckptfs implements
+    (torch >= 2.4); otherwise why not."""
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError:
+        return "torch is not installed"
+    try:
+        major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    except ValueError:
+        return f"cannot read torch version '{torch.__version__}'"
+    if (major, minor) < (2, 4):
+        return f"ckptfs.torch needs torch >= 2.4 (torch.distributed.checkpoint); this is torch {torch.__version__}"
+    try:
+        import torch.distributed.checkpoint  # noqa: F401, PLC0415
+    except ImportError as e:
+        return f"torch.distributed.checkpoint cannot be imported: {e}"
+    return None
+
+
+_REASON = dcp_unavailable_reason()
+
+
+def _rank_and_world() -> "tuple[int, int]":
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+if _REASON is None:
+    import torch
+    from torch.distributed.checkpoint import storage as _storage
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+    from torch.futures import Future
+
+    _WriterBase: Any = _storage.StorageWriter
+    _ReaderBase: Any = _storage.StorageReader
+else:
+    _WriterBase = object
+    _ReaderBase = object
+
+
+class StorageWriter(_WriterBase):
+    """Writes a DCP save as checkpoint `name` of the repository at `url`.
+
+    `step` and `tags` are recorded with the checkpoint. A checkpoint_id given
+    to dcp.save replaces `name`.
+    """
+
+    def __init__(self, url: Union[str, os.PathLike], name: str, *, step: Optional[int] = None,
+                 tags: Optional[dict] = None):
+        if _REASON is not None:
+            raise UnsupportedError(_REASON)
+        super().__init__()
+        self.url = os.fspath(url)
+        self.name = name
+        self.step = step
+        self.tags = dict(tags or {})
+        self._repo = ckptfs.open(self.url)
+        self._writer = None
+        self._kept: List[Any] = []
+        self._is_coordinator = False
+
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        if checkpoint_id is not None:
+            self.name = os.fspath(checkpoint_id)
+        self._abort()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        # Never chosen automatically: a ckptfs writer is always passed explicitly.
+        return False
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return plans
+
+    def write_data(self, plan, planner):
+        rank, world = _rank_and_world()
+        writer = self._repo._repo.begin(self.name, rank, world, self.step,
+                                        [(str(k), str(v)) for k, v in self.tags.items()])
+        self._writer = writer
+        results = []
+        try:
+            for item in plan.items:
+                fqn = item.index.fqn
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    payload = data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data)
+                    _put_value(writer, fqn, bytes(payload), None, False, self._kept)
+                    size = len(payload)
+                else:
+                    chunk = item.tensor_data.chunk
+                    tensor = data.detach()
+                    shard = ckptfs.Box(tuple(item.tensor_data.size), tuple(chunk.offsets))
+                    _put_value(writer, fqn, tensor, shard, True, self._kept)
+                    size = tensor.numel() * tensor.element_size()
+                results.append(_storage.WriteResult(index=item.index, size_in_bytes=size, storage_data=fqn))
+            if not self._is_coordinator:
+                self._commit()  # the coordinator commits in finish(), last
+        except BaseException:
+            self._abort()
+            raise
+        future = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata, results) -> None:
+        # DCP's metadata is not stored: the reader rebuilds it from the records.
+        self._commit()
+
+    def storage_meta(self):
+        return None
+
+    def _commit(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        _sync_cuda(self._kept)
+        handle = writer.commit(snapshot=False)
+        self._kept = []
+        handle.wait(None)
+        handle.result()
+
+    def _abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+        self._writer = None
+        self._kept = []
+
+
+class StorageReader(_ReaderBase):
+    """Reads checkpoint `name` of the repository at `url` for dcp.load, at
+    any sharding. A checkpoint_id given to dcp.load replaces `name`."""
+
+    def __init__(self, url: Union[str, os.PathLike], name: str):
+        if _REASON is not None:
+            raise UnsupportedError(_REASON)
+        super().__init__()
+        self.url = os.fspath(url)
+        self.name = name
+        self._repo = ckptfs.open(self.url)
+
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        if checkpoint_id is not None:
+            self.name = os.fspath(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        return False
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        shown = self._repo.show(self.name)
+        ckptfs._torch()  # fills the dtype tables
+        entries = {}
+        for t in shown["tensors"]:
+            dtype = ckptfs._name_to_torch.get(t["dtype"])
+            if dtype is None:
+                raise UnsupportedError(f"tensor '{t['name']}' is {t['dtype']}, which torch {torch.__version__} lacks")
+            size = torch.Size(t["shape"])
+            chunk = ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)
+            entries[t["name"]] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=size,
+                                                       chunks=[chunk])
+        for b in shown["blobs"]:
+            entries[b["name"]] = BytesStorageMetadata()
+        return Metadata(state_dict_metadata=entries)
+
+    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return plans
+
+    def read_data(self, plan, planner):
+        reader = self._repo._repo.open_checkpoint(self.name)
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(reader.blob(fqn)))
+                continue
+            info_dtype, shape = reader.tensor_info(fqn)
+            base = item.storage_index.offset or torch.Size([0] * len(shape))
+            offsets = tuple(int(b) + int(o) for b, o in zip(base, item.storage_offsets))
+            target = planner.resolve_tensor(item).detach()
+            if tuple(target.shape) != tuple(item.lengths):
+                target = target.reshape(tuple(item.lengths))
+            _read_value(reader, fqn, target, ckptfs.Box(tuple(shape), offsets))
+            planner.commit_tensor(item, target)
+        future = Future()
+        future.set_result(None)
+        return future

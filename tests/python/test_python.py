@@ -1,0 +1,371 @@
+"""Tests of the Python package on the CPU (Debian's python3-torch 1.13 or
+newer): round trips, sharded saves by rank processes, async isolation,
+errors, interop with the CLI, memory."""
+import inspect
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+import unittest
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "../integration"))
+
+import ckptfs  # noqa: E402
+import st  # noqa: E402
+from helpers import CkptTestCase  # noqa: E402
+
+import shard_worker  # noqa: E402
+
+
+def bits(t):
+    """A tensor's bytes, for bit-exact comparison (NaN payloads included)."""
+    t = t.detach().cpu().contiguous().reshape(-1)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def random_tensor(gen, dtype, shape):
+    """Random bits of every pattern (NaNs, infinities, subnormals) for floats."""
+    n = int(np.prod(shape, dtype=np.int64))
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=gen).to(torch.bool).reshape(shape)
+    width = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+
+
+TORCH_DTYPES = [getattr(torch, n) for n in (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
+    "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
+
+
+class PythonTestCase(CkptTestCase):
+    def setUp(self):
+        super().setUp()
+        self.r = ckptfs.init(self.repo, chunk_size=64 << 10)
+
+
+class RoundTrips(PythonTestCase):
+    def test_every_torch_dtype_round_trips_bit_exact_including_0d_and_zero_size(self):
+        gen = torch.Generator().manual_seed(7)
+        state = {}
+        for dt in TORCH_DTYPES:
+            name = str(dt).replace("torch.", "")
+            state[f"{name}/matrix"] = random_tensor(gen, dt, (37, 129))
+            state[f"{name}/scalar"] = random_tensor(gen, dt, ())
+            state[f"{name}/empty"] = random_tensor(gen, dt, (0, 5))
+        self.r.save("s", state, step=3)
+        shown = {t["name"]: t for t in self.r.show("s")["tensors"]}
+        self.assertEqual(shown["bfloat16/matrix"]["dtype"], "BF16")
+        self.assertEqual(shown["bool/scalar"]["shape"], [])
+        for key, value in state.items():
+            back = self.r.tensor("s", key)
+            self.assertEqual(back.dtype, value.dtype, key)
+            self.assertEqual(back.shape, value.shape, key)
+            self.assertEqual(bits(back), bits(value), key)
+            target = torch.full_like(value, 0) if value.numel() else torch.empty_like(value)
+            self.r.load("s", {key: target})
+            self.assertEqual(bits(target), bits(value), key)
+
+    def test_numpy_arrays_round_trip_whatever_their_layout_and_byte_order(self):
+        rng = np.random.default_rng(3)
+        arrays = {
+            "f32": rng.standard_normal((33, 17)).astype(np.float32),
+            "f16": rng.standard_normal(1000).astype(np.float16),
+            "i64": rng.integers(-2**62, 2**62, size=(4, 5, 6)),
+            "u8": rng.integers(0, 255, size=77, dtype=np.uint8),
+            "bool": rng.integers(0, 2, size=(9, 9)).astype(bool),
+            "big_endian": rng.standard_normal(50).astype(">f8"),
+            "strided": rng.standard_normal((20, 30)).astype(np.float32)[::2, ::3],
+            "scalar": np.float64(2.5),
+        }
+        self.r.save("s", arrays)
+        for key, value in arrays.items():
+            value = np.asarray(value)
+            out = np.zeros(value.shape, dtype=value.dtype.newbyteorder("="))
+            self.r.load("s", {key: out})
+            np.testing.assert_array_equal(out, value, err_msg=key)
+        # non-contiguous targets are filled too
+        out = np.zeros((33, 34), np.float32)[:, ::2]
+        self.r.load("s", {"f32": out})
+        np.testing.assert_array_equal(out, arrays["f32"])
+        t = torch.zeros(17, 33).t()
+        self.r.load("s", {"f32": t})
+        self.assertTrue(torch.equal(t, torch.from_numpy(arrays["f32"])))
+
+    def test_blobs_round_trip(self):
+        payload = bytes(range(256)) * 1000
+        self.r.save("s", {"rng": payload, "empty": b"", "ba": bytearray(b"xyz"), "mv": memoryview(b"abc"),
+                          "w": torch.ones(3)})
+        self.assertEqual(self.r.blob("s", "rng"), payload)
+        self.assertEqual(self.r.blob("s", "empty"), b"")
+        self.assertEqual(self.r.blob("s", "ba"), b"xyz")
+        self.assertEqual(self.r.blob("s", "mv"), b"abc")
+        self.assertEqual(sorted(b["name"] for b in self.r.show("s")["blobs"]), ["ba", "empty", "mv", "rng"])
+
+    def test_opening_a_repository_twice_in_one_process_shares_it(self):
+        other = ckptfs.open(self.repo)
+        self.r.save("a", {"x": torch.arange(5)})
+        self.assertEqual([c["name"] for c in other.checkpoints()], ["a"])
+        self.assertEqual(other.config["chunk_size"], 64 << 10)
+
+
+class ShardedAcrossProcesses(PythonTestCase):
+    def run_ranks(self, action, world):
+        procs = [subprocess.Popen([sys.executable, shard_worker.__file__, action, self.repo, str(r), str(world)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            self.assertEqual(p.returncode, 0, err.decode())
+            outs.append(out.decode())
+        return outs
+
+    def test_box_and_flat_shards_saved_by_4_ranks_load_bit_exact_on_3(self):
+        self.run_ranks("save", 4)
+        [ckpt] = self.r.checkpoints()
+        self.assertEqual((ckpt["name"], ckpt["world_size"], ckpt["committed_ranks"]), ("sharded", 4, 4))
+        outs = self.run_ranks("load", 3)
+        self.assertEqual([o.strip() for o in outs], ["ok"] * 3)
+        # and whole, in this process
+        expected = shard_worker.full_state()
+        for key, value in expected.items():
+            self.assertEqual(bits(self.r.tensor("sharded", key)), bits(value), key)
+
+    def test_a_checkpoint_is_invisible_until_the_last_rank_commits(self):
+        gen = torch.Generator().manual_seed(1)
+        full = random_tensor(gen, torch.float32, (8, 4))
+        for rank in range(3):
+            self.r.save("part", {"w": full[2 * rank:2 * rank + 2]}, rank=rank, world_size=4,
+                        shards={"w": ckptfs.Box((8, 4), (2 * rank, 0))})
+            self.assertEqual(self.r.checkpoints(), [])
+            self.assertEqual(self.r.checkpoints(include_pending=True)[0]["state"], "pending")
+        with self.assertRaises(ckptfs.NotFoundError):
+            self.r.tensor("part", "w")
+        result = self.r.save("part", {"w": full[6:]}, rank=3, world_size=4,
+                             shards={"w": ckptfs.Box((8, 4), (6, 0))})
+        self.assertTrue(result["checkpoint_visible"])
+        self.assertEqual(bits(self.r.tensor("part", "w")), bits(full))
+
+
+class AsyncSave(PythonTestCase):
+    def test_tensors_modified_right_after_async_save_returns_do_not_change_what_is_saved(self):
+        weights = torch.arange(8 << 20, dtype=torch.float32)  # 32 MiB
+        arr = np.arange(1 << 20, dtype=np.int64)
+        expected_w, expected_a = weights.clone(), arr.copy()
+        handle = self.r.async_save("a", {"w": weights, "a": arr}, step=1)
+        weights.fill_(-1.0)
+        arr[:] = 7
+        self.assertGreater(handle.blocking_seconds, 0)
+        result = handle.result(timeout=120)
+        self.assertTrue(handle.done())
+        self.assertTrue(result["checkpoint_visible"])
+        self.assertTrue(torch.equal(self.r.tensor("a", "w"), expected_w))
+        out = np.empty_like(arr)
+        self.r.load("a", {"a": out})
+        np.testing.assert_array_equal(out, expected_a)
+
+    def test_the_handle_raises_the_saves_error(self):
+        self.r.save("taken", {"x": torch.zeros(2)})
+        with self.assertRaises(ckptfs.AlreadyExistsError):
+            self.r.async_save("taken", {"x": torch.zeros(2)}).result()
+        # two ranks whose shards disagree in shape: the last commit fails
+        self.r.save("bad", {"x": torch.zeros(2)}, rank=0, world_size=2,
+                    shards={"x": ckptfs.Flat((4,), 0)})
+        h = self.r.async_save("bad", {"x": torch.zeros(2)}, rank=1, world_size=2,
+                              shards={"x": ckptfs.Flat((5,), 2)})
+        with self.assertRaises(ckptfs.Error) as e:
+            h.result(timeout=60)
+        self.assertIn("'x'", str(e.exception))
+        self.assertEqual([c["name"] for c in self.r.checkpoints()], ["taken"])
+
+    def test_a_saver_does_not_hold_the_gil(self):
+        ticks = [0]
+        stop = threading.Event()
+
+        def count():
+            while not stop.is_set():
+                ticks[0] += 1
+                time.sleep(0.001)
+        counter = threading.Thread(target=count)
+        counter.start()
+        try:
+            gen = torch.Generator().manual_seed(2)
+            state = {f"t{i}": random_tensor(gen, torch.float32, (4 << 20,)) for i in range(8)}  # 128 MiB
+            before = ticks[0]
+            t0 = time.perf_counter()
+            self.r.save("g", state)
+            elapsed = time.perf_counter() - t0
+            during = ticks[0] - before
+        finally:
+            stop.set()
+            counter.join()
+        # A thread sleeping 1 ms per tick manages well over a tick per 10 ms
+        # unless the save holds the GIL throughout.
+        self.assertGreater(during, elapsed * 100 * 0.5, (during, elapsed))
+
+
+class Errors(PythonTestCase):
+    def test_wrong_dtype_or_shape_on_load_names_the_tensor_and_both_values(self):
+        self.r.save("s", {"w": torch.zeros(4, 3, dtype=torch.bfloat16)})
+        with self.assertRaises(ckptfs.InvalidArgumentError) as e:
+            self.r.load("s", {"w": torch.zeros(4, 3)})
+        self.assertEqual(str(e.exception), "tensor 'w' of checkpoint 's' is BF16, the target is F32")
+        self.assertIsInstance(e.exception, ValueError)
+        with self.assertRaises(ckptfs.InvalidArgumentError) as e:
+            self.r.load("s", {"w": torch.zeros(3, 4, dtype=torch.bfloat16)})
+        self.assertIn("[4, 3]", str(e.exception))
+        with self.assertRaises(ckptfs.NotFoundError) as e:
+            self.r.load("s", {"nope": torch.zeros(1)})
+        self.assertEqual(str(e.exception), "checkpoint 's' has no tensor 'nope'")
+
+    def test_unknown_checkpoint_raises_the_clis_message(self):
+        with self.assertRaises(ckptfs.NotFoundError) as e:
+            self.r.tensor("missing", "w")
+        self.assertIsInstance(e.exception, LookupError)
+        cli = self.error_of("show", "missing")
+        self.assertEqual(cli.strip(), f"ckpt: error: {e.exception}")
+        with self.assertRaises(ckptfs.NotFoundError):
+            ckptfs.open(self.path("no-such-repo"))
+        with self.assertRaises(ckptfs.UnsupportedError):
+            ckptfs.open("s3://bucket/prefix")
+
+    def test_a_shard_outside_its_tensor_is_refused_and_nothing_is_saved(self):
+        with self.assertRaises(ckptfs.InvalidArgumentError) as e:
+            self.r.save("s", {"w": torch.zeros(2, 4)}, shards={"w": ckptfs.Box((4, 4), (3, 0))})
+        self.assertIn("'w'", str(e.exception))
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            self.r.save("s", {"w": torch.zeros(10)}, shards={"w": ckptfs.Flat((3, 3), 0)})
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            self.r.save("s", {"w": torch.zeros(2, 4)}, shards={"w": ckptfs.Box((4, 4, 1), (0, 0, 0))})
+        # a region outside the tensor on load, too
+        self.r.save("t", {"w": torch.zeros(4, 4)})
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            self.r.load("t", {"w": torch.zeros(2, 4)}, shards={"w": ckptfs.Box((4, 4), (3, 0))})
+        self.assertEqual([c["name"] for c in self.r.checkpoints(include_pending=True)], ["t"])
+
+    def test_values_that_are_not_tensors_are_named(self):
+        with self.assertRaises(ckptfs.InvalidArgumentError) as e:
+            self.r.save("s", {"step": 5})
+        self.assertIn("'step' is a int", str(e.exception))
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            self.r.save("s", {"c": torch.zeros(2, dtype=torch.complex64)})
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            self.r.save("s", {"w": torch.zeros(2)}, shards={"v": ckptfs.Flat((2,), 0)})
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            self.r.save("bad name!", {"w": torch.zeros(2)})
+        with self.assertRaises(ckptfs.AlreadyExistsError):
+            ckptfs.init(self.repo)
+        self.assertEqual(self.r.checkpoints(include_pending=True), [])
+
+    def test_rm_of_an_unknown_name_removes_nothing(self):
+        self.r.save("a", {"x": torch.zeros(2)})
+        with self.assertRaises(ckptfs.NotFoundError):
+            self.r.rm("a", "nope")
+        self.assertEqual([c["name"] for c in self.r.checkpoints()], ["a"])
+
+
+class Maintenance(PythonTestCase):
+    def test_gc_keep_last_mirrors_the_cli(self):
+        gen = torch.Generator().manual_seed(5)
+        for step in range(4):
+            self.r.save(f"step-{step}", {"w": random_tensor(gen, torch.float32, (64 << 10,))}, step=step)
+        dry = self.r.gc(keep_last=2, dry_run=True)
+        self.assertEqual(dry["removed"], ["step-0", "step-1"])
+        self.assertEqual(len(self.r.checkpoints()), 4)
+        report = self.r.gc(keep_last=2)
+        self.assertEqual(report["removed"], ["step-0", "step-1"])
+        self.assertGreater(report["bytes_reclaimed"], 0)
+        self.assertEqual([c["name"] for c in self.r.checkpoints()], ["step-2", "step-3"])
+        self.r.rm("step-2")
+        self.assertEqual([c["name"] for c in self.r.checkpoints()], ["step-3"])
+        self.assertTrue(self.r.verify()["ok"])
+
+    def test_checkpoints_and_show_have_the_fields_of_the_clis_json(self):
+        import json
+        self.r.save("a", {"w": torch.zeros(3, 2), "b": b"blob"}, step=9, tags={"run": "x"})
+        cli_ls = json.loads(self.run_ckpt("ls", "--json").stdout)
+        self.assertEqual(self.r.checkpoints(), cli_ls)
+        cli_show = json.loads(self.run_ckpt("show", "a", "--json").stdout)
+        self.assertEqual(self.r.show("a"), cli_show)
+        self.assertEqual(cli_show["tags"], {"run": "x"})
+
+
+class Interop(PythonTestCase):
+    def test_the_cli_reads_what_python_saved(self):
+        gen = torch.Generator().manual_seed(11)
+        w = random_tensor(gen, torch.bfloat16, (16, 8))
+        x = torch.randn(5, 7, generator=gen)
+        self.r.save("py", {"w": w, "x": x, "meta": b"{}"})
+        with open(self.path("x.npy"), "wb") as f:
+            self.run_ckpt("cat", "py", "x", "--format", "npy", stdout=f)
+        np.testing.assert_array_equal(np.load(self.path("x.npy")), x.numpy())
+        with open(self.path("w.npy"), "wb") as f:
+            self.run_ckpt("cat", "py", "w", "--format", "npy", stdout=f)
+        self.assertEqual(np.load(self.path("w.npy")).tobytes(), bits(w))  # bf16 bits as <u2
+        self.run_ckpt("export", "py", self.path("py.safetensors"))
+        tensors, _ = st.read(self.path("py.safetensors"))
+        np.testing.assert_array_equal(tensors["x"][1], x.numpy())
+        self.assertEqual(tensors["w"][0], "BF16")
+        self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
+
+    def test_python_reads_what_the_cli_imported(self):
+        rng = np.random.default_rng(4)
+        a = rng.standard_normal((6, 10)).astype(np.float32)
+        b = rng.integers(0, 1000, size=33).astype(np.int32)
+        for rank in range(2):
+            st.write(self.path(f"r{rank}.safetensors"), [("a", "F32", a[3 * rank:3 * rank + 3])],
+                     metadata={"ckptfs.shards": '{"a": {"global_shape": [6, 10], "offsets": [%d, 0]}}' % (3 * rank)})
+        for rank in range(2):
+            self.run_ckpt("import", "cli", self.path(f"r{rank}.safetensors"), "--rank", str(rank),
+                          "--world-size", "2", "--step", "4")
+        st.write(self.path("b.safetensors"), [("b", "I32", b)])
+        self.run_ckpt("import", "cli2", self.path("b.safetensors"))
+        np.testing.assert_array_equal(self.r.tensor("cli", "a").numpy(), a)
+        out = np.zeros((6, 5), np.float32)
+        self.r.load("cli", {"a": out}, shards={"a": ckptfs.Box((6, 10), (0, 5))})
+        np.testing.assert_array_equal(out, a[:, 5:])
+        np.testing.assert_array_equal(self.r.tensor("cli2", "b").numpy(), b)
+        self.assertEqual(self.r.checkpoints()[0]["step"], 4)
+
+
+class Memory(PythonTestCase):
+    def test_saving_1_gib_of_cpu_tensors_holds_no_second_host_copy(self):
+        # In a fresh process, so the peak belongs to this save alone.
+        code = (
+            "import resource, sys, torch, ckptfs\n"
+            "state = {f't{i}': torch.empty(64 << 20, dtype=torch.float32) for i in range(4)}\n"
+            "for t in state.values(): t.uniform_()\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "ckptfs.open(sys.argv[1]).save('big', state)\n"
+            "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "print(before, after)\n")
+        p = subprocess.run([sys.executable, "-c", code, self.repo], capture_output=True, timeout=600)
+        self.assertEqual(p.returncode, 0, p.stderr.decode())
+        before, after = (int(v) * 1024 for v in p.stdout.split())
+        grown = after - before
+        print(f"\npeak RSS {after / 2**30:.2f} GiB, {grown / 2**20:.0f} MiB above the 1 GiB of tensors", file=sys.stderr)
+        self.assertLess(grown, 256 << 20)  # a second copy would be 1 GiB
+
+
+class Documentation(unittest.TestCase):
+    def test_signatures_and_docstrings_are_visible_to_help(self):
+        sig = inspect.signature(ckptfs.Repository.save)
+        self.assertEqual(list(sig.parameters)[:3], ["self", "name", "state_dict"])
+        self.assertEqual(sig.parameters["step"].kind, inspect.Parameter.KEYWORD_ONLY)
+        for f in (ckptfs.init, ckptfs.open, ckptfs.Repository.save, ckptfs.Repository.async_save,
+                  ckptfs.Repository.load, ckptfs.Repository.tensor, ckptfs.Repository.blob,
+                  ckptfs.Repository.checkpoints, ckptfs.Repository.show, ckptfs.Repository.rm,
+                  ckptfs.Repository.gc, ckptfs.SaveHandle.result, ckptfs.Box, ckptfs.Flat):
+            self.assertTrue(f.__doc__ and len(f.__doc__) > 40, f)
+
+
+if __name__ == "__main__":
+    unittest.main()

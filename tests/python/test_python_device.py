@@ -1,0 +1,209 @@
+"""Tests of the Python package that need the device machine: CUDA tensors
+(a GPU and a CUDA build), and the torch.distributed.checkpoint storage
+(torch >= 2.4). Each class skips, giving the reason, where its need is not
+met; the CPU suite (test_python) runs everywhere."""
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "../integration"))
+
+import ckptfs  # noqa: E402
+import ckptfs.torch as ckptfs_torch  # noqa: E402
+from helpers import CkptTestCase  # noqa: E402
+from test_python import TORCH_DTYPES, bits, random_tensor  # noqa: E402
+
+
+def cuda_unavailable_reason():
+    if not torch.cuda.is_available():
+        return f"no GPU usable by torch {torch.__version__}"
+    ok, why = ckptfs.cuda_available()
+    return None if ok else why
+
+
+CUDA_REASON = cuda_unavailable_reason()
+DCP_REASON = ckptfs_torch.dcp_unavailable_reason()
+
+
+@unittest.skipIf(CUDA_REASON, CUDA_REASON or "")
+class Cuda(CkptTestCase):
+    def setUp(self):
+        super().setUp()
+        self.r = ckptfs.init(self.repo, chunk_size=1 << 20)
+
+    def test_cuda_tensors_save_and_load_bit_exact(self):
+        gen = torch.Generator().manual_seed(9)
+        host = {str(dt): random_tensor(gen, dt, (301, 77)) for dt in TORCH_DTYPES}
+        host["scalar"] = torch.tensor(1.5)
+        host["empty"] = torch.empty(0, 3)
+        state = {k: v.cuda() for k, v in host.items()}
+        state["transposed"] = host[str(torch.float32)].cuda().t()  # not contiguous
+        self.r.save("gpu", state)
+        for key, value in state.items():
+            back = self.r.tensor("gpu", key, device="cuda")
+            self.assertEqual(back.device.type, "cuda")
+            self.assertEqual(bits(back), bits(value), key)
+            target = torch.empty_like(value, device="cuda")
+            self.r.load("gpu", {key: target})
+            self.assertEqual(bits(target), bits(value), key)
+        # a shard of a CUDA tensor, loaded into a CUDA target at another sharding
+        full = host[str(torch.bfloat16)]
+        rows = [0, 150, 301]
+        for rank in range(2):
+            self.r.save("sharded", {"w": full[rows[rank]:rows[rank + 1]].cuda()}, rank=rank, world_size=2,
+                        shards={"w": ckptfs.Box(tuple(full.shape), (rows[rank], 0))})
+        part = torch.empty(301, 40, dtype=torch.bfloat16, device="cuda")
+        self.r.load("sharded", {"w": part}, shards={"w": ckptfs.Box(tuple(full.shape), (0, 37))})
+        self.assertEqual(bits(part), bits(full[:, 37:]))
+
+    def test_async_save_from_cuda_blocks_only_for_the_device_to_host_copy(self):
+        state = {f"layer{i}": torch.randn(64 << 20, device="cuda").to(torch.bfloat16) for i in range(8)}  # 1 GiB
+        expected = {k: v.clone() for k, v in state.items()}
+        pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in state.items()}
+        torch.cuda.synchronize()
+        copies = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for k, v in state.items():
+                pinned[k].copy_(v, non_blocking=True)
+            torch.cuda.synchronize()
+            copies.append(time.perf_counter() - t0)
+        copy = min(copies)
+        self.r.async_save("warm", {"x": state["layer0"]}).result()  # pinned buffers allocated once
+        blocked = []
+        for i in range(2):
+            handle = self.r.async_save(f"s{i}", state)
+            for v in state.values():
+                v.add_(1)  # training goes on
+            blocked.append(handle.blocking_seconds)
+            handle.result(timeout=600)
+            for v in state.values():
+                v.sub_(1)
+        print(f"\nasync_save of 1 GiB from CUDA blocked {min(blocked):.3f} s; pinned copy {copy:.3f} s", file=sys.stderr)
+        self.assertLess(min(blocked), 2 * copy + 0.05)
+        for k, v in expected.items():
+            self.assertEqual(bits(self.r.tensor("s0", k, device="cuda")), bits(v), k)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+DCP_WORKER = r"""
+import os, sys
+import torch, torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+try:
+    from torch.distributed.tensor import DTensor, Shard, Replicate, distribute_tensor
+except ImportError:  # torch 2.4
+    from torch.distributed._tensor import DTensor, Shard, Replicate, distribute_tensor
+from torch.distributed.device_mesh import init_device_mesh
+import ckptfs
+from ckptfs.torch import StorageReader, StorageWriter
+
+action, repo, name = sys.argv[1], sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+mesh = init_device_mesh("cpu", (world,))
+gen = torch.Generator().manual_seed(42)
+full = {
+    "model.w": torch.randn(16, 12, generator=gen),
+    "model.b": torch.randn(12, generator=gen).to(torch.bfloat16),
+    "model.emb": torch.randint(0, 100, (10, 6), generator=gen),
+}
+placement = {"save": Shard(0), "load": Shard(1)}[action]
+def state():
+    sd = {
+        "model.w": distribute_tensor(full["model.w"].clone(), mesh, [placement]),
+        "model.b": distribute_tensor(full["model.b"].clone(), mesh, [Replicate()]),
+        "model.emb": distribute_tensor(full["model.emb"].clone(), mesh, [Shard(0)]),
+        "step": 7,
+        "extra": {"lr": 0.5},
+    }
+    return sd
+if action == "save":
+    dcp.save(state(), storage_writer=StorageWriter(repo, name, step=7))
+else:
+    sd = state()
+    for k in ("model.w", "model.b", "model.emb"):
+        sd[k].to_local().zero_()
+    sd["step"] = 0
+    sd["extra"] = {"lr": 0.0}
+    dcp.load(sd, storage_reader=StorageReader(repo, name))
+    for k in ("model.w", "model.b", "model.emb"):
+        got = sd[k].full_tensor()
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.bfloat16 else got,
+                           full[k].view(torch.uint8) if got.dtype == torch.bfloat16 else full[k]), k
+    assert sd["step"] == 7 and sd["extra"]["lr"] == 0.5, (sd["step"], sd["extra"])
+    print("ok")
+dist.destroy_process_group()
+"""
+
+
+@unittest.skipIf(DCP_REASON, DCP_REASON or "")
+class DistributedCheckpoint(CkptTestCase):
+    def run_group(self, action, name, world=2):
+        script = os.path.join(self.tmp, "dcp_worker.py")
+        with open(script, "w") as f:
+            f.write(DCP_WORKER)
+        port = free_port()
+        procs = []
+        for rank in range(world):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            procs.append(subprocess.Popen([sys.executable, script, action, self.repo, name], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            self.assertEqual(p.returncode, 0, err.decode())
+            outs.append(out.decode())
+        return outs
+
+    def test_dcp_save_and_load_of_dtensor_state_dicts_reshard_on_a_2_rank_gloo_group(self):
+        ckptfs.init(self.repo)
+        self.run_group("save", "dcp-7")
+        repo = ckptfs.open(self.repo)
+        [ckpt] = repo.checkpoints()
+        self.assertEqual((ckpt["name"], ckpt["world_size"], ckpt["step"]), ("dcp-7", 2, 7))
+        self.assertEqual([o.strip() for o in self.run_group("load", "dcp-7")], ["ok", "ok"])
+        # an ordinary checkpoint: whole tensors for the CLI, the mount and NumPy
+        w = repo.tensor("dcp-7", "model.w")
+        self.assertEqual(tuple(w.shape), (16, 12))
+        self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
+
+    def test_a_failed_dcp_save_leaves_nothing_visible(self):
+        ckptfs.init(self.repo)
+        repo = ckptfs.open(self.repo)
+        repo.save("dcp-7", {"x": torch.zeros(1)})  # the name is taken: every rank fails
+        procs_failed = False
+        try:
+            self.run_group("save", "dcp-7")
+        except AssertionError:
+            procs_failed = True
+        self.assertTrue(procs_failed)
+        self.assertEqual([c["name"] for c in repo.checkpoints(include_pending=True)], ["dcp-7"])
+
+
+class WithoutDcp(unittest.TestCase):
+    @unittest.skipUnless(DCP_REASON, "this torch has DCP")
+    def test_using_the_dcp_classes_on_an_old_torch_says_what_is_missing(self):
+        with tempfile.TemporaryDirectory() as d:
+            ckptfs.init(os.path.join(d, "r"))
+            for cls in (ckptfs_torch.StorageWriter, ckptfs_torch.StorageReader):
+                with self.assertRaises(ckptfs.UnsupportedError) as e:
+                    cls(os.path.join(d, "r"), "x")
+                self.assertIn("torch >= 2.4", str(e.exception))
+
+
+if __name__ == "__main__":
+    unittest.main()
