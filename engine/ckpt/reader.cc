@@ -71,6 +71,12 @@ Status CheckpointReader::ReadRegion(const TensorRecord& tensor, const Region& re
 }
 
 Status CheckpointReader::ReadBox(const TensorRecord& tensor, const Box& box, std::span<std::byte> dst) const {
+  // A box that is contiguous in row-major order (a whole tensor, whole rows)
+  // is one byte range: read it as such, without the box walk.
+  if (box.rank() == tensor.shape.size() && ValidateRegion(tensor.shape, Region::OfBox(box)).ok()) {
+    const Region normal = Normalize(tensor.shape, Region::OfBox(box));
+    if (normal.kind == Region::Kind::kFlat) return ReadFlat(tensor, normal.flat, dst);
+  }
   return ReadTensorBox(tensor, box, dst, *impl_->repo->fetcher(), impl_->repo->pool.get());
 }
 

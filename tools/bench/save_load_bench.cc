@@ -19,9 +19,9 @@
 #include <thread>
 #include <vector>
 
-#include "ckpt/repository.h"
 #include "bench_util.h"
 #include "ckpt/repository.h"
+#include "io/safetensors.h"
 
 using namespace ckptfs;
 using bench::Check;
@@ -40,6 +40,7 @@ struct Options {
   int runs = 3;
   int level = 1;
   bool adaptive = true;
+  std::string dump_state;  // write the state as safetensors here, then exit
 };
 
 struct Tensor {
@@ -106,6 +107,21 @@ std::vector<std::byte> Extract(const Tensor& t, const Region& r) {
   return out;
 }
 
+// The state as one safetensors file, so other benchmarks (the Python one)
+// measure the same bytes.
+int DumpState(const std::string& path, const std::vector<Tensor>& state) {
+  std::vector<TensorMeta> metas;
+  std::vector<std::span<const std::byte>> parts;
+  for (const auto& t : state) metas.push_back({t.info.name, t.info.dtype, t.info.shape});
+  SafetensorsLayout layout = LayoutSafetensors(metas, {});
+  parts.emplace_back(reinterpret_cast<const std::byte*>(layout.header.data()), layout.header.size());
+  for (const auto& t : state) parts.emplace_back(t.bytes);
+  bench::TimedWrite(path, parts);
+  std::printf("wrote %zu tensors, %llu bytes to %s\n", state.size(), static_cast<unsigned long long>(layout.total_size),
+              path.c_str());
+  return 0;
+}
+
 double RawWrite(const std::string& path, const std::vector<Tensor>& state) {
   std::vector<std::span<const std::byte>> parts;
   for (const auto& t : state) parts.emplace_back(t.bytes);
@@ -132,16 +148,19 @@ int main(int argc, char** argv) {
     else if (a == "--runs") o.runs = std::atoi(next().c_str());
     else if (a == "--level") o.level = std::atoi(next().c_str());
     else if (a == "--no-adaptive") o.adaptive = false;
+    else if (a == "--dump-state") o.dump_state = next();
     else {
       std::printf(
           "usage: save_load_bench [--dir DIR] [--gib N] [--save-ranks N] [--load-ranks N] [--runs N]\n"
-          "                       [--level L] [--no-adaptive]\n"
+          "                       [--level L] [--no-adaptive] [--dump-state FILE]\n"
           "Saves LLM-like state (bf16 weights, fp32 Adam moments) from N ranks and loads it\n"
-          "resharded, against a raw write (fsync) and read of the same bytes in DIR.\n");
+          "resharded, against a raw write (fsync) and read of the same bytes in DIR.\n"
+          "--dump-state writes that state as a safetensors file instead (for python_bench.py).\n");
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
   auto state = BuildState(o.gib);
+  if (!o.dump_state.empty()) return DumpState(o.dump_state, state);
   uint64_t total = 0, weight_bytes = 0;
   for (const auto& t : state) {
     total += t.bytes.size();
