@@ -355,6 +355,27 @@ class Memory(PythonTestCase):
         self.assertLess(grown, 256 << 20)  # a second copy would be 1 GiB
 
 
+class Install(unittest.TestCase):
+    @unittest.skipUnless(os.environ.get("CKPTFS_BUILD_DIR"), "CKPTFS_BUILD_DIR (set by ctest) names the build")
+    def test_cmake_install_puts_an_importable_package_beside_the_cli(self):
+        import shutil
+        import tempfile
+        prefix = tempfile.mkdtemp(prefix="ckptfs-install-")
+        try:
+            subprocess.run(["cmake", "--install", os.environ["CKPTFS_BUILD_DIR"], "--prefix", prefix],
+                           check=True, capture_output=True, timeout=300)
+            self.assertTrue(os.access(os.path.join(prefix, "bin", "ckpt"), os.X_OK))
+            [site] = [os.path.join(root) for root, dirs, _ in os.walk(prefix) if "ckptfs" in dirs]
+            env = dict(os.environ, PYTHONPATH=site)
+            p = subprocess.run([sys.executable, "-c", "import ckptfs, ckptfs.torch; print(ckptfs.__file__)"],
+                               env=env, capture_output=True, text=True, timeout=120)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            self.assertTrue(p.stdout.startswith(prefix), p.stdout)
+            self.assertTrue(site.endswith(os.path.join("python3", "dist-packages")), site)
+        finally:
+            shutil.rmtree(prefix, ignore_errors=True)
+
+
 class Documentation(unittest.TestCase):
     def test_signatures_and_docstrings_are_visible_to_help(self):
         sig = inspect.signature(ckptfs.Repository.save)

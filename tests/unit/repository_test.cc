@@ -166,6 +166,42 @@ TEST_F(RepoTest, BoxAndFlatShardsFromManyRanksReshardOnLoad) {
   }
 }
 
+TEST_F(RepoTest, LoadTargetsAreCheckedAgainstTheRecordAndAnyRegionReads) {
+  Ref a = MakeRef("w", DType::kBF16, {40, 30}, 21);
+  auto w = Begin("targets");
+  PutBox(*w, a, FullBox(a.info.shape));
+  ASSERT_OK(w->Commit().Wait());
+  auto reader = std::move(repo_->OpenCheckpoint("targets")).value();
+  auto missing = reader->FindTarget("nope", DType::kBF16, {40, 30});
+  EXPECT_TRUE(missing.status().IsNotFound());
+  EXPECT_EQ(missing.status().message(), "checkpoint 'targets' has no tensor 'nope'");
+  auto dtype = reader->FindTarget("w", DType::kF32, {40, 30});
+  EXPECT_EQ(dtype.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(dtype.status().message(), "tensor 'w' of checkpoint 'targets' is BF16, the target is F32");
+  auto shape = reader->FindTarget("w", DType::kBF16, {30, 40});
+  EXPECT_EQ(shape.status().message(),
+            "tensor 'w' of checkpoint 'targets' has shape [40, 30], the target expects [30, 40]");
+  auto t = reader->FindTarget("w", DType::kBF16, {40, 30});
+  ASSERT_OK(t);
+  EXPECT_TRUE(reader->GetBlob("w").status().IsNotFound());
+  // Contiguous boxes (whole rows), non-contiguous boxes and flat ranges.
+  for (const Region& region : {Region::OfBox(FullBox(a.info.shape)), Region::OfBox(Box{{3, 0}, {10, 30}}),
+                               Region::OfBox(Box{{3, 5}, {10, 7}}), Region::OfFlat(17, 901)}) {
+    std::vector<std::byte> got(region.NumElements() * a.w());
+    ASSERT_OK(reader->ReadRegion(**t, region, got));
+    const auto want = region.kind == Region::Kind::kFlat ? a.Flat(region.flat.start, region.flat.end) : a.Box(region.box);
+    EXPECT_TRUE(got == want) << region.ToString();
+    if (region.kind == Region::Kind::kBox) {
+      ASSERT_OK(reader->ReadBox(**t, region.box, got));
+      EXPECT_TRUE(got == want) << region.ToString();
+    }
+  }
+  std::vector<std::byte> small(8);
+  EXPECT_EQ(reader->ReadRegion(**t, Region::OfFlat(0, 5), small).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reader->ReadRegion(**t, Region::OfBox(Box{{39, 0}, {2, 30}}), small).code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST_F(RepoTest, FlatShardsDeduplicateAcrossWorldSizes) {
   Ref p = MakeRef("flat.param", DType::kF32, {1000, 257}, 11);  // ~1 MiB, 16 chunks
   const uint64_t n = NumElements(p.info.shape);

@@ -243,6 +243,36 @@ TEST(StagingHost, SnapshotReturnsBeforeDurableAndIsIsolatedFromLaterWrites) {
   EXPECT_EQ(s.Saved("snap", "w"), data);
 }
 
+TEST(StagingHost, SnapshotJoinsAWriterThatAlreadyHoldsHostTensorsAndBlobs) {
+  Staging s = HostStaging();
+  auto host = RandomBytes(1 << 20, 30);
+  auto device = RandomBytes(3 << 20, 31);
+  std::byte* dev = s.OnDevice(device);
+  auto writer = std::move(s.repo->BeginCheckpoint("mixed", {0, 1, 5, {}})).value();
+  ASSERT_OK(writer->PutTensor({"host", DType::kU8, {host.size()}}, host));
+  ASSERT_OK(writer->PutBlob("rng", host));
+  SnapshotBuffer buffer(*s.engine);
+  auto handle = SnapshotAndCommit(std::move(writer), {Bytes("dev", dev, device.size())}, *s.engine, buffer);
+  ASSERT_OK(handle);
+  std::memset(dev, 0, device.size());  // training goes on
+  auto r = handle->Wait();
+  ASSERT_OK(r);
+  EXPECT_TRUE(r->checkpoint_visible);
+  EXPECT_EQ(s.Saved("mixed", "host"), host);
+  EXPECT_EQ(s.Saved("mixed", "dev"), device);
+  // A device shard that does not fit its tensor fails before anything is
+  // copied, and the writer (with its host puts) is aborted.
+  auto bad = std::move(s.repo->BeginCheckpoint("bad", {0, 1, 6, {}})).value();
+  ASSERT_OK(bad->PutTensor({"host", DType::kU8, {host.size()}}, host));
+  auto failed = SnapshotAndCommit(std::move(bad), {{{"d", DType::kU8, {4}}, Region::OfFlat(2, 9), dev}}, *s.engine,
+                                  buffer);
+  EXPECT_EQ(failed.status().code(), StatusCode::kInvalidArgument);
+  auto all = s.repo->ListCheckpoints(true);
+  ASSERT_OK(all);
+  ASSERT_EQ(all->size(), 1u);
+  EXPECT_EQ((*all)[0].name, "mixed");
+}
+
 TEST(StagingHost, SnapshotBufferIsReusedAndOneSnapshotUsesItAtATime) {
   Staging s = HostStaging();
   auto* host = static_cast<HostCopyEngine*>(s.engine.get());
