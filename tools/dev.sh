@@ -35,6 +35,18 @@ case "$cmd" in
     setup
     # Tests on explicitly: the demo configures the same build/ without them.
     configure_build build -DCKPTFS_BUILD_TESTS=ON
+    # A real S3 server (Ceph RGW on loopback) for the S3 backend's tests, up
+    # until the last stage; they fail rather than skip without it.
+    s3_dir=$(mktemp -d /tmp/ckptfs-s3.XXXXXX)
+    trap 'bash tools/s3-server.sh stop "$s3_dir" || true; rm -rf "$s3_dir"' EXIT
+    echo "== starting a Ceph RGW S3 server (tools/s3-server.sh)"
+    if ! s3_env=$(bash tools/s3-server.sh start "$s3_dir" 2>"$s3_dir.log"); then
+      cat "$s3_dir.log" >&2
+      exit 1
+    fi
+    rm -f "$s3_dir.log"
+    eval "$s3_env"
+    export CKPTFS_REQUIRE_S3=1
     echo "== tests (release build)"
     ctest --test-dir build --output-on-failure --no-tests=error -j "$JOBS" -LE "gpu|device"
     echo "== GPU and device tests (labels gpu, device: a GPU, or torch >= 2.4 for DCP; where"

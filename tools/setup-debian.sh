@@ -6,6 +6,8 @@ set -euo pipefail
 packages=(
   build-essential cmake pkg-config ninja-build
   liblmdb-dev lmdb-utils libzstd-dev libxxhash-dev libgtest-dev
+  libcurl4-openssl-dev                     # the S3 backend
+  ceph-mon ceph-osd radosgw s3cmd          # a real S3 server for the tests (tools/s3-server.sh)
   libfuse3-dev fuse3
   python3 python3-numpy
   python3-dev pybind11-dev python3-torch   # the Python package (tools/python) and its tests

@@ -1,10 +1,13 @@
 // The contract of backend/backend.h, run against every backend.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <functional>
 #include <thread>
 
 #include "backend/backend.h"
+#include "backend/s3_backend.h"
+#include "core/random.h"
 #include "test_util.h"
 
 namespace ckptfs {
@@ -15,12 +18,43 @@ using testing::TempDir;
 
 struct BackendFactory {
   std::string name;
-  std::function<std::unique_ptr<Backend>(const std::string& dir)> make;
+  // Null with `why` set when the backend cannot be tested here.
+  std::function<std::unique_ptr<Backend>(const std::string& dir, std::string* why)> make;
 };
+
+// An S3 backend under a fresh prefix of bucket ckptfs-test on the server
+// the AWS_* variables name (tools/s3-server.sh starts one; the test command
+// does so and exports them).
+std::unique_ptr<Backend> MakeS3Backend(const std::string&, std::string* why) {
+  auto options = S3Options::FromEnvironment();
+  if (!options.ok()) {
+    *why = "no S3 server (" + options.status().message() + "); tools/s3-server.sh starts one";
+    return nullptr;
+  }
+  S3Location location{"ckptfs-test", "conformance-" + RandomHex(8)};
+  Status created = CreateS3Bucket(location, *options);
+  if (!created.ok()) {
+    *why = "S3 server unusable: " + created.message();
+    return nullptr;
+  }
+  auto backend = OpenS3Backend(location, *options);
+  if (!backend.ok()) {
+    *why = "S3 server unusable: " + backend.status().message();
+    return nullptr;
+  }
+  return std::move(backend).value();
+}
 
 class BackendConformance : public ::testing::TestWithParam<BackendFactory> {
  protected:
-  void SetUp() override { backend_ = GetParam().make(dir_.path()); }
+  void SetUp() override {
+    std::string why;
+    backend_ = GetParam().make(dir_.path(), &why);
+    // The test command starts a server and sets CKPTFS_REQUIRE_S3: there, a
+    // missing server is a failure, not a skip.
+    if (!backend_ && std::getenv("CKPTFS_REQUIRE_S3")) FAIL() << why;
+    if (!backend_) GTEST_SKIP() << why;
+  }
   TempDir dir_;
   std::unique_ptr<Backend> backend_;
 };
@@ -120,9 +154,12 @@ TEST_P(BackendConformance, ConcurrentPutsAndReads) {
 
 INSTANTIATE_TEST_SUITE_P(
     AllBackends, BackendConformance,
-    ::testing::Values(BackendFactory{"memory", [](const std::string&) { return NewMemoryBackend(); }},
+    ::testing::Values(BackendFactory{"memory", [](const std::string&, std::string*) { return NewMemoryBackend(); }},
                       BackendFactory{"local",
-                                     [](const std::string& dir) { return std::move(OpenLocalBackend(dir + "/objects")).value(); }}),
+                                     [](const std::string& dir, std::string*) {
+                                       return std::move(OpenLocalBackend(dir + "/objects")).value();
+                                     }},
+                      BackendFactory{"s3", MakeS3Backend}),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace

@@ -233,9 +233,10 @@ class StorageReader(_ReaderBase):
             info_dtype, shape = reader.tensor_info(fqn)
             base = item.storage_index.offset or torch.Size([0] * len(shape))
             offsets = tuple(int(b) + int(o) for b, o in zip(base, item.storage_offsets))
-            target = planner.resolve_tensor(item).detach()
+            target = planner.resolve_tensor(item).detach()  # a view into the state dict; filled in place
             if tuple(target.shape) != tuple(item.lengths):
-                target = target.reshape(tuple(item.lengths))
+                raise ckptfs.InvalidArgumentError(
+                    f"DCP asked for {list(item.lengths)} elements of '{fqn}' into a target of shape {list(target.shape)}")
             _read_value(reader, fqn, target, ckptfs.Box(tuple(shape), offsets))
             planner.commit_tensor(item, target)
         future = Future()

@@ -1,0 +1,649 @@
+#include "backend/s3_backend.h"
+
+#include <curl/curl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace ckptfs {
+
+namespace {
+
+bool IsUnreserved(unsigned char c) {
+  return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-' || c == '_' ||
+         c == '.' || c == '~';
+}
+
+// SigV4's URI encoding: every byte but the unreserved ones as %XX.
+std::string UriEncode(std::string_view s) {
+  static const char* kHex = "0123456789ABCDEF";
+  std::string out;
+  for (unsigned char c : s) {
+    if (IsUnreserved(c)) {
+      out += static_cast<char>(c);
+    } else {
+      out += '%';
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    }
+  }
+  return out;
+}
+
+using Query = std::vector<std::pair<std::string, std::string>>;
+
+// The canonical query string: encoded, sorted by name then value, and
+// "name=" for empty values. libcurl's signer signs the query as given, so
+// it must already be canonical.
+std::string CanonicalQuery(Query q) {
+  std::sort(q.begin(), q.end());
+  std::string out;
+  for (const auto& [k, v] : q) {
+    if (!out.empty()) out += '&';
+    out += UriEncode(k) + "=" + UriEncode(v);
+  }
+  return out;
+}
+
+std::string XmlUnescape(std::string_view s) {
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] != '&') {
+      out += s[i];
+      continue;
+    }
+    static const std::pair<std::string_view, char> kEntities[] = {
+        {"&amp;", '&'}, {"&lt;", '<'}, {"&gt;", '>'}, {"&quot;", '"'}, {"&apos;", '\''}};
+    bool done = false;
+    for (const auto& [e, c] : kEntities) {
+      if (s.substr(i, e.size()) == e) {
+        out += c;
+        i += e.size() - 1;
+        done = true;
+        break;
+      }
+    }
+    if (!done) out += '&';
+  }
+  return out;
+}
+
+// The text of every <tag>...</tag> in `xml`, in order (S3's answers are
+// flat enough that no real parser is needed).
+std::vector<std::string> XmlAll(std::string_view xml, std::string_view tag) {
+  std::vector<std::string> out;
+  const std::string open = "<" + std::string(tag) + ">", close = "</" + std::string(tag) + ">";
+  size_t pos = 0;
+  while ((pos = xml.find(open, pos)) != std::string_view::npos) {
+    const size_t start = pos + open.size();
+    const size_t end = xml.find(close, start);
+    if (end == std::string_view::npos) break;
+    out.push_back(XmlUnescape(xml.substr(start, end - start)));
+    pos = end + close.size();
+  }
+  return out;
+}
+
+std::string XmlFirst(std::string_view xml, std::string_view tag) {
+  auto all = XmlAll(xml, tag);
+  return all.empty() ? std::string() : all.front();
+}
+
+bool ValidBucketName(std::string_view b) {
+  if (b.size() < 3 || b.size() > 63) return false;
+  for (char c : b) {
+    if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-' || c == '.')) return false;
+  }
+  return b.front() != '-' && b.front() != '.' && b.back() != '-' && b.back() != '.';
+}
+
+void GlobalInit() {
+  static std::once_flag once;
+  std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
+}
+
+struct Response {
+  long status = 0;
+  std::string body;  // unless the request read into a caller's span
+  std::string etag;
+  uint64_t received = 0;  // bytes of body
+  int64_t content_length = -1;  // the Content-Length header (HEAD), -1 when absent
+};
+
+struct Request {
+  std::string method = "GET";
+  std::string path;  // "/bucket/key", already safe for a URL
+  Query query;
+  std::span<const std::byte> body;
+  bool has_body = false;
+  std::optional<std::pair<uint64_t, uint64_t>> range;  // inclusive byte range
+  std::span<std::byte> into;                           // ranged reads land here
+  bool read_into = false;
+};
+
+struct Sink {
+  Response* response;
+  std::span<std::byte> into;
+  bool read_into;
+  CURL* handle;
+  bool overflow = false;
+};
+
+size_t WriteBody(char* data, size_t size, size_t n, void* user) {
+  auto* sink = static_cast<Sink*>(user);
+  const size_t bytes = size * n;
+  long status = 0;
+  curl_easy_getinfo(sink->handle, CURLINFO_RESPONSE_CODE, &status);
+  if (sink->read_into && status >= 200 && status < 300) {  // an error document goes to body
+    if (sink->response->received + bytes > sink->into.size()) {
+      sink->overflow = true;
+      return 0;  // aborts the transfer
+    }
+    std::memcpy(sink->into.data() + sink->response->received, data, bytes);
+  } else {
+    sink->response->body.append(data, bytes);
+  }
+  sink->response->received += bytes;
+  return bytes;
+}
+
+size_t WriteHeader(char* data, size_t size, size_t n, void* user) {
+  auto* response = static_cast<Response*>(user);
+  std::string_view line(data, size * n);
+  if (line.size() > 5 && (line.substr(0, 5) == "ETag:" || line.substr(0, 5) == "etag:")) {
+    std::string_view v = line.substr(5);
+    while (!v.empty() && (v.front() == ' ' || v.front() == '\t')) v.remove_prefix(1);
+    while (!v.empty() && (v.back() == '\r' || v.back() == '\n' || v.back() == ' ')) v.remove_suffix(1);
+    response->etag = std::string(v);
+  }
+  return size * n;
+}
+
+bool RetryableTransport(CURLcode c) {
+  switch (c) {
+    case CURLE_COULDNT_CONNECT:
+    case CURLE_COULDNT_RESOLVE_HOST:
+    case CURLE_OPERATION_TIMEDOUT:
+    case CURLE_SEND_ERROR:
+    case CURLE_RECV_ERROR:
+    case CURLE_GOT_NOTHING:
+    case CURLE_PARTIAL_FILE:
+    case CURLE_SSL_CONNECT_ERROR:
+    case CURLE_HTTP2:
+    case CURLE_HTTP2_STREAM:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool RetryableStatus(long s) { return s >= 500 || s == 429 || s == 408; }
+
+// Easy handles, reused so that connections are kept alive across requests.
+class HandlePool {
+ public:
+  ~HandlePool() {
+    for (CURL* h : free_) curl_easy_cleanup(h);
+  }
+  CURL* Acquire() {
+    {
+      std::lock_guard lock(mu_);
+      if (!free_.empty()) {
+        CURL* h = free_.back();
+        free_.pop_back();
+        return h;
+      }
+    }
+    return curl_easy_init();
+  }
+  void Release(CURL* h) {
+    std::lock_guard lock(mu_);
+    free_.push_back(h);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<CURL*> free_;
+};
+
+class S3Client {
+ public:
+  S3Client(S3Location location, S3Options options) : loc_(std::move(location)), opt_(std::move(options)) {
+    GlobalInit();
+    while (!opt_.endpoint.empty() && opt_.endpoint.back() == '/') opt_.endpoint.pop_back();
+    sigv4_ = "aws:amz:" + opt_.region + ":s3";
+  }
+
+  const S3Location& location() const { return loc_; }
+  const S3Options& options() const { return opt_; }
+  std::string Where() const { return loc_.ToString() + " at " + opt_.endpoint; }
+
+  std::string ObjectPath(std::string_view key) const {
+    std::string p = "/" + loc_.bucket + "/";
+    if (!loc_.prefix.empty()) p += loc_.prefix + "/";
+    return p + std::string(key);
+  }
+  std::string FullKey(std::string_view key) const {
+    return loc_.prefix.empty() ? std::string(key) : loc_.prefix + "/" + std::string(key);
+  }
+  std::string BucketPath() const { return "/" + loc_.bucket; }
+
+  // The request, retried on transport errors and retryable statuses. Any
+  // other HTTP status is returned for the caller to judge.
+  Result<Response> Perform(const Request& req) {
+    std::mt19937_64 jitter(std::random_device{}());
+    std::string last_error;
+    for (int attempt = 0;; ++attempt) {
+      Response resp;
+      CURLcode code = Once(req, &resp);
+      if (code == CURLE_OK && !RetryableStatus(resp.status)) return resp;
+      if (code != CURLE_OK && !RetryableTransport(code)) {
+        if (code == CURLE_WRITE_ERROR && req.read_into) {
+          return Status::IOError("S3 GET " + req.path + " at " + opt_.endpoint + ": the answer is longer than the " +
+                                 std::to_string(req.into.size()) + " bytes asked for");
+        }
+        return Status::IOError("S3 " + req.method + " " + req.path + " at " + opt_.endpoint + ": " +
+                               curl_easy_strerror(code));
+      }
+      last_error = code != CURLE_OK ? std::string(curl_easy_strerror(code))
+                                    : "HTTP " + std::to_string(resp.status) + " " + XmlFirst(resp.body, "Code");
+      if (attempt >= opt_.max_retries) {
+        return Status::IOError("S3 " + req.method + " " + req.path + " at " + opt_.endpoint + " failed after " +
+                               std::to_string(attempt + 1) + " attempts: " + last_error);
+      }
+      const int64_t base_ms = std::min<int64_t>(100ll << attempt, 5000);
+      std::this_thread::sleep_for(std::chrono::milliseconds(base_ms / 2 + int64_t(jitter() % uint64_t(base_ms / 2 + 1))));
+    }
+  }
+
+  // A non-2xx answer as a Status saying what to check.
+  Status ErrorOf(const Request& req, const Response& resp, std::string_view what) const {
+    const std::string code = XmlFirst(resp.body, "Code");
+    const std::string tag = code.empty() ? "HTTP " + std::to_string(resp.status) : code;
+    if (code == "NoSuchBucket") {
+      return Status::NotFound("bucket '" + loc_.bucket + "' does not exist at " + opt_.endpoint +
+                              " ('ckpt init' creates it)");
+    }
+    if (resp.status == 404) return Status::NotFound(std::string(what) + " not found in " + Where());
+    if (code == "InvalidAccessKeyId" || code == "SignatureDoesNotMatch" || code == "InvalidToken" ||
+        code == "ExpiredToken") {
+      return Status::FailedPrecondition("S3 at " + opt_.endpoint + " refused the credentials (" + code +
+                                        "): check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY");
+    }
+    if (resp.status == 403) {
+      return Status::FailedPrecondition("access to " + Where() + " denied (" + tag + ")");
+    }
+    if (resp.status == 416) {
+      return Status::InvalidArgument(std::string(what) + ": the range asked for lies past the object's end");
+    }
+    return Status::IOError("S3 " + req.method + " " + std::string(what) + " in " + Where() + ": " + tag);
+  }
+
+  // One request whose answer must be 2xx.
+  Result<Response> Call(const Request& req, std::string_view what) {
+    CKPT_ASSIGN_OR_RETURN(Response resp, Perform(req));
+    if (resp.status < 200 || resp.status >= 300) return ErrorOf(req, resp, what);
+    // CompleteMultipartUpload can fail with 200 and an error document.
+    if (resp.body.find("<Error>") != std::string::npos) return ErrorOf(req, resp, what);
+    return resp;
+  }
+
+ private:
+  CURLcode Once(const Request& req, Response* resp) {
+    CURL* h = pool_.Acquire();
+    if (!h) return CURLE_OUT_OF_MEMORY;
+    curl_easy_reset(h);
+    std::string url = opt_.endpoint + req.path;
+    if (!req.query.empty()) url += "?" + CanonicalQuery(req.query);
+    curl_slist* headers = nullptr;
+    headers = curl_slist_append(headers, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
+    // (No "Expect:" header to turn 100-continue off: libcurl's signer would
+    // sign the empty header it then leaves out, and the signature fails.)
+    if (!opt_.session_token.empty()) {
+      headers = curl_slist_append(headers, ("x-amz-security-token: " + opt_.session_token).c_str());
+    }
+    if (req.range) {
+      headers = curl_slist_append(
+          headers, ("Range: bytes=" + std::to_string(req.range->first) + "-" + std::to_string(req.range->second)).c_str());
+    }
+    if (req.has_body) headers = curl_slist_append(headers, "Content-Type: application/octet-stream");
+    Sink sink{resp, req.into, req.read_into, h};
+    curl_easy_setopt(h, CURLOPT_URL, url.c_str());
+    curl_easy_setopt(h, CURLOPT_AWS_SIGV4, sigv4_.c_str());
+    curl_easy_setopt(h, CURLOPT_USERNAME, opt_.access_key.c_str());
+    curl_easy_setopt(h, CURLOPT_PASSWORD, opt_.secret_key.c_str());
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, headers);
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(opt_.connect_timeout_ms));
+    curl_easy_setopt(h, CURLOPT_LOW_SPEED_LIMIT, 1L);
+    curl_easy_setopt(h, CURLOPT_LOW_SPEED_TIME, static_cast<long>(opt_.stall_timeout_s));
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, WriteBody);
+    curl_easy_setopt(h, CURLOPT_WRITEDATA, &sink);
+    curl_easy_setopt(h, CURLOPT_HEADERFUNCTION, WriteHeader);
+    curl_easy_setopt(h, CURLOPT_HEADERDATA, resp);
+    if (req.method == "HEAD") {
+      curl_easy_setopt(h, CURLOPT_NOBODY, 1L);
+    } else if (req.method != "GET") {
+      curl_easy_setopt(h, CURLOPT_CUSTOMREQUEST, req.method.c_str());
+    }
+    if (req.has_body) {
+      // The body is sent from the caller's memory, again on a retry.
+      curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(req.body.size()));
+      curl_easy_setopt(h, CURLOPT_POSTFIELDS, req.body.empty() ? "" : reinterpret_cast<const char*>(req.body.data()));
+    }
+    CURLcode code = curl_easy_perform(h);
+    if (code == CURLE_OK) {
+      curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &resp->status);
+      curl_off_t length = -1;
+      curl_easy_getinfo(h, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &length);
+      resp->content_length = length;
+    }
+    curl_slist_free_all(headers);
+    pool_.Release(h);
+    return code;
+  }
+
+  S3Location loc_;
+  S3Options opt_;
+  std::string sigv4_;
+  HandlePool pool_;
+};
+
+Request MakeRequest(std::string method, std::string path, Query query = {}) {
+  Request r;
+  r.method = std::move(method);
+  r.path = std::move(path);
+  r.query = std::move(query);
+  return r;
+}
+
+Request WithBody(Request r, std::span<const std::byte> body) {
+  r.body = body;
+  r.has_body = true;
+  return r;
+}
+
+class S3Writer final : public ObjectWriter {
+ public:
+  S3Writer(std::shared_ptr<S3Client> client, std::string key) : client_(std::move(client)), key_(std::move(key)) {
+    part_.reserve(static_cast<size_t>(client_->options().part_size));
+  }
+  ~S3Writer() override {
+    if (!finished_) Abort();
+  }
+
+  Status Append(std::span<const std::byte> data) override {
+    if (finished_) return Status::FailedPrecondition("object writer for '" + key_ + "' already finished");
+    const size_t part_size = static_cast<size_t>(client_->options().part_size);
+    while (!data.empty()) {
+      const size_t n = std::min(data.size(), part_size - part_.size());
+      part_.insert(part_.end(), data.begin(), data.begin() + n);
+      data = data.subspan(n);
+      size_ += n;
+      if (part_.size() == part_size) {
+        Status st = UploadPart();
+        if (!st.ok()) {
+          Abort();
+          return st;
+        }
+      }
+    }
+    return Status::OK();
+  }
+
+  Status Commit() override {
+    if (finished_) return Status::FailedPrecondition("object writer for '" + key_ + "' already finished");
+    Status st = Finish();
+    if (!st.ok()) Abort();
+    finished_ = true;
+    return st;
+  }
+
+  void Abort() override {
+    if (!upload_id_.empty()) {
+      // Best effort: an upload left behind is removed by RemoveIncomplete.
+      (void)client_->Call(MakeRequest("DELETE", client_->ObjectPath(key_), {{"uploadId", upload_id_}}),
+                          "upload of '" + key_ + "'");
+      upload_id_.clear();
+    }
+    part_.clear();
+    part_.shrink_to_fit();
+    finished_ = true;
+  }
+
+  uint64_t size() const override { return size_; }
+
+ private:
+  Status Finish() {
+    const std::string path = client_->ObjectPath(key_);
+    if (upload_id_.empty()) {  // small: one PUT
+      return client_->Call(WithBody(MakeRequest("PUT", path), part_), "object '" + key_ + "'").status();
+    }
+    if (!part_.empty()) CKPT_RETURN_IF_ERROR(UploadPart());
+    std::string xml = "<CompleteMultipartUpload>";
+    for (size_t i = 0; i < etags_.size(); ++i) {
+      xml += "<Part><PartNumber>" + std::to_string(i + 1) + "</PartNumber><ETag>" + etags_[i] + "</ETag></Part>";
+    }
+    xml += "</CompleteMultipartUpload>";
+    auto body = std::as_bytes(std::span<const char>(xml.data(), xml.size()));
+    CKPT_RETURN_IF_ERROR(
+        client_->Call(WithBody(MakeRequest("POST", path, {{"uploadId", upload_id_}}), body), "object '" + key_ + "'")
+            .status());
+    upload_id_.clear();  // complete: nothing to abort
+    return Status::OK();
+  }
+
+  Status UploadPart() {
+    const std::string path = client_->ObjectPath(key_);
+    if (upload_id_.empty()) {
+      CKPT_ASSIGN_OR_RETURN(Response r, client_->Call(WithBody(MakeRequest("POST", path, {{"uploads", ""}}), {}),
+                                                     "object '" + key_ + "'"));
+      upload_id_ = XmlFirst(r.body, "UploadId");
+      if (upload_id_.empty()) return Status::IOError("S3 gave no upload id for '" + key_ + "' in " + client_->Where());
+    }
+    const std::string number = std::to_string(etags_.size() + 1);
+    CKPT_ASSIGN_OR_RETURN(
+        Response r, client_->Call(WithBody(MakeRequest("PUT", path, {{"partNumber", number}, {"uploadId", upload_id_}}),
+                                           part_),
+                                  "part " + number + " of '" + key_ + "'"));
+    if (r.etag.empty()) return Status::IOError("S3 gave no ETag for part " + number + " of '" + key_ + "'");
+    etags_.push_back(r.etag);
+    part_.clear();
+    return Status::OK();
+  }
+
+  std::shared_ptr<S3Client> client_;
+  std::string key_;
+  std::vector<std::byte> part_;
+  std::string upload_id_;
+  std::vector<std::string> etags_;
+  uint64_t size_ = 0;
+  bool finished_ = false;
+};
+
+class S3Backend final : public Backend {
+ public:
+  explicit S3Backend(std::shared_ptr<S3Client> client) : client_(std::move(client)) {}
+
+  Result<std::unique_ptr<ObjectWriter>> Create(std::string_view key) override {
+    CKPT_RETURN_IF_ERROR(CheckKey(key));
+    return std::unique_ptr<ObjectWriter>(new S3Writer(client_, std::string(key)));
+  }
+
+  Status Put(std::string_view key, std::span<const std::byte> data) override {
+    CKPT_RETURN_IF_ERROR(CheckKey(key));
+    return client_->Call(WithBody(MakeRequest("PUT", client_->ObjectPath(key)), data), Quoted(key)).status();
+  }
+
+  Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) override {
+    CKPT_RETURN_IF_ERROR(CheckKey(key));
+    if (out.empty()) {
+      CKPT_ASSIGN_OR_RETURN(uint64_t size, Size(key));
+      if (offset > size) return Status::InvalidArgument("read of " + Quoted(key) + " starts past its end");
+      return Status::OK();
+    }
+    Request req = MakeRequest("GET", client_->ObjectPath(key));
+    req.range = std::make_pair(offset, offset + out.size() - 1);
+    req.into = out;
+    req.read_into = true;
+    CKPT_ASSIGN_OR_RETURN(Response r, client_->Perform(req));
+    if (r.status != 206 && r.status != 200) return client_->ErrorOf(req, r, Quoted(key));
+    if (r.received != out.size()) {
+      return Status::IOError("S3 returned " + std::to_string(r.received) + " of the " + std::to_string(out.size()) +
+                             " bytes asked for from " + Quoted(key) + " in " + client_->Where());
+    }
+    if (r.status == 200 && offset != 0) {
+      return Status::IOError("S3 ignored the range asked for from " + Quoted(key) + " in " + client_->Where());
+    }
+    return Status::OK();
+  }
+
+  Result<uint64_t> Size(std::string_view key) override {
+    CKPT_RETURN_IF_ERROR(CheckKey(key));
+    Request req = MakeRequest("HEAD", client_->ObjectPath(key));
+    CKPT_ASSIGN_OR_RETURN(Response r, client_->Perform(req));
+    if (r.status < 200 || r.status >= 300) {
+      // A HEAD answer has no body to name the error: ask for the body.
+      if (r.status == 404 || r.status == 403) {
+        Request get = MakeRequest("GET", client_->BucketPath(), {{"list-type", "2"}, {"max-keys", "1"}});
+        auto probe = client_->Perform(get);
+        if (probe.ok() && (probe->status < 200 || probe->status >= 300)) return client_->ErrorOf(get, *probe, Quoted(key));
+      }
+      return client_->ErrorOf(req, r, Quoted(key));
+    }
+    if (r.content_length < 0) return Status::IOError("S3 gave no size for " + Quoted(key) + " in " + client_->Where());
+    return static_cast<uint64_t>(r.content_length);
+  }
+
+  Result<std::vector<std::string>> List(std::string_view prefix) override {
+    std::vector<std::string> keys;
+    const std::string full = client_->FullKey(prefix);
+    const size_t strip = client_->location().prefix.empty() ? 0 : client_->location().prefix.size() + 1;
+    std::string token;
+    for (;;) {
+      Query q = {{"list-type", "2"}, {"prefix", full}};
+      if (!token.empty()) q.emplace_back("continuation-token", token);
+      CKPT_ASSIGN_OR_RETURN(Response r, client_->Call(MakeRequest("GET", client_->BucketPath(), q), "listing"));
+      for (std::string& k : XmlAll(r.body, "Key")) {
+        if (k.size() >= strip) keys.push_back(k.substr(strip));
+      }
+      if (XmlFirst(r.body, "IsTruncated") != "true") break;
+      token = XmlFirst(r.body, "NextContinuationToken");
+      if (token.empty()) return Status::IOError("S3 listing of " + client_->Where() + " is truncated without a token");
+    }
+    std::sort(keys.begin(), keys.end());
+    return keys;
+  }
+
+  Status Delete(std::string_view key) override {
+    CKPT_RETURN_IF_ERROR(Size(key).status());  // NotFound for a missing key
+    return client_->Call(MakeRequest("DELETE", client_->ObjectPath(key)), Quoted(key)).status();
+  }
+
+  Status RemoveIncomplete() override {
+    const std::string prefix = client_->location().prefix.empty() ? "" : client_->location().prefix + "/";
+    CKPT_ASSIGN_OR_RETURN(Response r, client_->Call(MakeRequest("GET", client_->BucketPath(),
+                                                               {{"prefix", prefix}, {"uploads", ""}}),
+                                                   "multipart uploads"));
+    const auto keys = XmlAll(r.body, "Key");
+    const auto ids = XmlAll(r.body, "UploadId");
+    for (size_t i = 0; i < keys.size() && i < ids.size(); ++i) {
+      Request abort = MakeRequest("DELETE", "/" + client_->location().bucket + "/" + keys[i], {{"uploadId", ids[i]}});
+      CKPT_ASSIGN_OR_RETURN(Response a, client_->Perform(abort));
+      if ((a.status < 200 || a.status >= 300) && a.status != 404) return client_->ErrorOf(abort, a, "upload of " + keys[i]);
+    }
+    return Status::OK();
+  }
+
+  std::string Describe() const override { return client_->Where(); }
+
+ private:
+  static std::string Quoted(std::string_view key) { return "object '" + std::string(key) + "'"; }
+  static Status CheckKey(std::string_view key) {
+    if (!IsValidObjectKey(key)) return Status::InvalidArgument("invalid object key '" + std::string(key) + "'");
+    return Status::OK();
+  }
+
+  std::shared_ptr<S3Client> client_;
+};
+
+}  // namespace
+
+std::string S3Location::ToString() const { return "s3://" + bucket + (prefix.empty() ? "" : "/" + prefix); }
+
+bool IsS3Url(std::string_view url) { return url.substr(0, 5) == "s3://"; }
+
+Result<S3Location> ParseS3Url(std::string_view url) {
+  if (!IsS3Url(url)) return Status::InvalidArgument("'" + std::string(url) + "' is not an s3:// URL");
+  std::string_view rest = url.substr(5);
+  const size_t slash = rest.find('/');
+  S3Location loc;
+  loc.bucket = std::string(rest.substr(0, slash));
+  if (slash != std::string_view::npos) {
+    std::string_view p = rest.substr(slash + 1);
+    while (!p.empty() && p.back() == '/') p.remove_suffix(1);
+    loc.prefix = std::string(p);
+  }
+  if (!ValidBucketName(loc.bucket)) {
+    return Status::InvalidArgument("'" + std::string(url) + "': '" + loc.bucket +
+                                   "' is not a valid bucket name (3-63 of a-z, 0-9, '-', '.')");
+  }
+  if (!loc.prefix.empty() && !IsValidObjectKey(loc.prefix)) {
+    return Status::InvalidArgument("'" + std::string(url) + "': the prefix must be path segments of [A-Za-z0-9._-]");
+  }
+  return loc;
+}
+
+Result<S3Options> S3Options::FromEnvironment() {
+  S3Options o;
+  auto env = [](const char* name) -> std::string {
+    const char* v = std::getenv(name);
+    return v ? std::string(v) : std::string();
+  };
+  o.endpoint = env("AWS_ENDPOINT_URL");
+  if (o.endpoint.empty()) {
+    return Status::InvalidArgument("no S3 endpoint: set AWS_ENDPOINT_URL (e.g. https://s3.us-east-1.amazonaws.com)");
+  }
+  if (std::string r = env("AWS_REGION"); !r.empty()) o.region = r;
+  o.access_key = env("AWS_ACCESS_KEY_ID");
+  o.secret_key = env("AWS_SECRET_ACCESS_KEY");
+  o.session_token = env("AWS_SESSION_TOKEN");
+  if (o.access_key.empty() || o.secret_key.empty()) {
+    return Status::InvalidArgument("no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY");
+  }
+  return o;
+}
+
+Result<std::unique_ptr<Backend>> OpenS3Backend(const S3Location& location, const S3Options& options) {
+  if (options.part_size < (5u << 20)) return Status::InvalidArgument("S3 part size must be at least 5 MiB");
+  auto client = std::make_shared<S3Client>(location, options);
+  // One cheap request, so that a wrong endpoint, bucket or key fails here
+  // with a clear line rather than at the first write.
+  CKPT_RETURN_IF_ERROR(
+      client->Call(MakeRequest("GET", client->BucketPath(), {{"list-type", "2"}, {"max-keys", "1"}}), "bucket")
+          .status());
+  return std::unique_ptr<Backend>(new S3Backend(std::move(client)));
+}
+
+Status CreateS3Bucket(const S3Location& location, const S3Options& options) {
+  S3Client client(location, options);
+  Request req = MakeRequest("PUT", client.BucketPath());
+  req.has_body = true;  // an empty body
+  CKPT_ASSIGN_OR_RETURN(Response r, client.Perform(req));
+  if (r.status >= 200 && r.status < 300) return Status::OK();
+  if (XmlFirst(r.body, "Code") == "BucketAlreadyOwnedByYou") return Status::OK();
+  if (XmlFirst(r.body, "Code") == "BucketAlreadyExists") {
+    return Status::AlreadyExists("bucket '" + location.bucket + "' exists and belongs to someone else");
+  }
+  return client.ErrorOf(req, r, "bucket '" + location.bucket + "'");
+}
+
+}  // namespace ckptfs
