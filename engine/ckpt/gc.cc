@@ -14,16 +14,7 @@
 namespace ckptfs {
 namespace {
 
-std::string CheckpointOfKey(std::string_view key) {
-  size_t zero = key.find('\0');
-  return std::string(key.substr(0, zero));
-}
-
-ChunkId IdOfKey(std::string_view key) {
-  ChunkId id;
-  std::memcpy(id.bytes.data(), key.data(), 16);
-  return id;
-}
+using keys::CheckpointOfKey;
 
 // Calls fn(checkpoint, chunk) for every chunk reference in the catalog:
 // committed tensors and blobs, and the contributions of pending ranks.
@@ -112,16 +103,16 @@ Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names)
       if (std::find(u.owners.begin(), u.owners.end(), owner) == u.owners.end()) u.owners.push_back(owner);
     }));
     Status inner;
-    CKPT_RETURN_IF_ERROR(txn.Scan(Table::kChunks, "", [&](std::string_view k, std::string_view v) {
-      auto loc = DecodeChunkLocation(v);
-      if (!loc.ok()) return (inner = loc.status(), false);
-      stored_len[IdOfKey(k)] = loc->stored_len;
-      return true;
-    }));
+    CKPT_RETURN_IF_ERROR(ScanDecoded<ChunkLocation>(txn, Table::kChunks, "", DecodeChunkLocation,
+                                                    [&](std::string_view k, ChunkLocation&& loc) {
+                                                      auto id = keys::ChunkIdOfKey(k);
+                                                      if (!id.ok()) return (inner = id.status(), false);
+                                                      stored_len[*id] = loc.stored_len;
+                                                      return true;
+                                                    }));
     CKPT_RETURN_IF_ERROR(inner);
-    return txn.Scan(Table::kPacks, "", [&](std::string_view, std::string_view v) {
-      uint64_t size = 0, count = 0;
-      if (DecodePackInfo(v, &size, &count).ok()) report.pack_bytes += size;
+    return ScanDecoded<PackInfo>(txn, Table::kPacks, "", DecodePackInfo, [&](std::string_view, PackInfo&& info) {
+      report.pack_bytes += info.size;
       return true;
     });
   }));
@@ -176,27 +167,26 @@ Result<Liveness> Analyze(LmdbEnv& catalog, const std::set<std::string>& excluded
     CKPT_RETURN_IF_ERROR(ForEachReference(txn, [&](const std::string& ckpt, const ChunkRef& c) {
       if (!excluded.count(ckpt)) l.live.insert(c.id);
     }));
+    CKPT_RETURN_IF_ERROR(ScanDecoded<PackInfo>(txn, Table::kPacks, "", DecodePackInfo,
+                                               [&](std::string_view k, PackInfo&& info) {
+                                                 l.packs[std::string(k)].size = info.size;
+                                                 return true;
+                                               }));
     Status inner;
-    CKPT_RETURN_IF_ERROR(txn.Scan(Table::kPacks, "", [&](std::string_view k, std::string_view v) {
-      uint64_t count = 0;
-      inner = DecodePackInfo(v, &l.packs[std::string(k)].size, &count);
-      return inner.ok();
-    }));
-    CKPT_RETURN_IF_ERROR(inner);
-    CKPT_RETURN_IF_ERROR(txn.Scan(Table::kChunks, "", [&](std::string_view k, std::string_view v) {
-      auto loc = DecodeChunkLocation(v);
-      if (!loc.ok()) return (inner = loc.status(), false);
-      ChunkId id = IdOfKey(k);
-      if (l.live.count(id)) {
-        PackState& p = l.packs[loc->pack];
-        p.live_bytes += loc->stored_len;
-        p.live.emplace_back(id, *loc);
-        l.live_bytes += loc->stored_len;
-      } else {
-        l.dead.push_back(id);
-      }
-      return true;
-    }));
+    CKPT_RETURN_IF_ERROR(ScanDecoded<ChunkLocation>(txn, Table::kChunks, "", DecodeChunkLocation,
+                                                    [&](std::string_view k, ChunkLocation&& loc) {
+                                                      auto id = keys::ChunkIdOfKey(k);
+                                                      if (!id.ok()) return (inner = id.status(), false);
+                                                      if (l.live.count(*id)) {
+                                                        PackState& p = l.packs[loc.pack];
+                                                        p.live_bytes += loc.stored_len;
+                                                        p.live.emplace_back(*id, loc);
+                                                        l.live_bytes += loc.stored_len;
+                                                      } else {
+                                                        l.dead.push_back(*id);
+                                                      }
+                                                      return true;
+                                                    }));
     return inner;
   }));
   return l;
@@ -326,7 +316,7 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
     }
     for (const auto& id : drop) CKPT_RETURN_IF_ERROR(txn.Delete(Table::kPacks, id));
     for (const auto& id : rewrite) CKPT_RETURN_IF_ERROR(txn.Delete(Table::kPacks, id));
-    for (const auto& p : sealed) CKPT_RETURN_IF_ERROR(txn.Put(Table::kPacks, p.id, EncodePackInfo(p.size, p.entries.size())));
+    for (const auto& p : sealed) CKPT_RETURN_IF_ERROR(txn.Put(Table::kPacks, p.id, EncodePackInfo({p.size, p.entries.size()})));
     return Status::OK();
   }));
   impl_->cache->Clear();

@@ -77,8 +77,12 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
     if (name) return Status::OK();
     // The whole repository: also chunks no checkpoint references, and packs.
     CKPT_RETURN_IF_ERROR(txn.Scan(Table::kChunks, "", [&](std::string_view k, std::string_view v) {
-      ChunkId id;
-      std::memcpy(id.bytes.data(), k.data(), 16);
+      auto key_id = keys::ChunkIdOfKey(k);
+      if (!key_id.ok()) {
+        inner = key_id.status();
+        return false;
+      }
+      const ChunkId id = *key_id;
       if (chunks.count(id)) return true;
       auto loc = DecodeChunkLocation(v);
       if (!loc.ok()) {
@@ -89,9 +93,10 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
       return true;
     }));
     return txn.Scan(Table::kPacks, "", [&](std::string_view k, std::string_view v) {
-      uint64_t size = 0, count = 0;
       std::string pack(k);
-      Status st = DecodePackInfo(v, &size, &count);
+      auto info = DecodePackInfo(v);
+      Status st = info.status();
+      const uint64_t size = info.ok() ? info->size : 0, count = info.ok() ? info->chunks : 0;
       if (st.ok()) {
         auto index = ReadPackIndex(impl_->backend.get(), pack);
         if (!index.ok()) {
@@ -220,7 +225,7 @@ Result<ReindexReport> Repository::Reindex(const std::string& path, const Progres
         CKPT_ASSIGN_OR_RETURN(auto existing, txn.Get(Table::kChunks, keys::Chunk(e.id)));
         if (!existing) CKPT_RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(e.id), EncodeChunkLocation(e.location)));
       }
-      return txn.Put(Table::kPacks, id, EncodePackInfo(pack->size, pack->entries.size()));
+      return txn.Put(Table::kPacks, id, EncodePackInfo({pack->size, pack->entries.size()}));
     }));
     ++report.packs;
     report.chunks += pack->entries.size();
@@ -253,12 +258,8 @@ Result<ReindexReport> Repository::Reindex(const std::string& path, const Progres
     ++report.checkpoints;
   }
   CKPT_RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
-    Encoder v;
-    v.U32(kFormatVersion);
-    CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kFormatVersionKey, v.data()));
-    Encoder seq;
-    seq.U64(max_seq + 1);
-    return txn.Put(Table::kMeta, keys::kNextSequenceKey, seq.data());
+    CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kFormatVersionKey, EncodeFormatVersion(kFormatVersion)));
+    return txn.Put(Table::kMeta, keys::kNextSequenceKey, EncodeSequence(max_seq + 1));
   }));
   env.reset();
   // Swap the rebuilt catalog in; the old one (if any) is removed last.

@@ -21,22 +21,6 @@ namespace ckptfs {
 // ---- keys ------------------------------------------------------------------
 
 namespace keys {
-std::string Checkpoint(const std::string& name) { return name; }
-std::string Rank(const std::string& checkpoint, uint32_t rank) {
-  std::string k = checkpoint;
-  k.push_back('\0');
-  for (int shift = 24; shift >= 0; shift -= 8) k.push_back(static_cast<char>((rank >> shift) & 0xff));
-  return k;
-}
-std::string MemberPrefix(const std::string& checkpoint) {
-  std::string k = checkpoint;
-  k.push_back('\0');
-  return k;
-}
-std::string Member(const std::string& checkpoint, const std::string& member) {
-  return MemberPrefix(checkpoint) + member;
-}
-std::string Chunk(const ChunkId& id) { return std::string(reinterpret_cast<const char*>(id.bytes.data()), 16); }
 std::string ManifestObject(const std::string& checkpoint) {
   return std::string(kManifestPrefix) + checkpoint + ".manifest";
 }
@@ -50,25 +34,6 @@ bool ParseManifestObject(const std::string& key, std::string* checkpoint) {
   return ValidateCheckpointName(*checkpoint).ok();
 }
 }  // namespace keys
-
-std::string EncodePackInfo(uint64_t size, uint64_t chunks) {
-  Encoder e;
-  e.U8(1);
-  e.Varint(size);
-  e.Varint(chunks);
-  return e.Take();
-}
-
-Status DecodePackInfo(std::string_view data, uint64_t* size, uint64_t* chunks) {
-  Decoder d(data);
-  uint8_t v = 0;
-  CKPT_RETURN_IF_ERROR(d.U8(&v));
-  if (v != 1) return Status::Corruption("pack record has unknown version");
-  CKPT_RETURN_IF_ERROR(d.Varint(size));
-  CKPT_RETURN_IF_ERROR(d.Varint(chunks));
-  if (!d.done()) return Status::Corruption("pack record has trailing bytes");
-  return Status::OK();
-}
 
 uint64_t NowUnixMs() {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -278,12 +243,8 @@ Status Repository::Init(const std::string& path, const RepositoryConfig& config)
   CKPT_ASSIGN_OR_RETURN(auto backend, OpenLocalBackend(path + "/" + kObjectsDir));
   CKPT_ASSIGN_OR_RETURN(auto env, LmdbEnv::Open(path + "/" + kCatalogDir, true, kInitialMapSize));
   CKPT_RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
-    Encoder e;
-    e.U32(kFormatVersion);
-    CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kFormatVersionKey, e.data()));
-    Encoder seq;
-    seq.U64(1);
-    return txn.Put(Table::kMeta, keys::kNextSequenceKey, seq.data());
+    CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kFormatVersionKey, EncodeFormatVersion(kFormatVersion)));
+    return txn.Put(Table::kMeta, keys::kNextSequenceKey, EncodeSequence(1));
   }));
   // The config file goes last: a directory holding it is a complete
   // repository. Written like any object: atomically and durably.
@@ -309,9 +270,8 @@ Result<std::unique_ptr<Repository>> Repository::Open(const std::string& path, co
   impl->catalog = std::move(env).value();
   Status st = impl->catalog->Read([&](const ReadTxn& txn) -> Status {
     CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kMeta, keys::kFormatVersionKey));
-    if (!v || v->size() != 4) return Status::Corruption("catalog lacks its format version; run 'ckpt reindex'");
-    uint32_t version;
-    std::memcpy(&version, v->data(), 4);
+    if (!v) return Status::Corruption("catalog lacks its format version; run 'ckpt reindex'");
+    CKPT_ASSIGN_OR_RETURN(uint32_t version, DecodeFormatVersion(*v));
     if (version > kFormatVersion) {
       return Status::Unsupported("catalog format version " + std::to_string(version) + " is newer than this ckptfs supports");
     }

@@ -11,29 +11,20 @@
 #include "ckpt/repository.h"
 #include "core/buffer_pool.h"
 #include "core/thread_pool.h"
+#include "meta/catalog_schema.h"
 #include "meta/lmdb_env.h"
 #include "store/chunk_cache.h"
 
 namespace ckptfs {
 
 // Catalog keys (docs/FORMAT.md). One module builds them all.
+// Object names in the backend (the catalog's keys are meta/catalog_schema.h's).
 namespace keys {
-std::string Checkpoint(const std::string& name);
-std::string Rank(const std::string& checkpoint, uint32_t rank);
-std::string Member(const std::string& checkpoint, const std::string& member);  // tensor or blob
-std::string MemberPrefix(const std::string& checkpoint);
-std::string Chunk(const ChunkId& id);
 std::string ManifestObject(const std::string& checkpoint);
 bool ParseManifestObject(const std::string& key, std::string* checkpoint);
 inline constexpr const char* kManifestPrefix = "manifests/";
 inline constexpr const char* kPackPrefix = "packs/";
-inline constexpr const char* kFormatVersionKey = "format_version";
-inline constexpr const char* kNextSequenceKey = "next_sequence";
 }  // namespace keys
-
-// Pack table values: size and chunk count.
-std::string EncodePackInfo(uint64_t size, uint64_t chunks);
-Status DecodePackInfo(std::string_view data, uint64_t* size, uint64_t* chunks);
 
 class RepositoryImpl {
  public:

@@ -109,6 +109,14 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   void WriterLoop();
   void StopWriterThread();
   Status CommitToCatalog(const std::vector<SealedPack>& sealed, CommitResult* result);
+  // The steps of CommitToCatalog.
+  struct CommitView;
+  Result<CommitView> ReadCommitView();
+  Result<Manifest> MergeRanks(const CommitView& view);
+  Status WriteManifest(const Manifest& manifest);
+  // False when the view changed since it was read (nothing was written).
+  Result<bool> PublishInCatalog(const CommitView& view, const Manifest* manifest,
+                                const std::vector<SealedPack>& sealed);
   Status ChunkStream(const std::vector<uint64_t>& bounds, DType dtype, ShardSource& source,
                      std::vector<ChunkRef>& chunks);
   std::vector<uint64_t> ChunkBounds(uint64_t global_start, uint64_t size) const;
@@ -460,28 +468,114 @@ CommitHandle WriterImpl::Commit() {
   return handle;
 }
 
-Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, CommitResult* result) {
-  for (auto& t : record_.tensors) {
-    for (auto& s : t.shards) s.ComputeStarts();
-  }
-  {
-    std::lock_guard lock(mu_);
-    *result = stats_;
-  }
-  Backend* backend = repo_->backend.get();
-  return repo_->catalog->Update([&](WriteTxn& txn) -> Status {
-    result->checkpoint_visible = false;
+// The commit, in the steps docs/DESIGN.md names ("Commit protocol"):
+//   1. ReadCommitView: a read transaction takes what the catalog holds for
+//      this checkpoint (its record, the ranks committed, the next sequence).
+//   2. CheckJoin and CheckTensorsAgree on that view.
+//   3. Last rank only, outside any write transaction: MergeRanks merges the
+//      ranks' records (reading the bytes where replicas overlap) and checks
+//      the tiling; WriteManifest makes the manifest object durable.
+//   4. PublishInCatalog: one short write transaction re-reads the view; if
+//      another commit changed it meanwhile, the commit starts over at 1
+//      (and removes a manifest it wrote for a view that no longer holds);
+//      otherwise it records chunks, packs and this rank, and, for the last
+//      rank, the merged records and the committed state.
+struct WriterImpl::CommitView {
+  std::optional<std::string> raw_checkpoint;  // as stored, to see changes
+  std::optional<std::string> raw_sequence;
+  CheckpointRecord checkpoint;                // this rank added
+  std::vector<RankRecord> ranks;              // this rank last
+  bool last = false;
+};
+
+Result<WriterImpl::CommitView> WriterImpl::ReadCommitView() {
+  CommitView view;
+  Status st = repo_->catalog->Read([&](const ReadTxn& txn) -> Status {
     CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name_)));
-    CheckpointRecord ckpt;
-    if (raw) {
-      CKPT_ASSIGN_OR_RETURN(ckpt, DecodeCheckpoint(*raw));
-      CKPT_RETURN_IF_ERROR(CheckJoin(ckpt, options_));
-      if (!ckpt.step) ckpt.step = options_.step;
-    } else {
-      ckpt.name = name_;
-      ckpt.step = options_.step;
-      ckpt.world_size = options_.world_size;
-      ckpt.created_unix_ms = created_unix_ms_;
+    if (raw) view.raw_checkpoint = std::string(*raw);
+    CKPT_ASSIGN_OR_RETURN(auto seq, txn.Get(Table::kMeta, keys::kNextSequenceKey));
+    if (seq) view.raw_sequence = std::string(*seq);
+    Status inner;
+    CKPT_RETURN_IF_ERROR(txn.Scan(Table::kRanks, keys::MemberPrefix(name_), [&](std::string_view, std::string_view v) {
+      auto r = DecodeRank(v);
+      if (!r.ok()) {
+        inner = r.status();
+        return false;
+      }
+      view.ranks.push_back(std::move(r).value());
+      return true;
+    }));
+    return inner;
+  });
+  CKPT_RETURN_IF_ERROR(st);
+  CheckpointRecord& ckpt = view.checkpoint;
+  if (view.raw_checkpoint) {
+    CKPT_ASSIGN_OR_RETURN(ckpt, DecodeCheckpoint(*view.raw_checkpoint));
+    CKPT_RETURN_IF_ERROR(CheckJoin(ckpt, options_));
+    if (!ckpt.step) ckpt.step = options_.step;
+  } else {
+    ckpt.name = name_;
+    ckpt.step = options_.step;
+    ckpt.world_size = options_.world_size;
+    ckpt.created_unix_ms = created_unix_ms_;
+  }
+  view.ranks.push_back(record_);
+  ckpt.committed_ranks.push_back(options_.rank);
+  std::sort(ckpt.committed_ranks.begin(), ckpt.committed_ranks.end());
+  for (const auto& [k, v] : options_.tags) {
+    if (std::none_of(ckpt.tags.begin(), ckpt.tags.end(), [&](const auto& t) { return t.first == k; })) {
+      ckpt.tags.emplace_back(k, v);
+    }
+  }
+  view.last = ckpt.committed_ranks.size() >= ckpt.world_size;
+  return view;
+}
+
+Result<Manifest> WriterImpl::MergeRanks(const CommitView& view) {
+  // Chunks this rank stored are not in the catalog yet; the others' are.
+  DirectFetcher fetcher(repo_->backend.get(), [this](const ChunkId& id) -> Result<ChunkLocation> {
+    auto it = stored_.find(id);
+    if (it != stored_.end()) return it->second;
+    return repo_->LookupChunk(id);
+  });
+  Manifest manifest;
+  CKPT_ASSIGN_OR_RETURN(manifest.tensors, MergeRankTensors(view.ranks, fetcher));
+  CKPT_ASSIGN_OR_RETURN(manifest.blobs, MergeRankBlobs(view.ranks));
+  CheckpointRecord ckpt = view.checkpoint;
+  uint64_t seq = 1;
+  if (view.raw_sequence) {
+    CKPT_ASSIGN_OR_RETURN(seq, DecodeSequence(*view.raw_sequence));
+  }
+  ckpt.state = CheckpointState::kCommitted;
+  ckpt.sequence = seq;
+  ckpt.committed_unix_ms = NowUnixMs();
+  ckpt.tensor_count = manifest.tensors.size();
+  ckpt.logical_bytes = 0;
+  for (const auto& t : manifest.tensors) ckpt.logical_bytes += t.ByteSize();
+  for (const auto& b : manifest.blobs) ckpt.logical_bytes += b.size;
+  manifest.checkpoint = ckpt;
+  return manifest;
+}
+
+Status WriterImpl::WriteManifest(const Manifest& manifest) {
+  // Durable before the catalog makes the checkpoint visible: reindex trusts
+  // manifests, so both views agree after a crash.
+  std::string encoded = EncodeManifest(manifest);
+  return repo_->backend->Put(keys::ManifestObject(name_), std::as_bytes(std::span(encoded)));
+}
+
+Result<bool> WriterImpl::PublishInCatalog(const CommitView& view, const Manifest* manifest,
+                                          const std::vector<SealedPack>& sealed) {
+  bool unchanged = true;
+  Status st = repo_->catalog->Update([&](WriteTxn& txn) -> Status {
+    CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name_)));
+    CKPT_ASSIGN_OR_RETURN(auto seq, txn.Get(Table::kMeta, keys::kNextSequenceKey));
+    auto same = [](const std::optional<std::string_view>& now, const std::optional<std::string>& then) {
+      return now.has_value() == then.has_value() && (!now || *now == *then);
+    };
+    if (!same(raw, view.raw_checkpoint) || (manifest && !same(seq, view.raw_sequence))) {
+      unchanged = false;
+      return Status::OK();  // nothing written; the caller starts over
     }
     // Chunks first: a chunk another process stored meanwhile keeps its entry.
     for (const auto& [id, loc] : stored_) {
@@ -489,7 +583,7 @@ Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, Commit
       if (!existing) CKPT_RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(id), EncodeChunkLocation(loc)));
     }
     for (const auto& p : sealed) {
-      CKPT_RETURN_IF_ERROR(txn.Put(Table::kPacks, p.id, EncodePackInfo(p.size, p.entries.size())));
+      CKPT_RETURN_IF_ERROR(txn.Put(Table::kPacks, p.id, EncodePackInfo({p.size, p.entries.size()})));
     }
     // Every chunk this rank references must be in the catalog now: one that
     // was deduplicated against a chunk since removed fails the commit rather
@@ -505,72 +599,59 @@ Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, Commit
       for (const auto& s : t.shards) CKPT_RETURN_IF_ERROR(check_present(s.chunks, "tensor '" + t.name + "'"));
     }
     for (const auto& b : record_.blobs) CKPT_RETURN_IF_ERROR(check_present(b.chunks, "blob '" + b.name + "'"));
-    std::vector<RankRecord> ranks;
-    Status inner;
-    CKPT_RETURN_IF_ERROR(txn.Scan(Table::kRanks, keys::MemberPrefix(name_), [&](std::string_view, std::string_view v) {
-      auto r = DecodeRank(v);
-      if (!r.ok()) {
-        inner = r.status();
-        return false;
-      }
-      ranks.push_back(std::move(r).value());
-      return true;
-    }));
-    CKPT_RETURN_IF_ERROR(inner);
-    ranks.push_back(record_);
-    ckpt.committed_ranks.push_back(options_.rank);
-    std::sort(ckpt.committed_ranks.begin(), ckpt.committed_ranks.end());
-    for (const auto& [k, v] : options_.tags) {
-      if (std::none_of(ckpt.tags.begin(), ckpt.tags.end(), [&](const auto& t) { return t.first == k; })) {
-        ckpt.tags.emplace_back(k, v);
-      }
-    }
-    DirectFetcher fetcher(backend, [&](const ChunkId& id) -> Result<ChunkLocation> {
-      CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(id)));
-      if (!v) return Status::NotFound("chunk " + id.ToHex() + " is not in the catalog");
-      return DecodeChunkLocation(*v);
-    });
-    if (ckpt.committed_ranks.size() < ckpt.world_size) {
-      // Dtype and shape disagreement shows now; tiling waits for the last rank.
-      CKPT_RETURN_IF_ERROR(CheckTensorsAgree(ranks));
+    if (!manifest) {
       CKPT_RETURN_IF_ERROR(txn.Put(Table::kRanks, keys::Rank(name_, options_.rank), EncodeRank(record_)));
-      return txn.Put(Table::kCheckpoints, keys::Checkpoint(name_), EncodeCheckpoint(ckpt));
+      return txn.Put(Table::kCheckpoints, keys::Checkpoint(name_), EncodeCheckpoint(view.checkpoint));
     }
-    // Last rank: merge, check, publish.
-    Manifest manifest;
-    CKPT_ASSIGN_OR_RETURN(manifest.tensors, MergeRankTensors(ranks, fetcher));
-    CKPT_ASSIGN_OR_RETURN(manifest.blobs, MergeRankBlobs(ranks));
-    CKPT_ASSIGN_OR_RETURN(auto seq_raw, txn.Get(Table::kMeta, keys::kNextSequenceKey));
-    uint64_t seq = 1;
-    if (seq_raw && seq_raw->size() == 8) std::memcpy(&seq, seq_raw->data(), 8);
-    ckpt.state = CheckpointState::kCommitted;
-    ckpt.sequence = seq;
-    ckpt.committed_unix_ms = NowUnixMs();
-    ckpt.tensor_count = manifest.tensors.size();
-    ckpt.logical_bytes = 0;
-    for (const auto& t : manifest.tensors) ckpt.logical_bytes += t.ByteSize();
-    for (const auto& b : manifest.blobs) ckpt.logical_bytes += b.size;
-    manifest.checkpoint = ckpt;
-    // The manifest object is written before the catalog makes the checkpoint
-    // visible; reindex trusts manifests, so both views agree after a crash.
-    std::string encoded = EncodeManifest(manifest);
-    CKPT_RETURN_IF_ERROR(backend->Put(keys::ManifestObject(name_), std::as_bytes(std::span(encoded))));
-    for (const auto& t : manifest.tensors) {
+    for (const auto& t : manifest->tensors) {
       CKPT_RETURN_IF_ERROR(txn.Put(Table::kTensors, keys::Member(name_, t.name), EncodeTensor(t)));
     }
-    for (const auto& b : manifest.blobs) {
+    for (const auto& b : manifest->blobs) {
       CKPT_RETURN_IF_ERROR(txn.Put(Table::kBlobs, keys::Member(name_, b.name), EncodeBlob(b)));
     }
-    for (const auto& r : ranks) {
+    for (const auto& r : view.ranks) {
       CKPT_RETURN_IF_ERROR(txn.Delete(Table::kRanks, keys::Rank(name_, r.rank)));
     }
-    Encoder next;
-    next.U64(seq + 1);
-    CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kNextSequenceKey, next.data()));
-    CKPT_RETURN_IF_ERROR(txn.Put(Table::kCheckpoints, keys::Checkpoint(name_), EncodeCheckpoint(ckpt)));
-    result->checkpoint_visible = true;
-    return Status::OK();
+    CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kNextSequenceKey, EncodeSequence(manifest->checkpoint.sequence + 1)));
+    return txn.Put(Table::kCheckpoints, keys::Checkpoint(name_), EncodeCheckpoint(manifest->checkpoint));
   });
+  CKPT_RETURN_IF_ERROR(st);
+  return unchanged;
+}
+
+Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, CommitResult* result) {
+  for (auto& t : record_.tensors) {
+    for (auto& s : t.shards) s.ComputeStarts();
+  }
+  {
+    std::lock_guard lock(mu_);
+    *result = stats_;
+  }
+  result->checkpoint_visible = false;
+  // Commits of other ranks may change the view between the steps; each
+  // round trip means one of them got through, so this ends.
+  for (;;) {
+    CKPT_ASSIGN_OR_RETURN(CommitView view, ReadCommitView());
+    std::optional<Manifest> manifest;
+    if (view.last) {
+      CKPT_ASSIGN_OR_RETURN(manifest, MergeRanks(view));
+      CKPT_RETURN_IF_ERROR(WriteManifest(*manifest));
+    } else {
+      // Dtype and shape disagreement shows now; tiling waits for the last rank.
+      CKPT_RETURN_IF_ERROR(CheckTensorsAgree(view.ranks));
+    }
+    auto published = PublishInCatalog(view, manifest ? &*manifest : nullptr, sealed);
+    if (manifest && !(published.ok() && *published)) {
+      // The manifest describes a commit that did not happen: take it back,
+      // or reindex would publish it.
+      (void)repo_->backend->Delete(keys::ManifestObject(name_));
+    }
+    CKPT_RETURN_IF_ERROR(published.status());
+    if (*published) {
+      result->checkpoint_visible = view.last;
+      return Status::OK();
+    }
+  }
 }
 
 // ---- public wrappers -------------------------------------------------------------

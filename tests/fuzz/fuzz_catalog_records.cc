@@ -45,10 +45,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       break;
     case 5: {
-      uint64_t pack_size = 0, chunks = 0;
-      if (DecodePackInfo(value, &pack_size, &chunks).ok()) {
-        FUZZ_CHECK(EncodePackInfo(pack_size, chunks) == value);
-      }
+      auto info = DecodePackInfo(value);
+      if (info.ok()) FUZZ_CHECK(EncodePackInfo(*info) == value);
       break;
     }
   }

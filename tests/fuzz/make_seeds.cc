@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
   Write("fuzz_catalog_records", "rank", record(3, EncodeRank(rank)));
   Write("fuzz_catalog_records", "location",
         record(4, EncodeChunkLocation(ChunkLocation{"0123456789abcdef01234567", 16, 900, 4096, Codec::kByteGroupZstd})));
-  Write("fuzz_catalog_records", "pack-info", record(5, EncodePackInfo(1 << 20, 12)));
+  Write("fuzz_catalog_records", "pack-info", record(5, EncodePackInfo({1 << 20, 12})));
   fs::remove_all(tmp);
   return 0;
 }

@@ -202,6 +202,37 @@ TEST_F(RepoTest, LoadTargetsAreCheckedAgainstTheRecordAndAnyRegionReads) {
             StatusCode::kInvalidArgument);
 }
 
+TEST_F(RepoTest, RanksCommittingAtOnceMakeOneVisibleCheckpoint) {
+  // Commits read the catalog, merge outside the write transaction and
+  // publish only if nothing changed meanwhile: ranks racing each other must
+  // still end with exactly one last rank and every part recorded.
+  Ref a = MakeRef("w", DType::kF32, {64, 40}, 31);
+  const uint32_t world = 8;
+  for (int round = 0; round < 3; ++round) {
+    const std::string name = "race-" + std::to_string(round);
+    std::vector<std::unique_ptr<CheckpointWriter>> writers;
+    for (uint32_t r = 0; r < world; ++r) {
+      writers.push_back(Begin(name, r, world));
+      PutBox(*writers.back(), a, Box{{8 * r, 0}, {8, 40}});
+    }
+    std::vector<CommitHandle> handles;
+    for (auto& w : writers) handles.push_back(w->Commit());
+    int visible = 0;
+    for (auto& h : handles) {
+      auto res = h.Wait();
+      ASSERT_OK(res);
+      visible += res->checkpoint_visible ? 1 : 0;
+    }
+    EXPECT_EQ(visible, 1) << name;
+    ExpectWhole(name, a);
+  }
+  auto list = repo_->ListCheckpoints();
+  ASSERT_OK(list);
+  ASSERT_EQ(list->size(), 3u);
+  // Commit order is the sequence, without gaps.
+  for (size_t i = 0; i < list->size(); ++i) EXPECT_EQ((*list)[i].sequence, i + 1);
+}
+
 TEST_F(RepoTest, FlatShardsDeduplicateAcrossWorldSizes) {
   Ref p = MakeRef("flat.param", DType::kF32, {1000, 257}, 11);  // ~1 MiB, 16 chunks
   const uint64_t n = NumElements(p.info.shape);
@@ -540,12 +571,32 @@ namespace {
 
 TEST(PackInfo, RecordsDecodeOnlyFromTheirExactEncoding) {
   // Found by fuzz_catalog_records: trailing bytes were ignored.
-  uint64_t size = 0, chunks = 0;
-  ASSERT_OK(DecodePackInfo(EncodePackInfo(1 << 20, 12), &size, &chunks));
-  EXPECT_EQ(size, 1u << 20);
-  EXPECT_EQ(chunks, 12u);
-  EXPECT_TRUE(DecodePackInfo(EncodePackInfo(1 << 20, 12) + "x", &size, &chunks).IsCorruption());
-  EXPECT_TRUE(DecodePackInfo("\x02\x01\x01", &size, &chunks).IsCorruption());
+  auto info = DecodePackInfo(EncodePackInfo({1 << 20, 12}));
+  ASSERT_OK(info);
+  EXPECT_EQ(info->size, 1u << 20);
+  EXPECT_EQ(info->chunks, 12u);
+  EXPECT_TRUE(DecodePackInfo(EncodePackInfo({1 << 20, 12}) + "x").status().IsCorruption());
+  EXPECT_TRUE(DecodePackInfo("\x02\x01\x01").status().IsCorruption());
+}
+
+TEST(CatalogSchema, CountersAndKeysDecodeOnlyFromTheirExactEncoding) {
+  auto seq = DecodeSequence(EncodeSequence(42));
+  ASSERT_OK(seq);
+  EXPECT_EQ(*seq, 42u);
+  EXPECT_TRUE(DecodeSequence("1234567").status().IsCorruption());
+  auto version = DecodeFormatVersion(EncodeFormatVersion(7));
+  ASSERT_OK(version);
+  EXPECT_EQ(*version, 7u);
+  EXPECT_TRUE(DecodeFormatVersion(EncodeFormatVersion(7) + "x").status().IsCorruption());
+  ChunkId id;
+  for (size_t i = 0; i < 16; ++i) id.bytes[i] = static_cast<uint8_t>(i * 17);
+  auto back = keys::ChunkIdOfKey(keys::Chunk(id));
+  ASSERT_OK(back);
+  EXPECT_EQ(*back, id);
+  EXPECT_TRUE(keys::ChunkIdOfKey("short").status().IsCorruption());
+  EXPECT_EQ(keys::CheckpointOfKey(keys::Rank("step-1", 3)), "step-1");
+  EXPECT_EQ(keys::CheckpointOfKey(keys::Member("step-1", "w")), "step-1");
+  EXPECT_LT(keys::Rank("a", 255), keys::Rank("a", 256));  // ranks scan in order
 }
 
 TEST_F(RepoTest, SecondOpenOfOneRepositoryInAProcessIsRefused) {
