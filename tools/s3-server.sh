@@ -4,6 +4,7 @@
 # hand (no systemd), all state under one scratch directory.
 #
 #   tools/s3-server.sh start DIR [PORT]   start (about 15 s); prints the environment to use
+#                                         (gateway on PORT, default 7480; monitor on PORT-4180)
 #   tools/s3-server.sh stop DIR           stop every daemon and wait for it to exit
 #   tools/s3-server.sh env DIR            print the environment again
 #
@@ -15,6 +16,7 @@ set -euo pipefail
 cmd=${1:-}
 dir=${2:-}
 port=${3:-7480}
+mon_port=$((port - 4180))   # 3300 beside the default gateway port
 if [ -z "$cmd" ] || [ -z "$dir" ]; then
   sed -n '2,13p' "$0" >&2
   exit 2
@@ -77,7 +79,7 @@ start() {
   cat >"$conf" <<EOF
 [global]
 fsid = $fsid
-mon host = v2:127.0.0.1:3300
+mon host = v2:127.0.0.1:$mon_port
 mon initial members = a
 public network = 127.0.0.0/8
 ms bind ipv6 = false
@@ -108,7 +110,7 @@ EOF
   ceph-authtool "$keyring" --gen-key -n client.admin --cap mon 'allow *' --cap osd 'allow *' --cap mgr 'allow *' >/dev/null
   ceph-authtool "$keyring" --gen-key -n osd.0 --cap mon 'allow profile osd' --cap osd 'allow *' --cap mgr 'allow profile osd' >/dev/null
   ceph-authtool "$keyring" --gen-key -n client.rgw.a --cap mon 'allow rw' --cap osd 'allow rwx' --cap mgr 'allow rw' >/dev/null
-  monmaptool --create --addv a "[v2:127.0.0.1:3300]" --fsid "$fsid" "$dir/monmap" >/dev/null
+  monmaptool --create --addv a "[v2:127.0.0.1:$mon_port]" --fsid "$fsid" "$dir/monmap" >/dev/null
   ceph-mon -c "$conf" --mkfs -i a --monmap "$dir/monmap" --keyring "$keyring"
   ceph-mon -c "$conf" -i a
   wait_for 20 "the monitor" ceph -c "$conf" mon stat

@@ -58,6 +58,7 @@ struct S3Options {
   int max_retries = 5;               // after the first attempt; backoff 0.1 s doubling
   int connect_timeout_ms = 5000;
   int stall_timeout_s = 30;          // a transfer making no progress this long fails (and is retried)
+  bool reuse_connections = true;     // keep-alive; off, every request has its own connection
 
   // AWS_ENDPOINT_URL (required: there is no default endpoint), AWS_REGION
   // (default us-east-1), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,

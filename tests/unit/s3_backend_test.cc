@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "core/random.h"
+#include "fault_proxy.h"
 #include "test_util.h"
 
 namespace ckptfs {
@@ -145,6 +146,74 @@ TEST_F(S3Backend, ListingFollowsPagination) {
   auto listed = backend_->List("m/");
   ASSERT_OK(listed);
   EXPECT_EQ(*listed, keys);
+}
+
+// The S3 server behind a proxy that breaks every third request in turn:
+// a 503, a reset, an answer cut short, silence past the stall timeout.
+TEST_F(S3Backend, TransientFaultsAreRetriedUntilEveryOperationSucceeds) {
+  using Fault = testing::FaultProxy::Fault;
+  const Fault kinds[] = {Fault::kServiceUnavailable, Fault::kResetBeforeAnswer, Fault::kCutAnswer, Fault::kSilence};
+  const int upstream = std::stoi(options_.endpoint.substr(options_.endpoint.rfind(':') + 1));
+  testing::FaultProxy proxy(upstream, [&](int n) { return n % 3 == 1 ? kinds[(n / 3) % 4] : Fault::kNone; });
+  S3Options faulty = options_;
+  faulty.endpoint = "http://127.0.0.1:" + std::to_string(proxy.port());
+  faulty.reuse_connections = false;  // one request per connection: the plan picks requests
+  faulty.stall_timeout_s = 1;
+  faulty.max_retries = 6;
+  auto opened = OpenS3Backend(location_, faulty);
+  ASSERT_OK(opened);
+  Backend& b = **opened;
+
+  auto small = RandomBytes(100000, 3);
+  ASSERT_OK(b.Put("obj/small", small));
+  auto big = RandomBytes((11 << 20) + 7, 4);
+  auto w = b.Create("obj/big");
+  ASSERT_OK(w);
+  ASSERT_OK((*w)->Append(big));
+  ASSERT_OK((*w)->Commit());
+  std::vector<std::byte> part(1 << 20);
+  ASSERT_OK(b.ReadRange("obj/big", 5 << 20, part));
+  EXPECT_TRUE(std::equal(part.begin(), part.end(), big.begin() + (5 << 20)));
+  auto all = b.ReadAll("obj/small");
+  ASSERT_OK(all);
+  EXPECT_EQ(all->size(), small.size());
+  EXPECT_TRUE(std::equal(all->begin(), all->end(), reinterpret_cast<const char*>(small.data())));
+  auto listed = b.List("obj/");
+  ASSERT_OK(listed);
+  EXPECT_EQ(*listed, (std::vector<std::string>{"obj/big", "obj/small"}));
+  ASSERT_OK(b.Delete("obj/small"));
+  EXPECT_TRUE(backend_->Size("obj/small").status().IsNotFound());
+  // Checked without the proxy: the big object is whole.
+  auto size = backend_->Size("obj/big");
+  ASSERT_OK(size);
+  EXPECT_EQ(*size, big.size());
+  EXPECT_GE(proxy.faults(), 4) << "the plan should have broken requests of each kind";
+}
+
+TEST_F(S3Backend, AnUploadThatKeepsFailingFailsCleanlyAndLeavesNoObject) {
+  using Fault = testing::FaultProxy::Fault;
+  const int upstream = std::stoi(options_.endpoint.substr(options_.endpoint.rfind(':') + 1));
+  // The first requests get through (the bucket check, the upload's start
+  // and first part); from then on the server answers 503 forever.
+  testing::FaultProxy proxy(upstream, [](int n) { return n < 3 ? Fault::kNone : Fault::kServiceUnavailable; });
+  S3Options faulty = options_;
+  faulty.endpoint = "http://127.0.0.1:" + std::to_string(proxy.port());
+  faulty.reuse_connections = false;
+  faulty.max_retries = 2;
+  auto opened = OpenS3Backend(location_, faulty);
+  ASSERT_OK(opened);
+  auto w = (*opened)->Create("obj/doomed");
+  ASSERT_OK(w);
+  auto data = RandomBytes(12 << 20, 5);
+  Status st = (*w)->Append(data);
+  if (st.ok()) st = (*w)->Commit();
+  EXPECT_EQ(st.code(), StatusCode::kIOError) << st.ToString();
+  EXPECT_NE(st.message().find("3 attempts"), std::string::npos) << st.message();
+  // Seen directly: no object, and the upload the writer could not abort
+  // through the failing proxy is removed by RemoveIncomplete.
+  EXPECT_TRUE(backend_->Size("obj/doomed").status().IsNotFound());
+  EXPECT_TRUE(backend_->List("")->empty());
+  ASSERT_OK(backend_->RemoveIncomplete());
 }
 
 }  // namespace
