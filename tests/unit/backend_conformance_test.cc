@@ -6,8 +6,7 @@
 #include <thread>
 
 #include "backend/backend.h"
-#include "backend/s3_backend.h"
-#include "core/random.h"
+#include "test_backends.h"
 #include "test_util.h"
 
 namespace ckptfs {
@@ -16,48 +15,7 @@ namespace {
 using testing::AsBytes;
 using testing::TempDir;
 
-struct BackendFactory {
-  std::string name;
-  // Null with `why` set when the backend cannot be tested here.
-  std::function<std::unique_ptr<Backend>(const std::string& dir, std::string* why)> make;
-};
-
-// An S3 backend under a fresh prefix of bucket ckptfs-test on the server
-// the AWS_* variables name (tools/s3-server.sh starts one; the test command
-// does so and exports them).
-std::unique_ptr<Backend> MakeS3Backend(const std::string&, std::string* why) {
-  auto options = S3Options::FromEnvironment();
-  if (!options.ok()) {
-    *why = "no S3 server (" + options.status().message() + "); tools/s3-server.sh starts one";
-    return nullptr;
-  }
-  S3Location location{"ckptfs-test", "conformance-" + RandomHex(8)};
-  Status created = CreateS3Bucket(location, *options);
-  if (!created.ok()) {
-    *why = "S3 server unusable: " + created.message();
-    return nullptr;
-  }
-  auto backend = OpenS3Backend(location, *options);
-  if (!backend.ok()) {
-    *why = "S3 server unusable: " + backend.status().message();
-    return nullptr;
-  }
-  return std::move(backend).value();
-}
-
-class BackendConformance : public ::testing::TestWithParam<BackendFactory> {
- protected:
-  void SetUp() override {
-    std::string why;
-    backend_ = GetParam().make(dir_.path(), &why);
-    // The test command starts a server and sets CKPTFS_REQUIRE_S3: there, a
-    // missing server is a failure, not a skip.
-    if (!backend_ && std::getenv("CKPTFS_REQUIRE_S3")) FAIL() << why;
-    if (!backend_) GTEST_SKIP() << why;
-  }
-  TempDir dir_;
-  std::unique_ptr<Backend> backend_;
-};
+class BackendConformance : public testing::EachBackend {};
 
 TEST_P(BackendConformance, PutThenReadRangeAndSize) {
   ASSERT_OK(backend_->Put("a/b/obj", AsBytes("hello world")));
@@ -152,15 +110,8 @@ TEST_P(BackendConformance, ConcurrentPutsAndReads) {
   EXPECT_EQ(backend_->List("c/")->size(), 80u);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllBackends, BackendConformance,
-    ::testing::Values(BackendFactory{"memory", [](const std::string&, std::string*) { return NewMemoryBackend(); }},
-                      BackendFactory{"local",
-                                     [](const std::string& dir, std::string*) {
-                                       return std::move(OpenLocalBackend(dir + "/objects")).value();
-                                     }},
-                      BackendFactory{"s3", MakeS3Backend}),
-    [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(AllBackends, BackendConformance, testing::AllBackendFactories(),
+                         [](const auto& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace ckptfs

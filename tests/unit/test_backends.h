@@ -1,0 +1,72 @@
+// Every Backend implementation, for test suites that run against each
+// (TensorStore's habit): the in-memory reference, the local directory, and
+// S3 on the server the AWS_* variables name (tools/s3-server.sh starts one;
+// the test command does, and sets CKPTFS_REQUIRE_S3 so that a missing server
+// fails instead of skipping).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "backend/backend.h"
+#include "backend/s3_backend.h"
+#include "core/random.h"
+#include "test_util.h"
+
+namespace ckptfs::testing {
+
+struct BackendFactory {
+  std::string name;
+  // Null with `why` set when the backend cannot be tested here.
+  std::function<std::unique_ptr<Backend>(const std::string& dir, std::string* why)> make;
+};
+
+// An S3 backend under a fresh prefix of bucket ckptfs-test.
+inline std::unique_ptr<Backend> MakeS3TestBackend(const std::string&, std::string* why) {
+  auto options = S3Options::FromEnvironment();
+  if (!options.ok()) {
+    *why = "no S3 server (" + options.status().message() + "); tools/s3-server.sh starts one";
+    return nullptr;
+  }
+  S3Location location{"ckptfs-test", "t-" + RandomHex(12)};
+  Status created = CreateS3Bucket(location, *options);
+  if (!created.ok()) {
+    *why = "S3 server unusable: " + created.message();
+    return nullptr;
+  }
+  auto backend = OpenS3Backend(location, *options);
+  if (!backend.ok()) {
+    *why = "S3 server unusable: " + backend.status().message();
+    return nullptr;
+  }
+  return std::move(backend).value();
+}
+
+inline auto AllBackendFactories() {
+  return ::testing::Values(
+      BackendFactory{"memory", [](const std::string&, std::string*) { return NewMemoryBackend(); }},
+      BackendFactory{"local",
+                     [](const std::string& dir, std::string*) {
+                       return std::move(OpenLocalBackend(dir + "/objects")).value();
+                     }},
+      BackendFactory{"s3", MakeS3TestBackend});
+}
+
+// A fixture holding one backend of the parameter's kind.
+class EachBackend : public ::testing::TestWithParam<BackendFactory> {
+ protected:
+  void SetUp() override {
+    std::string why;
+    backend_ = GetParam().make(dir_.path(), &why);
+    if (!backend_ && std::getenv("CKPTFS_REQUIRE_S3")) FAIL() << why;
+    if (!backend_) GTEST_SKIP() << why;
+  }
+  TempDir dir_;
+  std::unique_ptr<Backend> backend_;
+};
+
+}  // namespace ckptfs::testing
