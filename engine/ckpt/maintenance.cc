@@ -194,6 +194,7 @@ Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
 }
 
 Result<ReindexReport> Repository::Reindex(const std::string& path, const ProgressFn& progress) {
+  CKPT_RETURN_IF_ERROR(RejectObjectStoreUrl(path));
   CKPT_ASSIGN_OR_RETURN(RepositoryConfig config, ReadRepositoryConfig(path));
   (void)config;
   ReindexReport report;

@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "backend/s3_backend.h"
 #include "ckpt/repository_impl.h"
 #include "core/encoding.h"
 #include "core/json.h"
@@ -228,7 +229,16 @@ const RepositoryConfig& Repository::config() const { return impl_->config; }
 const std::string& Repository::path() const { return impl_->path; }
 BufferPoolStats Repository::buffer_stats() const { return impl_->buffers->stats(); }
 
+Status RejectObjectStoreUrl(const std::string& path) {
+  if (IsS3Url(path)) {
+    return Status::Unsupported("'" + path + "': repositories on S3 are not supported yet (the S3 object backend " +
+                               "exists, the repository on it does not); use a local path");
+  }
+  return Status::OK();
+}
+
 Status Repository::Init(const std::string& path, const RepositoryConfig& config) {
+  CKPT_RETURN_IF_ERROR(RejectObjectStoreUrl(path));
   CKPT_RETURN_IF_ERROR(ValidateConfig(config));
   if (PathExists(path + "/" + kConfigFile)) {
     return Status::AlreadyExists("'" + path + "' already holds a ckptfs repository");
@@ -254,6 +264,7 @@ Status Repository::Init(const std::string& path, const RepositoryConfig& config)
 }
 
 Result<std::unique_ptr<Repository>> Repository::Open(const std::string& path, const OpenOptions& options) {
+  CKPT_RETURN_IF_ERROR(RejectObjectStoreUrl(path));
   CKPT_ASSIGN_OR_RETURN(RepositoryConfig config, ReadRepositoryConfig(path));
   auto impl = std::make_unique<RepositoryImpl>();
   impl->path = path;

@@ -75,6 +75,8 @@ class DirectFetcher : public ChunkFetcher {
 };
 
 Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path);
+// Unsupported for an s3:// URL: the repository layer is local-only so far.
+Status RejectObjectStoreUrl(const std::string& path);
 uint64_t NowUnixMs();
 
 }  // namespace ckptfs

@@ -374,19 +374,12 @@ class RepositoryCache {
   std::map<std::string, std::weak_ptr<Repository>> open_;
 };
 
-void RejectRemote(const std::string& url) {
-  if (url.rfind("s3://", 0) == 0) {
-    throw StatusError{Status::Unsupported("'" + url + "': S3 repositories are not supported by this version of ckptfs")};
-  }
-}
-
 class PyRepository {
  public:
   explicit PyRepository(std::shared_ptr<Repository> repo) : repo_(std::move(repo)) {}
 
   static void Init(const std::string& path, uint64_t chunk_size, uint64_t pack_size, const std::string& compression,
                    int level, bool adaptive) {
-    RejectRemote(path);
     RepositoryConfig c;
     c.chunk_size = chunk_size;
     c.pack_size = pack_size;
@@ -400,7 +393,6 @@ class PyRepository {
   }
 
   static PyRepository Open(const std::string& path, size_t threads, uint64_t cache_bytes) {
-    RejectRemote(path);
     OpenOptions o;
     o.threads = threads;
     o.cache_bytes = cache_bytes;
