@@ -8,6 +8,10 @@
 #   tools/s3-server.sh stop DIR           stop every daemon and wait for it to exit
 #   tools/s3-server.sh env DIR            print the environment again
 #
+# Data lives in RAM (memstore): S3_SERVER_GIB (default 2) bounds it. A full
+# store blocks writes rather than failing them, and the gateway reclaims
+# deleted objects only later, so give benchmarks room.
+#
 # The environment printed (eval it) is what ckptfs and the AWS tools read:
 # AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY.
 # Needs the Debian packages ceph-mon, ceph-osd and radosgw (tools/setup-debian.sh).
@@ -93,7 +97,7 @@ mon allow pool size one = true
 mon allow pool delete = true
 osd crush chooseleaf type = 0
 osd objectstore = memstore
-memstore device bytes = 2147483648
+memstore device bytes = $(( ${S3_SERVER_GIB:-2} << 30 ))
 run dir = $dir/run
 pid file = $dir/run/\$name.pid
 admin socket = $dir/run/\$name.asok
