@@ -4,7 +4,7 @@
 #
 #   tools/dev.sh demo   set up, build, and run the demo on a local repository
 #   tools/dev.sh test   set up, build (plain, ASan+UBSan, TSan, fuzz), and run every
-#                       test, then each fuzz target for 20 s
+#                       test, then each fuzz target for 12 s
 #   tools/dev.sh build  set up and build (build/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -66,8 +66,8 @@ case "$cmd" in
     configure_build build-tsan -DCKPTFS_SANITIZE_THREAD=ON -DCKPTFS_UNIT_TESTS_ONLY=ON
     TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
       ctest --test-dir build-tsan --output-on-failure --no-tests=error -j "$JOBS" -L unit
-    echo "== fuzz targets, 20 s each (clang-16, ASan+UBSan)"
-    bash tools/fuzz.sh 20
+    echo "== fuzz targets, 12 s each (clang-16, ASan+UBSan)"
+    bash tools/fuzz.sh 12
     ;;
   *)
     echo "usage: tools/dev.sh demo|test|build" >&2
