@@ -21,7 +21,7 @@ struct Saved {
   std::vector<std::byte> bytes;
 };
 
-class FilesTest : public ::testing::Test {
+class CheckpointAsFiles : public ::testing::Test {
  protected:
   void SetUp() override {
     RepositoryConfig config;
@@ -94,7 +94,7 @@ class FilesTest : public ::testing::Test {
   std::unique_ptr<CheckpointFiles> files_;
 };
 
-TEST_F(FilesTest, NamesAndExactSizesAreKnownBeforeAnyRead) {
+TEST_F(CheckpointAsFiles, NamesAndExactSizesAreKnownBeforeAnyRead) {
   const BufferPoolStats before = repo_->buffer_stats();
   const auto& files = files_->files();
   ASSERT_EQ(files.size(), saved_.size() + 3);  // tensors, model.safetensors, metadata.json, one blob
@@ -119,7 +119,7 @@ TEST_F(FilesTest, NamesAndExactSizesAreKnownBeforeAnyRead) {
   EXPECT_EQ(repo_->buffer_stats().reuses, before.reuses);
 }
 
-TEST_F(FilesTest, FilesHoldTheSavedBytes) {
+TEST_F(CheckpointAsFiles, FilesHoldTheSavedBytes) {
   for (size_t i = 0; i < saved_.size(); ++i) {
     const CheckpointFile& f = files_->tensor_file(i);
     const auto& s = SavedFor(files_->reader().tensors()[i].name);
@@ -148,7 +148,7 @@ TEST_F(FilesTest, FilesHoldTheSavedBytes) {
   EXPECT_EQ(json->Find("tensors")->as_array()[0].Find("file")->as_string(), "big%25name.npy");
 }
 
-TEST_F(FilesTest, EveryByteRangeOfEveryFileMatchesTheWholeFile) {
+TEST_F(CheckpointAsFiles, EveryByteRangeOfEveryFileMatchesTheWholeFile) {
   std::mt19937_64 rng(7);
   for (const auto& f : files_->files()) {
     const auto whole = Whole(f);
@@ -164,7 +164,7 @@ TEST_F(FilesTest, EveryByteRangeOfEveryFileMatchesTheWholeFile) {
   }
 }
 
-TEST_F(FilesTest, PrefetchNeverChangesBytesAndCrossesTensorBoundaries) {
+TEST_F(CheckpointAsFiles, PrefetchNeverChangesBytesAndCrossesTensorBoundaries) {
   const CheckpointFile& st = files_->safetensors_file();
   const auto expect = Whole(st);
   // Read front to back in 64 KiB requests with readahead; compare.
@@ -194,7 +194,7 @@ TEST_F(FilesTest, PrefetchNeverChangesBytesAndCrossesTensorBoundaries) {
   }
 }
 
-TEST_F(FilesTest, ARepositoryClosedWithPrefetchesInFlightFinishesThemFirst) {
+TEST_F(CheckpointAsFiles, ARepositoryClosedWithPrefetchesInFlightFinishesThemFirst) {
   // Prefetch tasks use the repository's fetcher, cache and catalog; closing
   // the repository right after asking for every chunk must let them finish
   // before those go (ASan and TSan catch the use after free otherwise).

@@ -13,7 +13,7 @@ namespace {
 using testing::RandomBytes;
 using testing::TempDir;
 
-class GcTest : public ::testing::Test {
+class GarbageCollection : public ::testing::Test {
  protected:
   void SetUp() override {
     RepositoryConfig config;
@@ -55,7 +55,7 @@ class GcTest : public ::testing::Test {
   std::map<std::string, std::vector<std::byte>> owns_;
 };
 
-TEST_F(GcTest, RetentionByStepAndByCommitOrder) {
+TEST_F(GarbageCollection, RetentionByStepAndByCommitOrder) {
   auto base = RandomBytes(1000, 1);
   for (int i = 0; i < 6; ++i) Save("s" + std::to_string(i), i * 100, i + 10, base);
   RetentionPolicy p;
@@ -78,7 +78,7 @@ TEST_F(GcTest, RetentionByStepAndByCommitOrder) {
   EXPECT_EQ(std::count(plan.begin(), plan.end(), "nostep"), 0);
 }
 
-TEST_F(GcTest, ReclaimsExactlyWhatIsDeadAndRewritesMostlyDeadPacks) {
+TEST_F(GarbageCollection, ReclaimsExactlyWhatIsDeadAndRewritesMostlyDeadPacks) {
   auto base = RandomBytes(700 << 10, 1);  // shared by every checkpoint
   for (int i = 0; i < 5; ++i) Save("s" + std::to_string(i), i, i + 10, base);
   auto before = *repo_->DiskUsage({});
@@ -116,7 +116,7 @@ TEST_F(GcTest, ReclaimsExactlyWhatIsDeadAndRewritesMostlyDeadPacks) {
   EXPECT_EQ(again->bytes_reclaimed(), 0u);
 }
 
-TEST_F(GcTest, RemovesPacksOfAbortedSaves) {
+TEST_F(GarbageCollection, RemovesPacksOfAbortedSaves) {
   auto base = RandomBytes(1000, 1);
   Save("keep", 1, 1, base);
   {
@@ -133,7 +133,7 @@ TEST_F(GcTest, RemovesPacksOfAbortedSaves) {
   ExpectReadable("keep", base);
 }
 
-TEST_F(GcTest, ReaderOpenedBeforeARewriteKeepsReading) {
+TEST_F(GarbageCollection, ReaderOpenedBeforeARewriteKeepsReading) {
   auto base = RandomBytes(200 << 10, 1);
   for (int i = 0; i < 4; ++i) Save("s" + std::to_string(i), i, i + 10, base);
   auto reader = std::move(repo_->OpenCheckpoint("s3")).value();
@@ -151,7 +151,7 @@ TEST_F(GcTest, ReaderOpenedBeforeARewriteKeepsReading) {
   EXPECT_EQ(got, owns_["s3"]);
 }
 
-TEST_F(GcTest, GcWaitsForSavesInFlight) {
+TEST_F(GarbageCollection, GcWaitsForSavesInFlight) {
   auto w = std::move(repo_->BeginCheckpoint("inflight", {0, 1, 1, {}})).value();
   // While a writer lives, the exclusive lock cannot be had...
   EXPECT_FALSE(RepoLock::TryAcquire(dir_.path(), RepoLock::Mode::kExclusive).ok());
@@ -162,7 +162,7 @@ TEST_F(GcTest, GcWaitsForSavesInFlight) {
   EXPECT_OK(lock);
 }
 
-TEST_F(GcTest, AKeptCommitHandleDoesNotBlockGc) {
+TEST_F(GarbageCollection, AKeptCommitHandleDoesNotBlockGc) {
   auto w = std::move(repo_->BeginCheckpoint("kept", {0, 1, 1, {}})).value();
   CommitHandle handle = w->Commit();
   ASSERT_OK(handle.Wait());
@@ -170,7 +170,7 @@ TEST_F(GcTest, AKeptCommitHandleDoesNotBlockGc) {
   EXPECT_OK(RepoLock::TryAcquire(dir_.path(), RepoLock::Mode::kExclusive));
 }
 
-TEST_F(GcTest, RemoveIsAllOrNothing) {
+TEST_F(GarbageCollection, RemoveIsAllOrNothing) {
   auto base = RandomBytes(1000, 1);
   Save("a", 1, 1, base);
   Save("b", 2, 2, base);
@@ -180,7 +180,7 @@ TEST_F(GcTest, RemoveIsAllOrNothing) {
   EXPECT_TRUE(repo_->ListCheckpoints()->empty());
 }
 
-TEST_F(GcTest, DiskUsageCountsExclusiveBytes) {
+TEST_F(GarbageCollection, DiskUsageCountsExclusiveBytes) {
   auto base = RandomBytes(500 << 10, 1);
   Save("a", 1, 1, base);
   Save("b", 2, 2, base);
@@ -195,7 +195,7 @@ TEST_F(GcTest, DiskUsageCountsExclusiveBytes) {
   EXPECT_FALSE(repo_->DiskUsage({"zzz"}).ok());
 }
 
-TEST_F(GcTest, DiffReportsChangesSharingAndMaxAbsDiff) {
+TEST_F(GarbageCollection, DiffReportsChangesSharingAndMaxAbsDiff) {
   std::vector<float> w(100000), w2;
   for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>(i % 97) * 0.01f;
   w2 = w;

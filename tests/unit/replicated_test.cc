@@ -29,7 +29,7 @@ struct Saved {
 };
 
 // A repository with one checkpoint "c" of tensors of varied sizes.
-class ReplicatedTest : public ::testing::Test {
+class ReplicatedLoad : public ::testing::Test {
  protected:
   void SetUp() override {
     RepositoryConfig config;
@@ -126,7 +126,7 @@ class ReplicatedTest : public ::testing::Test {
   std::vector<Saved> tensors_;
 };
 
-TEST_F(ReplicatedTest, EveryRankGetsEveryTensorAndEachIsReadOnce) {
+TEST_F(ReplicatedLoad, EveryRankGetsEveryTensorAndEachIsReadOnce) {
   const int ranks = 4;
   auto results = Run(ranks, {}, [&](int) { return Whole(); });
   uint64_t total = 0, read = 0, tensors_read = 0;
@@ -144,7 +144,7 @@ TEST_F(ReplicatedTest, EveryRankGetsEveryTensorAndEachIsReadOnce) {
   EXPECT_EQ(tensors_read, tensors_.size() - 1);  // the empty tensor needs no read
 }
 
-TEST_F(ReplicatedTest, RanksThatDoNotReadATensorNeverTouchTheStore) {
+TEST_F(ReplicatedLoad, RanksThatDoNotReadATensorNeverTouchTheStore) {
   // Only "embed" is loaded (the rest as empty regions), so rank 0 reads it;
   // ranks 1-3 have a store that fails every read, and still get its bytes.
   std::vector<std::string> repos = {"", BrokenCopy("b1"), BrokenCopy("b2"), BrokenCopy("b3")};
@@ -170,7 +170,7 @@ TEST_F(ReplicatedTest, RanksThatDoNotReadATensorNeverTouchTheStore) {
   }
 }
 
-TEST_F(ReplicatedTest, AFailedReadIsReportedOnEveryRankAndNobodyHangs) {
+TEST_F(ReplicatedLoad, AFailedReadIsReportedOnEveryRankAndNobodyHangs) {
   // Rank 0's store is broken and it reads the first tensor.
   auto results = Run(3, {BrokenCopy("b0")}, [&](int) { return Whole(); });
   EXPECT_FALSE(results[0].stats.ok());
@@ -182,7 +182,7 @@ TEST_F(ReplicatedTest, AFailedReadIsReportedOnEveryRankAndNobodyHangs) {
   }
 }
 
-TEST_F(ReplicatedTest, RanksThatDisagreeAreToldBeforeAnythingIsRead) {
+TEST_F(ReplicatedLoad, RanksThatDisagreeAreToldBeforeAnythingIsRead) {
   std::vector<std::string> repos = {BrokenCopy("b0"), BrokenCopy("b1"), BrokenCopy("b2")};
   auto results = Run(3, repos, [&](int r) {
     auto regions = Whole();
@@ -211,7 +211,7 @@ TEST(Replicated, NcclSaysWhyItIsUnavailable) {
 }
 
 #ifdef CKPTFS_HAVE_CUDA
-class ReplicatedGpu : public ReplicatedTest {};
+class ReplicatedGpu : public ReplicatedLoad {};
 
 TEST_F(ReplicatedGpu, BroadcastOverNccl) {
   std::string why;

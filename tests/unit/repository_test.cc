@@ -45,7 +45,7 @@ Ref MakeRef(const std::string& name, DType dtype, Shape shape, uint32_t seed) {
   return r;
 }
 
-class RepoTest : public ::testing::Test {
+class SaveAndLoad : public ::testing::Test {
  protected:
   void SetUp() override {
     RepositoryConfig config;
@@ -94,7 +94,7 @@ class RepoTest : public ::testing::Test {
   std::unique_ptr<Repository> repo_;
 };
 
-TEST_F(RepoTest, EveryDTypeWholeTensorsRoundTrip) {
+TEST_F(SaveAndLoad, EveryDTypeWholeTensorsRoundTrip) {
   auto w = Begin("all-dtypes");
   std::vector<Ref> refs;
   for (int code = 0; code < kDTypeCount; ++code) {
@@ -112,7 +112,7 @@ TEST_F(RepoTest, EveryDTypeWholeTensorsRoundTrip) {
   for (const auto& r : refs) ExpectWhole("all-dtypes", r);
 }
 
-TEST_F(RepoTest, BoxAndFlatShardsFromManyRanksReshardOnLoad) {
+TEST_F(SaveAndLoad, BoxAndFlatShardsFromManyRanksReshardOnLoad) {
   Ref a = MakeRef("attn.qkv", DType::kF32, {64, 48}, 1);   // tensor parallel: column blocks
   Ref b = MakeRef("mlp.flat", DType::kBF16, {33, 77}, 2);  // FSDP: flat, uneven cuts
   Ref c = MakeRef("norm", DType::kF16, {48}, 3);           // replicated
@@ -166,7 +166,7 @@ TEST_F(RepoTest, BoxAndFlatShardsFromManyRanksReshardOnLoad) {
   }
 }
 
-TEST_F(RepoTest, LoadTargetsAreCheckedAgainstTheRecordAndAnyRegionReads) {
+TEST_F(SaveAndLoad, LoadTargetsAreCheckedAgainstTheRecordAndAnyRegionReads) {
   Ref a = MakeRef("w", DType::kBF16, {40, 30}, 21);
   auto w = Begin("targets");
   PutBox(*w, a, FullBox(a.info.shape));
@@ -202,7 +202,7 @@ TEST_F(RepoTest, LoadTargetsAreCheckedAgainstTheRecordAndAnyRegionReads) {
             StatusCode::kInvalidArgument);
 }
 
-TEST_F(RepoTest, RanksCommittingAtOnceMakeOneVisibleCheckpoint) {
+TEST_F(SaveAndLoad, RanksCommittingAtOnceMakeOneVisibleCheckpoint) {
   // Commits read the catalog, merge outside the write transaction and
   // publish only if nothing changed meanwhile: ranks racing each other must
   // still end with exactly one last rank and every part recorded.
@@ -233,7 +233,7 @@ TEST_F(RepoTest, RanksCommittingAtOnceMakeOneVisibleCheckpoint) {
   for (size_t i = 0; i < list->size(); ++i) EXPECT_EQ((*list)[i].sequence, i + 1);
 }
 
-TEST_F(RepoTest, FlatShardsDeduplicateAcrossWorldSizes) {
+TEST_F(SaveAndLoad, FlatShardsDeduplicateAcrossWorldSizes) {
   Ref p = MakeRef("flat.param", DType::kF32, {1000, 257}, 11);  // ~1 MiB, 16 chunks
   const uint64_t n = NumElements(p.info.shape);
   {
@@ -258,7 +258,7 @@ TEST_F(RepoTest, FlatShardsDeduplicateAcrossWorldSizes) {
   ExpectWhole("ws3", p);
 }
 
-TEST_F(RepoTest, SecondSaveOfSameStateStoresNothingNew) {
+TEST_F(SaveAndLoad, SecondSaveOfSameStateStoresNothingNew) {
   Ref a = MakeRef("w", DType::kBF16, {512, 512}, 1);
   for (const char* name : {"v1", "v2"}) {
     auto w = Begin(name);
@@ -273,7 +273,7 @@ TEST_F(RepoTest, SecondSaveOfSameStateStoresNothingNew) {
   ExpectWhole("v2", a);
 }
 
-TEST_F(RepoTest, BlobsRoundTrip) {
+TEST_F(SaveAndLoad, BlobsRoundTrip) {
   auto w = Begin("with-blobs");
   auto rng_state = RandomBytes(200 << 10, 4);
   ASSERT_OK(w->PutBlob("rng/rank0", rng_state));
@@ -289,7 +289,7 @@ TEST_F(RepoTest, BlobsRoundTrip) {
   EXPECT_EQ(reader->FindBlob("empty")->size, 0u);
 }
 
-TEST_F(RepoTest, OverlapWithDifferentBytesFailsAndStaysInvisible) {
+TEST_F(SaveAndLoad, OverlapWithDifferentBytesFailsAndStaysInvisible) {
   Ref a = MakeRef("x", DType::kI32, {8, 8}, 1);
   {
     auto w = Begin("bad", 0, 2);
@@ -313,7 +313,7 @@ TEST_F(RepoTest, OverlapWithDifferentBytesFailsAndStaysInvisible) {
   ExpectWhole("bad", a);
 }
 
-TEST_F(RepoTest, OverlapWithSameBytesIsAccepted) {
+TEST_F(SaveAndLoad, OverlapWithSameBytesIsAccepted) {
   Ref a = MakeRef("x", DType::kF32, {6, 4}, 1);
   auto w0 = Begin("ok", 0, 2);
   PutFlat(*w0, a, 0, 14);
@@ -324,7 +324,7 @@ TEST_F(RepoTest, OverlapWithSameBytesIsAccepted) {
   ExpectWhole("ok", a);
 }
 
-TEST_F(RepoTest, GapFailsNamingTheTensor) {
+TEST_F(SaveAndLoad, GapFailsNamingTheTensor) {
   Ref a = MakeRef("layer.weight", DType::kF32, {10, 4}, 1);
   auto w = Begin("gappy");
   PutBox(*w, a, Box{{0, 0}, {4, 4}});
@@ -341,7 +341,7 @@ TEST_F(RepoTest, GapFailsNamingTheTensor) {
   EXPECT_FALSE(w2->Commit().Wait().ok());
 }
 
-TEST_F(RepoTest, DTypeOrShapeDisagreementBetweenRanksFails) {
+TEST_F(SaveAndLoad, DTypeOrShapeDisagreementBetweenRanksFails) {
   Ref a = MakeRef("x", DType::kF32, {4, 4}, 1);
   auto w0 = Begin("mismatch", 0, 2);
   PutBox(*w0, a, Box{{0, 0}, {2, 4}});
@@ -356,7 +356,7 @@ TEST_F(RepoTest, DTypeOrShapeDisagreementBetweenRanksFails) {
   EXPECT_TRUE(repo_->OpenCheckpoint("mismatch").status().IsNotFound());
 }
 
-TEST_F(RepoTest, DisagreementIsReportedBeforeTheLastRank) {
+TEST_F(SaveAndLoad, DisagreementIsReportedBeforeTheLastRank) {
   Ref a = MakeRef("x", DType::kF32, {6, 4}, 1);
   auto w0 = Begin("early", 0, 3);
   PutBox(*w0, a, Box{{0, 0}, {2, 4}});
@@ -369,7 +369,7 @@ TEST_F(RepoTest, DisagreementIsReportedBeforeTheLastRank) {
   EXPECT_EQ(res.status().message(), "tensor 'x': rank 1 saved it as I32 [6, 4] but rank 0 as F32 [6, 4]");
 }
 
-TEST_F(RepoTest, GlobalShapeDisagreementBetweenRanksFailsAtTheLastCommit) {
+TEST_F(SaveAndLoad, GlobalShapeDisagreementBetweenRanksFailsAtTheLastCommit) {
   Ref a = MakeRef("w", DType::kF32, {4, 6}, 1);
   auto w0 = Begin("shapes", 0, 2);
   PutFlat(*w0, a, 0, 12);
@@ -385,7 +385,7 @@ TEST_F(RepoTest, GlobalShapeDisagreementBetweenRanksFailsAtTheLastCommit) {
   EXPECT_TRUE(repo_->OpenCheckpoint("shapes").status().IsNotFound());
 }
 
-TEST_F(RepoTest, BadPutsAreRejected) {
+TEST_F(SaveAndLoad, BadPutsAreRejected) {
   Ref a = MakeRef("x", DType::kF32, {4, 4}, 1);
   auto w = Begin("puts");
   std::vector<std::byte> small(10);
@@ -411,7 +411,7 @@ TEST_F(RepoTest, BadPutsAreRejected) {
   EXPECT_NE(res.status().message().find("different bytes"), std::string::npos);
 }
 
-TEST_F(RepoTest, WriterThatNeverCommitsLeavesNoRecord) {
+TEST_F(SaveAndLoad, WriterThatNeverCommitsLeavesNoRecord) {
   {
     auto w = Begin("ghost", 0, 2);
     Ref a = MakeRef("x", DType::kF32, {4, 4}, 1);
@@ -420,7 +420,7 @@ TEST_F(RepoTest, WriterThatNeverCommitsLeavesNoRecord) {
   EXPECT_TRUE(repo_->ListCheckpoints(true)->empty());
 }
 
-TEST_F(RepoTest, NamesAndRanksAreChecked) {
+TEST_F(SaveAndLoad, NamesAndRanksAreChecked) {
   EXPECT_FALSE(repo_->BeginCheckpoint("", {}).ok());
   EXPECT_FALSE(repo_->BeginCheckpoint("a/b", {}).ok());
   EXPECT_FALSE(repo_->BeginCheckpoint(".hidden", {}).ok());
@@ -442,7 +442,7 @@ TEST_F(RepoTest, NamesAndRanksAreChecked) {
   EXPECT_EQ(repo_->ListCheckpoints(false)->size(), 1u);
 }
 
-TEST_F(RepoTest, AbortedWriterLeavesNothingVisible) {
+TEST_F(SaveAndLoad, AbortedWriterLeavesNothingVisible) {
   Ref a = MakeRef("x", DType::kF32, {256, 256}, 1);
   {
     auto w = Begin("aborted");
@@ -455,7 +455,7 @@ TEST_F(RepoTest, AbortedWriterLeavesNothingVisible) {
   EXPECT_TRUE(v->ok());
 }
 
-TEST_F(RepoTest, RanksInSeparateProcessesCommitOnce) {
+TEST_F(SaveAndLoad, RanksInSeparateProcessesCommitOnce) {
   Ref a = MakeRef("x", DType::kBF16, {64, 1024}, 1);
   repo_.reset();  // children open their own environment
   const int world = 4;
@@ -483,7 +483,7 @@ TEST_F(RepoTest, RanksInSeparateProcessesCommitOnce) {
   ExpectWhole("mp", a);
 }
 
-TEST_F(RepoTest, CorruptPackFailsReadsAndVerifyNeverReturnsWrongBytes) {
+TEST_F(SaveAndLoad, CorruptPackFailsReadsAndVerifyNeverReturnsWrongBytes) {
   Ref a = MakeRef("x", DType::kF32, {128, 1024}, 1);
   auto w = Begin("c");
   ASSERT_OK(w->PutTensor(a.info, a.bytes));
@@ -510,7 +510,7 @@ TEST_F(RepoTest, CorruptPackFailsReadsAndVerifyNeverReturnsWrongBytes) {
   EXPECT_NE(v->problems[0].message.find("pack"), std::string::npos);
 }
 
-TEST_F(RepoTest, ReindexRebuildsDeletedCatalog) {
+TEST_F(SaveAndLoad, ReindexRebuildsDeletedCatalog) {
   Ref a = MakeRef("x", DType::kBF16, {100, 100}, 1);
   auto w = Begin("r1");
   ASSERT_OK(w->PutTensor(a.info, a.bytes));
@@ -599,7 +599,7 @@ TEST(CatalogSchema, CountersAndKeysDecodeOnlyFromTheirExactEncoding) {
   EXPECT_LT(keys::Rank("a", 255), keys::Rank("a", 256));  // ranks scan in order
 }
 
-TEST_F(RepoTest, SecondOpenOfOneRepositoryInAProcessIsRefused) {
+TEST_F(SaveAndLoad, SecondOpenOfOneRepositoryInAProcessIsRefused) {
   // Two LMDB environments of one catalog in one process corrupt each other's
   // lock table: the second open is refused, and a forked child, which does
   // not share the parent's environment, may open its own.
@@ -627,7 +627,7 @@ void OverwriteTensorRecord(const std::string& repo, const std::string& checkpoin
   }));
 }
 
-TEST_F(RepoTest, DamagedRecordsAreRejectedWhenOpenedAndReportedByVerifyAndReindex) {
+TEST_F(SaveAndLoad, DamagedRecordsAreRejectedWhenOpenedAndReportedByVerifyAndReindex) {
   Ref a = MakeRef("a", DType::kF32, {64, 1024}, 1);  // 256 KiB: 4 chunks
   Ref b = MakeRef("b", DType::kBF16, {100}, 2);
   for (const char* name : {"good", "bad"}) {

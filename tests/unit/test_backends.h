@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <ostream>
 #include <string>
 
 #include "backend/backend.h"
@@ -24,6 +25,8 @@ struct BackendFactory {
   // Null with `why` set when the backend cannot be tested here.
   std::function<std::unique_ptr<Backend>(const std::string& dir, std::string* why)> make;
 };
+// Test names and messages show the backend's name (not the struct's bytes).
+inline void PrintTo(const BackendFactory& f, std::ostream* os) { *os << f.name; }
 
 // An S3 backend under a fresh prefix of bucket ckptfs-test.
 inline std::unique_ptr<Backend> MakeS3TestBackend(const std::string&, std::string* why) {
