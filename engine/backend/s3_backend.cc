@@ -158,7 +158,10 @@ size_t WriteBody(char* data, size_t size, size_t n, void* user) {
 size_t WriteHeader(char* data, size_t size, size_t n, void* user) {
   auto* response = static_cast<Response*>(user);
   std::string_view line(data, size * n);
-  if (line.size() > 5 && (line.substr(0, 5) == "ETag:" || line.substr(0, 5) == "etag:")) {
+  auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c; };
+  // Header names are case-insensitive.
+  if (line.size() > 5 && std::equal(line.begin(), line.begin() + 5, "etag:",
+                                    [&](char a, char b) { return lower(a) == b; })) {
     std::string_view v = line.substr(5);
     while (!v.empty() && (v.front() == ' ' || v.front() == '\t')) v.remove_prefix(1);
     while (!v.empty() && (v.back() == '\r' || v.back() == '\n' || v.back() == ' ')) v.remove_suffix(1);

@@ -1,5 +1,7 @@
 #include "meta/catalog_schema.h"
 
+#include <cstring>
+
 #include "core/encoding.h"
 
 namespace ckptfs {
@@ -49,30 +51,36 @@ Result<PackInfo> DecodePackInfo(std::string_view data) {
   return info;
 }
 
-std::string EncodeSequence(uint64_t next) {
-  Encoder e;
-  e.U64(next);
-  return e.Take();
+namespace {
+
+// A fixed-width little-endian integer filling the whole value.
+template <typename T>
+std::string EncodeFixed(T v) {
+  std::string out(sizeof v, '\0');
+  std::memcpy(out.data(), &v, sizeof v);
+  return out;
 }
+
+template <typename T>
+Result<T> DecodeFixed(std::string_view data, const char* malformed) {
+  if (data.size() != sizeof(T)) return Status::Corruption(malformed);
+  T v;
+  std::memcpy(&v, data.data(), sizeof v);
+  return v;
+}
+
+}  // namespace
+
+std::string EncodeSequence(uint64_t next) { return EncodeFixed(next); }
 
 Result<uint64_t> DecodeSequence(std::string_view data) {
-  Decoder d(data);
-  uint64_t v = 0;
-  if (data.size() != 8 || !d.U64(&v).ok()) return Status::Corruption("catalog sequence counter is malformed");
-  return v;
+  return DecodeFixed<uint64_t>(data, "catalog sequence counter is malformed");
 }
 
-std::string EncodeFormatVersion(uint32_t version) {
-  Encoder e;
-  e.U32(version);
-  return e.Take();
-}
+std::string EncodeFormatVersion(uint32_t version) { return EncodeFixed(version); }
 
 Result<uint32_t> DecodeFormatVersion(std::string_view data) {
-  Decoder d(data);
-  uint32_t v = 0;
-  if (data.size() != 4 || !d.U32(&v).ok()) return Status::Corruption("catalog format version is malformed; run 'ckpt reindex'");
-  return v;
+  return DecodeFixed<uint32_t>(data, "catalog format version is malformed; run 'ckpt reindex'");
 }
 
 }  // namespace ckptfs

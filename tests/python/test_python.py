@@ -52,6 +52,19 @@ class PythonTestCase(CkptTestCase):
         self.r = ckptfs.init(self.repo, chunk_size=64 << 10)
 
 
+def run_ranks(test, argv_of_rank, world, env_of_rank=None):
+    """Runs one process per rank at once; asserts each exits 0 (showing its
+    stderr otherwise) and returns their stdouts."""
+    procs = [subprocess.Popen(argv_of_rank(r), env=env_of_rank(r) if env_of_rank else None,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        test.assertEqual(p.returncode, 0, err.decode())
+        outs.append(out.decode())
+    return outs
+
+
 class RoundTrips(PythonTestCase):
     def test_every_torch_dtype_round_trips_bit_exact_including_0d_and_zero_size(self):
         gen = torch.Generator().manual_seed(7)
@@ -119,14 +132,8 @@ class RoundTrips(PythonTestCase):
 
 class ShardedAcrossProcesses(PythonTestCase):
     def run_ranks(self, action, world):
-        procs = [subprocess.Popen([sys.executable, shard_worker.__file__, action, self.repo, str(r), str(world)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
-        outs = []
-        for p in procs:
-            out, err = p.communicate(timeout=300)
-            self.assertEqual(p.returncode, 0, err.decode())
-            outs.append(out.decode())
-        return outs
+        return run_ranks(self, lambda r: [sys.executable, shard_worker.__file__, action, self.repo, str(r), str(world)],
+                         world)
 
     def test_box_and_flat_shards_saved_by_4_ranks_load_bit_exact_on_3(self):
         self.run_ranks("save", 4)

@@ -4,7 +4,6 @@
 met; the CPU suite (test_python) runs everywhere."""
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -18,7 +17,7 @@ sys.path.insert(0, os.path.join(HERE, "../integration"))
 import ckptfs  # noqa: E402
 import ckptfs.torch as ckptfs_torch  # noqa: E402
 from helpers import CkptTestCase  # noqa: E402
-from test_python import TORCH_DTYPES, bits, random_tensor  # noqa: E402
+from test_python import TORCH_DTYPES, bits, random_tensor, run_ranks  # noqa: E402
 
 
 def cuda_unavailable_reason():
@@ -156,18 +155,9 @@ class DistributedCheckpoint(CkptTestCase):
         with open(script, "w") as f:
             f.write(DCP_WORKER)
         port = free_port()
-        procs = []
-        for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            procs.append(subprocess.Popen([sys.executable, script, action, self.repo, name], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-        outs = []
-        for p in procs:
-            out, err = p.communicate(timeout=300)
-            self.assertEqual(p.returncode, 0, err.decode())
-            outs.append(out.decode())
-        return outs
+        return run_ranks(self, lambda r: [sys.executable, script, action, self.repo, name], world,
+                         lambda r: dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
 
     def test_dcp_save_and_load_of_dtensor_state_dicts_reshard_on_a_2_rank_gloo_group(self):
         ckptfs.init(self.repo)

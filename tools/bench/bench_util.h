@@ -22,6 +22,16 @@
 
 namespace ckptfs::bench {
 
+// The value of option argv[i] (advancing i past it); exits with status 2,
+// naming the option, when it has none.
+inline std::string NextArg(int argc, char** argv, int& i) {
+  if (i + 1 >= argc) {
+    std::fprintf(stderr, "%s needs a value\n", argv[i]);
+    std::exit(2);
+  }
+  return argv[++i];
+}
+
 inline void Check(const Status& st, const char* what) {
   if (!st.ok()) {
     std::fprintf(stderr, "%s: %s\n", what, st.ToString().c_str());

@@ -26,7 +26,7 @@ int main(int argc, char** argv) {
   double changed = 0.1;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
+    auto next = [&] { return bench::NextArg(argc, argv, i); };
     if (a == "--dir") dir = next();
     else if (a == "--gib") gib = std::atof(next().c_str());
     else if (a == "--steps") steps = std::atoi(next().c_str());

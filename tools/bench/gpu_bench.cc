@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
   bool host = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
+    auto next = [&] { return bench::NextArg(argc, argv, i); };
     if (a == "--dir") dir = next();
     else if (a == "--gib") gib = std::atof(next().c_str());
     else if (a == "--buffer-mib") buffer_mib = std::atoi(next().c_str());

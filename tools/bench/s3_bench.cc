@@ -40,13 +40,7 @@ int main(int argc, char** argv) {
   std::string dir = "/tmp";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
+    auto next = [&] { return bench::NextArg(argc, argv, i); };
     if (a == "--mib") mib = std::strtoull(next().c_str(), nullptr, 10);
     else if (a == "--runs") runs = std::atoi(next().c_str());
     else if (a == "--threads") threads = std::atoi(next().c_str());

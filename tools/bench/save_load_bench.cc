@@ -134,13 +134,7 @@ int main(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
+    auto next = [&] { return bench::NextArg(argc, argv, i); };
     if (a == "--dir") o.dir = next();
     else if (a == "--gib") o.gib = std::atof(next().c_str());
     else if (a == "--save-ranks") o.save_ranks = std::atoi(next().c_str());

@@ -111,6 +111,20 @@ std::span<std::byte> HostSpan(uintptr_t address, uint64_t bytes) {
   return {reinterpret_cast<std::byte*>(address), static_cast<size_t>(bytes)};
 }
 
+// Device memory is only an address to the engine: the binding, which knows
+// the tensor's size, checks that it is exactly the region's bytes (host
+// memory is checked by the engine's own size checks).
+void CheckDeviceMemory(const std::string& name, const Shape& shape, const Region& region, DType dtype,
+                       uint64_t bytes) {
+  Check(ValidateRegion(shape, region).WithContext("tensor '" + name + "'"));
+  const uint64_t need = region.NumElements() * DTypeSize(dtype);
+  if (bytes != need) {
+    throw StatusError{Status::InvalidArgument("tensor '" + name + "': the device memory holds " +
+                                              std::to_string(bytes) + " bytes, region " + region.ToString() +
+                                              " needs " + std::to_string(need))};
+  }
+}
+
 // ---- GPU staging: one copy engine, pinned pool and snapshot buffer per device ----
 
 struct DeviceStaging {
@@ -205,11 +219,7 @@ class Writer {
     TensorInfo info{name, ParseDTypeOrThrow(dtype), shape};
     Region region = MakeRegion(shape, kind, local_shape, offsets, start);
     if (device >= 0) {
-      Check(ValidateRegion(shape, region).WithContext("tensor '" + name + "'"));
-      if (bytes != region.NumElements() * DTypeSize(info.dtype)) {
-        throw StatusError{Status::InvalidArgument("tensor '" + name + "': " + std::to_string(bytes) +
-                                                  " bytes do not fill region " + region.ToString())};
-      }
+      CheckDeviceMemory(name, shape, region, info.dtype, bytes);
       device_shards_.push_back(
           {device, gpu::DeviceShard{std::move(info), std::move(region), reinterpret_cast<const std::byte*>(address)}});
       return;
@@ -311,12 +321,7 @@ class Reader {
     const TensorRecord* t = Value(reader_->FindTarget(name, d, shape));
     Region region = MakeRegion(shape, kind, local_shape, offsets, start);
     if (device >= 0) {
-      Check(ValidateRegion(shape, region).WithContext("tensor '" + name + "'"));
-      if (bytes != region.NumElements() * DTypeSize(d)) {
-        throw StatusError{Status::InvalidArgument("tensor '" + name + "': the target holds " + std::to_string(bytes) +
-                                                  " bytes, region " + region.ToString() + " needs " +
-                                                  std::to_string(region.NumElements() * DTypeSize(d)))};
-      }
+      CheckDeviceMemory(name, shape, region, d, bytes);
       DeviceStaging& staging = GpuRegistry::Get().For(device);
       py::gil_scoped_release nogil;
       Check(gpu::LoadToDevice(*reader_, *t, region, reinterpret_cast<std::byte*>(address), *staging.engine,

@@ -392,6 +392,13 @@ class Repository:
             raise
         return writer, kept
 
+    def _put_and_commit(self, name, state_dict, step, rank, world_size, shards, tags, *, snapshot):
+        """Puts everything and starts the commit; the core's save handle.
+        CUDA tensors stay referenced until the commit has copied them."""
+        writer, kept = self._put_all(name, state_dict, step, rank, world_size, shards, tags)
+        _sync_cuda(kept)
+        return writer.commit(snapshot=snapshot)
+
     def save(self, name: str, state_dict: Mapping[str, Any], *, step: Optional[int] = None, rank: int = 0,
              world_size: int = 1, shards: Optional[Mapping[str, Shard]] = None,
              tags: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
@@ -407,10 +414,7 @@ class Repository:
         Raises AlreadyExistsError when `name` is committed, InvalidArgumentError
         for values, shards or ranks that do not fit.
         """
-        writer, kept = self._put_all(name, state_dict, step, rank, world_size, shards, tags)
-        _sync_cuda(kept)
-        handle = writer.commit(snapshot=False)
-        del kept
+        handle = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags, snapshot=False)
         handle.wait(None)
         return handle.result()
 
@@ -425,10 +429,7 @@ class Repository:
         interpreter exits are finished first.
         """
         start = time.perf_counter()
-        writer, kept = self._put_all(name, state_dict, step, rank, world_size, shards, tags)
-        _sync_cuda(kept)
-        handle = writer.commit(snapshot=True)
-        del kept
+        handle = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags, snapshot=True)
         return SaveHandle(handle, time.perf_counter() - start)
 
     # -- load --
