@@ -292,7 +292,11 @@ class Filesystem {
     bool first = true;
     std::mutex m;
     std::condition_variable_any cv;
+    const double poll_seconds = options_.poll_seconds > 0 ? options_.poll_seconds : repo_->remote() ? 5.0 : 1.0;
     while (!stop.stop_requested()) {
+      // A failed refresh (the store unreachable for a while) keeps what is
+      // known; the next poll tries again.
+      (void)repo_->Refresh();
       auto list = repo_->ListCheckpoints(false);
       if (list.ok()) {
         std::set<std::string> now;
@@ -316,7 +320,7 @@ class Filesystem {
         first = false;
       }
       std::unique_lock lock(m);
-      cv.wait_for(lock, stop, std::chrono::milliseconds(static_cast<int>(options_.poll_seconds * 1000)),
+      cv.wait_for(lock, stop, std::chrono::milliseconds(static_cast<int>(poll_seconds * 1000)),
                   [] { return false; });
     }
   }

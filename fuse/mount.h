@@ -26,7 +26,9 @@ struct MountOptions {
   size_t cache_bytes = 1ull << 30;   // decoded-chunk cache
   size_t threads = 0;            // engine workers; 0 = hardware concurrency
   size_t prefetch_chunks = 8;    // chunks read ahead of a sequential reader
-  double poll_seconds = 1.0;     // how often new and removed checkpoints are noticed
+  // How often new and removed checkpoints are noticed; 0: 1 s for a
+  // directory, 5 s for a repository on S3 (each poll lists the store).
+  double poll_seconds = 0;
   // Kernel readahead for the mount (its BDI's read_ahead_kb). The kernel
   // default, 128 KiB, splits sequential reads into 128 KiB requests; larger
   // values let requests reach 1 MiB. Needs root; 0 keeps the default.

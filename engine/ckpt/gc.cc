@@ -6,6 +6,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "ckpt/object_lock.h"
 #include "ckpt/repo_lock.h"
 #include "ckpt/repository.h"
 #include "ckpt/repository_impl.h"
@@ -156,7 +157,7 @@ struct PackState {
 // chunks no checkpoint outside `excluded` references.
 struct Liveness {
   std::map<std::string, PackState> packs;
-  std::vector<ChunkId> dead;
+  std::vector<std::pair<ChunkId, std::string>> dead;  // with its pack
   std::unordered_set<ChunkId, ChunkIdHash> live;
   uint64_t live_bytes = 0;
 };
@@ -183,7 +184,7 @@ Result<Liveness> Analyze(LmdbEnv& catalog, const std::set<std::string>& excluded
                                                         p.live.emplace_back(*id, loc);
                                                         l.live_bytes += loc.stored_len;
                                                       } else {
-                                                        l.dead.push_back(*id);
+                                                        l.dead.emplace_back(*id, loc.pack);
                                                       }
                                                       return true;
                                                     }));
@@ -244,10 +245,19 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
   }
   Backend* backend = impl_->backend.get();
   std::optional<RepoLock> run_lock;
+  // On an object store, saves on other hosts hold shared lock objects: the
+  // whole run holds the exclusive one (docs/DESIGN.md "Repositories on S3").
+  std::unique_ptr<ObjectLock> store_lock;
   if (!options.dry_run) {
-    CKPT_ASSIGN_OR_RETURN(RepoLock l, RepoLock::Acquire(impl_->path, RepoLock::Mode::kExclusive, RepoLock::Name::kGcRun));
+    CKPT_ASSIGN_OR_RETURN(RepoLock l, RepoLock::Acquire(impl_->state_dir, RepoLock::Mode::kExclusive, RepoLock::Name::kGcRun));
     run_lock.emplace(std::move(l));
+    if (impl_->remote) {
+      ObjectLockOptions lock_options = impl_->lock_options;
+      CKPT_RETURN_IF_ERROR(RemoveStaleObjectLocks(*backend, lock_options).status());
+      CKPT_ASSIGN_OR_RETURN(store_lock, impl_->LockStore(ObjectLock::Mode::kExclusive));
+    }
   }
+  CKPT_RETURN_IF_ERROR(impl_->Sync().status());
 
   // 1. Without the gc lock (saves go on): find the mostly-dead packs and copy
   //    their live chunks into new packs, durably. A dry run stops after the
@@ -286,7 +296,7 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
   // 2. Under the exclusive lock no save is in flight: look again, since
   //    saves may have committed meanwhile (a chunk that was dead may be
   //    referenced again) and removals may have freed more.
-  CKPT_ASSIGN_OR_RETURN(RepoLock lock, RepoLock::Acquire(impl_->path, RepoLock::Mode::kExclusive));
+  CKPT_ASSIGN_OR_RETURN(RepoLock lock, RepoLock::Acquire(impl_->state_dir, RepoLock::Mode::kExclusive));
   CKPT_ASSIGN_OR_RETURN(Liveness now, Analyze(*impl_->catalog, {}));
   for (const auto& id : rewrite) {
     for (const auto& [chunk, loc] : now.packs[id].live) {
@@ -308,8 +318,16 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
 
   // 3. One catalog transaction: forget dead chunks and old packs, point
   //    live moved chunks at their new packs.
+  // A remote catalog mirrors the pack indexes (sync.cc): a dead chunk keeps
+  // its entry while its pack stays, as on every other host.
+  std::set<std::string> leaving(drop.begin(), drop.end());
+  leaving.insert(rewrite.begin(), rewrite.end());
+  if (store_lock) CKPT_RETURN_IF_ERROR(store_lock->Check());
   CKPT_RETURN_IF_ERROR(impl_->catalog->Update([&](WriteTxn& txn) -> Status {
-    for (const auto& id : now.dead) CKPT_RETURN_IF_ERROR(txn.Delete(Table::kChunks, keys::Chunk(id)));
+    for (const auto& [id, pack] : now.dead) {
+      if (impl_->remote && !leaving.count(pack)) continue;
+      CKPT_RETURN_IF_ERROR(txn.Delete(Table::kChunks, keys::Chunk(id)));
+    }
     for (const auto& [id, locs] : moved) {
       if (!now.live.count(id)) continue;  // died since it was copied; its entry is gone
       CKPT_RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(id), EncodeChunkLocation(locs.second)));

@@ -9,6 +9,7 @@
 #include <set>
 #include <unordered_map>
 
+#include "backend/s3_backend.h"
 #include "ckpt/repository.h"
 #include "ckpt/repository_impl.h"
 #include "core/encoding.h"
@@ -170,31 +171,36 @@ Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
   for (const auto& n : unique) {
     Status st = impl_->backend->Delete(keys::ManifestObject(n));
     if (!st.ok() && !st.IsNotFound()) return st;
+    if (!impl_->remote) continue;
+    // The ranks of a pending checkpoint, and those a crashed committer left.
+    CKPT_ASSIGN_OR_RETURN(auto pending, impl_->backend->List(keys::PendingPrefix(n)));
+    for (const auto& key : pending) {
+      st = impl_->backend->Delete(key);
+      if (!st.ok() && !st.IsNotFound()) return st;
+    }
   }
   return impl_->catalog->Update([&](WriteTxn& txn) -> Status {
-    for (const auto& n : unique) {
-      std::vector<std::string> members, blobs, ranks;
-      const std::string prefix = keys::MemberPrefix(n);
-      auto collect = [&](Table t, std::vector<std::string>& out) {
-        return txn.Scan(t, prefix, [&](std::string_view k, std::string_view) {
-          out.emplace_back(k);
-          return true;
-        });
-      };
-      CKPT_RETURN_IF_ERROR(collect(Table::kTensors, members));
-      CKPT_RETURN_IF_ERROR(collect(Table::kBlobs, blobs));
-      CKPT_RETURN_IF_ERROR(collect(Table::kRanks, ranks));
-      for (const auto& k : members) CKPT_RETURN_IF_ERROR(txn.Delete(Table::kTensors, k));
-      for (const auto& k : blobs) CKPT_RETURN_IF_ERROR(txn.Delete(Table::kBlobs, k));
-      for (const auto& k : ranks) CKPT_RETURN_IF_ERROR(txn.Delete(Table::kRanks, k));
-      CKPT_RETURN_IF_ERROR(txn.Delete(Table::kCheckpoints, keys::Checkpoint(n)));
-    }
+    for (const auto& n : unique) CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, n));
     return Status::OK();
   });
 }
 
-Result<ReindexReport> Repository::Reindex(const std::string& path, const ProgressFn& progress) {
-  CKPT_RETURN_IF_ERROR(RejectObjectStoreUrl(path));
+Status DeleteCheckpointRecords(WriteTxn& txn, const std::string& name) {
+  std::vector<std::pair<Table, std::string>> doomed;
+  const std::string prefix = keys::MemberPrefix(name);
+  for (Table t : {Table::kTensors, Table::kBlobs, Table::kRanks}) {
+    CKPT_RETURN_IF_ERROR(txn.Scan(t, prefix, [&](std::string_view k, std::string_view) {
+      doomed.emplace_back(t, std::string(k));
+      return true;
+    }));
+  }
+  for (const auto& [t, k] : doomed) CKPT_RETURN_IF_ERROR(txn.Delete(t, k));
+  return txn.Delete(Table::kCheckpoints, keys::Checkpoint(name));
+}
+
+Result<ReindexReport> Repository::Reindex(const std::string& path, const ProgressFn& progress,
+                                         const OpenOptions& options) {
+  if (IsS3Url(path)) return ReindexRemote(path, options);
   CKPT_ASSIGN_OR_RETURN(RepositoryConfig config, ReadRepositoryConfig(path));
   (void)config;
   ReindexReport report;

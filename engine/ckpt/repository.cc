@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <iterator>
 #include <cstring>
 #include <fstream>
 #include <set>
@@ -32,6 +34,27 @@ bool ParseManifestObject(const std::string& key, std::string* checkpoint) {
     return false;
   }
   *checkpoint = key.substr(prefix.size(), key.size() - prefix.size() - suffix.size());
+  return ValidateCheckpointName(*checkpoint).ok();
+}
+std::string PendingPrefix(const std::string& checkpoint) { return std::string(kPendingPrefix) + checkpoint + "/"; }
+std::string PendingRankObject(const std::string& checkpoint, uint32_t rank) {
+  return PendingPrefix(checkpoint) + "rank-" + std::to_string(rank);
+}
+bool ParsePendingRankObject(const std::string& key, std::string* checkpoint, uint32_t* rank) {
+  const std::string prefix = kPendingPrefix;
+  if (key.compare(0, prefix.size(), prefix) != 0) return false;
+  const size_t slash = key.find('/', prefix.size());
+  if (slash == std::string::npos) return false;
+  *checkpoint = key.substr(prefix.size(), slash - prefix.size());
+  const std::string tail = key.substr(slash + 1);
+  if (tail.size() < 6 || tail.size() > 15 || tail.compare(0, 5, "rank-") != 0) return false;
+  uint64_t r = 0;
+  for (size_t i = 5; i < tail.size(); ++i) {
+    if (tail[i] < '0' || tail[i] > '9' || (i == 5 && tail[i] == '0' && tail.size() > 6)) return false;
+    r = r * 10 + static_cast<uint64_t>(tail[i] - '0');
+  }
+  if (r > UINT32_MAX) return false;
+  *rank = static_cast<uint32_t>(r);
   return ValidateCheckpointName(*checkpoint).ok();
 }
 }  // namespace keys
@@ -97,28 +120,22 @@ Status ValidateConfig(const RepositoryConfig& c) {
 }
 }  // namespace
 
-Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path) {
-  if (!PathExists(path)) {
-    return Status::NotFound("no repository at '" + path + "': the directory does not exist (create one with 'ckpt init')");
-  }
-  std::string file = path + "/" + kConfigFile;
-  std::ifstream f(file, std::ios::binary);
-  if (!f) {
-    return Status::FailedPrecondition("'" + path + "' is not a ckptfs repository (it has no " + kConfigFile + ")");
-  }
-  std::stringstream ss;
-  ss << f.rdbuf();
-  auto parsed = Json::Parse(ss.str());
+namespace {
+// Parses ckptfs.json (`text`, read from `where`). `origin` names the
+// repository in messages; `id` receives its repository_id.
+Result<RepositoryConfig> ParseRepositoryConfig(const std::string& text, const std::string& origin,
+                                               const std::string& file, std::string* id) {
+  auto parsed = Json::Parse(text);
   const Json* fmt = parsed.ok() ? parsed->Find("format") : nullptr;
   if (!fmt || !fmt->is_string() || fmt->as_string() != "ckptfs") {
-    return Status::FailedPrecondition("'" + path + "' is not a ckptfs repository (" + kConfigFile +
+    return Status::FailedPrecondition("'" + origin + "' is not a ckptfs repository (" + kConfigFile +
                                       " is not a ckptfs config)");
   }
   const Json& j = *parsed;
   const Json* version = j.Find("format_version");
   if (!version || !version->is_uint()) return Status::Corruption(file + " lacks format_version");
   if (version->as_uint() > kFormatVersion) {
-    return Status::Unsupported("repository '" + path + "' has format version " +
+    return Status::Unsupported("repository '" + origin + "' has format version " +
                                std::to_string(version->as_uint()) + "; this ckptfs reads versions up to " +
                                std::to_string(kFormatVersion) + " (upgrade ckptfs)");
   }
@@ -142,7 +159,29 @@ Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path) {
   const Json* adaptive = j.Find("adaptive");
   c.adaptive = adaptive && adaptive->is_bool() ? adaptive->as_bool() : true;
   CKPT_RETURN_IF_ERROR(ValidateConfig(c).WithContext(file));
+  if (id) {
+    const Json* rid = j.Find("repository_id");
+    if (!rid || !rid->is_string() || rid->as_string().empty()) {
+      return Status::Corruption(file + ": 'repository_id' is missing");
+    }
+    *id = rid->as_string();
+  }
   return c;
+}
+}  // namespace
+
+Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path) {
+  if (!PathExists(path)) {
+    return Status::NotFound("no repository at '" + path + "': the directory does not exist (create one with 'ckpt init')");
+  }
+  std::string file = path + "/" + kConfigFile;
+  std::ifstream f(file, std::ios::binary);
+  if (!f) {
+    return Status::FailedPrecondition("'" + path + "' is not a ckptfs repository (it has no " + kConfigFile + ")");
+  }
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ParseRepositoryConfig(ss.str(), path, file, nullptr);
 }
 
 // ---- RepositoryImpl ----------------------------------------------------------
@@ -229,17 +268,177 @@ const RepositoryConfig& Repository::config() const { return impl_->config; }
 const std::string& Repository::path() const { return impl_->path; }
 BufferPoolStats Repository::buffer_stats() const { return impl_->buffers->stats(); }
 
-Status RejectObjectStoreUrl(const std::string& path) {
-  if (IsS3Url(path)) {
-    return Status::Unsupported("'" + path + "': repositories on S3 are not supported yet (the S3 object backend " +
-                               "exists, the repository on it does not); use a local path");
+bool Repository::remote() const { return impl_->remote; }
+
+Status Repository::Refresh() { return impl_->Sync().status(); }
+
+Result<std::unique_ptr<ObjectLock>> RepositoryImpl::LockStore(ObjectLock::Mode mode) {
+  if (!remote) return std::unique_ptr<ObjectLock>();
+  ObjectLockOptions o = lock_options;
+  o.wait = lock_wait;
+  return ObjectLock::Acquire(*backend, mode, o);
+}
+
+namespace {
+
+// An S3 repository's store: ckptfs.json at PREFIX, the objects under
+// PREFIX/objects.
+struct RemoteStore {
+  S3Location location;
+  S3Options options;
+  std::unique_ptr<Backend> root;
+};
+
+Result<RemoteStore> ConnectRemote(const std::string& url, bool create_bucket = false) {
+  RemoteStore r;
+  CKPT_ASSIGN_OR_RETURN(r.location, ParseS3Url(url));
+  CKPT_ASSIGN_OR_RETURN(r.options, S3Options::FromEnvironment());
+  if (create_bucket) CKPT_RETURN_IF_ERROR(CreateS3Bucket(r.location, r.options));
+  CKPT_ASSIGN_OR_RETURN(r.root, OpenS3Backend(r.location, r.options));
+  return r;
+}
+
+Result<std::unique_ptr<Backend>> OpenRemoteObjects(const RemoteStore& r) {
+  S3Location objects = r.location;
+  objects.prefix = objects.prefix.empty() ? kObjectsDir : objects.prefix + "/" + kObjectsDir;
+  return OpenS3Backend(objects, r.options);
+}
+
+Status InitRemote(const std::string& url, const RepositoryConfig& config) {
+  CKPT_ASSIGN_OR_RETURN(RemoteStore r, ConnectRemote(url, /*create_bucket=*/true));
+  auto existing = r.root->Size(kConfigFile);
+  if (existing.ok()) return Status::AlreadyExists("'" + url + "' already holds a ckptfs repository");
+  if (!existing.status().IsNotFound()) return existing.status();
+  const std::string json = ConfigToJson(config).Dump(2) + "\n";
+  return r.root->Put(kConfigFile, std::as_bytes(std::span(json)));
+}
+
+// The directory where this host keeps the catalog of repository `id`.
+std::string CacheDirFor(const OpenOptions& options, const std::string& id) {
+  if (!options.cache_dir.empty()) return options.cache_dir;
+  if (const char* env = std::getenv("CKPT_CACHE_DIR"); env && *env) return env;
+  std::string base;
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) {
+    base = xdg;
+  } else if (const char* home = std::getenv("HOME"); home && *home) {
+    base = std::string(home) + "/.cache";
+  } else {
+    base = "/tmp/ckptfs-cache-" + std::to_string(::getuid());
   }
-  return Status::OK();
+  return base + "/ckptfs/" + id;
+}
+
+// Makes `dir` the state directory of repository `id` at `url`: a directory
+// whose `repository` file names them. A directory holding another
+// repository's state is refused; one holding the state of an earlier
+// repository at the same URL (recreated since) is emptied, since it is
+// only a cache.
+Status ClaimCacheDir(const std::string& dir, const std::string& url, const std::string& id) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return Status::IOError("creating cache directory " + dir + ": " + ec.message());
+  const std::string marker = dir + "/repository";
+  const std::string want = id + " " + url + "\n";
+  std::ifstream in(marker);
+  if (in) {
+    std::string have((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (have == want) return Status::OK();
+    const std::string have_url = have.substr(have.find(' ') + 1);
+    if (have_url != url + "\n") {
+      return Status::FailedPrecondition("cache directory " + dir + " holds the state of another repository (" +
+                                        have_url.substr(0, have_url.size() - 1) +
+                                        "); give each repository its own --cache-dir");
+    }
+    std::filesystem::remove_all(dir + "/" + kCatalogDir, ec);
+  }
+  CKPT_ASSIGN_OR_RETURN(auto local, OpenLocalBackend(dir));
+  return local->Put("repository", std::as_bytes(std::span(want)));
+}
+
+Result<std::unique_ptr<LmdbEnv>> OpenCatalog(const std::string& dir, bool create) {
+  auto env = LmdbEnv::Open(dir, create, kInitialMapSize);
+  if (!env.ok()) {
+    if (env.status().IsCorruption()) return env.status();  // already says to reindex
+    return Status(env.status().code(), env.status().message() + " (if the catalog is damaged, rebuild it with 'ckpt reindex')");
+  }
+  return env;
+}
+
+// A fresh catalog gets its format version and sequence counter.
+Status InitCatalogMeta(LmdbEnv& env) {
+  return env.Update([&](WriteTxn& txn) -> Status {
+    CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kMeta, keys::kFormatVersionKey));
+    if (v) return Status::OK();
+    CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kFormatVersionKey, EncodeFormatVersion(kFormatVersion)));
+    return txn.Put(Table::kMeta, keys::kNextSequenceKey, EncodeSequence(1));
+  });
+}
+
+// Reads an S3 repository's config; fills impl's config, remote flag and
+// state directory.
+Result<RemoteStore> LocateRemote(const std::string& url, const OpenOptions& options, RepositoryImpl& impl) {
+  CKPT_ASSIGN_OR_RETURN(RemoteStore r, ConnectRemote(url));
+  auto text = r.root->ReadAll(kConfigFile);
+  if (!text.ok()) {
+    if (text.status().IsNotFound() && text.status().message().rfind("bucket", 0) != 0) {
+      return Status::NotFound("no ckptfs repository at '" + url + "' (it has no " + kConfigFile +
+                              "; create one with 'ckpt init')");
+    }
+    return text.status();
+  }
+  std::string id;
+  CKPT_ASSIGN_OR_RETURN(impl.config, ParseRepositoryConfig(*text, url, url + "/" + kConfigFile, &id));
+  impl.remote = true;
+  impl.state_dir = CacheDirFor(options, id);
+  CKPT_RETURN_IF_ERROR(ClaimCacheDir(impl.state_dir, url, id));
+  return r;
+}
+
+Status OpenRemote(const std::string& url, const OpenOptions& options, RepositoryImpl& impl) {
+  CKPT_ASSIGN_OR_RETURN(RemoteStore r, LocateRemote(url, options, impl));
+  CKPT_ASSIGN_OR_RETURN(impl.backend, OpenRemoteObjects(r));
+  CKPT_ASSIGN_OR_RETURN(impl.catalog, OpenCatalog(impl.state_dir + "/" + kCatalogDir, true));
+  impl.lock_wait = options.lock_wait;
+  // How long a lock object goes unrefreshed before others take its holder
+  // for crashed: 30 minutes, or CKPT_LOCK_STALE_SECONDS (tests shorten it).
+  if (const char* env = std::getenv("CKPT_LOCK_STALE_SECONDS"); env && *env) {
+    char* end = nullptr;
+    const double seconds = std::strtod(env, &end);
+    if (*end != '\0' || !(seconds >= 1)) {
+      return Status::InvalidArgument("CKPT_LOCK_STALE_SECONDS must be a number of seconds, at least 1 (not '" +
+                                     std::string(env) + "')");
+    }
+    impl.lock_options.stale_after = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  }
+  impl.lock_options.refresh_interval =
+      std::min<std::chrono::milliseconds>(std::chrono::minutes(1), impl.lock_options.stale_after / 10);
+  return InitCatalogMeta(*impl.catalog);
+}
+
+}  // namespace
+
+Result<ReindexReport> ReindexRemote(const std::string& url, const OpenOptions& options) {
+  {
+    RepositoryImpl probe;
+    CKPT_RETURN_IF_ERROR(LocateRemote(url, options, probe).status());
+    std::error_code ec;
+    std::filesystem::remove_all(probe.state_dir + "/" + kCatalogDir, ec);
+    if (ec) return Status::IOError("removing " + probe.state_dir + "/" + kCatalogDir + ": " + ec.message());
+  }
+  CKPT_ASSIGN_OR_RETURN(auto repo, Repository::Open(url, options));
+  ReindexReport report;
+  CKPT_ASSIGN_OR_RETURN(auto committed, repo->ListCheckpoints(false));
+  report.checkpoints = committed.size();
+  const SyncReport& sync = repo->impl_->last_sync;
+  report.packs = sync.packs_added;
+  report.chunks = sync.chunks_added;
+  report.problems = sync.problems;
+  return report;
 }
 
 Status Repository::Init(const std::string& path, const RepositoryConfig& config) {
-  CKPT_RETURN_IF_ERROR(RejectObjectStoreUrl(path));
   CKPT_RETURN_IF_ERROR(ValidateConfig(config));
+  if (IsS3Url(path)) return InitRemote(path, config);
   if (PathExists(path + "/" + kConfigFile)) {
     return Status::AlreadyExists("'" + path + "' already holds a ckptfs repository");
   }
@@ -252,10 +451,7 @@ Status Repository::Init(const std::string& path, const RepositoryConfig& config)
   }
   CKPT_ASSIGN_OR_RETURN(auto backend, OpenLocalBackend(path + "/" + kObjectsDir));
   CKPT_ASSIGN_OR_RETURN(auto env, LmdbEnv::Open(path + "/" + kCatalogDir, true, kInitialMapSize));
-  CKPT_RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
-    CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kFormatVersionKey, EncodeFormatVersion(kFormatVersion)));
-    return txn.Put(Table::kMeta, keys::kNextSequenceKey, EncodeSequence(1));
-  }));
+  CKPT_RETURN_IF_ERROR(InitCatalogMeta(*env));
   // The config file goes last: a directory holding it is a complete
   // repository. Written like any object: atomically and durably.
   CKPT_ASSIGN_OR_RETURN(auto root, OpenLocalBackend(path));
@@ -264,21 +460,20 @@ Status Repository::Init(const std::string& path, const RepositoryConfig& config)
 }
 
 Result<std::unique_ptr<Repository>> Repository::Open(const std::string& path, const OpenOptions& options) {
-  CKPT_RETURN_IF_ERROR(RejectObjectStoreUrl(path));
-  CKPT_ASSIGN_OR_RETURN(RepositoryConfig config, ReadRepositoryConfig(path));
   auto impl = std::make_unique<RepositoryImpl>();
   impl->path = path;
-  impl->config = config;
-  CKPT_ASSIGN_OR_RETURN(impl->backend, OpenLocalBackend(path + "/" + kObjectsDir));
-  if (!PathExists(path + "/" + kCatalogDir + "/data.mdb")) {
-    return Status::Corruption("repository '" + path + "' has no catalog; rebuild it with 'ckpt reindex'");
+  if (IsS3Url(path)) {
+    CKPT_RETURN_IF_ERROR(OpenRemote(path, options, *impl));
+  } else {
+    CKPT_ASSIGN_OR_RETURN(impl->config, ReadRepositoryConfig(path));
+    impl->state_dir = path;
+    CKPT_ASSIGN_OR_RETURN(impl->backend, OpenLocalBackend(path + "/" + kObjectsDir));
+    if (!PathExists(path + "/" + kCatalogDir + "/data.mdb")) {
+      return Status::Corruption("repository '" + path + "' has no catalog; rebuild it with 'ckpt reindex'");
+    }
+    CKPT_ASSIGN_OR_RETURN(impl->catalog, OpenCatalog(path + "/" + kCatalogDir, false));
   }
-  auto env = LmdbEnv::Open(path + "/" + kCatalogDir, false, kInitialMapSize);
-  if (!env.ok()) {
-    if (env.status().IsCorruption()) return env.status();  // already says to reindex
-    return Status(env.status().code(), env.status().message() + " (if the catalog is damaged, rebuild it with 'ckpt reindex')");
-  }
-  impl->catalog = std::move(env).value();
+  const RepositoryConfig& config = impl->config;
   Status st = impl->catalog->Read([&](const ReadTxn& txn) -> Status {
     CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kMeta, keys::kFormatVersionKey));
     if (!v) return Status::Corruption("catalog lacks its format version; run 'ckpt reindex'");
@@ -296,6 +491,7 @@ Result<std::unique_ptr<Repository>> Repository::Open(const std::string& path, co
   impl->buffers = std::make_unique<BufferPool>(config.chunk_size, 4 * threads + 8);
   impl->cache = std::make_unique<ChunkCache>(options.cache_bytes);
   impl->InitFetcher();
+  CKPT_RETURN_IF_ERROR(impl->Sync().status());
   return std::unique_ptr<Repository>(new Repository(std::move(impl)));
 }
 

@@ -6,6 +6,10 @@
 //   catalog/           LMDB catalog
 //   objects/packs/     pack files
 //   objects/manifests/ one manifest object per committed checkpoint
+// A repository on S3 (s3://BUCKET/PREFIX) has the same ckptfs.json and
+// objects/ under PREFIX, plus objects/pending/ (ranks of checkpoints not yet
+// visible) and objects/locks/; each host keeps its own catalog in a cache
+// directory (OpenOptions::cache_dir).
 //
 // Thread safety: a Repository may be shared by threads. One Repository per
 // path per process (LMDB's rule); several processes may open the same path.
@@ -46,6 +50,13 @@ struct RepositoryConfig {
 struct OpenOptions {
   size_t threads = 0;                     // workers; 0 = hardware concurrency
   size_t cache_bytes = 512ull << 20;      // decoded-chunk cache bound
+  // Repositories on S3: where this host keeps its catalog. Empty:
+  // $CKPT_CACHE_DIR, else a directory per repository under
+  // $XDG_CACHE_HOME/ckptfs (default ~/.cache/ckptfs).
+  std::string cache_dir;
+  // Repositories on S3: how long a save or gc waits for a conflicting lock
+  // (a gc on another host, or saves) before it fails naming the holder.
+  std::chrono::milliseconds lock_wait = std::chrono::minutes(10);
 };
 
 // Bytes a source lends to the writer: valid and unchanged while `keep` is
@@ -316,12 +327,22 @@ class Repository {
                                                   const OpenOptions& options = {});
   // Rebuilds the catalog from packs and manifests alone. Run with no other
   // process using the repository. Pending (uncommitted) checkpoints are
-  // dropped; their chunks become garbage.
-  static Result<ReindexReport> Reindex(const std::string& path, const ProgressFn& progress = {});
+  // dropped; their chunks become garbage. For a repository on S3 this
+  // host's catalog is dropped and read again from the store (pending
+  // checkpoints are kept there: their ranks are objects).
+  static Result<ReindexReport> Reindex(const std::string& path, const ProgressFn& progress = {},
+                                       const OpenOptions& options = {});
   ~Repository();
 
   const RepositoryConfig& config() const;
   const std::string& path() const;
+  // Whether the repository is on an object store (s3://).
+  bool remote() const;
+  // For a repository on an object store: brings this host's catalog up to
+  // date with the store, so checkpoints committed, removed or collected by
+  // other hosts show. Open does it once; long-lived users (the mount) call
+  // it to poll. OK and nothing to do for a local repository.
+  Status Refresh();
   // The chunk-buffer pool's counters (allocations, reuses, bytes held): in
   // steady state reads and saves reuse buffers and allocate none.
   BufferPoolStats buffer_stats() const;
@@ -367,6 +388,7 @@ class Repository {
 
 
  private:
+  friend Result<ReindexReport> ReindexRemote(const std::string& url, const OpenOptions& options);
   explicit Repository(std::unique_ptr<RepositoryImpl> impl);
   std::unique_ptr<RepositoryImpl> impl_;
 };

@@ -3,11 +3,14 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <mutex>
 #include <memory>
 #include <string>
 
 #include "backend/backend.h"
 #include "ckpt/merge.h"
+#include "ckpt/object_lock.h"
 #include "ckpt/repository.h"
 #include "core/buffer_pool.h"
 #include "core/thread_pool.h"
@@ -24,7 +27,22 @@ std::string ManifestObject(const std::string& checkpoint);
 bool ParseManifestObject(const std::string& key, std::string* checkpoint);
 inline constexpr const char* kManifestPrefix = "manifests/";
 inline constexpr const char* kPackPrefix = "packs/";
+// Object-store repositories: a rank's part of a checkpoint not yet visible.
+inline constexpr const char* kPendingPrefix = "pending/";
+std::string PendingPrefix(const std::string& checkpoint);  // "pending/NAME/"
+std::string PendingRankObject(const std::string& checkpoint, uint32_t rank);
+bool ParsePendingRankObject(const std::string& key, std::string* checkpoint, uint32_t* rank);
 }  // namespace keys
+
+// What one sync of an object-store repository's catalog brought in.
+struct SyncReport {
+  uint64_t packs_added = 0, packs_removed = 0;
+  uint64_t chunks_added = 0;
+  uint64_t checkpoints_added = 0, checkpoints_removed = 0;
+  uint64_t pending_ranks_added = 0, pending_ranks_removed = 0;
+  uint64_t objects_read = 0;            // GETs besides the LISTs
+  std::vector<std::string> problems;    // objects skipped, and why
+}; 
 
 class RepositoryImpl {
  public:
@@ -32,8 +50,18 @@ class RepositoryImpl {
   // the cache and the catalog) before any member they use is destroyed.
   ~RepositoryImpl();
 
-  std::string path;
+  std::string path;  // as given: a directory or s3://BUCKET/PREFIX
   RepositoryConfig config;
+  // The objects live in an object store shared by hosts; the catalog is
+  // this host's index of them, kept in `state_dir` and brought up to date
+  // by Sync (docs/DESIGN.md "Repositories on S3").
+  bool remote = false;
+  // Where the catalog and the local lock files live: the repository
+  // directory, or the host's cache directory for a remote repository.
+  std::string state_dir;
+  ObjectLockOptions lock_options;  // remote only
+  std::chrono::milliseconds lock_wait{0};
+  SyncReport last_sync;  // guarded by the sync mutex
   std::unique_ptr<Backend> backend;
   std::unique_ptr<LmdbEnv> catalog;
   // Chunk-sized buffers for decoded chunks (the cache holds them), encoded
@@ -49,12 +77,21 @@ class RepositoryImpl {
   ChunkFetcher* fetcher() { return fetcher_.get(); }
   void InitFetcher();
 
+  // Remote only: brings the catalog up to date with the store (new and
+  // removed packs, manifests and pending ranks). Only objects new since the
+  // last sync are read; three LISTs otherwise. No-op for a local repository.
+  Result<SyncReport> Sync();
+  // Remote only: a lock object in the store (object_lock.h), taken with
+  // `lock_wait`; null for a local repository.
+  Result<std::unique_ptr<ObjectLock>> LockStore(ObjectLock::Mode mode);
+
   // Encoded chunks waiting for any pack writer of this process: the
   // adaptive codec's view of whether the disk keeps up.
   std::atomic<int64_t> queued_chunks{0};
 
  private:
   std::unique_ptr<ChunkFetcher> fetcher_;
+  std::mutex sync_mu_;
 };
 
 // Reads a chunk by location lookup, without caching.
@@ -75,8 +112,23 @@ class DirectFetcher : public ChunkFetcher {
 };
 
 Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path);
-// Unsupported for an s3:// URL: the repository layer is local-only so far.
-Status RejectObjectStoreUrl(const std::string& path);
+// Removes every catalog record of checkpoint `name` (committed or pending:
+// its record, tensors, blobs and pending ranks).
+Status DeleteCheckpointRecords(WriteTxn& txn, const std::string& name);
+// A rank's part of a checkpoint not yet visible, as its pending/ object
+// holds it: the checkpoint as this rank saw it (pending, world size, step,
+// tags; committed_ranks is just this rank) and the rank's records. Encoded
+// like a manifest (docs/FORMAT.md).
+struct PendingRankObject {
+  CheckpointRecord header;
+  RankRecord record;
+};
+std::string EncodePendingRank(const CheckpointRecord& header, const RankRecord& record);
+// NotFound when the object is missing; Corruption naming the key.
+Result<PendingRankObject> ReadPendingRank(Backend& backend, const std::string& name, uint32_t rank);
+
+// Reindex of a repository on S3: drops this host's catalog and syncs anew.
+Result<ReindexReport> ReindexRemote(const std::string& url, const OpenOptions& options);
 uint64_t NowUnixMs();
 
 }  // namespace ckptfs

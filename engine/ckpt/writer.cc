@@ -20,6 +20,7 @@
 #include "ckpt/repository.h"
 #include "ckpt/repo_lock.h"
 #include "ckpt/repository_impl.h"
+#include "core/thread_pool.h"
 #include "core/encoding.h"
 
 namespace ckptfs {
@@ -49,8 +50,10 @@ std::chrono::nanoseconds CommitHandle::total_time() const {
 
 class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
  public:
-  WriterImpl(RepositoryImpl* repo, std::string name, WriterOptions options, RepoLock lock)
+  WriterImpl(RepositoryImpl* repo, std::string name, WriterOptions options, RepoLock lock,
+             std::unique_ptr<ObjectLock> store_lock)
       : lock_(std::in_place, std::move(lock)),
+        store_lock_(std::move(store_lock)),
         repo_(repo),
         name_(std::move(name)),
         options_(std::move(options)),
@@ -109,6 +112,12 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   void WriterLoop();
   void StopWriterThread();
   Status CommitToCatalog(const std::vector<SealedPack>& sealed, CommitResult* result);
+  // The commit of a repository on an object store (docs/DESIGN.md
+  // "Repositories on S3"): this rank's record becomes an object; the rank
+  // that finds every rank's object merges them and writes the manifest.
+  Status CommitToStore(const std::vector<SealedPack>& sealed, CommitResult* result);
+  Status IndexStoredChunks(const std::vector<SealedPack>& sealed);
+  Result<Manifest> MergeStoredRanks();
   // The steps of CommitToCatalog.
   struct CommitView;
   Result<CommitView> ReadCommitView();
@@ -124,6 +133,8 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   // Held shared until this writer's commit finished or it is gone: gc waits
   // for it (repo_lock.h).
   std::optional<RepoLock> lock_;
+  // The same, across hosts, for a repository on an object store.
+  std::unique_ptr<ObjectLock> store_lock_;
   RepositoryImpl* repo_;
   const std::string name_;
   const WriterOptions options_;
@@ -461,6 +472,7 @@ CommitHandle WriterImpl::Commit() {
                      // Done with the catalog: let gc run even if the caller
                      // keeps the handle (which keeps this closure) around.
                      lock_.reset();
+                     store_lock_.reset();
                      self.reset();
                      if (!st.ok()) return st;
                      return result;
@@ -628,6 +640,7 @@ Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, Commit
     *result = stats_;
   }
   result->checkpoint_visible = false;
+  if (repo_->remote) return CommitToStore(sealed, result);
   // Commits of other ranks may change the view between the steps; each
   // round trip means one of them got through, so this ends.
   for (;;) {
@@ -652,6 +665,123 @@ Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, Commit
       return Status::OK();
     }
   }
+}
+
+// ---- commit to an object store ---------------------------------------------------
+//
+// Steps (docs/DESIGN.md "Repositories on S3", with the outcome of a crash
+// after each):
+//   1. This rank's packs are durable (sealed before this is called).
+//   2. Its record is PUT as pending/NAME/rank-R: its part is durable.
+//   3. It LISTs pending/NAME/. Fewer than world-size ranks: done, the
+//      checkpoint stays invisible. All of them: this rank commits.
+//   4. Commit: sync the catalog (the other ranks' packs), read every rank's
+//      record, merge and check the tiling, PUT the manifest: the checkpoint
+//      is visible on every host from this PUT on.
+//   5. Delete the rank objects (leftovers are ignored once the manifest
+//      exists, and removed by rm).
+// Two ranks finishing together may both see every rank and both commit;
+// they write the same checkpoint, and the later PUT replaces the earlier.
+
+Status WriterImpl::IndexStoredChunks(const std::vector<SealedPack>& sealed) {
+  // The catalog is this host's index of the store: the packs just written
+  // are in the store, so they go in as sync would put them.
+  return repo_->catalog->Update([&](WriteTxn& txn) -> Status {
+    for (const auto& [id, loc] : stored_) {
+      CKPT_ASSIGN_OR_RETURN(auto existing, txn.Get(Table::kChunks, keys::Chunk(id)));
+      if (!existing) CKPT_RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(id), EncodeChunkLocation(loc)));
+    }
+    for (const auto& p : sealed) {
+      CKPT_RETURN_IF_ERROR(txn.Put(Table::kPacks, p.id, EncodePackInfo({p.size, p.entries.size()})));
+    }
+    return Status::OK();
+  });
+}
+
+Result<Manifest> WriterImpl::MergeStoredRanks() {
+  CKPT_RETURN_IF_ERROR(repo_->Sync().status());
+  const uint32_t n = options_.world_size;
+  std::vector<Result<PendingRankObject>> objects(n, Status::Internal("not read"));
+  ParallelFor(n, 16, [&](size_t r) { objects[r] = ReadPendingRank(*repo_->backend, name_, static_cast<uint32_t>(r)); });
+  CommitView view;
+  view.checkpoint.name = name_;
+  view.checkpoint.world_size = n;
+  view.checkpoint.created_unix_ms = created_unix_ms_;
+  for (uint32_t r = 0; r < n; ++r) {
+    if (!objects[r].ok()) return objects[r].status().WithContext("committing checkpoint '" + name_ + "'");
+    const CheckpointRecord& h = objects[r]->header;
+    if (h.world_size != n) {
+      return Status::InvalidArgument("checkpoint '" + name_ + "': rank " + std::to_string(r) + " was saved with world size " +
+                                     std::to_string(h.world_size) + ", rank " + std::to_string(options_.rank) + " with " +
+                                     std::to_string(n));
+    }
+    if (h.step) {
+      if (view.checkpoint.step && *view.checkpoint.step != *h.step) {
+        return Status::InvalidArgument("checkpoint '" + name_ + "': ranks disagree on the step (" +
+                                       std::to_string(*view.checkpoint.step) + " and " + std::to_string(*h.step) + ")");
+      }
+      view.checkpoint.step = h.step;
+    }
+    view.checkpoint.created_unix_ms = std::min(view.checkpoint.created_unix_ms, h.created_unix_ms);
+    for (const auto& tag : h.tags) {
+      auto& tags = view.checkpoint.tags;
+      if (std::none_of(tags.begin(), tags.end(), [&](const auto& t) { return t.first == tag.first; })) tags.push_back(tag);
+    }
+    view.checkpoint.committed_ranks.push_back(r);
+    view.ranks.push_back(std::move(objects[r]->record));
+  }
+  CKPT_RETURN_IF_ERROR(repo_->catalog->Read([&](const ReadTxn& txn) -> Status {
+    CKPT_ASSIGN_OR_RETURN(auto seq, txn.Get(Table::kMeta, keys::kNextSequenceKey));
+    if (seq) view.raw_sequence = std::string(*seq);
+    return Status::OK();
+  }));
+  view.last = true;
+  return MergeRanks(view);
+}
+
+Status WriterImpl::CommitToStore(const std::vector<SealedPack>& sealed, CommitResult* result) {
+  Backend& store = *repo_->backend;
+  // Were the lock's refreshes failing, a gc elsewhere may have taken it for
+  // stale and removed chunks this save deduplicated against.
+  CKPT_RETURN_IF_ERROR(store_lock_->Check());
+  const std::string own_key = keys::PendingRankObject(name_, options_.rank);
+  auto committed = store.Size(keys::ManifestObject(name_));
+  if (committed.ok()) return Status::AlreadyExists("checkpoint '" + name_ + "' already exists");
+  if (!committed.status().IsNotFound()) return committed.status();
+  auto mine = store.Size(own_key);
+  if (mine.ok()) {
+    return Status::AlreadyExists("rank " + std::to_string(options_.rank) + " of checkpoint '" + name_ + "' already committed");
+  }
+  if (!mine.status().IsNotFound()) return mine.status();
+
+  CheckpointRecord header;
+  header.name = name_;
+  header.step = options_.step;
+  header.world_size = options_.world_size;
+  header.created_unix_ms = created_unix_ms_;
+  header.tags = options_.tags;
+  const std::string encoded = EncodePendingRank(header, record_);
+  CKPT_RETURN_IF_ERROR(store.Put(own_key, std::as_bytes(std::span(encoded))));
+  CKPT_RETURN_IF_ERROR(IndexStoredChunks(sealed));
+
+  CKPT_ASSIGN_OR_RETURN(auto present, store.List(keys::PendingPrefix(name_)));
+  std::set<uint32_t> ranks;
+  for (const auto& key : present) {
+    std::string n;
+    uint32_t r;
+    if (keys::ParsePendingRankObject(key, &n, &r) && n == name_ && r < options_.world_size) ranks.insert(r);
+  }
+  if (ranks.size() < options_.world_size) return Status::OK();
+
+  CKPT_ASSIGN_OR_RETURN(Manifest manifest, MergeStoredRanks());
+  CKPT_RETURN_IF_ERROR(store_lock_->Check());
+  CKPT_RETURN_IF_ERROR(WriteManifest(manifest));
+  result->checkpoint_visible = true;
+  for (uint32_t r = 0; r < options_.world_size; ++r) {
+    Status st = store.Delete(keys::PendingRankObject(name_, r));
+    if (!st.ok() && !st.IsNotFound()) break;  // left for rm; sync ignores them
+  }
+  return repo_->Sync().status();
 }
 
 // ---- public wrappers -------------------------------------------------------------
@@ -718,7 +848,11 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
   }
   // Taken before the catalog is consulted, so gc cannot remove a chunk
   // between our dedup lookups and our commit.
-  CKPT_ASSIGN_OR_RETURN(RepoLock lock, RepoLock::Acquire(impl_->path, RepoLock::Mode::kShared));
+  CKPT_ASSIGN_OR_RETURN(RepoLock lock, RepoLock::Acquire(impl_->state_dir, RepoLock::Mode::kShared));
+  // On an object store, the same across hosts; then the catalog catches up
+  // with the store (chunks to deduplicate against, ranks already in).
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<ObjectLock> store_lock, impl_->LockStore(ObjectLock::Mode::kShared));
+  CKPT_RETURN_IF_ERROR(impl_->Sync().status());
   // Nothing is written here: the checkpoint's record appears with the first
   // rank's commit, so an aborted or killed writer leaves no trace.
   CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
@@ -727,7 +861,7 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
     CKPT_ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*raw));
     return CheckJoin(rec, options);
   }));
-  auto impl = std::make_shared<WriterImpl>(impl_.get(), name, options, std::move(lock));
+  auto impl = std::make_shared<WriterImpl>(impl_.get(), name, options, std::move(lock), std::move(store_lock));
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
 }
 

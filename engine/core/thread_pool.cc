@@ -1,5 +1,8 @@
 #include "core/thread_pool.h"
 
+#include <algorithm>
+#include <atomic>
+
 namespace ckptfs {
 namespace {
 thread_local bool on_pool_thread = false;
@@ -42,6 +45,17 @@ void ThreadPool::Run() {
     }
     task();
   }
+}
+
+void ParallelFor(size_t n, size_t threads, const std::function<void(size_t)>& fn) {
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < n;) fn(i);
+  };
+  std::vector<std::thread> helpers;
+  for (size_t k = 1; k < std::min(n, threads); ++k) helpers.emplace_back(work);
+  work();
+  for (auto& t : helpers) t.join();
 }
 
 }  // namespace ckptfs

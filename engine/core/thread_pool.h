@@ -58,4 +58,9 @@ class WaitGroup {
   size_t count_ = 0;
 };
 
+// fn(i) for every i in [0, n), on up to `threads` threads of its own (for
+// blocking work such as requests to an object store, which must not occupy
+// a ThreadPool's workers). Returns when all calls have returned.
+void ParallelFor(size_t n, size_t threads, const std::function<void(size_t)>& fn);
+
 }  // namespace ckptfs

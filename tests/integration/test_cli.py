@@ -50,14 +50,6 @@ class HelpAndUsage(CkptTestCase):
         self.assertEqual(status("init"), 1)  # already a repository
         self.assertEqual(status("gc", "--keep", "nope"), 1)
 
-    def test_s3_urls_are_refused_with_one_line_until_supported(self):
-        for args in (["ls"], ["init"], ["reindex"]):
-            p = self.run_ckpt("-r", "s3://bucket/prefix", *args, ok=False, use_repo=False)
-            self.assertEqual(p.returncode, 1, args)
-            err = p.stderr.decode().strip()
-            self.assertEqual(len(err.splitlines()), 1, err)
-            self.assertIn("not supported yet", err)
-
     def test_repository_is_required_and_checked(self):
         self.assertIn("CKPT_REPO", self.error_of("ls", use_repo=False))
         self.assertIn("does not exist", self.error_of("ls"))

@@ -27,7 +27,7 @@
 namespace ckptfs::cli {
 namespace {
 
-const OptionSpec kRepoOpt{"repo", 'r', true, false, "PATH", "repository (default: $CKPT_REPO)"};
+const OptionSpec kRepoOpt{"repo", 'r', true, false, "PATH", "repository: a directory or s3://BUCKET/PREFIX (default: $CKPT_REPO)"};
 const OptionSpec kJsonOpt{"json", 0, false, false, "", "print machine-readable JSON"};
 
 Result<std::string> RepoPath(const Args& args) {
@@ -71,7 +71,8 @@ void PrintJson(const Json& j) { std::printf("%s\n", j.Dump(2).c_str()); }
 
 const CommandSpec kInit{
     "init", "", "Create an empty repository.",
-    "The repository directory is created if missing; it must not hold a repository already.",
+    "The repository directory is created if missing; it must not hold a repository already.\n"
+    "For s3://BUCKET/PREFIX the bucket is created if missing.",
     {kRepoOpt,
      {"chunk-size", 0, true, false, "SIZE", "chunk size (default 4M; 64K..256M, multiple of 8)"},
      {"pack-size", 0, true, false, "SIZE", "target pack file size (default 256M)"},
@@ -533,6 +534,7 @@ const CommandSpec kMount{
      {"cache-size", 0, true, false, "SIZE", "decoded-chunk cache bound (default 1G)"},
      {"prefetch", 0, true, false, "N", "chunks decoded ahead of sequential readers (default 8)"},
      {"readahead", 0, true, false, "SIZE", "kernel readahead of the mount, needs root (default 16M; 0: kernel default)"},
+     {"poll", 0, true, false, "SECONDS", "how often new and removed checkpoints show (default 1; 5 on S3)"},
      {"debug", 'd', false, false, "", "log every FUSE request (implies --foreground)"}},
     1, 1};
 
@@ -555,6 +557,14 @@ int CmdMount(const Args& args) {
   if (*cache) o.cache_bytes = **cache;
   if (*prefetch) o.prefetch_chunks = static_cast<size_t>(**prefetch);
   if (*readahead) o.readahead_bytes = **readahead;
+  if (auto poll = args.Get("poll")) {
+    char* end = nullptr;
+    const double seconds = std::strtod(poll->c_str(), &end);
+    if (poll->empty() || *end != '\0' || !(seconds >= 0.1 && seconds <= 3600)) {
+      return UsageError(Status::InvalidArgument("--poll takes seconds between 0.1 and 3600, not '" + *poll + "'"));
+    }
+    o.poll_seconds = seconds;
+  }
   Status st = mount::RunMount(o);
   return st.ok() ? kExitOk : Fail(st);
 #else
@@ -734,7 +744,10 @@ void MainHelp(FILE* out) {
                "commands:\n");
   for (const auto& c : kCommands) std::fprintf(out, "  %-10s %s\n", c.spec->name.c_str(), c.spec->summary.c_str());
   std::fprintf(out,
-               "\nThe repository comes from -r/--repo PATH (before or after the command) or $CKPT_REPO.\n"
+               "\nThe repository comes from -r/--repo PATH (before or after the command) or $CKPT_REPO:\n"
+               "a directory, or s3://BUCKET/PREFIX on an S3 store (AWS_ENDPOINT_URL, AWS_REGION,\n"
+               "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY). For S3, each host keeps its catalog in\n"
+               "--cache-dir DIR or $CKPT_CACHE_DIR (default: ~/.cache/ckptfs/REPOSITORY-ID).\n"
                "Run 'ckpt COMMAND --help' for a command's options.\n");
 }
 
@@ -784,9 +797,41 @@ std::optional<std::vector<char*>> MoveGlobalOptionsBehindCommand(int argc, char*
   return out;
 }
 
+// --cache-dir DIR, accepted anywhere before "--" by every command, sets
+// CKPT_CACHE_DIR (where a repository on S3 keeps this host's catalog) and
+// is removed from the arguments. False when it lacks its value.
+bool TakeCacheDirOption(int* argc, char** argv) {
+  int out = 1;
+  bool ok = true;
+  for (int i = 1; i < *argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--") {
+      while (i < *argc) argv[out++] = argv[i++];
+      break;
+    }
+    if (a == "--cache-dir") {
+      if (i + 1 >= *argc || argv[i + 1][0] == '\0') {
+        ok = false;
+        continue;
+      }
+      ::setenv("CKPT_CACHE_DIR", argv[++i], 1);
+    } else if (a.rfind("--cache-dir=", 0) == 0) {
+      ::setenv("CKPT_CACHE_DIR", a.c_str() + 12, 1);
+    } else {
+      argv[out++] = argv[i];
+    }
+  }
+  *argc = out;
+  return ok;
+}
+
 int main(int raw_argc, char** raw_argv) {
   using namespace ckptfs::cli;
   std::signal(SIGBUS, OnBusError);
+  if (!TakeCacheDirOption(&raw_argc, raw_argv)) {
+    std::fprintf(stderr, "ckpt: error: option --cache-dir needs a value\n");
+    return kExitUsage;
+  }
   auto reordered = MoveGlobalOptionsBehindCommand(raw_argc, raw_argv);
   if (!reordered) {
     std::fprintf(stderr, "ckpt: error: option -r/--repo needs a value\n");
