@@ -13,6 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/crash_point.h"
+
 namespace ckptfs {
 
 namespace {
@@ -244,9 +246,14 @@ class S3Client {
   Result<Response> Perform(const Request& req) {
     std::mt19937_64 jitter(std::random_device{}());
     std::string last_error;
+    // Requests that change the store are where crash tests kill: before
+    // one is sent, and once its answer is in.
+    const bool mutating = req.method != "GET" && req.method != "HEAD";
     for (int attempt = 0;; ++attempt) {
       Response resp;
+      if (mutating && attempt == 0) CrashPoint();
       CURLcode code = Once(req, &resp);
+      if (mutating && code == CURLE_OK) CrashPoint();
       if (code == CURLE_OK && !RetryableStatus(resp.status)) return resp;
       if (code != CURLE_OK && !RetryableTransport(code)) {
         if (code == CURLE_WRITE_ERROR && req.read_into) {

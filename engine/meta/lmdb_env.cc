@@ -99,7 +99,8 @@ Result<std::unique_ptr<LmdbEnv>> LmdbEnv::Open(const std::string& dir, bool crea
   struct stat sb;
   if (::stat(dir.c_str(), &sb) != 0) {
     if (!create) return Status::NotFound("catalog directory " + dir + " is missing");
-    if (::mkdir(dir.c_str(), 0755) != 0) return Status::FromErrno(errno, "creating " + dir);
+    // Another process of this host may create it at the same moment.
+    if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) return Status::FromErrno(errno, "creating " + dir);
     if (::stat(dir.c_str(), &sb) != 0) return Status::FromErrno(errno, "stat of " + dir);
   }
   std::unique_ptr<LmdbEnv> env(new LmdbEnv());

@@ -1,0 +1,320 @@
+"""Integration tests of repositories on S3 (a real Ceph RGW, which the test
+command starts with tools/s3-server.sh): simulated hosts that share nothing
+but the S3 endpoint save, commit, list, mount, collect and get killed.
+
+A simulated host is a process tree with its own mount namespace (unshare -m)
+and a private tmpfs at one fixed path holding its catalog, so every host
+uses the same path for different storage and an accidentally shared local
+file fails the test. Without the privileges for namespaces, hosts are plain
+processes with a cache directory each.
+"""
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import unittest
+import uuid
+
+import numpy as np
+
+import st
+from helpers import CKPT
+
+HAVE_S3 = bool(os.environ.get("AWS_ENDPOINT_URL"))
+HAVE_FUSE = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
+HOST_STATE = "/tmp/ckptfs-simulated-host"  # each host's private tmpfs
+BUCKET = "ckptfs-integration"
+KILL_POINTS = 30
+
+
+def namespaces_work():
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("nsenter"):
+        return False
+    return subprocess.run(["unshare", "-m", "true"], stderr=subprocess.DEVNULL).returncode == 0
+
+
+NAMESPACES = namespaces_work()
+
+
+def require_s3():
+    if HAVE_S3:
+        return
+    why = "no S3 server: AWS_ENDPOINT_URL is unset (start one with tools/s3-server.sh start DIR)"
+    if os.environ.get("CKPTFS_REQUIRE_S3"):
+        raise AssertionError(why)
+    raise unittest.SkipTest(why)
+
+
+class Host:
+    """One simulated host."""
+
+    def __init__(self, tmp, name, namespace=True):
+        self.name = name
+        self.proc = None
+        if NAMESPACES and namespace:
+            os.makedirs(HOST_STATE, exist_ok=True)
+            self.proc = subprocess.Popen(
+                ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                 f"mount -t tmpfs -o size=1g tmpfs {HOST_STATE} && echo ready && exec sleep 100000"],
+                stdout=subprocess.PIPE)
+            if self.proc.stdout.readline().strip() != b"ready":
+                raise AssertionError(f"host {name}: could not set up its namespace")
+            self.cache = HOST_STATE + "/cache"
+            self.prefix = ["nsenter", "-t", str(self.proc.pid), "-m", "--"]
+        else:
+            self.cache = os.path.join(tmp, "host-" + name)
+            self.prefix = []
+
+    def command(self, *args):
+        return [*self.prefix, CKPT, *args]
+
+    def env(self, extra=None):
+        e = dict(os.environ)
+        e.pop("CKPT_REPO", None)
+        e.pop("CKPTFS_TEST_CRASH_AT", None)
+        e["CKPT_CACHE_DIR"] = self.cache
+        e.update(extra or {})
+        return e
+
+    def run(self, *args, ok=True, env=None, timeout=300):
+        p = subprocess.run(self.command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env=self.env(env), timeout=timeout)
+        if ok and p.returncode != 0:
+            raise AssertionError(f"host {self.name}: ckpt {' '.join(args)} failed ({p.returncode}): "
+                                 f"{p.stderr.decode(errors='replace')}")
+        return p
+
+    def start(self, *args, env=None):
+        return subprocess.Popen(self.command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=self.env(env))
+
+    def names(self, repo, pending=False):
+        out = self.run("-r", repo, "ls", "--json", *(["--all"] if pending else [])).stdout
+        return [c["name"] for c in json.loads(out)]
+
+    def digest(self, repo, ckpt, tensor):
+        return hashlib.sha256(self.run("-r", repo, "cat", ckpt, tensor).stdout).hexdigest()
+
+    def wipe(self):
+        """Deletes the host's local state."""
+        subprocess.run([*self.prefix, "rm", "-rf", self.cache], check=True)
+
+    def close(self):
+        if self.proc:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc.stdout.close()
+
+
+def sha(a):
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+class S3Case(unittest.TestCase):
+    """A fresh repository (its own prefix) and fresh hosts per test."""
+
+    def setUp(self):
+        require_s3()
+        self.tmp = tempfile.mkdtemp(prefix="ckptfs-s3-")
+        self.repo = f"s3://{BUCKET}/{self.id().split('.')[-1]}-{uuid.uuid4().hex[:8]}"
+        self.hosts = []
+        self.rng = np.random.default_rng(3)
+
+    def tearDown(self):
+        for h in self.hosts:
+            h.close()
+        mnt = os.path.join(self.tmp, "mnt")
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-u", mnt])
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def host(self, name):
+        h = Host(self.tmp, name)
+        self.hosts.append(h)
+        return h
+
+    def path(self, name):
+        return os.path.join(self.tmp, name)
+
+    def sharded_files(self, tensors, world):
+        """tensors: {name: (dtype, array)}, split by rows into `world` box
+        shards; returns one safetensors file per rank."""
+        files = []
+        for r in range(world):
+            entries, shards = [], {}
+            for name, (dt, a) in tensors.items():
+                rows = np.array_split(np.arange(a.shape[0]), world)[r]
+                part = a[rows[0]:rows[-1] + 1]
+                entries.append((name, dt, part))
+                shards[name] = {"global_shape": list(a.shape), "offsets": [int(rows[0])] + [0] * (a.ndim - 1)}
+            p = self.path(f"rank{r}.safetensors")
+            st.write(p, entries, {"ckptfs.shards": json.dumps(shards)})
+            files.append(p)
+        return files
+
+
+class MultiHost(S3Case):
+    def model(self):
+        return {
+            "layers.0.w": ("F32", self.rng.standard_normal((96, 700)).astype(np.float32)),
+            "layers.0.b": ("BF16", st.random_array(self.rng, "BF16", (40, 33))),
+            "embed": ("F16", self.rng.standard_normal((64, 64)).astype(np.float16)),
+        }
+
+    def test_four_ranks_on_three_hosts_commit_once_and_read_back_on_a_fourth(self):
+        a, b, c, d = (self.host(n) for n in "abcd")
+        a.run("-r", self.repo, "init", "--chunk-size", "64K", "--pack-size", "1M")
+        model = self.model()
+        files = self.sharded_files(model, 4)
+        placement = [a, a, b, c]  # ranks 0 and 1 share host a
+        procs = [placement[r].start("-r", self.repo, "import", "--rank", str(r), "--world-size", "4",
+                                    "--step", "100", "--json", "step-100", files[r]) for r in range(4)]
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            self.assertEqual(p.returncode, 0, err.decode())
+            outs.append(json.loads(out))
+        self.assertGreaterEqual(sum(o["visible"] for o in outs), 1, outs)
+        for h in (a, b, c, d):
+            self.assertEqual(h.names(self.repo), ["step-100"], h.name)
+        listing = json.loads(d.run("-r", self.repo, "ls", "--json").stdout)[0]
+        self.assertEqual((listing["step"], listing["world_size"]), (100, 4))
+        for name, (_, arr) in model.items():
+            self.assertEqual(d.digest(self.repo, "step-100", name), sha(arr), name)
+        d.run("-r", self.repo, "verify")
+        # exported whole by the fourth host: one file, not four
+        out = self.path("export.safetensors")
+        d.run("-r", self.repo, "export", "step-100", out)
+        back, _ = st.read(out)
+        for name, (dt, arr) in model.items():
+            self.assertEqual(back[name][0], dt)
+            self.assertEqual(sha(back[name][1]), sha(arr), name)
+        self.assertEqual(d.names(self.repo, pending=True), ["step-100"])
+
+    def test_a_partial_checkpoint_is_invisible_on_every_host(self):
+        a, b, c = (self.host(n) for n in "abc")
+        a.run("-r", self.repo, "init", "--chunk-size", "64K")
+        model = self.model()
+        files = self.sharded_files(model, 3)
+        a.run("-r", self.repo, "import", "--rank", "0", "--world-size", "3", "s", files[0])
+        b.run("-r", self.repo, "import", "--rank", "2", "--world-size", "3", "s", files[2])
+        for h in (a, b, c):
+            self.assertEqual(h.names(self.repo), [], h.name)
+            self.assertIn("'s'", h.run("-r", self.repo, "show", "s", ok=False).stderr.decode())
+            self.assertNotEqual(h.run("-r", self.repo, "cat", "s", "embed", ok=False).returncode, 0)
+        # pending on every host, with the ranks that are in
+        pending = json.loads(c.run("-r", self.repo, "ls", "--all", "--json").stdout)
+        self.assertEqual([(p["name"], p["state"]) for p in pending], [("s", "pending")])
+        # a disagreeing world size is refused before anything is written
+        err = c.run("-r", self.repo, "import", "--rank", "1", "--world-size", "4", "s", files[1], ok=False).stderr
+        self.assertIn("world size", err.decode())
+        c.run("-r", self.repo, "import", "--rank", "1", "--world-size", "3", "s", files[1])
+        for h in (a, b, c):
+            self.assertEqual(h.names(self.repo), ["s"], h.name)
+
+    def test_a_failed_tiling_check_names_the_tensor_and_stays_invisible(self):
+        a, b = self.host("a"), self.host("b")
+        a.run("-r", self.repo, "init", "--chunk-size", "64K")
+        w = self.rng.standard_normal((8, 16)).astype(np.float32)
+        for r, rows in enumerate([(0, 5), (4, 8)]):  # rows 4 overlap with different bytes
+            part = w[rows[0]:rows[1]].copy()
+            if r == 1:
+                part[0] += 1
+            p = self.path(f"bad{r}.safetensors")
+            st.write(p, [("w", "F32", part)],
+                     {"ckptfs.shards": json.dumps({"w": {"global_shape": [8, 16], "offsets": [rows[0], 0]}})})
+            h = (a, b)[r]
+            proc = h.run("-r", self.repo, "import", "--rank", str(r), "--world-size", "2", "bad", p, ok=(r == 0))
+        self.assertEqual(proc.returncode, 1)
+        self.assertIn("'w'", proc.stderr.decode())
+        for h in (a, b, self.host("c")):
+            self.assertEqual(h.names(self.repo), [])
+        # rm clears the failed attempt everywhere
+        a.run("-r", self.repo, "rm", "bad")
+        self.assertEqual(b.names(self.repo, pending=True), [])
+
+    @unittest.skipUnless(HAVE_FUSE, "no /dev/fuse or fusermount3: FUSE tests need them")
+    def test_a_mount_shows_what_other_hosts_commit_within_its_poll_interval(self):
+        a = self.host("a")
+        reader = Host(self.tmp, "mounting", namespace=False)  # its mount must be visible here
+        a.run("-r", self.repo, "init", "--chunk-size", "64K")
+        model = self.model()
+        files = self.sharded_files(model, 2)
+        for r in range(2):
+            a.run("-r", self.repo, "import", "--rank", str(r), "--world-size", "2", "one", files[r])
+        mnt = self.path("mnt")
+        os.makedirs(mnt)
+        reader.run("-r", self.repo, "mount", "--poll", "1", mnt)
+        try:
+            with open(os.path.join(mnt, "one", "layers.0.w.npy"), "rb") as f:
+                arr = np.load(f)
+            self.assertEqual(sha(arr), sha(model["layers.0.w"][1]))
+            self.assertEqual(sorted(os.listdir(mnt)), ["latest", "one"])
+            st.write(self.path("two.safetensors"), [("x", "F32", np.arange(10, dtype=np.float32))])
+            a.run("-r", self.repo, "import", "two", self.path("two.safetensors"))
+            deadline = time.monotonic() + 10
+            while "two" not in os.listdir(mnt) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            self.assertIn("two", os.listdir(mnt))
+            with open(os.path.join(mnt, "two", "x.npy"), "rb") as f:
+                self.assertEqual(np.load(f).tolist(), list(range(10)))
+            a.run("-r", self.repo, "rm", "one")
+            deadline = time.monotonic() + 10
+            while "one" in os.listdir(mnt) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            self.assertNotIn("one", os.listdir(mnt))
+        finally:
+            subprocess.run(["fusermount3", "-u", mnt])
+
+    def test_deleting_a_hosts_state_loses_nothing(self):
+        a = self.host("a")
+        a.run("-r", self.repo, "init", "--chunk-size", "64K")
+        x = self.rng.standard_normal((300, 300)).astype(np.float32)
+        st.write(self.path("x.safetensors"), [("x", "F32", x)])
+        a.run("-r", self.repo, "import", "--step", "1", "c1", self.path("x.safetensors"))
+        a.wipe()
+        fresh = Host(self.tmp, "fresh")
+        self.hosts.append(fresh)
+        self.assertEqual(fresh.names(self.repo), ["c1"])
+        self.assertEqual(fresh.digest(self.repo, "c1", "x"), sha(x))
+        rebuilt = json.loads(a.run("-r", self.repo, "reindex", "--json").stdout)
+        self.assertEqual(rebuilt["checkpoints"], 1)
+        self.assertEqual(a.digest(self.repo, "c1", "x"), sha(x))
+        # du, diff and verify work on S3 repositories
+        a.run("-r", self.repo, "import", "--step", "2", "c2", self.path("x.safetensors"))
+        du = json.loads(fresh.run("-r", self.repo, "du", "--json").stdout)
+        self.assertGreater(du["total"]["dedup_ratio"], 1.9)
+        diff = json.loads(fresh.run("-r", self.repo, "diff", "--json", "c1", "c2").stdout)
+        self.assertTrue(diff and not any(t["changed"] for t in diff), diff)
+        fresh.run("-r", self.repo, "verify")
+
+
+class Errors(S3Case):
+    def one_line(self, proc):
+        self.assertEqual(proc.returncode, 1, proc.stderr.decode())
+        err = proc.stderr.decode().strip()
+        self.assertEqual(len(err.splitlines()), 1, err)
+        return err
+
+    def test_bad_credentials_a_missing_bucket_and_an_unreachable_endpoint_each_give_one_line(self):
+        h = self.host("a")
+        h.run("-r", self.repo, "init")
+        err = self.one_line(h.run("-r", self.repo, "ls", ok=False, env={"AWS_SECRET_ACCESS_KEY": "wrong"}))
+        self.assertIn("credentials", err)
+        err = self.one_line(h.run("-r", "s3://ckptfs-no-such-bucket/x", "ls", ok=False))
+        self.assertIn("does not exist", err)
+        err = self.one_line(h.run("-r", self.repo, "ls", ok=False,
+                                  env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}))
+        self.assertIn("127.0.0.1:9", err)
+        err = self.one_line(h.run("-r", f"s3://{BUCKET}/nothing-here-{uuid.uuid4().hex[:6]}", "ls", ok=False))
+        self.assertIn("no ckptfs repository", err)
+        err = self.one_line(h.run("-r", self.repo, "init", ok=False))
+        self.assertIn("already holds", err)
+
+
+if __name__ == "__main__":
+    unittest.main()
