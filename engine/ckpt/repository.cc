@@ -289,10 +289,15 @@ struct RemoteStore {
   std::unique_ptr<Backend> root;
 };
 
-Result<RemoteStore> ConnectRemote(const std::string& url, bool create_bucket = false) {
+Result<RemoteStore> ConnectRemote(const std::string& url, const std::optional<S3Options>& options,
+                                  bool create_bucket = false) {
   RemoteStore r;
   CKPT_ASSIGN_OR_RETURN(r.location, ParseS3Url(url));
-  CKPT_ASSIGN_OR_RETURN(r.options, S3Options::FromEnvironment());
+  if (options) {
+    r.options = *options;
+  } else {
+    CKPT_ASSIGN_OR_RETURN(r.options, S3Options::FromEnvironment());
+  }
   if (create_bucket) CKPT_RETURN_IF_ERROR(CreateS3Bucket(r.location, r.options));
   CKPT_ASSIGN_OR_RETURN(r.root, OpenS3Backend(r.location, r.options));
   return r;
@@ -305,7 +310,7 @@ Result<std::unique_ptr<Backend>> OpenRemoteObjects(const RemoteStore& r) {
 }
 
 Status InitRemote(const std::string& url, const RepositoryConfig& config) {
-  CKPT_ASSIGN_OR_RETURN(RemoteStore r, ConnectRemote(url, /*create_bucket=*/true));
+  CKPT_ASSIGN_OR_RETURN(RemoteStore r, ConnectRemote(url, std::nullopt, /*create_bucket=*/true));
   auto existing = r.root->Size(kConfigFile);
   if (existing.ok()) return Status::AlreadyExists("'" + url + "' already holds a ckptfs repository");
   if (!existing.status().IsNotFound()) return existing.status();
@@ -377,7 +382,7 @@ Status InitCatalogMeta(LmdbEnv& env) {
 // Reads an S3 repository's config; fills impl's config, remote flag and
 // state directory.
 Result<RemoteStore> LocateRemote(const std::string& url, const OpenOptions& options, RepositoryImpl& impl) {
-  CKPT_ASSIGN_OR_RETURN(RemoteStore r, ConnectRemote(url));
+  CKPT_ASSIGN_OR_RETURN(RemoteStore r, ConnectRemote(url, options.s3));
   auto text = r.root->ReadAll(kConfigFile);
   if (!text.ok()) {
     if (text.status().IsNotFound() && text.status().message().rfind("bucket", 0) != 0) {

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/s3_backend.h"
 #include "codec/codec.h"
 #include "core/buffer_pool.h"
 #include "core/region.h"
@@ -57,6 +58,9 @@ struct OpenOptions {
   // Repositories on S3: how long a save or gc waits for a conflicting lock
   // (a gc on another host, or saves) before it fails naming the holder.
   std::chrono::milliseconds lock_wait = std::chrono::minutes(10);
+  // Repositories on S3: endpoint, credentials and retry settings; unset,
+  // S3Options::FromEnvironment().
+  std::optional<S3Options> s3;
 };
 
 // Bytes a source lends to the writer: valid and unchanged while `keep` is

@@ -777,11 +777,16 @@ Status WriterImpl::CommitToStore(const std::vector<SealedPack>& sealed, CommitRe
   CKPT_RETURN_IF_ERROR(store_lock_->Check());
   CKPT_RETURN_IF_ERROR(WriteManifest(manifest));
   result->checkpoint_visible = true;
+  // The checkpoint is committed: what follows is tidying, and its failure
+  // (the store going away now) does not undo the commit. Rank objects left
+  // behind are ignored by sync and removed by rm; the next sync brings the
+  // checkpoint into this host's catalog.
   for (uint32_t r = 0; r < options_.world_size; ++r) {
     Status st = store.Delete(keys::PendingRankObject(name_, r));
-    if (!st.ok() && !st.IsNotFound()) break;  // left for rm; sync ignores them
+    if (!st.ok() && !st.IsNotFound()) break;
   }
-  return repo_->Sync().status();
+  (void)repo_->Sync();
+  return Status::OK();
 }
 
 // ---- public wrappers -------------------------------------------------------------

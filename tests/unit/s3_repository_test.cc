@@ -1,0 +1,162 @@
+// Repositories on S3 through the engine's API: "hosts" are Repository
+// objects with cache directories of their own, in one process, sharing only
+// the S3 server (and, for the fault tests, a proxy in front of it that
+// breaks requests mid-save). Needs the S3 server the AWS_* variables name.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "ckpt/repository.h"
+#include "core/random.h"
+#include "fault_proxy.h"
+#include "test_util.h"
+
+namespace ckptfs {
+namespace {
+
+using testing::RandomBytes;
+using testing::TempDir;
+using Fault = testing::FaultProxy::Fault;
+
+class S3Repository : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto o = S3Options::FromEnvironment();
+    if (!o.ok() && std::getenv("CKPTFS_REQUIRE_S3")) FAIL() << "no S3 server: " << o.status().message();
+    if (!o.ok()) GTEST_SKIP() << "no S3 server (" << o.status().message() << "); tools/s3-server.sh starts one";
+    s3_ = *o;
+    url_ = "s3://ckptfs-test/repo-" + RandomHex(10);
+    RepositoryConfig config;
+    config.chunk_size = 64 << 10;
+    config.pack_size = 256 << 10;
+    ASSERT_OK(Repository::Init(url_, config));
+  }
+
+  // A host: its own cache directory; `endpoint_port` routes through a proxy.
+  std::unique_ptr<Repository> Host(const std::string& name, int endpoint_port = 0) {
+    OpenOptions o;
+    o.cache_dir = dir_.path() + "/" + name;
+    o.threads = 2;
+    o.s3 = s3_;
+    if (endpoint_port) {
+      o.s3->endpoint = "http://127.0.0.1:" + std::to_string(endpoint_port);
+      o.s3->reuse_connections = false;  // the proxy's plan is per connection
+      o.s3->max_retries = 3;
+    }
+    auto r = Repository::Open(url_, o);
+    EXPECT_OK(r);
+    return r.ok() ? std::move(r).value() : nullptr;
+  }
+
+  int UpstreamPort() const { return std::atoi(s3_.endpoint.substr(s3_.endpoint.rfind(':') + 1).c_str()); }
+
+  // Rank r of `world` saves rows [r*rows/world, (r+1)*rows/world) of `w`.
+  Status SaveRows(Repository& repo, const std::string& name, uint32_t r, uint32_t world,
+                  const std::vector<std::byte>& w, uint64_t rows, uint64_t cols) {
+    CKPT_ASSIGN_OR_RETURN(auto writer, repo.BeginCheckpoint(name, {.rank = r, .world_size = world}));
+    const uint64_t begin = r * rows / world, end = (r + 1) * rows / world;
+    HostSource src(std::span<const std::byte>(w).subspan(begin * cols * 4, (end - begin) * cols * 4));
+    Box box{{begin, 0}, {end - begin, cols}};
+    CKPT_RETURN_IF_ERROR(writer->PutShard({"w", DType::kF32, {rows, cols}}, Region::OfBox(box), src));
+    return writer->Commit().Wait().status();
+  }
+
+  TempDir dir_;
+  S3Options s3_;
+  std::string url_;
+};
+
+TEST_F(S3Repository, RanksOnThreeHostsAreReadAtAnotherShardingOnAFourth) {
+  const uint64_t rows = 96, cols = 1000;
+  auto w = RandomBytes(rows * cols * 4, 7);
+  auto a = Host("a"), b = Host("b"), c = Host("c");
+  ASSERT_TRUE(a && b && c);
+  ASSERT_OK(SaveRows(*a, "s", 0, 3, w, rows, cols));
+  ASSERT_OK(SaveRows(*b, "s", 1, 3, w, rows, cols));
+  EXPECT_TRUE(a->ListCheckpoints().value().empty());
+  ASSERT_OK(SaveRows(*c, "s", 2, 3, w, rows, cols));
+  auto d = Host("d");
+  auto reader = d->OpenCheckpoint("s");
+  ASSERT_OK(reader);
+  auto t = (*reader)->GetTensor("w");
+  ASSERT_OK(t);
+  // columns split in two: another sharding than the rows the ranks saved
+  for (uint64_t half = 0; half < 2; ++half) {
+    std::vector<std::byte> out(rows * (cols / 2) * 4);
+    ASSERT_OK((*reader)->ReadBox(**t, Box{{0, half * cols / 2}, {rows, cols / 2}}, out));
+    for (uint64_t i = 0; i < rows; ++i) {
+      ASSERT_EQ(std::memcmp(out.data() + i * (cols / 2) * 4, w.data() + (i * cols + half * cols / 2) * 4, cols / 2 * 4), 0)
+          << "row " << i;
+    }
+  }
+  // the other hosts see it after a refresh
+  ASSERT_OK(a->Refresh());
+  EXPECT_EQ(a->ListCheckpoints().value().size(), 1u);
+}
+
+TEST_F(S3Repository, TransientFaultsMidSaveAreRetriedToSuccess) {
+  const uint64_t rows = 64, cols = 4096;  // 1 MiB: 16 chunks, 4 packs per rank
+  auto w = RandomBytes(rows * cols * 4, 8);
+  const Fault kinds[] = {Fault::kServiceUnavailable, Fault::kResetBeforeAnswer, Fault::kCutAnswer};
+  testing::FaultProxy proxy(UpstreamPort(), [&](int n) { return n % 3 == 2 ? kinds[(n / 3) % 3] : Fault::kNone; });
+  {
+    auto flaky = Host("flaky", proxy.port());
+    ASSERT_TRUE(flaky);
+    ASSERT_OK(SaveRows(*flaky, "s", 0, 2, w, rows, cols));
+    ASSERT_OK(SaveRows(*flaky, "s", 1, 2, w, rows, cols));
+  }
+  auto clean = Host("clean");
+  auto reader = clean->OpenCheckpoint("s");
+  ASSERT_OK(reader);
+  std::vector<std::byte> out(w.size());
+  ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, out));
+  EXPECT_EQ(out, w);
+  auto report = clean->Verify(std::nullopt);
+  ASSERT_OK(report);
+  EXPECT_TRUE(report->ok());
+}
+
+TEST_F(S3Repository, ASaveWhoseRequestsKeepFailingFailsCleanlyAndStaysInvisible) {
+  const uint64_t rows = 64, cols = 4096;
+  auto w = RandomBytes(rows * cols * 4, 9);
+  // The store goes away after `healthy` connections, at different points
+  // of the save: before, during and after the packs, and at the records.
+  for (int healthy : {0, 2, 4, 6, 8, 10, 14}) {
+    SCOPED_TRACE("store fails from connection " + std::to_string(healthy));
+    const std::string name = "s" + std::to_string(healthy);
+    // Counted from the first connection after the flaky host opened.
+    std::atomic<int> seen{0}, fail_from{1 << 30};
+    testing::FaultProxy proxy(UpstreamPort(), [&](int n) {
+      seen = n + 1;
+      return n < fail_from ? Fault::kNone : Fault::kServiceUnavailable;
+    });
+    auto good = Host("good-" + name);
+    ASSERT_OK(SaveRows(*good, name, 0, 2, w, rows, cols));
+    Status st;
+    {
+      auto flaky = Host("flaky-" + name, proxy.port());
+      ASSERT_TRUE(flaky);
+      fail_from = seen + healthy;
+      st = SaveRows(*flaky, name, 1, 2, w, rows, cols);
+    }
+    auto fresh = Host("fresh-" + name);
+    auto list = fresh->ListCheckpoints();
+    ASSERT_OK(list);
+    const bool visible = std::any_of(list->begin(), list->end(), [&](const auto& c) { return c.name == name; });
+    if (st.ok()) {
+      EXPECT_TRUE(visible);
+    } else {
+      EXPECT_FALSE(visible) << st.message();
+      EXPECT_NE(st.message().find("127.0.0.1"), std::string::npos) << st.message();
+    }
+    auto report = fresh->Verify(std::nullopt);
+    ASSERT_OK(report);
+    EXPECT_TRUE(report->ok());
+  }
+}
+
+}  // namespace
+}  // namespace ckptfs
