@@ -106,7 +106,7 @@ mon data = $dir/mon/\$name
 osd data = $dir/osd/\$name
 mon warn on pool no redundancy = false
 [client.rgw.a]
-rgw frontends = beast endpoint=127.0.0.1:$port
+rgw frontends = beast endpoint=127.0.0.1:$port tcp_nodelay=1
 rgw data = $dir/rgw
 rgw dns name = 127.0.0.1
 EOF

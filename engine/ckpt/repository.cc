@@ -409,8 +409,8 @@ Status OpenRemote(const std::string& url, const OpenOptions& options, Repository
   if (const char* env = std::getenv("CKPT_LOCK_STALE_SECONDS"); env && *env) {
     char* end = nullptr;
     const double seconds = std::strtod(env, &end);
-    if (*end != '\0' || !(seconds >= 1)) {
-      return Status::InvalidArgument("CKPT_LOCK_STALE_SECONDS must be a number of seconds, at least 1 (not '" +
+    if (*end != '\0' || !(seconds >= 0.1)) {
+      return Status::InvalidArgument("CKPT_LOCK_STALE_SECONDS must be a number of seconds, at least 0.1 (not '" +
                                      std::string(env) + "')");
     }
     impl.lock_options.stale_after = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
