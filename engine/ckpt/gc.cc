@@ -252,12 +252,11 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
     CKPT_ASSIGN_OR_RETURN(RepoLock l, RepoLock::Acquire(impl_->state_dir, RepoLock::Mode::kExclusive, RepoLock::Name::kGcRun));
     run_lock.emplace(std::move(l));
     if (impl_->remote) {
-      ObjectLockOptions lock_options = impl_->lock_options;
-      CKPT_RETURN_IF_ERROR(RemoveStaleObjectLocks(*backend, lock_options).status());
+      CKPT_RETURN_IF_ERROR(RemoveStaleObjectLocks(*backend, impl_->lock_options).status());
       CKPT_ASSIGN_OR_RETURN(store_lock, impl_->LockStore(ObjectLock::Mode::kExclusive));
     }
   }
-  CKPT_RETURN_IF_ERROR(impl_->Sync().status());
+  CKPT_RETURN_IF_ERROR(impl_->Sync(RepositoryImpl::SyncScope::kReferences).status());
 
   // 1. Without the gc lock (saves go on): find the mostly-dead packs and copy
   //    their live chunks into new packs, durably. A dry run stops after the

@@ -219,21 +219,12 @@ Result<ReindexReport> Repository::Reindex(const std::string& path, const Progres
     std::string id;
     if (!ParsePackKey(key, &id)) continue;
     auto pack = ReadPackIndex(backend.get(), id);
-    if (!progress) {
-    } else {
-      progress(++done, total);
-    }
+    if (progress) progress(++done, total);
     if (!pack.ok()) {
       report.problems.push_back("skipped pack " + id + ": " + pack.status().message());
       continue;
     }
-    CKPT_RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
-      for (const auto& e : pack->entries) {
-        CKPT_ASSIGN_OR_RETURN(auto existing, txn.Get(Table::kChunks, keys::Chunk(e.id)));
-        if (!existing) CKPT_RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(e.id), EncodeChunkLocation(e.location)));
-      }
-      return txn.Put(Table::kPacks, id, EncodePackInfo({pack->size, pack->entries.size()}));
-    }));
+    CKPT_RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) { return RecordPack(txn, *pack).status(); }));
     ++report.packs;
     report.chunks += pack->entries.size();
   }
@@ -255,12 +246,7 @@ Result<ReindexReport> Repository::Reindex(const std::string& path, const Progres
       report.problems.push_back("skipped manifest " + key + ": it names checkpoint '" + m->checkpoint.name + "'");
       continue;
     }
-    CKPT_RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
-      CKPT_RETURN_IF_ERROR(txn.Put(Table::kCheckpoints, keys::Checkpoint(name), EncodeCheckpoint(m->checkpoint)));
-      for (const auto& t : m->tensors) CKPT_RETURN_IF_ERROR(txn.Put(Table::kTensors, keys::Member(name, t.name), EncodeTensor(t)));
-      for (const auto& b : m->blobs) CKPT_RETURN_IF_ERROR(txn.Put(Table::kBlobs, keys::Member(name, b.name), EncodeBlob(b)));
-      return Status::OK();
-    }));
+    CKPT_RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) { return RecordManifest(txn, *m); }));
     max_seq = std::max(max_seq, m->checkpoint.sequence);
     ++report.checkpoints;
   }

@@ -184,6 +184,26 @@ Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path) {
   return ParseRepositoryConfig(ss.str(), path, file, nullptr);
 }
 
+Result<uint64_t> RecordPack(WriteTxn& txn, const SealedPack& pack) {
+  uint64_t added = 0;
+  for (const auto& e : pack.entries) {
+    CKPT_ASSIGN_OR_RETURN(auto existing, txn.Get(Table::kChunks, keys::Chunk(e.id)));
+    if (existing) continue;
+    CKPT_RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(e.id), EncodeChunkLocation(e.location)));
+    ++added;
+  }
+  CKPT_RETURN_IF_ERROR(txn.Put(Table::kPacks, pack.id, EncodePackInfo({pack.size, pack.entries.size()})));
+  return added;
+}
+
+Status RecordManifest(WriteTxn& txn, const Manifest& m) {
+  const std::string& name = m.checkpoint.name;
+  CKPT_RETURN_IF_ERROR(txn.Put(Table::kCheckpoints, keys::Checkpoint(name), EncodeCheckpoint(m.checkpoint)));
+  for (const auto& t : m.tensors) CKPT_RETURN_IF_ERROR(txn.Put(Table::kTensors, keys::Member(name, t.name), EncodeTensor(t)));
+  for (const auto& b : m.blobs) CKPT_RETURN_IF_ERROR(txn.Put(Table::kBlobs, keys::Member(name, b.name), EncodeBlob(b)));
+  return Status::OK();
+}
+
 // ---- RepositoryImpl ----------------------------------------------------------
 
 RepositoryImpl::~RepositoryImpl() { pool.reset(); }
@@ -270,13 +290,11 @@ BufferPoolStats Repository::buffer_stats() const { return impl_->buffers->stats(
 
 bool Repository::remote() const { return impl_->remote; }
 
-Status Repository::Refresh() { return impl_->Sync().status(); }
+Status Repository::Refresh() { return impl_->Sync(RepositoryImpl::SyncScope::kCheckpoints).status(); }
 
 Result<std::unique_ptr<ObjectLock>> RepositoryImpl::LockStore(ObjectLock::Mode mode) {
   if (!remote) return std::unique_ptr<ObjectLock>();
-  ObjectLockOptions o = lock_options;
-  o.wait = lock_wait;
-  return ObjectLock::Acquire(*backend, mode, o);
+  return ObjectLock::Acquire(*backend, mode, lock_options);
 }
 
 namespace {
@@ -379,11 +397,18 @@ Status InitCatalogMeta(LmdbEnv& env) {
   });
 }
 
-// Reads an S3 repository's config; fills impl's config, remote flag and
-// state directory.
-Result<RemoteStore> LocateRemote(const std::string& url, const OpenOptions& options, RepositoryImpl& impl) {
-  CKPT_ASSIGN_OR_RETURN(RemoteStore r, ConnectRemote(url, options.s3));
-  auto text = r.root->ReadAll(kConfigFile);
+// An S3 repository located: its store, its config, and the directory
+// where this host keeps its state (claimed for it).
+struct RemoteRepository {
+  RemoteStore store;
+  RepositoryConfig config;
+  std::string state_dir;
+};
+
+Result<RemoteRepository> LocateRemote(const std::string& url, const OpenOptions& options) {
+  RemoteRepository r;
+  CKPT_ASSIGN_OR_RETURN(r.store, ConnectRemote(url, options.s3));
+  auto text = r.store.root->ReadAll(kConfigFile);
   if (!text.ok()) {
     if (text.status().IsNotFound() && text.status().message().rfind("bucket", 0) != 0) {
       return Status::NotFound("no ckptfs repository at '" + url + "' (it has no " + kConfigFile +
@@ -392,18 +417,20 @@ Result<RemoteStore> LocateRemote(const std::string& url, const OpenOptions& opti
     return text.status();
   }
   std::string id;
-  CKPT_ASSIGN_OR_RETURN(impl.config, ParseRepositoryConfig(*text, url, url + "/" + kConfigFile, &id));
-  impl.remote = true;
-  impl.state_dir = CacheDirFor(options, id);
-  CKPT_RETURN_IF_ERROR(ClaimCacheDir(impl.state_dir, url, id));
+  CKPT_ASSIGN_OR_RETURN(r.config, ParseRepositoryConfig(*text, url, url + "/" + kConfigFile, &id));
+  r.state_dir = CacheDirFor(options, id);
+  CKPT_RETURN_IF_ERROR(ClaimCacheDir(r.state_dir, url, id));
   return r;
 }
 
 Status OpenRemote(const std::string& url, const OpenOptions& options, RepositoryImpl& impl) {
-  CKPT_ASSIGN_OR_RETURN(RemoteStore r, LocateRemote(url, options, impl));
-  CKPT_ASSIGN_OR_RETURN(impl.backend, OpenRemoteObjects(r));
+  CKPT_ASSIGN_OR_RETURN(RemoteRepository r, LocateRemote(url, options));
+  impl.remote = true;
+  impl.config = r.config;
+  impl.state_dir = r.state_dir;
+  CKPT_ASSIGN_OR_RETURN(impl.backend, OpenRemoteObjects(r.store));
   CKPT_ASSIGN_OR_RETURN(impl.catalog, OpenCatalog(impl.state_dir + "/" + kCatalogDir, true));
-  impl.lock_wait = options.lock_wait;
+  impl.lock_options.wait = options.lock_wait;
   // How long a lock object goes unrefreshed before others take its holder
   // for crashed: 30 minutes, or CKPT_LOCK_STALE_SECONDS (tests shorten it).
   if (const char* env = std::getenv("CKPT_LOCK_STALE_SECONDS"); env && *env) {
@@ -424,11 +451,11 @@ Status OpenRemote(const std::string& url, const OpenOptions& options, Repository
 
 Result<ReindexReport> ReindexRemote(const std::string& url, const OpenOptions& options) {
   {
-    RepositoryImpl probe;
-    CKPT_RETURN_IF_ERROR(LocateRemote(url, options, probe).status());
+    CKPT_ASSIGN_OR_RETURN(RemoteRepository located, LocateRemote(url, options));
+    const std::string catalog = located.state_dir + "/" + kCatalogDir;
     std::error_code ec;
-    std::filesystem::remove_all(probe.state_dir + "/" + kCatalogDir, ec);
-    if (ec) return Status::IOError("removing " + probe.state_dir + "/" + kCatalogDir + ": " + ec.message());
+    std::filesystem::remove_all(catalog, ec);
+    if (ec) return Status::IOError("removing " + catalog + ": " + ec.message());
   }
   CKPT_ASSIGN_OR_RETURN(auto repo, Repository::Open(url, options));
   ReindexReport report;

@@ -17,6 +17,7 @@
 #include "meta/catalog_schema.h"
 #include "meta/lmdb_env.h"
 #include "store/chunk_cache.h"
+#include "store/pack.h"
 
 namespace ckptfs {
 
@@ -34,6 +35,9 @@ std::string PendingRankObject(const std::string& checkpoint, uint32_t rank);
 bool ParsePendingRankObject(const std::string& key, std::string* checkpoint, uint32_t* rank);
 }  // namespace keys
 
+// Objects of an object store are fetched with this many requests in flight.
+inline constexpr size_t kStoreRequestsInFlight = 16;
+
 // What one sync of an object-store repository's catalog brought in.
 struct SyncReport {
   uint64_t packs_added = 0, packs_removed = 0;
@@ -42,7 +46,7 @@ struct SyncReport {
   uint64_t pending_ranks_added = 0, pending_ranks_removed = 0;
   uint64_t objects_read = 0;            // GETs besides the LISTs
   std::vector<std::string> problems;    // objects skipped, and why
-}; 
+};
 
 class RepositoryImpl {
  public:
@@ -59,8 +63,7 @@ class RepositoryImpl {
   // Where the catalog and the local lock files live: the repository
   // directory, or the host's cache directory for a remote repository.
   std::string state_dir;
-  ObjectLockOptions lock_options;  // remote only
-  std::chrono::milliseconds lock_wait{0};
+  ObjectLockOptions lock_options;  // remote only; `wait` is OpenOptions::lock_wait
   SyncReport last_sync;  // guarded by the sync mutex
   std::unique_ptr<Backend> backend;
   std::unique_ptr<LmdbEnv> catalog;
@@ -77,12 +80,23 @@ class RepositoryImpl {
   ChunkFetcher* fetcher() { return fetcher_.get(); }
   void InitFetcher();
 
-  // Remote only: brings the catalog up to date with the store (new and
-  // removed packs, manifests and pending ranks). Only objects new since the
-  // last sync are read; three LISTs otherwise. No-op for a local repository.
-  Result<SyncReport> Sync();
-  // Remote only: a lock object in the store (object_lock.h), taken with
-  // `lock_wait`; null for a local repository.
+  // What a sync brings into the catalog.
+  enum class SyncScope {
+    // Packs, committed checkpoints, and pending checkpoints with the ranks
+    // that are in (named by their objects; one rank object is read per
+    // pending checkpoint the catalog does not know yet).
+    kCheckpoints,
+    // That, and the records of every pending rank: references gc must keep.
+    kReferences,
+    // Packs only (a committer about to merge the ranks' shards).
+    kPacks,
+  };
+  // Remote only: brings the catalog up to date with the store. Only objects
+  // new since the last sync are read; LISTs otherwise. No-op for a local
+  // repository.
+  Result<SyncReport> Sync(SyncScope scope = SyncScope::kCheckpoints);
+  // Remote only: a lock object in the store (object_lock.h), waiting as
+  // lock_options says; null for a local repository.
   Result<std::unique_ptr<ObjectLock>> LockStore(ObjectLock::Mode mode);
 
   // Encoded chunks waiting for any pack writer of this process: the
@@ -112,6 +126,12 @@ class DirectFetcher : public ChunkFetcher {
 };
 
 Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path);
+// Records a sealed pack in the catalog: its PackInfo, and the location of
+// each of its chunks that has none yet (a chunk stored in another pack too
+// keeps the entry it has). Returns how many chunk entries it added.
+Result<uint64_t> RecordPack(WriteTxn& txn, const SealedPack& pack);
+// Records a committed checkpoint from its manifest: record, tensors, blobs.
+Status RecordManifest(WriteTxn& txn, const Manifest& manifest);
 // Removes every catalog record of checkpoint `name` (committed or pending:
 // its record, tensors, blobs and pending ranks).
 Status DeleteCheckpointRecords(WriteTxn& txn, const std::string& name);
@@ -119,13 +139,13 @@ Status DeleteCheckpointRecords(WriteTxn& txn, const std::string& name);
 // holds it: the checkpoint as this rank saw it (pending, world size, step,
 // tags; committed_ranks is just this rank) and the rank's records. Encoded
 // like a manifest (docs/FORMAT.md).
-struct PendingRankObject {
+struct PendingRank {
   CheckpointRecord header;
   RankRecord record;
 };
 std::string EncodePendingRank(const CheckpointRecord& header, const RankRecord& record);
 // NotFound when the object is missing; Corruption naming the key.
-Result<PendingRankObject> ReadPendingRank(Backend& backend, const std::string& name, uint32_t rank);
+Result<PendingRank> ReadPendingRank(Backend& backend, const std::string& name, uint32_t rank);
 
 // Reindex of a repository on S3: drops this host's catalog and syncs anew.
 Result<ReindexReport> ReindexRemote(const std::string& url, const OpenOptions& options);

@@ -3,8 +3,11 @@
 //
 // The catalog mirrors three listings: packs/ (chunk locations from each
 // pack's index), manifests/ (committed checkpoints) and pending/ (the ranks
-// of checkpoints not yet visible, which gc must count as references). Each
-// sync lists all three and reads only the objects the catalog lacks.
+// of checkpoints not yet visible). Each sync reads only the objects the
+// catalog lacks. A pending rank's records are read only for gc, which must
+// count them as references (SyncScope::kReferences); other syncs read one
+// rank object per new pending checkpoint, for its world size and step, so a
+// save's requests do not grow with the number of ranks in flight.
 //
 // Order matters. What the catalog knows is read before listing, so an
 // object missing from a listing was really removed, not added by another
@@ -25,9 +28,6 @@
 namespace ckptfs {
 namespace {
 
-// Objects are fetched with this many requests in flight.
-constexpr size_t kSyncFetchThreads = 16;
-
 // The rank of a kRanks key (name \0 rank, u32 big-endian).
 uint32_t RankOfKey(std::string_view key) {
   uint32_t r = 0;
@@ -35,10 +35,13 @@ uint32_t RankOfKey(std::string_view key) {
   return r;
 }
 
+using RankSets = std::map<std::string, std::set<uint32_t>>;  // checkpoint -> ranks
+
 struct KnownState {
   std::set<std::string> packs;
   std::set<std::string> committed;
-  std::map<std::string, std::set<uint32_t>> pending;  // checkpoint -> ranks
+  RankSets pending;  // pending checkpoints and the ranks their records list
+  RankSets records;  // pending ranks whose records are in kRanks
 };
 
 Result<KnownState> ReadKnown(LmdbEnv& catalog) {
@@ -50,46 +53,50 @@ Result<KnownState> ReadKnown(LmdbEnv& catalog) {
     }));
     CKPT_RETURN_IF_ERROR(ScanDecoded<CheckpointRecord>(txn, Table::kCheckpoints, "", DecodeCheckpoint,
                                                        [&](std::string_view, CheckpointRecord&& c) {
-                                                         if (c.state == CheckpointState::kCommitted) k.committed.insert(c.name);
+                                                         if (c.state == CheckpointState::kCommitted) {
+                                                           k.committed.insert(c.name);
+                                                         } else {
+                                                           k.pending[c.name].insert(c.committed_ranks.begin(),
+                                                                                    c.committed_ranks.end());
+                                                         }
                                                          return true;
                                                        }));
     return txn.Scan(Table::kRanks, "", [&](std::string_view key, std::string_view) {
-      if (key.size() > 5) k.pending[keys::CheckpointOfKey(key)].insert(RankOfKey(key));
+      if (key.size() > 5) k.records[keys::CheckpointOfKey(key)].insert(RankOfKey(key));
       return true;
     });
   }));
   return k;
 }
 
-// A pending rank object: a manifest whose checkpoint record is pending and
-// names only its rank.
-struct PendingRank {
-  CheckpointRecord header;
-  RankRecord record;
-};
+// a - b: the elements of sorted `a` missing from sorted `b`.
+template <typename Set>
+std::vector<typename Set::value_type> Missing(const Set& a, const Set& b) {
+  std::vector<typename Set::value_type> out;
+  std::set_difference(a.begin(), a.end(), b.begin(), b.end(), std::back_inserter(out));
+  return out;
+}
 
-Result<PendingRank> DecodePendingRank(std::string_view data, const std::string& name, uint32_t rank) {
-  CKPT_ASSIGN_OR_RETURN(Manifest m, DecodeManifest(data));
-  if (m.checkpoint.name != name || m.checkpoint.state != CheckpointState::kPending ||
-      m.checkpoint.committed_ranks != std::vector<uint32_t>{rank}) {
-    return Status::Corruption("it does not describe rank " + std::to_string(rank) + " of checkpoint '" + name + "'");
-  }
-  PendingRank p;
-  p.header = std::move(m.checkpoint);
-  p.record.rank = rank;
-  p.record.tensors = std::move(m.tensors);
-  p.record.blobs = std::move(m.blobs);
-  return p;
+// Fetches objects in parallel: out[i] = read(i).
+template <typename T>
+std::vector<Result<T>> FetchAll(size_t n, const std::function<Result<T>(size_t)>& read) {
+  std::vector<Result<T>> out(n, Status::Internal("not read"));
+  ParallelFor(n, kStoreRequestsInFlight, [&](size_t i) { out[i] = read(i); });
+  return out;
 }
 
 }  // namespace
 
-Result<PendingRankObject> ReadPendingRank(Backend& backend, const std::string& name, uint32_t rank) {
+Result<PendingRank> ReadPendingRank(Backend& backend, const std::string& name, uint32_t rank) {
   const std::string key = keys::PendingRankObject(name, rank);
   CKPT_ASSIGN_OR_RETURN(std::string data, backend.ReadAll(key));
-  auto p = DecodePendingRank(data, name, rank);
-  if (!p.ok()) return p.status().WithContext("rank object " + key);
-  return PendingRankObject{std::move(p->header), std::move(p->record)};
+  auto m = DecodeManifest(data);
+  if (m.ok() && (m->checkpoint.name != name || m->checkpoint.state != CheckpointState::kPending ||
+                 m->checkpoint.committed_ranks != std::vector<uint32_t>{rank})) {
+    m = Status::Corruption("it does not describe rank " + std::to_string(rank) + " of checkpoint '" + name + "'");
+  }
+  if (!m.ok()) return m.status().WithContext("rank object " + key);
+  return PendingRank{std::move(m->checkpoint), RankRecord{rank, std::move(m->tensors), std::move(m->blobs)}};
 }
 
 std::string EncodePendingRank(const CheckpointRecord& header, const RankRecord& record) {
@@ -102,14 +109,18 @@ std::string EncodePendingRank(const CheckpointRecord& header, const RankRecord& 
   return EncodeManifest(m);
 }
 
-Result<SyncReport> RepositoryImpl::Sync() {
+Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
   if (!remote) return SyncReport{};
   std::lock_guard lock(sync_mu_);
-  SyncReport report;
+  const bool checkpoints = scope != SyncScope::kPacks;
   CKPT_ASSIGN_OR_RETURN(KnownState known, ReadKnown(*catalog));
-  CKPT_ASSIGN_OR_RETURN(auto pending_keys, backend->List(keys::kPendingPrefix));
-  CKPT_ASSIGN_OR_RETURN(auto manifest_keys, backend->List(keys::kManifestPrefix));
+  std::vector<std::string> pending_keys, manifest_keys;
+  if (checkpoints) {
+    CKPT_ASSIGN_OR_RETURN(pending_keys, backend->List(keys::kPendingPrefix));
+    CKPT_ASSIGN_OR_RETURN(manifest_keys, backend->List(keys::kManifestPrefix));
+  }
   CKPT_ASSIGN_OR_RETURN(auto pack_keys, backend->List(keys::kPackPrefix));
+  uint64_t objects_read = 0;
 
   // ---- packs ----
   std::set<std::string> listed_packs;
@@ -117,22 +128,16 @@ Result<SyncReport> RepositoryImpl::Sync() {
     std::string id;
     if (ParsePackKey(key, &id)) listed_packs.insert(id);
   }
-  std::vector<std::string> gone_packs, fresh_packs;
-  std::set_difference(known.packs.begin(), known.packs.end(), listed_packs.begin(), listed_packs.end(),
-                      std::back_inserter(gone_packs));
+  const std::vector<std::string> gone_packs = Missing(known.packs, listed_packs);
   // Chunks of a removed pack may live on in others (gc moved them, or two
   // hosts stored the same chunk): re-read every index then, so the catalog
   // stays the union of the pack indexes.
-  if (gone_packs.empty()) {
-    std::set_difference(listed_packs.begin(), listed_packs.end(), known.packs.begin(), known.packs.end(),
-                        std::back_inserter(fresh_packs));
-  } else {
-    fresh_packs.assign(listed_packs.begin(), listed_packs.end());
-  }
-  std::vector<Result<SealedPack>> indexes(fresh_packs.size(), Status::Internal("not read"));
-  ParallelFor(fresh_packs.size(), kSyncFetchThreads,
-              [&](size_t i) { indexes[i] = ReadPackIndex(backend.get(), fresh_packs[i]); });
-  report.objects_read += fresh_packs.size();
+  const std::vector<std::string> fresh_packs = gone_packs.empty()
+                                                   ? Missing(listed_packs, known.packs)
+                                                   : std::vector<std::string>(listed_packs.begin(), listed_packs.end());
+  auto indexes = FetchAll<SealedPack>(fresh_packs.size(),
+                                      [&](size_t i) { return ReadPackIndex(backend.get(), fresh_packs[i]); });
+  objects_read += fresh_packs.size();
 
   // ---- manifests ----
   std::set<std::string> listed_committed;
@@ -140,23 +145,19 @@ Result<SyncReport> RepositoryImpl::Sync() {
     std::string name;
     if (keys::ParseManifestObject(key, &name)) listed_committed.insert(name);
   }
-  std::vector<std::string> removed, added;
-  std::set_difference(known.committed.begin(), known.committed.end(), listed_committed.begin(), listed_committed.end(),
-                      std::back_inserter(removed));
-  std::set_difference(listed_committed.begin(), listed_committed.end(), known.committed.begin(), known.committed.end(),
-                      std::back_inserter(added));
-  std::vector<Result<Manifest>> manifests(added.size(), Status::Internal("not read"));
-  ParallelFor(added.size(), kSyncFetchThreads, [&](size_t i) {
-    auto data = backend->ReadAll(keys::ManifestObject(added[i]));
-    manifests[i] = data.ok() ? DecodeManifest(*data) : Result<Manifest>(data.status());
-    if (manifests[i].ok() && manifests[i]->checkpoint.name != added[i]) {
-      manifests[i] = Status::Corruption("it names checkpoint '" + manifests[i]->checkpoint.name + "'");
-    }
+  const std::vector<std::string> removed = checkpoints ? Missing(known.committed, listed_committed)
+                                                       : std::vector<std::string>{};
+  const std::vector<std::string> added = Missing(listed_committed, known.committed);
+  auto manifests = FetchAll<Manifest>(added.size(), [&](size_t i) -> Result<Manifest> {
+    CKPT_ASSIGN_OR_RETURN(std::string data, backend->ReadAll(keys::ManifestObject(added[i])));
+    CKPT_ASSIGN_OR_RETURN(Manifest m, DecodeManifest(data));
+    if (m.checkpoint.name != added[i]) return Status::Corruption("it names checkpoint '" + m.checkpoint.name + "'");
+    return m;
   });
-  report.objects_read += added.size();
+  objects_read += added.size();
 
-  // ---- pending ranks (of checkpoints not committed) ----
-  std::map<std::string, std::set<uint32_t>> listed_pending;
+  // ---- pending checkpoints ----
+  RankSets listed_pending;
   for (const auto& key : pending_keys) {
     std::string name;
     uint32_t rank;
@@ -164,28 +165,33 @@ Result<SyncReport> RepositoryImpl::Sync() {
       listed_pending[name].insert(rank);
     }
   }
-  std::vector<std::pair<std::string, uint32_t>> ranks_gone, ranks_new;
-  for (const auto& [name, ranks] : known.pending) {
-    auto it = listed_pending.find(name);
-    for (uint32_t r : ranks) {
-      if (it == listed_pending.end() || !it->second.count(r)) ranks_gone.emplace_back(name, r);
-    }
-  }
+  // Rank objects to read: every rank whose records the catalog lacks (for
+  // gc), else the first rank of each pending checkpoint it does not know.
+  std::vector<std::pair<std::string, uint32_t>> to_read;
   for (const auto& [name, ranks] : listed_pending) {
-    auto it = known.pending.find(name);
-    for (uint32_t r : ranks) {
-      if (it == known.pending.end() || !it->second.count(r)) ranks_new.emplace_back(name, r);
+    const auto have = known.records.find(name);
+    bool reading = false;
+    if (scope == SyncScope::kReferences) {
+      for (uint32_t r : ranks) {
+        if (have == known.records.end() || !have->second.count(r)) {
+          to_read.emplace_back(name, r);
+          reading = true;
+        }
+      }
     }
+    if (!reading && !known.pending.count(name)) to_read.emplace_back(name, *ranks.begin());
   }
-  std::vector<Result<PendingRankObject>> rank_objects(ranks_new.size(), Status::Internal("not read"));
-  ParallelFor(ranks_new.size(), kSyncFetchThreads,
-              [&](size_t i) { rank_objects[i] = ReadPendingRank(*backend, ranks_new[i].first, ranks_new[i].second); });
-  report.objects_read += ranks_new.size();
+  auto rank_objects = FetchAll<PendingRank>(to_read.size(), [&](size_t i) {
+    return ReadPendingRank(*backend, to_read[i].first, to_read[i].second);
+  });
+  objects_read += to_read.size();
 
   // ---- one transaction ----
-  std::set<std::string> gone_set(gone_packs.begin(), gone_packs.end());
+  SyncReport report;
+  const std::set<std::string> gone_set(gone_packs.begin(), gone_packs.end());
   Status st = catalog->Update([&](WriteTxn& txn) -> Status {
     SyncReport r;
+    r.objects_read = objects_read;
     if (!gone_set.empty()) {
       std::vector<std::string> doomed;
       CKPT_RETURN_IF_ERROR(ScanDecoded<ChunkLocation>(txn, Table::kChunks, "", DecodeChunkLocation,
@@ -205,15 +211,13 @@ Result<SyncReport> RepositoryImpl::Sync() {
         }
         continue;
       }
-      const SealedPack& pack = *indexes[i];
-      for (const auto& e : pack.entries) {
-        CKPT_ASSIGN_OR_RETURN(auto existing, txn.Get(Table::kChunks, keys::Chunk(e.id)));
-        if (existing) continue;
-        CKPT_RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(e.id), EncodeChunkLocation(e.location)));
-        ++r.chunks_added;
-      }
-      CKPT_RETURN_IF_ERROR(txn.Put(Table::kPacks, fresh_packs[i], EncodePackInfo({pack.size, pack.entries.size()})));
+      CKPT_ASSIGN_OR_RETURN(uint64_t chunks, RecordPack(txn, *indexes[i]));
+      r.chunks_added += chunks;
       if (!known.packs.count(fresh_packs[i])) ++r.packs_added;
+    }
+    if (!checkpoints) {
+      report = std::move(r);
+      return Status::OK();
     }
 
     for (const auto& name : removed) CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, name));
@@ -232,68 +236,70 @@ Result<SyncReport> RepositoryImpl::Sync() {
         }
         continue;
       }
-      const Manifest& m = *manifests[i];
-      const std::string& name = added[i];
-      CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, name));  // its pending state
-      CKPT_RETURN_IF_ERROR(txn.Put(Table::kCheckpoints, keys::Checkpoint(name), EncodeCheckpoint(m.checkpoint)));
-      for (const auto& t : m.tensors) CKPT_RETURN_IF_ERROR(txn.Put(Table::kTensors, keys::Member(name, t.name), EncodeTensor(t)));
-      for (const auto& b : m.blobs) CKPT_RETURN_IF_ERROR(txn.Put(Table::kBlobs, keys::Member(name, b.name), EncodeBlob(b)));
-      next_seq = std::max(next_seq, m.checkpoint.sequence + 1);
+      CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, added[i]));  // its pending state
+      CKPT_RETURN_IF_ERROR(RecordManifest(txn, *manifests[i]));
+      next_seq = std::max(next_seq, manifests[i]->checkpoint.sequence + 1);
       ++r.checkpoints_added;
     }
     if (next_seq != seq_before) CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kNextSequenceKey, EncodeSequence(next_seq)));
 
-    // Pending ranks: drop those gone, add the new, then rewrite the pending
-    // record of every checkpoint touched from the ranks now present.
-    std::map<std::string, std::optional<CheckpointRecord>> touched;
-    for (const auto& [name, rank] : ranks_gone) {
-      CKPT_RETURN_IF_ERROR(txn.Delete(Table::kRanks, keys::Rank(name, rank)));
-      touched[name];
-      ++r.pending_ranks_removed;
+    // Pending ranks: records of ranks gone are dropped, records read are
+    // added, and each pending checkpoint's record lists the ranks now in.
+    for (const auto& [name, ranks] : known.records) {
+      const auto now = listed_pending.find(name);
+      for (uint32_t rank : ranks) {
+        if (now == listed_pending.end() || !now->second.count(rank)) {
+          CKPT_RETURN_IF_ERROR(txn.Delete(Table::kRanks, keys::Rank(name, rank)));
+        }
+      }
     }
-    for (size_t i = 0; i < ranks_new.size(); ++i) {
-      const auto& [name, rank] = ranks_new[i];
+    std::map<std::string, CheckpointRecord> headers;
+    for (size_t i = 0; i < to_read.size(); ++i) {
+      const auto& [name, rank] = to_read[i];
       if (!rank_objects[i].ok()) {
-        if (!rank_objects[i].status().IsNotFound()) r.problems.push_back("skipped " + rank_objects[i].status().message());
+        const Status& bad = rank_objects[i].status();
+        if (bad.IsNotFound()) continue;  // committed or removed since the listing
+        // gc must know every reference: an unreadable rank stops it.
+        if (scope == SyncScope::kReferences) return bad;
+        r.problems.push_back("skipped " + bad.message());
         continue;
       }
-      CKPT_RETURN_IF_ERROR(txn.Put(Table::kRanks, keys::Rank(name, rank), EncodeRank(rank_objects[i]->record)));
-      auto& header = touched[name];
-      if (!header) header = rank_objects[i]->header;
-      ++r.pending_ranks_added;
+      if (scope == SyncScope::kReferences) {
+        CKPT_RETURN_IF_ERROR(txn.Put(Table::kRanks, keys::Rank(name, rank), EncodeRank(rank_objects[i]->record)));
+      }
+      headers.emplace(name, rank_objects[i]->header);
     }
-    for (auto& [name, header] : touched) {
-      CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
-      std::optional<CheckpointRecord> current;
-      if (raw) {
-        CKPT_ASSIGN_OR_RETURN(current, DecodeCheckpoint(*raw));
-      }
-      if (current && current->state == CheckpointState::kCommitted) continue;
-      if (!current && !header) continue;
-      std::vector<uint32_t> ranks;
-      CKPT_RETURN_IF_ERROR(txn.Scan(Table::kRanks, keys::MemberPrefix(name), [&](std::string_view k, std::string_view) {
-        ranks.push_back(RankOfKey(k));
-        return true;
-      }));
-      if (ranks.empty()) {
-        CKPT_RETURN_IF_ERROR(txn.Delete(Table::kCheckpoints, keys::Checkpoint(name)));
+    std::set<std::string> names;
+    for (const auto& [name, ranks] : known.pending) names.insert(name);
+    for (const auto& [name, ranks] : listed_pending) names.insert(name);
+    for (const auto& name : names) {
+      if (listed_committed.count(name)) continue;  // committed above
+      const auto now = listed_pending.find(name);
+      const auto before = known.pending.find(name);
+      const std::set<uint32_t> none;
+      const std::set<uint32_t>& ranks_now = now == listed_pending.end() ? none : now->second;
+      const std::set<uint32_t>& ranks_before = before == known.pending.end() ? none : before->second;
+      r.pending_ranks_added += Missing(ranks_now, ranks_before).size();
+      r.pending_ranks_removed += Missing(ranks_before, ranks_now).size();
+      if (ranks_now == ranks_before) continue;
+      if (ranks_now.empty()) {
+        CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, name));
         continue;
       }
-      CheckpointRecord rec = current ? *current : *header;
-      rec.state = CheckpointState::kPending;
-      std::sort(ranks.begin(), ranks.end());
-      rec.committed_ranks = std::move(ranks);
-      if (rec.committed_ranks.back() >= rec.world_size) continue;  // a rank object disagrees; commit reports it
+      CheckpointRecord rec;
+      CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
+      if (raw) {
+        CKPT_ASSIGN_OR_RETURN(rec, DecodeCheckpoint(*raw));
+      } else if (auto h = headers.find(name); h != headers.end()) {
+        rec = h->second;
+      } else {
+        continue;  // its rank object could not be read (reported above)
+      }
+      rec.committed_ranks.assign(ranks_now.begin(), ranks_now.end());
+      if (rec.committed_ranks.back() >= rec.world_size) continue;  // a rank disagrees; its commit says so
       CKPT_RETURN_IF_ERROR(txn.Put(Table::kCheckpoints, keys::Checkpoint(name), EncodeCheckpoint(rec)));
     }
-    report.packs_added = r.packs_added;
-    report.packs_removed = r.packs_removed;
-    report.chunks_added = r.chunks_added;
-    report.checkpoints_added = r.checkpoints_added;
-    report.checkpoints_removed = r.checkpoints_removed;
-    report.pending_ranks_added = r.pending_ranks_added;
-    report.pending_ranks_removed = r.pending_ranks_removed;
-    report.problems = std::move(r.problems);
+    report = std::move(r);
     return Status::OK();
   });
   CKPT_RETURN_IF_ERROR(st);

@@ -27,6 +27,15 @@ namespace ckptfs {
 
 Status CheckJoin(const CheckpointRecord& rec, const WriterOptions& options);
 
+// Ranks may each bring tags; the first rank to give a key sets its value.
+void AddTags(CheckpointRecord& ckpt, const std::vector<std::pair<std::string, std::string>>& tags) {
+  for (const auto& tag : tags) {
+    if (std::none_of(ckpt.tags.begin(), ckpt.tags.end(), [&](const auto& t) { return t.first == tag.first; })) {
+      ckpt.tags.push_back(tag);
+    }
+  }
+}
+
 Status HostSource::Read(uint64_t offset, std::span<std::byte> dst) {
   if (offset > data_.size() || dst.size() > data_.size() - offset) {
     return Status::InvalidArgument("read past the end of a host source");
@@ -116,7 +125,6 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   // "Repositories on S3"): this rank's record becomes an object; the rank
   // that finds every rank's object merges them and writes the manifest.
   Status CommitToStore(const std::vector<SealedPack>& sealed, CommitResult* result);
-  Status IndexStoredChunks(const std::vector<SealedPack>& sealed);
   Result<Manifest> MergeStoredRanks();
   // The steps of CommitToCatalog.
   struct CommitView;
@@ -534,11 +542,7 @@ Result<WriterImpl::CommitView> WriterImpl::ReadCommitView() {
   view.ranks.push_back(record_);
   ckpt.committed_ranks.push_back(options_.rank);
   std::sort(ckpt.committed_ranks.begin(), ckpt.committed_ranks.end());
-  for (const auto& [k, v] : options_.tags) {
-    if (std::none_of(ckpt.tags.begin(), ckpt.tags.end(), [&](const auto& t) { return t.first == k; })) {
-      ckpt.tags.emplace_back(k, v);
-    }
-  }
+  AddTags(ckpt, options_.tags);
   view.last = ckpt.committed_ranks.size() >= ckpt.world_size;
   return view;
 }
@@ -590,13 +594,7 @@ Result<bool> WriterImpl::PublishInCatalog(const CommitView& view, const Manifest
       return Status::OK();  // nothing written; the caller starts over
     }
     // Chunks first: a chunk another process stored meanwhile keeps its entry.
-    for (const auto& [id, loc] : stored_) {
-      CKPT_ASSIGN_OR_RETURN(auto existing, txn.Get(Table::kChunks, keys::Chunk(id)));
-      if (!existing) CKPT_RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(id), EncodeChunkLocation(loc)));
-    }
-    for (const auto& p : sealed) {
-      CKPT_RETURN_IF_ERROR(txn.Put(Table::kPacks, p.id, EncodePackInfo({p.size, p.entries.size()})));
-    }
+    for (const auto& p : sealed) CKPT_RETURN_IF_ERROR(RecordPack(txn, p).status());
     // Every chunk this rank references must be in the catalog now: one that
     // was deduplicated against a chunk since removed fails the commit rather
     // than leave a dangling reference.
@@ -615,17 +613,11 @@ Result<bool> WriterImpl::PublishInCatalog(const CommitView& view, const Manifest
       CKPT_RETURN_IF_ERROR(txn.Put(Table::kRanks, keys::Rank(name_, options_.rank), EncodeRank(record_)));
       return txn.Put(Table::kCheckpoints, keys::Checkpoint(name_), EncodeCheckpoint(view.checkpoint));
     }
-    for (const auto& t : manifest->tensors) {
-      CKPT_RETURN_IF_ERROR(txn.Put(Table::kTensors, keys::Member(name_, t.name), EncodeTensor(t)));
-    }
-    for (const auto& b : manifest->blobs) {
-      CKPT_RETURN_IF_ERROR(txn.Put(Table::kBlobs, keys::Member(name_, b.name), EncodeBlob(b)));
-    }
     for (const auto& r : view.ranks) {
       CKPT_RETURN_IF_ERROR(txn.Delete(Table::kRanks, keys::Rank(name_, r.rank)));
     }
     CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kNextSequenceKey, EncodeSequence(manifest->checkpoint.sequence + 1)));
-    return txn.Put(Table::kCheckpoints, keys::Checkpoint(name_), EncodeCheckpoint(manifest->checkpoint));
+    return RecordManifest(txn, *manifest);
   });
   CKPT_RETURN_IF_ERROR(st);
   return unchanged;
@@ -675,34 +667,22 @@ Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, Commit
 //   2. Its record is PUT as pending/NAME/rank-R: its part is durable.
 //   3. It LISTs pending/NAME/. Fewer than world-size ranks: done, the
 //      checkpoint stays invisible. All of them: this rank commits.
-//   4. Commit: sync the catalog (the other ranks' packs), read every rank's
-//      record, merge and check the tiling, PUT the manifest: the checkpoint
-//      is visible on every host from this PUT on.
+//   4. Commit: read every rank's record, sync the packs into the catalog
+//      (the other ranks' chunks), merge and check the tiling, PUT the
+//      manifest: the checkpoint is visible on every host from this PUT on.
 //   5. Delete the rank objects (leftovers are ignored once the manifest
 //      exists, and removed by rm).
 // Two ranks finishing together may both see every rank and both commit;
 // they write the same checkpoint, and the later PUT replaces the earlier.
 
-Status WriterImpl::IndexStoredChunks(const std::vector<SealedPack>& sealed) {
-  // The catalog is this host's index of the store: the packs just written
-  // are in the store, so they go in as sync would put them.
-  return repo_->catalog->Update([&](WriteTxn& txn) -> Status {
-    for (const auto& [id, loc] : stored_) {
-      CKPT_ASSIGN_OR_RETURN(auto existing, txn.Get(Table::kChunks, keys::Chunk(id)));
-      if (!existing) CKPT_RETURN_IF_ERROR(txn.Put(Table::kChunks, keys::Chunk(id), EncodeChunkLocation(loc)));
-    }
-    for (const auto& p : sealed) {
-      CKPT_RETURN_IF_ERROR(txn.Put(Table::kPacks, p.id, EncodePackInfo({p.size, p.entries.size()})));
-    }
-    return Status::OK();
-  });
-}
-
 Result<Manifest> WriterImpl::MergeStoredRanks() {
-  CKPT_RETURN_IF_ERROR(repo_->Sync().status());
   const uint32_t n = options_.world_size;
-  std::vector<Result<PendingRankObject>> objects(n, Status::Internal("not read"));
-  ParallelFor(n, 16, [&](size_t r) { objects[r] = ReadPendingRank(*repo_->backend, name_, static_cast<uint32_t>(r)); });
+  std::vector<Result<PendingRank>> objects(n, Status::Internal("not read"));
+  ParallelFor(n, kStoreRequestsInFlight,
+              [&](size_t r) { objects[r] = ReadPendingRank(*repo_->backend, name_, static_cast<uint32_t>(r)); });
+  // Every pack these records refer to was durable before its record was
+  // written: the packs listing taken now has them all.
+  CKPT_RETURN_IF_ERROR(repo_->Sync(RepositoryImpl::SyncScope::kPacks).status());
   CommitView view;
   view.checkpoint.name = name_;
   view.checkpoint.world_size = n;
@@ -723,10 +703,7 @@ Result<Manifest> WriterImpl::MergeStoredRanks() {
       view.checkpoint.step = h.step;
     }
     view.checkpoint.created_unix_ms = std::min(view.checkpoint.created_unix_ms, h.created_unix_ms);
-    for (const auto& tag : h.tags) {
-      auto& tags = view.checkpoint.tags;
-      if (std::none_of(tags.begin(), tags.end(), [&](const auto& t) { return t.first == tag.first; })) tags.push_back(tag);
-    }
+    AddTags(view.checkpoint, h.tags);
     view.checkpoint.committed_ranks.push_back(r);
     view.ranks.push_back(std::move(objects[r]->record));
   }
@@ -762,7 +739,12 @@ Status WriterImpl::CommitToStore(const std::vector<SealedPack>& sealed, CommitRe
   header.tags = options_.tags;
   const std::string encoded = EncodePendingRank(header, record_);
   CKPT_RETURN_IF_ERROR(store.Put(own_key, std::as_bytes(std::span(encoded))));
-  CKPT_RETURN_IF_ERROR(IndexStoredChunks(sealed));
+  // The catalog is this host's index of the store: the packs just written
+  // go in as a sync would put them.
+  CKPT_RETURN_IF_ERROR(repo_->catalog->Update([&](WriteTxn& txn) -> Status {
+    for (const auto& p : sealed) CKPT_RETURN_IF_ERROR(RecordPack(txn, p).status());
+    return Status::OK();
+  }));
 
   CKPT_ASSIGN_OR_RETURN(auto present, store.List(keys::PendingPrefix(name_)));
   std::set<uint32_t> ranks;

@@ -103,6 +103,12 @@ Result<std::vector<SealedPack>> PackWriter::Finish() {
   return std::move(sealed_);
 }
 
+namespace {
+// Bytes read from a pack's end to find its index: the footer and an index
+// of up to about 1,600 chunks.
+constexpr uint64_t kPackTailProbe = 64 << 10;
+}  // namespace
+
 Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id) {
   const std::string key = PackKey(pack_id);
   auto corrupt = [&](const std::string& what) {
@@ -116,9 +122,13 @@ Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id) {
   uint32_t version;
   std::memcpy(&version, header + 8, 4);
   if (version != kPackVersion) return corrupt("unknown pack version " + std::to_string(version));
-  char footer[kPackFooterSize];
-  CKPT_RETURN_IF_ERROR(backend->ReadRange(key, size - kPackFooterSize, std::as_writable_bytes(std::span(footer))));
-  Decoder fd(footer, sizeof footer);
+  // The footer and, for all but huge packs, the whole index in one read of
+  // the pack's tail: on an object store each read is a request.
+  std::string tail(std::min<uint64_t>(size - kPackHeaderSize, kPackTailProbe), '\0');
+  const uint64_t tail_start = size - tail.size();
+  CKPT_RETURN_IF_ERROR(
+      backend->ReadRange(key, tail_start, std::as_writable_bytes(std::span(tail.data(), tail.size()))));
+  Decoder fd(tail.data() + tail.size() - kPackFooterSize, kPackFooterSize);
   uint64_t index_offset = 0, count = 0, checksum = 0;
   char end_magic[8];
   CKPT_RETURN_IF_ERROR(fd.U64(&index_offset));
@@ -131,8 +141,15 @@ Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id) {
       index_offset + count * kPackIndexEntrySize + kPackFooterSize != size) {
     return corrupt("index bounds do not match the pack size");
   }
-  std::string index(count * kPackIndexEntrySize, '\0');
-  CKPT_RETURN_IF_ERROR(backend->ReadRange(key, index_offset, std::as_writable_bytes(std::span(index.data(), index.size()))));
+  std::string index;
+  if (index_offset >= tail_start) {
+    index = tail.substr(index_offset - tail_start, count * kPackIndexEntrySize);
+  } else {  // the index begins before the tail read: fetch the rest
+    index.resize(tail_start - index_offset);
+    CKPT_RETURN_IF_ERROR(
+        backend->ReadRange(key, index_offset, std::as_writable_bytes(std::span(index.data(), index.size()))));
+    index.append(tail, 0, tail.size() - kPackFooterSize);
+  }
   if (Checksum64(std::as_bytes(std::span(index))) != checksum) return corrupt("index checksum mismatch");
   SealedPack pack{pack_id, size, {}};
   pack.entries.reserve(count);

@@ -62,6 +62,24 @@ TEST(Pack, IndexRoundTripsAndChunksVerify) {
   }
 }
 
+TEST(Pack, IndexesLargerThanOneTailReadRoundTrip) {
+  // 3,000 entries: a 117 KiB index, more than ReadPackIndex reads from the
+  // pack's end at first, so the rest comes from a second read.
+  auto backend = NewMemoryBackend();
+  PackWriter writer(backend.get(), 64 << 20);
+  auto chunks = WriteChunks(backend.get(), writer, 3000, 16);
+  auto sealed = writer.Finish();
+  ASSERT_OK(sealed);
+  ASSERT_EQ(sealed->size(), 1u);
+  auto index = ReadPackIndex(backend.get(), (*sealed)[0].id);
+  ASSERT_OK(index);
+  ASSERT_EQ(index->entries.size(), 3000u);
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    EXPECT_EQ(index->entries[i].id, chunks[i].id) << i;
+    EXPECT_EQ(index->entries[i].location.offset, chunks[i].loc.offset) << i;
+  }
+}
+
 TEST(Pack, UnsealedPackIsInvisible) {
   auto backend = NewMemoryBackend();
   {

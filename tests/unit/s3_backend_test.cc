@@ -12,6 +12,7 @@
 
 #include "core/random.h"
 #include "fault_proxy.h"
+#include "test_backends.h"
 #include "test_util.h"
 
 namespace ckptfs {
@@ -39,9 +40,9 @@ TEST(S3Url, BucketAndPrefixAreParsedAndChecked) {
 class S3Backend : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto o = S3Options::FromEnvironment();
-    if (!o.ok() && std::getenv("CKPTFS_REQUIRE_S3")) FAIL() << "no S3 server: " << o.status().message();
-    if (!o.ok()) GTEST_SKIP() << "no S3 server (" << o.status().message() << "); tools/s3-server.sh starts one";
+    std::string why;
+    auto o = testing::S3TestOptions(&why);
+    CKPTFS_SKIP_UNLESS(o, why);
     options_ = *o;
     options_.part_size = 5 << 20;  // the smallest S3 allows: several parts per test object
     location_ = {"ckptfs-test", "s3-backend-" + RandomHex(8)};

@@ -12,6 +12,7 @@
 #include "ckpt/repository.h"
 #include "core/random.h"
 #include "fault_proxy.h"
+#include "test_backends.h"
 #include "test_util.h"
 
 namespace ckptfs {
@@ -24,9 +25,9 @@ using Fault = testing::FaultProxy::Fault;
 class S3Repository : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto o = S3Options::FromEnvironment();
-    if (!o.ok() && std::getenv("CKPTFS_REQUIRE_S3")) FAIL() << "no S3 server: " << o.status().message();
-    if (!o.ok()) GTEST_SKIP() << "no S3 server (" << o.status().message() << "); tools/s3-server.sh starts one";
+    std::string why;
+    auto o = testing::S3TestOptions(&why);
+    CKPTFS_SKIP_UNLESS(o, why);
     s3_ = *o;
     url_ = "s3://ckptfs-test/repo-" + RandomHex(10);
     RepositoryConfig config;
@@ -95,6 +96,59 @@ TEST_F(S3Repository, RanksOnThreeHostsAreReadAtAnotherShardingOnAFourth) {
   // the other hosts see it after a refresh
   ASSERT_OK(a->Refresh());
   EXPECT_EQ(a->ListCheckpoints().value().size(), 1u);
+}
+
+TEST_F(S3Repository, AHostsSyncDoesNotReadTheRanksOfCheckpointsInFlight) {
+  // A save's requests must not grow with the number of ranks saving at
+  // the same time: a host that knows a pending checkpoint reads none of
+  // its new ranks' objects, only the LISTs and the indexes of new packs.
+  const uint64_t rows = 8, cols = 1024;
+  auto w = RandomBytes(rows * cols * 4, 6);
+  auto a = Host("a");
+  ASSERT_TRUE(a);
+  ASSERT_OK(SaveRows(*a, "s", 0, 8, w, rows, cols));
+  std::atomic<int> requests{0};
+  testing::FaultProxy counter(UpstreamPort(), [&](int) {
+    ++requests;
+    return Fault::kNone;
+  });
+  auto b = Host("b", counter.port());
+  ASSERT_TRUE(b);
+  ASSERT_EQ(b->ListCheckpoints(true).value().size(), 1u);  // pending, known now
+  for (uint32_t r = 1; r < 7; ++r) ASSERT_OK(SaveRows(*a, "s", r, 8, w, rows, cols));  // one pack each
+  requests = 0;
+  ASSERT_OK(b->Refresh());
+  // LIST pending/, manifests/, packs/; then per new pack its size, header
+  // and tail (ReadPackIndex); no rank object.
+  EXPECT_EQ(requests.load(), 3 + 6 * 3);
+  auto pending = b->ListCheckpoints(true).value();
+  ASSERT_EQ(pending.size(), 1u);
+  EXPECT_EQ(pending[0].committed_ranks, (std::vector<uint32_t>{0, 1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(pending[0].state, CheckpointState::kPending);
+}
+
+TEST_F(S3Repository, GcOnAHostThatNeverSawAPendingCheckpointKeepsItsRanks) {
+  const uint64_t rows = 48, cols = 1024;
+  auto w = RandomBytes(rows * cols * 4, 5);
+  auto a = Host("a");
+  ASSERT_TRUE(a);
+  ASSERT_OK(SaveRows(*a, "s", 0, 3, w, rows, cols));
+  ASSERT_OK(SaveRows(*a, "s", 1, 3, w, rows, cols));
+  {
+    auto b = Host("b");  // knows "s" only by name until gc reads its ranks
+    ASSERT_TRUE(b);
+    auto report = b->CollectGarbage({});
+    ASSERT_OK(report);
+    EXPECT_EQ(report->packs_deleted, 0u);
+    EXPECT_EQ(report->dead_chunks, 0u);
+  }
+  ASSERT_OK(SaveRows(*a, "s", 2, 3, w, rows, cols));
+  auto c = Host("c");
+  auto reader = c->OpenCheckpoint("s");
+  ASSERT_OK(reader);
+  std::vector<std::byte> out(w.size());
+  ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, out));
+  EXPECT_EQ(out, w);
 }
 
 TEST_F(S3Repository, TransientFaultsMidSaveAreRetriedToSuccess) {

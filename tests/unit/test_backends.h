@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <string>
 
@@ -28,13 +29,31 @@ struct BackendFactory {
 // Test names and messages show the backend's name (not the struct's bytes).
 inline void PrintTo(const BackendFactory& f, std::ostream* os) { *os << f.name; }
 
-// An S3 backend under a fresh prefix of bucket ckptfs-test.
-inline std::unique_ptr<Backend> MakeS3TestBackend(const std::string&, std::string* why) {
+// The S3 test server's options, from the AWS_* variables; nullopt, with
+// `why`, when none is configured.
+inline std::optional<S3Options> S3TestOptions(std::string* why) {
   auto options = S3Options::FromEnvironment();
   if (!options.ok()) {
     *why = "no S3 server (" + options.status().message() + "); tools/s3-server.sh starts one";
-    return nullptr;
+    return std::nullopt;
   }
+  return *options;
+}
+
+// A test that cannot run here skips saying why, or fails where the test
+// command promised the S3 server (CKPTFS_REQUIRE_S3).
+#define CKPTFS_SKIP_UNLESS(available, why)                 \
+  do {                                                     \
+    if (!(available)) {                                    \
+      if (std::getenv("CKPTFS_REQUIRE_S3")) FAIL() << why; \
+      GTEST_SKIP() << why;                                 \
+    }                                                      \
+  } while (0)
+
+// An S3 backend under a fresh prefix of bucket ckptfs-test.
+inline std::unique_ptr<Backend> MakeS3TestBackend(const std::string&, std::string* why) {
+  auto options = S3TestOptions(why);
+  if (!options) return nullptr;
   S3Location location{"ckptfs-test", "t-" + RandomHex(12)};
   Status created = CreateS3Bucket(location, *options);
   if (!created.ok()) {
@@ -65,8 +84,7 @@ class EachBackend : public ::testing::TestWithParam<BackendFactory> {
   void SetUp() override {
     std::string why;
     backend_ = GetParam().make(dir_.path(), &why);
-    if (!backend_ && std::getenv("CKPTFS_REQUIRE_S3")) FAIL() << why;
-    if (!backend_) GTEST_SKIP() << why;
+    CKPTFS_SKIP_UNLESS(backend_, why);
   }
   TempDir dir_;
   std::unique_ptr<Backend> backend_;

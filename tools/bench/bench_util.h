@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <span>
 #include <string>
 #include <vector>
@@ -112,6 +113,20 @@ inline double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
+
+// A benchmark's figures, one value per run under each name, reported as
+// medians.
+class RunFigures {
+ public:
+  void Add(const std::string& name, double value) { values_[name].push_back(value); }
+  double Median(const std::string& name) const {
+    auto it = values_.find(name);
+    return it == values_.end() ? 0 : bench::Median(it->second);
+  }
+
+ private:
+  std::map<std::string, std::vector<double>> values_;
+};
 
 // A fast deterministic generator (splitmix64) with Box-Muller normals:
 // billions of values in seconds.

@@ -117,7 +117,7 @@ int main(int argc, char** argv) {
   std::vector<uint64_t> bounds;
   for (uint64_t off = 0; off < bytes; off += chunk) bounds.push_back(off);
   bounds.push_back(bytes);
-  std::vector<double> plain, staged, blocking_ratio, save_tp, load_tp, save_ratio, load_ratio;
+  bench::RunFigures fig;
   Copy(*engine, true, *pinned, dev.p, bytes);  // warm-up: first touch of the pinned pages
   for (int run = 0; run < runs; ++run) {
     auto t0 = Clock::now();
@@ -200,19 +200,19 @@ int main(int argc, char** argv) {
                 run + 1, gb / t_plain, gb / t_staged, t_plain / t_staged, t_block, t_plain, t_block / t_plain,
                 gb / t_save, t_raw_write / t_save, gb / t_raw_write, gb / t_load, t_raw_read / t_load,
                 gb / t_raw_read);
-    save_ratio.push_back(t_raw_write / t_save);
-    load_ratio.push_back(t_raw_read / t_load);
-    plain.push_back(gb / t_plain);
-    staged.push_back(t_plain / t_staged);
-    blocking_ratio.push_back(t_block / t_plain);
-    save_tp.push_back(gb / t_save);
-    load_tp.push_back(gb / t_load);
+    fig.Add("save_ratio", t_raw_write / t_save);
+    fig.Add("load_ratio", t_raw_read / t_load);
+    fig.Add("plain", gb / t_plain);
+    fig.Add("staged", t_plain / t_staged);
+    fig.Add("blocking_ratio", t_block / t_plain);
+    fig.Add("save_tp", gb / t_save);
+    fig.Add("load_tp", gb / t_load);
   }
   std::printf("\nmedian of %d runs: plain D2H %.2f GB/s; staging %.2fx of it (target >= 0.9); snapshot blocking %.2fx of "
               "the plain copy (target <= 1.1); streaming save %.2f GB/s (%.2fx raw write); load to device %.2f GB/s "
               "(%.2fx raw read)\n",
-              runs, bench::Median(plain), bench::Median(staged), bench::Median(blocking_ratio), bench::Median(save_tp),
-              bench::Median(save_ratio), bench::Median(load_tp), bench::Median(load_ratio));
+              runs, fig.Median("plain"), fig.Median("staged"), fig.Median("blocking_ratio"), fig.Median("save_tp"),
+              fig.Median("save_ratio"), fig.Median("load_tp"), fig.Median("load_ratio"));
   engine->FreePinned(*pinned);
   return 0;
 }

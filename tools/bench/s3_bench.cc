@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
               static_cast<unsigned long long>(mib), options->endpoint.c_str(),
               static_cast<unsigned long long>(options->part_size >> 20), threads);
 
-  std::vector<double> put, cmd_put, get_seq, get_par, cmd_get, put_ratio, get_ratio;
+  bench::RunFigures fig;
   std::vector<std::byte> out(size);
   for (int run = 0; run < runs; ++run) {
     auto t0 = Clock::now();
@@ -134,23 +134,24 @@ int main(int argc, char** argv) {
                 "%d threads %.0f MB/s, s3cmd get %.0f MB/s (%.2fx); bytes checked\n",
                 run + 1, mb / tp, mb / tcp, tcp / tp, mb / tgs, threads, mb / tgp, mb / tcg, tcg / tgp);
     std::fflush(stdout);
-    put.push_back(mb / tp);
-    cmd_put.push_back(mb / tcp);
-    get_seq.push_back(mb / tgs);
-    get_par.push_back(mb / tgp);
-    cmd_get.push_back(mb / tcg);
-    put_ratio.push_back(tcp / tp);
-    get_ratio.push_back(tcg / tgp);
+    fig.Add("put", mb / tp);
+    fig.Add("cmd_put", mb / tcp);
+    fig.Add("get_seq", mb / tgs);
+    fig.Add("get_par", mb / tgp);
+    fig.Add("cmd_get", mb / tcg);
+    fig.Add("put_ratio", tcp / tp);
+    fig.Add("get_ratio", tcg / tgp);
     Check(backend->Delete("packs/object"), "delete");
   }
   std::filesystem::remove(file);
   (void)Run(s3cmd + " del s3://" + location.bucket + "/" + location.prefix + "/s3cmd-object > /dev/null");
   std::printf("\nmedian of %d runs:\n", runs);
-  std::printf("  backend multipart put   %6.0f MB/s   ratio to s3cmd put %.2f\n", Median(put), Median(put_ratio));
-  std::printf("  s3cmd put               %6.0f MB/s\n", Median(cmd_put));
-  std::printf("  ranged GETs, 1 thread   %6.0f MB/s\n", Median(get_seq));
-  std::printf("  ranged GETs, %d threads  %6.0f MB/s   ratio to s3cmd get %.2f\n", threads, Median(get_par),
-              Median(get_ratio));
-  std::printf("  s3cmd get               %6.0f MB/s\n", Median(cmd_get));
+  std::printf("  backend multipart put   %6.0f MB/s   ratio to s3cmd put %.2f\n", fig.Median("put"),
+              fig.Median("put_ratio"));
+  std::printf("  s3cmd put               %6.0f MB/s\n", fig.Median("cmd_put"));
+  std::printf("  ranged GETs, 1 thread   %6.0f MB/s\n", fig.Median("get_seq"));
+  std::printf("  ranged GETs, %d threads  %6.0f MB/s   ratio to s3cmd get %.2f\n", threads, fig.Median("get_par"),
+              fig.Median("get_ratio"));
+  std::printf("  s3cmd get               %6.0f MB/s\n", fig.Median("cmd_get"));
   return 0;
 }
