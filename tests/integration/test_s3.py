@@ -165,7 +165,7 @@ class MultiHost(S3Case):
             "embed": ("F16", self.rng.standard_normal((64, 64)).astype(np.float16)),
         }
 
-    def test_four_ranks_on_three_hosts_commit_once_and_read_back_on_a_fourth(self):
+    def test_four_ranks_on_three_hosts_commit_and_read_back_on_a_fourth(self):
         a, b, c, d = (self.host(n) for n in "abcd")
         a.run("-r", self.repo, "init", "--chunk-size", "64K", "--pack-size", "1M")
         model = self.model()
@@ -207,8 +207,10 @@ class MultiHost(S3Case):
             self.assertIn("'s'", h.run("-r", self.repo, "show", "s", ok=False).stderr.decode())
             self.assertNotEqual(h.run("-r", self.repo, "cat", "s", "embed", ok=False).returncode, 0)
         # pending on every host, with the ranks that are in
-        pending = json.loads(c.run("-r", self.repo, "ls", "--all", "--json").stdout)
-        self.assertEqual([(p["name"], p["state"]) for p in pending], [("s", "pending")])
+        for h in (a, b, c):
+            pending = json.loads(h.run("-r", self.repo, "ls", "--all", "--json").stdout)
+            self.assertEqual([(p["name"], p["state"], p["committed_ranks"], p["world_size"]) for p in pending],
+                             [("s", "pending", 2, 3)], h.name)
         # a disagreeing world size is refused before anything is written
         err = c.run("-r", self.repo, "import", "--rank", "1", "--world-size", "4", "s", files[1], ok=False).stderr
         self.assertIn("world size", err.decode())
