@@ -166,7 +166,9 @@ class MultiHost(S3Case):
         }
 
     def test_four_ranks_on_three_hosts_commit_and_read_back_on_a_fourth(self):
-        a, b, c, d = (self.host(n) for n in "abcd")
+        a, b, c = (self.host(n) for n in "abc")
+        d = Host(self.tmp, "d", namespace=False)  # its mount must be visible here
+        self.hosts.append(d)
         a.run("-r", self.repo, "init", "--chunk-size", "64K", "--pack-size", "1M")
         model = self.model()
         files = self.sharded_files(model, 4)
@@ -194,6 +196,24 @@ class MultiHost(S3Case):
             self.assertEqual(back[name][0], dt)
             self.assertEqual(sha(back[name][1]), sha(arr), name)
         self.assertEqual(d.names(self.repo, pending=True), ["step-100"])
+        if not HAVE_FUSE:
+            return
+        # mounted on the fourth host, and read at another sharding than the
+        # ranks' rows: column halves of every tensor through the mount
+        mnt = self.path("mnt")
+        os.makedirs(mnt)
+        d.run("-r", self.repo, "mount", mnt)
+        try:
+            for name, (_, arr) in model.items():
+                view = np.load(os.path.join(mnt, "step-100", name + ".npy"), mmap_mode="r")
+                half = arr.shape[1] // 2
+                for cols in (slice(0, half), slice(half, None)):
+                    got = np.ascontiguousarray(view[:, cols])
+                    self.assertEqual(got.tobytes(), np.ascontiguousarray(arr[:, cols]).view(got.dtype).tobytes(),
+                                     name)
+                del view
+        finally:
+            subprocess.run(["fusermount3", "-u", mnt])
 
     def test_a_partial_checkpoint_is_invisible_on_every_host(self):
         a, b, c = (self.host(n) for n in "abc")
@@ -271,6 +291,26 @@ class MultiHost(S3Case):
             self.assertNotIn("one", os.listdir(mnt))
         finally:
             subprocess.run(["fusermount3", "-u", mnt])
+
+    def test_the_cache_directory_comes_from_the_option_the_variable_or_home(self):
+        h = Host(self.tmp, "plain", namespace=False)
+        h.run("-r", self.repo, "init")
+        opt, var, home = self.path("by-option"), self.path("by-variable"), self.path("home")
+        h.run("-r", self.repo, "ls", "--cache-dir", opt, env={"CKPT_CACHE_DIR": var})
+        self.assertTrue(os.path.exists(os.path.join(opt, "repository")))
+        self.assertFalse(os.path.exists(var))
+        h.run("-r", self.repo, "ls", env={"CKPT_CACHE_DIR": var})
+        self.assertTrue(os.path.exists(os.path.join(var, "repository")))
+        e = {"CKPT_CACHE_DIR": "", "HOME": home, "XDG_CACHE_HOME": ""}
+        h.run("-r", self.repo, "ls", env=e)
+        (repo_id,) = os.listdir(os.path.join(home, ".cache", "ckptfs"))
+        with open(os.path.join(home, ".cache", "ckptfs", repo_id, "repository")) as f:
+            self.assertEqual(f.read(), f"{repo_id} {self.repo}\n")
+        # one directory cannot serve two repositories
+        other = self.repo + "-other"
+        h.run("-r", other, "init")
+        err = h.run("-r", other, "ls", "--cache-dir", opt, ok=False).stderr.decode()
+        self.assertIn("another repository", err)
 
     def test_deleting_a_hosts_state_loses_nothing(self):
         a = self.host("a")
