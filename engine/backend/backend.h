@@ -43,6 +43,22 @@ class ObjectWriter {
   virtual uint64_t size() const = 0;
 };
 
+// Requests a backend has sent to an object store, by kind, retries
+// included (all zero for local backends). Benchmarks and tests use them to
+// show what an operation costs in requests.
+struct RequestCounts {
+  uint64_t get = 0;     // object and ranged reads
+  uint64_t list = 0;    // listing pages
+  uint64_t put = 0;     // objects and multipart parts
+  uint64_t post = 0;    // multipart starts and completions
+  uint64_t head = 0;
+  uint64_t del = 0;
+  uint64_t total() const { return get + list + put + post + head + del; }
+  RequestCounts operator-(const RequestCounts& o) const {
+    return {get - o.get, list - o.list, put - o.put, post - o.post, head - o.head, del - o.del};
+  }
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -61,6 +77,8 @@ class Backend {
   virtual Status RemoveIncomplete() { return Status::OK(); }
   // A short description for messages ("local:/data/repo/objects").
   virtual std::string Describe() const = 0;
+  // Requests sent so far (see RequestCounts).
+  virtual RequestCounts Requests() const { return {}; }
 };
 
 // True when `key` is a valid object key.

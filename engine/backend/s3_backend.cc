@@ -3,6 +3,7 @@
 #include <curl/curl.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -306,8 +307,34 @@ class S3Client {
     return resp;
   }
 
+  RequestCounts Counts() const {
+    RequestCounts c;
+    c.get = sent_[kGet].load(std::memory_order_relaxed);
+    c.list = sent_[kList].load(std::memory_order_relaxed);
+    c.put = sent_[kPut].load(std::memory_order_relaxed);
+    c.post = sent_[kPost].load(std::memory_order_relaxed);
+    c.head = sent_[kHead].load(std::memory_order_relaxed);
+    c.del = sent_[kDelete].load(std::memory_order_relaxed);
+    return c;
+  }
+
  private:
+  enum Kind { kGet, kList, kPut, kPost, kHead, kDelete, kKinds };
+  static Kind KindOf(const Request& req) {
+    if (req.method == "GET") {
+      for (const auto& [k, v] : req.query) {
+        if (k == "list-type") return kList;
+      }
+      return kGet;
+    }
+    if (req.method == "PUT") return kPut;
+    if (req.method == "POST") return kPost;
+    if (req.method == "HEAD") return kHead;
+    return kDelete;
+  }
+
   CURLcode Once(const Request& req, Response* resp) {
+    sent_[KindOf(req)].fetch_add(1, std::memory_order_relaxed);
     CURL* h = pool_.Acquire();
     if (!h) return CURLE_OUT_OF_MEMORY;
     curl_easy_reset(h);
@@ -366,6 +393,7 @@ class S3Client {
   S3Options opt_;
   std::string sigv4_;
   HandlePool pool_;
+  std::array<std::atomic<uint64_t>, kKinds> sent_{};
 };
 
 Request MakeRequest(std::string method, std::string path, Query query = {}) {
@@ -575,6 +603,7 @@ class S3Backend final : public Backend {
   }
 
   std::string Describe() const override { return client_->Where(); }
+  RequestCounts Requests() const override { return client_->Counts(); }
 
  private:
   static std::string Quoted(std::string_view key) { return "object '" + std::string(key) + "'"; }

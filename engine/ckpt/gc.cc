@@ -83,6 +83,7 @@ Result<std::vector<std::string>> Repository::PlanRetention(const RetentionPolicy
 }
 
 Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names) {
+  CKPT_RETURN_IF_ERROR(impl_->IndexPacks());
   CKPT_ASSIGN_OR_RETURN(auto list, ListCheckpoints(false));
   std::map<std::string, const CheckpointRecord*> committed;
   for (const auto& c : list) committed[c.name] = &c;

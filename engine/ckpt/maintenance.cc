@@ -25,6 +25,7 @@ struct ChunkUse {
 }  // namespace
 
 Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, const ProgressFn& progress) {
+  CKPT_RETURN_IF_ERROR(impl_->IndexPacks());
   VerifyReport report;
   std::vector<std::string> names;
   if (name) {

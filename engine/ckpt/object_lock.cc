@@ -54,12 +54,20 @@ std::string Describe(const ObjectLockInfo& l, uint64_t now_ms) {
 
 }  // namespace
 
-Result<std::vector<ObjectLockInfo>> ListObjectLocks(Backend& backend, const ObjectLockOptions& options_in) {
-  const ObjectLockOptions options = WithDefaults(options_in);
+namespace {
+
+// The locks under locks/; with `exclusive_only`, the bodies of shared locks
+// (named locks/shared-*) are not read and those locks are left out: a
+// shared lock conflicts with none of them, and reading them would make
+// every save's requests grow with the number of saves in flight.
+Result<std::vector<ObjectLockInfo>> ReadObjectLocks(Backend& backend, const ObjectLockOptions& options,
+                                                    bool exclusive_only) {
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> keys, backend.List(kLockPrefix));
   const uint64_t now = options.now_unix_ms();
+  const std::string shared_prefix = std::string(kLockPrefix) + ModeName(ObjectLock::Mode::kShared) + "-";
   std::vector<ObjectLockInfo> out;
   for (const std::string& key : keys) {
+    if (exclusive_only && key.starts_with(shared_prefix)) continue;
     auto body = backend.ReadAll(key);
     if (!body.ok()) {
       if (body.status().IsNotFound()) continue;  // released meanwhile
@@ -87,6 +95,12 @@ Result<std::vector<ObjectLockInfo>> ListObjectLocks(Backend& backend, const Obje
   return out;
 }
 
+}  // namespace
+
+Result<std::vector<ObjectLockInfo>> ListObjectLocks(Backend& backend, const ObjectLockOptions& options) {
+  return ReadObjectLocks(backend, WithDefaults(options), false);
+}
+
 Result<size_t> RemoveStaleObjectLocks(Backend& backend, const ObjectLockOptions& options) {
   CKPT_ASSIGN_OR_RETURN(auto locks, ListObjectLocks(backend, options));
   size_t removed = 0;
@@ -111,7 +125,7 @@ Result<std::unique_ptr<ObjectLock>> ObjectLock::Acquire(Backend& backend, Mode m
     const uint64_t now = options.now_unix_ms();
     const std::string body = LockBody(mode, options.holder, now);
     CKPT_RETURN_IF_ERROR(backend.Put(key, std::as_bytes(std::span(body))));
-    auto locks = ListObjectLocks(backend, options);
+    auto locks = ReadObjectLocks(backend, options, mode == Mode::kShared);
     if (!locks.ok()) {
       (void)backend.Delete(key);
       return locks.status();

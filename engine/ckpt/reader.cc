@@ -178,6 +178,9 @@ Result<CheckpointRecord> Repository::GetCheckpoint(const std::string& name) {
 }
 
 Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::string& name) {
+  // On an object store: the chunks of checkpoints other hosts saved may be
+  // in packs whose indexes this host has not read yet.
+  CKPT_RETURN_IF_ERROR(impl_->IndexPacks());
   auto impl = std::make_unique<ReaderImpl>();
   impl->repo = impl_.get();
   Manifest& m = impl->manifest;

@@ -287,6 +287,7 @@ Repository::~Repository() = default;
 const RepositoryConfig& Repository::config() const { return impl_->config; }
 const std::string& Repository::path() const { return impl_->path; }
 BufferPoolStats Repository::buffer_stats() const { return impl_->buffers->stats(); }
+RequestCounts Repository::store_requests() const { return impl_->backend->Requests(); }
 
 bool Repository::remote() const { return impl_->remote; }
 
@@ -461,10 +462,12 @@ Result<ReindexReport> ReindexRemote(const std::string& url, const OpenOptions& o
   ReindexReport report;
   CKPT_ASSIGN_OR_RETURN(auto committed, repo->ListCheckpoints(false));
   report.checkpoints = committed.size();
-  const SyncReport& sync = repo->impl_->last_sync;
-  report.packs = sync.packs_added;
-  report.chunks = sync.chunks_added;
-  report.problems = sync.problems;
+  report.problems = repo->impl_->last_sync.problems;
+  // Open's sync left the pack indexes for later: read them all now.
+  CKPT_ASSIGN_OR_RETURN(SyncReport packs, repo->impl_->Sync(RepositoryImpl::SyncScope::kPacks));
+  report.packs = packs.packs_added;
+  report.chunks = packs.chunks_added;
+  report.problems.insert(report.problems.end(), packs.problems.begin(), packs.problems.end());
   return report;
 }
 

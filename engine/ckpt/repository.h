@@ -350,6 +350,9 @@ class Repository {
   // The chunk-buffer pool's counters (allocations, reuses, bytes held): in
   // steady state reads and saves reuse buffers and allocate none.
   BufferPoolStats buffer_stats() const;
+  // Requests this repository object has sent to its object store (retries
+  // included; zero for a local repository).
+  RequestCounts store_requests() const;
 
   // Starts (or joins) checkpoint `name` as rank `options.rank` of
   // `options.world_size`. AlreadyExists if `name` is committed or this rank

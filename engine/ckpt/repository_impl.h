@@ -82,19 +82,28 @@ class RepositoryImpl {
 
   // What a sync brings into the catalog.
   enum class SyncScope {
-    // Packs, committed checkpoints, and pending checkpoints with the ranks
-    // that are in (named by their objects; one rank object is read per
-    // pending checkpoint the catalog does not know yet).
+    // Committed checkpoints, and pending checkpoints with the ranks that are
+    // in (named by their objects; one rank object is read per pending
+    // checkpoint the catalog does not know yet). New packs are listed but
+    // their indexes are left for IndexPacks: a save deduplicates against
+    // the packs this host knows, and does not read every other rank's new
+    // packs at every step.
     kCheckpoints,
-    // That, and the records of every pending rank: references gc must keep.
+    // That, the indexes of all packs, and the records of every pending
+    // rank: references gc must keep.
     kReferences,
-    // Packs only (a committer about to merge the ranks' shards).
+    // The indexes of all packs only (a committer about to merge the ranks'
+    // shards).
     kPacks,
   };
   // Remote only: brings the catalog up to date with the store. Only objects
   // new since the last sync are read; LISTs otherwise. No-op for a local
   // repository.
   Result<SyncReport> Sync(SyncScope scope = SyncScope::kCheckpoints);
+  // Remote only: reads the indexes of the packs the last sync listed but
+  // did not read, so every chunk of every synced checkpoint has its
+  // location. Readers, verify and du call it; no request when none is left.
+  Status IndexPacks();
   // Remote only: a lock object in the store (object_lock.h), waiting as
   // lock_options says; null for a local repository.
   Result<std::unique_ptr<ObjectLock>> LockStore(ObjectLock::Mode mode);
@@ -106,6 +115,9 @@ class RepositoryImpl {
  private:
   std::unique_ptr<ChunkFetcher> fetcher_;
   std::mutex sync_mu_;
+  // Packs listed by the last sync whose indexes are not in the catalog yet
+  // (guarded by sync_mu_).
+  std::vector<std::string> unindexed_packs_;
 };
 
 // Reads a chunk by location lookup, without caching.

@@ -53,6 +53,33 @@ TEST_P(ObjectLocks, SharedLocksCoexistAndExcludeAnExclusiveOne) {
   EXPECT_TRUE(ListObjectLocks(*backend_, Options("x"))->empty());
 }
 
+TEST_P(ObjectLocks, TakingASharedLockReadsNoOtherSharedLock) {
+  // Saves on many hosts take shared locks at once: each must cost a fixed
+  // number of requests, not one per save in flight.
+  std::vector<std::unique_ptr<ObjectLock>> held;
+  for (int i = 0; i < 8; ++i) {
+    auto l = ObjectLock::Acquire(*backend_, Mode::kShared, Options("saver " + std::to_string(i)));
+    ASSERT_OK(l);
+    held.push_back(std::move(l).value());
+  }
+  const RequestCounts before = backend_->Requests();
+  if (before.total() == 0) GTEST_SKIP() << "this backend counts no requests";
+  auto mine = ObjectLock::Acquire(*backend_, Mode::kShared, Options("saver 8"));
+  ASSERT_OK(mine);
+  const RequestCounts cost = backend_->Requests() - before;
+  EXPECT_EQ(cost.put, 1u);
+  EXPECT_EQ(cost.list, 1u);
+  EXPECT_EQ(cost.get, 0u);
+  // An exclusive lock elsewhere is still seen (its object is read).
+  held.clear();
+  mine->reset();
+  auto gc = ObjectLock::Acquire(*backend_, Mode::kExclusive, Options("gc"));
+  ASSERT_OK(gc);
+  auto late = ObjectLock::Acquire(*backend_, Mode::kShared, Options("late saver"));
+  ASSERT_EQ(late.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(late.status().message().find("exclusive lock of gc"), std::string::npos) << late.status().message();
+}
+
 TEST_P(ObjectLocks, AWaiterGetsTheLockWhenItsHolderLetsGo) {
   auto saver = ObjectLock::Acquire(*backend_, Mode::kShared, Options("saver"));
   ASSERT_OK(saver);

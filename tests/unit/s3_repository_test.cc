@@ -118,13 +118,49 @@ TEST_F(S3Repository, AHostsSyncDoesNotReadTheRanksOfCheckpointsInFlight) {
   for (uint32_t r = 1; r < 7; ++r) ASSERT_OK(SaveRows(*a, "s", r, 8, w, rows, cols));  // one pack each
   requests = 0;
   ASSERT_OK(b->Refresh());
-  // LIST pending/, manifests/, packs/; then per new pack its size, header
-  // and tail (ReadPackIndex); no rank object.
-  EXPECT_EQ(requests.load(), 3 + 6 * 3);
+  // LIST pending/, manifests/, packs/: no rank object, and no index of the
+  // new packs (read when a checkpoint is opened).
+  EXPECT_EQ(requests.load(), 3);
   auto pending = b->ListCheckpoints(true).value();
   ASSERT_EQ(pending.size(), 1u);
   EXPECT_EQ(pending[0].committed_ranks, (std::vector<uint32_t>{0, 1, 2, 3, 4, 5, 6}));
   EXPECT_EQ(pending[0].state, CheckpointState::kPending);
+}
+
+TEST_F(S3Repository, ASaveReadsNoIndexOfOtherHostsPacksAndAReaderReadsThemOnce) {
+  // At every step each rank would otherwise read the new packs of every
+  // other rank: requests per rank growing with the world size.
+  const uint64_t rows = 8, cols = 1024;
+  auto w = RandomBytes(rows * cols * 4, 11);
+  auto a = Host("a"), b = Host("b");
+  ASSERT_TRUE(a && b);
+  for (uint32_t r = 0; r < 4; ++r) ASSERT_OK(SaveRows(*a, "step-1", r, 4, w, rows, cols));  // 4 packs
+  // b's next save, as one rank of two: a shared lock, a sync (LISTs, and
+  // a GET of the new manifest), its pack, its rank record, a LIST of the
+  // ranks in; no GET of a's 4 packs. (The last rank in, which commits,
+  // reads the packs: the committer's cost grows with the ranks.)
+  const RequestCounts before = b->store_requests();
+  ASSERT_OK(SaveRows(*b, "b-step-1", 0, 2, w, rows, cols));
+  const RequestCounts save = b->store_requests() - before;
+  EXPECT_EQ(save.get, 1u) << "only the new manifest";
+  EXPECT_LE(save.total(), 16u);
+  // Reading a's checkpoint reads a's pack indexes once (3 requests each).
+  RequestCounts mark = b->store_requests();
+  auto reader = b->OpenCheckpoint("step-1");
+  ASSERT_OK(reader);
+  EXPECT_EQ((b->store_requests() - mark).total(), 4u * 3);
+  std::vector<std::byte> out(w.size());
+  ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, out));
+  EXPECT_EQ(out, w);
+  mark = b->store_requests();
+  ASSERT_OK(b->OpenCheckpoint("step-1"));
+  EXPECT_EQ((b->store_requests() - mark).total(), 0u);
+  // verify on a host that never read them finds every chunk.
+  auto c = Host("c");
+  auto report = c->Verify(std::nullopt);
+  ASSERT_OK(report);
+  EXPECT_TRUE(report->ok());
+  EXPECT_EQ(report->checkpoints, 1u);  // b-step-1 waits for its second rank
 }
 
 TEST_F(S3Repository, GcOnAHostThatNeverSawAPendingCheckpointKeepsItsRanks) {
