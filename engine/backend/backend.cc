@@ -75,6 +75,15 @@ class MemoryBackend final : public Backend {
     return std::unique_ptr<ObjectWriter>(new Writer(this, std::string(key)));
   }
 
+  Status PutIfAbsent(std::string_view key, std::span<const std::byte> data) override {
+    if (!IsValidObjectKey(key)) return Status::InvalidArgument("invalid object key '" + std::string(key) + "'");
+    std::lock_guard lock(mu_);
+    auto [it, added] = objects_.try_emplace(std::string(key));
+    if (!added) return Status::AlreadyExists("object '" + std::string(key) + "' exists");
+    it->second = std::make_shared<const std::string>(reinterpret_cast<const char*>(data.data()), data.size());
+    return Status::OK();
+  }
+
   Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) override {
     CKPT_ASSIGN_OR_RETURN(auto obj, Get(key));
     if (offset > obj->size() || out.size() > obj->size() - offset) {

@@ -66,6 +66,9 @@ class Backend {
   virtual Result<std::unique_ptr<ObjectWriter>> Create(std::string_view key) = 0;
   // Create + Append + Commit.
   virtual Status Put(std::string_view key, std::span<const std::byte> data);
+  // Put only if no object has the key: AlreadyExists, and nothing changed,
+  // when one has. Of writers racing on one key exactly one succeeds.
+  virtual Status PutIfAbsent(std::string_view key, std::span<const std::byte> data) = 0;
   virtual Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) = 0;
   // Whole object.
   virtual Result<std::string> ReadAll(std::string_view key);

@@ -59,7 +59,7 @@ Status DurableFile::Append(std::span<const std::byte> data) {
   return Status::OK();
 }
 
-Status DurableFile::Commit() {
+Status DurableFile::Commit(bool replace) {
   if (fd_ < 0) return Status::FailedPrecondition("file " + final_path_ + " is already finished");
   if (::fdatasync(fd_) != 0) {
     Status st = Status::FromErrno(errno, "fsync of " + tmp_path_);
@@ -69,7 +69,14 @@ Status DurableFile::Commit() {
   ::close(fd_);
   fd_ = -1;
   CrashPoint();
-  if (::rename(tmp_path_.c_str(), final_path_.c_str()) != 0) {
+  if (!replace) {
+    // link(2) fails when the name exists: of racing writers one wins.
+    const int linked = ::link(tmp_path_.c_str(), final_path_.c_str());
+    const int err = errno;
+    ::unlink(tmp_path_.c_str());
+    if (linked != 0 && err == EEXIST) return Status::AlreadyExists(final_path_ + " exists");
+    if (linked != 0) return Status::FromErrno(err, "linking " + tmp_path_ + " to " + final_path_);
+  } else if (::rename(tmp_path_.c_str(), final_path_.c_str()) != 0) {
     Status st = Status::FromErrno(errno, "renaming " + tmp_path_ + " to " + final_path_);
     ::unlink(tmp_path_.c_str());
     return st;

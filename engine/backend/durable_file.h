@@ -28,7 +28,9 @@ class DurableFile {
   DurableFile& operator=(const DurableFile&) = delete;
 
   Status Append(std::span<const std::byte> data);
-  Status Commit();
+  // Commit; with `replace` false, AlreadyExists (and nothing changed) when
+  // the final path exists: the file is linked into place, not renamed.
+  Status Commit(bool replace = true);
   void Abort();
   uint64_t size() const { return size_; }
 

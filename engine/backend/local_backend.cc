@@ -58,6 +58,19 @@ class LocalBackend final : public Backend {
     return std::unique_ptr<ObjectWriter>(new Writer(std::move(file)));
   }
 
+  Status PutIfAbsent(std::string_view key, std::span<const std::byte> data) override {
+    CKPT_RETURN_IF_ERROR(CheckKey(key));
+    std::string path = Path(key);
+    std::string dir = path.substr(0, path.rfind('/'));
+    CKPT_RETURN_IF_ERROR(MakeDirs(dir));
+    CKPT_ASSIGN_OR_RETURN(auto file, DurableFile::Create(path, dir + "/.tmp-" + RandomHex(16)));
+    CKPT_RETURN_IF_ERROR(file->Append(data));
+    EvictFd(path);
+    Status st = file->Commit(/*replace=*/false);
+    if (st.IsAlreadyExists()) return Status::AlreadyExists("object '" + std::string(key) + "' exists in " + Describe());
+    return st;
+  }
+
   Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) override {
     CKPT_RETURN_IF_ERROR(CheckKey(key));
     CKPT_ASSIGN_OR_RETURN(auto file, OpenFd(Path(key)));

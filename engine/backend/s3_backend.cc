@@ -130,6 +130,7 @@ struct Request {
   std::optional<std::pair<uint64_t, uint64_t>> range;  // inclusive byte range
   std::span<std::byte> into;                           // ranged reads land here
   bool read_into = false;
+  bool if_none_match = false;  // PUT only when no object has the key (412 otherwise)
 };
 
 struct Sink {
@@ -352,6 +353,7 @@ class S3Client {
           headers, ("Range: bytes=" + std::to_string(req.range->first) + "-" + std::to_string(req.range->second)).c_str());
     }
     if (req.has_body) headers = curl_slist_append(headers, "Content-Type: application/octet-stream");
+    if (req.if_none_match) headers = curl_slist_append(headers, "If-None-Match: *");
     Sink sink{resp, req.into, req.read_into, h};
     curl_easy_setopt(h, CURLOPT_URL, url.c_str());
     curl_easy_setopt(h, CURLOPT_AWS_SIGV4, sigv4_.c_str());
@@ -520,6 +522,27 @@ class S3Backend final : public Backend {
   Status Put(std::string_view key, std::span<const std::byte> data) override {
     CKPT_RETURN_IF_ERROR(CheckKey(key));
     return client_->Call(WithBody(MakeRequest("PUT", client_->ObjectPath(key)), data), Quoted(key)).status();
+  }
+
+  // A conditional PUT (If-None-Match: *; AWS S3 and Ceph RGW honour it).
+  // 412: the key exists. 409: a conditional write to the key raced this
+  // one; asked again, the store answers 412 or takes it. When an attempt's
+  // answer is lost and a retry finds the object, the answer is
+  // AlreadyExists although that object may be this call's own.
+  Status PutIfAbsent(std::string_view key, std::span<const std::byte> data) override {
+    CKPT_RETURN_IF_ERROR(CheckKey(key));
+    Request req = WithBody(MakeRequest("PUT", client_->ObjectPath(key)), data);
+    req.if_none_match = true;
+    for (int attempt = 0;; ++attempt) {
+      CKPT_ASSIGN_OR_RETURN(Response r, client_->Perform(req));
+      if (r.status == 412) return Status::AlreadyExists(Quoted(key) + " exists in " + client_->Where());
+      if (r.status == 409 && attempt < client_->options().max_retries) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20 << std::min(attempt, 5)));
+        continue;
+      }
+      if (r.status < 200 || r.status >= 300) return client_->ErrorOf(req, r, Quoted(key));
+      return Status::OK();
+    }
   }
 
   Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) override {

@@ -37,6 +37,7 @@ bool ParseManifestObject(const std::string& key, std::string* checkpoint) {
   return ValidateCheckpointName(*checkpoint).ok();
 }
 std::string PendingPrefix(const std::string& checkpoint) { return std::string(kPendingPrefix) + checkpoint + "/"; }
+std::string CommitClaimObject(const std::string& checkpoint) { return PendingPrefix(checkpoint) + "commit"; }
 std::string PendingRankObject(const std::string& checkpoint, uint32_t rank) {
   return PendingPrefix(checkpoint) + "rank-" + std::to_string(rank);
 }

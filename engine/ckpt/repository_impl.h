@@ -32,6 +32,8 @@ inline constexpr const char* kPackPrefix = "packs/";
 inline constexpr const char* kPendingPrefix = "pending/";
 std::string PendingPrefix(const std::string& checkpoint);  // "pending/NAME/"
 std::string PendingRankObject(const std::string& checkpoint, uint32_t rank);
+// Written (if absent) by the one rank that commits a checkpoint on an object store.
+std::string CommitClaimObject(const std::string& checkpoint);  // "pending/NAME/commit"
 bool ParsePendingRankObject(const std::string& key, std::string* checkpoint, uint32_t* rank);
 }  // namespace keys
 

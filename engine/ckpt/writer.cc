@@ -20,6 +20,7 @@
 #include "ckpt/repository.h"
 #include "ckpt/repo_lock.h"
 #include "ckpt/repository_impl.h"
+#include "core/random.h"
 #include "core/thread_pool.h"
 #include "core/encoding.h"
 
@@ -548,10 +549,18 @@ Result<WriterImpl::CommitView> WriterImpl::ReadCommitView() {
 }
 
 Result<Manifest> WriterImpl::MergeRanks(const CommitView& view) {
-  // Chunks this rank stored are not in the catalog yet; the others' are.
-  DirectFetcher fetcher(repo_->backend.get(), [this](const ChunkId& id) -> Result<ChunkLocation> {
+  // Chunks this rank stored are not in the catalog yet; the others' are,
+  // locally. On an object store the other ranks' packs are indexed only
+  // when the check of an overlap needs their bytes: most merges read none.
+  std::once_flag indexed;
+  Status index_status;
+  DirectFetcher fetcher(repo_->backend.get(), [&](const ChunkId& id) -> Result<ChunkLocation> {
     auto it = stored_.find(id);
     if (it != stored_.end()) return it->second;
+    auto loc = repo_->LookupChunk(id);
+    if (!repo_->remote || !loc.status().IsNotFound()) return loc;
+    std::call_once(indexed, [&] { index_status = repo_->Sync(RepositoryImpl::SyncScope::kPacks).status(); });
+    CKPT_RETURN_IF_ERROR(index_status);
     return repo_->LookupChunk(id);
   });
   Manifest manifest;
@@ -667,22 +676,22 @@ Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, Commit
 //   2. Its record is PUT as pending/NAME/rank-R: its part is durable.
 //   3. It LISTs pending/NAME/. Fewer than world-size ranks: done, the
 //      checkpoint stays invisible. All of them: this rank commits.
-//   4. Commit: read every rank's record, sync the packs into the catalog
-//      (the other ranks' chunks), merge and check the tiling, PUT the
-//      manifest: the checkpoint is visible on every host from this PUT on.
+//   4. Commit: read every rank's record, merge and check the tiling (an
+//      overlap whose bytes must be compared syncs the packs first: every
+//      pack a record names was durable before the record, so that listing
+//      has it), PUT the manifest if none exists: the checkpoint is visible
+//      on every host from this PUT on.
 //   5. Delete the rank objects (leftovers are ignored once the manifest
 //      exists, and removed by rm).
-// Two ranks finishing together may both see every rank and both commit;
-// they write the same checkpoint, and the later PUT replaces the earlier.
+// Ranks finishing together may all see every rank and all merge; the
+// manifest is written with a conditional PUT (If-None-Match), so exactly one
+// of them commits and the others stand down.
 
 Result<Manifest> WriterImpl::MergeStoredRanks() {
   const uint32_t n = options_.world_size;
   std::vector<Result<PendingRank>> objects(n, Status::Internal("not read"));
   ParallelFor(n, kStoreRequestsInFlight,
               [&](size_t r) { objects[r] = ReadPendingRank(*repo_->backend, name_, static_cast<uint32_t>(r)); });
-  // Every pack these records refer to was durable before its record was
-  // written: the packs listing taken now has them all.
-  CKPT_RETURN_IF_ERROR(repo_->Sync(RepositoryImpl::SyncScope::kPacks).status());
   CommitView view;
   view.checkpoint.name = name_;
   view.checkpoint.world_size = n;
@@ -755,18 +764,40 @@ Status WriterImpl::CommitToStore(const std::vector<SealedPack>& sealed, CommitRe
   }
   if (ranks.size() < options_.world_size) return Status::OK();
 
+  // Ranks finishing together may all see every rank in: the one whose
+  // claim lands first (a conditional PUT) commits, the others are done.
+  // The claim names this attempt, so an answer lost on the way and a retry
+  // that finds the object still tell whose claim it is.
+  const std::string claim_key = keys::CommitClaimObject(name_);
+  const std::string claim = "rank " + std::to_string(options_.rank) + " " + RandomHex(16);
+  Status claimed = store.PutIfAbsent(claim_key, std::as_bytes(std::span(claim)));
+  if (claimed.IsAlreadyExists()) {
+    auto holder = store.ReadAll(claim_key);
+    if (!holder.ok() && !holder.status().IsNotFound()) return holder.status();
+    if (!holder.ok() || *holder != claim) return Status::OK();  // another rank commits (or did)
+  } else {
+    CKPT_RETURN_IF_ERROR(claimed);
+  }
+  const std::string manifest_key = keys::ManifestObject(name_);
   CKPT_ASSIGN_OR_RETURN(Manifest manifest, MergeStoredRanks());
   CKPT_RETURN_IF_ERROR(store_lock_->Check());
-  CKPT_RETURN_IF_ERROR(WriteManifest(manifest));
+  const std::string manifest_bytes = EncodeManifest(manifest);
+  Status put = store.PutIfAbsent(manifest_key, std::as_bytes(std::span(manifest_bytes)));
+  // Exists: this PUT's own, its answer lost and retried.
+  if (put.IsAlreadyExists()) return Status::OK();
+  CKPT_RETURN_IF_ERROR(put);
   result->checkpoint_visible = true;
   // The checkpoint is committed: what follows is tidying, and its failure
   // (the store going away now) does not undo the commit. Rank objects left
   // behind are ignored by sync and removed by rm; the next sync brings the
   // checkpoint into this host's catalog.
-  for (uint32_t r = 0; r < options_.world_size; ++r) {
-    Status st = store.Delete(keys::PendingRankObject(name_, r));
-    if (!st.ok() && !st.IsNotFound()) break;
-  }
+  std::atomic<bool> failing{false};
+  ParallelFor(options_.world_size, kStoreRequestsInFlight, [&](size_t r) {
+    if (failing) return;
+    Status st = store.Delete(keys::PendingRankObject(name_, static_cast<uint32_t>(r)));
+    if (!st.ok() && !st.IsNotFound()) failing = true;
+  });
+  if (!failing) (void)store.Delete(claim_key);
   (void)repo_->Sync();
   return Status::OK();
 }

@@ -61,6 +61,7 @@ class [[nodiscard]] Status {
   Status WithContext(std::string_view context) const;
 
   bool IsNotFound() const { return code() == StatusCode::kNotFound; }
+  bool IsAlreadyExists() const { return code() == StatusCode::kAlreadyExists; }
   bool IsCorruption() const { return code() == StatusCode::kCorruption; }
 
  private:

@@ -76,6 +76,33 @@ TEST_P(BackendConformance, PutReplacesAtomically) {
   EXPECT_EQ(*backend_->ReadAll("k"), "newer");
 }
 
+TEST_P(BackendConformance, PutIfAbsentNeverReplacesAndOneOfRacingWritersWins) {
+  ASSERT_OK(backend_->PutIfAbsent("m/k", AsBytes("first")));
+  Status again = backend_->PutIfAbsent("m/k", AsBytes("second"));
+  EXPECT_TRUE(again.IsAlreadyExists()) << again.ToString();
+  EXPECT_EQ(*backend_->ReadAll("m/k"), "first");
+  // Racing writers of one key: exactly one wins, and its bytes are there.
+  constexpr int kWriters = 12;
+  std::vector<Status> results(kWriters);
+  std::vector<std::thread> writers;
+  for (int i = 0; i < kWriters; ++i) {
+    writers.emplace_back([&, i] { results[i] = backend_->PutIfAbsent("m/race", AsBytes("writer " + std::to_string(i))); });
+  }
+  for (auto& t : writers) t.join();
+  int winner = -1, wins = 0;
+  for (int i = 0; i < kWriters; ++i) {
+    if (results[i].ok()) {
+      winner = i;
+      ++wins;
+    } else {
+      EXPECT_TRUE(results[i].IsAlreadyExists()) << results[i].ToString();
+    }
+  }
+  ASSERT_EQ(wins, 1);
+  EXPECT_EQ(*backend_->ReadAll("m/race"), "writer " + std::to_string(winner));
+  EXPECT_EQ(*backend_->List("m/"), (std::vector<std::string>{"m/k", "m/race"}));  // no temporary left
+}
+
 TEST_P(BackendConformance, ListIsSortedAndFilteredByPrefix) {
   for (const char* k : {"packs/b", "packs/a", "manifests/x.manifest", "packsx", "packs/sub/c"}) {
     ASSERT_OK(backend_->Put(k, AsBytes("1")));

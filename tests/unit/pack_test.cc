@@ -194,6 +194,7 @@ TEST(Pack, FailedAppendIsStickyAndSealsNothing) {
       CKPT_ASSIGN_OR_RETURN(auto w, inner->Create(key));
       return std::unique_ptr<ObjectWriter>(new W(std::move(w)));
     }
+    Status PutIfAbsent(std::string_view k, std::span<const std::byte> d) override { return inner->PutIfAbsent(k, d); }
     Status ReadRange(std::string_view k, uint64_t o, std::span<std::byte> out) override { return inner->ReadRange(k, o, out); }
     Result<uint64_t> Size(std::string_view k) override { return inner->Size(k); }
     Result<std::vector<std::string>> List(std::string_view p) override { return inner->List(p); }

@@ -1,0 +1,440 @@
+// Checkpoints on S3 through the repository, against plain S3 transfers of
+// the same bytes to the same server in the same run:
+//
+//   save: LLM-like state (llm_state.h) saved by several ranks, each a
+//         "host" with its own catalog, from the first put to the checkpoint
+//         visible; against s3cmd's multipart upload of the same bytes.
+//   load: a host that has never seen the repository opens it and loads the
+//         checkpoint at another world size (every byte checked); against a
+//         download of the same bytes with ranged GETs (4 MiB, several
+//         threads) and with s3cmd get, the faster of the two.
+//   scale: 1, 8, 32, 64 ranks (each its own host) save small shards of one
+//         tensor, three steps in a row; S3 requests per rank and commit
+//         latency: the last rank commits after all others are in, and its
+//         commit call (its own part, then the merge of all N) is timed.
+//
+//   eval "$(tools/s3-server.sh start /tmp/s3)"
+//   build/tools/s3_checkpoint_bench --gib 0.5 --runs 3
+//
+// The server comes from AWS_ENDPOINT_URL and the credentials from
+// AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; s3cmd (Debian package) must be
+// on PATH for the save and load part.
+#include <unistd.h>
+
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend/s3_backend.h"
+#include "bench_util.h"
+#include "ckpt/repository.h"
+#include "llm_state.h"
+
+using namespace ckptfs;
+using bench::Check;
+using bench::Median;
+using bench::Seconds;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr const char* kBucket = "ckptfs-bench";
+
+struct Options {
+  double gib = 0.5;
+  int runs = 3;
+  int save_ranks = 4;
+  int load_ranks = 3;
+  int get_threads = 8;
+  std::vector<int> scale = {1, 8, 32, 64};
+  int steps = 3;
+  bool transfers = true;
+  std::string dir = "/tmp";
+};
+
+std::vector<int> ParseList(const std::string& s) {
+  std::vector<int> out;
+  size_t pos = 0;
+  while (pos <= s.size()) {
+    size_t comma = s.find(',', pos);
+    if (comma == std::string::npos) comma = s.size();
+    if (comma > pos) out.push_back(std::atoi(s.substr(pos, comma - pos).c_str()));
+    pos = comma + 1;
+  }
+  return out;
+}
+
+// Removes every object under the prefix (the server keeps data in memory).
+void RemovePrefix(const S3Options& s3, const std::string& prefix) {
+  auto backend = OpenS3Backend({kBucket, prefix}, s3);
+  if (!backend.ok()) return;
+  auto keys = (*backend)->List("");
+  if (!keys.ok()) return;
+  for (const auto& k : *keys) (void)(*backend)->Delete(k);
+}
+
+std::unique_ptr<Repository> OpenHost(const std::string& url, const std::string& cache_dir, const S3Options& s3,
+                                     size_t threads) {
+  OpenOptions o;
+  o.cache_dir = cache_dir;
+  o.s3 = s3;
+  o.threads = threads;
+  if (threads == 1) o.cache_bytes = 16 << 20;
+  auto r = Repository::Open(url, o);
+  Check(r.status(), "open repository");
+  return std::move(r).value();
+}
+
+// ---- save and load against plain transfers ----
+
+void TransferRuns(const Options& o, const S3Options& s3) {
+  auto state = bench::BuildState(o.gib);
+  uint64_t total = 0;
+  for (const auto& t : state) total += t.bytes.size();
+  std::printf("state: %zu tensors, %.2f GiB; save %d ranks (hosts), load %d ranks on a new host; server %s\n",
+              state.size(), total / double(1 << 30), o.save_ranks, o.load_ranks, s3.endpoint.c_str());
+  const std::string work = o.dir + "/ckptfs-s3-bench-" + std::to_string(::getpid());
+  std::filesystem::create_directories(work);
+  const std::string raw = work + "/raw.bin";
+  {
+    std::vector<std::span<const std::byte>> parts;
+    for (const auto& t : state) parts.emplace_back(t.bytes);
+    bench::TimedWrite(raw, parts);
+  }
+  const std::string host = s3.endpoint.substr(s3.endpoint.find("://") + 3);
+  const std::string s3cmd = "s3cmd --no-ssl --host=" + host + " --host-bucket=" + host + " --access_key=" +
+                            s3.access_key + " --secret_key=" + s3.secret_key + " --region=" + s3.region +
+                            " --no-check-md5 -q";
+  bench::RunFigures fig;
+  for (int run = 0; run < o.runs; ++run) {
+    const std::string prefix = "ckpt-bench-" + std::to_string(::getpid()) + "-" + std::to_string(run);
+    const std::string url = std::string("s3://") + kBucket + "/" + prefix;
+    RepositoryConfig config;
+    Check(Repository::Init(url, config), "init");
+    // Each rank a host of its own; opened before the clock starts, as a
+    // training job opens its repository once.
+    std::vector<std::unique_ptr<Repository>> hosts;
+    for (int r = 0; r < o.save_ranks; ++r) {
+      hosts.push_back(OpenHost(url, work + "/run" + std::to_string(run) + "-host" + std::to_string(r), s3, 0));
+    }
+    std::vector<std::vector<std::vector<std::byte>>> parts(o.save_ranks);
+    for (int r = 0; r < o.save_ranks; ++r) {
+      for (const auto& t : state) {
+        Region region = bench::RankRegion(t, r, o.save_ranks);
+        parts[r].push_back(region.kind == Region::Kind::kBox ? bench::Extract(t, region) : std::vector<std::byte>{});
+      }
+    }
+    auto t0 = Clock::now();
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < o.save_ranks; ++r) {
+      ranks.emplace_back([&, r] {
+        auto w = std::move(hosts[r]->BeginCheckpoint("step-1", {uint32_t(r), uint32_t(o.save_ranks), 1, {}})).value();
+        for (size_t i = 0; i < state.size(); ++i) {
+          const auto& t = state[i];
+          Region region = bench::RankRegion(t, r, o.save_ranks);
+          const uint64_t e = DTypeSize(t.info.dtype);
+          HostSource src(region.kind == Region::Kind::kFlat
+                             ? std::span<const std::byte>(t.bytes.data() + region.flat.start * e, region.flat.size() * e)
+                             : std::span<const std::byte>(parts[r][i]));
+          Check(w->PutShard(t.info, region, src), "put");
+        }
+        Check(w->Commit().Wait().status(), "commit");
+      });
+    }
+    for (auto& t : ranks) t.join();
+    const double ts = Seconds(t0);
+    hosts.clear();
+    parts.clear();
+
+    t0 = Clock::now();
+    const std::string raw_key = prefix + "-raw/raw.bin";
+    if (std::system((s3cmd + " put " + raw + " s3://" + kBucket + "/" + raw_key).c_str()) != 0) {
+      std::fprintf(stderr, "s3cmd put failed\n");
+      std::exit(1);
+    }
+    const double tput = Seconds(t0);
+
+    // Load on a host that has never seen the repository: open (its catalog
+    // is built from the store) and read at another world size.
+    std::vector<std::vector<std::vector<std::byte>>> loaded(o.load_ranks);
+    for (int r = 0; r < o.load_ranks; ++r) {
+      for (const auto& t : state) {
+        loaded[r].emplace_back(bench::RankRegion(t, r, o.load_ranks).NumElements() * DTypeSize(t.info.dtype),
+                               std::byte{1});
+      }
+    }
+    t0 = Clock::now();
+    auto reader_host = OpenHost(url, work + "/run" + std::to_string(run) + "-reader", s3, 0);
+    auto reader = std::move(reader_host->OpenCheckpoint("step-1")).value();
+    std::vector<std::thread> loaders;
+    for (int r = 0; r < o.load_ranks; ++r) {
+      loaders.emplace_back([&, r] {
+        for (size_t i = 0; i < state.size(); ++i) {
+          const auto& t = state[i];
+          Region region = bench::RankRegion(t, r, o.load_ranks);
+          const TensorRecord* rec = reader->FindTensor(t.info.name);
+          if (region.kind == Region::Kind::kFlat) {
+            Check(reader->ReadFlat(*rec, region.flat, loaded[r][i]), "load");
+          } else {
+            Check(reader->ReadBox(*rec, region.box, loaded[r][i]), "load");
+          }
+        }
+      });
+    }
+    for (auto& t : loaders) t.join();
+    const double tl = Seconds(t0);
+    const RequestCounts load_requests = reader_host->store_requests();
+    const uint64_t stored = std::move(reader->StoredBytes()).value().total;
+    reader.reset();
+    reader_host.reset();
+    for (int r = 0; r < o.load_ranks; ++r) {
+      for (size_t i = 0; i < state.size(); ++i) {
+        if (loaded[r][i] != bench::Extract(state[i], bench::RankRegion(state[i], r, o.load_ranks))) {
+          std::fprintf(stderr, "MISMATCH: rank %d tensor %s\n", r, state[i].info.name.c_str());
+          std::exit(1);
+        }
+      }
+    }
+    loaded.clear();
+
+    // The same bytes downloaded: 4 MiB ranged GETs from several threads,
+    // and s3cmd get.
+    auto raw_backend = std::move(OpenS3Backend({kBucket, prefix + "-raw"}, s3)).value();
+    std::vector<std::byte> out(total);
+    t0 = Clock::now();
+    {
+      std::vector<std::thread> pool;
+      for (int t = 0; t < o.get_threads; ++t) {
+        pool.emplace_back([&, t] {
+          for (uint64_t off = uint64_t(t) << 22; off < total; off += uint64_t(o.get_threads) << 22) {
+            const uint64_t n = std::min<uint64_t>(4 << 20, total - off);
+            Check(raw_backend->ReadRange("raw.bin", off, {out.data() + off, n}), "ranged GET");
+          }
+        });
+      }
+      for (auto& th : pool) th.join();
+    }
+    const double tget = Seconds(t0);
+    t0 = Clock::now();
+    if (std::system((s3cmd + " get --force s3://" + kBucket + "/" + raw_key + " - > /dev/null").c_str()) != 0) {
+      std::fprintf(stderr, "s3cmd get failed\n");
+      std::exit(1);
+    }
+    const double tcget = Seconds(t0);
+    const double tdown = std::min(tget, tcget);
+    RemovePrefix(s3, prefix);
+    RemovePrefix(s3, prefix + "-raw");
+
+    const double mb = total / 1e6;
+    std::printf("run %d: save %.0f MB/s, s3cmd put %.0f MB/s (%.2fx), stored %.3f of the bytes; load %.0f MB/s "
+                "(%llu requests), ranged GETs %.0f MB/s, s3cmd get %.0f MB/s (%.2fx the faster); bytes checked\n",
+                run + 1, mb / ts, mb / tput, tput / ts, double(stored) / total, mb / tl,
+                static_cast<unsigned long long>(load_requests.total()), mb / tget, mb / tcget, tdown / tl);
+    std::fflush(stdout);
+    fig.Add("save", mb / ts);
+    fig.Add("put", mb / tput);
+    fig.Add("save_ratio", tput / ts);
+    fig.Add("load", mb / tl);
+    fig.Add("get", mb / tget);
+    fig.Add("cmd_get", mb / tcget);
+    fig.Add("load_ratio", tdown / tl);
+    fig.Add("stored", double(stored) / total);
+  }
+  std::filesystem::remove_all(work);
+  std::printf("\nmedian of %d runs:\n", o.runs);
+  std::printf("  save (%d hosts)        %6.0f MB/s   ratio to s3cmd put %.2f   (target >= 0.8)\n", o.save_ranks,
+              fig.Median("save"), fig.Median("save_ratio"));
+  std::printf("  s3cmd put (multipart)  %6.0f MB/s   (the save uploads %.3f of the bytes: compressed)\n",
+              fig.Median("put"), fig.Median("stored"));
+  std::printf("  resharded load         %6.0f MB/s   ratio to the faster download %.2f   (target >= 0.8)\n",
+              fig.Median("load"), fig.Median("load_ratio"));
+  std::printf("  ranged GETs, %d threads %6.0f MB/s\n", o.get_threads, fig.Median("get"));
+  std::printf("  s3cmd get              %6.0f MB/s\n\n", fig.Median("cmd_get"));
+}
+
+// ---- scale ----
+
+struct RankStep {
+  RequestCounts requests;
+  Clock::time_point commit_start, commit_end;
+  bool committed = false;
+};
+
+struct ScaleFigures {
+  int ranks;
+  double requests_per_rank;  // median over steps of the median over ranks that did not commit
+  double committer_requests;
+  double latency_ms;         // median over steps
+};
+
+ScaleFigures ScaleRun(const Options& o, const S3Options& s3, int n) {
+  std::vector<double> step_requests, step_committer, step_latency;
+  const std::string prefix = "ckpt-scale-" + std::to_string(::getpid()) + "-" + std::to_string(n);
+  const std::string url = std::string("s3://") + kBucket + "/" + prefix;
+  const std::string work = o.dir + "/ckptfs-s3-scale-" + std::to_string(::getpid());
+  RepositoryConfig config;
+  Check(Repository::Init(url, config), "init");
+  std::vector<std::unique_ptr<Repository>> hosts(n);
+  {
+    std::vector<std::thread> openers;
+    for (int r = 0; r < n; ++r) {
+      openers.emplace_back([&, r] { hosts[r] = OpenHost(url, work + "/" + std::to_string(n) + "-" + std::to_string(r), s3, 1); });
+    }
+    for (auto& t : openers) t.join();
+  }
+  // Rank r holds rows [16r, 16r+16) of a [16n, 1024] fp32 tensor: 64 KiB,
+  // new bytes at every step.
+  const uint64_t rows = 16, cols = 1024;
+  const TensorInfo info{"w", DType::kF32, {rows * n, cols}};
+  for (int step = 1; step <= o.steps; ++step) {
+    std::vector<RankStep> result(n);
+    std::barrier sync(n);
+    auto t0 = Clock::now();
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < n; ++r) {
+      ranks.emplace_back([&, r] {
+        std::vector<std::byte> data(rows * cols * 4);
+        bench::Rng rng{uint64_t(step) * 1000003 + uint64_t(r)};
+        for (size_t i = 0; i + 8 <= data.size(); i += 8) {
+          uint64_t v = rng.Next();
+          std::memcpy(&data[i], &v, 8);
+        }
+        sync.arrive_and_wait();
+        const RequestCounts before = hosts[r]->store_requests();
+        auto w = std::move(hosts[r]->BeginCheckpoint("step-" + std::to_string(step),
+                                                     {uint32_t(r), uint32_t(n), step, {}}))
+                     .value();
+        HostSource src(data);
+        Check(w->PutShard(info, Region::OfBox(Box{{rows * r, 0}, {rows, cols}}), src), "put");
+        // The last rank commits once all others are in, alone: its commit
+        // is the latency from the last rank done to the checkpoint visible.
+        const bool last = r == n - 1;
+        if (last) sync.arrive_and_wait();
+        result[r].commit_start = Clock::now();
+        auto done = w->Commit().Wait();
+        result[r].commit_end = Clock::now();
+        if (!last) sync.arrive_and_wait();
+        Check(done.status(), "commit");
+        result[r].committed = done->checkpoint_visible;
+        result[r].requests = hosts[r]->store_requests() - before;
+      });
+    }
+    for (auto& t : ranks) t.join();
+    const double wall = Seconds(t0);
+    Clock::time_point last_start = result[0].commit_start, last_end = result[0].commit_end;
+    std::vector<double> others;
+    double committer = 0, max_other = 0;
+    int committers = 0;
+    RequestCounts committer_counts;
+    for (const auto& s : result) {
+      last_start = std::max(last_start, s.commit_start);
+      last_end = std::max(last_end, s.commit_end);
+      if (s.committed) {
+        ++committers;
+        committer = std::max(committer, double(s.requests.total()));
+        committer_counts = s.requests;
+      } else {
+        others.push_back(double(s.requests.total()));
+        max_other = std::max(max_other, double(s.requests.total()));
+      }
+    }
+    (void)last_start;
+    const auto& final_rank = result[n - 1];
+    const double latency_ms =
+        std::chrono::duration<double, std::milli>(final_rank.commit_end - final_rank.commit_start).count();
+    std::printf("%3d ranks, step %d: requests per rank %5.1f median, %3.0f max (ranks that did not commit); "
+                "committer %4.0f (GET %llu, LIST %llu, PUT %llu, DELETE %llu, HEAD %llu); "
+                "commit latency %7.1f ms; step %.2f s; %d committer(s)\n",
+                n, step, others.empty() ? 0.0 : Median(others), max_other, committer,
+                static_cast<unsigned long long>(committer_counts.get), static_cast<unsigned long long>(committer_counts.list),
+                static_cast<unsigned long long>(committer_counts.put), static_cast<unsigned long long>(committer_counts.del),
+                static_cast<unsigned long long>(committer_counts.head), latency_ms, wall, committers);
+    std::fflush(stdout);
+    step_requests.push_back(others.empty() ? committer : Median(others));
+    step_committer.push_back(committer);
+    step_latency.push_back(latency_ms);
+  }
+  // Every step is visible, complete, on a host that saw none of it.
+  auto fresh = OpenHost(url, work + "/" + std::to_string(n) + "-fresh", s3, 0);
+  auto list = std::move(fresh->ListCheckpoints()).value();
+  if (list.size() != size_t(o.steps)) {
+    std::fprintf(stderr, "expected %d checkpoints, found %zu\n", o.steps, list.size());
+    std::exit(1);
+  }
+  auto reader = std::move(fresh->OpenCheckpoint("step-" + std::to_string(o.steps))).value();
+  std::vector<std::byte> all(rows * n * cols * 4);
+  Check(reader->ReadBytes(*reader->GetTensor("w").value(), 0, all), "read back");
+  reader.reset();
+  fresh.reset();
+  hosts.clear();
+  RemovePrefix(s3, prefix);
+  std::filesystem::remove_all(work);
+  return {n, Median(step_requests), Median(step_committer), Median(step_latency)};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&] { return bench::NextArg(argc, argv, i); };
+    if (a == "--gib") o.gib = std::atof(next().c_str());
+    else if (a == "--runs") o.runs = std::atoi(next().c_str());
+    else if (a == "--save-ranks") o.save_ranks = std::atoi(next().c_str());
+    else if (a == "--load-ranks") o.load_ranks = std::atoi(next().c_str());
+    else if (a == "--get-threads") o.get_threads = std::atoi(next().c_str());
+    else if (a == "--scale") o.scale = ParseList(next());
+    else if (a == "--steps") o.steps = std::atoi(next().c_str());
+    else if (a == "--scale-only") o.transfers = false;
+    else if (a == "--dir") o.dir = next();
+    else {
+      std::printf(
+          "usage: s3_checkpoint_bench [--gib N] [--runs N] [--save-ranks N] [--load-ranks N] [--get-threads N]\n"
+          "                           [--scale 1,8,32,64] [--steps N] [--scale-only] [--dir DIR]\n"
+          "Saves and loads a checkpoint on S3 through the repository against s3cmd and ranged GETs of\n"
+          "the same bytes, then saves small shards from 1..64 ranks (hosts) and reports S3 requests per\n"
+          "rank and commit latency. --scale '' skips that part. Server: AWS_ENDPOINT_URL,\n"
+          "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY.\n");
+      return a == "--help" || a == "-h" ? 0 : 2;
+    }
+  }
+  auto s3 = S3Options::FromEnvironment();
+  Check(s3.status(), "S3 settings");
+  Check(CreateS3Bucket({kBucket, ""}, *s3), "create bucket");
+  if (o.transfers) TransferRuns(o, *s3);
+  if (!o.scale.empty()) {
+    std::printf("scale: each rank a host with its own catalog, 64 KiB of new bytes per rank and step, %d steps\n",
+                o.steps);
+  }
+  std::vector<ScaleFigures> figures;
+  for (int n : o.scale) figures.push_back(ScaleRun(o, *s3, n));
+  if (!figures.empty()) {
+    // Growth against the smallest run with more than one rank (one rank
+    // commits without reading any other).
+    const ScaleFigures* base = &figures[0];
+    for (const auto& f : figures) {
+      if (f.ranks > 1) {
+        base = &f;
+        break;
+      }
+    }
+    auto nlogn = [](double n) { return n * std::max(1.0, std::log2(n)); };
+    std::printf("\nmedian over %d steps:\n  ranks  requests/rank  committer  commit latency  latency vs %d ranks"
+                "  N log N vs %d ranks\n",
+                o.steps, base->ranks, base->ranks);
+    for (const auto& f : figures) {
+      std::printf("  %5d  %13.1f  %9.0f  %11.1f ms  %19.2f  %19.2f\n", f.ranks, f.requests_per_rank,
+                  f.committer_requests, f.latency_ms, f.latency_ms / base->latency_ms,
+                  nlogn(f.ranks) / nlogn(base->ranks));
+    }
+  }
+  return 0;
+}
