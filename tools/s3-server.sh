@@ -109,6 +109,11 @@ mon warn on pool no redundancy = false
 rgw frontends = beast endpoint=127.0.0.1:$port tcp_nodelay=1
 rgw data = $dir/rgw
 rgw dns name = 127.0.0.1
+# Deleted objects' data is freed by the gateway's garbage collector, two
+# hours later by default: too late for a server whose data lives in memory
+# and for tests and benchmarks that delete what they wrote.
+rgw gc obj min wait = 5
+rgw gc processor period = 10
 EOF
   ceph-authtool --create-keyring "$keyring" --gen-key -n mon. --cap mon 'allow *' >/dev/null
   ceph-authtool "$keyring" --gen-key -n client.admin --cap mon 'allow *' --cap osd 'allow *' --cap mgr 'allow *' >/dev/null

@@ -545,6 +545,17 @@ class S3Backend final : public Backend {
     }
   }
 
+  // One GET (the default asks for the size first).
+  Result<std::string> ReadAll(std::string_view key) override {
+    CKPT_RETURN_IF_ERROR(CheckKey(key));
+    CKPT_ASSIGN_OR_RETURN(Response r, client_->Call(MakeRequest("GET", client_->ObjectPath(key)), Quoted(key)));
+    if (r.content_length >= 0 && static_cast<uint64_t>(r.content_length) != r.body.size()) {
+      return Status::IOError("S3 GET " + Quoted(key) + " in " + client_->Where() + ": the answer is " +
+                             std::to_string(r.body.size()) + " bytes, not " + std::to_string(r.content_length));
+    }
+    return std::move(r.body);
+  }
+
   Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) override {
     CKPT_RETURN_IF_ERROR(CheckKey(key));
     if (out.empty()) {
