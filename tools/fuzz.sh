@@ -22,7 +22,7 @@ if ! command -v clang++-16 >/dev/null; then
   exit 1
 fi
 CC=clang-16 CXX=clang++-16 cmake -S "$ROOT" -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCKPTFS_FUZZ=ON >/dev/null
+  -DCKPTFS_FUZZ=ON -DCMAKE_UNITY_BUILD=ON >/dev/null
 cmake --build build-fuzz -j "$JOBS"
 
 targets=("$@")
