@@ -19,6 +19,7 @@
 // The server comes from AWS_ENDPOINT_URL and the credentials from
 // AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; s3cmd (Debian package) must be
 // on PATH for the save and load part.
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -46,6 +47,13 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 constexpr const char* kBucket = "ckptfs-bench";
+
+// CPU seconds this process has used (user + system, all threads).
+double CpuSeconds() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
 
 struct Options {
   double gib = 0.5;
@@ -171,6 +179,7 @@ void TransferRuns(const Options& o, const S3Options& s3) {
                                std::byte{1});
       }
     }
+    double cpu0 = CpuSeconds();
     t0 = Clock::now();
     auto reader_host = OpenHost(url, work + "/run" + std::to_string(run) + "-reader", s3, o.load_threads);
     auto reader = std::move(reader_host->OpenCheckpoint("step-1")).value();
@@ -191,6 +200,7 @@ void TransferRuns(const Options& o, const S3Options& s3) {
     }
     for (auto& t : loaders) t.join();
     const double tl = Seconds(t0);
+    const double load_cpu = CpuSeconds() - cpu0;
     const RequestCounts load_requests = reader_host->store_requests();
     const uint64_t stored = std::move(reader->StoredBytes()).value().total;
     reader.reset();
@@ -209,6 +219,7 @@ void TransferRuns(const Options& o, const S3Options& s3) {
     // and s3cmd get.
     auto raw_backend = std::move(OpenS3Backend({kBucket, prefix + "-raw"}, s3)).value();
     std::vector<std::byte> out(total);
+    cpu0 = CpuSeconds();
     t0 = Clock::now();
     {
       std::vector<std::thread> pool;
@@ -223,6 +234,7 @@ void TransferRuns(const Options& o, const S3Options& s3) {
       for (auto& th : pool) th.join();
     }
     const double tget = Seconds(t0);
+    const double get_cpu = CpuSeconds() - cpu0;
     // One thread, in order (on a loaded 2-core server often the fastest).
     t0 = Clock::now();
     for (uint64_t off = 0; off < total; off += 4 << 20) {
@@ -243,10 +255,10 @@ void TransferRuns(const Options& o, const S3Options& s3) {
     const double mb = total / 1e6;
     std::printf("run %d: save %.0f MB/s, s3cmd put %.0f MB/s (%.2fx), stored %.3f of the bytes; load %.0f MB/s "
                 "(%llu requests), ranged GETs %.0f MB/s (%d threads) %.0f MB/s (1 thread), s3cmd get %.0f MB/s "
-                "(%.2fx the fastest); bytes checked\n",
+                "(%.2fx the fastest); client CPU %.2f s for the load, %.2f s for the %d-thread GETs; bytes checked\n",
                 run + 1, mb / ts, mb / tput, tput / ts, double(stored) / total, mb / tl,
                 static_cast<unsigned long long>(load_requests.total()), mb / tget, o.get_threads, mb / tseq,
-                mb / tcget, tdown / tl);
+                mb / tcget, tdown / tl, load_cpu, get_cpu, o.get_threads);
     std::fflush(stdout);
     fig.Add("save", mb / ts);
     fig.Add("put", mb / tput);
@@ -257,6 +269,8 @@ void TransferRuns(const Options& o, const S3Options& s3) {
     fig.Add("cmd_get", mb / tcget);
     fig.Add("load_ratio", tdown / tl);
     fig.Add("stored", double(stored) / total);
+    fig.Add("load_cpu", load_cpu);
+    fig.Add("get_cpu", get_cpu);
   }
   std::filesystem::remove_all(work);
   std::printf("\nmedian of %d runs:\n", o.runs);
@@ -268,7 +282,9 @@ void TransferRuns(const Options& o, const S3Options& s3) {
               fig.Median("load"), fig.Median("load_ratio"));
   std::printf("  ranged GETs, %d threads %6.0f MB/s\n", o.get_threads, fig.Median("get"));
   std::printf("  ranged GETs, 1 thread  %6.0f MB/s\n", fig.Median("get_seq"));
-  std::printf("  s3cmd get              %6.0f MB/s\n\n", fig.Median("cmd_get"));
+  std::printf("  s3cmd get              %6.0f MB/s\n", fig.Median("cmd_get"));
+  std::printf("  client CPU: load %.2f s, %d-thread ranged GETs %.2f s (the server shares the machine)\n\n",
+              fig.Median("load_cpu"), o.get_threads, fig.Median("get_cpu"));
 }
 
 // ---- scale ----
