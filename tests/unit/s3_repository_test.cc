@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <barrier>
+#include <thread>
 #include <cstdlib>
 #include <cstring>
 
@@ -161,6 +163,56 @@ TEST_F(S3Repository, ASaveReadsNoIndexOfOtherHostsPacksAndAReaderReadsThemOnce) 
   ASSERT_OK(report);
   EXPECT_TRUE(report->ok());
   EXPECT_EQ(report->checkpoints, 1u);  // b-step-1 waits for its second rank
+}
+
+TEST_F(S3Repository, RanksCommittingAtTheSameInstantCommitOnce) {
+  // Ranks released together all see every rank in; the claim lets exactly
+  // one of them merge and write the manifest, at every step.
+  constexpr uint32_t kRanks = 8;
+  const uint64_t rows = 16, cols = 1024;
+  std::vector<std::unique_ptr<Repository>> hosts;
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    hosts.push_back(Host("h" + std::to_string(r)));
+    ASSERT_TRUE(hosts.back());
+  }
+  for (int step = 1; step <= 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const std::string name = "step-" + std::to_string(step);
+    auto w = RandomBytes(rows * cols * 4, 100 + step);
+    std::vector<std::unique_ptr<CheckpointWriter>> writers(kRanks);
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      auto begun = hosts[r]->BeginCheckpoint(name, {.rank = r, .world_size = kRanks});
+      ASSERT_OK(begun);
+      writers[r] = std::move(begun).value();
+      const uint64_t begin = r * rows / kRanks, end = (r + 1) * rows / kRanks;
+      HostSource src(std::span<const std::byte>(w).subspan(begin * cols * 4, (end - begin) * cols * 4));
+      ASSERT_OK(writers[r]->PutShard({"w", DType::kF32, {rows, cols}}, Region::OfBox(Box{{begin, 0}, {end - begin, cols}}),
+                                     src));
+    }
+    std::barrier start(kRanks);
+    std::vector<Result<CommitResult>> results(kRanks, Status::Internal("not run"));
+    std::vector<std::thread> ranks;
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      ranks.emplace_back([&, r] {
+        start.arrive_and_wait();
+        results[r] = writers[r]->Commit().Wait();
+      });
+    }
+    for (auto& t : ranks) t.join();
+    int visible = 0;
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      ASSERT_OK(results[r]);
+      visible += results[r]->checkpoint_visible;
+    }
+    EXPECT_EQ(visible, 1);
+    auto fresh = Host("fresh-" + std::to_string(step));
+    auto reader = fresh->OpenCheckpoint(name);
+    ASSERT_OK(reader);
+    std::vector<std::byte> out(w.size());
+    ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, out));
+    EXPECT_EQ(out, w);
+    EXPECT_TRUE(fresh->ListCheckpoints(true).value().size() == size_t(step));  // nothing left pending
+  }
 }
 
 TEST_F(S3Repository, GcOnAHostThatNeverSawAPendingCheckpointKeepsItsRanks) {
