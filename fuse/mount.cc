@@ -228,6 +228,7 @@ class Filesystem {
     f->readahead.OnOpen();
     fi->fh = reinterpret_cast<uint64_t>(f);
     fi->keep_cache = 1;  // immutable content: keep the page cache across opens
+    opens_.fetch_add(1, std::memory_order_relaxed);
     fuse_reply_open(req, fi);
   }
 
@@ -241,6 +242,8 @@ class Filesystem {
     const uint64_t offset = static_cast<uint64_t>(off);
     if (offset >= f.file.size) return (void)fuse_reply_buf(req, nullptr, 0);
     const size_t n = static_cast<size_t>(std::min<uint64_t>(size, f.file.size - offset));
+    reads_.fetch_add(1, std::memory_order_relaxed);
+    read_bytes_.fetch_add(n, std::memory_order_relaxed);
     thread_local ScratchBuffer buf;
     std::span<std::byte> out(buf.Reserve(n), n);
     f.readahead.BeforeRead(offset, n);
@@ -464,6 +467,12 @@ class Filesystem {
       } else if (f.kind == FileKind::kBlob) {
         out.emplace_back("user.ckptfs.name", r.blobs()[f.index].name);
       }
+    } else if (node.kind == Kind::kRoot) {
+      // What the daemon has served: the kernel's page cache answers reads
+      // of files read before, and these counters show it.
+      out.emplace_back("user.ckptfs.stats", "opens " + std::to_string(opens_.load()) + " reads " +
+                                                std::to_string(reads_.load()) + " read_bytes " +
+                                                std::to_string(read_bytes_.load()));
     } else if (node.kind == Kind::kCheckpoint) {
       out.emplace_back("user.ckptfs.checkpoint", node.view->name);
       if (const auto& step = node.view->files->reader().info().step) {
@@ -491,6 +500,7 @@ class Filesystem {
   fuse_ino_t next_ino_ = 3;
   std::mutex views_mu_;
   std::map<std::string, std::shared_ptr<CheckpointView>> views_;
+  std::atomic<uint64_t> opens_{0}, reads_{0}, read_bytes_{0};  // files opened, read requests, bytes
 };
 
 // The session's userdata: the filesystem is created after daemonizing, before

@@ -226,6 +226,26 @@ class MountContent(Mounted):
             del entry["file"]
         self.assertEqual(meta, show)
 
+    def test_a_second_read_is_served_by_the_page_cache(self):
+        def stats():
+            words = os.getxattr(self.mnt, "user.ckptfs.stats").decode().split()
+            return dict(zip(words[::2], map(int, words[1::2])))
+
+        path = self.tensor_path("model/layers.11/f32")
+        size = os.stat(path).st_size
+        before = stats()
+        first = pathlib.Path(path).read_bytes()
+        after_first = stats()
+        self.assertGreater(after_first["reads"], before["reads"])
+        self.assertGreaterEqual(after_first["read_bytes"] - before["read_bytes"], size)
+        for _ in range(3):
+            self.assertEqual(pathlib.Path(path).read_bytes(), first)
+        after = stats()
+        # The file is opened again, but no byte of it is asked of the daemon.
+        self.assertEqual(after["reads"], after_first["reads"])
+        self.assertEqual(after["read_bytes"], after_first["read_bytes"])
+        self.assertEqual(after["opens"], after_first["opens"] + 3)
+
     def test_random_preads_match(self):
         rnd = random.Random(3)
         for name in ["big", "model/layers.11/f32"]:
