@@ -4,10 +4,13 @@
 // The catalog mirrors three listings: packs/ (chunk locations from each
 // pack's index), manifests/ (committed checkpoints) and pending/ (the ranks
 // of checkpoints not yet visible). Each sync reads only the objects the
-// catalog lacks. A pending rank's records are read only for gc, which must
-// count them as references (SyncScope::kReferences); other syncs read one
-// rank object per new pending checkpoint, for its world size and step, so a
-// save's requests do not grow with the number of ranks in flight.
+// catalog lacks, and a plain sync (SyncScope::kCheckpoints) not even the
+// indexes of new packs: it remembers them for IndexPacks, which readers
+// call. A pending rank's records are read only for gc, which must count
+// them as references (SyncScope::kReferences); other syncs read one rank
+// object per new pending checkpoint, for its world size and step. So a
+// save's requests grow neither with the ranks in flight nor with the packs
+// other ranks wrote.
 //
 // Order matters. What the catalog knows is read before listing, so an
 // object missing from a listing was really removed, not added by another
