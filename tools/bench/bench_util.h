@@ -17,8 +17,11 @@
 #include <map>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "backend/backend.h"
+#include "backend/s3_backend.h"
 #include "core/status.h"
 
 namespace ckptfs::bench {
@@ -201,6 +204,30 @@ inline double PageFaultMicros() {
   const double s = Seconds(t0);
   ::munmap(p, len);
   return s * 1e6 / (len / 4096);
+}
+
+// The s3cmd command line (Debian's s3cmd) for the server and credentials
+// in `s3`; append "put FILE s3://..." or "get ...".
+inline std::string S3cmd(const S3Options& s3) {
+  const std::string host = s3.endpoint.substr(s3.endpoint.find("://") + 3);
+  return "s3cmd --no-ssl --host=" + host + " --host-bucket=" + host + " --access_key=" + s3.access_key +
+         " --secret_key=" + s3.secret_key + " --region=" + s3.region + " --no-check-md5 -q";
+}
+
+// Reads object `key` into `out` with 4 MiB ranged reads, from `threads`
+// threads taking every threads-th piece (1: one thread, in order).
+inline void ReadInPieces(Backend& backend, const std::string& key, std::span<std::byte> out, int threads) {
+  constexpr uint64_t kPiece = 4 << 20;
+  auto run = [&](int t) {
+    for (uint64_t off = uint64_t(t) * kPiece; off < out.size(); off += uint64_t(threads) * kPiece) {
+      const uint64_t n = std::min<uint64_t>(kPiece, out.size() - off);
+      Check(backend.ReadRange(key, off, out.subspan(off, n)), "ranged read");
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(run, t);
+  run(0);
+  for (auto& th : pool) th.join();
 }
 
 }  // namespace ckptfs::bench

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -76,6 +77,74 @@ inline std::vector<std::byte> Extract(const Tensor& t, const Region& r) {
     std::memcpy(out.data() + d * w, t.bytes.data() + s * w, n * w);
   });
   return out;
+}
+
+// Rank r's own copies of its box shards (tensor parallel: each rank holds
+// its columns in its own memory); empty for flat shards, which the rank
+// reads in place from the state.
+inline std::vector<std::vector<std::byte>> RankBoxes(const std::vector<Tensor>& state, int r, int world) {
+  std::vector<std::vector<std::byte>> out;
+  for (const auto& t : state) {
+    Region region = RankRegion(t, r, world);
+    out.push_back(region.kind == Region::Kind::kBox ? Extract(t, region) : std::vector<std::byte>{});
+  }
+  return out;
+}
+
+// Rank r of `world` saves its part of the state as checkpoint `name`.
+inline void SaveRank(Repository& repo, const std::string& name, const std::vector<Tensor>& state,
+                     const std::vector<std::vector<std::byte>>& boxes, int r, int world) {
+  auto w = std::move(repo.BeginCheckpoint(name, {uint32_t(r), uint32_t(world), 1, {}})).value();
+  for (size_t i = 0; i < state.size(); ++i) {
+    const Tensor& t = state[i];
+    Region region = RankRegion(t, r, world);
+    const uint64_t e = DTypeSize(t.info.dtype);
+    HostSource src(region.kind == Region::Kind::kFlat
+                       ? std::span<const std::byte>(t.bytes.data() + region.flat.start * e, region.flat.size() * e)
+                       : std::span<const std::byte>(boxes[i]));
+    Check(w->PutShard(t.info, region, src), "put");
+  }
+  Check(w->Commit().Wait().status(), "commit");
+}
+
+// Rank r's destination buffers for a load at `world` (already allocated,
+// as parameters are when load_state_dict runs).
+inline std::vector<std::vector<std::byte>> RankBuffers(const std::vector<Tensor>& state, int r, int world) {
+  std::vector<std::vector<std::byte>> out;
+  for (const auto& t : state) {
+    out.emplace_back(RankRegion(t, r, world).NumElements() * DTypeSize(t.info.dtype), std::byte{1});
+  }
+  return out;
+}
+
+// Rank r of `world` loads its part of every tensor into `out`.
+inline void LoadRank(const CheckpointReader& reader, const std::vector<Tensor>& state, int r, int world,
+                     std::vector<std::vector<std::byte>>& out) {
+  for (size_t i = 0; i < state.size(); ++i) {
+    const Tensor& t = state[i];
+    Region region = RankRegion(t, r, world);
+    const TensorRecord* rec = reader.FindTensor(t.info.name);
+    if (region.kind == Region::Kind::kFlat) {
+      Check(reader.ReadFlat(*rec, region.flat, out[i]), "load");
+    } else {
+      Check(reader.ReadBox(*rec, region.box, out[i]), "load");
+    }
+  }
+}
+
+// Whether every rank's buffers hold exactly its part of the state; names
+// the first mismatch on stderr.
+inline bool LoadedRight(const std::vector<Tensor>& state, const std::vector<std::vector<std::vector<std::byte>>>& loaded) {
+  const int world = static_cast<int>(loaded.size());
+  for (int r = 0; r < world; ++r) {
+    for (size_t i = 0; i < state.size(); ++i) {
+      if (loaded[r][i] != Extract(state[i], RankRegion(state[i], r, world))) {
+        std::fprintf(stderr, "MISMATCH: rank %d tensor %s\n", r, state[i].info.name.c_str());
+        return false;
+      }
+    }
+  }
+  return true;
 }
 
 }  // namespace ckptfs::bench

@@ -57,10 +57,7 @@ int main(int argc, char** argv) {
   S3Location location{"ckptfs-bench", "s3-bench-" + std::to_string(::getpid())};
   Check(CreateS3Bucket(location, *options), "create bucket");
   auto backend = std::move(OpenS3Backend(location, *options)).value();
-  const std::string host = options->endpoint.substr(options->endpoint.find("://") + 3);
-  const std::string s3cmd = "s3cmd --no-ssl --host=" + host + " --host-bucket=" + host +
-                            " --access_key=" + options->access_key + " --secret_key=" + options->secret_key +
-                            " --region=" + options->region + " --no-check-md5 -q";
+  const std::string s3cmd = bench::S3cmd(*options);
 
   const uint64_t size = mib << 20;
   std::vector<std::byte> data(size);
@@ -95,10 +92,7 @@ int main(int argc, char** argv) {
 
     // Sequential 4 MiB ranged GETs.
     t0 = Clock::now();
-    for (uint64_t off = 0; off < size; off += 4 << 20) {
-      const uint64_t n = std::min<uint64_t>(4 << 20, size - off);
-      Check(backend->ReadRange("packs/object", off, {out.data() + off, n}), "read");
-    }
+    bench::ReadInPieces(*backend, "packs/object", out, 1);
     const double tgs = Seconds(t0);
     if (out != data) {
       std::fprintf(stderr, "MISMATCH in sequential read\n");
@@ -107,16 +101,7 @@ int main(int argc, char** argv) {
     // The same GETs from several threads.
     std::fill(out.begin(), out.end(), std::byte{0});
     t0 = Clock::now();
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) {
-      pool.emplace_back([&, t] {
-        for (uint64_t off = uint64_t(t) << 22; off < size; off += uint64_t(threads) << 22) {
-          const uint64_t n = std::min<uint64_t>(4 << 20, size - off);
-          Check(backend->ReadRange("packs/object", off, {out.data() + off, n}), "read");
-        }
-      });
-    }
-    for (auto& th : pool) th.join();
+    bench::ReadInPieces(*backend, "packs/object", out, threads);
     const double tgp = Seconds(t0);
     if (out != data) {
       std::fprintf(stderr, "MISMATCH in parallel read\n");

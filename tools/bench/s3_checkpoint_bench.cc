@@ -117,10 +117,7 @@ void TransferRuns(const Options& o, const S3Options& s3) {
     for (const auto& t : state) parts.emplace_back(t.bytes);
     bench::TimedWrite(raw, parts);
   }
-  const std::string host = s3.endpoint.substr(s3.endpoint.find("://") + 3);
-  const std::string s3cmd = "s3cmd --no-ssl --host=" + host + " --host-bucket=" + host + " --access_key=" +
-                            s3.access_key + " --secret_key=" + s3.secret_key + " --region=" + s3.region +
-                            " --no-check-md5 -q";
+  const std::string s3cmd = bench::S3cmd(s3);
   bench::RunFigures fig;
   for (int run = 0; run < o.runs; ++run) {
     const std::string prefix = "ckpt-bench-" + std::to_string(::getpid()) + "-" + std::to_string(run);
@@ -134,28 +131,11 @@ void TransferRuns(const Options& o, const S3Options& s3) {
       hosts.push_back(OpenHost(url, work + "/run" + std::to_string(run) + "-host" + std::to_string(r), s3, 0));
     }
     std::vector<std::vector<std::vector<std::byte>>> parts(o.save_ranks);
-    for (int r = 0; r < o.save_ranks; ++r) {
-      for (const auto& t : state) {
-        Region region = bench::RankRegion(t, r, o.save_ranks);
-        parts[r].push_back(region.kind == Region::Kind::kBox ? bench::Extract(t, region) : std::vector<std::byte>{});
-      }
-    }
+    for (int r = 0; r < o.save_ranks; ++r) parts[r] = bench::RankBoxes(state, r, o.save_ranks);
     auto t0 = Clock::now();
     std::vector<std::thread> ranks;
     for (int r = 0; r < o.save_ranks; ++r) {
-      ranks.emplace_back([&, r] {
-        auto w = std::move(hosts[r]->BeginCheckpoint("step-1", {uint32_t(r), uint32_t(o.save_ranks), 1, {}})).value();
-        for (size_t i = 0; i < state.size(); ++i) {
-          const auto& t = state[i];
-          Region region = bench::RankRegion(t, r, o.save_ranks);
-          const uint64_t e = DTypeSize(t.info.dtype);
-          HostSource src(region.kind == Region::Kind::kFlat
-                             ? std::span<const std::byte>(t.bytes.data() + region.flat.start * e, region.flat.size() * e)
-                             : std::span<const std::byte>(parts[r][i]));
-          Check(w->PutShard(t.info, region, src), "put");
-        }
-        Check(w->Commit().Wait().status(), "commit");
-      });
+      ranks.emplace_back([&, r] { bench::SaveRank(*hosts[r], "step-1", state, parts[r], r, o.save_ranks); });
     }
     for (auto& t : ranks) t.join();
     const double ts = Seconds(t0);
@@ -173,30 +153,14 @@ void TransferRuns(const Options& o, const S3Options& s3) {
     // Load on a host that has never seen the repository: open (its catalog
     // is built from the store) and read at another world size.
     std::vector<std::vector<std::vector<std::byte>>> loaded(o.load_ranks);
-    for (int r = 0; r < o.load_ranks; ++r) {
-      for (const auto& t : state) {
-        loaded[r].emplace_back(bench::RankRegion(t, r, o.load_ranks).NumElements() * DTypeSize(t.info.dtype),
-                               std::byte{1});
-      }
-    }
+    for (int r = 0; r < o.load_ranks; ++r) loaded[r] = bench::RankBuffers(state, r, o.load_ranks);
     double cpu0 = CpuSeconds();
     t0 = Clock::now();
     auto reader_host = OpenHost(url, work + "/run" + std::to_string(run) + "-reader", s3, o.load_threads);
     auto reader = std::move(reader_host->OpenCheckpoint("step-1")).value();
     std::vector<std::thread> loaders;
     for (int r = 0; r < o.load_ranks; ++r) {
-      loaders.emplace_back([&, r] {
-        for (size_t i = 0; i < state.size(); ++i) {
-          const auto& t = state[i];
-          Region region = bench::RankRegion(t, r, o.load_ranks);
-          const TensorRecord* rec = reader->FindTensor(t.info.name);
-          if (region.kind == Region::Kind::kFlat) {
-            Check(reader->ReadFlat(*rec, region.flat, loaded[r][i]), "load");
-          } else {
-            Check(reader->ReadBox(*rec, region.box, loaded[r][i]), "load");
-          }
-        }
-      });
+      loaders.emplace_back([&, r] { bench::LoadRank(*reader, state, r, o.load_ranks, loaded[r]); });
     }
     for (auto& t : loaders) t.join();
     const double tl = Seconds(t0);
@@ -205,14 +169,7 @@ void TransferRuns(const Options& o, const S3Options& s3) {
     const uint64_t stored = std::move(reader->StoredBytes()).value().total;
     reader.reset();
     reader_host.reset();
-    for (int r = 0; r < o.load_ranks; ++r) {
-      for (size_t i = 0; i < state.size(); ++i) {
-        if (loaded[r][i] != bench::Extract(state[i], bench::RankRegion(state[i], r, o.load_ranks))) {
-          std::fprintf(stderr, "MISMATCH: rank %d tensor %s\n", r, state[i].info.name.c_str());
-          std::exit(1);
-        }
-      }
-    }
+    if (!bench::LoadedRight(state, loaded)) std::exit(1);
     loaded.clear();
 
     // The same bytes downloaded: 4 MiB ranged GETs from several threads,
@@ -221,26 +178,12 @@ void TransferRuns(const Options& o, const S3Options& s3) {
     std::vector<std::byte> out(total);
     cpu0 = CpuSeconds();
     t0 = Clock::now();
-    {
-      std::vector<std::thread> pool;
-      for (int t = 0; t < o.get_threads; ++t) {
-        pool.emplace_back([&, t] {
-          for (uint64_t off = uint64_t(t) << 22; off < total; off += uint64_t(o.get_threads) << 22) {
-            const uint64_t n = std::min<uint64_t>(4 << 20, total - off);
-            Check(raw_backend->ReadRange("raw.bin", off, {out.data() + off, n}), "ranged GET");
-          }
-        });
-      }
-      for (auto& th : pool) th.join();
-    }
+    bench::ReadInPieces(*raw_backend, "raw.bin", out, o.get_threads);
     const double tget = Seconds(t0);
     const double get_cpu = CpuSeconds() - cpu0;
     // One thread, in order (on a loaded 2-core server often the fastest).
     t0 = Clock::now();
-    for (uint64_t off = 0; off < total; off += 4 << 20) {
-      const uint64_t n = std::min<uint64_t>(4 << 20, total - off);
-      Check(raw_backend->ReadRange("raw.bin", off, {out.data() + off, n}), "ranged GET");
-    }
+    bench::ReadInPieces(*raw_backend, "raw.bin", out, 1);
     const double tseq = Seconds(t0);
     t0 = Clock::now();
     if (std::system((s3cmd + " get --force s3://" + kBucket + "/" + raw_key + " - > /dev/null").c_str()) != 0) {

@@ -124,30 +124,13 @@ int main(int argc, char** argv) {
     auto repo = std::move(Repository::Open(repo_dir)).value();
     // Each rank holds its own part of every tensor in its own memory.
     std::vector<std::vector<std::vector<std::byte>>> parts(o.save_ranks);
-    for (int r = 0; r < o.save_ranks; ++r) {
-      for (const auto& t : state) {
-        Region region = RankRegion(t, r, o.save_ranks);
-        parts[r].push_back(region.kind == Region::Kind::kBox ? Extract(t, region) : std::vector<std::byte>{});
-      }
-    }
+    for (int r = 0; r < o.save_ranks; ++r) parts[r] = bench::RankBoxes(state, r, o.save_ranks);
     ::sync();
     const long long faults_before_save = bench::MinorFaults(::getpid());
     auto t0 = Clock::now();
     std::vector<std::thread> ranks;
     for (int r = 0; r < o.save_ranks; ++r) {
-      ranks.emplace_back([&, r] {
-        auto w = std::move(repo->BeginCheckpoint("step-1", {uint32_t(r), uint32_t(o.save_ranks), 1, {}})).value();
-        for (size_t i = 0; i < state.size(); ++i) {
-          const Tensor& t = state[i];
-          Region region = RankRegion(t, r, o.save_ranks);
-          const uint64_t e = DTypeSize(t.info.dtype);
-          HostSource src(region.kind == Region::Kind::kFlat
-                             ? std::span<const std::byte>(t.bytes.data() + region.flat.start * e, region.flat.size() * e)
-                             : std::span<const std::byte>(parts[r][i]));
-          Check(w->PutShard(t.info, region, src), "put");
-        }
-        Check(w->Commit().Wait().status(), "commit");
-      });
+      ranks.emplace_back([&, r] { bench::SaveRank(*repo, "step-1", state, parts[r], r, o.save_ranks); });
     }
     for (auto& t : ranks) t.join();
     double ts = Seconds(t0);
@@ -169,42 +152,19 @@ int main(int argc, char** argv) {
     // Load at another world size into per-rank buffers.
     // Like load_state_dict, the ranks load into parameters that already exist.
     std::vector<std::vector<std::vector<std::byte>>> loaded(o.load_ranks);
-    for (int r = 0; r < o.load_ranks; ++r) {
-      for (const auto& t : state) {
-        loaded[r].emplace_back(RankRegion(t, r, o.load_ranks).NumElements() * DTypeSize(t.info.dtype), std::byte{1});
-      }
-    }
+    for (int r = 0; r < o.load_ranks; ++r) loaded[r] = bench::RankBuffers(state, r, o.load_ranks);
     repo = std::move(Repository::Open(repo_dir)).value();
     const long long faults_before_load = bench::MinorFaults(::getpid());
     auto t1 = Clock::now();
     reader = std::move(repo->OpenCheckpoint("step-1")).value();
     std::vector<std::thread> loaders;
     for (int r = 0; r < o.load_ranks; ++r) {
-      loaders.emplace_back([&, r] {
-        for (size_t i = 0; i < state.size(); ++i) {
-          const Tensor& t = state[i];
-          Region region = RankRegion(t, r, o.load_ranks);
-          const TensorRecord* rec = reader->FindTensor(t.info.name);
-          auto& buf = loaded[r][i];
-          if (region.kind == Region::Kind::kFlat) {
-            Check(reader->ReadFlat(*rec, region.flat, buf), "load");
-          } else {
-            Check(reader->ReadBox(*rec, region.box, buf), "load");
-          }
-        }
-      });
+      loaders.emplace_back([&, r] { bench::LoadRank(*reader, state, r, o.load_ranks, loaded[r]); });
     }
     for (auto& t : loaders) t.join();
     double tl = Seconds(t1);
     const long long load_faults = bench::MinorFaults(::getpid()) - faults_before_load;
-    for (int r = 0; r < o.load_ranks; ++r) {
-      for (size_t i = 0; i < state.size(); ++i) {
-        if (loaded[r][i] != Extract(state[i], RankRegion(state[i], r, o.load_ranks))) {
-          std::fprintf(stderr, "MISMATCH: rank %d tensor %s\n", r, state[i].info.name.c_str());
-          return 1;
-        }
-      }
-    }
+    if (!bench::LoadedRight(state, loaded)) return 1;
     reader.reset();
     repo.reset();
     std::filesystem::remove_all(repo_dir);
