@@ -195,6 +195,10 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
 
   // ---- one transaction ----
   SyncReport report;
+  // Fresh packs whose index could not be read for a reason that may pass
+  // (the store failing): IndexPacks tries them again. Gone and damaged
+  // ones are not retried (the damaged show as missing chunks in verify).
+  std::vector<std::string> retry;
   const std::set<std::string> gone_set(gone_packs.begin(), gone_packs.end());
   Status st = catalog->Update([&](WriteTxn& txn) -> Status {
     SyncReport r;
@@ -213,9 +217,9 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
     for (size_t i = 0; i < fresh_packs.size(); ++i) {
       if (!indexes[i].ok()) {
         // Removed since the listing (a gc elsewhere) is not a problem.
-        if (!indexes[i].status().IsNotFound()) {
-          r.problems.push_back("skipped pack " + fresh_packs[i] + ": " + indexes[i].status().message());
-        }
+        const Status& bad = indexes[i].status();
+        if (!bad.IsNotFound()) r.problems.push_back("skipped pack " + fresh_packs[i] + ": " + bad.message());
+        if (!bad.IsNotFound() && !bad.IsCorruption()) retry.push_back(fresh_packs[i]);
         continue;
       }
       CKPT_ASSIGN_OR_RETURN(uint64_t chunks, RecordPack(txn, *indexes[i]));
@@ -310,7 +314,7 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
     return Status::OK();
   });
   CKPT_RETURN_IF_ERROR(st);
-  if (!fresh_packs.empty()) unindexed_packs_.clear();  // all read
+  if (!fresh_packs.empty()) unindexed_packs_ = std::move(retry);  // the rest are read
   if (report.packs_removed || report.checkpoints_removed) cache->Clear();
   last_sync = report;
   return report;
@@ -318,22 +322,18 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
 
 Status RepositoryImpl::IndexPacks() {
   if (!remote) return Status::OK();
+  {
+    std::lock_guard lock(sync_mu_);
+    if (unindexed_packs_.empty()) return Status::OK();
+  }
+  // A packs-only sync reads every index the catalog lacks: these, and any
+  // pack written since.
+  CKPT_ASSIGN_OR_RETURN(SyncReport report, Sync(SyncScope::kPacks));
   std::lock_guard lock(sync_mu_);
-  if (unindexed_packs_.empty()) return Status::OK();
-  auto indexes = FetchAll<SealedPack>(unindexed_packs_.size(),
-                                      [&](size_t i) { return ReadPackIndex(backend.get(), unindexed_packs_[i]); });
-  CKPT_RETURN_IF_ERROR(catalog->Update([&](WriteTxn& txn) -> Status {
-    for (auto& index : indexes) {
-      // A pack removed since the listing (a gc elsewhere) is not a problem;
-      // one whose index is damaged is left out, as Sync leaves it out (its
-      // chunks show as missing in verify). The store failing is an error.
-      if (!index.ok() && (index.status().IsNotFound() || index.status().code() == StatusCode::kCorruption)) continue;
-      if (!index.ok()) return index.status();
-      CKPT_RETURN_IF_ERROR(RecordPack(txn, *index).status());
-    }
-    return Status::OK();
-  }));
-  unindexed_packs_.clear();
+  if (!unindexed_packs_.empty()) {
+    return Status::IOError("cannot read the index of " + std::to_string(unindexed_packs_.size()) + " pack(s) in " +
+                           backend->Describe() + (report.problems.empty() ? "" : ": " + report.problems.front()));
+  }
   return Status::OK();
 }
 
