@@ -54,9 +54,12 @@ Status RunGroup(const ChunkGroup& g, std::span<std::byte> dst, ChunkFetcher& fet
     return fetcher.FetchInto(ref, dst.subspan(g.ops[0].dst_offset, ref.raw_len));
   }
   CKPT_ASSIGN_OR_RETURN(ChunkData data, fetcher.Fetch(ref));
+  uint64_t copied = 0;
   for (const CopyOp& op : g.ops) {
     std::memcpy(dst.data() + op.dst_offset, data->data() + op.chunk_offset, op.length);
+    copied += op.length;
   }
+  fetcher.Consumed(ref, copied);
   return Status::OK();
 }
 
@@ -199,6 +202,7 @@ Status ReadBlobBytes(const BlobRecord& blob, uint64_t offset, std::span<std::byt
       CKPT_ASSIGN_OR_RETURN(ChunkData data, fetcher.Fetch(c));
       uint64_t n = std::min<uint64_t>(chunk_end - pos, dst.size() - done);
       std::memcpy(dst.data() + done, data->data() + (pos - chunk_start), n);
+      fetcher.Consumed(c, n);
       done += n;
     }
     chunk_start = chunk_end;

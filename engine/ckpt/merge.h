@@ -23,6 +23,9 @@ class ChunkFetcher {
   // bypassing any cache when the chunk is not already there: the path of
   // large sequential reads. On error the content of dst is unspecified.
   virtual Status FetchInto(const ChunkRef& chunk, std::span<std::byte> dst);
+  // The reader copied `bytes` out of a chunk Fetch gave it: a cache may let
+  // the chunk go once all its bytes have been used (ChunkCache::Consumed).
+  virtual void Consumed(const ChunkRef& /*chunk*/, uint64_t /*bytes*/) {}
 };
 
 // Copies the elements of `request` (a box in the tensor's index space) into

@@ -268,10 +268,12 @@ class CachedFetcher : public ChunkFetcher {
     if (auto hit = repo_->cache->Peek(chunk.id)) {
       if ((*hit)->size() != dst.size()) return Status::Internal("cached chunk has the wrong size");
       std::memcpy(dst.data(), (*hit)->data(), dst.size());
+      repo_->cache->Consumed(chunk.id, dst.size());
       return Status::OK();
     }
     return direct_.FetchInto(chunk, dst);
   }
+  void Consumed(const ChunkRef& chunk, uint64_t bytes) override { repo_->cache->Consumed(chunk.id, bytes); }
 
  private:
   RepositoryImpl* repo_;

@@ -1,5 +1,7 @@
 #include "store/chunk_cache.h"
 
+#include <iterator>
+
 namespace ckptfs {
 
 ChunkCache::ChunkCache(size_t capacity_bytes) : capacity_(capacity_bytes) {}
@@ -29,19 +31,31 @@ void ChunkCache::Clear() {
       ++it;
       continue;
     }
-    bytes_ -= it->second.data->size();
-    lru_.erase(it->second.lru);
-    it = map_.erase(it);
+    auto next = std::next(it);
+    EraseLocked(it);
+    it = next;
   }
+}
+
+void ChunkCache::EraseLocked(std::unordered_map<ChunkId, Entry, ChunkIdHash>::iterator it) {
+  bytes_ -= it->second.data->size();
+  lru_.erase(it->second.lru);
+  map_.erase(it);
 }
 
 void ChunkCache::Drop(const ChunkId& id) {
   std::lock_guard lock(mu_);
   auto it = map_.find(id);
   if (it == map_.end() || it->second.loading) return;
-  bytes_ -= it->second.data->size();
-  lru_.erase(it->second.lru);
-  map_.erase(it);
+  EraseLocked(it);
+}
+
+void ChunkCache::Consumed(const ChunkId& id, uint64_t bytes) {
+  std::lock_guard lock(mu_);
+  auto it = map_.find(id);
+  if (it == map_.end() || it->second.loading) return;
+  it->second.consumed += bytes;
+  if (it->second.consumed >= it->second.data->size()) EraseLocked(it);
 }
 
 void ChunkCache::EvictLocked() {

@@ -1,7 +1,12 @@
 // A cache of decoded chunks shared by reader threads.
 //
 // Bounded by bytes (LRU). Concurrent requests for the same chunk decode it
-// once: later callers wait for the first. Errors are not cached.
+// once: later callers wait for the first. Errors are not cached. Readers
+// say how many bytes they copied out of an entry (Consumed); an entry whose
+// every byte has been copied out once leaves the cache, so a one-pass load
+// recycles a few buffers instead of filling the cache with chunks nobody
+// reads again (on the machines ckptfs runs on, fresh memory costs more than
+// decoding a chunk).
 // Thread safety: all methods are thread-safe.
 #pragma once
 
@@ -58,6 +63,9 @@ class ChunkCache {
   // with it, so its buffer can serve the next chunk (holders of its data
   // keep it until they let go).
   void Drop(const ChunkId& id);
+  // Counts `bytes` copied out of the chunk's entry; drops the entry once
+  // the count reaches its size. No-op when the chunk is not cached.
+  void Consumed(const ChunkId& id, uint64_t bytes);
   size_t bytes() const;
   size_t capacity() const { return capacity_; }
 
@@ -66,8 +74,10 @@ class ChunkCache {
     ChunkData data;  // null while loading
     std::list<ChunkId>::iterator lru;
     bool loading = false;
+    uint64_t consumed = 0;  // bytes copied out of it (Consumed)
   };
   void EvictLocked();
+  void EraseLocked(std::unordered_map<ChunkId, Entry, ChunkIdHash>::iterator it);
 
   const size_t capacity_;
   mutable std::mutex mu_;

@@ -150,5 +150,64 @@ TEST_F(SteadyState, SavingChunksAllocatesBuffersForWhatIsInFlightOnly) {
   ReadBack("c");
 }
 
+// A load at another sharding uses most chunks partly, through the cache.
+// Even with a cache far larger than the checkpoint, chunks whose bytes have
+// all been copied out leave it, so a one-pass load recycles a few buffers
+// instead of holding (and first touching) one per chunk.
+TEST(ReshardedLoad, RecyclesBuffersWithALargeCache) {
+  TempDir dir;
+  RepositoryConfig config;
+  config.chunk_size = 64 << 10;
+  ASSERT_OK(Repository::Init(dir.path(), config));
+  OpenOptions options;
+  options.threads = 2;
+  options.cache_bytes = 512 << 20;
+  auto opened = Repository::Open(dir.path(), options);
+  ASSERT_OK(opened);
+  Repository& repo = **opened;
+  const uint64_t rows = 1024, cols = 1024;  // f32: 4 MiB, 64 chunks
+  const TensorInfo info{"w", DType::kF32, {rows, cols}};
+  const auto full = RandomBytes(rows * cols * 4, 5);
+  auto column_box = [&](int r, int world) {
+    const uint64_t c0 = cols * r / world, c1 = cols * (r + 1) / world;
+    return Box{{0, c0}, {rows, c1 - c0}};
+  };
+  auto extract = [&](const Box& box) {
+    std::vector<std::byte> out(box.NumElements() * 4);
+    for (uint64_t i = 0; i < rows; ++i) {
+      std::memcpy(out.data() + i * box.lengths[1] * 4, full.data() + (i * cols + box.offsets[1]) * 4,
+                  box.lengths[1] * 4);
+    }
+    return out;
+  };
+  for (int r = 0; r < 4; ++r) {  // saved by 4 ranks as column boxes
+    auto w = repo.BeginCheckpoint("c", {uint32_t(r), 4, 1, {}});
+    ASSERT_OK(w);
+    const auto bytes = extract(column_box(r, 4));
+    HostSource src(bytes);
+    ASSERT_OK((*w)->PutShard(info, Region::OfBox(column_box(r, 4)), src));
+    ASSERT_OK((*w)->Commit().Wait());
+  }
+  auto reader = repo.OpenCheckpoint("c");
+  ASSERT_OK(reader);
+  const TensorRecord& t = *(*reader)->FindTensor("w");
+  auto load_at_3 = [&] {
+    for (int r = 0; r < 3; ++r) {
+      std::vector<std::byte> got(column_box(r, 3).NumElements() * 4);
+      ASSERT_OK((*reader)->ReadBox(t, column_box(r, 3), got));
+      ASSERT_TRUE(got == extract(column_box(r, 3))) << "rank " << r;
+    }
+  };
+  load_at_3();
+  const BufferPoolStats first = repo.buffer_stats();
+  // Every chunk was read (the saved shards straddle the loaded ones), yet
+  // at most the chunks of one saved shard (16) wait in the cache for their
+  // second reader, plus what the workers hold.
+  EXPECT_LE(first.allocations, 16u + 4 * 2 + 8);
+  EXPECT_EQ(first.bytes_held, first.idle_buffers * (64 << 10));  // the cache holds none
+  load_at_3();
+  EXPECT_EQ(repo.buffer_stats().allocations, first.allocations);
+}
+
 }  // namespace
 }  // namespace ckptfs

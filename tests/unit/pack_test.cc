@@ -239,6 +239,29 @@ TEST(ChunkCache, LoadsOnceAndEvictsByBytes) {
   EXPECT_EQ(loads, 6);
 }
 
+TEST(ChunkCache, AnEntryLeavesOnceEveryByteWasCopiedOut) {
+  ChunkCache cache(1 << 20);
+  int loads = 0;
+  auto loader = [&]() -> Result<ChunkData> {
+    ++loads;
+    return ChunkData(std::make_shared<ChunkBuffer>(1000));
+  };
+  const ChunkId a = ChunkId::Of(RandomBytes(10, 1)), b = ChunkId::Of(RandomBytes(10, 2));
+  cache.Consumed(a, 1000);  // not cached: nothing happens
+  ASSERT_OK(cache.Get(a, loader));
+  ASSERT_OK(cache.Get(b, loader));
+  cache.Consumed(a, 600);  // one reader took part of it: kept for the rest
+  EXPECT_TRUE(cache.Contains(a));
+  ASSERT_OK(cache.Get(a, loader));
+  EXPECT_EQ(loads, 2);
+  cache.Consumed(a, 400);  // every byte used: its buffer is free for the next chunk
+  EXPECT_FALSE(cache.Contains(a));
+  EXPECT_TRUE(cache.Contains(b));
+  EXPECT_EQ(cache.bytes(), 1000u);
+  ASSERT_OK(cache.Get(a, loader));  // a later reader fetches it again
+  EXPECT_EQ(loads, 3);
+}
+
 TEST(ChunkCache, ConcurrentReadersDecodeAChunkOnce) {
   ChunkCache cache(64 << 20);
   std::atomic<int> loads{0};
