@@ -10,6 +10,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <sstream>
+#include <fstream>
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
@@ -35,6 +38,46 @@ namespace {
 constexpr double kImmutableTimeout = 3600.0;
 // The root changes as checkpoints come and go.
 constexpr double kRootTimeout = 1.0;
+
+// The device ("MAJOR:MINOR") of the filesystem mounted last at `dir` (a
+// canonical path), from /proc/self/mountinfo; empty when none is found.
+// Not stat(): for our own mount that is a request to this daemon, which
+// may not be serving (yet, or any more).
+std::string MountedDevice(const std::string& dir) {
+  auto unescape = [](const std::string& field) {  // mountinfo writes ' ' as \040, etc.
+    auto octal = [](char c) { return c >= '0' && c <= '7'; };
+    std::string out;
+    for (size_t i = 0; i < field.size(); ++i) {
+      if (field[i] == '\\' && i + 3 < field.size() && octal(field[i + 1]) && octal(field[i + 2]) &&
+          octal(field[i + 3])) {
+        out += static_cast<char>((field[i + 1] - '0') * 64 + (field[i + 2] - '0') * 8 + (field[i + 3] - '0'));
+        i += 3;
+      } else {
+        out += field[i];
+      }
+    }
+    return out;
+  };
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line, found;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::string id, parent, device, root, point;
+    if (fields >> id >> parent >> device >> root >> point && unescape(point) == dir) found = device;
+  }
+  return found;
+}
+
+// Raises the kernel readahead of the mount at `dir` (best effort: needs
+// root).
+void RaiseReadahead(const std::string& dir, size_t bytes) {
+  const std::string device = MountedDevice(dir);
+  if (device.empty()) return;
+  FILE* f = std::fopen(("/sys/class/bdi/" + device + "/read_ahead_kb").c_str(), "w");
+  if (!f) return;
+  std::fprintf(f, "%zu\n", bytes >> 10);
+  std::fclose(f);
+}
 
 enum class Kind { kRoot, kLatest, kCheckpoint, kBlobsDir, kFile };
 
@@ -289,7 +332,6 @@ class Filesystem {
   // Notices new and removed checkpoints and tells the kernel to drop what it
   // cached of the root.
   void Watch(std::stop_token stop) {
-    if (options_.readahead_bytes) SetReadahead();
     std::set<std::string> known;
     std::string latest;
     bool first = true;
@@ -331,19 +373,6 @@ class Filesystem {
  private:
   static constexpr fuse_ino_t kLatestIno = 2;
   static constexpr std::string_view kBlobsPrefix = "blobs/";
-
-  // Raises the mount's kernel readahead (best effort: needs root). Runs once
-  // the session serves requests, since stat of the mountpoint asks it.
-  void SetReadahead() {
-    struct stat st;
-    if (::stat(options_.mountpoint.c_str(), &st) != 0) return;
-    const std::string path = "/sys/class/bdi/" + std::to_string(major(st.st_dev)) + ":" +
-                             std::to_string(minor(st.st_dev)) + "/read_ahead_kb";
-    FILE* f = std::fopen(path.c_str(), "w");
-    if (!f) return;
-    std::fprintf(f, "%zu\n", options_.readahead_bytes >> 10);
-    std::fclose(f);
-  }
 
   static std::string KeyOf(Kind kind, const std::shared_ptr<CheckpointView>& v, size_t index) {
     return std::to_string(static_cast<int>(kind)) + "/" + (v ? v->name + "@" + std::to_string(v->sequence) : "") +
@@ -605,12 +634,18 @@ Status RunMount(const MountOptions& options) {
     fuse_session_destroy(se);
     return Status::Internal("could not install signal handlers");
   }
+  // Resolved before mounting: afterwards, resolving it would ask this
+  // daemon, which is not serving yet.
+  char* resolved = ::realpath(options.mountpoint.c_str(), nullptr);
+  const std::string canonical = resolved ? resolved : options.mountpoint;
+  std::free(resolved);
   if (fuse_session_mount(se, options.mountpoint.c_str()) != 0) {
     fuse_remove_signal_handlers(se);
     fuse_session_destroy(se);
     return Status::IOError("could not mount on '" + options.mountpoint + "' (is /dev/fuse available, and fuse3 installed?)");
   }
   fuse_daemonize(options.foreground ? 1 : 0);
+  if (options.readahead_bytes) RaiseReadahead(canonical, options.readahead_bytes);
   auto repo = Repository::Open(options.repository, open_options);
   Status result;
   if (!repo.ok()) {

@@ -447,15 +447,37 @@ class MountLifecycle(unittest.TestCase):
         wait_for(lambda: not os.path.ismount(self.mnt), what="unmount")
 
     def test_sigint_and_sigterm_unmount_cleanly(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # Signalled the moment the mount appears: nothing the daemon does
+        # while starting may wait for its own mount to answer.
+        for sig in (signal.SIGINT, signal.SIGTERM) * 4:
             proc = subprocess.Popen([CKPT, "mount", "-r", self.repo, self.mnt, "-f"], stderr=subprocess.PIPE)
             wait_for(lambda: os.path.ismount(self.mnt), what="mount")
             proc.send_signal(sig)
-            self.assertEqual(proc.wait(timeout=20), 0)
+            try:
+                self.assertEqual(proc.wait(timeout=20), 0)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    subprocess.run(["umount", "-l", self.mnt], check=False)
             proc.stderr.close()
             self.assertFalse(os.path.ismount(self.mnt))
             with open("/proc/mounts") as m:
                 self.assertNotIn(self.mnt, m.read())
+
+    @unittest.skipUnless(os.geteuid() == 0, "setting a mount's readahead needs root")
+    def test_readahead_is_raised_on_the_mounts_device(self):
+        for size, kb in (("16M", 16384), ("3M", 3072)):
+            proc = subprocess.Popen([CKPT, "mount", "-r", self.repo, self.mnt, "-f", "--readahead", size],
+                                    stderr=subprocess.PIPE)
+            try:
+                wait_for(lambda: os.path.ismount(self.mnt), what="mount")
+                dev = os.stat(self.mnt).st_dev
+                with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb") as f:
+                    self.assertEqual(int(f.read()), kb)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                self.assertEqual(proc.wait(timeout=20), 0)
+                proc.stderr.close()
 
 
 if __name__ == "__main__":
