@@ -6,6 +6,7 @@
 #include <fuse_lowlevel.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
+#include <sys/uio.h>
 #include <sys/xattr.h>
 #include <unistd.h>
 
@@ -38,6 +39,9 @@ namespace {
 constexpr double kImmutableTimeout = 3600.0;
 // The root changes as checkpoints come and go.
 constexpr double kRootTimeout = 1.0;
+// A read reply of more pieces than this (a narrow column shard gives one
+// per row) is copied into one buffer instead: the kernel walks every piece.
+constexpr size_t kMaxReplyPieces = 64;
 
 // The device ("MAJOR:MINOR") of the filesystem mounted last at `dir` (a
 // canonical path), from /proc/self/mountinfo; empty when none is found.
@@ -287,9 +291,24 @@ class Filesystem {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(size, f.file.size - offset));
     reads_.fetch_add(1, std::memory_order_relaxed);
     read_bytes_.fetch_add(n, std::memory_order_relaxed);
+    f.readahead.BeforeRead(offset, n);
+    // Replied straight from the decoded chunks in the cache where the
+    // range is a few pieces (whole tensors: one or two per request); the
+    // kernel copies them into the page cache, and the daemon copies
+    // nothing.
+    thread_local FilePieces pieces;
+    thread_local std::vector<iovec> iov;
+    auto in_place = f.view->files->ReadInPlace(f.file, offset, n, kMaxReplyPieces, pieces);
+    if (!in_place.ok()) return ReplyError(req, in_place.status());
+    if (*in_place) {
+      iov.clear();
+      for (const auto& p : pieces.pieces()) iov.push_back({const_cast<std::byte*>(p.data()), p.size()});
+      fuse_reply_iov(req, iov.data(), static_cast<int>(iov.size()));
+      pieces.Clear();
+      return;
+    }
     thread_local ScratchBuffer buf;
     std::span<std::byte> out(buf.Reserve(n), n);
-    f.readahead.BeforeRead(offset, n);
     Status st = f.view->files->Read(f.file, offset, out);
     if (!st.ok()) return ReplyError(req, st);
     fuse_reply_buf(req, reinterpret_cast<const char*>(out.data()), n);

@@ -116,6 +116,76 @@ Status CheckpointFiles::Read(const CheckpointFile& file, uint64_t offset, std::s
   return Status::Internal("unknown file kind");
 }
 
+void FilePieces::Clear() {
+  if (!slices_.empty()) reader_->Consumed(slices_);
+  slices_.clear();
+  pieces_.clear();
+  reader_ = nullptr;
+}
+
+Result<bool> CheckpointFiles::ReadInPlace(const CheckpointFile& file, uint64_t offset, size_t n, size_t max_pieces,
+                                          FilePieces& out) const {
+  out.Clear();
+  if (offset > file.size || n > file.size - offset) return Status::InvalidArgument("read past the end of " + file.name);
+  if (file.kind == FileKind::kBlob) return false;
+  out.reader_ = reader_.get();
+  auto add_string = [&](const std::string& s, uint64_t at, size_t len) {
+    if (len > 0) out.pieces_.emplace_back(reinterpret_cast<const std::byte*>(s.data()) + at, len);
+  };
+  // Appends tensor bytes as slices; false when they would be too many.
+  auto add_tensor = [&](size_t i, uint64_t in, uint64_t len) -> Result<bool> {
+    const size_t first = out.slices_.size();
+    if (out.pieces_.size() >= max_pieces) return false;
+    CKPT_ASSIGN_OR_RETURN(bool fits, reader_->SliceBytes(reader_->tensors()[i], in, len,
+                                                         max_pieces - out.pieces_.size(), out.slices_));
+    if (!fits) return false;
+    for (size_t k = first; k < out.slices_.size(); ++k) {
+      const ChunkSlice& c = out.slices_[k];
+      if (c.length > 0) out.pieces_.emplace_back(c.data->data() + c.offset, c.length);
+    }
+    return true;
+  };
+  Result<bool> done = true;
+  switch (file.kind) {
+    case FileKind::kMetadata:
+      add_string(metadata_, offset, n);
+      break;
+    case FileKind::kTensor: {
+      const std::string& h = npy_headers_[file.index];
+      size_t in_header = 0;
+      if (offset < h.size()) {
+        in_header = std::min<size_t>(n, h.size() - offset);
+        add_string(h, offset, in_header);
+      }
+      if (in_header < n) done = add_tensor(file.index, offset + in_header - h.size(), n - in_header);
+      break;
+    }
+    case FileKind::kSafetensors: {
+      const auto& L = safetensors_;
+      size_t at = 0;
+      while (at < n && done.ok() && *done) {
+        const uint64_t pos = offset + at;
+        if (pos < L.header.size()) {
+          const size_t len = std::min<size_t>(n - at, L.header.size() - pos);
+          add_string(L.header, pos, len);
+          at += len;
+          continue;
+        }
+        const size_t i = SafetensorsTensorAt(pos);
+        const uint64_t in = pos - L.offsets[i];
+        const size_t len = std::min<uint64_t>(n - at, L.sizes[i] - in);
+        done = add_tensor(i, in, len);
+        at += len;
+      }
+      break;
+    }
+    case FileKind::kBlob:
+      break;
+  }
+  if (!done.ok() || !*done) out.Clear();
+  return done;
+}
+
 FileReadahead::FileReadahead(const CheckpointFiles& files, const CheckpointFile& file, uint64_t window)
     : files_(files),
       file_(file),

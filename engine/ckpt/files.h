@@ -27,6 +27,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ckpt/merge.h"
 #include "ckpt/repository.h"
 #include "io/safetensors.h"
 
@@ -39,6 +40,26 @@ struct CheckpointFile {
   std::string name;   // path inside the checkpoint's directory ("blobs/" for blobs)
   size_t index = 0;   // tensor or blob index in the reader's lists
   uint64_t size = 0;  // exact, in bytes
+};
+
+// Bytes of a file served in place (CheckpointFiles::ReadInPlace): pieces of
+// memory, in file order, that this object keeps alive until Clear. Clear
+// tells the chunk cache that the chunk bytes among them have been used.
+// Reusable from read to read, so its vectors stop allocating.
+class FilePieces {
+ public:
+  FilePieces() = default;
+  FilePieces(const FilePieces&) = delete;
+  FilePieces& operator=(const FilePieces&) = delete;
+  ~FilePieces() { Clear(); }
+  const std::vector<std::span<const std::byte>>& pieces() const { return pieces_; }
+  void Clear();
+
+ private:
+  friend class CheckpointFiles;
+  const CheckpointReader* reader_ = nullptr;
+  std::vector<std::span<const std::byte>> pieces_;
+  std::vector<ChunkSlice> slices_;
 };
 
 class CheckpointFiles {
@@ -61,6 +82,14 @@ class CheckpointFiles {
   // when the range runs past the end; a read error names the chunk and pack.
   Status Read(const CheckpointFile& file, uint64_t offset, std::span<std::byte> dst) const;
 
+  // Bytes [offset, offset + n) of `file` as pieces of memory instead of a
+  // copy: the headers and metadata held here and slices of decoded chunks
+  // in the chunk cache (CheckpointReader::SliceBytes). False, with `out`
+  // empty, for blobs and for ranges that would take more than max_pieces
+  // pieces (e.g. a narrow column shard contributes a piece per row): use
+  // Read then. Errors as for Read.
+  Result<bool> ReadInPlace(const CheckpointFile& file, uint64_t offset, size_t n, size_t max_pieces,
+                           FilePieces& out) const;
   // Where tensor data of `file` starts: the .npy header's size, or for
   // model.safetensors its header's size. 0 for other files.
   uint64_t HeaderSize(const CheckpointFile& file) const;

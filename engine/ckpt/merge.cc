@@ -172,6 +172,55 @@ Status ReadTensorBytes(const TensorRecord& tensor, uint64_t offset, std::span<st
   return Status::OK();
 }
 
+Result<bool> SliceTensorBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length, ChunkFetcher& fetcher,
+                              size_t max_slices, std::vector<ChunkSlice>& out) {
+  const uint64_t w = DTypeSize(tensor.dtype);
+  const uint64_t total = tensor.ByteSize();
+  if (offset > total || length > total - offset) {
+    return Status::InvalidArgument("byte range past the end of tensor '" + tensor.name + "'");
+  }
+  if (offset % w != 0 || length % w != 0) return false;
+  if (length == 0) return true;
+  struct Run {
+    uint64_t dst;
+    size_t group;
+    uint64_t chunk_offset;
+    uint64_t length;
+  };
+  thread_local std::vector<ChunkGroup> groups;
+  thread_local std::vector<Run> runs;
+  groups.clear();
+  runs.clear();
+  const uint64_t first = offset / w;
+  for (const Box& box : FlatRangeToBoxes(tensor.shape, {first, first + length / w})) {
+    const size_t before = groups.size();
+    CKPT_RETURN_IF_ERROR(PlanBox(tensor, box, groups));
+    const uint64_t base = (FlatIndexOf(tensor.shape, box.offsets) - first) * w;
+    for (size_t g = before; g < groups.size(); ++g) {
+      for (const CopyOp& op : groups[g].ops) {
+        if (runs.size() == max_slices) return false;
+        runs.push_back({base + op.dst_offset, g, op.chunk_offset, op.length});
+      }
+    }
+  }
+  std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.dst < b.dst; });
+  // Each destination byte is planned exactly once, so sorted runs abut.
+  uint64_t at = 0;
+  for (const Run& r : runs) {
+    if (r.dst != at) return Status::Internal("tensor '" + tensor.name + "': read plan has a hole");
+    at += r.length;
+  }
+  if (at != length) return Status::Internal("tensor '" + tensor.name + "': read plan is short");
+  std::vector<ChunkData> fetched(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    CKPT_ASSIGN_OR_RETURN(fetched[g], fetcher.Fetch(groups[g].shard->chunks[groups[g].chunk]));
+  }
+  for (const Run& r : runs) {
+    out.push_back({groups[r.group].shard->chunks[groups[r.group].chunk], fetched[r.group], r.chunk_offset, r.length});
+  }
+  return true;
+}
+
 Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length) {
   const uint64_t w = DTypeSize(tensor.dtype);
   const uint64_t total = tensor.ByteSize();

@@ -42,6 +42,24 @@ Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<s
 Status ReadTensorBytes(const TensorRecord& tensor, uint64_t offset, std::span<std::byte> dst,
                        ChunkFetcher& fetcher, ThreadPool* pool);
 
+// Bytes of a decoded chunk that a read uses in place: data->data() + offset,
+// `length` bytes. `data` keeps them alive.
+struct ChunkSlice {
+  ChunkRef chunk;
+  ChunkData data;
+  uint64_t offset;
+  uint64_t length;
+};
+
+// Appends to `out`, in order, the slices of decoded chunks (fetched through
+// `fetcher`, i.e. its cache) that make up bytes [offset, offset + length)
+// of the tensor's byte image, so a caller can hand them on without copying
+// them. Returns false, appending nothing, when that would take more than
+// `max_slices` slices or the range does not start and end on an element:
+// the caller copies with ReadTensorBytes instead.
+Result<bool> SliceTensorBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length, ChunkFetcher& fetcher,
+                              size_t max_slices, std::vector<ChunkSlice>& out);
+
 // The chunks that bytes [offset, offset + length) of the tensor need, each
 // once, in the order a read would use them.
 Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length);

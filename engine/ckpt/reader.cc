@@ -108,6 +108,15 @@ void CheckpointReader::Prefetch(const TensorRecord& tensor, uint64_t offset, uin
   }
 }
 
+Result<bool> CheckpointReader::SliceBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length,
+                                          size_t max_slices, std::vector<ChunkSlice>& out) const {
+  return SliceTensorBytes(tensor, offset, length, *impl_->repo->fetcher(), max_slices, out);
+}
+
+void CheckpointReader::Consumed(std::span<const ChunkSlice> slices) const {
+  for (const ChunkSlice& s : slices) impl_->repo->fetcher()->Consumed(s.chunk, s.length);
+}
+
 void CheckpointReader::DropCached(std::span<const ChunkRef> chunks) const {
   for (const ChunkRef& c : chunks) impl_->repo->cache->Drop(c.id);
 }

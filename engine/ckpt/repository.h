@@ -149,6 +149,7 @@ class CommitHandle {
 
 class RepositoryImpl;
 class WriterImpl;
+struct ChunkSlice;
 
 // Writes one rank's part of a checkpoint.
 class CheckpointWriter {
@@ -229,6 +230,16 @@ class CheckpointReader {
   // Drops these chunks from the chunk cache (a sequential reader is past
   // them), so their buffers serve the chunks ahead instead of new memory.
   void DropCached(std::span<const ChunkRef> chunks) const;
+  // Bytes [offset, offset + length) of the tensor's image as slices of
+  // decoded chunks in the chunk cache, appended to `out` in order, for a
+  // caller that passes them on without copying (the mount's replies).
+  // False, appending nothing, when that takes more than max_slices slices
+  // or the range is not element-aligned: use ReadBytes then.
+  Result<bool> SliceBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length, size_t max_slices,
+                          std::vector<ChunkSlice>& out) const;
+  // The caller has used these slices: their bytes count as read, so chunks
+  // used up leave the cache (ChunkCache::Consumed).
+  void Consumed(std::span<const ChunkSlice> slices) const;
   // Stored (compressed) bytes of the distinct chunks the checkpoint
   // references, in total and per tensor and blob (in tensors()/blobs()
   // order). Reads the catalog only.

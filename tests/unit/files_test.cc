@@ -164,6 +164,57 @@ TEST_F(CheckpointAsFiles, EveryByteRangeOfEveryFileMatchesTheWholeFile) {
   }
 }
 
+TEST_F(CheckpointAsFiles, ReadsInPlaceGiveTheBytesOfReadsAndReleaseTheirChunks) {
+  std::mt19937_64 rng(11);
+  size_t in_place = 0, copied = 0;
+  for (const auto& f : files_->files()) {
+    const auto whole = Whole(f);
+    for (int i = 0; i < 40; ++i) {
+      uint64_t off = f.size ? rng() % (f.size + 1) : 0;
+      uint64_t len = (f.size - off) ? rng() % (f.size - off + 1) : 0;
+      if (i % 2 == 0) {  // page-aligned, as the kernel asks
+        off &= ~uint64_t{4095};
+        len = std::min<uint64_t>(f.size - off, (len + 4095) & ~uint64_t{4095});
+      }
+      FilePieces pieces;
+      auto r = files_->ReadInPlace(f, off, len, 64, pieces);
+      ASSERT_OK(r);
+      if (!*r) {
+        EXPECT_TRUE(pieces.pieces().empty());
+        ++copied;
+        continue;
+      }
+      ++in_place;
+      std::vector<std::byte> got;
+      for (const auto& p : pieces.pieces()) {
+        EXPECT_FALSE(p.empty());
+        got.insert(got.end(), p.begin(), p.end());
+      }
+      EXPECT_LE(pieces.pieces().size(), 64u);
+      ASSERT_EQ(got.size(), len) << f.name << " " << off << "+" << len;
+      EXPECT_TRUE(std::equal(got.begin(), got.end(), whole.begin() + off)) << f.name << " " << off << "+" << len;
+    }
+    FilePieces past;
+    EXPECT_EQ(files_->ReadInPlace(f, f.size, 1, 64, past).status().code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_GT(in_place, 200u);
+  EXPECT_GT(copied, 0u);  // blobs, unaligned ranges and ranges of many rows of a box shard
+  // Blobs are always copied.
+  FilePieces pieces;
+  EXPECT_FALSE(*files_->ReadInPlace(files_->blob_file(0), 0, 10, 64, pieces));
+  // The whole of a tensor saved as two row boxes: a piece per chunk part.
+  const CheckpointFile& big = files_->tensor_file(0);
+  ASSERT_TRUE(*files_->ReadInPlace(big, 0, big.size, 64, pieces));
+  EXPECT_LT(pieces.pieces().size(), 64u);
+  // Used up, its chunks left the cache: a read in place holds the only
+  // reference until it is cleared, and clearing gives the buffers back.
+  // (The tensor is larger than the cache, so the whole read has evicted
+  // every other chunk.)
+  pieces.Clear();
+  const BufferPoolStats after = repo_->buffer_stats();
+  EXPECT_EQ(after.bytes_held, after.idle_buffers * (64 << 10));
+}
+
 TEST_F(CheckpointAsFiles, PrefetchNeverChangesBytesAndCrossesTensorBoundaries) {
   const CheckpointFile& st = files_->safetensors_file();
   const auto expect = Whole(st);

@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
   double gib = 1;
   int layers = 10, runs = 3;
   std::string cache_size = "256M";
-  bool keep = false, use_borg = true;
+  bool keep = false, use_borg = true, borg_asked_off = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&] { return bench::NextArg(argc, argv, i); };
@@ -150,7 +150,7 @@ int main(int argc, char** argv) {
     else if (a == "--runs") runs = std::atoi(next().c_str());
     else if (a == "--ckpt") ckpt = next();
     else if (a == "--cache-size") cache_size = next();
-    else if (a == "--no-borg") use_borg = false;
+    else if (a == "--no-borg") use_borg = false, borg_asked_off = true;
     else if (a == "--keep") keep = true;
     else {
       std::printf(
@@ -249,7 +249,8 @@ int main(int argc, char** argv) {
     }
     fs::create_directories(borg_mnt);
   } else {
-    std::printf("borg is not installed (Debian: borgbackup, python3-llfuse): borg mount is left out\n");
+    std::printf(borg_asked_off ? "borg mount is left out (--no-borg)\n"
+                               : "borg is not installed (Debian: borgbackup, python3-llfuse): borg mount is left out\n");
   }
 
   const std::vector<std::string> mount_npys = Under(mnt + "/llm", npy_names);
