@@ -68,52 +68,72 @@ size_t CheckpointFiles::SafetensorsTensorAt(uint64_t pos) const {
   return i;
 }
 
+Result<bool> CheckpointFiles::Walk(const CheckpointFile& file, uint64_t offset, size_t n,
+                                   const std::function<void(std::string_view)>& literal,
+                                   const std::function<Result<bool>(size_t, uint64_t, size_t)>& tensor) const {
+  auto part = [&](const std::string& s, uint64_t at, size_t len) {
+    if (len > 0) literal(std::string_view(s).substr(at, len));
+  };
+  switch (file.kind) {
+    case FileKind::kMetadata:
+      part(metadata_, offset, n);
+      return true;
+    case FileKind::kBlob:
+      return Status::Internal("a blob has no layout to walk");
+    case FileKind::kTensor: {
+      const std::string& h = npy_headers_[file.index];
+      size_t in_header = 0;
+      if (offset < h.size()) {
+        in_header = std::min<size_t>(n, h.size() - offset);
+        part(h, offset, in_header);
+      }
+      if (in_header == n) return true;
+      return tensor(file.index, offset + in_header - h.size(), n - in_header);
+    }
+    case FileKind::kSafetensors: {
+      const auto& L = safetensors_;
+      size_t done = 0;
+      while (done < n) {
+        const uint64_t pos = offset + done;
+        if (pos < L.header.size()) {
+          const size_t len = std::min<size_t>(n - done, L.header.size() - pos);
+          part(L.header, pos, len);
+          done += len;
+          continue;
+        }
+        const size_t i = SafetensorsTensorAt(pos);
+        const uint64_t in = pos - L.offsets[i];
+        const size_t len = std::min<uint64_t>(n - done, L.sizes[i] - in);
+        CKPT_ASSIGN_OR_RETURN(bool go_on, tensor(i, in, len));
+        if (!go_on) return false;
+        done += len;
+      }
+      return true;
+    }
+  }
+  return Status::Internal("unknown file kind");
+}
+
 Status CheckpointFiles::Read(const CheckpointFile& file, uint64_t offset, std::span<std::byte> dst) const {
   if (offset > file.size || dst.size() > file.size - offset) {
     return Status::InvalidArgument("read past the end of " + file.name);
   }
   if (dst.empty()) return Status::OK();
-  auto copy_string = [](const std::string& s, uint64_t at, std::span<std::byte> out) {
-    std::memcpy(out.data(), s.data() + at, out.size());
-  };
   const CheckpointReader& r = *reader_;
-  switch (file.kind) {
-    case FileKind::kMetadata:
-      copy_string(metadata_, offset, dst);
-      return Status::OK();
-    case FileKind::kBlob:
-      return r.ReadBlob(r.blobs()[file.index], offset, dst);
-    case FileKind::kTensor: {
-      const std::string& h = npy_headers_[file.index];
-      size_t done = 0;
-      if (offset < h.size()) {
-        done = std::min<size_t>(dst.size(), h.size() - offset);
-        copy_string(h, offset, dst.subspan(0, done));
-      }
-      if (done == dst.size()) return Status::OK();
-      return r.ReadBytes(r.tensors()[file.index], offset + done - h.size(), dst.subspan(done));
-    }
-    case FileKind::kSafetensors: {
-      const auto& L = safetensors_;
-      size_t done = 0;
-      while (done < dst.size()) {
-        const uint64_t pos = offset + done;
-        if (pos < L.header.size()) {
-          const size_t n = std::min<size_t>(dst.size() - done, L.header.size() - pos);
-          copy_string(L.header, pos, dst.subspan(done, n));
-          done += n;
-          continue;
-        }
-        const size_t i = SafetensorsTensorAt(pos);
-        const uint64_t in = pos - L.offsets[i];
-        const size_t n = std::min<uint64_t>(dst.size() - done, L.sizes[i] - in);
-        CKPT_RETURN_IF_ERROR(r.ReadBytes(r.tensors()[i], in, dst.subspan(done, n)));
-        done += n;
-      }
-      return Status::OK();
-    }
-  }
-  return Status::Internal("unknown file kind");
+  if (file.kind == FileKind::kBlob) return r.ReadBlob(r.blobs()[file.index], offset, dst);
+  size_t done = 0;
+  return Walk(
+             file, offset, dst.size(),
+             [&](std::string_view s) {
+               std::memcpy(dst.data() + done, s.data(), s.size());
+               done += s.size();
+             },
+             [&](size_t i, uint64_t in, size_t len) -> Result<bool> {
+               CKPT_RETURN_IF_ERROR(r.ReadBytes(r.tensors()[i], in, dst.subspan(done, len)));
+               done += len;
+               return true;
+             })
+      .status();
 }
 
 void FilePieces::Clear() {
@@ -129,61 +149,23 @@ Result<bool> CheckpointFiles::ReadInPlace(const CheckpointFile& file, uint64_t o
   if (offset > file.size || n > file.size - offset) return Status::InvalidArgument("read past the end of " + file.name);
   if (file.kind == FileKind::kBlob) return false;
   out.reader_ = reader_.get();
-  auto add_string = [&](const std::string& s, uint64_t at, size_t len) {
-    if (len > 0) out.pieces_.emplace_back(reinterpret_cast<const std::byte*>(s.data()) + at, len);
-  };
-  // Appends tensor bytes as slices; false when they would be too many.
-  auto add_tensor = [&](size_t i, uint64_t in, uint64_t len) -> Result<bool> {
-    const size_t first = out.slices_.size();
-    if (out.pieces_.size() >= max_pieces) return false;
-    CKPT_ASSIGN_OR_RETURN(bool fits, reader_->SliceBytes(reader_->tensors()[i], in, len,
-                                                         max_pieces - out.pieces_.size(), out.slices_));
-    if (!fits) return false;
-    for (size_t k = first; k < out.slices_.size(); ++k) {
-      const ChunkSlice& c = out.slices_[k];
-      if (c.length > 0) out.pieces_.emplace_back(c.data->data() + c.offset, c.length);
-    }
-    return true;
-  };
-  Result<bool> done = true;
-  switch (file.kind) {
-    case FileKind::kMetadata:
-      add_string(metadata_, offset, n);
-      break;
-    case FileKind::kTensor: {
-      const std::string& h = npy_headers_[file.index];
-      size_t in_header = 0;
-      if (offset < h.size()) {
-        in_header = std::min<size_t>(n, h.size() - offset);
-        add_string(h, offset, in_header);
-      }
-      if (in_header < n) done = add_tensor(file.index, offset + in_header - h.size(), n - in_header);
-      break;
-    }
-    case FileKind::kSafetensors: {
-      const auto& L = safetensors_;
-      size_t at = 0;
-      while (at < n && done.ok() && *done) {
-        const uint64_t pos = offset + at;
-        if (pos < L.header.size()) {
-          const size_t len = std::min<size_t>(n - at, L.header.size() - pos);
-          add_string(L.header, pos, len);
-          at += len;
-          continue;
+  Result<bool> fits = Walk(
+      file, offset, n,
+      [&](std::string_view s) { out.pieces_.emplace_back(reinterpret_cast<const std::byte*>(s.data()), s.size()); },
+      [&](size_t i, uint64_t in, size_t len) -> Result<bool> {
+        const size_t first = out.slices_.size();
+        if (out.pieces_.size() >= max_pieces) return false;
+        CKPT_ASSIGN_OR_RETURN(bool sliced, reader_->SliceBytes(reader_->tensors()[i], in, len,
+                                                               max_pieces - out.pieces_.size(), out.slices_));
+        if (!sliced) return false;
+        for (size_t k = first; k < out.slices_.size(); ++k) {
+          const ChunkSlice& c = out.slices_[k];
+          if (c.length > 0) out.pieces_.emplace_back(c.data->data() + c.offset, c.length);
         }
-        const size_t i = SafetensorsTensorAt(pos);
-        const uint64_t in = pos - L.offsets[i];
-        const size_t len = std::min<uint64_t>(n - at, L.sizes[i] - in);
-        done = add_tensor(i, in, len);
-        at += len;
-      }
-      break;
-    }
-    case FileKind::kBlob:
-      break;
-  }
-  if (!done.ok() || !*done) out.Clear();
-  return done;
+        return true;
+      });
+  if (!fits.ok() || !*fits) out.Clear();
+  return fits;
 }
 
 FileReadahead::FileReadahead(const CheckpointFiles& files, const CheckpointFile& file, uint64_t window)
@@ -194,25 +176,12 @@ FileReadahead::FileReadahead(const CheckpointFiles& files, const CheckpointFile&
 
 void FileReadahead::ForEachTensorRange(uint64_t from, uint64_t to,
                                        const std::function<void(size_t, uint64_t, uint64_t)>& fn) const {
-  if (file_.kind == FileKind::kTensor) {
-    const uint64_t h = files_.HeaderSize(file_);
-    from = std::max(from, h);
-    to = std::min(to, file_.size);
-    if (to > from) fn(file_.index, from - h, to - from);
-    return;
-  }
-  if (file_.kind != FileKind::kSafetensors) return;
-  const auto& L = files_.safetensors_;
-  from = std::max<uint64_t>(from, L.header.size());
-  to = std::min(to, L.total_size);
-  // Across tensor boundaries: each tensor the range touches gets its part.
-  while (from < to) {
-    const size_t i = files_.SafetensorsTensorAt(from);
-    const uint64_t in = from - L.offsets[i];
-    const uint64_t n = std::min<uint64_t>(to - from, L.sizes[i] - in);
+  to = std::min(to, file_.size);
+  if (from >= to || (file_.kind != FileKind::kTensor && file_.kind != FileKind::kSafetensors)) return;
+  (void)files_.Walk(file_, from, to - from, [](std::string_view) {}, [&](size_t i, uint64_t in, size_t n) -> Result<bool> {
     if (n > 0) fn(i, in, n);
-    from += std::max<uint64_t>(n, 1);
-  }
+    return true;
+  });
 }
 
 void FileReadahead::PrefetchFileRange(uint64_t from, uint64_t to) {

@@ -97,6 +97,13 @@ class CheckpointFiles {
  private:
   CheckpointFiles() = default;
   friend class FileReadahead;
+  // Walks bytes [offset, offset + n) of a tensor, safetensors or metadata
+  // file in order: the bytes held here (headers, metadata) go to `literal`,
+  // tensor data to `tensor` (tensor index, offset in it, length), which
+  // returns false to stop the walk; the result is then false.
+  Result<bool> Walk(const CheckpointFile& file, uint64_t offset, size_t n,
+                    const std::function<void(std::string_view)>& literal,
+                    const std::function<Result<bool>(size_t, uint64_t, size_t)>& tensor) const;
   // The tensor holding byte `pos` of model.safetensors (pos past its header).
   size_t SafetensorsTensorAt(uint64_t pos) const;
 

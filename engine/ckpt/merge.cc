@@ -74,8 +74,10 @@ Status ChunkFetcher::FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) 
 
 namespace {
 
-// Plans the copies that fill `request` (row-major) from the tensor's shards.
-Status PlanBox(const TensorRecord& tensor, const Box& request, std::vector<ChunkGroup>& groups) {
+// Plans the copies that fill `request` (row-major, starting `dst_base`
+// bytes into the destination) from the tensor's shards.
+Status PlanBox(const TensorRecord& tensor, const Box& request, std::vector<ChunkGroup>& groups,
+               uint64_t dst_base = 0) {
   const uint64_t w = DTypeSize(tensor.dtype);
   std::unordered_map<uint64_t, size_t> group_of;
   const LinearSpace dst_space = SpaceOfBox(request);
@@ -94,7 +96,7 @@ Status PlanBox(const TensorRecord& tensor, const Box& request, std::vector<Chunk
           continue;
         }
         ForEachRun(*piece, src_space, dst_space, [&](uint64_t s, uint64_t d, uint64_t n) {
-          PlanStreamCopy(shard, s * w, n * w, d * w, groups, group_of, si);
+          PlanStreamCopy(shard, s * w, n * w, dst_base + d * w, groups, group_of, si);
         });
         for (Box& rest : Subtract(r, sb)) next.push_back(std::move(rest));
       }
@@ -104,6 +106,16 @@ Status PlanBox(const TensorRecord& tensor, const Box& request, std::vector<Chunk
   if (!remaining.empty()) {
     return Status::Corruption("tensor '" + tensor.name + "': no stored shard covers " +
                               remaining.front().ToString());
+  }
+  return Status::OK();
+}
+
+// Plans elements [first, end) of the tensor's row-major image, the
+// destination starting at element `first`.
+Status PlanElements(const TensorRecord& tensor, uint64_t first, uint64_t end, std::vector<ChunkGroup>& groups) {
+  const uint64_t w = DTypeSize(tensor.dtype);
+  for (const Box& box : FlatRangeToBoxes(tensor.shape, {first, end})) {
+    CKPT_RETURN_IF_ERROR(PlanBox(tensor, box, groups, (FlatIndexOf(tensor.shape, box.offsets) - first) * w));
   }
   return Status::OK();
 }
@@ -187,20 +199,13 @@ Result<bool> SliceTensorBytes(const TensorRecord& tensor, uint64_t offset, uint6
     uint64_t chunk_offset;
     uint64_t length;
   };
-  thread_local std::vector<ChunkGroup> groups;
-  thread_local std::vector<Run> runs;
-  groups.clear();
-  runs.clear();
-  const uint64_t first = offset / w;
-  for (const Box& box : FlatRangeToBoxes(tensor.shape, {first, first + length / w})) {
-    const size_t before = groups.size();
-    CKPT_RETURN_IF_ERROR(PlanBox(tensor, box, groups));
-    const uint64_t base = (FlatIndexOf(tensor.shape, box.offsets) - first) * w;
-    for (size_t g = before; g < groups.size(); ++g) {
-      for (const CopyOp& op : groups[g].ops) {
-        if (runs.size() == max_slices) return false;
-        runs.push_back({base + op.dst_offset, g, op.chunk_offset, op.length});
-      }
+  std::vector<ChunkGroup> groups;
+  CKPT_RETURN_IF_ERROR(PlanElements(tensor, offset / w, (offset + length) / w, groups));
+  std::vector<Run> runs;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (const CopyOp& op : groups[g].ops) {
+      if (runs.size() == max_slices) return false;
+      runs.push_back({op.dst_offset, g, op.chunk_offset, op.length});
     }
   }
   std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.dst < b.dst; });
@@ -229,7 +234,7 @@ Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_
   length = std::min(length, total - offset);
   const uint64_t first = offset / w, end = (offset + length + w - 1) / w;
   std::vector<ChunkGroup> groups;
-  for (const Box& box : FlatRangeToBoxes(tensor.shape, {first, end})) CKPT_RETURN_IF_ERROR(PlanBox(tensor, box, groups));
+  CKPT_RETURN_IF_ERROR(PlanElements(tensor, first, end, groups));
   std::unordered_set<ChunkId, ChunkIdHash> seen;
   for (const auto& g : groups) {
     const ChunkRef& c = g.shard->chunks[g.chunk];
