@@ -82,6 +82,10 @@ class Backend {
   virtual std::string Describe() const = 0;
   // Requests sent so far (see RequestCounts).
   virtual RequestCounts Requests() const { return {}; }
+  // True when ReadRange's bytes are written into `out` by the kernel
+  // (pread), false when user-space code copies them there (a network
+  // client's receive buffer). See ReadChunk.
+  virtual bool ReadsWithKernelCopy() const { return false; }
 };
 
 // True when `key` is a valid object key.

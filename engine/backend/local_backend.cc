@@ -91,6 +91,8 @@ class LocalBackend final : public Backend {
     return Status::OK();
   }
 
+  bool ReadsWithKernelCopy() const override { return true; }
+
   Result<uint64_t> Size(std::string_view key) override {
     CKPT_RETURN_IF_ERROR(CheckKey(key));
     struct stat st;

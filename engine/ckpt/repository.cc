@@ -229,15 +229,16 @@ Result<ChunkData> DirectFetcher::Fetch(const ChunkRef& chunk) {
   }
   auto data = buffers_ ? std::make_shared<ChunkBuffer>(buffers_->Acquire(loc.raw_len), loc.raw_len)
                        : std::make_shared<ChunkBuffer>(loc.raw_len);
-  CKPT_RETURN_IF_ERROR(ReadWithRelocation(chunk.id, loc, data->span()));
+  CKPT_RETURN_IF_ERROR(ReadWithRelocation(chunk.id, loc, data->span(), ChunkDestination::kOwnBuffer));
   return ChunkData(std::move(data));
 }
 
-Status DirectFetcher::ReadWithRelocation(const ChunkId& id, ChunkLocation loc, std::span<std::byte> dst) {
+Status DirectFetcher::ReadWithRelocation(const ChunkId& id, ChunkLocation loc, std::span<std::byte> dst,
+                                         ChunkDestination destination) {
   // Garbage collection may move a live chunk to a new pack and delete the
   // old one between our lookup and our read: look it up again and retry.
   for (int attempt = 0;; ++attempt) {
-    Status st = ReadChunk(backend_, id, loc, dst);
+    Status st = ReadChunk(backend_, id, loc, dst, destination);
     if (st.ok() || !st.IsNotFound() || attempt >= 3) return st;
     CKPT_ASSIGN_OR_RETURN(ChunkLocation again, lookup_(id));
     if (again.pack == loc.pack && again.offset == loc.offset) return st;
@@ -251,7 +252,7 @@ Status DirectFetcher::FetchInto(const ChunkRef& chunk, std::span<std::byte> dst)
     return Status::Corruption("chunk " + chunk.id.ToHex() + " has length " + std::to_string(loc.raw_len) +
                               " in pack " + loc.pack + ", expected " + std::to_string(chunk.raw_len));
   }
-  return ReadWithRelocation(chunk.id, loc, dst);
+  return ReadWithRelocation(chunk.id, loc, dst, ChunkDestination::kCallerMemory);
 }
 
 namespace {

@@ -133,7 +133,8 @@ class DirectFetcher : public ChunkFetcher {
   Status FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) override;
 
  private:
-  Status ReadWithRelocation(const ChunkId& id, ChunkLocation loc, std::span<std::byte> dst);
+  Status ReadWithRelocation(const ChunkId& id, ChunkLocation loc, std::span<std::byte> dst,
+                            ChunkDestination destination);
   Backend* backend_;
   Lookup lookup_;
   BufferPool* buffers_;

@@ -182,18 +182,25 @@ Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id) {
   return pack;
 }
 
-Status ReadChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc,
-                 std::span<std::byte> raw) {
+Status ReadChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc, std::span<std::byte> raw,
+                 ChunkDestination destination) {
   auto where = [&]() {
     return "chunk " + id.ToHex() + " in pack " + loc.pack + " at offset " + std::to_string(loc.offset);
   };
   if (raw.size() != loc.raw_len) return Status::Internal("buffer size does not match " + where());
+  // Reused by every chunk this thread reads: no allocation, no zero-fill.
+  thread_local ScratchBuffer stored_buffer;
   if (loc.codec == Codec::kRaw) {
     if (loc.stored_len != loc.raw_len) return Status::Corruption(where() + ": raw chunk with wrong length");
+    if (destination == ChunkDestination::kCallerMemory && backend->ReadsWithKernelCopy()) {
+      std::span<std::byte> staged(stored_buffer.Reserve(loc.raw_len), loc.raw_len);
+      CKPT_RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, staged).WithContext(where()));
+      if (ChunkId::Of(staged) != id) return Status::Corruption(where() + ": content hash mismatch");
+      std::memcpy(raw.data(), staged.data(), raw.size());
+      return Status::OK();
+    }
     CKPT_RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, raw).WithContext(where()));
   } else {
-    // Reused by every chunk this thread reads: no allocation, no zero-fill.
-    thread_local ScratchBuffer stored_buffer;
     std::span<std::byte> stored(stored_buffer.Reserve(loc.stored_len), loc.stored_len);
     CKPT_RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, stored).WithContext(where()));
     Status st = DecodeChunk(loc.codec, stored, raw);

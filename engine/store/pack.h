@@ -87,9 +87,23 @@ class PackWriter {
 // Reads and checks a pack's index (footer, magic, checksum, bounds).
 Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id);
 
+// What ReadChunk's destination is.
+enum class ChunkDestination {
+  // The engine's own recycled memory (a pool buffer): read straight in.
+  kOwnBuffer,
+  // Memory the caller owns, such as a tensor being loaded. A raw chunk from
+  // a backend that reads with a kernel copy is staged: read into this
+  // thread's scratch buffer, verified there, then copied. The kernel never
+  // writes into the caller's pages (on virtual machines its first write into
+  // a page a process has not handed to it before is several times slower
+  // than the copy itself; DESIGN.md "Read path"), and a raw chunk that fails
+  // verification leaves the destination untouched.
+  kCallerMemory,
+};
+
 // Reads one chunk, decodes it and verifies its XXH3-128 against `id`.
 // Corruption names the chunk and the pack.
-Status ReadChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc,
-                 std::span<std::byte> raw);
+Status ReadChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc, std::span<std::byte> raw,
+                 ChunkDestination destination = ChunkDestination::kOwnBuffer);
 
 }  // namespace ckptfs

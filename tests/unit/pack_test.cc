@@ -105,6 +105,40 @@ TEST(Pack, FlippedByteIsCorruptionNamingChunkAndPack) {
   EXPECT_NE(st.message().find(c.loc.pack), std::string::npos);
 }
 
+TEST(Pack, ChunksReadIntoCallerMemoryAreVerifiedBeforeTheyLand) {
+  // A local backend reads with the kernel's copy, so raw chunks bound for
+  // caller memory are staged in the thread's scratch and checked there.
+  testing::TempDir dir;
+  auto backend = std::move(OpenLocalBackend(dir.path())).value();
+  ASSERT_TRUE(backend->ReadsWithKernelCopy());
+  EXPECT_FALSE(NewMemoryBackend()->ReadsWithKernelCopy());
+  PackWriter writer(backend.get(), 64 << 20);
+  auto chunks = WriteChunks(backend.get(), writer, 4, 256 << 10);
+  ASSERT_OK(writer.Finish());
+  ASSERT_EQ(chunks[0].loc.codec, Codec::kRaw);  // random bytes
+  ASSERT_NE(chunks[1].loc.codec, Codec::kRaw);  // half zeros
+  for (const auto& c : chunks) {
+    for (auto destination : {ChunkDestination::kOwnBuffer, ChunkDestination::kCallerMemory}) {
+      std::vector<std::byte> raw(c.raw.size(), std::byte{0x5a});
+      ASSERT_OK(ReadChunk(backend.get(), c.id, c.loc, raw, destination));
+      EXPECT_EQ(raw, c.raw);
+    }
+  }
+  // A damaged raw chunk: corruption either way, and caller memory keeps
+  // what it held.
+  const auto& c = chunks[0];
+  std::string pack = *backend->ReadAll(PackKey(c.loc.pack));
+  pack[c.loc.offset + 1000] ^= 0x01;
+  ASSERT_OK(backend->Put(PackKey(c.loc.pack), std::as_bytes(std::span(pack))));
+  const std::vector<std::byte> before(c.raw.size(), std::byte{0x5a});
+  std::vector<std::byte> raw = before;
+  Status st = ReadChunk(backend.get(), c.id, c.loc, raw, ChunkDestination::kCallerMemory);
+  EXPECT_TRUE(st.IsCorruption()) << st.ToString();
+  EXPECT_NE(st.message().find(c.id.ToHex()), std::string::npos);
+  EXPECT_EQ(raw, before);
+  EXPECT_TRUE(ReadChunk(backend.get(), c.id, c.loc, raw, ChunkDestination::kOwnBuffer).IsCorruption());
+}
+
 // A sealed pack of three 4 KiB chunks in a memory backend, and its bytes.
 struct ThreeChunkPack {
   std::unique_ptr<Backend> backend = NewMemoryBackend();
