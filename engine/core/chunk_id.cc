@@ -1,17 +1,33 @@
 #include "core/chunk_id.h"
 
+#define XXH_STATIC_LINKING_ONLY  // XXH3_state_t's size, to hold it inline
 #include <xxhash.h>
 
 namespace ckptfs {
 
-ChunkId ChunkId::Of(std::span<const std::byte> data) {
-  XXH128_hash_t h = XXH3_128bits(data.data(), data.size());
+namespace {
+ChunkId FromHash(XXH128_hash_t h) {
   XXH128_canonical_t c;
   XXH128_canonicalFromHash(&c, h);
   ChunkId id;
   std::memcpy(id.bytes.data(), c.digest, 16);
   return id;
 }
+}  // namespace
+
+static_assert(sizeof(XXH3_state_t) <= 640 && alignof(XXH3_state_t) <= 64, "ChunkHasher's state is too small");
+
+void ChunkHasher::Reset() { XXH3_128bits_reset(reinterpret_cast<XXH3_state_t*>(state_)); }
+
+void ChunkHasher::Update(std::span<const std::byte> piece) {
+  XXH3_128bits_update(reinterpret_cast<XXH3_state_t*>(state_), piece.data(), piece.size());
+}
+
+ChunkId ChunkHasher::Finish() const {
+  return FromHash(XXH3_128bits_digest(reinterpret_cast<const XXH3_state_t*>(state_)));
+}
+
+ChunkId ChunkId::Of(std::span<const std::byte> data) { return FromHash(XXH3_128bits(data.data(), data.size())); }
 
 std::string ChunkId::ToHex() const {
   static const char* kDigits = "0123456789abcdef";

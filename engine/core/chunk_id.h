@@ -23,6 +23,21 @@ struct ChunkId {
   auto operator<=>(const ChunkId&) const = default;
 };
 
+// The ChunkId of bytes that arrive in pieces: Finish() equals ChunkId::Of
+// of their concatenation. Holds its state inline (no allocation).
+class ChunkHasher {
+ public:
+  ChunkHasher() { Reset(); }
+  ChunkHasher(const ChunkHasher&) = delete;
+  ChunkHasher& operator=(const ChunkHasher&) = delete;
+  void Reset();
+  void Update(std::span<const std::byte> piece);
+  ChunkId Finish() const;
+
+ private:
+  alignas(64) unsigned char state_[640];
+};
+
 struct ChunkIdHash {
   size_t operator()(const ChunkId& id) const {
     size_t h;

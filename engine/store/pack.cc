@@ -193,10 +193,18 @@ Status ReadChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc, 
   if (loc.codec == Codec::kRaw) {
     if (loc.stored_len != loc.raw_len) return Status::Corruption(where() + ": raw chunk with wrong length");
     if (destination == ChunkDestination::kCallerMemory && backend->ReadsWithKernelCopy()) {
-      std::span<std::byte> staged(stored_buffer.Reserve(loc.raw_len), loc.raw_len);
-      CKPT_RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, staged).WithContext(where()));
-      if (ChunkId::Of(staged) != id) return Status::Corruption(where() + ": content hash mismatch");
-      std::memcpy(raw.data(), staged.data(), raw.size());
+      // In pieces small enough to stay in this core's cache while they are
+      // hashed and copied out.
+      constexpr size_t kPiece = 256 << 10;
+      std::byte* staged = stored_buffer.Reserve(kPiece);
+      ChunkHasher hasher;
+      for (size_t done = 0; done < raw.size(); done += kPiece) {
+        std::span<std::byte> piece(staged, std::min(kPiece, raw.size() - done));
+        CKPT_RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset + done, piece).WithContext(where()));
+        hasher.Update(piece);
+        std::memcpy(raw.data() + done, piece.data(), piece.size());
+      }
+      if (hasher.Finish() != id) return Status::Corruption(where() + ": content hash mismatch");
       return Status::OK();
     }
     CKPT_RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, raw).WithContext(where()));

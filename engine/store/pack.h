@@ -92,12 +92,11 @@ enum class ChunkDestination {
   // The engine's own recycled memory (a pool buffer): read straight in.
   kOwnBuffer,
   // Memory the caller owns, such as a tensor being loaded. A raw chunk from
-  // a backend that reads with a kernel copy is staged: read into this
-  // thread's scratch buffer, verified there, then copied. The kernel never
-  // writes into the caller's pages (on virtual machines its first write into
-  // a page a process has not handed to it before is several times slower
-  // than the copy itself; DESIGN.md "Read path"), and a raw chunk that fails
-  // verification leaves the destination untouched.
+  // a backend that reads with a kernel copy is staged: read 256 KiB at a
+  // time into this thread's scratch buffer, hashed and copied out while the
+  // piece is in cache. The kernel never writes into the caller's pages: on
+  // virtual machines its first write into a page of a process is several
+  // times slower than the copy itself (DESIGN.md "Read path").
   kCallerMemory,
 };
 

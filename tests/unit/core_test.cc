@@ -1,4 +1,4 @@
-// Status, dtypes and random ids.
+// Status, dtypes, random ids and chunk ids.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <set>
 
+#include "core/chunk_id.h"
 #include "core/dtype.h"
 #include "core/random.h"
 #include "core/status.h"
@@ -57,6 +58,26 @@ TEST(DType, EverySafetensorsDTypeRoundTrips) {
   EXPECT_FALSE(DTypeFromCode(kDTypeCount).has_value());
   EXPECT_EQ(NumpyDescr(DType::kBF16), "<u2");  // bits kept in a same-width unsigned type
   EXPECT_EQ(NumpyDescr(DType::kF8E4M3), "|u1");
+}
+
+TEST(ChunkHasher, PiecesHashLikeTheirConcatenation) {
+  std::vector<std::byte> data(700 << 10);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::byte>((i * 2654435761u) >> 13);
+  const ChunkId whole = ChunkId::Of(data);
+  ChunkHasher h;
+  for (size_t piece : {size_t{1}, size_t{4096}, size_t{256 << 10}, data.size()}) {
+    h.Reset();
+    for (size_t at = 0; at < data.size(); at += piece) {
+      h.Update(std::span(data).subspan(at, std::min(piece, data.size() - at)));
+    }
+    EXPECT_EQ(h.Finish(), whole) << piece;
+  }
+  h.Reset();
+  EXPECT_EQ(h.Finish(), ChunkId::Of({}));
+  data[data.size() - 1] ^= std::byte{1};
+  h.Reset();
+  h.Update(data);
+  EXPECT_NE(h.Finish(), whole);
 }
 
 TEST(RandomHex, DistinctAndForkSafe) {

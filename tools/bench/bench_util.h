@@ -112,6 +112,33 @@ inline double TimedRead(const std::string& path, uint64_t expect, size_t piece, 
   return seconds;
 }
 
+// Reads `path` sequentially in `piece`-byte read()s straight into `dst`
+// (memory of the file's size that exists already, like a tensor being
+// loaded) and returns the seconds it took; exits unless the whole file
+// fills `dst` exactly.
+inline double TimedReadInto(const std::string& path, std::span<std::byte> dst, size_t piece) {
+  const auto t0 = std::chrono::steady_clock::now();
+  int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) {
+    std::perror(path.c_str());
+    std::exit(1);
+  }
+  size_t total = 0;
+  ssize_t n = 1;
+  while (total < dst.size() && (n = ::read(fd, dst.data() + total, std::min(piece, dst.size() - total))) > 0) {
+    total += static_cast<size_t>(n);
+  }
+  char extra;
+  const bool at_end = n >= 0 && ::read(fd, &extra, 1) == 0;
+  ::close(fd);
+  const double seconds = Seconds(t0);
+  if (n < 0 || total != dst.size() || !at_end) {
+    std::fprintf(stderr, "read of %s into memory failed after %zu bytes\n", path.c_str(), total);
+    std::exit(1);
+  }
+  return seconds;
+}
+
 inline double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
