@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <xxhash.h>
@@ -217,6 +218,37 @@ inline long long MinorFaults(pid_t pid) {
   // state ppid pgrp session tty_nr tpgid flags minflt
   if (std::sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %lld", &minflt) != 1) return -1;
   return minflt;
+}
+
+// The largest page-cache folio, in 4 KiB pages, among the first `max_bytes`
+// of `path` (which should be cached): the file is mapped, its pages are
+// looked up in /proc/self/pagemap and their flags in /proc/kpageflags
+// (compound head and tail). 0 when that cannot be read (not root).
+inline size_t LargestCachedFolioPages(const std::string& path, size_t max_bytes) {
+  int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) return 0;
+  struct stat st;
+  size_t pages = ::fstat(fd, &st) == 0 ? std::min<size_t>(st.st_size, max_bytes) / 4096 : 0;
+  void* map = pages ? ::mmap(nullptr, pages * 4096, PROT_READ, MAP_SHARED, fd, 0) : MAP_FAILED;
+  ::close(fd);
+  if (map == MAP_FAILED) return 0;
+  const volatile char* p = static_cast<const volatile char*>(map);
+  int pagemap = ::open("/proc/self/pagemap", O_RDONLY), flags = ::open("/proc/kpageflags", O_RDONLY);
+  size_t largest = 0, run = 0;
+  for (size_t i = 0; i < pages && pagemap >= 0 && flags >= 0; ++i) {
+    (void)p[i * 4096];
+    uint64_t entry = 0, f = 0;
+    const uint64_t vpn = reinterpret_cast<uintptr_t>(map) / 4096 + i;
+    if (::pread(pagemap, &entry, 8, static_cast<off_t>(vpn * 8)) != 8 || !(entry >> 63)) continue;
+    const uint64_t pfn = entry & ((1ull << 55) - 1);
+    if (pfn == 0 || ::pread(flags, &f, 8, static_cast<off_t>(pfn * 8)) != 8) break;  // PFNs hidden: not root
+    run = (f >> 16 & 1) ? run + 1 : 1;  // KPF_COMPOUND_TAIL continues the head's folio
+    largest = std::max(largest, run);
+  }
+  if (pagemap >= 0) ::close(pagemap);
+  if (flags >= 0) ::close(flags);
+  ::munmap(map, pages * 4096);
+  return largest;
 }
 
 // What a first touch of a page costs on this machine: microseconds per 4 KiB
