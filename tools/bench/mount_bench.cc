@@ -10,7 +10,9 @@
 //     .npy files, and `borg mount` of those files (when borg is installed).
 // First reads start with the page cache dropped and a freshly started mount
 // daemon (empty chunk cache); second reads follow at once. The daemon's
-// minor page faults are reported per GiB read after its first GiB.
+// minor page faults are reported per GiB read after its first GiB. After
+// each large file's second read, the largest page-cache folio behind the
+// mount's file and the plain file is printed (root; /proc/kpageflags).
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -334,9 +336,13 @@ int main(int argc, char** argv) {
     r_st.Add(in_seconds / s1.seconds);
     faults_gib.Add(fpg);
     std::printf("run %d: large file: first %.2f GB/s (plain %.2f, %.2fx), second %.2f GB/s (plain %.2f, %.2fx); "
-                "largest page-cache folio: mount %zu KiB, plain %zu KiB\n",
+                "largest page-cache folio: %s\n",
                 run + 1, big_mount1.v.back(), big_plain1.v.back(), big_r1.v.back(), big_mount2.v.back(),
-                big_plain2.v.back(), big_r2.v.back(), mount_folio * 4, plain_folio * 4);
+                big_plain2.v.back(), big_r2.v.back(),
+                mount_folio && plain_folio
+                    ? ("mount " + std::to_string(mount_folio * 4) + " KiB, plain " + std::to_string(plain_folio * 4) +
+                       " KiB").c_str()
+                    : "unknown (needs root)");
     std::printf("       LLM *.npy: first %.2f GB/s (in-process %.2f, %.2fx; plain %.2f), second %.2f GB/s (plain %.2f)\n",
                 np_mount1.v.back(), inproc.v.back(), r_inproc.v.back(), np_plain1.v.back(), np_mount2.v.back(),
                 np_plain2.v.back());
