@@ -83,14 +83,11 @@ inline double TimedWrite(const std::string& path, const std::vector<std::span<co
   return Seconds(t0);
 }
 
-// Reads `path` sequentially in `piece`-byte read()s and returns the seconds
-// it took; exits unless exactly `expect` bytes came back. With `digest`, the
-// XXH3-64 of the bytes is computed on the way (timed too).
-inline double TimedRead(const std::string& path, uint64_t expect, size_t piece, uint64_t* digest = nullptr) {
-  std::vector<char> buf(piece);
-  XXH3_state_t* h = XXH3_createState();
-  XXH3_64bits_reset(h);
-  const auto t0 = std::chrono::steady_clock::now();
+// read()s `path` to its end, each read into the span next(bytes so far)
+// gives and reported to got(span of the bytes read); returns the number of
+// bytes read. Exits when the file cannot be opened or a read fails.
+template <typename Next, typename Got>
+uint64_t ReadToEnd(const std::string& path, Next next, Got got) {
   int fd = ::open(path.c_str(), O_RDONLY);
   if (fd < 0) {
     std::perror(path.c_str());
@@ -98,14 +95,35 @@ inline double TimedRead(const std::string& path, uint64_t expect, size_t piece, 
   }
   uint64_t total = 0;
   ssize_t n;
-  while ((n = ::read(fd, buf.data(), buf.size())) > 0) {
-    if (digest) XXH3_64bits_update(h, buf.data(), static_cast<size_t>(n));
+  for (std::span<std::byte> to = next(total); (n = ::read(fd, to.data(), to.size())) > 0; to = next(total)) {
+    got(to.first(static_cast<size_t>(n)));
     total += static_cast<uint64_t>(n);
   }
   ::close(fd);
-  const double seconds = Seconds(t0);
-  if (n < 0 || total != expect) {
+  if (n < 0) {
     std::fprintf(stderr, "read of %s failed after %llu bytes\n", path.c_str(), static_cast<unsigned long long>(total));
+    std::exit(1);
+  }
+  return total;
+}
+
+// Reads `path` sequentially in `piece`-byte read()s and returns the seconds
+// it took; exits unless exactly `expect` bytes came back. With `digest`, the
+// XXH3-64 of the bytes is computed on the way (timed too).
+inline double TimedRead(const std::string& path, uint64_t expect, size_t piece, uint64_t* digest = nullptr) {
+  std::vector<std::byte> buf(piece);
+  XXH3_state_t* h = XXH3_createState();
+  XXH3_64bits_reset(h);
+  const auto t0 = std::chrono::steady_clock::now();
+  const uint64_t total = ReadToEnd(
+      path, [&](uint64_t) { return std::span(buf); },
+      [&](std::span<std::byte> got) {
+        if (digest) XXH3_64bits_update(h, got.data(), got.size());
+      });
+  const double seconds = Seconds(t0);
+  if (total != expect) {
+    std::fprintf(stderr, "%s has %llu bytes, expected %llu\n", path.c_str(), static_cast<unsigned long long>(total),
+                 static_cast<unsigned long long>(expect));
     std::exit(1);
   }
   if (digest) *digest = XXH3_64bits_digest(h);
@@ -118,23 +136,18 @@ inline double TimedRead(const std::string& path, uint64_t expect, size_t piece, 
 // loaded) and returns the seconds it took; exits unless the whole file
 // fills `dst` exactly.
 inline double TimedReadInto(const std::string& path, std::span<std::byte> dst, size_t piece) {
+  std::byte past_end[1];  // where a read after dst is full goes: it must find the end
   const auto t0 = std::chrono::steady_clock::now();
-  int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) {
-    std::perror(path.c_str());
-    std::exit(1);
-  }
-  size_t total = 0;
-  ssize_t n = 1;
-  while (total < dst.size() && (n = ::read(fd, dst.data() + total, std::min(piece, dst.size() - total))) > 0) {
-    total += static_cast<size_t>(n);
-  }
-  char extra;
-  const bool at_end = n >= 0 && ::read(fd, &extra, 1) == 0;
-  ::close(fd);
+  const uint64_t total = ReadToEnd(
+      path,
+      [&](uint64_t at) {
+        return at < dst.size() ? dst.subspan(at, std::min<uint64_t>(piece, dst.size() - at)) : std::span(past_end);
+      },
+      [](std::span<std::byte>) {});
   const double seconds = Seconds(t0);
-  if (n < 0 || total != dst.size() || !at_end) {
-    std::fprintf(stderr, "read of %s into memory failed after %zu bytes\n", path.c_str(), total);
+  if (total != dst.size()) {
+    std::fprintf(stderr, "%s has %llu bytes, expected %zu\n", path.c_str(), static_cast<unsigned long long>(total),
+                 dst.size());
     std::exit(1);
   }
   return seconds;

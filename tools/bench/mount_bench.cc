@@ -94,28 +94,19 @@ struct ReadResult {
 };
 ReadResult ReadFiles(const std::vector<std::string>& paths, size_t piece,
                      const std::function<void(uint64_t)>& at_bytes = {}) {
-  std::vector<char> buf(piece);
+  std::vector<std::byte> buf(piece);
   XXH3_state_t* h = XXH3_createState();
   XXH3_64bits_reset(h);
   ReadResult r;
   const auto t0 = Clock::now();
   for (const auto& p : paths) {
-    int fd = ::open(p.c_str(), O_RDONLY);
-    if (fd < 0) {
-      std::perror(p.c_str());
-      std::exit(1);
-    }
-    ssize_t n;
-    while ((n = ::read(fd, buf.data(), buf.size())) > 0) {
-      XXH3_64bits_update(h, buf.data(), static_cast<size_t>(n));
-      r.bytes += static_cast<uint64_t>(n);
-      if (at_bytes) at_bytes(r.bytes);
-    }
-    ::close(fd);
-    if (n < 0) {
-      std::perror(p.c_str());
-      std::exit(1);
-    }
+    bench::ReadToEnd(
+        p, [&](uint64_t) { return std::span(buf); },
+        [&](std::span<std::byte> got) {
+          XXH3_64bits_update(h, got.data(), got.size());
+          r.bytes += got.size();
+          if (at_bytes) at_bytes(r.bytes);
+        });
   }
   r.seconds = bench::Seconds(t0);
   r.digest = XXH3_64bits_digest(h);
