@@ -197,10 +197,11 @@ Status ReadChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc, 
       // hashed and copied out.
       constexpr size_t kPiece = 256 << 10;
       std::byte* staged = stored_buffer.Reserve(kPiece);
+      const std::string key = PackKey(loc.pack);
       ChunkHasher hasher;
       for (size_t done = 0; done < raw.size(); done += kPiece) {
         std::span<std::byte> piece(staged, std::min(kPiece, raw.size() - done));
-        CKPT_RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset + done, piece).WithContext(where()));
+        CKPT_RETURN_IF_ERROR(backend->ReadRange(key, loc.offset + done, piece).WithContext(where()));
         hasher.Update(piece);
         std::memcpy(raw.data() + done, piece.data(), piece.size());
       }
