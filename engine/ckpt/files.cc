@@ -40,6 +40,11 @@ Result<std::unique_ptr<CheckpointFiles>> CheckpointFiles::Build(std::unique_ptr<
     f->files_.push_back({FileKind::kBlob, "blobs/" + FileNameFor(blobs[i].name, ""), i, blobs[i].size});
   }
   f->opened_.reset(new std::atomic<bool>[f->files_.size()]());
+  std::vector<size_t> by_name(tensors.size());
+  for (size_t i = 0; i < by_name.size(); ++i) by_name[i] = i;
+  std::sort(by_name.begin(), by_name.end(), [&](size_t a, size_t b) { return f->files_[a].name < f->files_[b].name; });
+  f->next_tensor_file_.assign(tensors.size(), SIZE_MAX);
+  for (size_t k = 0; k + 1 < by_name.size(); ++k) f->next_tensor_file_[by_name[k]] = by_name[k + 1];
   f->reader_ = std::move(reader);
   return f;
 }
@@ -49,6 +54,12 @@ const CheckpointFile* CheckpointFiles::Find(std::string_view path) const {
     if (file.name == path) return &file;
   }
   return nullptr;
+}
+
+const CheckpointFile* CheckpointFiles::NextTensorFile(const CheckpointFile& file) const {
+  if (file.kind != FileKind::kTensor) return nullptr;
+  const size_t next = next_tensor_file_[file.index];
+  return next == SIZE_MAX ? nullptr : &files_[next];
 }
 
 uint64_t CheckpointFiles::HeaderSize(const CheckpointFile& file) const {
@@ -174,26 +185,34 @@ FileReadahead::FileReadahead(const CheckpointFiles& files, const CheckpointFile&
       window_(window),
       slack_(4 * files.reader().chunk_size()) {}
 
-void FileReadahead::ForEachTensorRange(uint64_t from, uint64_t to,
+void FileReadahead::ForEachTensorRange(const CheckpointFile& file, uint64_t from, uint64_t to,
                                        const std::function<void(size_t, uint64_t, uint64_t)>& fn) const {
-  to = std::min(to, file_.size);
-  if (from >= to || (file_.kind != FileKind::kTensor && file_.kind != FileKind::kSafetensors)) return;
-  (void)files_.Walk(file_, from, to - from, [](std::string_view) {}, [&](size_t i, uint64_t in, size_t n) -> Result<bool> {
+  to = std::min(to, file.size);
+  if (from >= to || (file.kind != FileKind::kTensor && file.kind != FileKind::kSafetensors)) return;
+  (void)files_.Walk(file, from, to - from, [](std::string_view) {}, [&](size_t i, uint64_t in, size_t n) -> Result<bool> {
     if (n > 0) fn(i, in, n);
     return true;
   });
 }
 
-void FileReadahead::PrefetchFileRange(uint64_t from, uint64_t to) {
+void FileReadahead::PrefetchFileRange(const CheckpointFile& file, uint64_t from, uint64_t to) {
   const CheckpointReader& r = files_.reader();
-  ForEachTensorRange(from, to, [&](size_t i, uint64_t in, uint64_t n) { r.Prefetch(r.tensors()[i], in, n); });
+  ForEachTensorRange(file, from, to, [&](size_t i, uint64_t in, uint64_t n) { r.Prefetch(r.tensors()[i], in, n); });
+}
+
+void FileReadahead::PrefetchFollowing(uint64_t from, uint64_t to) {
+  uint64_t start = 0;  // where the file `next` starts in the stream of following files
+  for (const CheckpointFile* next = files_.NextTensorFile(file_); next && start < to;
+       start += next->size, next = files_.NextTensorFile(*next)) {
+    if (start + next->size > from) PrefetchFileRange(*next, std::max(from, start) - start, to - start);
+  }
 }
 
 void FileReadahead::DropBehind(uint64_t until) {
   const CheckpointReader& r = files_.reader();
   if (until < dropped_until_ + r.chunk_size()) return;  // less than a chunk behind: nothing to gain yet
   auto chunks_of = [&](uint64_t from, uint64_t to, const std::function<void(const ChunkRef&)>& take) {
-    ForEachTensorRange(from, to, [&](size_t i, uint64_t in, uint64_t n) {
+    ForEachTensorRange(file_, from, to, [&](size_t i, uint64_t in, uint64_t n) {
       auto chunks = ChunksForBytes(r.tensors()[i], in, n);
       if (chunks.ok()) {
         for (const ChunkRef& c : *chunks) take(c);
@@ -213,10 +232,16 @@ void FileReadahead::DropBehind(uint64_t until) {
 }
 
 void FileReadahead::OnOpen() {
-  if (window_ == 0 || files_.opened_[&file_ - files_.files_.data()].exchange(true)) return;
+  const size_t index = static_cast<size_t>(&file_ - files_.files_.data());
+  if (window_ == 0 || files_.opened_[index].exchange(true)) return;
+  if (file_.kind == FileKind::kTensor) {
+    const size_t last = files_.last_first_open_.exchange(index);
+    const bool follows = last == SIZE_MAX || files_.next_tensor_file_[files_.files_[last].index] == file_.index;
+    files_.opens_follow_names_.store(follows);
+  }
   std::lock_guard lock(mu_);
   const uint64_t to = std::min(file_.size, files_.HeaderSize(file_) + window_);
-  PrefetchFileRange(0, to);
+  PrefetchFileRange(file_, 0, to);
   prefetched_until_ = to;
 }
 
@@ -229,6 +254,7 @@ void FileReadahead::BeforeRead(uint64_t offset, uint64_t n) {
     next_offset_ = offset + n;
     prefetched_until_ = 0;
     dropped_until_ = offset;
+    following_until_ = 0;
     return;
   }
   // Chunks well behind a sequential reader go back to the pool: the cache
@@ -237,9 +263,17 @@ void FileReadahead::BeforeRead(uint64_t offset, uint64_t n) {
   const uint64_t from = std::max(offset + n, prefetched_until_);
   const uint64_t to = std::min(file_.size, offset + n + window_);
   // Enough is in flight unless the window moved on by half a chunk or more.
-  if (to <= from + files_.reader().chunk_size() / 2) return;
-  PrefetchFileRange(from, to);
-  prefetched_until_ = to;
+  if (to > from + files_.reader().chunk_size() / 2) {
+    PrefetchFileRange(file_, from, to);
+    prefetched_until_ = to;
+  }
+  // The part of the window past this file's end, in the files that follow.
+  const uint64_t beyond = offset + n + window_ > file_.size ? offset + n + window_ - file_.size : 0;
+  if (file_.kind == FileKind::kTensor && beyond > following_until_ + files_.reader().chunk_size() / 2 &&
+      files_.opens_follow_names_.load()) {
+    PrefetchFollowing(following_until_, beyond);
+    following_until_ = beyond;
+  }
 }
 
 }  // namespace ckptfs

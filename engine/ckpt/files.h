@@ -93,6 +93,10 @@ class CheckpointFiles {
   // Where tensor data of `file` starts: the .npy header's size, or for
   // model.safetensors its header's size. 0 for other files.
   uint64_t HeaderSize(const CheckpointFile& file) const;
+  // The .npy file after `file` in byte order of file names (the order of
+  // the mount's directory listing, of `sorted(os.listdir())` and of a shell
+  // glob in the C locale); nullptr after the last one and for other files.
+  const CheckpointFile* NextTensorFile(const CheckpointFile& file) const;
 
  private:
   CheckpointFiles() = default;
@@ -110,6 +114,11 @@ class CheckpointFiles {
   std::unique_ptr<CheckpointReader> reader_;
   std::vector<CheckpointFile> files_;
   std::unique_ptr<std::atomic<bool>[]> opened_;  // per file: opened before
+  std::vector<size_t> next_tensor_file_;          // per tensor file: NextTensorFile's index
+  // First opens of .npy files: the last one, and whether each followed its
+  // predecessor in name order (only then do readers prefetch across files).
+  mutable std::atomic<size_t> last_first_open_{SIZE_MAX};
+  mutable std::atomic<bool> opens_follow_names_{true};
   std::vector<std::string> npy_headers_;  // per tensor
   SafetensorsLayout safetensors_;
   std::string metadata_;
@@ -123,6 +132,13 @@ class CheckpointFiles {
 // are dropped from the cache (drop-behind), so a sequential read circulates
 // a window's worth of buffers instead of filling the cache with data the
 // kernel's page cache already holds.
+//
+// A reader nearing the end of a .npy file gets the rest of its window from
+// the following .npy files in name order (CheckpointFiles::NextTensorFile),
+// so that `cat DIR/*.npy` or an np.load loop finds a file's first chunks
+// decoded when it opens it. This stops while files are being opened out of
+// that order (each first open is checked against it) and resumes once they
+// are opened in it again.
 class FileReadahead {
  public:
   FileReadahead(const CheckpointFiles& files, const CheckpointFile& file, uint64_t window);
@@ -140,11 +156,14 @@ class FileReadahead {
 
  private:
   // Calls fn(tensor index, offset in the tensor, length) for the tensor
-  // data between file offsets [from, to).
-  void ForEachTensorRange(uint64_t from, uint64_t to,
+  // data of `file` between file offsets [from, to).
+  void ForEachTensorRange(const CheckpointFile& file, uint64_t from, uint64_t to,
                           const std::function<void(size_t, uint64_t, uint64_t)>& fn) const;
-  // Asks for tensor data of the file between file offsets [from, to).
-  void PrefetchFileRange(uint64_t from, uint64_t to);
+  // Asks for tensor data of `file` between file offsets [from, to).
+  void PrefetchFileRange(const CheckpointFile& file, uint64_t from, uint64_t to);
+  // Asks for bytes [from, to) of the .npy files that follow this one, taken
+  // as one stream (NextTensorFile).
+  void PrefetchFollowing(uint64_t from, uint64_t to);
   // Drops from the chunk cache the chunks of [dropped_until_, until) that
   // the reader does not need again.
   void DropBehind(uint64_t until);
@@ -157,6 +176,7 @@ class FileReadahead {
   uint64_t next_offset_ = 0;       // furthest byte a reader reached
   uint64_t prefetched_until_ = 0;  // file offset up to which prefetch was asked
   uint64_t dropped_until_ = 0;     // file offset before which chunks were dropped
+  uint64_t following_until_ = 0;   // bytes of the following files prefetch was asked for
 };
 
 }  // namespace ckptfs

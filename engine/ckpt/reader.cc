@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <unordered_set>
 
 #include "ckpt/repository.h"
@@ -106,6 +107,13 @@ void CheckpointReader::Prefetch(const TensorRecord& tensor, uint64_t offset, uin
     // Errors surface to the reader that needs the chunk; a prefetch only warms.
     repo->pool->Submit([repo, c] { (void)repo->fetcher()->Fetch(c); });
   }
+}
+
+size_t CheckpointReader::ChunksCached(const TensorRecord& tensor, uint64_t offset, uint64_t length) const {
+  auto chunks = ChunksForBytes(tensor, offset, length);
+  if (!chunks.ok()) return 0;
+  return static_cast<size_t>(std::count_if(chunks->begin(), chunks->end(),
+                                           [&](const ChunkRef& c) { return impl_->repo->cache->Contains(c.id); }));
 }
 
 Result<bool> CheckpointReader::SliceBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length,

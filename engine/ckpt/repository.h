@@ -227,6 +227,10 @@ class CheckpointReader {
   // [offset, offset + length) of the tensor need into the chunk cache, so a
   // sequential reader finds them decoded. Returns at once.
   void Prefetch(const TensorRecord& tensor, uint64_t offset, uint64_t length) const;
+  // How many of the chunks that bytes [offset, offset + length) of the
+  // tensor need are in the chunk cache, decoded or being loaded (what
+  // Prefetch has reached; for tests and diagnostics).
+  size_t ChunksCached(const TensorRecord& tensor, uint64_t offset, uint64_t length) const;
   // Drops these chunks from the chunk cache (a sequential reader is past
   // them), so their buffers serve the chunks ahead instead of new memory.
   void DropCached(std::span<const ChunkRef> chunks) const;

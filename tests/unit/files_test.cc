@@ -4,7 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <map>
 #include <random>
+#include <thread>
 
 #include "core/json.h"
 #include "io/file_names.h"
@@ -242,6 +245,93 @@ TEST_F(CheckpointAsFiles, PrefetchNeverChangesBytesAndCrossesTensorBoundaries) {
     std::vector<std::byte> piece(n);
     ASSERT_OK(files_->Read(st, off, piece));
     EXPECT_TRUE(std::equal(piece.begin(), piece.end(), expect.begin() + off));
+  }
+}
+
+// The .npy files in name order, each read front to back through its own
+// FileReadahead with a window of one chunk, on a repository whose prefetches
+// run on one thread in order (so a prefetch asked for later proves the
+// earlier ones have run).
+class NpyFilesInOrder {
+ public:
+  explicit NpyFilesInOrder(const std::string& dir) {
+    OpenOptions options;
+    options.threads = 1;
+    options.cache_bytes = 64 * (64 << 10);
+    repo_ = std::move(Repository::Open(dir, options)).value();
+    files_ = std::move(CheckpointFiles::Build(std::move(repo_->OpenCheckpoint("c")).value())).value();
+    // NextTensorFile from the first file in name order.
+    std::vector<const CheckpointFile*> tensors;
+    for (const auto& f : files_->files()) {
+      if (f.kind == FileKind::kTensor) tensors.push_back(&f);
+    }
+    const CheckpointFile* first = *std::min_element(tensors.begin(), tensors.end(),
+                                                    [](auto* a, auto* b) { return a->name < b->name; });
+    for (const CheckpointFile* f = first; f; f = files_->NextTensorFile(*f)) order_.push_back(f);
+  }
+  const std::vector<const CheckpointFile*>& order() const { return order_; }
+  const CheckpointFile& at(size_t k) const { return *order_[k]; }
+
+  void Open(size_t k) { Ahead(k).OnOpen(); }
+  void ReadToEnd(size_t k) {
+    for (uint64_t off = 0; off < at(k).size; off += 4096) Ahead(k).BeforeRead(off, std::min<uint64_t>(4096, at(k).size - off));
+  }
+  // Whether the first chunk of file k's tensor is in the cache, once every
+  // prefetch asked for so far has run.
+  bool FirstChunkCached(size_t k) {
+    // A chunk not asked for before, from the end of the name order.
+    const CheckpointReader& r = files_->reader();
+    const TensorRecord& marker = r.tensors()[order_[order_.size() - 1 - markers_++]->index];
+    EXPECT_EQ(r.ChunksCached(marker, 0, 1), 0u);
+    r.Prefetch(marker, 0, 1);
+    for (int i = 0; i < 10000 && r.ChunksCached(marker, 0, 1) == 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return r.ChunksCached(r.tensors()[at(k).index], 0, 1) == 1;
+  }
+
+ private:
+  FileReadahead& Ahead(size_t k) {
+    auto& a = ahead_[k];
+    if (!a) a = std::make_unique<FileReadahead>(*files_, at(k), 64 << 10);
+    return *a;
+  }
+  std::unique_ptr<Repository> repo_;
+  std::unique_ptr<CheckpointFiles> files_;
+  std::vector<const CheckpointFile*> order_;
+  std::map<size_t, std::unique_ptr<FileReadahead>> ahead_;
+  size_t markers_ = 0;
+};
+
+TEST_F(CheckpointAsFiles, ReadingNpyFilesInNameOrderPrefetchesTheNextFile) {
+  files_.reset();
+  repo_.reset();  // the catalog is opened once per process
+  {
+    NpyFilesInOrder npy(dir_.path());
+    // Every .npy file once, in byte order of names; none after the last,
+    // and no next file for the others.
+    ASSERT_EQ(npy.order().size(), saved_.size());
+    for (size_t k = 1; k < npy.order().size(); ++k) EXPECT_LT(npy.at(k - 1).name, npy.at(k).name);
+    EXPECT_EQ(npy.order().front()->name, "big%25name.npy");
+    ASSERT_EQ(npy.at(1).name, "empty.npy");  // no bytes: the window runs on past it
+    // The files of the test from the third on (all under 64 KiB, so a
+    // window of one chunk past a file's end reaches into the next file).
+    npy.Open(2);
+    EXPECT_FALSE(npy.FirstChunkCached(3));
+    npy.ReadToEnd(2);
+    EXPECT_TRUE(npy.FirstChunkCached(3)) << "the end of " << npy.at(2).name << " did not prefetch " << npy.at(3).name;
+  }
+  {
+    // Opened out of name order: no prefetch across files, until a file is
+    // opened right after its predecessor again.
+    NpyFilesInOrder npy(dir_.path());
+    npy.Open(8);
+    npy.Open(2);
+    npy.ReadToEnd(2);
+    EXPECT_FALSE(npy.FirstChunkCached(3)) << "prefetched across files opened out of order";
+    npy.Open(3);
+    npy.ReadToEnd(3);
+    EXPECT_TRUE(npy.FirstChunkCached(4)) << "files opened in order again, and no prefetch across them";
   }
 }
 
