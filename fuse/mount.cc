@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -28,6 +29,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "backend/s3_backend.h"
 #include "ckpt/files.h"
 #include "ckpt/repository.h"
 #include "core/buffer_pool.h"
@@ -621,8 +623,15 @@ Status CheckMountpoint(const std::string& path) {
 
 }  // namespace
 
-Status RunMount(const MountOptions& options) {
-  CKPT_RETURN_IF_ERROR(CheckMountpoint(options.mountpoint));
+Status RunMount(const MountOptions& given) {
+  CKPT_RETURN_IF_ERROR(CheckMountpoint(given.mountpoint));
+  // The daemon runs in "/" (fuse_daemonize changes there), so paths given
+  // relative to the caller's directory are made absolute first.
+  MountOptions options = given;
+  if (!IsS3Url(options.repository)) options.repository = std::filesystem::absolute(options.repository).string();
+  if (const char* dir = std::getenv("CKPT_CACHE_DIR"); dir && *dir && dir[0] != '/') {
+    ::setenv("CKPT_CACHE_DIR", std::filesystem::absolute(dir).c_str(), 1);
+  }
   OpenOptions open_options;
   open_options.cache_bytes = options.cache_bytes;
   // Reads wait on the disk as much as they decode: twice as many workers as

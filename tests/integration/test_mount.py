@@ -446,6 +446,22 @@ class MountLifecycle(unittest.TestCase):
         unmount(self.mnt)
         wait_for(lambda: not os.path.ismount(self.mnt), what="unmount")
 
+    def test_daemon_with_paths_relative_to_the_callers_directory(self):
+        # The daemon works in "/", so the repository, the cache directory and
+        # the mountpoint given relative to the caller's directory must still
+        # be the ones the caller meant.
+        a = np.arange(1000, dtype=np.float32).reshape(10, 100)
+        st.write(os.path.join(self.tmp, "a.safetensors"), [("w", "F32", a)])
+        ckpt(self.repo, "import", "one", os.path.join(self.tmp, "a.safetensors"))
+        p = subprocess.run([CKPT, "mount", "-r", "repo", "--cache-dir", "cache", "mnt"], cwd=self.tmp,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+        self.assertEqual(p.returncode, 0, p.stderr.decode())
+        self.assertTrue(os.path.ismount(self.mnt))
+        self.assertEqual(sorted(os.listdir(self.mnt)), ["latest", "one"])
+        self.assertTrue((np.load(os.path.join(self.mnt, "one", "w.npy")) == a).all())
+        unmount(self.mnt)
+        wait_for(lambda: not os.path.ismount(self.mnt), what="unmount")
+
     def test_sigint_and_sigterm_unmount_cleanly(self):
         # Signalled the moment the mount appears: nothing the daemon does
         # while starting may wait for its own mount to answer.
