@@ -59,7 +59,9 @@ PyObject* ErrorClassFor(StatusCode code) {
 }
 
 PyObject* NewErrorClass(py::module_& m, const char* name, PyObject* base, PyObject* builtin, const char* doc) {
-  py::tuple bases = builtin ? py::make_tuple(py::handle(base), py::handle(builtin)) : py::make_tuple(py::handle(base));
+  // Two statements, not ?: — pybind11 3 gives make_tuple a type per arity.
+  py::tuple bases = py::make_tuple(py::handle(base));
+  if (builtin) bases = py::make_tuple(py::handle(base), py::handle(builtin));
   std::string qualified = std::string("ckptfs.") + name;
   PyObject* cls = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, bases.ptr(), nullptr);
   if (!cls) throw py::error_already_set();
