@@ -57,12 +57,12 @@ def run_ranks(test, argv_of_rank, world, env_of_rank=None):
     stderr otherwise) and returns their stdouts."""
     procs = [subprocess.Popen(argv_of_rank(r), env=env_of_rank(r) if env_of_rank else None,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=300)
+    # Every rank is waited for before any is judged: a failing rank must not
+    # leave the others running with their pipes open.
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, results):
         test.assertEqual(p.returncode, 0, err.decode())
-        outs.append(out.decode())
-    return outs
+    return [out.decode() for out, _ in results]
 
 
 class RoundTrips(PythonTestCase):
