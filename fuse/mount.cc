@@ -628,9 +628,18 @@ Status RunMount(const MountOptions& given) {
   // The daemon runs in "/" (fuse_daemonize changes there), so paths given
   // relative to the caller's directory are made absolute first.
   MountOptions options = given;
-  if (!IsS3Url(options.repository)) options.repository = std::filesystem::absolute(options.repository).string();
+  auto absolute = [](const std::string& path) -> Result<std::string> {
+    std::error_code ec;
+    std::filesystem::path p = std::filesystem::absolute(path, ec);
+    if (ec) return Status::FromErrno(ec.value(), "resolving '" + path + "' against the current directory");
+    return p.string();
+  };
+  if (!IsS3Url(options.repository)) {
+    CKPT_ASSIGN_OR_RETURN(options.repository, absolute(options.repository));
+  }
   if (const char* dir = std::getenv("CKPT_CACHE_DIR"); dir && *dir && dir[0] != '/') {
-    ::setenv("CKPT_CACHE_DIR", std::filesystem::absolute(dir).c_str(), 1);
+    CKPT_ASSIGN_OR_RETURN(std::string cache_dir, absolute(dir));
+    ::setenv("CKPT_CACHE_DIR", cache_dir.c_str(), 1);
   }
   OpenOptions open_options;
   open_options.cache_bytes = options.cache_bytes;
