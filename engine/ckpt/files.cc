@@ -236,7 +236,7 @@ void FileReadahead::OnOpen() {
   if (window_ == 0 || files_.opened_[index].exchange(true)) return;
   if (file_.kind == FileKind::kTensor) {
     const size_t last = files_.last_first_open_.exchange(index);
-    const bool follows = last == SIZE_MAX || files_.next_tensor_file_[files_.files_[last].index] == file_.index;
+    const bool follows = last == SIZE_MAX || files_.NextTensorFile(files_.files_[last]) == &file_;
     files_.opens_follow_names_.store(follows);
   }
   std::lock_guard lock(mu_);

@@ -269,6 +269,7 @@ class NpyFilesInOrder {
                                                     [](auto* a, auto* b) { return a->name < b->name; });
     for (const CheckpointFile* f = first; f; f = files_->NextTensorFile(*f)) order_.push_back(f);
   }
+  const CheckpointFiles& files() const { return *files_; }
   const std::vector<const CheckpointFile*>& order() const { return order_; }
   const CheckpointFile& at(size_t k) const { return *order_[k]; }
 
@@ -287,6 +288,7 @@ class NpyFilesInOrder {
     for (int i = 0; i < 10000 && r.ChunksCached(marker, 0, 1) == 0; ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
+    EXPECT_EQ(r.ChunksCached(marker, 0, 1), 1u) << "the marker prefetch never ran";
     return r.ChunksCached(r.tensors()[at(k).index], 0, 1) == 1;
   }
 
@@ -312,6 +314,12 @@ TEST_F(CheckpointAsFiles, ReadingNpyFilesInNameOrderPrefetchesTheNextFile) {
     // and no next file for the others.
     ASSERT_EQ(npy.order().size(), saved_.size());
     for (size_t k = 1; k < npy.order().size(); ++k) EXPECT_LT(npy.at(k - 1).name, npy.at(k).name);
+    EXPECT_EQ(npy.files().NextTensorFile(*npy.order().back()), nullptr);
+    for (const auto& f : npy.files().files()) {
+      if (f.kind != FileKind::kTensor) {
+        EXPECT_EQ(npy.files().NextTensorFile(f), nullptr) << f.name;
+      }
+    }
     EXPECT_EQ(npy.order().front()->name, "big%25name.npy");
     ASSERT_EQ(npy.at(1).name, "empty.npy");  // no bytes: the window runs on past it
     // The files of the test from the third on (all under 64 KiB, so a
