@@ -292,6 +292,28 @@ class MultiHost(S3Case):
         finally:
             subprocess.run(["fusermount3", "-u", mnt])
 
+    @unittest.skipUnless(HAVE_FUSE, "no /dev/fuse or fusermount3: FUSE tests need them")
+    def test_a_mount_daemon_keeps_a_cache_directory_given_relative_to_the_callers(self):
+        # The daemon works in "/": a relative --cache-dir must still name the
+        # directory under the caller's, not one under "/".
+        h = Host(self.tmp, "relative", namespace=False)
+        h.run("-r", self.repo, "init", "--chunk-size", "64K")
+        st.write(self.path("x.safetensors"), [("x", "F32", np.arange(10, dtype=np.float32))])
+        h.run("-r", self.repo, "import", "one", self.path("x.safetensors"))
+        name = "cache-" + uuid.uuid4().hex[:8]
+        os.makedirs(self.path("mnt"))
+        p = subprocess.run([CKPT, "-r", self.repo, "mount", "--cache-dir", name, "mnt"], cwd=self.tmp,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=h.env(), timeout=120)
+        try:
+            self.assertEqual(p.returncode, 0, p.stderr.decode())
+            with open(self.path("mnt/one/x.npy"), "rb") as f:
+                self.assertEqual(np.load(f).tolist(), list(range(10)))
+            self.assertTrue(os.path.exists(os.path.join(self.tmp, name, "repository")))
+            self.assertFalse(os.path.exists("/" + name), "the daemon kept its catalog under /")
+        finally:
+            subprocess.run(["fusermount3", "-u", self.path("mnt")])
+            shutil.rmtree("/" + name, ignore_errors=True)
+
     def test_the_cache_directory_comes_from_the_option_the_variable_or_home(self):
         h = Host(self.tmp, "plain", namespace=False)
         h.run("-r", self.repo, "init")
