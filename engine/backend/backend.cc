@@ -132,8 +132,45 @@ class MemoryBackend final : public Backend {
   std::map<std::string, std::shared_ptr<const std::string>> objects_;
 };
 
+class PrefixedBackend final : public Backend {
+ public:
+  PrefixedBackend(std::shared_ptr<Backend> store, std::string prefix)
+      : store_(std::move(store)), prefix_(std::move(prefix) + "/") {}
+
+  Result<std::unique_ptr<ObjectWriter>> Create(std::string_view key) override { return store_->Create(Key(key)); }
+  Status Put(std::string_view key, std::span<const std::byte> data) override { return store_->Put(Key(key), data); }
+  Status PutIfAbsent(std::string_view key, std::span<const std::byte> data) override {
+    return store_->PutIfAbsent(Key(key), data);
+  }
+  Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) override {
+    return store_->ReadRange(Key(key), offset, out);
+  }
+  Result<std::string> ReadAll(std::string_view key) override { return store_->ReadAll(Key(key)); }
+  Result<uint64_t> Size(std::string_view key) override { return store_->Size(Key(key)); }
+  Result<std::vector<std::string>> List(std::string_view prefix) override {
+    CKPT_ASSIGN_OR_RETURN(std::vector<std::string> keys, store_->List(Key(prefix)));
+    for (std::string& k : keys) k.erase(0, prefix_.size());
+    return keys;
+  }
+  Status Delete(std::string_view key) override { return store_->Delete(Key(key)); }
+  Status RemoveIncomplete() override { return store_->RemoveIncomplete(); }
+  std::string Describe() const override { return store_->Describe() + "/" + prefix_.substr(0, prefix_.size() - 1); }
+  RequestCounts Requests() const override { return store_->Requests(); }
+  bool ReadsWithKernelCopy() const override { return store_->ReadsWithKernelCopy(); }
+
+ private:
+  std::string Key(std::string_view key) const { return prefix_ + std::string(key); }
+
+  std::shared_ptr<Backend> store_;
+  std::string prefix_;  // ends with '/'
+};
+
 }  // namespace
 
 std::unique_ptr<Backend> NewMemoryBackend() { return std::make_unique<MemoryBackend>(); }
+
+std::unique_ptr<Backend> NewPrefixedBackend(std::shared_ptr<Backend> store, std::string prefix) {
+  return std::make_unique<PrefixedBackend>(std::move(store), std::move(prefix));
+}
 
 }  // namespace ckptfs

@@ -100,4 +100,9 @@ Result<std::unique_ptr<Backend>> OpenLocalBackend(const std::string& root);
 // Objects in memory: the reference implementation for tests.
 std::unique_ptr<Backend> NewMemoryBackend();
 
+// The objects of `store` under `prefix` (a valid key), as a backend of
+// their own: key K here is PREFIX/K there. Shares `store` with its other
+// users; requests are counted by `store`.
+std::unique_ptr<Backend> NewPrefixedBackend(std::shared_ptr<Backend> store, std::string prefix);
+
 }  // namespace ckptfs

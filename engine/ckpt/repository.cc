@@ -332,13 +332,19 @@ Result<std::unique_ptr<Backend>> OpenRemoteObjects(const RemoteStore& r) {
   return OpenS3Backend(objects, r.options);
 }
 
-Status InitRemote(const std::string& url, const RepositoryConfig& config) {
-  CKPT_ASSIGN_OR_RETURN(RemoteStore r, ConnectRemote(url, std::nullopt, /*create_bucket=*/true));
-  auto existing = r.root->Size(kConfigFile);
-  if (existing.ok()) return Status::AlreadyExists("'" + url + "' already holds a ckptfs repository");
+// Writes the config object of a new repository at the top of `store`
+// (`where` names it in messages).
+Status InitStore(Backend& store, const std::string& where, const RepositoryConfig& config) {
+  auto existing = store.Size(kConfigFile);
+  if (existing.ok()) return Status::AlreadyExists("'" + where + "' already holds a ckptfs repository");
   if (!existing.status().IsNotFound()) return existing.status();
   const std::string json = ConfigToJson(config).Dump(2) + "\n";
-  return r.root->Put(kConfigFile, std::as_bytes(std::span(json)));
+  return store.Put(kConfigFile, std::as_bytes(std::span(json)));
+}
+
+Status InitRemote(const std::string& url, const RepositoryConfig& config) {
+  CKPT_ASSIGN_OR_RETURN(RemoteStore r, ConnectRemote(url, std::nullopt, /*create_bucket=*/true));
+  return InitStore(*r.root, url, config);
 }
 
 // The directory where this host keeps the catalog of repository `id`.
@@ -402,38 +408,51 @@ Status InitCatalogMeta(LmdbEnv& env) {
   });
 }
 
-// An S3 repository located: its store, its config, and the directory
+// A repository on an object store located: its config, and the directory
 // where this host keeps its state (claimed for it).
-struct RemoteRepository {
-  RemoteStore store;
+struct LocatedStore {
   RepositoryConfig config;
   std::string state_dir;
+};
+
+// Reads the config at the top of `store` (`where` names it in messages)
+// and claims this host's state directory for the repository.
+Result<LocatedStore> LocateStore(Backend& store, const std::string& where, const OpenOptions& options) {
+  auto text = store.ReadAll(kConfigFile);
+  if (!text.ok()) {
+    if (text.status().IsNotFound() && text.status().message().rfind("bucket", 0) != 0) {
+      return Status::NotFound("no ckptfs repository at '" + where + "' (it has no " + kConfigFile +
+                              "; create one with 'ckpt init')");
+    }
+    return text.status();
+  }
+  LocatedStore r;
+  std::string id;
+  CKPT_ASSIGN_OR_RETURN(r.config, ParseRepositoryConfig(*text, where, where + "/" + kConfigFile, &id));
+  r.state_dir = CacheDirFor(options, id);
+  CKPT_RETURN_IF_ERROR(ClaimCacheDir(r.state_dir, where, id));
+  return r;
+}
+
+// An S3 repository located: its store, its config and state directory.
+struct RemoteRepository {
+  RemoteStore store;
+  LocatedStore located;
 };
 
 Result<RemoteRepository> LocateRemote(const std::string& url, const OpenOptions& options) {
   RemoteRepository r;
   CKPT_ASSIGN_OR_RETURN(r.store, ConnectRemote(url, options.s3));
-  auto text = r.store.root->ReadAll(kConfigFile);
-  if (!text.ok()) {
-    if (text.status().IsNotFound() && text.status().message().rfind("bucket", 0) != 0) {
-      return Status::NotFound("no ckptfs repository at '" + url + "' (it has no " + kConfigFile +
-                              "; create one with 'ckpt init')");
-    }
-    return text.status();
-  }
-  std::string id;
-  CKPT_ASSIGN_OR_RETURN(r.config, ParseRepositoryConfig(*text, url, url + "/" + kConfigFile, &id));
-  r.state_dir = CacheDirFor(options, id);
-  CKPT_RETURN_IF_ERROR(ClaimCacheDir(r.state_dir, url, id));
+  CKPT_ASSIGN_OR_RETURN(r.located, LocateStore(*r.store.root, url, options));
   return r;
 }
 
-Status OpenRemote(const std::string& url, const OpenOptions& options, RepositoryImpl& impl) {
-  CKPT_ASSIGN_OR_RETURN(RemoteRepository r, LocateRemote(url, options));
+// The rest of opening a repository on an object store, once located and
+// its objects' backend set: this host's catalog and the lock settings.
+Status OpenStoreCatalog(const LocatedStore& located, const OpenOptions& options, RepositoryImpl& impl) {
   impl.remote = true;
-  impl.config = r.config;
-  impl.state_dir = r.state_dir;
-  CKPT_ASSIGN_OR_RETURN(impl.backend, OpenRemoteObjects(r.store));
+  impl.config = located.config;
+  impl.state_dir = located.state_dir;
   CKPT_ASSIGN_OR_RETURN(impl.catalog, OpenCatalog(impl.state_dir + "/" + kCatalogDir, true));
   impl.lock_options.wait = options.lock_wait;
   // How long a lock object goes unrefreshed before others take its holder
@@ -452,12 +471,18 @@ Status OpenRemote(const std::string& url, const OpenOptions& options, Repository
   return InitCatalogMeta(*impl.catalog);
 }
 
+Status OpenRemote(const std::string& url, const OpenOptions& options, RepositoryImpl& impl) {
+  CKPT_ASSIGN_OR_RETURN(RemoteRepository r, LocateRemote(url, options));
+  CKPT_ASSIGN_OR_RETURN(impl.backend, OpenRemoteObjects(r.store));
+  return OpenStoreCatalog(r.located, options, impl);
+}
+
 }  // namespace
 
 Result<ReindexReport> ReindexRemote(const std::string& url, const OpenOptions& options) {
   {
     CKPT_ASSIGN_OR_RETURN(RemoteRepository located, LocateRemote(url, options));
-    const std::string catalog = located.state_dir + "/" + kCatalogDir;
+    const std::string catalog = located.located.state_dir + "/" + kCatalogDir;
     std::error_code ec;
     std::filesystem::remove_all(catalog, ec);
     if (ec) return Status::IOError("removing " + catalog + ": " + ec.message());
@@ -512,6 +537,29 @@ Result<std::unique_ptr<Repository>> Repository::Open(const std::string& path, co
     }
     CKPT_ASSIGN_OR_RETURN(impl->catalog, OpenCatalog(path + "/" + kCatalogDir, false));
   }
+  return FinishOpen(std::move(impl), options);
+}
+
+Status Repository::Init(Backend& store, const RepositoryConfig& config) {
+  CKPT_RETURN_IF_ERROR(ValidateConfig(config));
+  return InitStore(store, store.Describe(), config);
+}
+
+Result<std::unique_ptr<Repository>> Repository::Open(std::shared_ptr<Backend> store, const OpenOptions& options) {
+  if (!store) return Status::InvalidArgument("no object store given");
+  if (options.cache_dir.empty()) {
+    return Status::InvalidArgument("a repository on a given object store needs a cache directory for its catalog");
+  }
+  auto impl = std::make_unique<RepositoryImpl>();
+  impl->path = store->Describe();
+  CKPT_ASSIGN_OR_RETURN(LocatedStore located, LocateStore(*store, impl->path, options));
+  impl->backend = NewPrefixedBackend(std::move(store), kObjectsDir);
+  CKPT_RETURN_IF_ERROR(OpenStoreCatalog(located, options, *impl));
+  return FinishOpen(std::move(impl), options);
+}
+
+Result<std::unique_ptr<Repository>> Repository::FinishOpen(std::unique_ptr<RepositoryImpl> impl,
+                                                           const OpenOptions& options) {
   const RepositoryConfig& config = impl->config;
   Status st = impl->catalog->Read([&](const ReadTxn& txn) -> Status {
     CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kMeta, keys::kFormatVersionKey));

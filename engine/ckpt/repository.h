@@ -344,6 +344,15 @@ class Repository {
   // wrong with `path`; Unsupported for a newer format version.
   static Result<std::unique_ptr<Repository>> Open(const std::string& path,
                                                   const OpenOptions& options = {});
+  // A repository on an object store handed over as a Backend instead of
+  // named by an s3:// URL (embedding ckptfs in a program that brings its
+  // own store; tests over NewMemoryBackend()). Laid out as on S3: the
+  // config object at the store's top, everything else under "objects/".
+  // It behaves as a repository on S3 does (remote() is true, hosts sharing
+  // the store see each other's checkpoints); this host's catalog is kept in
+  // options.cache_dir, which must be given.
+  static Status Init(Backend& store, const RepositoryConfig& config);
+  static Result<std::unique_ptr<Repository>> Open(std::shared_ptr<Backend> store, const OpenOptions& options);
   // Rebuilds the catalog from packs and manifests alone. Run with no other
   // process using the repository. Pending (uncommitted) checkpoints are
   // dropped; their chunks become garbage. For a repository on S3 this
@@ -412,6 +421,9 @@ class Repository {
  private:
   friend Result<ReindexReport> ReindexRemote(const std::string& url, const OpenOptions& options);
   explicit Repository(std::unique_ptr<RepositoryImpl> impl);
+  // What every Open does once the catalog and backend are open.
+  static Result<std::unique_ptr<Repository>> FinishOpen(std::unique_ptr<RepositoryImpl> impl,
+                                                        const OpenOptions& options);
   std::unique_ptr<RepositoryImpl> impl_;
 };
 

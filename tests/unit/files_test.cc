@@ -1,10 +1,13 @@
 // A checkpoint as files, without FUSE: names, exact sizes, any byte range,
-// and prefetch that never changes bytes.
+// and prefetch that never changes bytes. Every test runs twice: over a
+// repository in a local directory and over one on an in-memory object
+// store (packs in memory, the catalog in a temporary directory).
 #include "ckpt/files.h"
 
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <random>
 #include <thread>
@@ -24,16 +27,25 @@ struct Saved {
   std::vector<std::byte> bytes;
 };
 
-class CheckpointAsFiles : public ::testing::Test {
+// Opens the test's repository (again) with these options.
+using RepositoryOpener = std::function<std::unique_ptr<Repository>(OpenOptions)>;
+
+class CheckpointAsFiles : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     RepositoryConfig config;
     config.chunk_size = 64 << 10;
-    ASSERT_OK(Repository::Init(dir_.path(), config));
+    if (GetParam() == "memory") {
+      store_ = NewMemoryBackend();
+      ASSERT_OK(Repository::Init(*store_, config));
+    } else {
+      ASSERT_OK(Repository::Init(dir_.path(), config));
+    }
     OpenOptions options;
     options.threads = 2;
     options.cache_bytes = 8 * (64 << 10);
-    repo_ = std::move(Repository::Open(dir_.path(), options)).value();
+    repo_ = Open()(options);
+    ASSERT_TRUE(repo_);
     // Every dtype, odd shapes, 0-d and zero-size; saved as box and flat shards
     // by two ranks.
     uint32_t seed = 1;
@@ -67,6 +79,7 @@ class CheckpointAsFiles : public ::testing::Test {
       if (rank == 0) ASSERT_OK(w->PutBlob("rng/state", RandomBytes(1000, 99)));
       ASSERT_OK(w->Commit().Wait());
     }
+    if (store_) ASSERT_FALSE(store_->List("objects/packs/")->empty()) << "the packs are not in the memory store";
     blob_ = RandomBytes(1000, 99);
     auto reader = repo_->OpenCheckpoint("c");
     ASSERT_OK(reader);
@@ -90,14 +103,29 @@ class CheckpointAsFiles : public ::testing::Test {
     return out;
   }
 
+  RepositoryOpener Open() {
+    return [this](OpenOptions options) {
+      Result<std::unique_ptr<Repository>> r = Status::Internal("unopened");
+      if (store_) {
+        options.cache_dir = dir_.path() + "/host";
+        r = Repository::Open(store_, options);
+      } else {
+        r = Repository::Open(dir_.path(), options);
+      }
+      EXPECT_OK(r);
+      return r.ok() ? std::move(r).value() : nullptr;
+    };
+  }
+
   TempDir dir_;
+  std::shared_ptr<Backend> store_;  // the in-memory object store, or null
   std::unique_ptr<Repository> repo_;
   std::vector<Saved> saved_;
   std::vector<std::byte> blob_;
   std::unique_ptr<CheckpointFiles> files_;
 };
 
-TEST_F(CheckpointAsFiles, NamesAndExactSizesAreKnownBeforeAnyRead) {
+TEST_P(CheckpointAsFiles, NamesAndExactSizesAreKnownBeforeAnyRead) {
   const BufferPoolStats before = repo_->buffer_stats();
   const auto& files = files_->files();
   ASSERT_EQ(files.size(), saved_.size() + 3);  // tensors, model.safetensors, metadata.json, one blob
@@ -122,7 +150,7 @@ TEST_F(CheckpointAsFiles, NamesAndExactSizesAreKnownBeforeAnyRead) {
   EXPECT_EQ(repo_->buffer_stats().reuses, before.reuses);
 }
 
-TEST_F(CheckpointAsFiles, FilesHoldTheSavedBytes) {
+TEST_P(CheckpointAsFiles, FilesHoldTheSavedBytes) {
   for (size_t i = 0; i < saved_.size(); ++i) {
     const CheckpointFile& f = files_->tensor_file(i);
     const auto& s = SavedFor(files_->reader().tensors()[i].name);
@@ -151,7 +179,7 @@ TEST_F(CheckpointAsFiles, FilesHoldTheSavedBytes) {
   EXPECT_EQ(json->Find("tensors")->as_array()[0].Find("file")->as_string(), "big%25name.npy");
 }
 
-TEST_F(CheckpointAsFiles, EveryByteRangeOfEveryFileMatchesTheWholeFile) {
+TEST_P(CheckpointAsFiles, EveryByteRangeOfEveryFileMatchesTheWholeFile) {
   std::mt19937_64 rng(7);
   for (const auto& f : files_->files()) {
     const auto whole = Whole(f);
@@ -167,7 +195,7 @@ TEST_F(CheckpointAsFiles, EveryByteRangeOfEveryFileMatchesTheWholeFile) {
   }
 }
 
-TEST_F(CheckpointAsFiles, ReadsInPlaceGiveTheBytesOfReadsAndReleaseTheirChunks) {
+TEST_P(CheckpointAsFiles, ReadsInPlaceGiveTheBytesOfReadsAndReleaseTheirChunks) {
   std::mt19937_64 rng(11);
   size_t in_place = 0, copied = 0;
   for (const auto& f : files_->files()) {
@@ -218,7 +246,7 @@ TEST_F(CheckpointAsFiles, ReadsInPlaceGiveTheBytesOfReadsAndReleaseTheirChunks) 
   EXPECT_EQ(after.bytes_held, after.idle_buffers * (64 << 10));
 }
 
-TEST_F(CheckpointAsFiles, PrefetchNeverChangesBytesAndCrossesTensorBoundaries) {
+TEST_P(CheckpointAsFiles, PrefetchNeverChangesBytesAndCrossesTensorBoundaries) {
   const CheckpointFile& st = files_->safetensors_file();
   const auto expect = Whole(st);
   // Read front to back in 64 KiB requests with readahead; compare.
@@ -254,11 +282,11 @@ TEST_F(CheckpointAsFiles, PrefetchNeverChangesBytesAndCrossesTensorBoundaries) {
 // earlier ones have run).
 class NpyFilesInOrder {
  public:
-  explicit NpyFilesInOrder(const std::string& dir) {
+  explicit NpyFilesInOrder(const RepositoryOpener& open) {
     OpenOptions options;
     options.threads = 1;
     options.cache_bytes = 64 * (64 << 10);
-    repo_ = std::move(Repository::Open(dir, options)).value();
+    repo_ = open(options);
     files_ = std::move(CheckpointFiles::Build(std::move(repo_->OpenCheckpoint("c")).value())).value();
     // NextTensorFile from the first file in name order.
     std::vector<const CheckpointFile*> tensors;
@@ -305,11 +333,11 @@ class NpyFilesInOrder {
   size_t markers_ = 0;
 };
 
-TEST_F(CheckpointAsFiles, ReadingNpyFilesInNameOrderPrefetchesTheNextFile) {
+TEST_P(CheckpointAsFiles, ReadingNpyFilesInNameOrderPrefetchesTheNextFile) {
   files_.reset();
   repo_.reset();  // the catalog is opened once per process
   {
-    NpyFilesInOrder npy(dir_.path());
+    NpyFilesInOrder npy(Open());
     // Every .npy file once, in byte order of names; none after the last,
     // and no next file for the others.
     ASSERT_EQ(npy.order().size(), saved_.size());
@@ -332,7 +360,7 @@ TEST_F(CheckpointAsFiles, ReadingNpyFilesInNameOrderPrefetchesTheNextFile) {
   {
     // Opened out of name order: no prefetch across files, until a file is
     // opened right after its predecessor again.
-    NpyFilesInOrder npy(dir_.path());
+    NpyFilesInOrder npy(Open());
     npy.Open(8);
     npy.Open(2);
     npy.ReadToEnd(2);
@@ -343,7 +371,7 @@ TEST_F(CheckpointAsFiles, ReadingNpyFilesInNameOrderPrefetchesTheNextFile) {
   }
 }
 
-TEST_F(CheckpointAsFiles, ARepositoryClosedWithPrefetchesInFlightFinishesThemFirst) {
+TEST_P(CheckpointAsFiles, ARepositoryClosedWithPrefetchesInFlightFinishesThemFirst) {
   // Prefetch tasks use the repository's fetcher, cache and catalog; closing
   // the repository right after asking for every chunk must let them finish
   // before those go (ASan and TSan catch the use after free otherwise).
@@ -356,9 +384,13 @@ TEST_F(CheckpointAsFiles, ARepositoryClosedWithPrefetchesInFlightFinishesThemFir
     repo_.reset();
     OpenOptions options;
     options.threads = 2;
-    repo_ = std::move(Repository::Open(dir_.path(), options)).value();
+    repo_ = Open()(options);
+    ASSERT_TRUE(repo_);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Repositories, CheckpointAsFiles, ::testing::Values("local", "memory"),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace ckptfs

@@ -563,6 +563,57 @@ TEST(RepositoryOpen, MissingForeignAndNewerRepositoriesAreRefused) {
   EXPECT_FALSE(Repository::Init(dir / "repo2", bad).ok());
 }
 
+// A repository on an object store handed over as a Backend: hosts (each a
+// Repository with its own catalog directory) share only the store.
+TEST(RepositoryOnAStore, HostsSharingOneStoreSeeEachOthersCheckpoints) {
+  TempDir dir;
+  std::shared_ptr<Backend> store = NewMemoryBackend();
+  auto host = [&](const std::string& name) {
+    OpenOptions o;
+    o.threads = 2;
+    o.cache_dir = dir / name;
+    return Repository::Open(store, o);
+  };
+  auto empty = host("a");
+  EXPECT_TRUE(empty.status().IsNotFound()) << empty.status().ToString();
+  EXPECT_NE(empty.status().message().find("ckpt init"), std::string::npos);
+  EXPECT_EQ(Repository::Open(store, {}).status().code(), StatusCode::kInvalidArgument);  // no cache directory
+  RepositoryConfig config;
+  config.chunk_size = 64 << 10;
+  ASSERT_OK(Repository::Init(*store, config));
+  EXPECT_EQ(Repository::Init(*store, config).code(), StatusCode::kAlreadyExists);
+
+  const uint64_t rows = 64, cols = 1000;
+  const auto w = RandomBytes(rows * cols * 4, 3);
+  const TensorInfo info{"w", DType::kF32, {rows, cols}};
+  {
+    auto a = host("a"), b = host("b");
+    ASSERT_OK(a);
+    ASSERT_OK(b);
+    EXPECT_TRUE((*a)->remote());
+    for (uint32_t r = 0; r < 2; ++r) {
+      Repository& repo = r == 0 ? **a : **b;
+      auto writer = repo.BeginCheckpoint("s", {.rank = r, .world_size = 2});
+      ASSERT_OK(writer);
+      const uint64_t r0 = r * rows / 2, n = rows / 2;
+      HostSource src(std::span<const std::byte>(w).subspan(r0 * cols * 4, n * cols * 4));
+      ASSERT_OK((*writer)->PutShard(info, Region::OfBox(Box{{r0, 0}, {n, cols}}), src));
+      ASSERT_OK((*writer)->Commit().Wait());
+    }
+  }
+  // A third host, which saved nothing, reads the checkpoint whole; the
+  // packs are in the store, only catalogs on disk.
+  auto c = host("c");
+  ASSERT_OK(c);
+  auto reader = (*c)->OpenCheckpoint("s");
+  ASSERT_OK(reader);
+  std::vector<std::byte> out(w.size());
+  ASSERT_OK((*reader)->ReadRegion((*reader)->tensors()[0], Region::OfBox(FullBox(info.shape)), out));
+  EXPECT_TRUE(out == w);
+  EXPECT_FALSE(store->List("objects/packs/")->empty());
+  EXPECT_FALSE(std::filesystem::exists(dir / "a/objects"));
+}
+
 }  // namespace
 }  // namespace ckptfs
 

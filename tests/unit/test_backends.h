@@ -68,9 +68,20 @@ inline std::unique_ptr<Backend> MakeS3TestBackend(const std::string&, std::strin
   return std::move(backend).value();
 }
 
+// A memory store's objects under a prefix, beside objects that must not
+// show: one outside it and one whose key starts with the prefix's letters.
+inline std::unique_ptr<Backend> MakePrefixedTestBackend(const std::string&, std::string*) {
+  std::shared_ptr<Backend> store = NewMemoryBackend();
+  const std::byte b{1};
+  EXPECT_TRUE(store->Put("outside", std::span(&b, 1)).ok());
+  EXPECT_TRUE(store->Put("sub/dirx/k", std::span(&b, 1)).ok());
+  return NewPrefixedBackend(store, "sub/dir");
+}
+
 inline auto AllBackendFactories() {
   return ::testing::Values(
       BackendFactory{"memory", [](const std::string&, std::string*) { return NewMemoryBackend(); }},
+      BackendFactory{"prefixed", MakePrefixedTestBackend},
       BackendFactory{"local",
                      [](const std::string& dir, std::string*) {
                        return std::move(OpenLocalBackend(dir + "/objects")).value();
