@@ -263,6 +263,38 @@ class MountContent(Mounted):
             finally:
                 os.close(fd)
 
+    def test_every_byte_range_equals_export_and_cat_output(self):
+        """Random byte ranges of every file, each read by the daemon (the
+        file's page cache dropped first), against what `ckpt export` and
+        `ckpt cat` write for the same checkpoint."""
+        def reads():
+            words = os.getxattr(self.mnt, "user.ckptfs.stats").decode().split()
+            return dict(zip(words[::2], map(int, words[1::2])))["reads"]
+
+        out = os.path.join(self.tmp, "export.safetensors")
+        ckpt(self.repo, "export", "step-1", out, "--force")
+        expected = {os.path.join(self.mnt, "step-1", "model.safetensors"): pathlib.Path(out).read_bytes()}
+        for name in self.want:
+            expected[self.tensor_path(name)] = ckpt(self.repo, "cat", "--format", "npy", "step-1", name).stdout
+        for name in self.blobs:
+            expected[os.path.join(self.mnt, "step-1", "blobs", escape(name))] = ckpt(
+                self.repo, "cat", "--blob", "step-1", name).stdout
+        rnd = random.Random(11)
+        before = reads()
+        for path, want in expected.items():
+            self.assertEqual(os.stat(path).st_size, len(want), path)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for _ in range(20):
+                    size = rnd.choice([1, 2, 3, 8, 100, 4095, 4097, 65536, 300000])
+                    off = rnd.randrange(0, len(want) + 2)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    self.assertEqual(os.pread(fd, size, off), want[off:off + size], (path, off, size))
+            finally:
+                os.close(fd)
+        # The ranges came from the daemon, not from pages cached earlier.
+        self.assertGreater(reads() - before, len(expected) * 10)
+
     def test_standard_tools_read_the_files(self):
         path = self.tensor_path("big")
         with open(path, "rb") as f:
