@@ -89,6 +89,11 @@ class Mounted(unittest.TestCase):
             with open(cls.log_path) as f:
                 raise AssertionError("mount failed: " + f.read())
 
+    def daemon_stats(self):
+        """The daemon's request counters (opens, reads, read_bytes, ...)."""
+        words = os.getxattr(self.mnt, "user.ckptfs.stats").decode().split()
+        return dict(zip(words[::2], map(int, words[1::2])))
+
     @classmethod
     def tearDownClass(cls):
         if getattr(cls, "proc", None):
@@ -227,10 +232,7 @@ class MountContent(Mounted):
         self.assertEqual(meta, show)
 
     def test_a_second_read_is_served_by_the_page_cache(self):
-        def stats():
-            words = os.getxattr(self.mnt, "user.ckptfs.stats").decode().split()
-            return dict(zip(words[::2], map(int, words[1::2])))
-
+        stats = self.daemon_stats
         path = self.tensor_path("model/layers.11/f32")
         size = os.stat(path).st_size
         before = stats()
@@ -267,10 +269,6 @@ class MountContent(Mounted):
         """Random byte ranges of every file, each read by the daemon (the
         file's page cache dropped first), against what `ckpt export` and
         `ckpt cat` write for the same checkpoint."""
-        def reads():
-            words = os.getxattr(self.mnt, "user.ckptfs.stats").decode().split()
-            return dict(zip(words[::2], map(int, words[1::2])))["reads"]
-
         out = os.path.join(self.tmp, "export.safetensors")
         ckpt(self.repo, "export", "step-1", out, "--force")
         expected = {os.path.join(self.mnt, "step-1", "model.safetensors"): pathlib.Path(out).read_bytes()}
@@ -280,7 +278,7 @@ class MountContent(Mounted):
             expected[os.path.join(self.mnt, "step-1", "blobs", escape(name))] = ckpt(
                 self.repo, "cat", "--blob", "step-1", name).stdout
         rnd = random.Random(11)
-        before = reads()
+        before = self.daemon_stats()["reads"]
         for path, want in expected.items():
             self.assertEqual(os.stat(path).st_size, len(want), path)
             fd = os.open(path, os.O_RDONLY)
@@ -293,7 +291,7 @@ class MountContent(Mounted):
             finally:
                 os.close(fd)
         # The ranges came from the daemon, not from pages cached earlier.
-        self.assertGreater(reads() - before, len(expected) * 10)
+        self.assertGreater(self.daemon_stats()["reads"] - before, len(expected) * 10)
 
     def test_standard_tools_read_the_files(self):
         path = self.tensor_path("big")

@@ -79,7 +79,9 @@ class CheckpointAsFiles : public ::testing::TestWithParam<std::string> {
       if (rank == 0) ASSERT_OK(w->PutBlob("rng/state", RandomBytes(1000, 99)));
       ASSERT_OK(w->Commit().Wait());
     }
-    if (store_) ASSERT_FALSE(store_->List("objects/packs/")->empty()) << "the packs are not in the memory store";
+    if (store_) {
+      ASSERT_FALSE(store_->List("objects/packs/")->empty()) << "the packs are not in the memory store";
+    }
     blob_ = RandomBytes(1000, 99);
     auto reader = repo_->OpenCheckpoint("c");
     ASSERT_OK(reader);
@@ -105,13 +107,8 @@ class CheckpointAsFiles : public ::testing::TestWithParam<std::string> {
 
   RepositoryOpener Open() {
     return [this](OpenOptions options) {
-      Result<std::unique_ptr<Repository>> r = Status::Internal("unopened");
-      if (store_) {
-        options.cache_dir = dir_.path() + "/host";
-        r = Repository::Open(store_, options);
-      } else {
-        r = Repository::Open(dir_.path(), options);
-      }
+      options.cache_dir = dir_.path() + "/host";  // the memory store's catalog
+      auto r = store_ ? Repository::Open(store_, options) : Repository::Open(dir_.path(), options);
       EXPECT_OK(r);
       return r.ok() ? std::move(r).value() : nullptr;
     };
