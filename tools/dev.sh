@@ -11,7 +11,31 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 JOBS=${JOBS:-$(nproc)}
 
-setup() { bash tools/setup-debian.sh; }
+# Each stage prints its name when it starts and its time when it ends; the
+# times are listed again at the end.
+stage_names=()
+stage_times=()
+stage_start=0
+stage_begin() { stage_name=$1; stage_start=$SECONDS; echo "== $1"; }
+stage_end() {
+  local took=$((SECONDS - stage_start))
+  echo "-- $stage_name: ${took} s"
+  stage_names+=("$stage_name")
+  stage_times+=("$took")
+}
+stage_summary() {
+  local i
+  [ ${#stage_names[@]} -gt 0 ] || return 0
+  echo "== stage times (total ${SECONDS} s)"
+  for i in "${!stage_names[@]}"; do printf '%6d s  %s\n' "${stage_times[$i]}" "${stage_names[$i]}"; done
+}
+
+setup() {  # demo|test
+  stage_begin "set-up (tools/setup-debian.sh) and tool check"
+  bash tools/setup-debian.sh
+  bash tools/check-tools.sh "$1"
+  stage_end
+}
 
 configure_build() {  # dir, extra cmake args...
   local dir=$1; shift
@@ -23,23 +47,30 @@ configure_build() {  # dir, extra cmake args...
 cmd=${1:-}
 case "$cmd" in
   build)
-    setup
+    setup test
     configure_build build
     ;;
   demo)
-    setup
+    setup demo
+    stage_begin "build (build/)"
     configure_build build -DCKPTFS_BUILD_TESTS=OFF
+    stage_end
+    stage_begin "demo (tools/demo.sh)"
     bash tools/demo.sh "$ROOT/build/tools/ckpt"
+    stage_end
+    stage_summary
     ;;
   test)
-    setup
+    setup test
+    stage_begin "release build with tests (build/)"
     # Tests on explicitly: the demo configures the same build/ without them.
     configure_build build -DCKPTFS_BUILD_TESTS=ON
+    stage_end
     # A real S3 server (Ceph RGW on loopback) for the S3 backend's tests, up
     # until the last stage; they fail rather than skip without it.
     s3_dir=$(mktemp -d /tmp/ckptfs-s3.XXXXXX)
-    trap 'bash tools/s3-server.sh stop "$s3_dir" || true; rm -rf "$s3_dir"' EXIT
-    echo "== starting a Ceph RGW S3 server (tools/s3-server.sh)"
+    trap 'bash tools/s3-server.sh stop "$s3_dir" || true; rm -rf "$s3_dir"; stage_summary' EXIT
+    stage_begin "start a Ceph RGW S3 server (tools/s3-server.sh)"
     if ! s3_env=$(bash tools/s3-server.sh start "$s3_dir" 2>"$s3_dir.log"); then
       cat "$s3_dir.log" >&2
       exit 1
@@ -47,10 +78,12 @@ case "$cmd" in
     rm -f "$s3_dir.log"
     eval "$s3_env"
     export CKPTFS_REQUIRE_S3=1
-    echo "== tests (release build)"
+    stage_end
+    stage_begin "tests (release build)"
     ctest --test-dir build --output-on-failure --no-tests=error -j "$JOBS" -LE "gpu|device"
-    echo "== GPU and device tests (labels gpu, device: a GPU, or torch >= 2.4 for DCP; where"
-    echo "   those are missing, each test says so and is skipped)"
+    stage_end
+    stage_begin "GPU and device tests (labels gpu, device)"
+    echo "   (a GPU, or torch >= 2.4 for DCP; where those are missing, each test says so and is skipped)"
     gpu_log=$(mktemp)
     if ! ctest --test-dir build --output-on-failure --no-tests=error -L "gpu|device" -V >"$gpu_log" 2>&1; then
       cat "$gpu_log"
@@ -58,18 +91,22 @@ case "$cmd" in
     fi
     grep -E "Test +#[0-9]+:|skipped:|skipped '|tests passed" "$gpu_log" || true
     rm -f "$gpu_log"
+    stage_end
     # The sanitizer builds compile as unity builds (several sources per
     # compiler run): half the build time on two cores.
-    echo "== engine unit tests under ASan+UBSan"
+    stage_begin "engine unit tests under ASan+UBSan (build-asan/)"
     configure_build build-asan -DCKPTFS_SANITIZE=ON -DCKPTFS_UNIT_TESTS_ONLY=ON -DCMAKE_UNITY_BUILD=ON
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
       ctest --test-dir build-asan --output-on-failure --no-tests=error -j "$JOBS" -L unit
-    echo "== engine unit tests under TSan"
+    stage_end
+    stage_begin "engine unit tests under TSan (build-tsan/)"
     configure_build build-tsan -DCKPTFS_SANITIZE_THREAD=ON -DCKPTFS_UNIT_TESTS_ONLY=ON -DCMAKE_UNITY_BUILD=ON
     TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
       ctest --test-dir build-tsan --output-on-failure --no-tests=error -j "$JOBS" -L unit
-    echo "== fuzz targets, 12 s each (clang-16, ASan+UBSan)"
+    stage_end
+    stage_begin "fuzz targets, 12 s each (clang, ASan+UBSan; build-fuzz/)"
     bash tools/fuzz.sh 12
+    stage_end
     ;;
   *)
     echo "usage: tools/dev.sh demo|test|build" >&2

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets (clang-16, ASan+UBSan) in build-fuzz/ and runs
+# Builds the libFuzzer targets (clang 16 or newer, ASan+UBSan) in build-fuzz/ and runs
 # each for SECONDS (default 20) on a scratch copy of its seed corpus
 # (tests/fuzz/corpus/TARGET), two at a time. Exits 1 if any target finds a
 # crash, a leak, a hang or a failed check; the input is kept in
@@ -17,11 +17,10 @@ shift || true
 JOBS=${JOBS:-$(nproc)}
 PARALLEL=${FUZZ_PARALLEL:-2}
 
-if ! command -v clang++-16 >/dev/null; then
-  echo "fuzz: clang++-16 is not installed (tools/setup-debian.sh installs it)" >&2
-  exit 1
-fi
-CC=clang-16 CXX=clang++-16 cmake -S "$ROOT" -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+# The newest installed clang whose sanitizer and libFuzzer runtimes link.
+clang_version=$(bash tools/check-tools.sh fuzz-clang)
+echo "fuzz: clang-$clang_version"
+CC=clang-$clang_version CXX=clang++-$clang_version cmake -S "$ROOT" -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCKPTFS_FUZZ=ON -DCMAKE_UNITY_BUILD=ON >/dev/null
 cmake --build build-fuzz -j "$JOBS"
 
@@ -33,7 +32,8 @@ fi
 work=build-fuzz/run
 rm -rf "$work"
 mkdir -p "$work" build-fuzz/findings
-symbolizer=$(command -v llvm-symbolizer || true)
+symbolizer=/usr/lib/llvm-$clang_version/bin/llvm-symbolizer
+[ -x "$symbolizer" ] || symbolizer=$(command -v "llvm-symbolizer-$clang_version" || true)
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1${symbolizer:+:external_symbolizer_path=$symbolizer}
 export UBSAN_OPTIONS=print_stacktrace=1
 
