@@ -6,6 +6,7 @@
 #
 #   tools/check-tools.sh demo         what tools/dev.sh demo needs
 #   tools/check-tools.sh test         what tools/dev.sh test needs
+#   tools/check-tools.sh python       print the interpreter build/venv is made from
 #   tools/check-tools.sh fuzz-clang   print the clang release the fuzz stage
 #                                     uses (newest from 16 on whose ASan, UBSan
 #                                     and libFuzzer runtimes link), or fail
@@ -30,6 +31,11 @@ fuzz_clang() {
   [ -n "$found" ] && echo "$found"
 }
 
+# The interpreter the Python test environment is made from: 3.11 when
+# there is one (the release the machines' local torch wheels are built
+# for), else the first python3.
+python_for_venv() { command -v python3.11 || command -v python3; }
+
 # program:package pairs.
 demo_programs=(
   cmake:cmake ninja:ninja-build pkg-config:pkg-config c++:build-essential
@@ -44,7 +50,7 @@ test_programs=(
 )
 # module:package pairs for Debian's /usr/bin/python3.
 demo_modules=(numpy:python3-numpy)
-test_modules=("${demo_modules[@]}" torch:python3-torch)
+test_modules=("${demo_modules[@]}")
 
 check() {  # programs-array-name modules-array-name
   local -n programs=$1 modules=$2
@@ -58,6 +64,9 @@ check() {  # programs-array-name modules-array-name
       name=${entry%%:*}
       /usr/bin/python3 -c "import $name" 2>/dev/null || missing+=("python module $name (${entry#*:})")
     done
+  fi
+  if [ "$1" = test_programs ] && ! "$(python_for_venv)" -c 'import venv, ensurepip' 2>/dev/null; then
+    missing+=("a Python 3 that makes venvs with pip (python3-venv)")
   fi
   [ -c /dev/fuse ] || missing+=("/dev/fuse (the kernel's FUSE device: load the fuse module, or give the container the device)")
   if [ "$1" = test_programs ] && ! fuzz_clang >/dev/null; then
@@ -74,8 +83,9 @@ check() {  # programs-array-name modules-array-name
 case "${1:-}" in
   demo) check demo_programs demo_modules ;;
   test) check test_programs test_modules ;;
+  python) python_for_venv ;;
   fuzz-clang)
     fuzz_clang || { echo "check-tools: no clang++-N (N >= 16) links a libFuzzer target with ASan+UBSan" \
                          "(install clang-N libclang-rt-N-dev libfuzzer-N-dev: tools/setup-debian.sh)" >&2; exit 1; } ;;
-  *) sed -n '2,12p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,13p' "$0" >&2; exit 2 ;;
 esac

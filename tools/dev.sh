@@ -5,7 +5,7 @@
 #   tools/dev.sh demo   set up, build, and run the demo on a local repository
 #   tools/dev.sh test   set up, build (plain, ASan+UBSan, TSan, fuzz), and run every
 #                       test, then each fuzz target for 12 s
-#   tools/dev.sh build  set up and build (build/)
+#   tools/dev.sh build  set up and build (build/; the Python package for build/venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -39,16 +39,56 @@ setup() {  # demo|test
 
 configure_build() {  # dir, extra cmake args...
   local dir=$1; shift
-  cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DPython3_EXECUTABLE=/usr/bin/python3 "$@" >/dev/null
+  cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >/dev/null
   cmake --build "$dir" -j "$JOBS"
+}
+
+# The Python test environment: a venv inside the build tree with the pinned
+# requirements of tests/python/requirements.txt. torch comes from a wheel
+# on this machine when one is there (the CPU build), so that no CUDA build
+# of several GB is downloaded by surprise.
+VENV=$ROOT/build/venv
+python_env() {
+  stage_begin "Python test environment (build/venv, tests/python/requirements.txt)"
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$(bash tools/check-tools.sh python)" -m venv "$VENV"
+  fi
+  local torch_pin
+  torch_pin=$(grep -E '^torch==' tests/python/requirements.txt)
+  if ! "$VENV/bin/pip" install -q --no-index --no-deps "$torch_pin" 2>/dev/null; then
+    echo "python env: no local wheel for $torch_pin; pip takes it from the package index"
+  fi
+  "$VENV/bin/pip" install -q -r tests/python/requirements.txt
+  "$VENV/bin/python" -c 'import sys, torch, numpy
+print(f"python env: Python {sys.version.split()[0]}, torch {torch.__version__}, numpy {numpy.__version__}")'
+  stage_end
+}
+# CMake arguments that build the Python package for the venv.
+python_args() {
+  echo "-DPython3_EXECUTABLE=$VENV/bin/python -Dpybind11_DIR=$("$VENV/bin/python" -m pybind11 --cmakedir)"
+}
+# The wheel, built by pip from the release build tree (nothing recompiles),
+# and installed into the venv: what `pip install .` gives a user.
+python_wheel() {
+  stage_begin "Python package: wheel built from build/, installed into build/venv"
+  rm -rf build/wheels
+  "$VENV/bin/pip" wheel -q --no-deps --no-build-isolation -C build-dir=build -w build/wheels .
+  "$VENV/bin/pip" install -q --no-deps --force-reinstall build/wheels/ckptfs-*.whl
+  # pip's configure leaves the wheel's staging paths in build/'s cache; a
+  # plain `cmake --install build` must not use them.
+  cmake -U 'SKBUILD*' -S "$ROOT" -B build >/dev/null
+  ls build/wheels
+  export CKPTFS_REQUIRE_WHEEL=1
+  stage_end
 }
 
 cmd=${1:-}
 case "$cmd" in
   build)
     setup test
-    configure_build build
+    python_env
+    # shellcheck disable=SC2046
+    configure_build build $(python_args)
     ;;
   demo)
     setup demo
@@ -62,10 +102,13 @@ case "$cmd" in
     ;;
   test)
     setup test
+    python_env
     stage_begin "release build with tests (build/)"
     # Tests on explicitly: the demo configures the same build/ without them.
-    configure_build build -DCKPTFS_BUILD_TESTS=ON
+    # shellcheck disable=SC2046
+    configure_build build -DCKPTFS_BUILD_TESTS=ON $(python_args)
     stage_end
+    python_wheel
     # A real S3 server (Ceph RGW on loopback) for the S3 backend's tests, up
     # until the last stage; they fail rather than skip without it.
     s3_dir=$(mktemp -d /tmp/ckptfs-s3.XXXXXX)

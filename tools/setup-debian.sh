@@ -16,8 +16,8 @@ packages=(
   ceph-mon ceph-osd radosgw s3cmd          # a real S3 server for the tests (tools/s3-server.sh)
   curl ca-certificates                     # s3-server.sh waits for the gateway with curl
   libfuse3-dev fuse3                       # the mount, and fusermount3 in the tests
-  python3 python3-numpy
-  python3-dev pybind11-dev python3-torch   # the Python package (tools/python) and its tests
+  python3 python3-numpy                    # the demo and the CLI integration tests
+  python3-dev python3-venv                 # the Python package, built in a venv (tools/dev.sh)
   mount util-linux                         # mount/umount, unshare and nsenter (test_cli, test_s3)
   coreutils diffutils                      # cat, dd, sha256sum, timeout; cmp (test_mount)
   locales                                  # localedef: a comma-decimal locale for the JSON tests

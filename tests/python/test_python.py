@@ -1,6 +1,7 @@
-"""Tests of the Python package on the CPU (Debian's python3-torch 1.13 or
-newer): round trips, sharded saves by rank processes, async isolation,
-errors, interop with the CLI, memory."""
+"""Tests of the Python package on the CPU (torch from
+tests/python/requirements.txt, in the venv tools/dev.sh test makes): round
+trips, sharded saves by rank processes, async isolation, errors, interop
+with the CLI, memory, and the package as pip installs it."""
 import inspect
 import os
 import resource
@@ -384,6 +385,88 @@ class Install(unittest.TestCase):
             self.assertTrue(site.endswith(os.path.join("python3", "dist-packages")), site)
         finally:
             shutil.rmtree(prefix, ignore_errors=True)
+
+
+def without_pythonpath():
+    """The environment of a process that sees only what is installed in
+    this interpreter's environment (ctest points PYTHONPATH at the build)."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+class NumpyOnly(unittest.TestCase):
+    def test_numpy_only_use_never_imports_torch(self):
+        code = (
+            "import sys, tempfile, numpy as np, ckptfs\n"
+            "repo = ckptfs.init(tempfile.mkdtemp() + '/r')\n"
+            "a = np.arange(12, dtype=np.float32).reshape(3, 4)\n"
+            "repo.save('s', {'a': a, 'blob': b'xyz'})\n"
+            "repo.async_save('t', {'a': a}).result()\n"
+            "out = np.zeros_like(a)\n"
+            "repo.load('s', {'a': out})\n"
+            "assert (out == a).all() and repo.blob('s', 'blob') == b'xyz'\n"
+            "print('torch' in sys.modules)\n")
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(p.stdout.strip(), "False", "a NumPy-only save and load imported torch")
+
+
+@unittest.skipUnless(sys.prefix != sys.base_prefix or os.environ.get("CKPTFS_REQUIRE_WHEEL"),
+                     "not run in a venv (tools/dev.sh test installs the wheel into build/venv)")
+class Wheel(unittest.TestCase):
+    """The package as `pip install .` leaves it in a venv: tools/dev.sh test
+    builds the wheel from its build tree and installs it into build/venv."""
+
+    def setUp(self):
+        p = subprocess.run([sys.executable, "-c", "import ckptfs; print(ckptfs.__file__)"],
+                           env=without_pythonpath(), capture_output=True, text=True, timeout=120)
+        if p.returncode != 0:
+            self.fail(f"ckptfs is not installed in {sys.prefix} (pip install .): {p.stderr.strip()}")
+        self.package = os.path.dirname(p.stdout.strip())
+        self.assertTrue(self.package.startswith(sys.prefix), self.package)
+
+    def test_pip_install_gives_the_package_and_the_ckpt_cli_on_path(self):
+        ckpt = os.path.join(os.path.dirname(sys.executable), "ckpt")
+        self.assertTrue(os.access(ckpt, os.X_OK), f"{ckpt} is not an installed program")
+        p = subprocess.run([ckpt, "--version"], capture_output=True, text=True, timeout=60)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        code = "import ckptfs; print(ckptfs.__version__)"
+        version = subprocess.run([sys.executable, "-c", code], env=without_pythonpath(), capture_output=True,
+                                 text=True, timeout=60, check=True).stdout.strip()
+        self.assertIn(version, p.stdout)
+        # The installed CLI and package work on one repository.
+        import tempfile
+        repo = tempfile.mkdtemp(prefix="ckptfs-wheel-") + "/r"
+        subprocess.run([ckpt, "-r", repo, "init"], check=True, capture_output=True, timeout=60)
+        code = ("import sys, numpy as np, ckptfs\n"
+                "ckptfs.open(sys.argv[1]).save('s', {'w': np.ones(5, np.float32)})\n")
+        subprocess.run([sys.executable, "-c", code, repo], env=without_pythonpath(), check=True, timeout=60)
+        ls = subprocess.run([ckpt, "-r", repo, "ls", "--json"], capture_output=True, text=True, timeout=60,
+                            check=True).stdout
+        self.assertIn('"s"', ls)
+
+    def test_type_checkers_see_the_public_api(self):
+        for f in ("py.typed", "_core.pyi"):
+            self.assertTrue(os.path.exists(os.path.join(self.package, f)), f)
+        try:
+            import mypy.api
+        except ImportError:
+            self.skipTest("mypy is not installed")
+        import tempfile
+        d = tempfile.mkdtemp(prefix="ckptfs-types-")
+        user = os.path.join(d, "user.py")
+        with open(user, "w") as f:
+            f.write("import ckptfs\n"
+                    "repo = ckptfs.open('/tmp/r')\n"
+                    "names: list[str] = [c['name'] for c in repo.checkpoints()]\n"
+                    "repo.gc(keep_last='three')\n")
+        out, err, code = mypy.api.run([user, "--no-incremental", "--cache-dir", os.path.join(d, "cache")])
+        # The package's types are found (no missing stubs or py.typed), and
+        # the one wrong argument is reported.
+        self.assertNotIn("missing library stubs or py.typed", out)
+        self.assertIn('Argument "keep_last" to "gc" of "Repository" has incompatible type "str"', out)
+        self.assertEqual(out.count("error:"), 1, out)
 
 
 class Documentation(unittest.TestCase):

@@ -20,6 +20,7 @@ one-line message. See docs/PYTHON.md.
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 import time
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -136,6 +137,10 @@ def _torch():
 
 
 def _is_tensor(value) -> bool:
+    # No torch tensor exists before torch is imported, so NumPy-only use
+    # never pays for importing it (about a second).
+    if "torch" not in sys.modules:
+        return False
     torch = _torch()
     return torch is not None and isinstance(value, torch.Tensor)
 
