@@ -22,7 +22,10 @@ Result<std::unique_ptr<CheckpointFiles>> CheckpointFiles::Build(std::unique_ptr<
     f->files_.push_back({FileKind::kTensor, FileNameFor(t.name, ".npy"), i, f->npy_headers_.back().size() + t.ByteSize()});
     metas.push_back({t.name, t.dtype, t.shape});
   }
-  std::vector<std::pair<std::string, std::string>> meta = {{"ckptfs.checkpoint", reader->info().name}};
+  // "format": "pt" is what Hugging Face's loaders ask of a safetensors file
+  // before they read it as torch weights.
+  std::vector<std::pair<std::string, std::string>> meta = {{"format", "pt"},
+                                                           {"ckptfs.checkpoint", reader->info().name}};
   if (reader->info().step) meta.emplace_back("ckptfs.step", std::to_string(*reader->info().step));
   f->safetensors_ = LayoutSafetensors(metas, meta);
   f->files_.push_back({FileKind::kSafetensors, "model.safetensors", 0, f->safetensors_.total_size});

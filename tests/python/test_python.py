@@ -327,6 +327,23 @@ class Interop(PythonTestCase):
         self.assertEqual(tensors["w"][0], "BF16")
         self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
 
+    def test_exported_safetensors_load_with_the_safetensors_package_as_torch_weights(self):
+        try:
+            from safetensors import safe_open
+            from safetensors.torch import load_file
+        except ImportError:
+            self.skipTest("the safetensors package is not installed")
+        state = {"w": torch.randn(4, 6).to(torch.bfloat16), "b": torch.arange(5, dtype=torch.int32)}
+        self.r.save("st", state, step=9)
+        out = self.path("out.safetensors")
+        self.run_ckpt("export", "st", out)
+        with safe_open(out, framework="pt") as f:
+            self.assertEqual(f.metadata(), {"format": "pt", "ckptfs.checkpoint": "st", "ckptfs.step": "9"})
+        got = load_file(out)
+        self.assertEqual(sorted(got), ["b", "w"])
+        for k in state:
+            self.assertEqual(bits(got[k]), bits(state[k]), k)
+
     def test_python_reads_what_the_cli_imported(self):
         rng = np.random.default_rng(4)
         a = rng.standard_normal((6, 10)).astype(np.float32)

@@ -171,6 +171,35 @@ class DistributedCheckpoint(CkptTestCase):
         self.assertEqual(tuple(w.shape), (16, 12))
         self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
 
+    def test_one_writer_and_one_reader_serve_every_step_through_checkpoint_id(self):
+        import torch.distributed.checkpoint as dcp
+        ckptfs.init(self.repo)
+        writer = ckptfs_torch.StorageWriter(self.repo)
+        reader = ckptfs_torch.StorageReader(self.repo)
+        for step in (100, 200):
+            dcp.save({"w": torch.full((3, 4), float(step)), "meta": {"step": step}}, storage_writer=writer,
+                     checkpoint_id=f"step-{step:06d}")
+        repo = ckptfs.open(self.repo)
+        self.assertEqual([(c["name"], c["step"]) for c in repo.checkpoints()],
+                         [("step-000100", 100), ("step-000200", 200)])
+        for step in (200, 100):
+            sd = {"w": torch.zeros(3, 4), "meta": {"step": 0}}
+            dcp.load(sd, storage_reader=reader, checkpoint_id=f"step-{step:06d}")
+            self.assertTrue(torch.equal(sd["w"], torch.full((3, 4), float(step))))
+            self.assertEqual(sd["meta"]["step"], step)
+        self.assertTrue(ckptfs_torch.StorageWriter.validate_checkpoint_id("step-000100"))
+        for bad in ("a/b", "", ".hidden", "x" * 201, "/data/ckpt"):
+            self.assertFalse(ckptfs_torch.StorageReader.validate_checkpoint_id(bad), bad)
+        with self.assertRaises(ckptfs.InvalidArgumentError) as e:
+            dcp.save({"w": torch.zeros(1)}, storage_writer=writer, checkpoint_id="../escape")
+        self.assertIn("'../escape' is not a checkpoint name", str(e.exception))
+        # DCP reports errors of the write phase as its CheckpointException,
+        # a BaseException.
+        with self.assertRaises(BaseException) as e:
+            dcp.save({"w": torch.zeros(1)}, storage_writer=ckptfs_torch.StorageWriter(self.repo))
+        self.assertIn("no checkpoint name: give StorageWriter a name, or dcp.save a checkpoint_id", str(e.exception))
+        self.assertEqual(len(repo.checkpoints(include_pending=True)), 2)
+
     def test_a_failed_dcp_save_leaves_nothing_visible(self):
         ckptfs.init(self.repo)
         repo = ckptfs.open(self.repo)

@@ -168,7 +168,7 @@ TEST_P(CheckpointAsFiles, FilesHoldTheSavedBytes) {
     const auto& s = SavedFor(t.name);
     EXPECT_TRUE(std::equal(s.bytes.begin(), s.bytes.end(), st.begin() + 8 + n + t.begin)) << t.name;
   }
-  EXPECT_EQ(header->metadata, (std::vector<std::pair<std::string, std::string>>{{"ckptfs.checkpoint", "c"}, {"ckptfs.step", "42"}}));
+  EXPECT_EQ(header->metadata, (std::vector<std::pair<std::string, std::string>>{{"format", "pt"}, {"ckptfs.checkpoint", "c"}, {"ckptfs.step", "42"}}));
   EXPECT_TRUE(Whole(files_->blob_file(0)) == blob_);
   auto meta = Whole(*files_->Find("metadata.json"));
   auto json = Json::Parse(std::string_view(reinterpret_cast<const char*>(meta.data()), meta.size()));

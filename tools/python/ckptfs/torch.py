@@ -6,6 +6,10 @@
     dcp.save(state_dict, storage_writer=StorageWriter("/data/ckpt", "step-100"))
     dcp.load(state_dict, storage_reader=StorageReader("/data/ckpt", "step-100"))
 
+    # or one writer for every step, naming each checkpoint as DCP does:
+    writer = StorageWriter("/data/ckpt")
+    dcp.save(state_dict, storage_writer=writer, checkpoint_id="step-200")
+
 Every rank writes its items as one rank of ckptfs checkpoint `name` (rank and
 world size from the default process group); tensor chunks become box shards
 of their global tensors, non-tensor items (pickled by DCP) become blobs. The
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from typing import Any, List, Optional, Union
 
 import ckptfs
@@ -54,6 +59,19 @@ def dcp_unavailable_reason() -> Optional[str]:
 
 
 _REASON = dcp_unavailable_reason()
+
+# The engine's rule for checkpoint names (engine/ckpt/repository.cc).
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+_TRAILING_NUMBER = re.compile(r"([0-9]+)$")
+
+
+def _checkpoint_name(checkpoint_id: Union[str, os.PathLike]) -> str:
+    name = os.fspath(checkpoint_id)
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ckptfs.InvalidArgumentError(
+            f"checkpoint_id {name!r} is not a checkpoint name (1 to 200 letters, digits, '.', '_' and '-', "
+            "not starting with '.')")
+    return name
 
 
 def _rank_and_world() -> "tuple[int, int]":
@@ -87,11 +105,13 @@ else:
 class StorageWriter(_WriterBase):
     """Writes a DCP save as checkpoint `name` of the repository at `url`.
 
-    `step` and `tags` are recorded with the checkpoint. A checkpoint_id given
-    to dcp.save replaces `name`.
+    A checkpoint_id given to dcp.save names the checkpoint instead, so one
+    writer serves every step. `tags` are recorded with the checkpoint, and
+    `step` too; without `step`, a name that ends in digits (step-000300)
+    records that number as its step.
     """
 
-    def __init__(self, url: Union[str, os.PathLike], name: str, *, step: Optional[int] = None,
+    def __init__(self, url: Union[str, os.PathLike], name: Optional[str] = None, *, step: Optional[int] = None,
                  tags: Optional[dict] = None):
         if _REASON is not None:
             raise UnsupportedError(_REASON)
@@ -105,15 +125,33 @@ class StorageWriter(_WriterBase):
         self._kept: List[Any] = []
         self._is_coordinator = False
 
+    # dcp.async_save in a process sends the writer there pickled: it carries
+    # its settings, and the new process opens the repository again.
+    def __getstate__(self):
+        return {"url": self.url, "name": self.name, "step": self.step, "tags": self.tags}
+
+    def __setstate__(self, state):
+        self.__init__(state["url"], state["name"], step=state["step"], tags=state["tags"])
+
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
-            self.name = os.fspath(checkpoint_id)
+            self.name = _checkpoint_name(checkpoint_id)
         self._abort()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
-        # Never chosen automatically: a ckptfs writer is always passed explicitly.
-        return False
+        """Whether checkpoint_id can name a checkpoint of a repository."""
+        try:
+            _checkpoint_name(checkpoint_id)
+        except (ckptfs.InvalidArgumentError, TypeError):
+            return False
+        return True
+
+    def _step(self) -> Optional[int]:
+        if self.step is not None:
+            return self.step
+        m = _TRAILING_NUMBER.search(self.name or "")
+        return int(m.group(1)) if m else None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._is_coordinator = is_coordinator
@@ -125,8 +163,10 @@ class StorageWriter(_WriterBase):
         return plans
 
     def write_data(self, plan, planner):
+        if self.name is None:
+            raise ckptfs.InvalidArgumentError("no checkpoint name: give StorageWriter a name, or dcp.save a checkpoint_id")
         rank, world = _rank_and_world()
-        writer = self._repo._repo.begin(self.name, rank, world, self.step,
+        writer = self._repo._repo.begin(self.name, rank, world, self._step(),
                                         [(str(k), str(v)) for k, v in self.tags.items()])
         self._writer = writer
         results = []
@@ -180,9 +220,10 @@ class StorageWriter(_WriterBase):
 
 class StorageReader(_ReaderBase):
     """Reads checkpoint `name` of the repository at `url` for dcp.load, at
-    any sharding. A checkpoint_id given to dcp.load replaces `name`."""
+    any sharding. A checkpoint_id given to dcp.load names the checkpoint
+    instead, so one reader serves every step."""
 
-    def __init__(self, url: Union[str, os.PathLike], name: str):
+    def __init__(self, url: Union[str, os.PathLike], name: Optional[str] = None):
         if _REASON is not None:
             raise UnsupportedError(_REASON)
         super().__init__()
@@ -190,15 +231,24 @@ class StorageReader(_ReaderBase):
         self.name = name
         self._repo = ckptfs.open(self.url)
 
+    def __getstate__(self):
+        return {"url": self.url, "name": self.name}
+
+    def __setstate__(self, state):
+        self.__init__(state["url"], state["name"])
+
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
-            self.name = os.fspath(checkpoint_id)
+            self.name = _checkpoint_name(checkpoint_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
-        return False
+        """Whether checkpoint_id can name a checkpoint of a repository."""
+        return StorageWriter.validate_checkpoint_id(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any):
+        if self.name is None:
+            raise ckptfs.InvalidArgumentError("no checkpoint name: give StorageReader a name, or dcp.load a checkpoint_id")
         shown = self._repo.show(self.name)
         ckptfs._torch()  # fills the dtype tables
         entries = {}

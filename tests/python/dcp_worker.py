@@ -1,0 +1,115 @@
+"""One rank of a DCP job on the CPU (gloo), run as its own process by
+test_dcp (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment):
+
+    dcp_worker.py save REPO NAME
+        (4 ranks) saves DTensors of every placement with dcp.save
+    dcp_worker.py load REPO NAME
+        (any world size) loads them back at other placements with dcp.load
+        and checks every element
+    dcp_worker.py async-save REPO NAME thread|process
+        (2 ranks) saves with dcp.async_save and waits on its future
+
+Prints "ok" when its checks pass; FULL() is the state every run agrees on.
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from ckptfs.torch import StorageReader, StorageWriter
+
+
+def full():
+    """The whole tensors; their sizes divide unevenly by 3 and 4."""
+    gen = torch.Generator().manual_seed(7)
+    return {
+        "rows": torch.randn(10, 6, generator=gen),                          # Shard(0), 10 rows over 4 ranks
+        "cols": torch.randn(5, 7, generator=gen).to(torch.bfloat16),       # Shard(1), 7 columns over 4
+        "norm": torch.randn(8, generator=gen, dtype=torch.float64),        # Replicate
+        "hsdp": torch.randn(9, 4, generator=gen),                          # 2-D mesh: Replicate x Shard(0)
+        "grid": torch.randint(-99, 99, (6, 10), generator=gen),            # 2-D mesh: Shard(0) x Shard(1)
+        "tiny": torch.randn(2, generator=gen),                             # fewer rows than ranks
+    }
+
+
+def placements(world, saving):
+    """{name: (mesh shape, placements)} for the save (4 ranks) and a load at another world size."""
+    if saving:
+        return {
+            "rows": ((world,), [Shard(0)]),
+            "cols": ((world,), [Shard(1)]),
+            "norm": ((world,), [Replicate()]),
+            "hsdp": ((2, world // 2), [Replicate(), Shard(0)]),
+            "grid": ((2, world // 2), [Shard(0), Shard(1)]),
+            "tiny": ((world,), [Shard(0)]),
+        }
+    # Loaded with every placement changed.
+    return {
+        "rows": ((world,), [Shard(1)]),
+        "cols": ((world,), [Shard(0)]),
+        "norm": ((world,), [Shard(0)]),
+        "hsdp": ((world,), [Shard(1)]),
+        "grid": ((world,), [Replicate()]),
+        "tiny": ((world,), [Replicate()]),
+    }
+
+
+def state(world, saving, zero):
+    meshes = {}
+    out = {}
+    for name, tensor in full().items():
+        shape, place = placements(world, saving)[name]
+        mesh = meshes.get(shape)
+        if mesh is None:
+            mesh = meshes[shape] = init_device_mesh("cpu", shape)
+        t = torch.zeros_like(tensor) if zero else tensor
+        out[name] = distribute_tensor(t, mesh, place)
+    out["step"] = 0 if zero else 1234
+    out["extra"] = {"lr": 0.0 if zero else 3e-4, "names": [] if zero else ["a", "b"]}
+    return out
+
+
+def same(a, b):
+    return torch.equal(a.view(torch.int16), b.view(torch.int16)) if a.dtype == torch.bfloat16 else torch.equal(a, b)
+
+
+def check(sd):
+    want = full()
+    for name, tensor in want.items():
+        got = sd[name].full_tensor()
+        assert got.dtype == tensor.dtype and same(got, tensor), name
+    assert sd["step"] == 1234, sd["step"]
+    assert sd["extra"] == {"lr": 3e-4, "names": ["a", "b"]}, sd["extra"]
+
+
+def main():
+    action, repo, name = sys.argv[1], sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    if action == "save":
+        dcp.save(state(world, True, False), storage_writer=StorageWriter(repo, name, step=1234))
+    elif action == "load":
+        sd = state(world, False, True)
+        dcp.load(sd, storage_reader=StorageReader(repo, name))
+        check(sd)
+    elif action == "async-save":
+        kind = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}[sys.argv[4]]
+        sd = {"w": distribute_tensor(full()["rows"], init_device_mesh("cpu", (world,)), [Shard(0)]), "step": 5}
+        future = dcp.async_save(sd, storage_writer=StorageWriter(repo, name), async_checkpointer_type=kind)
+        try:
+            future.result()
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            print(f"failed: {str(e).splitlines()[0]}")
+            dist.destroy_process_group()
+            return
+    print("ok")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

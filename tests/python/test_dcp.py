@@ -1,0 +1,133 @@
+"""torch.distributed.checkpoint with a ckptfs repository, on the CPU (gloo):
+DTensors of every placement (Shard(0), Shard(1), Replicate, uneven shards,
+a 2-D replicate x shard mesh as HSDP uses) saved by 4 ranks and loaded at 3
+and 2 with other placements; dcp.async_save in a thread and in a process;
+and interop both ways with repo.save, ckpt export and the mount. Each rank
+is a process of its own (dcp_worker.py)."""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "../integration"))
+
+import ckptfs  # noqa: E402
+import ckptfs.torch as ckptfs_torch  # noqa: E402
+import dcp_worker  # noqa: E402
+from helpers import CkptTestCase  # noqa: E402
+from test_python import bits, run_ranks  # noqa: E402
+from test_python_device import free_port  # noqa: E402
+
+DCP_REASON = ckptfs_torch.dcp_unavailable_reason()
+WORKER = os.path.join(HERE, "dcp_worker.py")
+HAVE_FUSE = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
+
+
+@unittest.skipIf(DCP_REASON, DCP_REASON or "")
+class DcpTestCase(CkptTestCase):
+    def setUp(self):
+        super().setUp()
+        ckptfs.init(self.repo)
+        self.r = ckptfs.open(self.repo)
+
+    def run_job(self, world, *args):
+        port = free_port()
+        outs = run_ranks(self, lambda r: [sys.executable, WORKER, *args], world,
+                         lambda r: dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+        return [o.strip().splitlines()[-1] if o.strip() else "" for o in outs]
+
+
+class Placements(DcpTestCase):
+    def test_dtensors_of_every_placement_saved_by_4_ranks_load_at_3_and_2_with_other_placements(self):
+        self.assertEqual(self.run_job(4, "save", self.repo, "dt"), ["ok"] * 4)
+        [c] = self.r.checkpoints()
+        self.assertEqual((c["name"], c["world_size"], c["step"]), ("dt", 4, 1234))
+        for world in (3, 2):
+            with self.subTest(world=world):
+                self.assertEqual(self.run_job(world, "load", self.repo, "dt"), ["ok"] * world)
+
+
+class Interop(DcpTestCase):
+    def test_a_dcp_checkpoint_reads_as_whole_tensors_through_the_api_export_and_the_mount(self):
+        self.run_job(4, "save", self.repo, "dt")
+        want = dcp_worker.full()
+        for name, tensor in want.items():
+            self.assertEqual(bits(self.r.tensor("dt", name)), bits(tensor), name)
+        from safetensors.torch import load_file
+        out = self.path("dt.safetensors")
+        self.run_ckpt("export", "dt", out)
+        exported = load_file(out)
+        self.assertEqual(sorted(exported), sorted(want))
+        for name, tensor in want.items():
+            self.assertEqual(bits(exported[name]), bits(tensor), name)
+        if not HAVE_FUSE:
+            self.skipTest("no FUSE here (/dev/fuse, fusermount3)")
+        mnt = tempfile.mkdtemp(prefix="ckptfs-dcp-mnt-")
+        self.run_ckpt("mount", mnt)
+        try:
+            for name, tensor in want.items():
+                if tensor.dtype == torch.bfloat16:
+                    continue  # NumPy has no bfloat16: its .npy is covered by the mount tests
+                got = np.load(os.path.join(mnt, "dt", name + ".npy"))
+                np.testing.assert_array_equal(got, tensor.numpy(), err_msg=name)
+        finally:
+            subprocess.run(["fusermount3", "-u", mnt])
+            os.rmdir(mnt)
+
+    def test_a_checkpoint_saved_with_repo_save_by_2_ranks_loads_through_dcp(self):
+        import torch.distributed.checkpoint as dcp
+        want = dcp_worker.full()
+        for rank in (0, 1):
+            part = {k: v.reshape(-1).chunk(2)[rank] for k, v in want.items()}
+            starts = {k: 0 if rank == 0 else want[k].reshape(-1).chunk(2)[0].numel() for k in want}
+            self.r.save("plain", part, rank=rank, world_size=2, step=3,
+                        shards={k: ckptfs.Flat(tuple(want[k].shape), starts[k]) for k in want})
+        sd = {k: torch.zeros_like(v) for k, v in want.items()}
+        dcp.load(sd, storage_reader=ckptfs_torch.StorageReader(self.repo, "plain"))
+        for name, tensor in want.items():
+            self.assertEqual(bits(sd[name]), bits(tensor), name)
+
+
+class AsyncSave(DcpTestCase):
+    def test_async_save_in_a_thread_and_in_a_process_commits_the_checkpoint(self):
+        want = dcp_worker.full()["rows"]
+        for kind in ("thread", "process"):
+            with self.subTest(kind=kind):
+                self.assertEqual(self.run_job(2, "async-save", self.repo, f"async-{kind}", kind), ["ok"] * 2)
+                self.assertEqual(bits(ckptfs.open(self.repo).tensor(f"async-{kind}", "w")), bits(want))
+        self.assertEqual(sorted(c["name"] for c in ckptfs.open(self.repo).checkpoints()),
+                         ["async-process", "async-thread"])
+
+    def test_a_failed_async_save_raises_from_its_future_and_leaves_nothing_visible(self):
+        self.r.save("taken", {"x": torch.zeros(3)})
+        outs = self.run_job(2, "async-save", self.repo, "taken", "thread")
+        for out in outs:
+            self.assertTrue(out.startswith("failed: "), out)
+        [c] = ckptfs.open(self.repo).checkpoints(include_pending=True)
+        self.assertEqual((c["name"], c["world_size"]), ("taken", 1))
+        self.assertEqual(bits(ckptfs.open(self.repo).tensor("taken", "x")), bits(torch.zeros(3)))
+        self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
+
+
+class Pickling(unittest.TestCase):
+    @unittest.skipIf(DCP_REASON, DCP_REASON or "")
+    def test_writers_and_readers_pickle_and_reopen_their_repository(self):
+        import pickle
+        with tempfile.TemporaryDirectory() as d:
+            repo = os.path.join(d, "r")
+            ckptfs.init(repo)
+            w = pickle.loads(pickle.dumps(ckptfs_torch.StorageWriter(repo, "n", step=4, tags={"a": "b"})))
+            self.assertEqual((w.url, w.name, w.step, w.tags), (repo, "n", 4, {"a": "b"}))
+            r = pickle.loads(pickle.dumps(ckptfs_torch.StorageReader(repo, "n")))
+            self.assertEqual((r.url, r.name), (repo, "n"))
+
+
+if __name__ == "__main__":
+    unittest.main()
