@@ -1,0 +1,147 @@
+"""Lightning with ckptfs.lightning.CkptfsCheckpointIO: a tiny LightningModule
+trained on the CPU, ModelCheckpoint(save_top_k=2, save_last=True) saving
+into a repository, removals becoming rm, and trainer.fit(ckpt_path=...)
+resuming bit-identically to a run that never stopped."""
+import json
+import os
+import sys
+import unittest
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "../integration"))
+
+import ckptfs  # noqa: E402
+from helpers import CkptTestCase  # noqa: E402
+
+try:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ckptfs.lightning import CkptfsCheckpointIO, checkpoint_name, file_name
+    LIGHTNING_REASON = None
+except ImportError as e:  # the test environment installs lightning
+    LIGHTNING_REASON = f"lightning is not importable: {e}"
+
+
+def bits(t):
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+if LIGHTNING_REASON is None:
+    class TinyModule(L.LightningModule):
+        def __init__(self, width=8):
+            super().__init__()
+            self.save_hyperparameters()
+            self.frozen = torch.nn.Linear(width, width)       # never trained: deduplicated across checkpoints
+            self.frozen.requires_grad_(False)
+            self.layer = torch.nn.Linear(width, 4)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.layer(torch.tanh(self.frozen(x))), y)
+            self.log("train_loss", loss, on_epoch=True, on_step=False)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+    def data():
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(64, 8, generator=gen)
+        y = torch.randn(64, 4, generator=gen)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=False)
+
+
+@unittest.skipIf(LIGHTNING_REASON, LIGHTNING_REASON or "")
+class Lightning(CkptTestCase):
+    def setUp(self):
+        super().setUp()
+        ckptfs.init(self.repo)
+        self.dirpath = self.path("ckpts")
+
+    def trainer(self, epochs, checkpointing=True):
+        callbacks = [ModelCheckpoint(dirpath=self.dirpath, filename="{epoch}-{step}", monitor="train_loss",
+                                     mode="min", save_top_k=2, save_last=True)] if checkpointing else []
+        return L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, deterministic=True,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                         plugins=[CkptfsCheckpointIO(self.repo)] if checkpointing else [],
+                         enable_checkpointing=checkpointing)
+
+    def test_top_k_checkpoints_live_in_the_repository_and_resume_bit_identically(self):
+        L.seed_everything(0)
+        straight = TinyModule()
+        self.trainer(5, checkpointing=False).fit(straight, data())
+
+        L.seed_everything(0)
+        model = TinyModule()
+        trainer = self.trainer(3)
+        trainer.fit(model, data())
+        callback = trainer.checkpoint_callback
+        # Lightning wrote no file: its checkpoints are in the repository.
+        files = os.listdir(self.dirpath) if os.path.isdir(self.dirpath) else []
+        self.assertEqual(files, [])
+        repo = ckptfs.open(self.repo)
+        names = sorted(c["name"] for c in repo.checkpoints())
+        kept = sorted(checkpoint_name(p) for p in callback.best_k_models) + [checkpoint_name(callback.last_model_path)]
+        self.assertEqual(names, sorted(kept))
+        # save_top_k=2 of 3 epochs: the first epoch's checkpoint was removed.
+        self.assertEqual(len(names), 3, names)
+        self.assertNotIn("epoch_3D0-step_3D8.ckpt", names)
+        self.assertIn("epoch_3D2-step_3D24.ckpt", names)
+        shown = repo.show("last.ckpt")
+        tensors = {t["name"] for t in shown["tensors"]}
+        self.assertIn("state_dict/layer.weight", tensors)
+        self.assertIn("optimizer_states/0/state/0/exp_avg", tensors)
+        self.assertEqual([b["name"] for b in shown["blobs"]], ["lightning.pt"])
+        self.assertEqual(shown["step"], 24)
+        # The frozen layer is stored once for all three checkpoints.
+        du = json.loads(self.run_ckpt("du", "--json").stdout)
+        frozen = sum(t.numel() * t.element_size() for t in model.frozen.state_dict().values())
+        self.assertLessEqual(du["total"]["unique_raw_bytes"], du["total"]["logical_bytes"] - 2 * frozen)
+
+        # Resume from last.ckpt to 5 epochs: the same weights as 5 epochs straight.
+        L.seed_everything(0)
+        resumed = TinyModule()
+        trainer = self.trainer(5)
+        trainer.fit(resumed, data(), ckpt_path=callback.last_model_path)
+        self.assertEqual(trainer.global_step, 40)
+        for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+            self.assertEqual(bits(a), bits(b), name)
+        # And the resumed run's own checkpoints went on into the repository.
+        self.assertIn("epoch_3D4-step_3D40.ckpt", [c["name"] for c in ckptfs.open(self.repo).checkpoints()])
+
+    def test_load_checkpoint_returns_lightnings_dict_with_its_tensors_and_hyperparameters(self):
+        io = CkptfsCheckpointIO(self.repo)
+        ckpt = {"epoch": 2, "global_step": 7, "state_dict": {"w": torch.arange(6.0).reshape(2, 3)},
+                "optimizer_states": [{"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.ones(3)}},
+                                      "param_groups": [{"lr": 0.1, "params": [0]}]}],
+                "hyper_parameters": {"width": 8, "names": ("a", "b")}, "loops": {"fit_loop": {"x": [1, 2]}}}
+        io.save_checkpoint(ckpt, "/somewhere/epoch=2-step=7.ckpt")
+        got = io.load_checkpoint("/elsewhere/epoch=2-step=7.ckpt")
+        self.assertEqual(got["epoch"], 2)
+        self.assertEqual(got["hyper_parameters"], {"width": 8, "names": ("a", "b")})
+        self.assertEqual(got["loops"], {"fit_loop": {"x": [1, 2]}})
+        self.assertTrue(torch.equal(got["state_dict"]["w"], ckpt["state_dict"]["w"]))
+        state = got["optimizer_states"][0]["state"][0]
+        self.assertTrue(torch.equal(state["step"], torch.tensor(7.0)) and torch.equal(state["exp_avg"], torch.ones(3)))
+        io.remove_checkpoint("/somewhere/epoch=2-step=7.ckpt")
+        self.assertEqual(ckptfs.open(self.repo).checkpoints(), [])
+        with self.assertRaises(ckptfs.NotFoundError):
+            io.load_checkpoint("/somewhere/epoch=2-step=7.ckpt")
+
+    def test_file_names_map_to_checkpoint_names_and_back(self):
+        for path, name in [("d/epoch=3-step=120.ckpt", "epoch_3D3-step_3D120.ckpt"),
+                           ("last.ckpt", "last.ckpt"),
+                           ("a_b c.ckpt", "a_5Fb_20c.ckpt"),
+                           (".hidden", "_2Ehidden"),
+                           ("épоch.ckpt", "_C3_A9p_D0_BEch.ckpt")]:
+            self.assertEqual(checkpoint_name(path), name)
+            self.assertEqual(file_name(name), os.path.basename(path))
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            checkpoint_name("x" * 201)
+
+
+if __name__ == "__main__":
+    unittest.main()

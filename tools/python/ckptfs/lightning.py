@@ -1,0 +1,170 @@
+"""Lightning checkpoints in a ckptfs repository.
+
+    import lightning as L
+    from ckptfs.lightning import CkptfsCheckpointIO
+
+    trainer = L.Trainer(plugins=[CkptfsCheckpointIO("/data/ckpt")],
+                        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath="ckpts", save_top_k=2, ...)])
+    trainer.fit(model)                                  # saves into the repository
+    trainer.fit(model, ckpt_path="ckpts/epoch=3-step=120.ckpt")   # resumes from it
+
+Lightning keeps choosing the file paths (ModelCheckpoint's dirpath and
+filename templates); the plugin stores each checkpoint under a name made
+from the path's file name (checkpoint_name), and Lightning's removals of
+old top-k checkpoints become `rm`. Every tensor of Lightning's checkpoint
+dict (model weights, optimizer state) is stored as a tensor, deduplicated
+against every other checkpoint; the rest of the dict (epoch, loops,
+callbacks, hyper-parameters) is pickled with torch.save into the blob
+`lightning.pt`, where the tensors stand as ("ckptfs.tensor", NAME) tuples.
+Only process 0 of the job writes (Lightning calls the plugin there).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from typing import Any, Dict, Optional, Tuple, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+
+import ckptfs
+
+__all__ = ["CkptfsCheckpointIO", "checkpoint_name", "file_name"]
+
+_SKELETON_BLOB = "lightning.pt"
+_PLACEHOLDER = "ckptfs.tensor"
+_PLAIN = re.compile(rb"[A-Za-z0-9.-]")
+
+
+def checkpoint_name(path: Union[str, os.PathLike]) -> str:
+    """The checkpoint name for a Lightning checkpoint path: its file name
+    with every byte other than a letter, digit, '.' or '-' written as '_'
+    and two hex digits ('_' itself is '_5F', and so is a leading '.'), so
+    that `epoch=3-step=120.ckpt` is `epoch_3D3-step_3D120.ckpt`. The mapping
+    is reversible (file_name) and never yields two paths' file names the
+    same name."""
+    base = os.path.basename(os.fspath(path).rstrip("/"))
+    if not base:
+        raise ckptfs.InvalidArgumentError(f"checkpoint path {os.fspath(path)!r} has no file name")
+    out = []
+    for i, byte in enumerate(base.encode()):
+        ch = bytes([byte])
+        if _PLAIN.fullmatch(ch) and not (i == 0 and ch == b"."):
+            out.append(ch.decode())
+        else:
+            out.append(f"_{byte:02X}")
+    name = "".join(out)
+    if len(name) > 200:
+        raise ckptfs.InvalidArgumentError(
+            f"checkpoint file name {base!r} makes a name of {len(name)} characters (at most 200)")
+    return name
+
+
+def file_name(name: str) -> str:
+    """The Lightning file name a checkpoint name was made from (the inverse of checkpoint_name)."""
+    out = bytearray()
+    i = 0
+    while i < len(name):
+        if name[i] == "_":
+            out.append(int(name[i + 1:i + 3], 16))
+            i += 3
+        else:
+            out += name[i].encode()
+            i += 1
+    return out.decode()
+
+
+def _split(value: Any, path: str, tensors: Dict[str, torch.Tensor]) -> Any:
+    """A copy of `value` with every tensor replaced by a placeholder tuple,
+    the tensors collected under their path in the dict."""
+    if isinstance(value, torch.Tensor):
+        tensors[path] = value
+        return (_PLACEHOLDER, path)
+    if isinstance(value, dict):
+        split = {k: _split(v, f"{path}/{k}", tensors) for k, v in value.items()}
+        return split if type(value) is dict else type(value)(split)
+    if isinstance(value, list):
+        return [_split(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_split(v, f"{path}/{i}", tensors) for i, v in enumerate(value))
+    return value
+
+
+def _join(value: Any, load) -> Any:
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == _PLACEHOLDER and isinstance(value[1], str):
+        return load(value[1])
+    if isinstance(value, dict):
+        joined = {k: _join(v, load) for k, v in value.items()}
+        return joined if type(value) is dict else type(value)(joined)
+    if isinstance(value, list):
+        return [_join(v, load) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_join(v, load) for v in value)
+    return value
+
+
+class CkptfsCheckpointIO(CheckpointIO):
+    """A Lightning CheckpointIO plugin that saves into the ckptfs repository
+    at `url` (a path, or s3://). `url` must name an existing repository
+    (ckptfs.init or `ckpt init`)."""
+
+    def __init__(self, url: Union[str, os.PathLike]):
+        super().__init__()
+        self.url = os.fspath(url)
+        self._repo: Optional[ckptfs.Repository] = None
+
+    @property
+    def repo(self) -> "ckptfs.Repository":
+        if self._repo is None:
+            self._repo = ckptfs.open(self.url)
+        return self._repo
+
+    def save_checkpoint(self, checkpoint: Dict[str, Any], path: Union[str, os.PathLike],
+                        storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"CkptfsCheckpointIO.save_checkpoint takes no storage_options (got {storage_options!r})")
+        name = checkpoint_name(path)
+        tensors: Dict[str, torch.Tensor] = {}
+        skeleton = _split(checkpoint, "", tensors)
+        buffer = io.BytesIO()
+        torch.save(skeleton, buffer)
+        state: Dict[str, Any] = {k.lstrip("/"): t.detach() for k, t in tensors.items()}
+        state[_SKELETON_BLOB] = buffer.getvalue()
+        step = checkpoint.get("global_step")
+        # Lightning saves under a path again when it saves "last" again: the
+        # new checkpoint replaces the old one.
+        if any(c["name"] == name for c in self.repo.checkpoints()):
+            self.repo.rm(name)
+        self.repo.save(name, state, step=int(step) if isinstance(step, int) else None,
+                       tags={"lightning.path": os.fspath(path)})
+
+    def load_checkpoint(self, path: Union[str, os.PathLike], map_location: Optional[Any] = None,
+                        weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        name = checkpoint_name(path)
+        raw = self.repo.blob(name, _SKELETON_BLOB)
+        skeleton = torch.load(io.BytesIO(raw), map_location="cpu",
+                              weights_only=bool(weights_only) if weights_only is not None else False)
+        device = map_location if isinstance(map_location, (str, torch.device)) else None
+
+        def load(tensor_path: str) -> torch.Tensor:
+            t = self.repo.tensor(name, tensor_path.lstrip("/"))
+            return t.to(device) if device is not None else t
+
+        return _join(skeleton, load)
+
+    def remove_checkpoint(self, path: Union[str, os.PathLike]) -> None:
+        name = checkpoint_name(path)
+        if any(c["name"] == name for c in self.repo.checkpoints()):
+            self.repo.rm(name)
+
+    def teardown(self) -> None:
+        self._repo = None
+
+
+def _tensor_paths(checkpoint: Dict[str, Any]) -> Tuple[str, ...]:
+    """The tensor names a Lightning checkpoint dict is stored under (for tests and tools)."""
+    tensors: Dict[str, torch.Tensor] = {}
+    _split(checkpoint, "", tensors)
+    return tuple(k.lstrip("/") for k in tensors)
