@@ -228,9 +228,9 @@ class Filesystem {
       // In the order of CheckpointFiles: tensors, model.safetensors, metadata.json.
       const auto& files = v->files->files();
       for (size_t i = 0; i < files.size(); ++i) {
-        const bool blob = files[i].kind == FileKind::kBlob;
-        if (blob != (node->kind == Kind::kBlobsDir)) continue;
-        std::string name = blob ? files[i].name.substr(kBlobsPrefix.size()) : files[i].name;
+        const bool in_blobs = files[i].name.starts_with(kBlobsPrefix);
+        if (in_blobs != (node->kind == Kind::kBlobsDir)) continue;
+        std::string name = in_blobs ? files[i].name.substr(kBlobsPrefix.size()) : files[i].name;
         entries->push_back({std::move(name), InodeFor(Kind::kFile, v, i), S_IFREG});
       }
       if (node->kind == Kind::kCheckpoint) entries->push_back({"blobs", InodeFor(Kind::kBlobsDir, v, 0), S_IFDIR});
@@ -464,7 +464,7 @@ class Filesystem {
     v->files = std::move(files).value();
     const auto& list = v->files->files();
     for (size_t i = 0; i < list.size(); ++i) {
-      if (list[i].kind == FileKind::kBlob) {
+      if (list[i].name.starts_with(kBlobsPrefix)) {
         v->blobs.emplace(list[i].name.substr(kBlobsPrefix.size()), i);
       } else {
         v->top.emplace(list[i].name, i);

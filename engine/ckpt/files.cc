@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
 #include <unordered_set>
 
 #include "ckpt/describe.h"
@@ -41,6 +42,18 @@ Result<std::unique_ptr<CheckpointFiles>> CheckpointFiles::Build(std::unique_ptr<
   f->files_.push_back({FileKind::kMetadata, "metadata.json", 0, f->metadata_.size()});
   for (size_t i = 0; i < blobs.size(); ++i) {
     f->files_.push_back({FileKind::kBlob, "blobs/" + FileNameFor(blobs[i].name, ""), i, blobs[i].size});
+  }
+  // A blob whose name is a plain file name also stands beside the tensors,
+  // unless a file there has that name: a checkpoint imported from a model
+  // directory is then a model directory again (config.json and tokenizer
+  // files next to model.safetensors, as Hugging Face's loaders expect).
+  std::set<std::string, std::less<>> taken = {"blobs"};
+  for (const auto& file : f->files_) taken.insert(file.name);
+  for (size_t i = 0; i < blobs.size(); ++i) {
+    const std::string& n = blobs[i].name;
+    if (FileNameFor(n, "") != n || taken.count(n)) continue;
+    taken.insert(n);
+    f->files_.push_back({FileKind::kBlob, n, i, blobs[i].size});
   }
   f->opened_.reset(new std::atomic<bool>[f->files_.size()]());
   std::vector<size_t> by_name(tensors.size());

@@ -6,6 +6,9 @@
 //   model.safetensors        every tensor, with ckptfs.checkpoint/ckptfs.step metadata
 //   metadata.json            `ckpt show --json` plus the file showing each tensor and blob
 //   blobs/<blob file name>   one per blob, its bytes
+//   <blob name>              the same bytes again for each blob whose name is a plain
+//                            file name no other file here has (config.json beside
+//                            model.safetensors, for Hugging Face's loaders)
 //
 // File names escape tensor and blob names (io/file_names.h). Sizes are exact
 // and known without reading tensor data. Read() fills any byte range; a
@@ -37,7 +40,7 @@ enum class FileKind : uint8_t { kTensor, kSafetensors, kMetadata, kBlob };
 
 struct CheckpointFile {
   FileKind kind;
-  std::string name;   // path inside the checkpoint's directory ("blobs/" for blobs)
+  std::string name;   // path inside the checkpoint's directory ("blobs/x", and "x" for a plain-named blob)
   size_t index = 0;   // tensor or blob index in the reader's lists
   uint64_t size = 0;  // exact, in bytes
 };

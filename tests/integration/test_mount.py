@@ -177,7 +177,13 @@ class MountContent(Mounted):
         self.assertIn("model%2Flayers.0%2Fbool.npy", files)
         self.assertIn("weird%25name.npy", files)
         self.assertIn("%2E..npy", files)
-        self.assertEqual(len(files), len(self.want) + 3)
+        # The tensors, model.safetensors, metadata.json, blobs/, and config.json: a
+        # blob with a plain file name stands beside the tensors too; rng/rank0 does not.
+        self.assertEqual(len(files), len(self.want) + 4)
+        self.assertIn("config.json", files)
+        with open(os.path.join(self.mnt, "step-1", "config.json"), "rb") as f:
+            self.assertEqual(f.read(), self.blobs["config.json"])
+        self.assertFalse(os.path.islink(os.path.join(self.mnt, "step-1", "config.json")))
         self.assertEqual(sorted(os.listdir(os.path.join(self.mnt, "step-1", "blobs"))), ["config.json", "rng%2Frank0"])
 
     def test_every_npy_matches_with_numpy(self):

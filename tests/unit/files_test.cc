@@ -122,6 +122,33 @@ class CheckpointAsFiles : public ::testing::TestWithParam<std::string> {
   std::unique_ptr<CheckpointFiles> files_;
 };
 
+TEST_P(CheckpointAsFiles, BlobsWithPlainNamesAlsoStandBesideTheTensorsUnlessTheNameIsTaken) {
+  auto w = std::move(repo_->BeginCheckpoint("d", {})).value();
+  const auto x = RandomBytes(16, 5);
+  HostSource src{std::span(x)};
+  ASSERT_OK(w->PutShard({"x", DType::kF32, {4}}, Region::OfFlat(0, 4), src));
+  const std::vector<std::string> blob_names = {"config.json", "x.npy", "metadata.json", "blobs", "a/b", "tokenizer.json"};
+  for (size_t i = 0; i < blob_names.size(); ++i) ASSERT_OK(w->PutBlob(blob_names[i], RandomBytes(10 + i, 7 + i)));
+  ASSERT_OK(w->Commit().Wait());
+  auto files = CheckpointFiles::Build(std::move(repo_->OpenCheckpoint("d")).value());
+  ASSERT_OK(files);
+  std::vector<std::string> top, under_blobs;
+  for (const auto& f : (*files)->files()) (f.name.starts_with("blobs/") ? under_blobs : top).push_back(f.name);
+  std::sort(top.begin(), top.end());
+  std::sort(under_blobs.begin(), under_blobs.end());
+  EXPECT_EQ(top, (std::vector<std::string>{"config.json", "metadata.json", "model.safetensors", "tokenizer.json", "x.npy"}));
+  EXPECT_EQ(under_blobs, (std::vector<std::string>{"blobs/a%2Fb", "blobs/blobs", "blobs/config.json", "blobs/metadata.json",
+                                                   "blobs/tokenizer.json", "blobs/x.npy"}));
+  // The copy beside the tensors has the blob's bytes; x.npy stays the tensor.
+  const CheckpointFile* config = (*files)->Find("config.json");
+  ASSERT_NE(config, nullptr);
+  EXPECT_EQ(config->kind, FileKind::kBlob);
+  std::vector<std::byte> got(config->size);
+  ASSERT_OK((*files)->Read(*config, 0, got));
+  EXPECT_TRUE(got == RandomBytes(10, 7));
+  EXPECT_EQ((*files)->Find("x.npy")->kind, FileKind::kTensor);
+}
+
 TEST_P(CheckpointAsFiles, NamesAndExactSizesAreKnownBeforeAnyRead) {
   const BufferPoolStats before = repo_->buffer_stats();
   const auto& files = files_->files();

@@ -1,5 +1,7 @@
 // ckpt: the command-line tool of ckptfs.
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -111,9 +113,136 @@ int CmdInit(const Args& args) {
 
 // ---- import --------------------------------------------------------------------
 
+// The inputs of `ckpt import`: safetensors files, and the other files of a
+// model directory, which become blobs.
+struct ImportInputs {
+  std::vector<std::string> safetensors;
+  std::vector<std::pair<std::string, std::string>> blob_files;  // blob name, path
+  std::vector<std::string> indexes;                            // *.safetensors.index.json
+};
+
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// A directory (a Hugging Face model directory written by save_pretrained)
+// gives its *.safetensors files as tensors, its *.safetensors.index.json as a
+// check, and every other regular file as a blob of the same name.
+// Subdirectories and hidden files are left out, and said so.
+Status AddImportPath(const std::string& path, ImportInputs* in) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return Status::FromErrno(errno, "reading " + path);
+  if (!S_ISDIR(st.st_mode)) {
+    in->safetensors.push_back(path);
+    return Status::OK();
+  }
+  DIR* d = ::opendir(path.c_str());
+  if (!d) return Status::FromErrno(errno, "listing " + path);
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(d)) names.emplace_back(e->d_name);
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  const size_t before = in->safetensors.size() + in->blob_files.size();
+  for (const auto& n : names) {
+    if (n == "." || n == "..") continue;
+    const std::string full = path + "/" + n;
+    if (::stat(full.c_str(), &st) != 0) return Status::FromErrno(errno, "reading " + full);
+    if (n[0] == '.' || !S_ISREG(st.st_mode)) {
+      std::fprintf(stderr, "ckpt import: leaving out %s (%s)\n", full.c_str(),
+                   n[0] == '.' ? "a hidden file" : S_ISDIR(st.st_mode) ? "a directory" : "not a regular file");
+      continue;
+    }
+    if (EndsWith(n, ".safetensors")) {
+      in->safetensors.push_back(full);
+    } else if (EndsWith(n, ".safetensors.index.json")) {
+      in->indexes.push_back(full);
+    } else {
+      in->blob_files.emplace_back(n, full);
+    }
+  }
+  if (in->safetensors.size() + in->blob_files.size() == before) {
+    return Status::InvalidArgument(path + " holds no files to import");
+  }
+  return Status::OK();
+}
+
+// The whole of a regular file, refusing anything larger than `limit`.
+Result<std::string> ReadRegularFile(const std::string& path, uint64_t limit) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return Status::FromErrno(errno, "opening " + path);
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return Status::InvalidArgument(path + " is not a regular file");
+  }
+  if (static_cast<uint64_t>(st.st_size) > limit) {
+    ::close(fd);
+    return Status::InvalidArgument(path + " has " + std::to_string(st.st_size) + " bytes, more than the " +
+                                   std::to_string(limit) + " a blob from a model directory may have");
+  }
+  std::string data(static_cast<size_t>(st.st_size), '\0');
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t n = ::read(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      Status err = n < 0 ? Status::FromErrno(errno, "reading " + path)
+                         : Status::IOError(path + " became shorter while it was read");
+      ::close(fd);
+      return err;
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  return data;
+}
+
+// A safetensors index must name exactly the tensors the files hold, each in
+// the file that holds it.
+Status CheckSafetensorsIndex(const std::string& index_path,
+                             const std::vector<std::unique_ptr<SafetensorsFile>>& files) {
+  auto text = ReadRegularFile(index_path, 64 << 20);
+  if (!text.ok()) return text.status();
+  auto index = Json::Parse(*text);
+  if (!index.ok()) return index.status().WithContext(index_path);
+  const Json* map = index->Find("weight_map");
+  if (!map || !map->is_object()) return Status::InvalidArgument(index_path + ": no \"weight_map\" object");
+  std::map<std::string, std::string> where;  // tensor -> file name
+  for (const auto& f : files) {
+    const std::string base = f->path().substr(f->path().find_last_of('/') + 1);
+    for (const auto& t : f->header().tensors) where[t.name] = base;
+  }
+  for (const auto& [tensor, file] : map->as_object()) {
+    auto it = where.find(tensor);
+    if (!file.is_string()) return Status::InvalidArgument(index_path + ": the file of '" + tensor + "' is not a string");
+    if (it == where.end()) {
+      return Status::InvalidArgument(index_path + " names tensor '" + tensor + "' (in " + file.as_string() +
+                                     "), which no imported file holds");
+    }
+    if (it->second != file.as_string()) {
+      return Status::InvalidArgument(index_path + " places tensor '" + tensor + "' in " + file.as_string() +
+                                     ", but it is in " + it->second);
+    }
+  }
+  if (map->as_object().size() != where.size()) {
+    for (const auto& [tensor, file] : where) {
+      if (!map->Find(tensor)) {
+        return Status::InvalidArgument(index_path + " does not name tensor '" + tensor + "' of " + file);
+      }
+    }
+  }
+  return Status::OK();
+}
+
 const CommandSpec kImport{
-    "import", "NAME FILE...", "Import safetensors files as checkpoint NAME.",
-    "All FILEs together form one checkpoint. A file may hold one rank's part of a\n"
+    "import", "NAME PATH...", "Import safetensors files, or model directories, as checkpoint NAME.",
+    "All PATHs together form one checkpoint. A PATH that is a directory (a Hugging\n"
+    "Face model directory, as save_pretrained writes it) gives its *.safetensors\n"
+    "files as tensors, checks them against its *.safetensors.index.json, and stores\n"
+    "every other file (config.json, generation_config.json, tokenizer files) as a\n"
+    "blob of the same name; subdirectories and hidden files are left out, and said\n"
+    "so. Every input is read and checked before anything is written.\n"
+    "A file may hold one rank's part of a\n"
     "sharded checkpoint: its __metadata__ key \"ckptfs.shards\" maps tensor names to\n"
     "{\"global_shape\": [..], \"offsets\": [..]} (a box shard) or\n"
     "{\"global_shape\": [..], \"flat_start\": N} (a flat shard of a 1-D stored tensor).\n"
@@ -154,23 +283,38 @@ int CmdImport(const Args& args) {
     wopts.tags.emplace_back(t.substr(0, eq), t.substr(eq + 1));
   }
   // Read and check every input before anything is written.
+  ImportInputs inputs;
+  for (size_t i = 1; i < args.positional.size(); ++i) {
+    Status st = AddImportPath(args.positional[i], &inputs);
+    if (!st.ok()) return Fail(st);
+  }
   std::vector<std::unique_ptr<SafetensorsFile>> files;
   std::vector<std::vector<SafetensorsShard>> shard_lists;
   uint64_t total = 0;
-  for (size_t i = 1; i < args.positional.size(); ++i) {
-    auto f = SafetensorsFile::Open(args.positional[i]);
+  for (const auto& path : inputs.safetensors) {
+    auto f = SafetensorsFile::Open(path);
     if (!f.ok()) return Fail(f.status());
     auto shards = ShardsOfSafetensors((*f)->header());
-    if (!shards.ok()) return Fail(shards.status().WithContext(args.positional[i]));
+    if (!shards.ok()) return Fail(shards.status().WithContext(path));
     for (const auto& t : (*f)->header().tensors) total += t.end - t.begin;
     files.push_back(std::move(f).value());
     shard_lists.push_back(std::move(shards).value());
+  }
+  for (const auto& index : inputs.indexes) {
+    Status st = CheckSafetensorsIndex(index, files);
+    if (!st.ok()) return Fail(st);
   }
   struct BlobInput {
     std::string name;
     std::string data;
   };
   std::vector<BlobInput> blobs;
+  for (const auto& [blob_name, path] : inputs.blob_files) {
+    auto data = ReadRegularFile(path, uint64_t{1} << 30);
+    if (!data.ok()) return Fail(data.status());
+    total += data->size();
+    blobs.push_back({blob_name, std::move(data).value()});
+  }
   for (const auto& b : args.All("blob")) {
     size_t eq = b.find('=');
     if (eq == std::string::npos || eq == 0) return UsageError(Status::InvalidArgument("--blob must be NAME=FILE, not '" + b + "'"));
