@@ -43,19 +43,20 @@ available() { apt-cache policy "$1" 2>/dev/null | awk '/Candidate:/ {found = ($2
 # 17 to 19): an installed complete set is kept, else the newest release
 # from 16 on that the package lists offer is installed.
 clang_set() { echo "clang-$1 libclang-rt-$1-dev libfuzzer-$1-dev llvm-$1"; }
-clang_version=""
-for v in 21 20 19 18 17 16; do
-  complete=1
-  for p in $(clang_set "$v"); do installed "$p" || { complete=0; break; }; done
-  if [ "$complete" -eq 1 ]; then clang_version=$v; break; fi
-done
+# Prints the newest release from 16 on whose four packages all pass the
+# check (installed, or available).
+newest_clang() {  # check
+  local v p
+  for v in 21 20 19 18 17 16; do
+    for p in $(clang_set "$v"); do "$1" "$p" || continue 2; done
+    echo "$v"
+    return 0
+  done
+}
+clang_version=$(newest_clang installed)
 if [ -z "$clang_version" ]; then
   apt_update
-  for v in 21 20 19 18 17 16; do
-    complete=1
-    for p in $(clang_set "$v"); do available "$p" || { complete=0; break; }; done
-    if [ "$complete" -eq 1 ]; then clang_version=$v; break; fi
-  done
+  clang_version=$(newest_clang available)
 fi
 if [ -z "$clang_version" ]; then
   echo "setup: no clang release from 16 on with its runtimes (clang-N, libclang-rt-N-dev," \

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Python binding benchmark: a torch state dict saved to and loaded from a
 ckptfs repository through the Python package, against, in the same run and
 on the same bytes:
@@ -13,7 +13,7 @@ tensors, so both sides see identical bytes. Reads start from a cold page
 cache when the caches can be dropped (root). Minor page faults of this
 process are reported per GiB beside the throughput.
 
-    PYTHONPATH=build/python /usr/bin/python3 tools/bench/python_bench.py --gib 2 --runs 3
+    build/venv/bin/python tools/bench/python_bench.py --gib 2 --runs 3
 """
 import argparse
 import json
@@ -31,23 +31,10 @@ import torch
 
 import ckptfs
 
+from bench_util import drop_caches, minor_faults
+
 ST_TORCH = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16, "F64": torch.float64,
             "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
-
-
-def minor_faults():
-    with open("/proc/self/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[7])
-
-
-def drop_caches():
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def read_state(path):

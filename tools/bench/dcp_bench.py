@@ -1,0 +1,354 @@
+"""ckptfs beside torch.distributed.checkpoint (DCP) on the same machine, in
+the same run, on the same bytes.
+
+The state is LLM-like: bf16 parameters with fp32 master weights and AdamW
+moments (exp_avg, exp_avg_sq), about --gib GiB in all, held as Shard(0)
+DTensors by 4 gloo ranks on the CPU (each rank a process). Measured:
+
+  save, durable (every file fsync'd):
+    dcp.save with FileSystemWriter (thread_count 1 and 4), dcp.save with
+    ckptfs.torch.StorageWriter, repo.save of each rank's shards, and
+    torch.save + fsync of each rank's state;
+  blocking time of dcp.async_save with FileSystemWriter and with the ckptfs
+    writer, and of repo.async_save;
+  a second save after 10 % of the parameters and their optimizer state
+    changed (the rest bit-identical): wall time and bytes it added, ckptfs
+    against DCP, and the bytes on disk after both saves;
+  load resharded 4 -> 2 ranks: dcp.load with FileSystemReader against
+    ckptfs.torch.StorageReader, from a cold page cache where it can be
+    dropped (root).
+
+Every figure is the slowest rank's, the median over --runs. Minor page
+faults of the ranks are reported per GiB beside each save and load.
+
+    build/venv/bin/python tools/bench/dcp_bench.py --dir /tmp --gib 2 --runs 3
+
+(with the ckptfs package installed in that venv, or PYTHONPATH=build/python).
+"""
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+from bench_util import drop_caches, minor_faults
+
+RANKS_SAVE = 4
+RANKS_LOAD = 2
+DIM = 1024
+VOCAB = 32768
+
+
+def dir_bytes(path):
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            total += os.lstat(os.path.join(root, f)).st_blocks * 512
+    return total
+
+
+def shapes(gib):
+    """Parameter shapes whose state (14 bytes a parameter) is about `gib` GiB;
+    every first dimension divides by 4."""
+    params = int(gib * (1 << 30) / 14)
+    out = {"embed.weight": (VOCAB, DIM)}
+    per_layer = 12 * DIM * DIM
+    layers = max(1, (params - VOCAB * DIM) // per_layer)
+    for i in range(layers):
+        out[f"layers.{i}.attn.qkv.weight"] = (3 * DIM, DIM)
+        out[f"layers.{i}.attn.out.weight"] = (DIM, DIM)
+        out[f"layers.{i}.mlp.up.weight"] = (4 * DIM, DIM)
+        out[f"layers.{i}.mlp.down.weight"] = (DIM, 4 * DIM)
+    return out
+
+
+# ---- one rank ----------------------------------------------------------------------
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import ckptfs
+    from ckptfs.torch import StorageReader, StorageWriter
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    table = shapes(args.gib)
+
+    def local_rows(n):
+        return n // world, rank * (n // world)
+
+    def make_state(zero):
+        """This rank's Shard(0) part of every tensor, as DTensors, and the same as (local, Box) pairs."""
+        gen = torch.Generator().manual_seed(1000 + rank)
+        model, optim, parts = {}, {}, {}
+        for name, (rows, cols) in table.items():
+            n, r0 = local_rows(rows)
+
+            def dt(local, shape=(rows, cols)):
+                return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                          stride=(shape[1], 1))
+            if zero:
+                master = torch.zeros(n, cols)
+                param = torch.zeros(n, cols, dtype=torch.bfloat16)
+                m = torch.zeros(n, cols)
+                v = torch.zeros(n, cols)
+            else:
+                master = torch.randn(n, cols, generator=gen) * 0.02
+                param = master.to(torch.bfloat16)
+                m = torch.randn(n, cols, generator=gen) * 1e-3
+                v = (torch.randn(n, cols, generator=gen) * 1e-3) ** 2
+            model[name] = dt(param)
+            optim[name] = {"master": dt(master), "exp_avg": dt(m), "exp_avg_sq": dt(v)}
+            offsets = (r0, 0)
+            parts[f"model.{name}"] = (param, ckptfs.Box((rows, cols), offsets))
+            for k, t in (("master", master), ("exp_avg", m), ("exp_avg_sq", v)):
+                parts[f"optim.{name}.{k}"] = (t, ckptfs.Box((rows, cols), offsets))
+        return {"model": model, "optim": optim}, parts
+
+    def change_tenth(state, parts):
+        """Every 10th parameter tensor (the 6th, 16th, ...: never the embedding)
+        and its optimizer state get new values; returns the share of the
+        state's bytes that changed."""
+        changed = 0
+        for i, name in enumerate(table):
+            if i % 10 != 5:
+                continue
+            rows, cols = table[name]
+            changed += rows * cols * 14
+            for key in (f"model.{name}", f"optim.{name}.master", f"optim.{name}.exp_avg",
+                        f"optim.{name}.exp_avg_sq"):
+                t = parts[key][0]
+                t.add_(torch.ones((), dtype=t.dtype) * 1e-4)
+        return changed / sum(r * c * 14 for r, c in table.values())
+
+    def timed(fn):
+        """Runs fn on every rank; returns the slowest rank's seconds and the ranks' minor faults."""
+        dist.barrier()
+        faults0 = minor_faults()
+        t0 = time.perf_counter()
+        result = fn()
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        faults = torch.tensor([minor_faults() - faults0], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(faults)
+        return elapsed.item(), faults.item(), result
+
+    out = {}
+    base = args.dir
+    if args.action == "save":
+        state, parts = make_state(False)
+        nbytes = torch.tensor([sum(t.numel() * t.element_size() for t, _ in parts.values())], dtype=torch.float64)
+        dist.all_reduce(nbytes)
+        out["bytes"] = nbytes.item()
+        # A repository per kind of save, so that no save deduplicates against
+        # another's bytes: repo_url holds the saves through DCP (the first,
+        # then the second after 10 % changed).
+        repo_url = os.path.join(base, "ckptfs-repo")
+        api_url = os.path.join(base, "ckptfs-api")
+        async_dcp_url = os.path.join(base, "ckptfs-async-dcp")
+        async_api_url = os.path.join(base, "ckptfs-async-api")
+        if rank == 0:
+            for url in (repo_url, api_url, async_dcp_url, async_api_url):
+                ckptfs.init(url)
+        dist.barrier()
+        repo = ckptfs.open(api_url)
+        async_repo = ckptfs.open(async_api_url)
+        local = {k: t for k, (t, _) in parts.items()}
+        shards = {k: s for k, (_, s) in parts.items()}
+
+        def torch_save():
+            path = os.path.join(base, "torch-save", f"rank{rank}.pt")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                torch.save(local, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+        runs = [
+            ("dcp FileSystemWriter, 1 thread", lambda: dcp.save(
+                state, storage_writer=FileSystemWriter(os.path.join(base, "dcp-t1"), thread_count=1))),
+            ("dcp FileSystemWriter, 4 threads", lambda: dcp.save(
+                state, storage_writer=FileSystemWriter(os.path.join(base, "dcp-t4"), thread_count=4))),
+            ("dcp ckptfs StorageWriter", lambda: dcp.save(state, storage_writer=StorageWriter(repo_url, "dcp-1"))),
+            ("repo.save", lambda: repo.save("api-1", local, rank=rank, world_size=world, shards=shards)),
+            ("torch.save + fsync", torch_save),
+        ]
+        for label, fn in runs:
+            seconds, faults, _ = timed(fn)
+            out[f"save: {label}"] = {"seconds": seconds, "faults": faults}
+
+        # Blocking time of asynchronous saves (the wait for durability is not
+        # counted). The save's collectives run on a group of their own, as
+        # training code does, so they never interleave with the main thread's.
+        async_group = dist.new_group(backend="gloo")
+
+        def blocking(start):
+            futures = []
+            seconds, _, _ = timed(lambda: futures.append(start()))
+            t0 = time.perf_counter()
+            f = futures[0]
+            (f.result() if hasattr(f, "result") else f.upload_completion.result())
+            return seconds, time.perf_counter() - t0
+        for label, start in [
+            ("dcp.async_save FileSystemWriter", lambda: dcp.async_save(
+                state, storage_writer=FileSystemWriter(os.path.join(base, "dcp-async"), thread_count=1),
+                process_group=async_group)),
+            ("dcp.async_save ckptfs StorageWriter", lambda: dcp.async_save(
+                state, storage_writer=StorageWriter(async_dcp_url, "dcp-async"), process_group=async_group)),
+            ("repo.async_save", lambda: async_repo.async_save("api-async", local, rank=rank, world_size=world,
+                                                              shards=shards)),
+        ]:
+            seconds, rest = blocking(start)
+            out[f"blocking: {label}"] = {"seconds": seconds, "after": rest}
+        dist.barrier()
+
+        # The second save after 10 % changed: ckptfs (through DCP) against DCP.
+        if rank == 0:
+            out["repo_bytes_before"] = dir_bytes(repo_url)
+            out["dcp_bytes_before"] = dir_bytes(os.path.join(base, "dcp-t1"))
+        out["changed_share"] = change_tenth(state, parts)
+        seconds, faults, _ = timed(lambda: dcp.save(
+            state, storage_writer=FileSystemWriter(os.path.join(base, "dcp-t1-second"), thread_count=1)))
+        out["second: dcp FileSystemWriter, 1 thread"] = {"seconds": seconds, "faults": faults}
+        seconds, faults, _ = timed(lambda: dcp.save(state, storage_writer=StorageWriter(repo_url, "dcp-2")))
+        out["second: dcp ckptfs StorageWriter"] = {"seconds": seconds, "faults": faults}
+        dist.barrier()
+        if rank == 0:
+            out["repo_bytes_after"] = dir_bytes(repo_url)
+            out["dcp_second_bytes"] = dir_bytes(os.path.join(base, "dcp-t1-second"))
+    else:  # load, resharded to this world size
+        repo_url = os.path.join(base, "ckptfs-repo")
+        for label, reader in [("dcp FileSystemReader", lambda: FileSystemReader(os.path.join(base, "dcp-t1"))),
+                              ("dcp ckptfs StorageReader", lambda: StorageReader(repo_url, "dcp-1"))]:
+            state, parts = make_state(True)
+            dist.barrier()
+            if rank == 0:
+                out["cold"] = drop_caches()
+            seconds, faults, _ = timed(lambda: dcp.load(state, storage_reader=reader()))
+            out[f"load 4->{world}: {label}"] = {"seconds": seconds, "faults": faults}
+            # spot check: the first tensor's rows are what rank r of the save generated
+            del state, parts
+    if rank == 0:
+        print(json.dumps(out))
+    dist.destroy_process_group()
+
+
+# ---- the driver ----------------------------------------------------------------------
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(world, argv):
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", *argv],
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    results = [p.communicate() for p in procs]
+    for p, (_, err) in zip(procs, results):
+        if p.returncode != 0:
+            sys.exit(f"dcp_bench: a rank failed:\n{err[-4000:]}")
+    return json.loads([line for line in results[0][0].splitlines() if line.startswith("{")][-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/tmp", help="where the checkpoints are written (default /tmp)")
+    ap.add_argument("--gib", type=float, default=2.0, help="size of the whole training state (default 2)")
+    ap.add_argument("--runs", type=int, default=3, help="runs; medians are reported (default 3)")
+    ap.add_argument("--json", action="store_true", help="print the medians as JSON")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("action", nargs="?", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    import torch
+    print(f"dcp_bench: {args.gib} GiB of state, {RANKS_SAVE} ranks saving, {RANKS_LOAD} loading; "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.runs} runs, in {args.dir}", flush=True)
+    runs = []
+    for i in range(args.runs):
+        work = os.path.join(args.dir, f"ckptfs-dcp-bench-{os.getpid()}")
+        shutil.rmtree(work, ignore_errors=True)
+        os.makedirs(work)
+        try:
+            child = ["--dir", work, "--gib", str(args.gib)]
+            saved = run_job(RANKS_SAVE, [*child, "save"])
+            loaded = run_job(RANKS_LOAD, [*child, "load"])
+            runs.append({**saved, **loaded})
+            print(f"  run {i + 1}: done", flush=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    report(runs, args)
+
+
+def report(runs, args):
+    gib = runs[0]["bytes"] / (1 << 30)
+    med = lambda key, field="seconds": statistics.median(r[key][field] for r in runs)  # noqa: E731
+    rows = []
+
+    def line(label, key, base_key=None, per=True):
+        s = med(key)
+        faults = med(key, "faults") / gib if per and "faults" in runs[0][key] else None
+        ratio = f"{med(base_key) / s:5.2f}x" if base_key else "      "
+        rows.append((label, s, gib / s, faults, ratio))
+
+    base = "save: dcp FileSystemWriter, 1 thread"
+    for key in [k for k in runs[0] if k.startswith("save: ")]:
+        line(key, key, base)
+    for key in [k for k in runs[0] if k.startswith("second: ")]:
+        line(key, key, "second: dcp FileSystemWriter, 1 thread")
+    for key in [k for k in runs[0] if k.startswith("load ")]:
+        line(key, key, next(k for k in runs[0] if k.startswith("load ") and "FileSystemReader" in k))
+    print(f"\nmedians of {len(runs)} runs, {gib:.2f} GiB of state (ratio: the baseline's time / this one's; "
+          "> 1 is faster)")
+    print(f"{'':46} {'seconds':>8} {'GiB/s':>7} {'faults/GiB':>11} {'vs DCP':>7}")
+    for label, s, rate, faults, ratio in rows:
+        f = f"{faults:11.0f}" if faults is not None else f"{'':11}"
+        print(f"{label:46} {s:8.2f} {rate:7.2f} {f} {ratio}")
+    fs4 = med("save: dcp FileSystemWriter, 4 threads")
+    ours = med("save: dcp ckptfs StorageWriter")
+    print(f"{'  ckptfs through DCP vs FileSystemWriter, 4 threads':46} {'':8} {'':7} {'':11} {fs4 / ours:5.2f}x")
+    print("\nblocking time of asynchronous saves (median seconds until the call returned; the wait after it)")
+    blocking = {}
+    for key in [k for k in runs[0] if k.startswith("blocking: ")]:
+        blocking[key] = med(key)
+        print(f"  {key[10:]:44} {blocking[key]:8.3f}   then {med(key, 'after'):.2f} s")
+    fsb = blocking["blocking: dcp.async_save FileSystemWriter"]
+    ckb = blocking["blocking: dcp.async_save ckptfs StorageWriter"]
+    print(f"  {'ckptfs writer / FileSystemWriter':44} {ckb / fsb:8.2f}x (target <= 1.1)")
+    added = statistics.median(r["repo_bytes_after"] - r["repo_bytes_before"] for r in runs)
+    dcp_second = statistics.median(r["dcp_second_bytes"] for r in runs)
+    repo_total = statistics.median(r["repo_bytes_after"] for r in runs)
+    dcp_total = statistics.median(r["dcp_bytes_before"] + r["dcp_second_bytes"] for r in runs)
+    print(f"\nthe second save, every 10th tensor and its optimizer state changed "
+          f"({100 * runs[0]['changed_share']:.1f} % of the bytes)")
+    print(f"  bytes it added: ckptfs {added / 2**20:.0f} MiB, DCP {dcp_second / 2**20:.0f} MiB: "
+          f"{added / dcp_second:.3f}x (target <= 0.25)")
+    print("  bytes on disk after both saves (a repository holding only the two saves through DCP)")
+    print(f"    ckptfs {repo_total / 2**20:.0f} MiB, DCP {dcp_total / 2**20:.0f} MiB: {repo_total / dcp_total:.3f}x "
+          "(target <= 0.6)")
+    cold = all(r.get("cold") for r in runs)
+    print(f"\nloads from a {'cold' if cold else 'warm (caches could not be dropped)'} page cache")
+    if args.json:
+        print(json.dumps({"runs": runs}))
+
+
+if __name__ == "__main__":
+    main()
