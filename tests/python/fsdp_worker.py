@@ -10,6 +10,11 @@ environment):
         builds the job at this world size, restores 'step-3' from one of the
         two with dcp.load, and trains 2 more steps
 
+    fsdp_worker.py hf REPO
+        wraps test_huggingface's tiny Llama with fully_shard and saves its
+        model state with dcp.save as checkpoint 'fsdp-hf', its config.json
+        beside it as a blob
+
 Rank 0 prints one JSON line: digests of the whole model and optimizer state
 (after training for 'train', right after the restore for 'resume'), the
 per-step global losses as float.hex, and for 'resume' the digests after
@@ -118,11 +123,30 @@ def full_digests(model, opt):
     return digest(msd), digest(osd)
 
 
+def save_hugging_face_model(repo):
+    from test_huggingface import tiny_model
+
+    model = tiny_model()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    config = model.config.to_json_string().encode()
+    dcp.save(get_model_state_dict(model),
+             storage_writer=StorageWriter(repo, "fsdp-hf", blobs={"config.json": config}))
+
+
 def main():
     action = sys.argv[1]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if action == "hf":
+        save_hugging_face_model(sys.argv[2])
+        if rank == 0:
+            print(json.dumps({"saved": "fsdp-hf"}))
+        dist.destroy_process_group()
+        return
     model, opt = build(world)
     out = {}
     if action == "train":

@@ -123,8 +123,9 @@ class Pickling(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d:
             repo = os.path.join(d, "r")
             ckptfs.init(repo)
-            w = pickle.loads(pickle.dumps(ckptfs_torch.StorageWriter(repo, "n", step=4, tags={"a": "b"})))
-            self.assertEqual((w.url, w.name, w.step, w.tags), (repo, "n", 4, {"a": "b"}))
+            w = pickle.loads(pickle.dumps(ckptfs_torch.StorageWriter(repo, "n", step=4, tags={"a": "b"},
+                                                                     blobs={"config.json": b"{}"})))
+            self.assertEqual((w.url, w.name, w.step, w.tags, w.blobs), (repo, "n", 4, {"a": "b"}, {"config.json": b"{}"}))
             r = pickle.loads(pickle.dumps(ckptfs_torch.StorageReader(repo, "n")))
             self.assertEqual((r.url, r.name), (repo, "n"))
 

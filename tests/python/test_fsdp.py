@@ -3,10 +3,15 @@ fully_shard, trained by 4 gloo ranks with AdamW, saved with dcp.save into a
 ckptfs repository (and with DCP's own FileSystemWriter), restored with
 dcp.load at 2 and at 3 ranks, and trained on. Each rank is a process of its
 own (fsdp_worker.py)."""
+import gc
 import json
 import os
+import shutil
 import sys
+import tempfile
 import unittest
+
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "../integration"))
@@ -18,6 +23,7 @@ from test_python import run_ranks  # noqa: E402
 from test_python_device import free_port  # noqa: E402
 
 DCP_REASON = ckptfs_torch.dcp_unavailable_reason()
+HAVE_FUSE = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
 WORKER = os.path.join(HERE, "fsdp_worker.py")
 
 
@@ -55,6 +61,29 @@ class Fsdp2(CkptTestCase):
                 self.assertEqual(ours, theirs)
                 self.assertNotEqual(ours["model_after"], ours["model"])
         self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
+
+    @unittest.skipUnless(HAVE_FUSE, "no FUSE here (/dev/fuse, fusermount3)")
+    def test_a_hugging_face_model_saved_from_fsdp2_with_its_config_loads_with_from_pretrained_when_mounted(self):
+        try:
+            import transformers
+            from test_huggingface import tiny_model, unmount
+        except ImportError as e:
+            self.skipTest(f"transformers is not importable: {e}")
+        ckptfs.init(self.repo)
+        self.run_job(2, "hf", self.repo)
+        mnt = tempfile.mkdtemp(prefix="ckptfs-fsdp-hf-")
+        self.run_ckpt("mount", mnt)
+        try:
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(mnt, "fsdp-hf")).eval()
+            want = tiny_model()
+            ids = torch.tensor([[1, 5, 9, 33, 70]])
+            with torch.no_grad():
+                self.assertTrue(torch.equal(loaded(ids).logits, want(ids).logits))
+            del loaded
+            gc.collect()
+        finally:
+            unmount(mnt)
+            os.rmdir(mnt)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from __future__ import annotations
 import io
 import os
 import re
-from typing import Any, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import ckptfs
 from ckptfs import UnsupportedError, _put_value, _read_value, _sync_cuda
@@ -108,11 +108,13 @@ class StorageWriter(_WriterBase):
     A checkpoint_id given to dcp.save names the checkpoint instead, so one
     writer serves every step. `tags` are recorded with the checkpoint, and
     `step` too; without `step`, a name that ends in digits (step-000300)
-    records that number as its step.
+    records that number as its step. `blobs` ({name: bytes}) are stored as
+    they are beside DCP's items, by the coordinator: a model's config.json
+    there makes the mounted checkpoint loadable with from_pretrained.
     """
 
     def __init__(self, url: Union[str, os.PathLike], name: Optional[str] = None, *, step: Optional[int] = None,
-                 tags: Optional[dict] = None):
+                 tags: Optional[dict] = None, blobs: Optional[Dict[str, bytes]] = None):
         if _REASON is not None:
             raise UnsupportedError(_REASON)
         super().__init__()
@@ -120,6 +122,7 @@ class StorageWriter(_WriterBase):
         self.name = name
         self.step = step
         self.tags = dict(tags or {})
+        self.blobs = {str(k): bytes(v) for k, v in (blobs or {}).items()}
         self._repo = ckptfs.open(self.url)
         self._writer = None
         self._kept: List[Any] = []
@@ -128,10 +131,10 @@ class StorageWriter(_WriterBase):
     # dcp.async_save in a process sends the writer there pickled: it carries
     # its settings, and the new process opens the repository again.
     def __getstate__(self):
-        return {"url": self.url, "name": self.name, "step": self.step, "tags": self.tags}
+        return {"url": self.url, "name": self.name, "step": self.step, "tags": self.tags, "blobs": self.blobs}
 
     def __setstate__(self, state):
-        self.__init__(state["url"], state["name"], step=state["step"], tags=state["tags"])
+        self.__init__(state["url"], state["name"], step=state["step"], tags=state["tags"], blobs=state["blobs"])
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
@@ -185,7 +188,10 @@ class StorageWriter(_WriterBase):
                     _put_value(writer, fqn, tensor, shard, True, self._kept)
                     size = tensor.numel() * tensor.element_size()
                 results.append(_storage.WriteResult(index=item.index, size_in_bytes=size, storage_data=fqn))
-            if not self._is_coordinator:
+            if self._is_coordinator:
+                for blob_name, data in self.blobs.items():
+                    _put_value(writer, blob_name, data, None, False, self._kept)
+            else:
                 self._commit()  # the coordinator commits in finish(), last
         except BaseException:
             self._abort()
