@@ -19,7 +19,10 @@ DTensors by 4 gloo ranks on the CPU (each rank a process). Measured:
     dropped (root).
 
 Every figure is the slowest rank's, the median over --runs. Minor page
-faults of the ranks are reported per GiB beside each save and load.
+faults of the ranks are reported per GiB beside each save and load, and the
+ranks' CPU seconds in all. With orbax-checkpoint installed
+(tools/bench/requirements.txt), Orbax saves and restores the same bytes as
+whole JAX arrays in one process, as a second peer.
 
     build/venv/bin/python tools/bench/dcp_bench.py --dir /tmp --gib 2 --runs 3
 
@@ -28,6 +31,7 @@ faults of the ranks are reported per GiB beside each save and load.
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -66,6 +70,21 @@ def shapes(gib):
     return out
 
 
+def rank_part(table, rank, world):
+    """{name: (first row, param, master, exp_avg, exp_avg_sq)}: rank `rank`'s
+    rows of every tensor, the same bytes in every process that asks."""
+    import torch
+    gen = torch.Generator().manual_seed(1000 + rank)
+    out = {}
+    for name, (rows, cols) in table.items():
+        n = rows // world
+        master = torch.randn(n, cols, generator=gen) * 0.02
+        m = torch.randn(n, cols, generator=gen) * 1e-3
+        v = (torch.randn(n, cols, generator=gen) * 1e-3) ** 2
+        out[name] = (rank * n, master.to(torch.bfloat16), master, m, v)
+    return out
+
+
 # ---- one rank ----------------------------------------------------------------------
 
 
@@ -86,29 +105,24 @@ def worker(args):
     mesh = init_device_mesh("cpu", (world,))
     table = shapes(args.gib)
 
-    def local_rows(n):
-        return n // world, rank * (n // world)
-
     def make_state(zero):
         """This rank's Shard(0) part of every tensor, as DTensors, and the same as (local, Box) pairs."""
-        gen = torch.Generator().manual_seed(1000 + rank)
         model, optim, parts = {}, {}, {}
+        generated = None if zero else rank_part(table, rank, world)
         for name, (rows, cols) in table.items():
-            n, r0 = local_rows(rows)
+            n = rows // world
 
             def dt(local, shape=(rows, cols)):
                 return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
                                           stride=(shape[1], 1))
             if zero:
+                r0 = rank * n
                 master = torch.zeros(n, cols)
                 param = torch.zeros(n, cols, dtype=torch.bfloat16)
                 m = torch.zeros(n, cols)
                 v = torch.zeros(n, cols)
             else:
-                master = torch.randn(n, cols, generator=gen) * 0.02
-                param = master.to(torch.bfloat16)
-                m = torch.randn(n, cols, generator=gen) * 1e-3
-                v = (torch.randn(n, cols, generator=gen) * 1e-3) ** 2
+                r0, param, master, m, v = generated[name]
             model[name] = dt(param)
             optim[name] = {"master": dt(master), "exp_avg": dt(m), "exp_avg_sq": dt(v)}
             offsets = (r0, 0)
@@ -133,17 +147,23 @@ def worker(args):
                 t.add_(torch.ones((), dtype=t.dtype) * 1e-4)
         return changed / sum(r * c * 14 for r, c in table.values())
 
+    def cpu_seconds():
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
     def timed(fn):
-        """Runs fn on every rank; returns the slowest rank's seconds and the ranks' minor faults."""
+        """Runs fn on every rank; returns the slowest rank's seconds, the
+        ranks' minor faults and their CPU seconds (user + system) in all."""
         dist.barrier()
-        faults0 = minor_faults()
+        faults0, cpu0 = minor_faults(), cpu_seconds()
         t0 = time.perf_counter()
         result = fn()
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        faults = torch.tensor([minor_faults() - faults0], dtype=torch.float64)
+        totals = torch.tensor([minor_faults() - faults0, cpu_seconds() - cpu0], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        dist.all_reduce(faults)
-        return elapsed.item(), faults.item(), result
+        dist.all_reduce(totals)
+        timed.cpu = totals[1].item()
+        return elapsed.item(), totals[0].item(), result
 
     out = {}
     base = args.dir
@@ -187,7 +207,7 @@ def worker(args):
         ]
         for label, fn in runs:
             seconds, faults, _ = timed(fn)
-            out[f"save: {label}"] = {"seconds": seconds, "faults": faults}
+            out[f"save: {label}"] = {"seconds": seconds, "faults": faults, "cpu": timed.cpu}
 
         # Blocking time of asynchronous saves (the wait for durability is not
         # counted). The save's collectives run on a group of their own, as
@@ -237,12 +257,57 @@ def worker(args):
             if rank == 0:
                 out["cold"] = drop_caches()
             seconds, faults, _ = timed(lambda: dcp.load(state, storage_reader=reader()))
-            out[f"load 4->{world}: {label}"] = {"seconds": seconds, "faults": faults}
+            out[f"load 4->{world}: {label}"] = {"seconds": seconds, "faults": faults, "cpu": timed.cpu}
             # spot check: the first tensor's rows are what rank r of the save generated
             del state, parts
     if rank == 0:
         print(json.dumps(out))
     dist.destroy_process_group()
+
+
+def orbax_worker(args):
+    """Orbax saving and restoring the same bytes as whole arrays, in one
+    process (JAX on the CPU); prints the seconds as JSON."""
+    import jax
+    import ml_dtypes
+    import numpy as np
+    import orbax.checkpoint as ocp
+    import torch
+
+    table = shapes(args.gib)
+    parts = [rank_part(table, r, RANKS_SAVE) for r in range(RANKS_SAVE)]
+    tree = {"model": {}, "optim": {}}
+    for name in table:
+        pieces = [p[name] for p in parts]
+        param = torch.cat([x[1] for x in pieces]).view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        tree["model"][name] = jax.numpy.asarray(param)
+        tree["optim"][name] = {k: jax.numpy.asarray(torch.cat([x[i] for x in pieces]).numpy())
+                               for i, k in ((2, "master"), (3, "exp_avg"), (4, "exp_avg_sq"))}
+    del parts
+    path = os.path.join(args.dir, "orbax")
+    out = {}
+    checkpointer = ocp.StandardCheckpointer()
+    faults0 = minor_faults()
+    t0 = time.perf_counter()
+    checkpointer.save(path, tree)
+    checkpointer.wait_until_finished()
+    # Durable like the others: every file fsync'd.
+    for root, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+    out["orbax save"] = {"seconds": time.perf_counter() - t0, "faults": minor_faults() - faults0}
+    out["orbax_bytes"] = dir_bytes(path)
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)
+    del tree
+    out["orbax_cold"] = drop_caches()
+    faults0 = minor_faults()
+    t0 = time.perf_counter()
+    restored = checkpointer.restore(path, abstract)
+    jax.block_until_ready(restored)
+    out["orbax restore"] = {"seconds": time.perf_counter() - t0, "faults": minor_faults() - faults0}
+    print(json.dumps(out))
 
 
 # ---- the driver ----------------------------------------------------------------------
@@ -277,11 +342,18 @@ def main():
     ap.add_argument("action", nargs="?", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args)
+        orbax_worker(args) if args.action == "orbax" else worker(args)
         return
     import torch
     print(f"dcp_bench: {args.gib} GiB of state, {RANKS_SAVE} ranks saving, {RANKS_LOAD} loading; "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.runs} runs, in {args.dir}", flush=True)
+    try:
+        import orbax.checkpoint  # noqa: F401
+        have_orbax = True
+    except ImportError:
+        have_orbax = False
+        print("dcp_bench: orbax-checkpoint is not installed (pip install -r tools/bench/requirements.txt): "
+              "no Orbax figures", flush=True)
     runs = []
     for i in range(args.runs):
         work = os.path.join(args.dir, f"ckptfs-dcp-bench-{os.getpid()}")
@@ -291,7 +363,8 @@ def main():
             child = ["--dir", work, "--gib", str(args.gib)]
             saved = run_job(RANKS_SAVE, [*child, "save"])
             loaded = run_job(RANKS_LOAD, [*child, "load"])
-            runs.append({**saved, **loaded})
+            peer = run_job(1, [*child, "orbax"]) if have_orbax else {}
+            runs.append({**saved, **loaded, **peer})
             print(f"  run {i + 1}: done", flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -306,8 +379,9 @@ def report(runs, args):
     def line(label, key, base_key=None, per=True):
         s = med(key)
         faults = med(key, "faults") / gib if per and "faults" in runs[0][key] else None
+        cpu = med(key, "cpu") if "cpu" in runs[0][key] else None
         ratio = f"{med(base_key) / s:5.2f}x" if base_key else "      "
-        rows.append((label, s, gib / s, faults, ratio))
+        rows.append((label, s, gib / s, faults, cpu, ratio))
 
     base = "save: dcp FileSystemWriter, 1 thread"
     for key in [k for k in runs[0] if k.startswith("save: ")]:
@@ -318,13 +392,15 @@ def report(runs, args):
         line(key, key, next(k for k in runs[0] if k.startswith("load ") and "FileSystemReader" in k))
     print(f"\nmedians of {len(runs)} runs, {gib:.2f} GiB of state (ratio: the baseline's time / this one's; "
           "> 1 is faster)")
-    print(f"{'':46} {'seconds':>8} {'GiB/s':>7} {'faults/GiB':>11} {'vs DCP':>7}")
-    for label, s, rate, faults, ratio in rows:
+    print(f"{'':46} {'seconds':>8} {'GiB/s':>7} {'faults/GiB':>11} {'CPU s':>6} {'vs DCP':>7}")
+    for label, s, rate, faults, cpu, ratio in rows:
         f = f"{faults:11.0f}" if faults is not None else f"{'':11}"
-        print(f"{label:46} {s:8.2f} {rate:7.2f} {f} {ratio}")
+        c = f"{cpu:6.1f}" if cpu is not None else f"{'':6}"
+        print(f"{label:46} {s:8.2f} {rate:7.2f} {f} {c} {ratio}")
     fs4 = med("save: dcp FileSystemWriter, 4 threads")
     ours = med("save: dcp ckptfs StorageWriter")
-    print(f"{'  ckptfs through DCP vs FileSystemWriter, 4 threads':46} {'':8} {'':7} {'':11} {fs4 / ours:5.2f}x")
+    print(f"{'  ckptfs through DCP vs FileSystemWriter, 4 threads':46} {'':8} {'':7} {'':11} {'':6} {fs4 / ours:5.2f}x")
+    print("(CPU s: user + system seconds of the 4 ranks together, threads included)")
     print("\nblocking time of asynchronous saves (median seconds until the call returned; the wait after it)")
     blocking = {}
     for key in [k for k in runs[0] if k.startswith("blocking: ")]:
@@ -344,6 +420,17 @@ def report(runs, args):
     print("  bytes on disk after both saves (a repository holding only the two saves through DCP)")
     print(f"    ckptfs {repo_total / 2**20:.0f} MiB, DCP {dcp_total / 2**20:.0f} MiB: {repo_total / dcp_total:.3f}x "
           "(target <= 0.6)")
+    if "orbax save" in runs[0]:
+        print("\nOrbax (orbax-checkpoint, JAX on the CPU), the same bytes as whole arrays, one process")
+        dcp1 = med("save: dcp FileSystemWriter, 1 thread")
+        ours = med("save: dcp ckptfs StorageWriter")
+        o_save, o_load = med("orbax save"), med("orbax restore")
+        print(f"  save + fsync {o_save:8.2f} s {gib / o_save:6.2f} GiB/s   ckptfs through DCP / Orbax: "
+              f"{o_save / ours:5.2f}x  (DCP FileSystemWriter / Orbax: {o_save / dcp1:5.2f}x)")
+        print(f"  restore      {o_load:8.2f} s {gib / o_load:6.2f} GiB/s   ckptfs StorageReader 4->2 / Orbax: "
+              f"{o_load / med(next(k for k in runs[0] if 'StorageReader' in k)):5.2f}x"
+              f"  ({'cold' if all(r.get('orbax_cold') for r in runs) else 'warm'} cache)")
+        print(f"  bytes on disk: {statistics.median(r['orbax_bytes'] for r in runs) / 2**20:.0f} MiB")
     cold = all(r.get("cold") for r in runs)
     print(f"\nloads from a {'cold' if cold else 'warm (caches could not be dropped)'} page cache")
     if args.json:
