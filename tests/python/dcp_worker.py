@@ -11,7 +11,6 @@ test_dcp (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment):
 
 Prints "ok" when its checks pass; FULL() is the state every run agrees on.
 """
-import os
 import sys
 
 import torch

@@ -22,7 +22,6 @@ the 2 steps.
 """
 import hashlib
 import json
-import os
 import sys
 
 import torch

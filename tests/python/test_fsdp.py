@@ -3,12 +3,10 @@ fully_shard, trained by 4 gloo ranks with AdamW, saved with dcp.save into a
 ckptfs repository (and with DCP's own FileSystemWriter), restored with
 dcp.load at 2 and at 3 ranks, and trained on. Each rank is a process of its
 own (fsdp_worker.py)."""
-import gc
 import json
 import os
 import shutil
 import sys
-import tempfile
 import unittest
 
 import torch
@@ -64,26 +62,13 @@ class Fsdp2(CkptTestCase):
 
     @unittest.skipUnless(HAVE_FUSE, "no FUSE here (/dev/fuse, fusermount3)")
     def test_a_hugging_face_model_saved_from_fsdp2_with_its_config_loads_with_from_pretrained_when_mounted(self):
-        try:
-            import transformers
-            from test_huggingface import tiny_model, unmount
-        except ImportError as e:
-            self.skipTest(f"transformers is not importable: {e}")
+        from test_huggingface import HF_REASON, assert_loads_like, mounted, tiny_model
+        if HF_REASON:
+            self.skipTest(HF_REASON)
         ckptfs.init(self.repo)
         self.run_job(2, "hf", self.repo)
-        mnt = tempfile.mkdtemp(prefix="ckptfs-fsdp-hf-")
-        self.run_ckpt("mount", mnt)
-        try:
-            loaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(mnt, "fsdp-hf")).eval()
-            want = tiny_model()
-            ids = torch.tensor([[1, 5, 9, 33, 70]])
-            with torch.no_grad():
-                self.assertTrue(torch.equal(loaded(ids).logits, want(ids).logits))
-            del loaded
-            gc.collect()
-        finally:
-            unmount(mnt)
-            os.rmdir(mnt)
+        with mounted(self) as mnt:
+            assert_loads_like(self, os.path.join(mnt, "fsdp-hf"), tiny_model(), torch.tensor([[1, 5, 9, 33, 70]]))
 
 
 if __name__ == "__main__":

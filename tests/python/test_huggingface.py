@@ -3,6 +3,7 @@ Llama-style model written by save_pretrained (sharded safetensors with their
 index, config, generation config, tokenizer files) imports as one
 checkpoint, and AutoModelForCausalLM.from_pretrained loads the mounted
 checkpoint directory as it is, with identical logits. Nothing is downloaded."""
+import contextlib
 import gc
 import json
 import os
@@ -58,6 +59,28 @@ def unmount(path):
         time.sleep(0.1)
 
 
+def assert_loads_like(test, directory, model, ids):
+    """from_pretrained(directory) gives the logits `model` gives for `ids`; returns the loaded model."""
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        test.assertTrue(torch.equal(loaded(ids).logits, model(ids).logits))
+    return loaded
+
+
+@contextlib.contextmanager
+def mounted(test):
+    """The test's repository mounted on a fresh directory; unmounted after
+    the loaded models (which may map its files) are collected."""
+    mnt = tempfile.mkdtemp(prefix="ckptfs-hf-mnt-")
+    test.run_ckpt("mount", mnt)
+    try:
+        yield mnt
+    finally:
+        gc.collect()
+        unmount(mnt)
+        os.rmdir(mnt)
+
+
 @unittest.skipIf(HF_REASON, HF_REASON or "")
 class HuggingFace(CkptTestCase):
     def save_model_dir(self):
@@ -107,27 +130,16 @@ class HuggingFace(CkptTestCase):
         model, d = self.save_model_dir()
         self.run_ckpt("init")
         self.run_ckpt("import", "tiny", d)
-        mnt = tempfile.mkdtemp(prefix="ckptfs-hf-mnt-")
-        self.run_ckpt("mount", mnt)
-        try:
+        with mounted(self) as mnt:
             here = os.path.join(mnt, "tiny")
             for f in ("config.json", "generation_config.json", "tokenizer.json", "model.safetensors"):
                 self.assertTrue(os.path.isfile(os.path.join(here, f)) and not os.path.islink(os.path.join(here, f)), f)
-            loaded = transformers.AutoModelForCausalLM.from_pretrained(here).eval()
             tokenizer = transformers.AutoTokenizer.from_pretrained(here)
             ids = tokenizer("w1 w5 w9 w33 w70", return_tensors="pt")["input_ids"]
-            with torch.no_grad():
-                want = model(ids).logits
-                got = loaded(ids).logits
-            self.assertTrue(torch.equal(got, want))
+            loaded = assert_loads_like(self, here, model, ids)
             for name, tensor in model.state_dict().items():
                 self.assertTrue(torch.equal(loaded.state_dict()[name], tensor), name)
-            # The loaded weights may map model.safetensors: let them go first.
             del loaded, tokenizer
-            gc.collect()
-        finally:
-            unmount(mnt)
-            os.rmdir(mnt)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ trips, sharded saves by rank processes, async isolation, errors, interop
 with the CLI, memory, and the package as pip installs it."""
 import inspect
 import os
-import resource
 import subprocess
 import sys
 import threading

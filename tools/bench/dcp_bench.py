@@ -270,7 +270,6 @@ def orbax_worker(args):
     process (JAX on the CPU); prints the seconds as JSON."""
     import jax
     import ml_dtypes
-    import numpy as np
     import orbax.checkpoint as ocp
     import torch
 
