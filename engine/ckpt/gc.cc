@@ -60,6 +60,7 @@ Result<std::vector<std::string>> Repository::PlanRetention(const RetentionPolicy
       return Status::InvalidArgument("--keep " + name + ": no committed checkpoint has that name");
     }
   }
+  if (list.empty()) return std::vector<std::string>{};
   const bool by_step = std::all_of(list.begin(), list.end(), [](const CheckpointRecord& c) { return c.step.has_value(); });
   if (by_step) {
     std::stable_sort(list.begin(), list.end(), [](const CheckpointRecord& a, const CheckpointRecord& b) {
@@ -75,11 +76,69 @@ Result<std::vector<std::string>> Repository::PlanRetention(const RetentionPolicy
       if (hit) keep.insert(list[i].name);
     }
   }
+  if (policy.keep_within_s) {
+    uint64_t newest_ms = 0;
+    for (const auto& c : list) newest_ms = std::max(newest_ms, c.committed_unix_ms);
+    const uint64_t window_ms = *policy.keep_within_s > UINT64_MAX / 1000 ? UINT64_MAX : *policy.keep_within_s * 1000;
+    for (const auto& c : list) {
+      if (newest_ms - c.committed_unix_ms <= window_ms) keep.insert(c.name);
+    }
+  }
   std::vector<std::string> remove;
   for (const auto& c : list) {
     if (!keep.count(c.name)) remove.push_back(c.name);
   }
+  // The newest is the last in the policy's order and also the one committed
+  // last (they differ when a run went back to an earlier step).
+  const auto last_committed = std::max_element(
+      list.begin(), list.end(), [](const CheckpointRecord& a, const CheckpointRecord& b) { return a.sequence < b.sequence; });
+  std::string newest_removed;
+  for (const auto* c : {&list.back(), &*last_committed}) {
+    if (!keep.count(c->name)) newest_removed = c->name;
+  }
+  if (!newest_removed.empty() && !policy.allow_removing_newest) {
+    const std::string what = remove.size() == list.size()
+                                 ? "every checkpoint (" + std::to_string(list.size()) + ")"
+                                 : "the newest committed checkpoint '" + newest_removed + "'";
+    return Status::FailedPrecondition("this retention policy would remove " + what +
+                                      "; nothing was removed. Keep it (for example --keep-last 1), name it "
+                                      "to rm, or pass --allow-removing-newest");
+  }
   return remove;
+}
+
+Result<uint64_t> ParseDuration(std::string_view text) {
+  auto bad = [&] {
+    return Status::InvalidArgument("'" + std::string(text) +
+                                   "' is not a duration: give numbers with units s, m, h, d or w, such as 36h or 1w2d");
+  };
+  if (text.empty()) return bad();
+  uint64_t total = 0;
+  size_t i = 0;
+  while (i < text.size()) {
+    if (text[i] < '0' || text[i] > '9') return bad();
+    uint64_t n = 0;
+    while (i < text.size() && text[i] >= '0' && text[i] <= '9') {
+      if (n > (UINT64_MAX - 9) / 10) return bad();
+      n = n * 10 + static_cast<uint64_t>(text[i++] - '0');
+    }
+    uint64_t unit = 1;
+    if (i < text.size()) {
+      switch (text[i++]) {
+        case 's': unit = 1; break;
+        case 'm': unit = 60; break;
+        case 'h': unit = 3600; break;
+        case 'd': unit = 86400; break;
+        case 'w': unit = 7 * 86400; break;
+        default: return bad();
+      }
+    } else if (total != 0) {
+      return bad();  // "1h30": a bare number only on its own
+    }
+    if (n > UINT64_MAX / unit || total > UINT64_MAX - n * unit) return bad();
+    total += n * unit;
+  }
+  return total;
 }
 
 Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names) {

@@ -8,7 +8,7 @@ namespace ckptfs {
 
 class ReaderImpl {
  public:
-  RepositoryImpl* repo;
+  std::shared_ptr<RepositoryImpl> repo;  // a reader may outlive its Repository
   Manifest manifest;
   std::unordered_map<std::string, size_t> tensor_index;
   std::unordered_map<std::string, size_t> blob_index;
@@ -101,7 +101,7 @@ Status CheckpointReader::ReadBlob(const BlobRecord& blob, uint64_t offset, std::
 void CheckpointReader::Prefetch(const TensorRecord& tensor, uint64_t offset, uint64_t length) const {
   auto chunks = ChunksForBytes(tensor, offset, length);
   if (!chunks.ok()) return;
-  RepositoryImpl* repo = impl_->repo;
+  RepositoryImpl* repo = impl_->repo.get();
   for (const ChunkRef& c : *chunks) {
     if (repo->cache->Contains(c.id)) continue;
     // Errors surface to the reader that needs the chunk; a prefetch only warms.
@@ -199,7 +199,7 @@ Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::
   // in packs whose indexes this host has not read yet.
   CKPT_RETURN_IF_ERROR(impl_->IndexPacks());
   auto impl = std::make_unique<ReaderImpl>();
-  impl->repo = impl_.get();
+  impl->repo = impl_;
   Manifest& m = impl->manifest;
   Status inner;
   CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {

@@ -14,6 +14,14 @@
 // Thread safety: a Repository may be shared by threads. One Repository per
 // path per process (LMDB's rule); several processes may open the same path.
 // A CheckpointWriter is used by one thread; a CheckpointReader by many.
+//
+// Lifetimes: CheckpointWriters, CheckpointReaders and CommitHandles may
+// outlive the Repository that made them. Each keeps the repository's
+// internals (catalog, store, worker pool) alive, so a commit still running
+// when the Repository is destroyed finishes, and its handle reports how it
+// ended; the catalog, the files and the worker threads are released when
+// the last of them is gone (until then, the path counts as open in this
+// process).
 #pragma once
 
 #include <atomic>
@@ -281,12 +289,25 @@ struct ReindexReport {
 // empty policy removes nothing. Checkpoints are ordered by step when every
 // committed checkpoint has one, by commit order otherwise. Pending
 // checkpoints are never removed by a policy.
+//
+// A policy that would remove the newest committed checkpoint (and so also
+// one that would remove every checkpoint, such as keep_last = 0) is refused
+// with FailedPrecondition and removes nothing, unless allow_removing_newest
+// is set: with asynchronous saves, the newest committed checkpoint may be
+// the only complete one while the next is still pending.
 struct RetentionPolicy {
-  std::optional<uint64_t> keep_last;   // the newest N
-  std::optional<uint64_t> keep_every;  // step % K == 0 (without steps: every K-th in commit order, from the first)
-  std::vector<std::string> keep;       // by name
-  bool empty() const { return !keep_last && !keep_every && keep.empty(); }
+  std::optional<uint64_t> keep_last;    // the newest N
+  std::optional<uint64_t> keep_every;   // step % K == 0 (without steps: every K-th in commit order, from the first)
+  std::optional<uint64_t> keep_within_s;  // committed at most this many seconds before the newest commit
+  std::vector<std::string> keep;        // by name
+  bool allow_removing_newest = false;
+  bool empty() const { return !keep_last && !keep_every && !keep_within_s && keep.empty(); }
 };
+
+// Parses a duration such as "36h", "7d", "1w2d" or "90m" (units s, m, h, d,
+// w, summed; a bare number is seconds) into seconds. InvalidArgument names
+// the text.
+Result<uint64_t> ParseDuration(std::string_view text);
 
 struct GcOptions {
   RetentionPolicy retention;
@@ -424,7 +445,9 @@ class Repository {
   // What every Open does once the catalog and backend are open.
   static Result<std::unique_ptr<Repository>> FinishOpen(std::unique_ptr<RepositoryImpl> impl,
                                                         const OpenOptions& options);
-  std::unique_ptr<RepositoryImpl> impl_;
+  // Shared with the writers, readers and commit handles it made, which may
+  // outlive it.
+  std::shared_ptr<RepositoryImpl> impl_;
 };
 
 // Checkpoint names: 1-200 characters of [A-Za-z0-9._-], not starting with '.'.

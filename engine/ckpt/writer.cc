@@ -60,16 +60,16 @@ std::chrono::nanoseconds CommitHandle::total_time() const {
 
 class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
  public:
-  WriterImpl(RepositoryImpl* repo, std::string name, WriterOptions options, RepoLock lock,
+  WriterImpl(std::shared_ptr<RepositoryImpl> repo, std::string name, WriterOptions options, RepoLock lock,
              std::unique_ptr<ObjectLock> store_lock)
-      : lock_(std::in_place, std::move(lock)),
+      : repo_(std::move(repo)),
+        lock_(std::in_place, std::move(lock)),
         store_lock_(std::move(store_lock)),
-        repo_(repo),
         name_(std::move(name)),
         options_(std::move(options)),
-        packs_(repo->backend.get(), repo->config.pack_size),
-        max_inflight_(2 * repo->pool->size() + 2),
-        queue_limit_(2 * repo->pool->size() + 1) {
+        packs_(repo_->backend.get(), repo_->config.pack_size),
+        max_inflight_(2 * repo_->pool->size() + 2),
+        queue_limit_(2 * repo_->pool->size() + 1) {
     record_.rank = options_.rank;
   }
 
@@ -139,12 +139,15 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
                      std::vector<ChunkRef>& chunks);
   std::vector<uint64_t> ChunkBounds(uint64_t global_start, uint64_t size) const;
 
+  // Shared: a writer, and the commit handle that keeps it, may outlive the
+  // Repository (repository.h, "Lifetimes"). Declared first, so it is released
+  // last: the store lock below and the pack writer use its backend.
+  const std::shared_ptr<RepositoryImpl> repo_;
   // Held shared until this writer's commit finished or it is gone: gc waits
   // for it (repo_lock.h).
   std::optional<RepoLock> lock_;
   // The same, across hosts, for a repository on an object store.
   std::unique_ptr<ObjectLock> store_lock_;
-  RepositoryImpl* repo_;
   const std::string name_;
   const WriterOptions options_;
   PackWriter packs_;
@@ -879,7 +882,7 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
     CKPT_ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*raw));
     return CheckJoin(rec, options);
   }));
-  auto impl = std::make_shared<WriterImpl>(impl_.get(), name, options, std::move(lock), std::move(store_lock));
+  auto impl = std::make_shared<WriterImpl>(impl_, name, options, std::move(lock), std::move(store_lock));
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
 }
 

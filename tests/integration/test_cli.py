@@ -24,6 +24,8 @@ class HelpAndUsage(CkptTestCase):
             out = p.stdout.decode()
             self.assertIn(f"usage: ckpt {c}", out)
             self.assertIn("--help", out)
+            if "--repo" in out:  # every command that opens a repository
+                self.assertIn("--cache-dir DIR", out)
         self.assertIn("commands:", self.run_ckpt("--help").stdout.decode())
 
     def test_usage_errors_exit_2_and_failures_exit_1(self):
@@ -118,6 +120,7 @@ class ImportAndRead(CkptTestCase):
                             "--tag", "run=alpha", "--json").stdout
         info = json.loads(out)
         self.assertTrue(info["visible"])
+        self.assertTrue(info["checkpoint_visible"])
         for n, (dt, arr) in tensors.items():
             self.check_tensor("hf", n, arr, dt)
         listing = json.loads(self.run_ckpt("ls", "--json").stdout)

@@ -104,6 +104,25 @@ class DedupAndReports(CkptTestCase):
         self.assertIn("nothing was removed", self.error_of("rm", "step-0", "nope"))
         self.assertEqual(len(json.loads(self.run_ckpt("ls", "--json").stdout)), 4)
 
+    def test_retention_refuses_to_remove_the_newest_unless_told(self):
+        for i in range(3):
+            st.write(self.path("s.safetensors"), [("x", "F32", self.rng.standard_normal(1000).astype(np.float32))])
+            self.run_ckpt("import", f"step-{i}", self.path("s.safetensors"), "--step", str(i))
+        err = self.error_of("gc", "--keep-last", "0")
+        self.assertIn("would remove every checkpoint (3); nothing was removed", err)
+        self.assertIn("--allow-removing-newest", err)
+        err = self.error_of("gc", "--keep", "step-0", "--dry-run")
+        self.assertIn("newest committed checkpoint 'step-2'", err)
+        self.assertEqual(len(json.loads(self.run_ckpt("ls", "--json").stdout)), 3)
+        self.assertIn("is not a duration", self.error_of("gc", "--keep-within", "3 days"))
+        # Everything was committed within the hour: --keep-within keeps it all.
+        out = json.loads(self.run_ckpt("gc", "--keep-within", "1h", "--json").stdout)
+        self.assertEqual(out["removed"], [])
+        out = json.loads(self.run_ckpt("gc", "--keep-last", "0", "--allow-removing-newest", "--json").stdout)
+        self.assertEqual(sorted(out["removed"]), ["step-0", "step-1", "step-2"])
+        self.assertEqual(json.loads(self.run_ckpt("ls", "--json").stdout), [])
+        self.assertIn("--allow-removing-newest", self.run_ckpt("gc", "--help").stdout.decode())
+
 
 class CrashSafety(unittest.TestCase):
     """SIGKILL at many points of a save, an rm and a gc never loses or

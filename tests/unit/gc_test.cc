@@ -1,7 +1,9 @@
 // Garbage collection, retention, disk usage and diff through the public API.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
+#include <thread>
 
 #include "ckpt/repo_lock.h"
 #include "ckpt/repository.h"
@@ -76,6 +78,88 @@ TEST_F(GarbageCollection, RetentionByStepAndByCommitOrder) {
   auto plan = *repo_->PlanRetention(last1);
   EXPECT_EQ(plan.size(), 6u);
   EXPECT_EQ(std::count(plan.begin(), plan.end(), "nostep"), 0);
+}
+
+TEST_F(GarbageCollection, RetentionNeverRemovesTheNewestOrEveryCheckpointUnlessAllowed) {
+  auto base = RandomBytes(1000, 1);
+  Save("s1", 100, 1, base);
+  Save("s2", 200, 2, base);
+  // An asynchronous save in flight: one of its two ranks is in.
+  auto pending = std::move(repo_->BeginCheckpoint("s3", {0, 2, 300, {}})).value();
+  ASSERT_OK(pending->PutTensor({"base", DType::kU8, {base.size()}}, base));
+  ASSERT_OK(pending->Commit().Wait());
+  pending.reset();
+
+  RetentionPolicy none_left;
+  none_left.keep_last = 0;
+  auto refused = repo_->PlanRetention(none_left);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("every checkpoint (2)"), std::string::npos) << refused.status().message();
+  EXPECT_NE(refused.status().message().find("--allow-removing-newest"), std::string::npos);
+  GcOptions wipe;
+  wipe.retention = none_left;
+  EXPECT_EQ(repo_->CollectGarbage(wipe).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(repo_->ListCheckpoints()->size(), 2u);  // nothing removed
+
+  RetentionPolicy by_name;  // keeps s1, would drop the newest
+  by_name.keep = {"s1"};
+  auto newest = repo_->PlanRetention(by_name);
+  ASSERT_FALSE(newest.ok());
+  EXPECT_NE(newest.status().message().find("newest committed checkpoint 's2'"), std::string::npos)
+      << newest.status().message();
+
+  // keep-last 1 with the pending save in flight loses nothing that matters:
+  // the newest committed stays, and the pending checkpoint completes.
+  GcOptions last1;
+  last1.retention.keep_last = 1;
+  auto r = repo_->CollectGarbage(last1);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->removed, (std::vector<std::string>{"s1"}));
+  ExpectReadable("s2", base);
+  auto rank1 = std::move(repo_->BeginCheckpoint("s3", {1, 2, 300, {}})).value();
+  ASSERT_OK(rank1->PutTensor({"own", DType::kU8, {3}}, RandomBytes(3, 7)));
+  ASSERT_OK(rank1->Commit().Wait());
+  auto s3 = repo_->OpenCheckpoint("s3");
+  ASSERT_OK(s3);
+  std::vector<std::byte> got(base.size());
+  ASSERT_OK((*s3)->ReadBytes(*(*s3)->FindTensor("base"), 0, got));
+  EXPECT_EQ(got, base);
+
+  // Said explicitly, the policy may remove everything.
+  wipe.retention.allow_removing_newest = true;
+  auto all = repo_->CollectGarbage(wipe);
+  ASSERT_OK(all);
+  EXPECT_EQ(all->removed.size(), 2u);
+  EXPECT_TRUE(repo_->ListCheckpoints()->empty());
+}
+
+TEST_F(GarbageCollection, KeepWithinKeepsWhatWasCommittedNearTheNewest) {
+  auto base = RandomBytes(1000, 1);
+  Save("old", 1, 1, base);
+  std::this_thread::sleep_for(std::chrono::milliseconds(3100));
+  Save("recent", 2, 2, base);
+  Save("newest", 3, 3, base);
+  RetentionPolicy p;
+  p.keep_within_s = 2;
+  EXPECT_EQ(*repo_->PlanRetention(p), (std::vector<std::string>{"old"}));
+  p.keep_within_s = 3600;
+  EXPECT_TRUE(repo_->PlanRetention(p)->empty());
+  // Combined with keep-last, what either keeps stays.
+  p.keep_within_s = 0;
+  p.keep_last = 2;
+  EXPECT_EQ(*repo_->PlanRetention(p), (std::vector<std::string>{"old"}));
+}
+
+TEST(Retention, DurationsAreNumbersWithUnitsSummed) {
+  EXPECT_EQ(*ParseDuration("90"), 90u);
+  EXPECT_EQ(*ParseDuration("36h"), 36u * 3600);
+  EXPECT_EQ(*ParseDuration("1w2d"), 9u * 86400);
+  EXPECT_EQ(*ParseDuration("1h30m15s"), 5415u);
+  for (const char* bad : {"", "h", "1x", "1h30", "-5m", "1.5h", "99999999999999999999s"}) {
+    auto r = ParseDuration(bad);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+  }
 }
 
 TEST_F(GarbageCollection, ReclaimsExactlyWhatIsDeadAndRewritesMostlyDeadPacks) {

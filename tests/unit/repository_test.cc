@@ -289,6 +289,32 @@ TEST_F(SaveAndLoad, BlobsRoundTrip) {
   EXPECT_EQ(reader->FindBlob("empty")->size, 0u);
 }
 
+TEST_F(SaveAndLoad, HandlesWritersAndReadersOutliveTheirRepository) {
+  auto first = MakeRef("w", DType::kF32, {4 << 20}, 21);  // 16 MiB
+  auto w = Begin("first");
+  PutFlat(*w, first, 0, first.info.shape[0]);
+  ASSERT_OK(w->Commit().Wait());
+  w.reset();
+  auto reader = std::move(repo_->OpenCheckpoint("first")).value();
+  // 48 MiB in flight when the repository goes: the commit finishes, and the
+  // handle, the writer and the reader stay usable.
+  auto big = MakeRef("big", DType::kBF16, {24 << 20}, 22);
+  auto second = Begin("second");
+  PutFlat(*second, big, 0, big.info.shape[0]);
+  CommitHandle handle = second->Commit();
+  repo_.reset();
+  ASSERT_OK(handle.Wait());
+  EXPECT_FALSE(second->PutBlob("late", {}).ok());  // committed: refused, not a crash
+  second.reset();
+  std::vector<std::byte> got(first.bytes.size());
+  ASSERT_OK(reader->ReadBytes(*reader->FindTensor("w"), 0, got));
+  EXPECT_TRUE(got == first.bytes);
+  reader.reset();
+  handle = CommitHandle();
+  Reopen();  // everything released: the path opens again
+  ExpectWhole("second", big);
+}
+
 TEST_F(SaveAndLoad, OverlapWithDifferentBytesFailsAndStaysInvisible) {
   Ref a = MakeRef("x", DType::kI32, {8, 8}, 1);
   {

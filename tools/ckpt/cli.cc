@@ -25,6 +25,12 @@ std::string HelpText(const CommandSpec& spec) {
     flags += "--" + o.name;
     if (o.takes_value) flags += " " + o.value_name;
     add(flags, o.help);
+    // Parsed before the command's own options (main.cc), for every command
+    // that opens a repository.
+    if (o.name == "repo") {
+      add("    --cache-dir DIR", "where this host keeps the catalog of an S3 repository (default: $CKPT_CACHE_DIR, "
+                               "else ~/.cache/ckptfs)");
+    }
   }
   add("-h, --help", "show this help");
   return s;

@@ -361,7 +361,8 @@ int CmdImport(const Args& args) {
     j.Set("checkpoint", name);
     j.Set("rank", static_cast<uint64_t>(wopts.rank));
     j.Set("world_size", static_cast<uint64_t>(wopts.world_size));
-    j.Set("visible", result->checkpoint_visible);
+    j.Set("checkpoint_visible", result->checkpoint_visible);  // the name Python uses
+    j.Set("visible", result->checkpoint_visible);             // the older name, kept
     j.Set("logical_bytes", result->logical_bytes);
     j.Set("stored_bytes", result->stored_bytes);
     j.Set("chunks_written", result->chunks_written);
@@ -824,12 +825,19 @@ const CommandSpec kGc{
     "gc", "", "Apply a retention policy, then reclaim the space no checkpoint uses.",
     "Checkpoints are ordered by step (by commit order when some have no step). The\n"
     "--keep-* options together say what stays; without any, nothing is removed and\n"
-    "only unreferenced data is reclaimed. Packs left mostly dead (less than half\n"
-    "live) are rewritten. gc waits for saves in progress, and new saves wait for it.",
+    "only unreferenced data is reclaimed. A policy that would remove the newest\n"
+    "committed checkpoint (or all of them, as --keep-last 0 would) is refused unless\n"
+    "--allow-removing-newest is given; pending checkpoints are never removed. Packs\n"
+    "left mostly dead (less than half live) are rewritten. gc waits for saves in\n"
+    "progress, and new saves wait for it.",
     {kRepoOpt,
      {"keep-last", 0, true, false, "N", "keep the newest N checkpoints"},
      {"keep-every", 0, true, false, "K", "keep checkpoints whose step is a multiple of K"},
+     {"keep-within", 0, true, false, "DURATION",
+      "keep checkpoints committed within DURATION of the newest (s, m, h, d, w: 36h, 1w2d)"},
      {"keep", 0, true, true, "NAME", "keep this checkpoint (repeatable)"},
+     {"allow-removing-newest", 0, false, false, "",
+      "let the policy remove the newest committed checkpoint (or every checkpoint)"},
      {"dry-run", 'n', false, false, "", "show what would be removed and reclaimed; change nothing"},
      kJsonOpt},
     0, 0};
@@ -842,7 +850,13 @@ int CmdGc(const Args& args) {
   if (!keep_every.ok()) return UsageError(keep_every.status());
   if (*keep_last) o.retention.keep_last = static_cast<uint64_t>(**keep_last);
   if (*keep_every) o.retention.keep_every = static_cast<uint64_t>(**keep_every);
+  if (auto within = args.Get("keep-within")) {
+    auto seconds = ParseDuration(*within);
+    if (!seconds.ok()) return UsageError(Status::InvalidArgument("--keep-within: " + seconds.status().message()));
+    o.retention.keep_within_s = *seconds;
+  }
   o.retention.keep = args.All("keep");
+  o.retention.allow_removing_newest = args.Has("allow-removing-newest");
   o.dry_run = args.Has("dry-run");
   int rc = kExitOk;
   auto repo = OpenRepoOr(args, &rc);
@@ -861,11 +875,11 @@ int CmdGc(const Args& args) {
     PrintJson(j);
     return kExitOk;
   }
-  std::printf("%s %s (%llu dead chunks, %llu packs deleted, %llu rewritten, %llu orphaned); %s in packs now, %s live\n",
+  std::printf("%s %s (%llu dead chunks, %llu packs deleted, %llu rewritten, %llu orphaned); %s in packs %s, %s live\n",
               o.dry_run ? "would reclaim" : "reclaimed", HumanBytes(r->bytes_reclaimed()).c_str(),
               static_cast<unsigned long long>(r->dead_chunks), static_cast<unsigned long long>(r->packs_deleted),
               static_cast<unsigned long long>(r->packs_rewritten), static_cast<unsigned long long>(r->orphan_packs),
-              HumanBytes(r->bytes_after).c_str(), HumanBytes(r->live_bytes).c_str());
+              HumanBytes(r->bytes_after).c_str(), o.dry_run ? "after it" : "now", HumanBytes(r->live_bytes).c_str());
   return kExitOk;
 }
 

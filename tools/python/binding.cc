@@ -452,12 +452,15 @@ class PyRepository {
   }
 
   py::object gc(std::optional<uint64_t> keep_last, std::optional<uint64_t> keep_every,
-                const std::vector<std::string>& keep, bool dry_run, double rewrite_below) {
+                std::optional<std::string> keep_within, const std::vector<std::string>& keep,
+                bool allow_removing_newest, bool dry_run, double rewrite_below) {
     if (keep_every && *keep_every == 0) throw StatusError{Status::InvalidArgument("keep_every must be at least 1")};
     GcOptions o;
     o.retention.keep_last = keep_last;
     o.retention.keep_every = keep_every;
+    if (keep_within) o.retention.keep_within_s = Value(ParseDuration(*keep_within));
     o.retention.keep = keep;
+    o.retention.allow_removing_newest = allow_removing_newest;
     o.dry_run = dry_run;
     o.rewrite_below = rewrite_below;
     GcReport r;
@@ -574,7 +577,8 @@ PYBIND11_MODULE(_core, m) {
       .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"))
       .def("checkpoints", &PyRepository::checkpoints, py::arg("include_pending"))
       .def("rm", &PyRepository::rm, py::arg("names"))
-      .def("gc", &PyRepository::gc, py::arg("keep_last"), py::arg("keep_every"), py::arg("keep"), py::arg("dry_run"),
+      .def("gc", &PyRepository::gc, py::arg("keep_last"), py::arg("keep_every"), py::arg("keep_within"),
+           py::arg("keep"), py::arg("allow_removing_newest"), py::arg("dry_run"),
            py::arg("rewrite_below"))
       .def("verify", &PyRepository::verify, py::arg("name"))
       .def("buffer_stats", &PyRepository::buffer_stats);

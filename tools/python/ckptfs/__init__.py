@@ -501,15 +501,26 @@ class Repository:
         _check_names("checkpoint", names)
         self._repo.rm(list(names))
 
-    def gc(self, *, keep_last: Optional[int] = None, keep_every: Optional[int] = None, keep: Sequence[str] = (),
-           dry_run: bool = False, rewrite_below: float = 0.5) -> Dict[str, Any]:
+    def gc(self, *, keep_last: Optional[int] = None, keep_every: Optional[int] = None,
+           keep_within: Union[str, int, float, None] = None, keep: Sequence[str] = (),
+           allow_removing_newest: bool = False, dry_run: bool = False,
+           rewrite_below: float = 0.5) -> Dict[str, Any]:
         """Applies a retention policy (keep the newest `keep_last`, steps that
-        are multiples of `keep_every`, and the names in `keep`; without any,
-        nothing is removed), then reclaims the space no checkpoint uses.
+        are multiples of `keep_every`, those committed within `keep_within`
+        of the newest — a duration such as "36h" or "1w2d", or seconds — and
+        the names in `keep`; without any, nothing is removed), then reclaims
+        the space no checkpoint uses. A policy that would remove the newest
+        committed checkpoint, or every one, raises ckptfs.Error
+        and removes nothing unless `allow_removing_newest` is true.
         Returns the fields of `ckpt gc --json`."""
         if isinstance(keep, str):
             keep = [keep]
-        return self._repo.gc(keep_last, keep_every, list(keep), bool(dry_run), float(rewrite_below))
+        if keep_within is not None and not isinstance(keep_within, str):
+            if isinstance(keep_within, bool) or keep_within < 0:
+                raise InvalidArgumentError(f"keep_within: {keep_within!r} is not a duration")
+            keep_within = f"{int(keep_within)}s"
+        return self._repo.gc(keep_last, keep_every, keep_within, list(keep), bool(allow_removing_newest),
+                             bool(dry_run), float(rewrite_below))
 
     def verify(self, name: Optional[str] = None) -> Dict[str, Any]:
         """Re-reads and re-hashes every chunk (of `name`, or of every
