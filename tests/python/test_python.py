@@ -297,6 +297,15 @@ class Maintenance(PythonTestCase):
         self.r.rm("step-2")
         self.assertEqual([c["name"] for c in self.r.checkpoints()], ["step-3"])
         self.assertTrue(self.r.verify()["ok"])
+        # A policy that would remove the newest (here: everything) is refused.
+        with self.assertRaisesRegex(ckptfs.Error, r"every checkpoint \(1\); nothing was removed"):
+            self.r.gc(keep_last=0)
+        self.assertEqual(self.r.gc(keep_within="1h")["removed"], [])
+        self.assertEqual(self.r.gc(keep_within=3600)["removed"], [])
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            self.r.gc(keep_within="soon")
+        self.assertEqual(self.r.gc(keep_last=0, allow_removing_newest=True)["removed"], ["step-3"])
+        self.assertEqual(self.r.checkpoints(), [])
 
     def test_checkpoints_and_show_have_the_fields_of_the_clis_json(self):
         import json
