@@ -28,6 +28,7 @@ bool SameLayoutAndChunks(const TensorRecord& a, const TensorRecord& b) {
 }  // namespace
 
 Result<std::vector<TensorDiff>> Repository::Diff(const std::string& a_name, const std::string& b_name) {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   CKPT_ASSIGN_OR_RETURN(auto a, OpenCheckpoint(a_name));
   CKPT_ASSIGN_OR_RETURN(auto b, OpenCheckpoint(b_name));
   std::map<std::string, std::pair<const TensorRecord*, const TensorRecord*>> all;

@@ -52,6 +52,7 @@ Status ForEachReference(const ReadTxn& txn, const std::function<void(const std::
 }  // namespace
 
 Result<std::vector<std::string>> Repository::PlanRetention(const RetentionPolicy& policy) {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   if (policy.empty()) return std::vector<std::string>{};
   if (policy.keep_every && *policy.keep_every == 0) return Status::InvalidArgument("--keep-every must be at least 1");
   CKPT_ASSIGN_OR_RETURN(auto list, ListCheckpoints(false));
@@ -142,6 +143,7 @@ Result<uint64_t> ParseDuration(std::string_view text) {
 }
 
 Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names) {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   CKPT_RETURN_IF_ERROR(impl_->IndexPacks());
   CKPT_ASSIGN_OR_RETURN(auto list, ListCheckpoints(false));
   std::map<std::string, const CheckpointRecord*> committed;
@@ -293,6 +295,7 @@ Result<Disposal> Dispose(Backend* backend, const Liveness& l, const std::set<std
 }  // namespace
 
 Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const ProgressFn& progress) {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   GcReport report;
   CKPT_ASSIGN_OR_RETURN(report.removed, PlanRetention(options.retention));
   std::set<std::string> excluded;  // removed, or to be removed in a dry run

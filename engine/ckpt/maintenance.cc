@@ -25,6 +25,7 @@ struct ChunkUse {
 }  // namespace
 
 Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, const ProgressFn& progress) {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   CKPT_RETURN_IF_ERROR(impl_->IndexPacks());
   VerifyReport report;
   std::vector<std::string> names;
@@ -157,6 +158,7 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
 }
 
 Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   std::set<std::string> unique(names.begin(), names.end());
   // All must exist before anything is touched.
   CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {

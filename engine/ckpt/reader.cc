@@ -15,7 +15,11 @@ class ReaderImpl {
 };
 
 CheckpointReader::CheckpointReader(std::unique_ptr<ReaderImpl> impl) : impl_(std::move(impl)) {}
-CheckpointReader::~CheckpointReader() = default;
+CheckpointReader::~CheckpointReader() {
+  // In a forked child, the last reader must not close its parent's
+  // repository (core/fork.h).
+  if (impl_->repo->Forked()) new std::shared_ptr<RepositoryImpl>(std::move(impl_->repo));
+}
 
 const CheckpointRecord& CheckpointReader::info() const { return impl_->manifest.checkpoint; }
 const std::vector<TensorRecord>& CheckpointReader::tensors() const { return impl_->manifest.tensors; }
@@ -61,6 +65,7 @@ Result<const TensorRecord*> CheckpointReader::FindTarget(std::string_view name, 
 }
 
 Status CheckpointReader::ReadRegion(const TensorRecord& tensor, const Region& region, std::span<std::byte> dst) const {
+  CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
   CKPT_RETURN_IF_ERROR(ValidateRegion(tensor.shape, region).WithContext("tensor '" + tensor.name + "'"));
   if (dst.size() != region.NumElements() * DTypeSize(tensor.dtype)) {
     return Status::InvalidArgument("tensor '" + tensor.name + "': the destination holds " +
@@ -72,6 +77,7 @@ Status CheckpointReader::ReadRegion(const TensorRecord& tensor, const Region& re
 }
 
 Status CheckpointReader::ReadBox(const TensorRecord& tensor, const Box& box, std::span<std::byte> dst) const {
+  CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
   // A box that is contiguous in row-major order (a whole tensor, whole rows)
   // is one byte range: read it as such, without the box walk.
   if (box.rank() == tensor.shape.size() && ValidateRegion(tensor.shape, Region::OfBox(box)).ok()) {
@@ -82,6 +88,7 @@ Status CheckpointReader::ReadBox(const TensorRecord& tensor, const Box& box, std
 }
 
 Status CheckpointReader::ReadFlat(const TensorRecord& tensor, FlatRange range, std::span<std::byte> dst) const {
+  CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
   const uint64_t w = DTypeSize(tensor.dtype);
   if (range.end < range.start || range.end > NumElements(tensor.shape)) {
     return Status::InvalidArgument("flat range does not fit tensor '" + tensor.name + "'");
@@ -91,14 +98,17 @@ Status CheckpointReader::ReadFlat(const TensorRecord& tensor, FlatRange range, s
 }
 
 Status CheckpointReader::ReadBytes(const TensorRecord& tensor, uint64_t offset, std::span<std::byte> dst) const {
+  CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
   return ReadTensorBytes(tensor, offset, dst, *impl_->repo->fetcher(), impl_->repo->pool.get());
 }
 
 Status CheckpointReader::ReadBlob(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst) const {
+  CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
   return ReadBlobBytes(blob, offset, dst, *impl_->repo->fetcher());
 }
 
 void CheckpointReader::Prefetch(const TensorRecord& tensor, uint64_t offset, uint64_t length) const {
+  if (impl_->repo->Forked()) return;
   auto chunks = ChunksForBytes(tensor, offset, length);
   if (!chunks.ok()) return;
   RepositoryImpl* repo = impl_->repo.get();
@@ -110,6 +120,7 @@ void CheckpointReader::Prefetch(const TensorRecord& tensor, uint64_t offset, uin
 }
 
 size_t CheckpointReader::ChunksCached(const TensorRecord& tensor, uint64_t offset, uint64_t length) const {
+  if (impl_->repo->Forked()) return 0;
   auto chunks = ChunksForBytes(tensor, offset, length);
   if (!chunks.ok()) return 0;
   return static_cast<size_t>(std::count_if(chunks->begin(), chunks->end(),
@@ -118,18 +129,22 @@ size_t CheckpointReader::ChunksCached(const TensorRecord& tensor, uint64_t offse
 
 Result<bool> CheckpointReader::SliceBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length,
                                           size_t max_slices, std::vector<ChunkSlice>& out) const {
+  CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
   return SliceTensorBytes(tensor, offset, length, *impl_->repo->fetcher(), max_slices, out);
 }
 
 void CheckpointReader::Consumed(std::span<const ChunkSlice> slices) const {
+  if (impl_->repo->Forked()) return;
   for (const ChunkSlice& s : slices) impl_->repo->fetcher()->Consumed(s.chunk, s.length);
 }
 
 void CheckpointReader::DropCached(std::span<const ChunkRef> chunks) const {
+  if (impl_->repo->Forked()) return;
   for (const ChunkRef& c : chunks) impl_->repo->cache->Drop(c.id);
 }
 
 Result<StoredSizes> CheckpointReader::StoredBytes() const {
+  CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
   // One catalog lookup per distinct chunk.
   std::unordered_map<ChunkId, uint64_t, ChunkIdHash> sizes;
   auto collect = [&](const std::vector<ChunkRef>& chunks) {
@@ -186,6 +201,7 @@ Result<CheckpointRecord> CommittedRecord(const ReadTxn& txn, const std::string& 
 }  // namespace
 
 Result<CheckpointRecord> Repository::GetCheckpoint(const std::string& name) {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   CheckpointRecord rec;
   CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
     CKPT_ASSIGN_OR_RETURN(rec, CommittedRecord(txn, name));
@@ -195,6 +211,7 @@ Result<CheckpointRecord> Repository::GetCheckpoint(const std::string& name) {
 }
 
 Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::string& name) {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   // On an object store: the chunks of checkpoints other hosts saved may be
   // in packs whose indexes this host has not read yet.
   CKPT_RETURN_IF_ERROR(impl_->IndexPacks());

@@ -207,7 +207,28 @@ Status RecordManifest(WriteTxn& txn, const Manifest& m) {
 
 // ---- RepositoryImpl ----------------------------------------------------------
 
-RepositoryImpl::~RepositoryImpl() { pool.reset(); }
+RepositoryImpl::~RepositoryImpl() {
+  if (Forked()) {
+    // The parent's threads are not in this process, its catalog environment
+    // must not be closed from here, and its store may hold connections and
+    // files the parent still uses: leave them all (core/fork.h).
+    (void)pool.release();
+    (void)catalog.release();
+    (void)cache.release();
+    (void)buffers.release();
+    (void)backend.release();
+    (void)fetcher_.release();
+    return;
+  }
+  pool.reset();
+}
+
+Status RepositoryImpl::CheckProcess() const {
+  if (!Forked()) return Status::OK();
+  return Status::FailedPrecondition("repository " + path +
+                                    " was opened before this process was forked: its threads and catalog belong to "
+                                    "the parent; open the repository again in this process");
+}
 
 Result<ChunkLocation> RepositoryImpl::LookupChunk(const ChunkId& id) const {
   ChunkLocation loc;
@@ -295,7 +316,10 @@ RequestCounts Repository::store_requests() const { return impl_->backend->Reques
 
 bool Repository::remote() const { return impl_->remote; }
 
-Status Repository::Refresh() { return impl_->Sync(RepositoryImpl::SyncScope::kCheckpoints).status(); }
+Status Repository::Refresh() {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
+  return impl_->Sync(RepositoryImpl::SyncScope::kCheckpoints).status();
+}
 
 Result<std::unique_ptr<ObjectLock>> RepositoryImpl::LockStore(ObjectLock::Mode mode) {
   if (!remote) return std::unique_ptr<ObjectLock>();
@@ -583,6 +607,7 @@ Result<std::unique_ptr<Repository>> Repository::FinishOpen(std::unique_ptr<Repos
 }
 
 Result<std::vector<CheckpointRecord>> Repository::ListCheckpoints(bool include_pending) {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   std::vector<CheckpointRecord> committed, pending;
   Status inner;
   CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) {

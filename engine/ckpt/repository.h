@@ -22,6 +22,12 @@
 // ended; the catalog, the files and the worker threads are released when
 // the last of them is gone (until then, the path counts as open in this
 // process).
+//
+// fork(): a Repository, and every writer, reader and handle made before a
+// fork, belongs to the parent. In the child each entry point returns
+// FailedPrecondition (a reader's Prefetch does nothing) and destroying them
+// releases nothing the parent uses; a Repository opened in the child works
+// as usual.
 #pragma once
 
 #include <atomic>
@@ -39,6 +45,7 @@
 #include "backend/s3_backend.h"
 #include "codec/codec.h"
 #include "core/buffer_pool.h"
+#include "core/fork.h"
 #include "core/region.h"
 #include "core/status.h"
 #include "meta/records.h"
@@ -138,7 +145,13 @@ struct CommitResult {
 class CommitHandle {
  public:
   CommitHandle() = default;
-  // Blocks until the commit finished; its outcome.
+  CommitHandle(const CommitHandle&) = default;
+  CommitHandle(CommitHandle&&) = default;
+  CommitHandle& operator=(const CommitHandle&) = default;
+  CommitHandle& operator=(CommitHandle&&) = default;
+  ~CommitHandle();
+  // Blocks until the commit finished; its outcome. In a child forked after
+  // the commit started: FailedPrecondition (the commit runs in the parent).
   Result<CommitResult> Wait();
   bool Ready() const;
   // Time the caller was blocked inside PutShard/PutBlob/Commit (the part of
@@ -151,6 +164,7 @@ class CommitHandle {
   friend class CheckpointWriter;
   friend class WriterImpl;
   std::shared_future<Result<CommitResult>> future_;
+  uint64_t fork_generation_ = ForkGeneration();
   std::chrono::nanoseconds blocking_{0};
   std::shared_ptr<std::atomic<int64_t>> total_ns_;
 };

@@ -13,6 +13,7 @@
 #include "ckpt/object_lock.h"
 #include "ckpt/repository.h"
 #include "core/buffer_pool.h"
+#include "core/fork.h"
 #include "core/thread_pool.h"
 #include "meta/catalog_schema.h"
 #include "meta/lmdb_env.h"
@@ -54,7 +55,16 @@ class RepositoryImpl {
  public:
   // Finishes the worker pool's queued tasks (prefetches use the fetcher,
   // the cache and the catalog) before any member they use is destroyed.
+  // In a child forked after this was created, leaks the pool, the catalog,
+  // the cache and the store instead (core/fork.h).
   ~RepositoryImpl();
+
+  // The fork generation this repository was opened in (core/fork.h).
+  const uint64_t fork_generation = ForkGeneration();
+  bool Forked() const { return ForkGeneration() != fork_generation; }
+  // FailedPrecondition in a child forked after the repository was opened:
+  // every entry point of the public API calls it first.
+  Status CheckProcess() const;
 
   std::string path;  // as given: a directory or s3://BUCKET/PREFIX
   RepositoryConfig config;

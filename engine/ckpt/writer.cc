@@ -45,12 +45,25 @@ Status HostSource::Read(uint64_t offset, std::span<std::byte> dst) {
   return Status::OK();
 }
 
+CommitHandle::~CommitHandle() {
+  // In a forked child, the commit thread of the parent does not exist: the
+  // future's state would wait for it forever (core/fork.h).
+  if (future_.valid() && ForkGeneration() != fork_generation_) {
+    new std::shared_future<Result<CommitResult>>(std::move(future_));
+  }
+}
+
 Result<CommitResult> CommitHandle::Wait() {
   if (!future_.valid()) return Status::FailedPrecondition("commit handle is empty");
+  if (ForkGeneration() != fork_generation_) {
+    return Status::FailedPrecondition("this commit was started before the process was forked; only the parent "
+                                      "process can wait for it");
+  }
   return future_.get();
 }
 
 bool CommitHandle::Ready() const {
+  if (ForkGeneration() != fork_generation_) return false;
   return future_.valid() && future_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
 }
 
@@ -81,6 +94,7 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   Status PutShard(const TensorInfo& info, const Region& region, ShardSource& source);
   Status PutBlob(const std::string& name, std::span<const std::byte> data);
   CommitHandle Commit();
+  const RepositoryImpl& repo() const { return *repo_; }
 
   void Shutdown() {
     inflight_wg_.Wait();
@@ -812,6 +826,7 @@ CheckpointWriter::~CheckpointWriter() { Abort(); }
 
 Status CheckpointWriter::PutShard(const TensorInfo& tensor, const Region& region, ShardSource& source) {
   if (!impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
+  CKPT_RETURN_IF_ERROR(impl_->repo().CheckProcess());
   return impl_->PutShard(tensor, region, source);
 }
 
@@ -822,6 +837,7 @@ Status CheckpointWriter::PutTensor(const TensorInfo& tensor, std::span<const std
 
 Status CheckpointWriter::PutBlob(const std::string& name, std::span<const std::byte> data) {
   if (!impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
+  CKPT_RETURN_IF_ERROR(impl_->repo().CheckProcess());
   return impl_->PutBlob(name, data);
 }
 
@@ -830,10 +846,23 @@ CommitHandle CheckpointWriter::Commit() {
     CommitHandle h;
     return h;
   }
+  if (Status forked = impl_->repo().CheckProcess(); !forked.ok()) {
+    CommitHandle h;
+    std::promise<Result<CommitResult>> p;
+    p.set_value(forked);
+    h.future_ = p.get_future().share();
+    return h;
+  }
   return impl_->Commit();
 }
 
 void CheckpointWriter::Abort() {
+  // In a forked child the writer's threads do not exist and its pack files
+  // are the parent's: it is left alone (core/fork.h).
+  if (impl_ && impl_->repo().Forked()) {
+    new std::shared_ptr<WriterImpl>(std::move(impl_));
+    return;
+  }
   // A committing writer finishes its commit first (the future holds it).
   impl_.reset();
 }
@@ -861,6 +890,7 @@ Status CheckJoin(const CheckpointRecord& rec, const WriterOptions& options) {
 
 Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std::string& name,
                                                                       const WriterOptions& options) {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   CKPT_RETURN_IF_ERROR(ValidateCheckpointName(name));
   if (options.world_size == 0) return Status::InvalidArgument("world size must be at least 1");
   if (options.rank >= options.world_size) {

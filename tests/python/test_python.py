@@ -219,6 +219,14 @@ class AsyncSave(PythonTestCase):
         self.assertGreater(during, elapsed * 100 * 0.5, (during, elapsed))
 
 
+class ForkSafety(PythonTestCase):
+    def test_children_of_every_start_method_work_and_inherited_handles_refuse(self):
+        p = subprocess.run([sys.executable, os.path.join(HERE, "fork_worker.py"), self.repo],
+                           capture_output=True, text=True, timeout=600)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(p.stdout.split(), ["child-fork", "child-forkserver", "child-spawn", "parent", "parent-async"])
+
+
 class Errors(PythonTestCase):
     def test_wrong_dtype_or_shape_on_load_names_the_tensor_and_both_values(self):
         self.r.save("s", {"w": torch.zeros(4, 3, dtype=torch.bfloat16)})

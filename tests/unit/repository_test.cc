@@ -6,7 +6,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <csignal>
 #include <cstring>
+#include <functional>
 #include <fstream>
 #include <random>
 #include <thread>
@@ -108,6 +111,7 @@ TEST_F(SaveAndLoad, EveryDTypeWholeTensorsRoundTrip) {
   auto res = w->Commit().Wait();
   ASSERT_OK(res);
   EXPECT_TRUE(res->checkpoint_visible);
+  w.reset();  // a writer keeps the repository open (repository.h, "Lifetimes")
   Reopen();
   for (const auto& r : refs) ExpectWhole("all-dtypes", r);
 }
@@ -514,6 +518,7 @@ TEST_F(SaveAndLoad, CorruptPackFailsReadsAndVerifyNeverReturnsWrongBytes) {
   auto w = Begin("c");
   ASSERT_OK(w->PutTensor(a.info, a.bytes));
   ASSERT_OK(w->Commit().Wait());
+  w.reset();
   repo_.reset();
   // Flip one byte in the middle of every pack's data area.
   for (const auto& e : std::filesystem::directory_iterator(dir_ / "objects/packs")) {
@@ -693,6 +698,84 @@ TEST_F(SaveAndLoad, SecondOpenOfOneRepositoryInAProcessIsRefused) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   repo_.reset();
   EXPECT_OK(Repository::Open(dir_.path()));  // once closed, it opens again
+}
+
+// Runs `child` in a forked process and returns its exit code; -1 when it
+// had not exited after 60 s (it is then killed): a hang is a failure.
+int RunForkedChild(const std::function<int()>& child) {
+  pid_t pid = fork();
+  if (pid == 0) _exit(child());
+  for (int i = 0; i < 6000; ++i) {
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  return -1;
+}
+
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kThreadSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+constexpr bool kThreadSanitizer = true;
+#else
+constexpr bool kThreadSanitizer = false;
+#endif
+#else
+constexpr bool kThreadSanitizer = false;
+#endif
+
+TEST_F(SaveAndLoad, AForkedChildRefusesInheritedHandlesAndOpensTheRepositoryAgain) {
+  auto first = MakeRef("w", DType::kF32, {1 << 18}, 31);
+  auto w = Begin("before-fork");
+  PutFlat(*w, first, 0, first.info.shape[0]);
+  ASSERT_OK(w->Commit().Wait());
+  w.reset();
+  auto reader = std::move(repo_->OpenCheckpoint("before-fork")).value();
+  // A save in flight in the parent when it forks: its writer, its threads
+  // and its commit belong to the parent.
+  auto inflight = Begin("in-flight");
+  PutFlat(*inflight, first, 0, first.info.shape[0]);
+  CommitHandle handle = inflight->Commit();
+  const std::string path = dir_.path();
+  int code = RunForkedChild([&]() -> int {
+    auto list = repo_->ListCheckpoints();
+    if (list.ok() || list.status().code() != StatusCode::kFailedPrecondition) return 10;
+    if (list.status().message().find("open the repository again") == std::string::npos) return 11;
+    if (repo_->BeginCheckpoint("child", {0, 1, 1, {}}).ok()) return 12;
+    std::vector<std::byte> got(first.bytes.size());
+    if (reader->ReadBytes(*reader->FindTensor("w"), 0, got).ok()) return 13;
+    if (handle.Wait().ok() || handle.Ready()) return 14;
+    // Destroying what the parent made releases nothing and does not hang.
+    handle = CommitHandle();
+    inflight.reset();
+    reader.reset();
+    repo_.reset();
+    // ThreadSanitizer forbids new threads after a fork of a threaded
+    // process; elsewhere the child opens the repository and uses it.
+    if (kThreadSanitizer) return 0;
+    auto mine = Repository::Open(path);
+    if (!mine.ok()) return 20;
+    auto cw = (*mine)->BeginCheckpoint("child", {0, 1, 2, {}});
+    if (!cw.ok()) return 21;
+    if (!(*cw)->PutTensor(first.info, first.bytes).ok() || !(*cw)->Commit().Wait().ok()) return 22;
+    auto cr = (*mine)->OpenCheckpoint("before-fork");
+    if (!cr.ok()) return 23;
+    std::vector<std::byte> again(first.bytes.size());
+    if (!(*cr)->ReadBytes(*(*cr)->FindTensor("w"), 0, again).ok() || again != first.bytes) return 24;
+    return 0;
+  });
+  EXPECT_EQ(code, 0) << "the child failed at check " << code << " (-1: it hung)";
+  // The parent's handles go on as if nothing happened.
+  ASSERT_OK(handle.Wait());
+  inflight.reset();
+  std::vector<std::byte> got(first.bytes.size());
+  ASSERT_OK(reader->ReadBytes(*reader->FindTensor("w"), 0, got));
+  EXPECT_TRUE(got == first.bytes);
+  ExpectWhole("in-flight", first);
+  if (!kThreadSanitizer) ExpectWhole("child", first);
 }
 
 // Writes `t` over its record in the catalog, as a damaged disk or a bug could.

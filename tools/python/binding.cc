@@ -22,6 +22,7 @@
 
 #include "ckpt/describe.h"
 #include "ckpt/repository.h"
+#include "core/fork.h"
 #include "core/dtype.h"
 #include "core/region.h"
 #include "staging.h"
@@ -178,9 +179,13 @@ class SaveHandle {
  public:
   SaveHandle(std::shared_future<Result<CommitResult>> f, double blocking_seconds)
       : future_(std::move(f)), blocking_seconds_(blocking_seconds) {}
-  bool done() const { return future_.wait_for(std::chrono::seconds(0)) == std::future_status::ready; }
+  bool done() const {
+    CheckProcess();
+    return future_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  }
   // Waits up to `timeout` seconds (forever when None); false on timeout.
   bool wait(std::optional<double> timeout) const {
+    CheckProcess();
     py::gil_scoped_release nogil;
     if (!timeout) {
       future_.wait();
@@ -189,6 +194,7 @@ class SaveHandle {
     return future_.wait_for(std::chrono::duration<double>(*timeout)) == std::future_status::ready;
   }
   py::dict result() const {
+    CheckProcess();
     Result<CommitResult> r = future_.get();  // ready: callers wait first
     if (!r.ok()) throw StatusError{r.status()};
     py::dict d;
@@ -202,8 +208,17 @@ class SaveHandle {
   double blocking_seconds() const { return blocking_seconds_; }
 
  private:
+  // The thread that finishes the save is the parent's: a forked child would
+  // wait for it forever.
+  void CheckProcess() const {
+    if (ForkGeneration() != fork_generation_) {
+      throw StatusError{Status::FailedPrecondition(
+          "this save was started before the process was forked; only the parent process can wait for it")};
+    }
+  }
   std::shared_future<Result<CommitResult>> future_;
   double blocking_seconds_;
+  uint64_t fork_generation_ = ForkGeneration();
 };
 
 // One rank's part of a checkpoint. Host tensors and blobs are consumed (hashed
@@ -370,6 +385,12 @@ class RepositoryCache {
     std::string key = std::filesystem::weakly_canonical(path, ec).string();
     if (ec) key = path;
     std::lock_guard lock(mu_);
+    if (generation_ != ForkGeneration()) {
+      // Repositories of the parent refuse to work in a forked child: forget
+      // them (without destroying them) and open anew.
+      open_.clear();
+      generation_ = ForkGeneration();
+    }
     if (auto live = open_[key].lock()) return live;
     std::shared_ptr<Repository> repo = Value(Repository::Open(path, options));
     open_[key] = repo;
@@ -378,7 +399,8 @@ class RepositoryCache {
 
  private:
   std::mutex mu_;
-  std::map<std::string, std::weak_ptr<Repository>> open_;
+  std::map<std::string, std::weak_ptr<Repository>> open_;  // guarded by mu_
+  uint64_t generation_ = ForkGeneration();                 // guarded by mu_
 };
 
 class PyRepository {

@@ -20,6 +20,7 @@ one-line message. See docs/PYTHON.md.
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import time
@@ -303,6 +304,17 @@ def _check_names(kind: str, names: Iterable[Any]) -> None:
 
 _in_flight: "set[SaveHandle]" = set()
 _in_flight_lock = threading.Lock()
+
+
+def _forget_parents_saves() -> None:
+    # A forked child has none of its parent's save threads: it must neither
+    # wait for those saves at exit nor find the lock held by a parent thread.
+    global _in_flight_lock
+    _in_flight.clear()
+    _in_flight_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_parents_saves)
 
 
 @atexit.register
