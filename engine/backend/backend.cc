@@ -34,8 +34,13 @@ Status Backend::Put(std::string_view key, std::span<const std::byte> data) {
   return writer->Commit();
 }
 
-Result<std::string> Backend::ReadAll(std::string_view key) {
+Result<std::string> Backend::ReadAll(std::string_view key, uint64_t max_bytes) {
   CKPT_ASSIGN_OR_RETURN(uint64_t size, Size(key));
+  if (size > max_bytes) {
+    return Status::ResourceExhausted("object '" + std::string(key) + "' in " + Describe() + " is " +
+                                     std::to_string(size) + " bytes, more than the " + std::to_string(max_bytes) +
+                                     " such an object may have");
+  }
   std::string out(size, '\0');
   CKPT_RETURN_IF_ERROR(ReadRange(key, 0, std::as_writable_bytes(std::span(out.data(), out.size()))));
   return out;
@@ -145,7 +150,9 @@ class PrefixedBackend final : public Backend {
   Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) override {
     return store_->ReadRange(Key(key), offset, out);
   }
-  Result<std::string> ReadAll(std::string_view key) override { return store_->ReadAll(Key(key)); }
+  Result<std::string> ReadAll(std::string_view key, uint64_t max_bytes) override {
+    return store_->ReadAll(Key(key), max_bytes);
+  }
   Result<uint64_t> Size(std::string_view key) override { return store_->Size(Key(key)); }
   Result<std::vector<std::string>> List(std::string_view prefix) override {
     CKPT_ASSIGN_OR_RETURN(std::vector<std::string> keys, store_->List(Key(prefix)));

@@ -59,6 +59,12 @@ struct RequestCounts {
   }
 };
 
+// Bounds of whole-object reads: any object (a manifest of a checkpoint with
+// millions of tensors stays far below it), and the small objects a
+// repository holds (its config, lock and claim objects).
+inline constexpr uint64_t kMaxWholeObject = 1ull << 30;
+inline constexpr uint64_t kMaxSmallObject = 1ull << 20;
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -70,8 +76,11 @@ class Backend {
   // when one has. Of writers racing on one key exactly one succeeds.
   virtual Status PutIfAbsent(std::string_view key, std::span<const std::byte> data) = 0;
   virtual Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) = 0;
-  // Whole object.
-  virtual Result<std::string> ReadAll(std::string_view key);
+  // Whole object. An object larger than `max_bytes` is refused
+  // (ResourceExhausted naming the key and the bound) before its bytes are
+  // read: a store may hold anything under a key, and callers bound each
+  // kind of object by the largest it can legitimately be.
+  virtual Result<std::string> ReadAll(std::string_view key, uint64_t max_bytes = kMaxWholeObject);
   virtual Result<uint64_t> Size(std::string_view key) = 0;
   virtual Result<std::vector<std::string>> List(std::string_view prefix) = 0;
   virtual Status Delete(std::string_view key) = 0;

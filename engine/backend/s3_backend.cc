@@ -12,6 +12,7 @@
 #include <random>
 #include <thread>
 #include <utility>
+#include <set>
 #include <vector>
 
 #include "core/crash_point.h"
@@ -19,6 +20,14 @@
 namespace ckptfs {
 
 namespace {
+
+// Bounds of what the server may send into memory: an error document, the
+// answer to a request that is not a whole-object read (a PUT's, a
+// CompleteMultipartUpload's), and one page of a listing (1,000 keys of at
+// most 1 KiB each, with their XML).
+constexpr uint64_t kMaxErrorBody = 64 << 10;
+constexpr uint64_t kMaxAnswerBody = 1 << 20;
+constexpr uint64_t kMaxListingPage = 16 << 20;
 
 bool IsUnreserved(unsigned char c) {
   return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-' || c == '_' ||
@@ -119,6 +128,7 @@ struct Response {
   std::string etag;
   uint64_t received = 0;  // bytes of body
   int64_t content_length = -1;  // the Content-Length header (HEAD), -1 when absent
+  uint64_t overflow_bound = 0;  // nonzero: the body went past this bound and was cut
 };
 
 struct Request {
@@ -131,14 +141,19 @@ struct Request {
   std::span<std::byte> into;                           // ranged reads land here
   bool read_into = false;
   bool if_none_match = false;  // PUT only when no object has the key (412 otherwise)
+  // The longest 2xx body taken into `body` (a longer one, announced or
+  // sent, fails the request); error documents are cut at kMaxErrorBody.
+  uint64_t max_body = kMaxAnswerBody;
 };
 
 struct Sink {
   Response* response;
   std::span<std::byte> into;
   bool read_into;
+  uint64_t max_body;
   CURL* handle;
   bool overflow = false;
+  uint64_t overflow_bound = 0;  // the bound that was passed
 };
 
 size_t WriteBody(char* data, size_t size, size_t n, void* user) {
@@ -146,11 +161,26 @@ size_t WriteBody(char* data, size_t size, size_t n, void* user) {
   const size_t bytes = size * n;
   long status = 0;
   curl_easy_getinfo(sink->handle, CURLINFO_RESPONSE_CODE, &status);
-  if (sink->read_into && status >= 200 && status < 300) {  // an error document goes to body
-    if (sink->response->received + bytes > sink->into.size()) {
+  const bool success = status >= 200 && status < 300;
+  // What the server may send: a ranged read's span, the request's bound, or
+  // a short error document. An announced length past it fails before any
+  // byte is kept; a body that goes on past it fails as it arrives.
+  const uint64_t bound = sink->read_into && success ? sink->into.size() : success ? sink->max_body : kMaxErrorBody;
+  if (sink->response->received == 0) {
+    curl_off_t announced = -1;
+    curl_easy_getinfo(sink->handle, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &announced);
+    if (announced > 0 && static_cast<uint64_t>(announced) > bound) {
       sink->overflow = true;
+      sink->overflow_bound = bound;
       return 0;  // aborts the transfer
     }
+  }
+  if (sink->response->received + bytes > bound) {
+    sink->overflow = true;
+    sink->overflow_bound = bound;
+    return 0;
+  }
+  if (sink->read_into && success) {  // an error document goes to body
     std::memcpy(sink->into.data() + sink->response->received, data, bytes);
   } else {
     sink->response->body.append(data, bytes);
@@ -169,6 +199,7 @@ size_t WriteHeader(char* data, size_t size, size_t n, void* user) {
     std::string_view v = line.substr(5);
     while (!v.empty() && (v.front() == ' ' || v.front() == '\t')) v.remove_prefix(1);
     while (!v.empty() && (v.back() == '\r' || v.back() == '\n' || v.back() == ' ')) v.remove_suffix(1);
+    if (v.size() > 1024) return 0;  // no store sends such an ETag: abort
     response->etag = std::string(v);
   }
   return size * n;
@@ -245,23 +276,39 @@ class S3Client {
 
   // The request, retried on transport errors and retryable statuses. Any
   // other HTTP status is returned for the caller to judge.
+  // Every attempt together ends within opt_.request_deadline_s.
   Result<Response> Perform(const Request& req) {
     std::mt19937_64 jitter(std::random_device{}());
     std::string last_error;
+    using Clock = std::chrono::steady_clock;
+    const auto deadline = Clock::now() + std::chrono::seconds(std::max(1, opt_.request_deadline_s));
+    auto past_deadline = [&] {
+      return Status::IOError("S3 " + req.method + " " + req.path + " at " + opt_.endpoint +
+                             ": no complete answer within " + std::to_string(opt_.request_deadline_s) +
+                             " s (the deadline of one request, retries included; CKPT_S3_REQUEST_DEADLINE sets it)" +
+                             (last_error.empty() ? "" : "; last error: " + last_error));
+    };
     // Requests that change the store are where crash tests kill: before
     // one is sent, and once its answer is in.
     const bool mutating = req.method != "GET" && req.method != "HEAD";
     for (int attempt = 0;; ++attempt) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0) return past_deadline();
       Response resp;
       if (mutating && attempt == 0) CrashPoint();
-      CURLcode code = Once(req, &resp);
+      CURLcode code = Once(req, &resp, left);
       if (mutating && code == CURLE_OK) CrashPoint();
       if (code == CURLE_OK && !RetryableStatus(resp.status)) return resp;
+      if (code == CURLE_WRITE_ERROR && resp.overflow_bound) {
+        return Status::IOError("S3 " + req.method + " " + req.path + " at " + opt_.endpoint +
+                               ": the answer is longer than the " + std::to_string(resp.overflow_bound) +
+                               " bytes such an answer may have");
+      }
+      if (code == CURLE_OPERATION_TIMEDOUT && Clock::now() >= deadline) {
+        last_error = curl_easy_strerror(code);
+        return past_deadline();
+      }
       if (code != CURLE_OK && !RetryableTransport(code)) {
-        if (code == CURLE_WRITE_ERROR && req.read_into) {
-          return Status::IOError("S3 GET " + req.path + " at " + opt_.endpoint + ": the answer is longer than the " +
-                                 std::to_string(req.into.size()) + " bytes asked for");
-        }
         return Status::IOError("S3 " + req.method + " " + req.path + " at " + opt_.endpoint + ": " +
                                curl_easy_strerror(code));
       }
@@ -272,7 +319,9 @@ class S3Client {
                                std::to_string(attempt + 1) + " attempts: " + last_error);
       }
       const int64_t base_ms = std::min<int64_t>(100ll << attempt, 5000);
-      std::this_thread::sleep_for(std::chrono::milliseconds(base_ms / 2 + int64_t(jitter() % uint64_t(base_ms / 2 + 1))));
+      const auto pause = std::chrono::milliseconds(base_ms / 2 + int64_t(jitter() % uint64_t(base_ms / 2 + 1)));
+      if (Clock::now() + pause >= deadline) return past_deadline();
+      std::this_thread::sleep_for(pause);
     }
   }
 
@@ -334,7 +383,7 @@ class S3Client {
     return kDelete;
   }
 
-  CURLcode Once(const Request& req, Response* resp) {
+  CURLcode Once(const Request& req, Response* resp, std::chrono::milliseconds time_left) {
     sent_[KindOf(req)].fetch_add(1, std::memory_order_relaxed);
     CURL* h = pool_.Acquire();
     if (!h) return CURLE_OUT_OF_MEMORY;
@@ -354,7 +403,7 @@ class S3Client {
     }
     if (req.has_body) headers = curl_slist_append(headers, "Content-Type: application/octet-stream");
     if (req.if_none_match) headers = curl_slist_append(headers, "If-None-Match: *");
-    Sink sink{resp, req.into, req.read_into, h};
+    Sink sink{resp, req.into, req.read_into, req.max_body, h};
     curl_easy_setopt(h, CURLOPT_URL, url.c_str());
     curl_easy_setopt(h, CURLOPT_AWS_SIGV4, sigv4_.c_str());
     curl_easy_setopt(h, CURLOPT_USERNAME, opt_.access_key.c_str());
@@ -365,6 +414,7 @@ class S3Client {
     curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(opt_.connect_timeout_ms));
     curl_easy_setopt(h, CURLOPT_LOW_SPEED_LIMIT, 1L);
     curl_easy_setopt(h, CURLOPT_LOW_SPEED_TIME, static_cast<long>(opt_.stall_timeout_s));
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, static_cast<long>(std::max<int64_t>(1, time_left.count())));
     curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, WriteBody);
     curl_easy_setopt(h, CURLOPT_WRITEDATA, &sink);
     curl_easy_setopt(h, CURLOPT_HEADERFUNCTION, WriteHeader);
@@ -386,6 +436,7 @@ class S3Client {
       curl_easy_getinfo(h, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &length);
       resp->content_length = length;
     }
+    if (sink.overflow) resp->overflow_bound = sink.overflow_bound;
     curl_slist_free_all(headers);
     pool_.Release(h);
     return code;
@@ -546,9 +597,11 @@ class S3Backend final : public Backend {
   }
 
   // One GET (the default asks for the size first).
-  Result<std::string> ReadAll(std::string_view key) override {
+  Result<std::string> ReadAll(std::string_view key, uint64_t max_bytes) override {
     CKPT_RETURN_IF_ERROR(CheckKey(key));
-    CKPT_ASSIGN_OR_RETURN(Response r, client_->Call(MakeRequest("GET", client_->ObjectPath(key)), Quoted(key)));
+    Request req = MakeRequest("GET", client_->ObjectPath(key));
+    req.max_body = max_bytes;
+    CKPT_ASSIGN_OR_RETURN(Response r, client_->Call(req, Quoted(key)));
     if (r.content_length >= 0 && static_cast<uint64_t>(r.content_length) != r.body.size()) {
       return Status::IOError("S3 GET " + Quoted(key) + " in " + client_->Where() + ": the answer is " +
                              std::to_string(r.body.size()) + " bytes, not " + std::to_string(r.content_length));
@@ -596,21 +649,37 @@ class S3Backend final : public Backend {
     return static_cast<uint64_t>(r.content_length);
   }
 
+  // Keys outside the prefix asked for are an error (the server is broken or
+  // hostile); keys under it that ckptfs cannot have written (not valid
+  // object keys) are left out, so nothing built from a listing ever names
+  // an object outside this repository.
   Result<std::vector<std::string>> List(std::string_view prefix) override {
     std::vector<std::string> keys;
     const std::string full = client_->FullKey(prefix);
     const size_t strip = client_->location().prefix.empty() ? 0 : client_->location().prefix.size() + 1;
     std::string token;
+    std::set<std::string> tokens_seen;
     for (;;) {
       Query q = {{"list-type", "2"}, {"prefix", full}};
       if (!token.empty()) q.emplace_back("continuation-token", token);
-      CKPT_ASSIGN_OR_RETURN(Response r, client_->Call(MakeRequest("GET", client_->BucketPath(), q), "listing"));
+      Request req = MakeRequest("GET", client_->BucketPath(), q);
+      req.max_body = kMaxListingPage;
+      CKPT_ASSIGN_OR_RETURN(Response r, client_->Call(req, "listing"));
       for (std::string& k : XmlAll(r.body, "Key")) {
-        if (k.size() >= strip) keys.push_back(k.substr(strip));
+        if (k.compare(0, full.size(), full) != 0) {
+          return Status::Corruption("S3 listing of " + client_->Where() + " under '" + full +
+                                    "' returned a key outside it: the store is not answering what was asked");
+        }
+        std::string key = k.substr(strip);
+        if (IsValidObjectKey(key)) keys.push_back(std::move(key));
       }
       if (XmlFirst(r.body, "IsTruncated") != "true") break;
       token = XmlFirst(r.body, "NextContinuationToken");
       if (token.empty()) return Status::IOError("S3 listing of " + client_->Where() + " is truncated without a token");
+      if (!tokens_seen.insert(token).second) {
+        return Status::IOError("S3 listing of " + client_->Where() +
+                               " repeats a continuation token: the store's listing does not end");
+      }
     }
     std::sort(keys.begin(), keys.end());
     return keys;
@@ -621,17 +690,41 @@ class S3Backend final : public Backend {
     return client_->Call(MakeRequest("DELETE", client_->ObjectPath(key)), Quoted(key)).status();
   }
 
+  // Aborts the unfinished multipart uploads under this backend's prefix.
+  // Only keys this backend could have written are aborted (valid object
+  // keys under the prefix, built into the request path the way every other
+  // request's is): a listed key such as "run/../../other-bucket/x" is
+  // skipped, never sent.
   Status RemoveIncomplete() override {
     const std::string prefix = client_->location().prefix.empty() ? "" : client_->location().prefix + "/";
-    CKPT_ASSIGN_OR_RETURN(Response r, client_->Call(MakeRequest("GET", client_->BucketPath(),
-                                                               {{"prefix", prefix}, {"uploads", ""}}),
-                                                   "multipart uploads"));
-    const auto keys = XmlAll(r.body, "Key");
-    const auto ids = XmlAll(r.body, "UploadId");
-    for (size_t i = 0; i < keys.size() && i < ids.size(); ++i) {
-      Request abort = MakeRequest("DELETE", "/" + client_->location().bucket + "/" + keys[i], {{"uploadId", ids[i]}});
-      CKPT_ASSIGN_OR_RETURN(Response a, client_->Perform(abort));
-      if ((a.status < 200 || a.status >= 300) && a.status != 404) return client_->ErrorOf(abort, a, "upload of " + keys[i]);
+    std::string key_marker, id_marker;
+    std::set<std::pair<std::string, std::string>> markers_seen;
+    for (;;) {
+      Query q = {{"prefix", prefix}, {"uploads", ""}};
+      if (!key_marker.empty()) q.emplace_back("key-marker", key_marker);
+      if (!id_marker.empty()) q.emplace_back("upload-id-marker", id_marker);
+      Request list = MakeRequest("GET", client_->BucketPath(), q);
+      list.max_body = kMaxListingPage;
+      CKPT_ASSIGN_OR_RETURN(Response r, client_->Call(list, "multipart uploads"));
+      for (const std::string& upload : XmlAll(r.body, "Upload")) {
+        const std::string full = XmlFirst(upload, "Key");
+        const std::string id = XmlFirst(upload, "UploadId");
+        if (id.empty() || full.compare(0, prefix.size(), prefix) != 0) continue;
+        const std::string key = full.substr(prefix.size());
+        if (!IsValidObjectKey(key)) continue;
+        Request abort = MakeRequest("DELETE", client_->ObjectPath(key), {{"uploadId", id}});
+        CKPT_ASSIGN_OR_RETURN(Response a, client_->Perform(abort));
+        if ((a.status < 200 || a.status >= 300) && a.status != 404) {
+          return client_->ErrorOf(abort, a, "upload of " + Quoted(key));
+        }
+      }
+      if (XmlFirst(r.body, "IsTruncated") != "true") break;
+      key_marker = XmlFirst(r.body, "NextKeyMarker");
+      id_marker = XmlFirst(r.body, "NextUploadIdMarker");
+      if (key_marker.empty() || !markers_seen.emplace(key_marker, id_marker).second) {
+        return Status::IOError("S3 listing of multipart uploads in " + client_->Where() +
+                               " is truncated without a new marker: the store's listing does not end");
+      }
     }
     return Status::OK();
   }
@@ -692,6 +785,15 @@ Result<S3Options> S3Options::FromEnvironment() {
   o.session_token = env("AWS_SESSION_TOKEN");
   if (o.access_key.empty() || o.secret_key.empty()) {
     return Status::InvalidArgument("no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY");
+  }
+  if (std::string d = env("CKPT_S3_REQUEST_DEADLINE"); !d.empty()) {
+    char* end = nullptr;
+    const long seconds = std::strtol(d.c_str(), &end, 10);
+    if (*end != '\0' || seconds < 1 || seconds > 86400) {
+      return Status::InvalidArgument("CKPT_S3_REQUEST_DEADLINE must be a number of seconds from 1 to 86400, not '" +
+                                     d + "'");
+    }
+    o.request_deadline_s = static_cast<int>(seconds);
   }
   return o;
 }

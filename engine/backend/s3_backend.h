@@ -58,11 +58,15 @@ struct S3Options {
   int max_retries = 5;               // after the first attempt; backoff 0.1 s doubling
   int connect_timeout_ms = 5000;
   int stall_timeout_s = 30;          // a transfer making no progress this long fails (and is retried)
+  // One request, all its retries included, ends within this many seconds:
+  // a server that trickles an answer cannot hold a command for hours.
+  int request_deadline_s = 600;
   bool reuse_connections = true;     // keep-alive; off, every request has its own connection
 
   // AWS_ENDPOINT_URL (required: there is no default endpoint), AWS_REGION
   // (default us-east-1), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
-  // AWS_SESSION_TOKEN. InvalidArgument naming what is missing.
+  // AWS_SESSION_TOKEN; CKPT_S3_REQUEST_DEADLINE (seconds, default 600).
+  // InvalidArgument naming what is missing or malformed.
   static Result<S3Options> FromEnvironment();
 };
 

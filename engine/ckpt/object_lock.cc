@@ -68,7 +68,7 @@ Result<std::vector<ObjectLockInfo>> ReadObjectLocks(Backend& backend, const Obje
   std::vector<ObjectLockInfo> out;
   for (const std::string& key : keys) {
     if (exclusive_only && key.starts_with(shared_prefix)) continue;
-    auto body = backend.ReadAll(key);
+    auto body = backend.ReadAll(key, kMaxSmallObject);
     if (!body.ok()) {
       if (body.status().IsNotFound()) continue;  // released meanwhile
       return body.status();

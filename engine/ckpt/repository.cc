@@ -165,7 +165,16 @@ Result<RepositoryConfig> ParseRepositoryConfig(const std::string& text, const st
     if (!rid || !rid->is_string() || rid->as_string().empty()) {
       return Status::Corruption(file + ": 'repository_id' is missing");
     }
-    *id = rid->as_string();
+    // It names this host's state directory: a safe file name only.
+    const std::string& s = rid->as_string();
+    const bool safe = s.size() <= 64 && std::all_of(s.begin(), s.end(), [](char ch) {
+      return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '_' || ch == '-';
+    });
+    if (!safe) {
+      return Status::Corruption(file + ": 'repository_id' must be 1 to 64 of [A-Za-z0-9_-] (ckpt init writes 32 hex "
+                                       "digits); this store's is not, and is not used");
+    }
+    *id = s;
   }
   return c;
 }
@@ -371,19 +380,60 @@ Status InitRemote(const std::string& url, const RepositoryConfig& config) {
   return InitStore(*r.root, url, config);
 }
 
-// The directory where this host keeps the catalog of repository `id`.
-std::string CacheDirFor(const OpenOptions& options, const std::string& id) {
+// The directory where this host keeps the catalog of repository `id`. With
+// no cache directory given and neither XDG_CACHE_HOME nor HOME set, there is
+// no place that belongs to this user alone: refused (a predictable shared
+// directory such as /tmp/NAME could be prepared by another local user).
+Result<std::string> CacheDirFor(const OpenOptions& options, const std::string& id) {
   if (!options.cache_dir.empty()) return options.cache_dir;
-  if (const char* env = std::getenv("CKPT_CACHE_DIR"); env && *env) return env;
+  if (const char* env = std::getenv("CKPT_CACHE_DIR"); env && *env) return std::string(env);
   std::string base;
   if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) {
     base = xdg;
   } else if (const char* home = std::getenv("HOME"); home && *home) {
     base = std::string(home) + "/.cache";
   } else {
-    base = "/tmp/ckptfs-cache-" + std::to_string(::getuid());
+    return Status::FailedPrecondition(
+        "no cache directory for this host's catalog of the repository: HOME and XDG_CACHE_HOME are unset; give "
+        "--cache-dir DIR (or CKPT_CACHE_DIR)");
   }
   return base + "/ckptfs/" + id;
+}
+
+// Creates `dir` and its missing parents with owner-only permissions.
+// Refuses to follow a symbolic link owned by another user (root's are
+// trusted) and a final directory that belongs to another user: either could
+// hand this user's catalog to someone else.
+Status MakePrivateDirectory(const std::string& dir) {
+  const uid_t me = ::geteuid();
+  std::string path;
+  size_t pos = 0;
+  while (pos <= dir.size()) {
+    size_t next = dir.find('/', pos);
+    if (next == std::string::npos) next = dir.size();
+    path = dir.substr(0, next);
+    pos = next + 1;
+    if (path.empty() || path == "." || path == "..") continue;
+    struct stat sb;
+    if (::lstat(path.c_str(), &sb) != 0) {
+      if (errno != ENOENT) return Status::FromErrno(errno, "cache directory " + path);
+      if (::mkdir(path.c_str(), 0700) != 0 && errno != EEXIST) return Status::FromErrno(errno, "creating " + path);
+      if (::lstat(path.c_str(), &sb) != 0) return Status::FromErrno(errno, "cache directory " + path);
+    }
+    if (S_ISLNK(sb.st_mode) && sb.st_uid != me && sb.st_uid != 0) {
+      return Status::FailedPrecondition("cache directory " + dir + ": " + path + " is a symbolic link owned by user " +
+                                        std::to_string(sb.st_uid) + ", not followed; give --cache-dir DIR");
+    }
+  }
+  struct stat sb;
+  if (::lstat(dir.c_str(), &sb) != 0) return Status::FromErrno(errno, "cache directory " + dir);
+  if (S_ISLNK(sb.st_mode) && ::stat(dir.c_str(), &sb) != 0) return Status::FromErrno(errno, "cache directory " + dir);
+  if (!S_ISDIR(sb.st_mode)) return Status::FailedPrecondition("cache directory " + dir + " is not a directory");
+  if (sb.st_uid != me) {
+    return Status::FailedPrecondition("cache directory " + dir + " belongs to user " + std::to_string(sb.st_uid) +
+                                      ", not to this user; give --cache-dir DIR");
+  }
+  return Status::OK();
 }
 
 // Makes `dir` the state directory of repository `id` at `url`: a directory
@@ -393,8 +443,7 @@ std::string CacheDirFor(const OpenOptions& options, const std::string& id) {
 // only a cache.
 Status ClaimCacheDir(const std::string& dir, const std::string& url, const std::string& id) {
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) return Status::IOError("creating cache directory " + dir + ": " + ec.message());
+  CKPT_RETURN_IF_ERROR(MakePrivateDirectory(dir));
   const std::string marker = dir + "/repository";
   const std::string want = id + " " + url + "\n";
   std::ifstream in(marker);
@@ -442,7 +491,7 @@ struct LocatedStore {
 // Reads the config at the top of `store` (`where` names it in messages)
 // and claims this host's state directory for the repository.
 Result<LocatedStore> LocateStore(Backend& store, const std::string& where, const OpenOptions& options) {
-  auto text = store.ReadAll(kConfigFile);
+  auto text = store.ReadAll(kConfigFile, kMaxSmallObject);
   if (!text.ok()) {
     if (text.status().IsNotFound() && text.status().message().rfind("bucket", 0) != 0) {
       return Status::NotFound("no ckptfs repository at '" + where + "' (it has no " + kConfigFile +
@@ -453,7 +502,7 @@ Result<LocatedStore> LocateStore(Backend& store, const std::string& where, const
   LocatedStore r;
   std::string id;
   CKPT_ASSIGN_OR_RETURN(r.config, ParseRepositoryConfig(*text, where, where + "/" + kConfigFile, &id));
-  r.state_dir = CacheDirFor(options, id);
+  CKPT_ASSIGN_OR_RETURN(r.state_dir, CacheDirFor(options, id));
   CKPT_RETURN_IF_ERROR(ClaimCacheDir(r.state_dir, where, id));
   return r;
 }

@@ -789,7 +789,7 @@ Status WriterImpl::CommitToStore(const std::vector<SealedPack>& sealed, CommitRe
   const std::string claim = "rank " + std::to_string(options_.rank) + " " + RandomHex(16);
   Status claimed = store.PutIfAbsent(claim_key, std::as_bytes(std::span(claim)));
   if (claimed.IsAlreadyExists()) {
-    auto holder = store.ReadAll(claim_key);
+    auto holder = store.ReadAll(claim_key, kMaxSmallObject);
     if (!holder.ok() && !holder.status().IsNotFound()) return holder.status();
     if (!holder.ok() || *holder != claim) return Status::OK();  // another rank commits (or did)
   } else {
