@@ -68,7 +68,11 @@ struct OpenOptions {
   size_t cache_bytes = 512ull << 20;      // decoded-chunk cache bound
   // Repositories on S3: where this host keeps its catalog. Empty:
   // $CKPT_CACHE_DIR, else a directory per repository under
-  // $XDG_CACHE_HOME/ckptfs (default ~/.cache/ckptfs).
+  // $XDG_CACHE_HOME/ckptfs (default ~/.cache/ckptfs); with neither HOME nor
+  // XDG_CACHE_HOME set, Open fails (FailedPrecondition) rather than use a
+  // shared place such as /tmp. Directories it creates are owner-only (0700);
+  // a symbolic link on the way owned by another user (not root), or a final
+  // directory owned by another user, is refused.
   std::string cache_dir;
   // Repositories on S3: how long a save or gc waits for a conflicting lock
   // (a gc on another host, or saves) before it fails naming the holder.

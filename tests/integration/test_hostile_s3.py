@@ -51,11 +51,13 @@ class HostileStore(unittest.TestCase):
         self.server.state.mode = "honest"
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def ckpt(self, *args, ok=True):
+    def ckpt(self, *args, ok=True, without=()):
         """Runs ckpt; returns (exit code, stdout bytes, stderr text, seconds, its own peak RSS in bytes)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "CKPT_"))}
         env.update(AWS_ENDPOINT_URL=self.server.endpoint, AWS_ACCESS_KEY_ID="hostile", AWS_SECRET_ACCESS_KEY="secret",
                    HOME=self.home, CKPT_REPO=self.url, CKPT_S3_REQUEST_DEADLINE=str(DEADLINE_S))
+        for name in without:
+            env.pop(name, None)
         t0 = time.monotonic()
         p = subprocess.Popen([CKPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=self.cwd)
         killer = threading.Timer(120, lambda: p.send_signal(signal.SIGKILL))
@@ -69,8 +71,8 @@ class HostileStore(unittest.TestCase):
             self.assertEqual(p.returncode, 0, err.decode(errors="replace"))
         return p.returncode, out, err.decode(errors="replace"), seconds, usage.ru_maxrss * 1024
 
-    def refused(self, *args, says):
-        code, _, err, seconds, rss = self.ckpt(*args, ok=False)
+    def refused(self, *args, says, without=()):
+        code, _, err, seconds, rss = self.ckpt(*args, ok=False, without=without)
         self.assertNotEqual(code, 0, f"ckpt {args} succeeded against a hostile store")
         self.assertNotEqual(code, -signal.SIGKILL, f"ckpt {args} hung")
         lines = err.strip().splitlines()
@@ -96,6 +98,16 @@ class HostileStore(unittest.TestCase):
         self.assertIn("ckptfs.json", line)
         self.assertFalse(os.path.exists(target))
         self.assertEqual(sorted(os.listdir(caches)), before)
+
+    def test_no_home_means_a_clear_error_not_a_shared_directory(self):
+        shared = f"/tmp/ckptfs-cache-{os.getuid()}"
+        existed = os.path.exists(shared)
+        self.refused("ls", says="HOME and XDG_CACHE_HOME are unset; give --cache-dir DIR", without=("HOME",
+                                                                                                  "XDG_CACHE_HOME"))
+        self.assertEqual(os.path.exists(shared), existed)
+        _, out, _, _, _ = self.ckpt("ls", "--cache-dir", os.path.join(self.home, "given"), without=("HOME",))
+        self.assertIn(b"step-1", out)
+        self.assertEqual(os.stat(os.path.join(self.home, "given")).st_mode & 0o777, 0o700)
 
     def test_bodies_that_never_end_are_cut_at_their_bound(self):
         self.server.state.mode = "endless-config"

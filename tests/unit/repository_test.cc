@@ -3,6 +3,7 @@
 #include "ckpt/repository.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -643,6 +644,61 @@ TEST(RepositoryOnAStore, HostsSharingOneStoreSeeEachOthersCheckpoints) {
   EXPECT_TRUE(out == w);
   EXPECT_FALSE(store->List("objects/packs/")->empty());
   EXPECT_FALSE(std::filesystem::exists(dir / "a/objects"));
+}
+
+TEST(RepositoryOnAStore, HostileIdsAndForeignStateDirectoriesAreRefused) {
+  TempDir dir;
+  std::shared_ptr<Backend> store = NewMemoryBackend();
+  ASSERT_OK(Repository::Init(*store, RepositoryConfig{}));
+  const std::string honest = *store->ReadAll("ckptfs.json");
+  const size_t at = honest.find("\"repository_id\"");
+  ASSERT_NE(at, std::string::npos);
+  const size_t value = honest.find('"', honest.find(':', at)) + 1;
+  const size_t end = honest.find('"', value);
+  OpenOptions o;
+  o.threads = 1;
+  // The id names a directory of the cache: a path, a name too long, or
+  // characters outside [A-Za-z0-9_-] are refused before anything is made.
+  for (const std::string& evil : std::vector<std::string>{"../../escaped", "a/b", std::string(65, 'a'), "x y", ".."}) {
+    std::string config = honest;
+    config.replace(value, end - value, evil);
+    ASSERT_OK(store->Put("ckptfs.json", std::as_bytes(std::span(config))));
+    auto r = Repository::Open(store, {.cache_dir = dir / "never"});
+    EXPECT_TRUE(r.status().IsCorruption()) << evil << ": " << r.status().ToString();
+    EXPECT_NE(r.status().message().find("'repository_id' must be 1 to 64 of [A-Za-z0-9_-]"), std::string::npos);
+    EXPECT_FALSE(std::filesystem::exists(dir / "never")) << evil;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/../escaped"));
+  ASSERT_OK(store->Put("ckptfs.json", std::as_bytes(std::span(honest))));
+
+  // A cache directory made here is the user's alone.
+  o.cache_dir = dir / "mine/state";
+  {
+    auto mine = Repository::Open(store, o);
+    ASSERT_OK(mine);
+  }
+  struct stat sb;
+  ASSERT_EQ(::stat((dir / "mine").c_str(), &sb), 0);
+  EXPECT_EQ(sb.st_mode & 0777, 0700u);
+  ASSERT_EQ(::stat((dir / "mine/state").c_str(), &sb), 0);
+  EXPECT_EQ(sb.st_mode & 0777, 0700u);
+  if (::geteuid() != 0) GTEST_SKIP() << "the foreign-owner checks need root (chown)";
+  // Another user's symbolic link on the way is not followed; another user's
+  // directory is not used.
+  std::filesystem::create_directory(dir / "elsewhere");
+  std::filesystem::create_directory_symlink(dir / "elsewhere", dir / "link");
+  ASSERT_EQ(::lchown((dir / "link").c_str(), 4321, 4321), 0);
+  o.cache_dir = dir / "link/state";
+  auto via_link = Repository::Open(store, o);
+  EXPECT_EQ(via_link.status().code(), StatusCode::kFailedPrecondition) << via_link.status().ToString();
+  EXPECT_NE(via_link.status().message().find("symbolic link owned by user 4321"), std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(dir / "elsewhere/state"));
+  std::filesystem::create_directory(dir / "theirs");
+  ASSERT_EQ(::chown((dir / "theirs").c_str(), 4321, 4321), 0);
+  o.cache_dir = dir / "theirs";
+  auto foreign = Repository::Open(store, o);
+  EXPECT_EQ(foreign.status().code(), StatusCode::kFailedPrecondition) << foreign.status().ToString();
+  EXPECT_NE(foreign.status().message().find("belongs to user 4321"), std::string::npos);
 }
 
 }  // namespace
