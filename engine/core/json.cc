@@ -149,7 +149,7 @@ namespace {
 
 class Parser {
  public:
-  explicit Parser(std::string_view s) : s_(s) {}
+  Parser(std::string_view s, size_t max_values) : s_(s), values_left_(max_values) {}
 
   Result<Json> ParseDocument() {
     Json v;
@@ -178,6 +178,10 @@ class Parser {
 
   Status ParseValue(Json& out, int depth) {
     if (depth > kMaxDepth) return Error("nesting too deep");
+    // Each value costs a node of about a hundred bytes whatever its text:
+    // "[0,0,0,...]" would cost fifty times its size.
+    if (values_left_ == 0) return Error("more values than such a document may hold");
+    --values_left_;
     SkipSpace();
     if (pos_ >= s_.size()) return Error("unexpected end");
     char c = s_[pos_];
@@ -401,10 +405,13 @@ class Parser {
 
   std::string_view s_;
   size_t pos_ = 0;
+  size_t values_left_;
 };
 
 }  // namespace
 
-Result<Json> Json::Parse(std::string_view text) { return Parser(text).ParseDocument(); }
+Result<Json> Json::Parse(std::string_view text, size_t max_values) {
+  return Parser(text, max_values).ParseDocument();
+}
 
 }  // namespace ckptfs

@@ -74,7 +74,10 @@ class Json {
 
   // Compact (indent < 0) or pretty-printed.
   std::string Dump(int indent = -1) const;
-  static Result<Json> Parse(std::string_view text);
+  // InvalidArgument for text that is not one JSON value, nests deeper than
+  // 64, or holds more than `max_values` values (each costs a node whatever
+  // its text's length: bound it for untrusted input).
+  static Result<Json> Parse(std::string_view text, size_t max_values = SIZE_MAX);
 
  private:
   void DumpTo(std::string& out, int indent, int level) const;

@@ -13,7 +13,10 @@
 namespace ckptfs {
 
 Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t data_size) {
-  auto parsed = Json::Parse(json);
+  // A real header spends far more than 4 bytes per value ("dtype":"F32"),
+  // and no checkpoint has millions of tensors in one file: the bound keeps
+  // a hostile header of tiny values from costing gigabytes.
+  auto parsed = Json::Parse(json, std::min<size_t>(json.size() / 4 + 64, kMaxSafetensorsValues));
   if (!parsed.ok()) return Status::InvalidArgument("header is not valid JSON: " + parsed.status().message());
   if (!parsed->is_object()) return Status::InvalidArgument("header is not a JSON object");
   SafetensorsHeader h;
@@ -89,7 +92,7 @@ Result<std::vector<SafetensorsShard>> ShardsOfSafetensors(const SafetensorsHeade
   auto bad = [](const std::string& what) {
     return Status::InvalidArgument(std::string("__metadata__ \"") + kShardsMetadataKey + "\": " + what);
   };
-  auto j = Json::Parse(*map_text);
+  auto j = Json::Parse(*map_text, map_text->size() / 4 + 64);
   if (!j.ok()) return bad(j.status().message());
   if (!j->is_object()) return bad("is not a JSON object");
   auto uints = [](const Json& array, std::vector<uint64_t>* v) {
@@ -138,7 +141,7 @@ Result<std::vector<SafetensorsShard>> ShardsOfSafetensors(const SafetensorsHeade
 }
 
 Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // a FIFO must not block here
   if (fd < 0) return Status::FromErrno(errno, "opening " + path);
   struct stat sb;
   if (::fstat(fd, &sb) != 0) {

@@ -20,6 +20,8 @@ namespace ckptfs {
 // Headers larger than this are rejected as malformed (the reference
 // implementation's limit).
 inline constexpr uint64_t kMaxSafetensorsHeader = 100ull << 20;
+// At most this many JSON values in a header, and one per 4 bytes of it.
+inline constexpr size_t kMaxSafetensorsValues = 4u << 20;
 
 struct SafetensorsTensor {
   std::string name;

@@ -4,6 +4,7 @@ import os
 import pathlib
 import struct
 import subprocess
+import time
 import unittest
 
 import numpy as np
@@ -296,6 +297,29 @@ class BadInput(CkptTestCase):
         with open(p, "wb") as f:
             f.write(struct.pack("<Q", len(h)) + h + data)
         return p
+
+    def test_inputs_that_are_not_regular_files_are_refused_at_once(self):
+        fifo = self.path("fifo")
+        os.mkfifo(fifo)
+        os.mkdir(self.path("dir"))
+        good = self.path("good.safetensors")
+        cases = [(("import", "x", fifo), "not a regular file"),
+                 (("import", "x", good, "--blob", "z=/dev/zero"), "not a regular file"),
+                 (("import", "x", good, "--blob", f"f={fifo}"), "not a regular file"),
+                 (("import", "x", good, "--blob", f"d={self.path('dir')}"), "not a regular file"),
+                 (("import", "x", good, "--blob", f"m={self.path('missing')}"), "missing")]
+        for args, says in cases:
+            t0 = time.monotonic()
+            err = self.error_of(*args)  # a FIFO or /dev/zero would block or fill memory
+            self.assertLess(time.monotonic() - t0, 30, args)
+            self.assertIn(says, err, args)
+            self.assertEqual(len(err.strip().splitlines()), 1, err)
+        self.assert_intact()
+        # A symbolic link to a regular file (as in Hugging Face's cache) is fine.
+        os.symlink(good, self.path("link.safetensors"))
+        os.symlink(good, self.path("blob-link"))
+        self.run_ckpt("import", "linked", self.path("link.safetensors"), "--blob", f"b={self.path('blob-link')}")
+        self.assertEqual(self.run_ckpt("cat", "linked", "b", "--blob").stdout, open(good, "rb").read())
 
     def test_malformed_safetensors(self):
         good = pathlib.Path(self.path("good.safetensors")).read_bytes()

@@ -20,6 +20,13 @@ TEST(Json, RoundTripsNestedValues) {
   EXPECT_EQ(again->Dump(), j->Dump());
 }
 
+TEST(Json, ValuesAreCountedAgainstTheirBound) {
+  EXPECT_TRUE(Json::Parse("[1, [2, 3], {\"a\": 4}]", 7).ok());  // seven values: keys are not counted
+  auto over = Json::Parse("[1, [2, 3], {\"a\": 4}]", 6);
+  ASSERT_FALSE(over.ok());
+  EXPECT_NE(over.status().message().find("more values than such a document may hold"), std::string::npos);
+}
+
 TEST(Json, RejectsMalformedInputWithPosition) {
   for (const char* bad : {"", "{", "[1,]", "{\"a\" 1}", "{\"a\":1,\"a\":2}", "\"unterminated", "tru", "01x", "[1] 2",
                           "\"\\ud800\""}) {

@@ -60,6 +60,27 @@ TEST(Safetensors, RejectsMalformedHeaders) {
   }
 }
 
+TEST(Safetensors, AHeaderOfTinyValuesIsRefusedBeforeItCostsGigabytes) {
+  // 10 MiB of "0," would be 5 Mi JSON nodes (about half a gigabyte).
+  std::string tiny = R"({"__metadata__": {"k": "v"}, "x": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}, "a": [)";
+  while (tiny.size() < (10u << 20)) tiny += "0,";
+  tiny += "0]}";
+  auto h = ParseSafetensorsHeader(tiny, 0);
+  ASSERT_FALSE(h.ok());
+  EXPECT_NE(h.status().message().find("more values than such a document may hold"), std::string::npos)
+      << h.status().message();
+  // A real header of many tensors is far below the bound.
+  std::string many = "{";
+  for (int i = 0; i < 20000; ++i) {
+    if (i) many += ",";
+    many += "\"layer." + std::to_string(i) + R"(.w": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]})";
+  }
+  many += "}";
+  auto ok = ParseSafetensorsHeader(many, 0);
+  ASSERT_OK(ok);
+  EXPECT_EQ(ok->tensors.size(), 20000u);
+}
+
 TEST(Safetensors, RejectsBadFiles) {
   TempDir dir;
   EXPECT_FALSE(OpenBytes(dir, "abc").ok());                          // too short

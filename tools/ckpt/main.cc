@@ -166,7 +166,11 @@ Status AddImportPath(const std::string& path, ImportInputs* in) {
   return Status::OK();
 }
 
-// The whole of a regular file, refusing anything larger than `limit`.
+// Blobs are held in memory whole while a checkpoint is imported.
+constexpr uint64_t kMaxBlobBytes = uint64_t{1} << 30;
+
+// A regular file (after symbolic links) of at most `limit` bytes, whole.
+// Opened without blocking, so a FIFO is refused instead of waited on.
 Result<std::string> ReadRegularFile(const std::string& path, uint64_t limit) {
   int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return Status::FromErrno(errno, "opening " + path);
@@ -178,7 +182,7 @@ Result<std::string> ReadRegularFile(const std::string& path, uint64_t limit) {
   if (static_cast<uint64_t>(st.st_size) > limit) {
     ::close(fd);
     return Status::InvalidArgument(path + " has " + std::to_string(st.st_size) + " bytes, more than the " +
-                                   std::to_string(limit) + " a blob from a model directory may have");
+                                   std::to_string(limit) + " such a file may have");
   }
   std::string data(static_cast<size_t>(st.st_size), '\0');
   size_t done = 0;
@@ -203,7 +207,7 @@ Status CheckSafetensorsIndex(const std::string& index_path,
                              const std::vector<std::unique_ptr<SafetensorsFile>>& files) {
   auto text = ReadRegularFile(index_path, 64 << 20);
   if (!text.ok()) return text.status();
-  auto index = Json::Parse(*text);
+  auto index = Json::Parse(*text, text->size() / 4 + 64);
   if (!index.ok()) return index.status().WithContext(index_path);
   const Json* map = index->Find("weight_map");
   if (!map || !map->is_object()) return Status::InvalidArgument(index_path + ": no \"weight_map\" object");
@@ -310,7 +314,7 @@ int CmdImport(const Args& args) {
   };
   std::vector<BlobInput> blobs;
   for (const auto& [blob_name, path] : inputs.blob_files) {
-    auto data = ReadRegularFile(path, uint64_t{1} << 30);
+    auto data = ReadRegularFile(path, kMaxBlobBytes);
     if (!data.ok()) return Fail(data.status());
     total += data->size();
     blobs.push_back({blob_name, std::move(data).value()});
@@ -318,14 +322,11 @@ int CmdImport(const Args& args) {
   for (const auto& b : args.All("blob")) {
     size_t eq = b.find('=');
     if (eq == std::string::npos || eq == 0) return UsageError(Status::InvalidArgument("--blob must be NAME=FILE, not '" + b + "'"));
-    FILE* fp = std::fopen(b.substr(eq + 1).c_str(), "rb");
-    if (!fp) return Fail(Status::FromErrno(errno, "opening " + b.substr(eq + 1)));
-    std::string data;
-    char buf[1 << 16];
-    size_t n;
-    while ((n = std::fread(buf, 1, sizeof buf, fp)) > 0) data.append(buf, n);
-    std::fclose(fp);
-    blobs.push_back({b.substr(0, eq), std::move(data)});
+    // A regular file after symbolic links (not a FIFO, a device such as
+    // /dev/zero, or a directory), read whole with every error checked.
+    auto data = ReadRegularFile(b.substr(eq + 1), kMaxBlobBytes);
+    if (!data.ok()) return Fail(data.status().WithContext("--blob " + b.substr(0, eq)));
+    blobs.push_back({b.substr(0, eq), std::move(data).value()});
     total += blobs.back().data.size();
   }
   int rc = kExitOk;
