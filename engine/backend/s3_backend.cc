@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/crash_point.h"
+#include "core/text.h"
 
 namespace ckptfs {
 
@@ -257,12 +258,13 @@ class S3Client {
   S3Client(S3Location location, S3Options options) : loc_(std::move(location)), opt_(std::move(options)) {
     GlobalInit();
     while (!opt_.endpoint.empty() && opt_.endpoint.back() == '/') opt_.endpoint.pop_back();
+    shown_ = RedactUrl(opt_.endpoint);
     sigv4_ = "aws:amz:" + opt_.region + ":s3";
   }
 
   const S3Location& location() const { return loc_; }
   const S3Options& options() const { return opt_; }
-  std::string Where() const { return loc_.ToString() + " at " + opt_.endpoint; }
+  std::string Where() const { return loc_.ToString() + " at " + shown_; }
 
   std::string ObjectPath(std::string_view key) const {
     std::string p = "/" + loc_.bucket + "/";
@@ -283,7 +285,7 @@ class S3Client {
     using Clock = std::chrono::steady_clock;
     const auto deadline = Clock::now() + std::chrono::seconds(std::max(1, opt_.request_deadline_s));
     auto past_deadline = [&] {
-      return Status::IOError("S3 " + req.method + " " + req.path + " at " + opt_.endpoint +
+      return Status::IOError("S3 " + req.method + " " + req.path + " at " + shown_ +
                              ": no complete answer within " + std::to_string(opt_.request_deadline_s) +
                              " s (the deadline of one request, retries included; CKPT_S3_REQUEST_DEADLINE sets it)" +
                              (last_error.empty() ? "" : "; last error: " + last_error));
@@ -300,7 +302,7 @@ class S3Client {
       if (mutating && code == CURLE_OK) CrashPoint();
       if (code == CURLE_OK && !RetryableStatus(resp.status)) return resp;
       if (code == CURLE_WRITE_ERROR && resp.overflow_bound) {
-        return Status::IOError("S3 " + req.method + " " + req.path + " at " + opt_.endpoint +
+        return Status::IOError("S3 " + req.method + " " + req.path + " at " + shown_ +
                                ": the answer is longer than the " + std::to_string(resp.overflow_bound) +
                                " bytes such an answer may have");
       }
@@ -309,13 +311,13 @@ class S3Client {
         return past_deadline();
       }
       if (code != CURLE_OK && !RetryableTransport(code)) {
-        return Status::IOError("S3 " + req.method + " " + req.path + " at " + opt_.endpoint + ": " +
+        return Status::IOError("S3 " + req.method + " " + req.path + " at " + shown_ + ": " +
                                curl_easy_strerror(code));
       }
       last_error = code != CURLE_OK ? std::string(curl_easy_strerror(code))
                                     : "HTTP " + std::to_string(resp.status) + " " + XmlFirst(resp.body, "Code");
       if (attempt >= opt_.max_retries) {
-        return Status::IOError("S3 " + req.method + " " + req.path + " at " + opt_.endpoint + " failed after " +
+        return Status::IOError("S3 " + req.method + " " + req.path + " at " + shown_ + " failed after " +
                                std::to_string(attempt + 1) + " attempts: " + last_error);
       }
       const int64_t base_ms = std::min<int64_t>(100ll << attempt, 5000);
@@ -330,13 +332,13 @@ class S3Client {
     const std::string code = XmlFirst(resp.body, "Code");
     const std::string tag = code.empty() ? "HTTP " + std::to_string(resp.status) : code;
     if (code == "NoSuchBucket") {
-      return Status::NotFound("bucket '" + loc_.bucket + "' does not exist at " + opt_.endpoint +
+      return Status::NotFound("bucket '" + loc_.bucket + "' does not exist at " + shown_ +
                               " ('ckpt init' creates it)");
     }
     if (resp.status == 404) return Status::NotFound(std::string(what) + " not found in " + Where());
     if (code == "InvalidAccessKeyId" || code == "SignatureDoesNotMatch" || code == "InvalidToken" ||
         code == "ExpiredToken") {
-      return Status::FailedPrecondition("S3 at " + opt_.endpoint + " refused the credentials (" + code +
+      return Status::FailedPrecondition("S3 at " + shown_ + " refused the credentials (" + code +
                                         "): check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY");
     }
     if (resp.status == 403) {
@@ -444,6 +446,7 @@ class S3Client {
 
   S3Location loc_;
   S3Options opt_;
+  std::string shown_;  // the endpoint as messages show it: no password
   std::string sigv4_;
   HandlePool pool_;
   std::array<std::atomic<uint64_t>, kKinds> sent_{};

@@ -18,6 +18,7 @@
 #include "core/encoding.h"
 #include "core/json.h"
 #include "core/random.h"
+#include "core/text.h"
 
 namespace ckptfs {
 
@@ -70,14 +71,33 @@ Status ValidateCheckpointName(const std::string& name) {
   if (name.empty() || name.size() > 200) {
     return Status::InvalidArgument("checkpoint name must have 1 to 200 characters");
   }
-  if (name[0] == '.') return Status::InvalidArgument("checkpoint name '" + name + "' starts with '.'");
+  if (name[0] == '.') {
+    return Status::InvalidArgument("checkpoint name '" + EscapeForTerminal(name) + "' starts with '.'");
+  }
   for (char c : name) {
     bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
               c == '_' || c == '-';
     if (!ok) {
-      return Status::InvalidArgument("checkpoint name '" + name +
+      return Status::InvalidArgument("checkpoint name '" + EscapeForTerminal(name) +
                                      "' may hold only letters, digits, '.', '_' and '-'");
     }
+  }
+  return Status::OK();
+}
+
+Status ValidateMemberName(std::string_view kind, std::string_view name, bool allow_empty) {
+  const std::string what(kind);
+  if (name.empty() && !allow_empty) return Status::InvalidArgument(what + " is empty");
+  if (name.size() > kMaxMemberName) {
+    return Status::InvalidArgument(what + " '" + EscapeForTerminal(name.substr(0, 40)) + "...' has " +
+                                   std::to_string(name.size()) + " bytes, more than the " +
+                                   std::to_string(kMaxMemberName) + " allowed");
+  }
+  if (!IsValidUtf8(name)) {
+    return Status::InvalidArgument(what + " '" + EscapeForTerminal(name) + "' is not valid UTF-8");
+  }
+  if (HasControlCharacter(name)) {
+    return Status::InvalidArgument(what + " '" + EscapeForTerminal(name) + "' holds a control character");
   }
   return Status::OK();
 }

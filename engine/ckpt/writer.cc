@@ -407,7 +407,7 @@ Status WriterImpl::PutShard(const TensorInfo& info, const Region& region_in, Sha
   BlockTimer timer(&blocking_);
   CKPT_RETURN_IF_ERROR(CheckUsable());
   if (first_put_ == std::chrono::steady_clock::time_point{}) first_put_ = std::chrono::steady_clock::now();
-  if (info.name.empty()) return Status::InvalidArgument("tensor name is empty");
+  CKPT_RETURN_IF_ERROR(ValidateMemberName("tensor name", info.name));
   CKPT_RETURN_IF_ERROR(ValidateRegion(info.shape, region_in).WithContext("tensor '" + info.name + "'"));
   const Region region = Normalize(info.shape, region_in);
   const uint64_t w = DTypeSize(info.dtype);
@@ -450,7 +450,7 @@ Status WriterImpl::PutBlob(const std::string& name, std::span<const std::byte> d
   BlockTimer timer(&blocking_);
   CKPT_RETURN_IF_ERROR(CheckUsable());
   if (first_put_ == std::chrono::steady_clock::time_point{}) first_put_ = std::chrono::steady_clock::now();
-  if (name.empty()) return Status::InvalidArgument("blob name is empty");
+  CKPT_RETURN_IF_ERROR(ValidateMemberName("blob name", name));
   {
     std::lock_guard lock(mu_);
     if (!blob_names_.insert(name).second) return Status::InvalidArgument("blob '" + name + "' was put twice");
@@ -892,6 +892,13 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
                                                                       const WriterOptions& options) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   CKPT_RETURN_IF_ERROR(ValidateCheckpointName(name));
+  if (name == "latest") {
+    return Status::InvalidArgument("'latest' is reserved: the mount shows it as a link to the newest checkpoint");
+  }
+  for (const auto& [key, value] : options.tags) {
+    CKPT_RETURN_IF_ERROR(ValidateMemberName("tag", key));
+    CKPT_RETURN_IF_ERROR(ValidateMemberName("tag '" + key + "' value", value, /*allow_empty=*/true));
+  }
   if (options.world_size == 0) return Status::InvalidArgument("world size must be at least 1");
   if (options.rank >= options.world_size) {
     return Status::InvalidArgument("rank " + std::to_string(options.rank) + " is out of range for world size " +

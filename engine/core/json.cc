@@ -7,6 +7,8 @@
 #include <cstring>
 #include <unordered_set>
 
+#include "core/text.h"
+
 namespace ckptfs {
 
 Json::Json(int64_t v) : type_(Type::kNumber), double_(static_cast<double>(v)) {
@@ -63,6 +65,13 @@ Json& Json::Push(Json value) {
 }
 
 void AppendJsonString(std::string& out, std::string_view s) {
+  // JSON text is UTF-8: a name that is not (an old repository's) is written
+  // with U+FFFD in place of its bad bytes rather than as invalid JSON.
+  std::string fixed;
+  if (!IsValidUtf8(s)) {
+    fixed = ToValidUtf8(s);
+    s = fixed;
+  }
   out.push_back('"');
   for (unsigned char c : s) {
     switch (c) {
@@ -323,7 +332,11 @@ class Parser {
     while (true) {
       if (pos_ >= s_.size()) return Error("unterminated string");
       char c = s_[pos_++];
-      if (c == '"') return Status::OK();
+      if (c == '"') {
+        // Dump writes only valid UTF-8: what it could not write back is refused.
+        if (!IsValidUtf8(out)) return Error("string is not valid UTF-8");
+        return Status::OK();
+      }
       if (static_cast<unsigned char>(c) < 0x20) return Error("control character in string");
       if (c != '\\') {
         out.push_back(c);

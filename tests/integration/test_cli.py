@@ -321,6 +321,21 @@ class BadInput(CkptTestCase):
         self.run_ckpt("import", "linked", self.path("link.safetensors"), "--blob", f"b={self.path('blob-link')}")
         self.assertEqual(self.run_ckpt("cat", "linked", "b", "--blob").stdout, open(good, "rb").read())
 
+    def test_names_are_checked_before_anything_is_written_and_never_printed_raw(self):
+        x = np.arange(4, dtype=np.float32)
+        st.write(self.path("ctl.safetensors"), [("ok", "F32", x), ("evil\x1b[2J", "F32", x)])
+        st.write(self.path("long.safetensors"), [("ok", "F32", x), ("n" * 301, "F32", x)])
+        before = sorted(os.listdir(os.path.join(self.repo, "objects", "packs")))
+        err = self.error_of("import", "x", self.path("ctl.safetensors"))
+        self.assertIn("evil\\x1b[2J", err)
+        self.assertNotIn("\x1b", err)
+        self.assertIn("more than the 300 allowed", self.error_of("import", "x", self.path("long.safetensors")))
+        self.assertIn("holds a control character", self.error_of("import", "x", self.path("good.safetensors"),
+                                                                 "--tag", "k=\x1b]0;owned\x07"))
+        self.assertIn("'latest' is reserved", self.error_of("import", "latest", self.path("good.safetensors")))
+        self.assertEqual(sorted(os.listdir(os.path.join(self.repo, "objects", "packs"))), before)
+        self.assert_intact()
+
     def test_malformed_safetensors(self):
         good = pathlib.Path(self.path("good.safetensors")).read_bytes()
         cases = {

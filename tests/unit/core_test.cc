@@ -10,9 +10,27 @@
 #include "core/dtype.h"
 #include "core/random.h"
 #include "core/status.h"
+#include "core/text.h"
 
 namespace ckptfs {
 namespace {
+
+TEST(Text, Utf8IsCheckedAndEscapedForTerminals) {
+  EXPECT_TRUE(IsValidUtf8("layers.0.w"));
+  EXPECT_TRUE(IsValidUtf8("\xce\xb1\xe2\x82\xac\xf0\x9f\x98\x80"));  // alpha, euro, an emoji
+  for (const char* bad : {"\xff", "\xc0\xaf", "\xe0\x80\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80", "\xe2\x82"}) {
+    EXPECT_FALSE(IsValidUtf8(bad)) << bad;  // stray, overlong, surrogate, past U+10FFFF, cut short
+  }
+  EXPECT_TRUE(HasControlCharacter("a\x1b[31mb"));
+  EXPECT_TRUE(HasControlCharacter("a\xc2\x9b"));  // C1 CSI
+  EXPECT_FALSE(HasControlCharacter("\xce\xb1 b"));
+  EXPECT_EQ(EscapeForTerminal("a\x1b[2Jb\xff\xce\xb1"), "a\\x1b[2Jb\\xff\xce\xb1");
+  EXPECT_EQ(EscapeForTerminal(EscapeForTerminal("a\x1b")), "a\\x1b");
+  EXPECT_EQ(ToValidUtf8("a\xff" "b\xce\xb1"), "a\xef\xbf\xbd" "b\xce\xb1");
+  EXPECT_EQ(RedactUrl("https://me:s3cret@s3.example.com:8443/x"), "https://me:***@s3.example.com:8443/x");
+  EXPECT_EQ(RedactUrl("http://127.0.0.1:7480"), "http://127.0.0.1:7480");
+  EXPECT_EQ(RedactUrl("http://user@host/a:b@c"), "http://user@host/a:b@c");
+}
 
 TEST(Status, OkIsCheapAndErrorsCarryCodeAndMessage) {
   Status ok;

@@ -320,6 +320,46 @@ TEST_F(SaveAndLoad, HandlesWritersAndReadersOutliveTheirRepository) {
   ExpectWhole("second", big);
 }
 
+TEST_F(SaveAndLoad, TensorBlobAndTagNamesAreCheckedBeforeTheirBytesAreWritten) {
+  auto expect_refused = [](const Status& st, const std::string& says) {
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+    EXPECT_NE(st.message().find(says), std::string::npos) << st.message();
+    EXPECT_EQ(st.message().find('\x1b'), std::string::npos) << "a raw escape in a message";
+  };
+  auto w = Begin("names");
+  const auto bytes = RandomBytes(16, 1);
+  const TensorInfo ok{"x", DType::kU8, {16}};
+  auto named = [&](std::string n) {
+    TensorInfo t = ok;
+    t.name = std::move(n);
+    return t;
+  };
+  expect_refused(w->PutTensor(named(std::string(301, 'a')), bytes), "more than the 300 allowed");
+  expect_refused(w->PutTensor(named("red\x1b[31m"), bytes), "red\\x1b[31m' holds a control character");
+  expect_refused(w->PutTensor(named("bad\xff"), bytes), "is not valid UTF-8");
+  expect_refused(w->PutBlob("blob\n", bytes), "blob name");
+  // The longest names of every kind commit and read back.
+  std::string longest;
+  while (longest.size() + 2 <= kMaxMemberName) longest += "\xce\xb1";  // 2-byte characters
+  ASSERT_OK(w->PutTensor(named(longest), bytes));
+  ASSERT_OK(w->PutBlob(longest, bytes));
+  ASSERT_OK(w->Commit().Wait());
+  w.reset();
+  const std::string long_name(200, 'c');
+  auto lw = repo_->BeginCheckpoint(long_name, {0, 1, 1, {{longest, longest}}});
+  ASSERT_OK(lw);
+  ASSERT_OK((*lw)->PutTensor(named(longest), bytes));
+  ASSERT_OK((*lw)->Commit().Wait());
+  auto r = std::move(repo_->OpenCheckpoint(long_name)).value();
+  std::vector<std::byte> got(bytes.size());
+  ASSERT_OK(r->ReadBytes(*r->FindTensor(longest), 0, got));
+  EXPECT_EQ(got, bytes);
+  expect_refused(repo_->BeginCheckpoint("latest", {0, 1, 1, {}}).status(), "'latest' is reserved");
+  expect_refused(repo_->BeginCheckpoint("t", {0, 1, 1, {{"k\x07", "v"}}}).status(), "tag 'k\\x07'");
+  expect_refused(repo_->BeginCheckpoint("t", {0, 1, 1, {{"k", "\x1b]0;title\x07"}}}).status(), "value");
+  expect_refused(repo_->BeginCheckpoint("bad\x1bname", {0, 1, 1, {}}).status(), "bad\\x1bname");
+}
+
 TEST_F(SaveAndLoad, OverlapWithDifferentBytesFailsAndStaysInvisible) {
   Ref a = MakeRef("x", DType::kI32, {8, 8}, 1);
   {

@@ -21,6 +21,7 @@
 #include "ckpt/describe.h"
 #include "cli.h"
 #include "core/json.h"
+#include "core/text.h"
 #include "io/safetensors.h"
 #ifdef CKPTFS_HAVE_FUSE
 #include "mount.h"
@@ -41,13 +42,13 @@ Result<std::string> RepoPath(const Args& args) {
 
 // A command line that cannot work: one line on stderr, exit status 2.
 int UsageError(const Status& st) {
-  std::fprintf(stderr, "ckpt: error: %s\n", st.message().c_str());
+  std::fprintf(stderr, "ckpt: error: %s\n", EscapeForTerminal(st.message()).c_str());
   return kExitUsage;
 }
 
 // The operation failed: one line on stderr, exit status 1.
 int Fail(const Status& st) {
-  std::fprintf(stderr, "ckpt: error: %s\n", st.message().c_str());
+  std::fprintf(stderr, "ckpt: error: %s\n", EscapeForTerminal(st.message()).c_str());
   return kExitError;
 }
 
@@ -285,6 +286,12 @@ int CmdImport(const Args& args) {
     size_t eq = t.find('=');
     if (eq == std::string::npos || eq == 0) return UsageError(Status::InvalidArgument("--tag must be KEY=VALUE, not '" + t + "'"));
     wopts.tags.emplace_back(t.substr(0, eq), t.substr(eq + 1));
+    if (Status st = ValidateMemberName("tag", wopts.tags.back().first); !st.ok()) return Fail(st);
+    if (Status st = ValidateMemberName("tag value", wopts.tags.back().second, true); !st.ok()) return Fail(st);
+  }
+  if (Status st = ValidateCheckpointName(name); !st.ok()) return Fail(st);
+  if (name == "latest") {
+    return Fail(Status::InvalidArgument("'latest' is reserved: the mount shows it as a link to the newest checkpoint"));
   }
   // Read and check every input before anything is written.
   ImportInputs inputs;
@@ -300,7 +307,11 @@ int CmdImport(const Args& args) {
     if (!f.ok()) return Fail(f.status());
     auto shards = ShardsOfSafetensors((*f)->header());
     if (!shards.ok()) return Fail(shards.status().WithContext(path));
-    for (const auto& t : (*f)->header().tensors) total += t.end - t.begin;
+    for (const auto& t : (*f)->header().tensors) {
+      Status name_ok = ValidateMemberName("tensor name", t.name);
+      if (!name_ok.ok()) return Fail(name_ok.WithContext(path));
+      total += t.end - t.begin;
+    }
     files.push_back(std::move(f).value());
     shard_lists.push_back(std::move(shards).value());
   }
@@ -327,6 +338,7 @@ int CmdImport(const Args& args) {
     auto data = ReadRegularFile(b.substr(eq + 1), kMaxBlobBytes);
     if (!data.ok()) return Fail(data.status().WithContext("--blob " + b.substr(0, eq)));
     blobs.push_back({b.substr(0, eq), std::move(data).value()});
+    if (Status st = ValidateMemberName("blob name", blobs.back().name); !st.ok()) return Fail(st);
     total += blobs.back().data.size();
   }
   int rc = kExitOk;
@@ -434,12 +446,14 @@ int CmdShow(const Args& args) {
   std::printf("  step:      %s\n", info.step ? std::to_string(*info.step).c_str() : "-");
   std::printf("  ranks:     %u\n", info.world_size);
   std::printf("  committed: %s\n", FormatUnixMs(info.committed_unix_ms).c_str());
-  for (const auto& [k, v] : info.tags) std::printf("  tag:       %s=%s\n", k.c_str(), v.c_str());
+  for (const auto& [k, v] : info.tags) {
+    std::printf("  tag:       %s=%s\n", EscapeForTerminal(k).c_str(), EscapeForTerminal(v).c_str());
+  }
   std::printf("  size:      %s logical, %s stored\n", HumanBytes(info.logical_bytes).c_str(), HumanBytes(stored->total).c_str());
   std::printf("\n%-40s %-8s %-18s %10s %10s  %s\n", "TENSOR", "DTYPE", "SHAPE", "SIZE", "STORED", "SHARDS");
   for (size_t i = 0; i < (*reader)->tensors().size(); ++i) {
     const TensorRecord& t = (*reader)->tensors()[i];
-    std::printf("%-40s %-8s %-18s %10s %10s  %zu\n", t.name.c_str(), std::string(DTypeName(t.dtype)).c_str(),
+    std::printf("%-40s %-8s %-18s %10s %10s  %zu\n", EscapeForTerminal(t.name).c_str(), std::string(DTypeName(t.dtype)).c_str(),
                 ShapeToString(t.shape).c_str(), HumanBytes(t.ByteSize()).c_str(), HumanBytes(stored->tensors[i]).c_str(),
                 t.shards.size());
     for (const auto& s : t.shards) {
@@ -450,7 +464,7 @@ int CmdShow(const Args& args) {
   }
   if (!(*reader)->blobs().empty()) {
     std::printf("\n%-40s %10s\n", "BLOB", "SIZE");
-    for (const auto& b : (*reader)->blobs()) std::printf("%-40s %10s\n", b.name.c_str(), HumanBytes(b.size).c_str());
+    for (const auto& b : (*reader)->blobs()) std::printf("%-40s %10s\n", EscapeForTerminal(b.name).c_str(), HumanBytes(b.size).c_str());
   }
   return kExitOk;
 }
@@ -600,7 +614,7 @@ int CmdVerify(const Args& args) {
   } else {
     for (const auto& p : report->problems) {
       std::fprintf(stderr, "problem: %s%s%s: %s\n", p.checkpoint.c_str(), p.checkpoint.empty() ? "" : " ",
-                   p.what.c_str(), p.message.c_str());
+                   EscapeForTerminal(p.what).c_str(), EscapeForTerminal(p.message).c_str());
     }
     std::printf("verified %llu checkpoints, %llu tensors, %llu chunks (%s): %s\n",
                 static_cast<unsigned long long>(report->checkpoints), static_cast<unsigned long long>(report->tensors),
@@ -626,7 +640,7 @@ int CmdReindex(const Args& args) {
   auto report = Repository::Reindex(*path, [&](uint64_t d, uint64_t t) { progress.Update(d, t); });
   progress.Finish();
   if (!report.ok()) return Fail(report.status());
-  for (const auto& p : report->problems) std::fprintf(stderr, "warning: %s\n", p.c_str());
+  for (const auto& p : report->problems) std::fprintf(stderr, "warning: %s\n", EscapeForTerminal(p).c_str());
   if (args.Has("json")) {
     Json j = Json::MakeObject();
     j.Set("packs", report->packs);
