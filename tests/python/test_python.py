@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import unittest
+import warnings
 
 import numpy as np
 import torch
@@ -217,6 +218,79 @@ class AsyncSave(PythonTestCase):
         # A thread sleeping 1 ms per tick manages well over a tick per 10 ms
         # unless the save holds the GIL throughout.
         self.assertGreater(during, elapsed * 100 * 0.5, (during, elapsed))
+
+
+NUMPY_DTYPES = [np.bool_, np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64,
+                np.float16, np.float32, np.float64]
+
+
+def random_layout(rng, base):
+    """A random view of `base` (1-D): steps (negative too), an offset, a
+    reshape and maybe a transpose."""
+    n = base.shape[0]
+    start = int(rng.integers(0, 8))
+    step = int(rng.choice([1, 2, 3, -1, -2]))
+    v = base[start::step] if step > 0 else base[n - 1 - start::step]
+    m = (v.shape[0] // 6) * 6
+    v = v[:m].reshape(2, 3, -1) if m else v[:0]
+    if v.ndim == 3 and rng.random() < 0.5:
+        v = v.transpose(2, 0, 1)
+    return v
+
+
+class Layouts(PythonTestCase):
+    """Random strides, dtypes and offsets through save and load: every layout
+    is stored as its logical elements or refused, never read out of bounds
+    (the sanitizer stage runs this with the module under ASan+UBSan)."""
+
+    def test_random_layouts_round_trip_through_numpy_and_torch(self):
+        rng = np.random.default_rng(11)
+        for i in range(60):
+            dtype = NUMPY_DTYPES[i % len(NUMPY_DTYPES)]
+            base = (rng.integers(0, 255, size=4096 * 8, dtype=np.uint8)).view(dtype)[:4096].copy()
+            if dtype == np.bool_:
+                base = rng.integers(0, 2, size=4096).astype(np.bool_)  # copies of other bytes become 1
+            src = random_layout(rng, base)
+            expected = np.ascontiguousarray(src)
+            value = torch.from_numpy(src.copy()) if i % 3 == 0 and dtype != np.uint16 and dtype != np.uint32 \
+                and dtype != np.uint64 else src
+            if isinstance(value, torch.Tensor) and src.ndim == 3:
+                value = value.permute(2, 1, 0).contiguous().permute(2, 1, 0)  # strided again, same elements
+            name = f"l{i}"
+            blob = memoryview(base.view(np.uint8)[int(rng.integers(0, 16))::int(rng.choice([2, 3, -1, -3]))])
+            self.r.save(name, {"x": value, "blob": blob})
+            self.assertEqual(self.r.blob(name, "blob"), blob.tobytes(), i)
+            out = np.zeros_like(expected)
+            self.r.load(name, {"x": out})
+            np.testing.assert_array_equal(out.view(np.uint8), expected.view(np.uint8), err_msg=str(i))
+            # A strided target: every other element of a larger array.
+            if expected.size:
+                holder = np.zeros((2,) + expected.shape, dtype=expected.dtype)
+                strided = holder[1]
+                if strided.ndim == 3:
+                    strided = holder.transpose(0, 3, 1, 2)[1].transpose(1, 2, 0)
+                self.r.load(name, {"x": strided})
+                np.testing.assert_array_equal(strided.view(np.uint8), expected.view(np.uint8), err_msg=str(i))
+                self.assertFalse(holder[0].any())  # nothing written beside the target
+
+    def test_read_only_and_overlapping_targets_are_refused(self):
+        x = np.arange(4096, dtype=np.float32)
+        self.r.save("s", {"x": x})
+        ro = x.copy()
+        ro.flags.writeable = False
+        path = self.path("mapped.bin")
+        x.tofile(path)
+        mapped = np.memmap(path, dtype=np.float32, mode="r")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that the array is not writable
+            over_mapping = torch.from_numpy(mapped)
+        expanded = torch.zeros(1).expand(4096)
+        broadcast = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=(4096,), strides=(0,))
+        for target, says in ((ro, "read-only"), (mapped, "read-only"), (over_mapping, "read-only memory"),
+                             (expanded, "share memory"), (broadcast, "share memory")):
+            with self.assertRaisesRegex(ckptfs.InvalidArgumentError, says):
+                self.r.load("s", {"x": target})
+        self.assertEqual(np.fromfile(path, dtype=np.float32).tobytes(), x.tobytes())
 
 
 class ForkSafety(PythonTestCase):

@@ -249,7 +249,9 @@ class Writer {
 
   void put_blob(const std::string& name, py::buffer data) {
     py::buffer_info b = data.request();
-    if (b.ndim > 1 && !PyBuffer_IsContiguous(b.view(), 'C')) {
+    // Any stride, including a 1-D or negative one, is refused: the bytes are
+    // read as one run from `ptr` (the package passes strided views as bytes).
+    if (!PyBuffer_IsContiguous(b.view(), 'C')) {
       throw StatusError{Status::InvalidArgument("blob '" + name + "' is not contiguous memory")};
     }
     std::span<const std::byte> bytes(static_cast<const std::byte*>(b.ptr), static_cast<size_t>(b.size * b.itemsize));

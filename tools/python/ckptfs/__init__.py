@@ -20,6 +20,8 @@ one-line message. See docs/PYTHON.md.
 from __future__ import annotations
 
 import atexit
+import bisect
+import builtins
 import os
 import sys
 import threading
@@ -204,11 +206,42 @@ def _source_memory(value, what: str) -> _Memory:
         "(serialize other state into bytes)")
 
 
+def _writable_mappings() -> List[Tuple[int, int]]:
+    """The address ranges [start, end) of this process's writable mappings,
+    sorted, adjacent ones merged (Linux's /proc/self/maps)."""
+    ranges: List[Tuple[int, int]] = []
+    try:
+        with builtins.open("/proc/self/maps") as f:
+            for line in f:
+                span, perms = line.split(None, 2)[:2]
+                if "w" not in perms:
+                    continue
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                if ranges and ranges[-1][1] == lo:
+                    ranges[-1] = (ranges[-1][0], hi)
+                else:
+                    ranges.append((lo, hi))
+    except OSError:
+        return []
+    return ranges
+
+
+def _check_writable(address: int, nbytes: int, what: str, mappings: List[Tuple[int, int]]) -> None:
+    """Raises InvalidArgumentError unless [address, address + nbytes) lies
+    inside one writable mapping (merged runs count as one)."""
+    if nbytes == 0 or not mappings:
+        return
+    lo = bisect.bisect_right(mappings, (address, float("inf"))) - 1
+    if lo < 0 or not (mappings[lo][0] <= address and address + nbytes <= mappings[lo][1]):
+        raise InvalidArgumentError(f"{what} is read-only memory (a read-only mapping, such as a file opened "
+                                   "with mmap for reading); load into a writable tensor")
+
+
 class _Target:
     """A load target's memory: the target itself when it is contiguous,
     otherwise a contiguous scratch copied into it by finish()."""
 
-    def __init__(self, target, what: str):
+    def __init__(self, target, what: str, mappings: Optional[List[Tuple[int, int]]] = None):
         self.target = target
         self.scratch = None
         if _is_tensor(target):
@@ -217,6 +250,16 @@ class _Target:
             if name is None:
                 raise InvalidArgumentError(f"{what} has dtype {t.dtype}, which ckptfs does not store")
             device = _device_index(t, what)
+            if t.layout != _torch().strided:
+                raise InvalidArgumentError(f"{what} has layout {t.layout}; load targets are dense tensors")
+            if any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
+                raise InvalidArgumentError(f"{what} has elements that share memory (an expanded tensor); "
+                                           "load into a tensor of its own, such as t.clone()")
+            if device < 0 and mappings is not None:
+                # The whole storage the view reaches: a write through it would
+                # crash the process (SIGSEGV) on a read-only mapping.
+                _check_writable(t.data_ptr(), t.numel() * t.element_size() if t.is_contiguous() else
+                                t.untyped_storage().nbytes() - t.storage_offset() * t.element_size(), what, mappings)
             if not t.is_contiguous():
                 self.scratch = t = _torch().empty(t.shape, dtype=t.dtype, device=t.device)
             self.memory = _Memory(name, tuple(t.shape), t.data_ptr(), t.numel() * t.element_size(), device, t)
@@ -228,6 +271,9 @@ class _Target:
                 f"{what} is a {type(target).__name__}; load targets are torch tensors or NumPy arrays")
         if not target.flags.writeable:
             raise InvalidArgumentError(f"{what} is a read-only array")
+        if any(s == 0 and n > 1 for s, n in zip(target.strides, target.shape)):
+            raise InvalidArgumentError(f"{what} has elements that share memory (a broadcast view); "
+                                       "load into an array of its own, such as a.copy()")
         name = _numpy_name(target.dtype)
         if name is None:
             raise InvalidArgumentError(f"{what} has dtype {target.dtype}, which ckptfs does not store")
@@ -267,6 +313,8 @@ def _put_value(writer, key: str, value, shard: Optional[Shard], sharded: bool, k
     if isinstance(value, (bytes, bytearray, memoryview)):
         if sharded:
             raise InvalidArgumentError(f"{what} is bytes (a blob) and cannot be a shard")
+        if isinstance(value, memoryview) and not value.c_contiguous:
+            value = value.tobytes()  # its bytes in logical order, whatever the strides
         writer.put_blob(key, value)
         return
     memory = _source_memory(value, what)
@@ -277,9 +325,10 @@ def _put_value(writer, key: str, value, shard: Optional[Shard], sharded: bool, k
                memory.nbytes, memory.device)
 
 
-def _read_value(reader, key: str, target, shard: Optional[Shard]) -> None:
+def _read_value(reader, key: str, target, shard: Optional[Shard],
+                mappings: Optional[List[Tuple[int, int]]] = None) -> None:
     """Fills one load target from a core reader."""
-    t = _Target(target, f"target '{key}'")
+    t = _Target(target, f"target '{key}'", mappings)
     m = t.memory
     global_shape, kind, offsets, start = _region(shard, m, f"target '{key}'")
     reader.read(key, m.dtype, list(global_shape), kind, list(m.shape), offsets, start, m.address, m.nbytes, m.device)
@@ -469,8 +518,9 @@ class Repository:
         if unknown:
             raise InvalidArgumentError(f"shards names {unknown} that are not in targets")
         reader = self._repo.open_checkpoint(name)
+        mappings = _writable_mappings()  # read once per load: targets may be any memory
         for key, target in targets.items():
-            _read_value(reader, key, target, shards.get(key))
+            _read_value(reader, key, target, shards.get(key), mappings)
         return targets
 
     def tensor(self, name: str, tensor_name: str, *, device: Any = "cpu"):

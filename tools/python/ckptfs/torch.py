@@ -33,7 +33,7 @@ import re
 from typing import Any, Dict, List, Optional, Union
 
 import ckptfs
-from ckptfs import UnsupportedError, _put_value, _read_value, _sync_cuda
+from ckptfs import UnsupportedError, _put_value, _read_value, _sync_cuda, _writable_mappings
 
 __all__ = ["StorageWriter", "StorageReader", "dcp_unavailable_reason"]
 
@@ -281,6 +281,7 @@ class StorageReader(_ReaderBase):
 
     def read_data(self, plan, planner):
         reader = self._repo._repo.open_checkpoint(self.name)
+        mappings = _writable_mappings()
         for item in plan.items:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
@@ -293,7 +294,7 @@ class StorageReader(_ReaderBase):
             if tuple(target.shape) != tuple(item.lengths):
                 raise ckptfs.InvalidArgumentError(
                     f"DCP asked for {list(item.lengths)} elements of '{fqn}' into a target of shape {list(target.shape)}")
-            _read_value(reader, fqn, target, ckptfs.Box(tuple(shape), offsets))
+            _read_value(reader, fqn, target, ckptfs.Box(tuple(shape), offsets), mappings)
             planner.commit_tensor(item, target)
         future = Future()
         future.set_result(None)
