@@ -69,6 +69,12 @@ check() {  # programs-array-name modules-array-name
     missing+=("a Python 3 that makes venvs with pip (python3-venv)")
   fi
   [ -c /dev/fuse ] || missing+=("/dev/fuse (the kernel's FUSE device: load the fuse module, or give the container the device)")
+  if [ "$1" = test_programs ]; then
+    # The Python package's sanitizer stage preloads gcc's runtimes.
+    for name in libasan.so libubsan.so; do
+      [ -e "$(gcc -print-file-name=$name)" ] || missing+=("gcc's $name (libgcc-N-dev, which build-essential brings)")
+    done
+  fi
   if [ "$1" = test_programs ] && ! fuzz_clang >/dev/null; then
     missing+=("a clang from 16 on with its sanitizer and libFuzzer runtimes (clang-N libclang-rt-N-dev libfuzzer-N-dev)")
   fi

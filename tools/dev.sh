@@ -142,6 +142,18 @@ case "$cmd" in
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
       ctest --test-dir build-asan --output-on-failure --no-tests=error -j "$JOBS" -L unit
     stage_end
+    stage_begin "Python package under ASan+UBSan: random buffer layouts (build-pyasan/)"
+    # Only the module is instrumented; the interpreter is not, so the
+    # sanitizer runtimes are preloaded and leak checks (CPython's own) off.
+    # shellcheck disable=SC2046
+    cmake -S "$ROOT" -B build-pyasan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCKPTFS_SANITIZE=ON \
+      -DCKPTFS_BUILD_TESTS=OFF -DCKPTFS_BENCHMARKS=OFF -DCMAKE_UNITY_BUILD=ON $(python_args) >/dev/null
+    cmake --build build-pyasan -j "$JOBS" --target ckptfs_python
+    (cd tests/python && \
+      LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" \
+      ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+      PYTHONPATH="$ROOT/build-pyasan/python" "$VENV/bin/python" -m unittest -v test_python.Layouts)
+    stage_end
     stage_begin "engine unit tests under TSan (build-tsan/)"
     configure_build build-tsan -DCKPTFS_SANITIZE_THREAD=ON -DCKPTFS_UNIT_TESTS_ONLY=ON -DCMAKE_UNITY_BUILD=ON
     TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \

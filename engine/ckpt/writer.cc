@@ -89,6 +89,15 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   ~WriterImpl() {
     SetError(Status::FailedPrecondition("checkpoint writer was aborted"));
     Shutdown();
+    // A save given up before its commit leaves no pack behind in a local
+    // repository. On an object store its packs stay for gc: another host
+    // may have listed them and deduplicated against their chunks.
+    bool committed;
+    {
+      std::lock_guard lock(mu_);
+      committed = committed_;
+    }
+    if (!committed && !repo_->remote) packs_.Discard();
   }
 
   Status PutShard(const TensorInfo& info, const Region& region, ShardSource& source);

@@ -90,6 +90,15 @@ Status PackWriter::SealLocked() {
   return Status::OK();
 }
 
+void PackWriter::Discard() {
+  std::lock_guard lock(mu_);
+  if (current_) current_->Abort();
+  current_.reset();
+  for (const SealedPack& p : sealed_) (void)backend_->Delete(PackKey(p.id));
+  sealed_.clear();
+  error_ = Status::FailedPrecondition("pack writer was discarded");
+}
+
 Result<std::vector<SealedPack>> PackWriter::Finish() {
   std::lock_guard lock(mu_);
   CKPT_RETURN_IF_ERROR(error_);

@@ -70,6 +70,11 @@ class PackWriter {
   // Seals the open pack, if any, and returns every pack sealed so far,
   // clearing that list.
   Result<std::vector<SealedPack>> Finish();
+  // Gives up: aborts the open pack and deletes the packs sealed so far, for
+  // a save that will never commit them (only safe where no other writer can
+  // have found their chunks: a local repository, whose dedup sees committed
+  // chunks only). Deletion errors are ignored: gc removes what is left.
+  void Discard();
 
  private:
   Status SealLocked();

@@ -2,6 +2,7 @@
 import json
 import os
 import pathlib
+import signal
 import struct
 import subprocess
 import time
@@ -274,6 +275,95 @@ class ImportAndRead(CkptTestCase):
         self.assertIn("no tensor 'nope'", self.error_of("cat", "a", "nope"))
         self.assertIn("no checkpoint", self.error_of("export", "zzz", self.path("o.safetensors")))
         self.assertIn("no checkpoint", self.error_of("verify", "zzz"))
+
+
+class WritingFiles(CkptTestCase):
+    """Export never replaces what it did not create, and Ctrl-C or SIGTERM
+    during import or export leaves nothing behind."""
+
+    def setUp(self):
+        super().setUp()
+        self.run_ckpt("init", "--pack-size", "4M")
+        rng = np.random.default_rng(9)
+        # 256 MiB of incompressible tensors: long enough to interrupt.
+        st.write(self.path("big.safetensors"),
+                 [(f"t{i:02d}", "U8", rng.integers(0, 256, 4 << 20, dtype=np.uint8)) for i in range(64)])
+        st.write(self.path("small.safetensors"), [("x", "F32", np.arange(6, dtype=np.float32))])
+        self.run_ckpt("import", "small", self.path("small.safetensors"))
+
+    def packs(self):
+        return sorted(os.listdir(os.path.join(self.repo, "objects", "packs")))
+
+    def interrupt_when(self, args, ready, sig):
+        """Starts ckpt ARGS, sends `sig` once ready() is true, and returns
+        (exit status, stderr)."""
+        p = subprocess.Popen([CKPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "CKPT_REPO": self.repo})
+        deadline = time.monotonic() + 60
+        while not ready() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self.assertIsNone(p.poll(), "the command ended before it could be interrupted")
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+        return p.returncode, err.decode()
+
+    def test_an_interrupted_import_leaves_nothing_and_says_so(self):
+        before = self.packs()
+        for sig, code, name in ((signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")):
+            rc, err = self.interrupt_when(["import", "big", self.path("big.safetensors")],
+                                          lambda: len(self.packs()) > len(before), sig)
+            self.assertEqual(rc, code, err)
+            self.assertIn(f"interrupted ({name}): import of big stopped; nothing of it was kept", err)
+            self.assertEqual(self.packs(), before)
+            names = [c["name"] for c in json.loads(self.run_ckpt("ls", "--all", "--json").stdout)]
+            self.assertEqual(names, ["small"])
+        self.run_ckpt("verify")
+
+    def test_an_interrupted_export_leaves_nothing_and_a_killed_ones_temporary_is_removed_next_time(self):
+        self.run_ckpt("import", "big", self.path("big.safetensors"))
+        out = self.path("out.safetensors")
+        tmp_prefix = os.path.basename(out) + ".ckpt-tmp-"
+
+        def temporaries():
+            return [n for n in os.listdir(self.tmp) if n.startswith(tmp_prefix)]
+        rc, err = self.interrupt_when(["export", "big", out], lambda: temporaries() != [], signal.SIGTERM)
+        self.assertEqual(rc, 143, err)
+        self.assertIn("interrupted (SIGTERM): export of big stopped; nothing was written to", err)
+        self.assertFalse(os.path.exists(out))
+        self.assertEqual(temporaries(), [])
+        # A SIGKILLed export leaves its temporary, named by its pid: the next
+        # export removes it, and says so.
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        stale = f"{out}.ckpt-tmp-{dead.pid}"
+        with open(stale, "wb") as f:
+            f.write(b"partial")
+        p = self.run_ckpt("export", "small", out)
+        self.assertIn(f"removed {stale}, left by an export that did not finish", p.stderr.decode())
+        self.assertFalse(os.path.exists(stale))
+        self.assertTrue(os.path.exists(out))
+
+    def test_export_replaces_only_regular_files_and_only_with_force(self):
+        out = self.path("o.safetensors")
+        victim = self.path("victim")
+        with open(victim, "w") as f:
+            f.write("keep me")
+        os.symlink(victim, out)
+        self.assertIn("is a symbolic link; --force replaces only regular files",
+                      self.error_of("export", "small", out, "--force"))
+        self.assertEqual(pathlib.Path(victim).read_text(), "keep me")
+        os.unlink(out)
+        os.mkfifo(out)
+        self.assertIn("is a FIFO", self.error_of("export", "small", out, "--force"))
+        os.unlink(out)
+        os.mkdir(out)
+        self.assertIn("is a directory", self.error_of("export", "small", out, "--force"))
+        os.rmdir(out)
+        with open(out, "w") as f:
+            f.write("old")
+        self.assertIn("exists (use --force to overwrite)", self.error_of("export", "small", out))
+        self.run_ckpt("export", "small", out, "--force")
+        self.assertEqual(st.read(out)[0]["x"][1].tolist(), [0, 1, 2, 3, 4, 5])
 
 
 class BadInput(CkptTestCase):

@@ -7,6 +7,7 @@
 
 #include "ckpt/repo_lock.h"
 #include "ckpt/repository.h"
+#include "store/pack.h"
 #include "test_util.h"
 
 namespace ckptfs {
@@ -200,16 +201,29 @@ TEST_F(GarbageCollection, ReclaimsExactlyWhatIsDeadAndRewritesMostlyDeadPacks) {
   EXPECT_EQ(again->bytes_reclaimed(), 0u);
 }
 
-TEST_F(GarbageCollection, RemovesPacksOfAbortedSaves) {
+TEST_F(GarbageCollection, AnAbortedSaveLeavesNoPackAndGcRemovesThoseOfKilledSaves) {
   auto base = RandomBytes(1000, 1);
   Save("keep", 1, 1, base);
+  const uint64_t kept = PackBytesOnDisk();
+  auto big = RandomBytes(2 << 20, 5);
   {
-    auto w = std::move(repo_->BeginCheckpoint("killed", {0, 2, 2, {}})).value();
-    auto big = RandomBytes(2 << 20, 5);
-    ASSERT_OK(w->PutTensor({"x", DType::kU8, {big.size()}}, big));
-    w->Abort();  // its sealed packs stay on disk, unknown to the catalog
+    auto w = std::move(repo_->BeginCheckpoint("aborted", {0, 2, 2, {}})).value();
+    ASSERT_OK(w->PutTensor({"x", DType::kU8, {big.size()}}, big));  // two packs sealed
+    w->Abort();
+  }
+  EXPECT_EQ(PackBytesOnDisk(), kept);  // a save given up removes its packs
+  {
+    // A killed save cannot: its sealed packs stay, unknown to the catalog.
+    auto objects = std::move(OpenLocalBackend(dir_ / "objects")).value();
+    PackWriter killed(objects.get(), 1 << 20);
+    for (size_t off = 0; off < big.size(); off += 64 << 10) {
+      auto chunk = std::span<const std::byte>(big).subspan(off, 64 << 10);
+      ASSERT_OK(killed.Add(ChunkId::Of(chunk), Codec::kRaw, 64 << 10, chunk));
+    }
+    ASSERT_OK(killed.Finish());
   }
   const uint64_t with_orphans = PackBytesOnDisk();
+  ASSERT_GT(with_orphans, kept + (1 << 20));
   auto r = repo_->CollectGarbage({});
   ASSERT_OK(r);
   EXPECT_GE(r->orphan_packs, 1u);

@@ -52,6 +52,45 @@ int Fail(const Status& st) {
   return kExitError;
 }
 
+// SIGINT and SIGTERM during a long command: the handler only notes the
+// signal; the command's loop sees it at its next chunk, undoes what it wrote
+// and leaves with InterruptGuard::Exit (128 + the signal, as a shell
+// reports a process the signal killed).
+volatile std::sig_atomic_t g_interrupt_signal = 0;
+extern "C" void OnInterrupt(int sig) { g_interrupt_signal = sig; }
+
+class InterruptGuard {
+ public:
+  InterruptGuard() {
+    struct sigaction sa {};
+    sa.sa_handler = OnInterrupt;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGINT, &sa, &old_int_);
+    ::sigaction(SIGTERM, &sa, &old_term_);
+  }
+  ~InterruptGuard() {
+    ::sigaction(SIGINT, &old_int_, nullptr);
+    ::sigaction(SIGTERM, &old_term_, nullptr);
+  }
+  InterruptGuard(const InterruptGuard&) = delete;
+  InterruptGuard& operator=(const InterruptGuard&) = delete;
+
+  bool requested() const { return g_interrupt_signal != 0; }
+  Status status() const {
+    return Status::FailedPrecondition(std::string("interrupted by ") + (g_interrupt_signal == SIGINT ? "SIGINT" : "SIGTERM"));
+  }
+  // Says what stopped and what is left, and returns the exit status.
+  int Exit(const std::string& what, const std::string& left) const {
+    const int sig = g_interrupt_signal;
+    std::fprintf(stderr, "ckpt: interrupted (%s): %s stopped; %s\n", sig == SIGINT ? "SIGINT" : "SIGTERM",
+                 EscapeForTerminal(what).c_str(), left.c_str());
+    return 128 + sig;
+  }
+
+ private:
+  struct sigaction old_int_ {}, old_term_ {};
+};
+
 // Opens the repository that -r or CKPT_REPO names. On failure the error is
 // printed and *exit_code set (2 when no repository was named).
 std::unique_ptr<Repository> OpenRepoOr(const Args& args, int* exit_code) {
@@ -348,9 +387,20 @@ int CmdImport(const Args& args) {
   if (!writer.ok()) return Fail(writer.status());
   Progress progress("importing " + name);
   uint64_t done = 0;
+  // Ctrl-C or SIGTERM stops the import at the next tensor; the writer is
+  // given up, which in a local repository deletes the packs it wrote.
+  InterruptGuard interrupt;
+  auto interrupted = [&] {
+    (*writer)->Abort();
+    progress.Finish();
+    return interrupt.Exit("import of " + name,
+                          repo->remote() ? "nothing became visible; the packs it wrote stay in the store until 'ckpt gc'"
+                                         : "nothing of it was kept");
+  };
   for (size_t fi = 0; fi < files.size(); ++fi) {
     const auto& f = *files[fi];
     for (const SafetensorsShard& shard : shard_lists[fi]) {
+      if (interrupt.requested()) return interrupted();
       const SafetensorsTensor& t = f.header().tensors[shard.tensor];
       TensorInfo info{t.name, t.dtype, shard.global_shape};
       HostSource source(f.Data(t));
@@ -361,11 +411,13 @@ int CmdImport(const Args& args) {
     }
   }
   for (const auto& b : blobs) {
+    if (interrupt.requested()) return interrupted();
     Status st = (*writer)->PutBlob(b.name, std::as_bytes(std::span(b.data)));
     if (!st.ok()) return Fail(st);
     done += b.data.size();
     progress.Update(done, total);
   }
+  if (interrupt.requested()) return interrupted();
   auto result = (*writer)->Commit().Wait();
   progress.Finish();
   if (!result.ok()) return Fail(result.status().WithContext("commit of '" + name + "' failed"));
@@ -552,6 +604,51 @@ const CommandSpec kExport{"export", "NAME OUT.safetensors", "Write a checkpoint 
                           "Blobs are not part of safetensors; read them with 'ckpt cat --blob'.",
                           {kRepoOpt, {"force", 'f', false, false, "", "overwrite OUT if it exists"}}, 2, 2};
 
+// The temporary an export by process `pid` writes beside `out`.
+std::string ExportTemporary(const std::string& out, pid_t pid) { return out + ".ckpt-tmp-" + std::to_string(pid); }
+
+// Whether `out` may be written: absent, or (with --force) a regular file.
+// A symbolic link, FIFO, device or directory is never replaced.
+Status CheckExportTarget(const std::string& out, bool force) {
+  struct stat sb;
+  if (::lstat(out.c_str(), &sb) != 0) {
+    if (errno == ENOENT) return Status::OK();
+    return Status::FromErrno(errno, "checking " + out);
+  }
+  if (!force) return Status::AlreadyExists(out + " exists (use --force to overwrite)");
+  if (S_ISREG(sb.st_mode)) return Status::OK();
+  const char* kind = S_ISLNK(sb.st_mode) ? "a symbolic link" : S_ISDIR(sb.st_mode) ? "a directory"
+                     : S_ISFIFO(sb.st_mode) ? "a FIFO" : S_ISCHR(sb.st_mode) || S_ISBLK(sb.st_mode) ? "a device"
+                     : "not a regular file";
+  return Status::FailedPrecondition(out + " is " + kind + "; --force replaces only regular files");
+}
+
+// Removes the temporaries beside `out` that exports killed before they
+// finished left behind (their process is gone), saying so.
+void RemoveStaleExportTemporaries(const std::string& out) {
+  const size_t slash = out.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : out.substr(0, slash);
+  const std::string prefix = (slash == std::string::npos ? out : out.substr(slash + 1)) + ".ckpt-tmp-";
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return;
+  std::vector<std::string> stale;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string n = e->d_name;
+    if (n.rfind(prefix, 0) != 0) continue;
+    const std::string digits = n.substr(prefix.size());
+    if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(digits));
+    if (::kill(pid, 0) != 0 && errno == ESRCH) stale.push_back(dir + "/" + n);
+  }
+  ::closedir(d);
+  for (const auto& path : stale) {
+    if (::unlink(path.c_str()) == 0) {
+      std::fprintf(stderr, "ckpt export: removed %s, left by an export that did not finish\n",
+                   EscapeForTerminal(path).c_str());
+    }
+  }
+}
+
 int CmdExport(const Args& args) {
   int rc = kExitOk;
   auto repo = OpenRepoOr(args, &rc);
@@ -559,19 +656,31 @@ int CmdExport(const Args& args) {
   auto files = FilesOf(*repo, args.positional[0]);
   if (!files.ok()) return Fail(files.status());
   const std::string out = args.positional[1];
-  if (!args.Has("force") && ::access(out.c_str(), F_OK) == 0) {
-    return Fail(Status::AlreadyExists(out + " exists (use --force to overwrite)"));
-  }
+  const bool force = args.Has("force");
+  if (Status st = CheckExportTarget(out, force); !st.ok()) return Fail(st);
+  RemoveStaleExportTemporaries(out);
   // The mount's model.safetensors, written atomically and durably.
   const CheckpointFile& file = (*files)->safetensors_file();
   Progress progress("exporting " + args.positional[0]);
-  auto durable = DurableFile::Create(out, out + ".ckpt-tmp-" + std::to_string(::getpid()));
+  auto durable = DurableFile::Create(out, ExportTemporary(out, ::getpid()));
   if (!durable.ok()) return Fail(durable.status());
-  Status st = StreamFile(**files, file, 0, [&](std::span<const std::byte> piece) { return (*durable)->Append(piece); },
-                         &progress);
-  if (st.ok()) st = (*durable)->Commit();
+  InterruptGuard interrupt;
+  Status st = StreamFile(**files, file, 0, [&](std::span<const std::byte> piece) {
+    if (interrupt.requested()) return interrupt.status();
+    return (*durable)->Append(piece);
+  }, &progress);
+  // What is at OUT now is checked again: it may have appeared, or changed
+  // kind, while the export ran. Without --force the file is linked into
+  // place, which fails if anything took the name meanwhile.
+  if (st.ok() && force) st = CheckExportTarget(out, force);
+  if (st.ok()) st = (*durable)->Commit(/*replace=*/force);
+  if (st.IsAlreadyExists()) st = Status::AlreadyExists(out + " appeared while the export ran; it was kept (use --force to replace it)");
   progress.Finish();
-  if (!st.ok()) return Fail(st);
+  if (!st.ok()) {
+    (*durable)->Abort();
+    if (interrupt.requested()) return interrupt.Exit("export of " + args.positional[0], "nothing was written to " + out);
+    return Fail(st);
+  }
   std::printf("exported %s: %zu tensors, %s to %s\n", args.positional[0].c_str(), (*files)->reader().tensors().size(),
               HumanBytes(file.size).c_str(), out.c_str());
   return kExitOk;
