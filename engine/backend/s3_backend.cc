@@ -12,6 +12,8 @@
 #include <random>
 #include <thread>
 #include <utility>
+#include <fstream>
+#include <map>
 #include <set>
 #include <vector>
 
@@ -259,6 +261,7 @@ class S3Client {
     GlobalInit();
     while (!opt_.endpoint.empty() && opt_.endpoint.back() == '/') opt_.endpoint.pop_back();
     shown_ = RedactUrl(opt_.endpoint);
+    credentials_ = {opt_.access_key, opt_.secret_key, opt_.session_token};
     sigv4_ = "aws:amz:" + opt_.region + ":s3";
   }
 
@@ -293,6 +296,7 @@ class S3Client {
     // Requests that change the store are where crash tests kill: before
     // one is sent, and once its answer is in.
     const bool mutating = req.method != "GET" && req.method != "HEAD";
+    bool reloaded = false;
     for (int attempt = 0;; ++attempt) {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       if (left.count() <= 0) return past_deadline();
@@ -300,6 +304,16 @@ class S3Client {
       if (mutating && attempt == 0) CrashPoint();
       CURLcode code = Once(req, &resp, left);
       if (mutating && code == CURLE_OK) CrashPoint();
+      // Temporary credentials that expired mid-save: read them again and
+      // retry, once per request (a HEAD's answer has no body naming why).
+      if (code == CURLE_OK && (resp.status == 400 || resp.status == 403) && !reloaded) {
+        const std::string why = XmlFirst(resp.body, "Code");
+        if (why == "ExpiredToken" || why == "TokenRefreshRequired" || why == "RequestExpired" ||
+            req.method == "HEAD") {
+          reloaded = true;
+          if (ReloadCredentials()) continue;
+        }
+      }
       if (code == CURLE_OK && !RetryableStatus(resp.status)) return resp;
       if (code == CURLE_WRITE_ERROR && resp.overflow_bound) {
         return Status::IOError("S3 " + req.method + " " + req.path + " at " + shown_ +
@@ -338,8 +352,8 @@ class S3Client {
     if (resp.status == 404) return Status::NotFound(std::string(what) + " not found in " + Where());
     if (code == "InvalidAccessKeyId" || code == "SignatureDoesNotMatch" || code == "InvalidToken" ||
         code == "ExpiredToken") {
-      return Status::FailedPrecondition("S3 at " + shown_ + " refused the credentials (" + code +
-                                        "): check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY");
+      return Status::FailedPrecondition("S3 at " + shown_ + " refused the credentials (" + code + "): check " +
+                                        opt_.credentials_source);
     }
     if (resp.status == 403) {
       return Status::FailedPrecondition("access to " + Where() + " denied (" + tag + ")");
@@ -396,8 +410,9 @@ class S3Client {
     headers = curl_slist_append(headers, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
     // (No "Expect:" header to turn 100-continue off: libcurl's signer would
     // sign the empty header it then leaves out, and the signature fails.)
-    if (!opt_.session_token.empty()) {
-      headers = curl_slist_append(headers, ("x-amz-security-token: " + opt_.session_token).c_str());
+    const S3Credentials cred = Credentials();
+    if (!cred.session_token.empty()) {
+      headers = curl_slist_append(headers, ("x-amz-security-token: " + cred.session_token).c_str());
     }
     if (req.range) {
       headers = curl_slist_append(
@@ -408,8 +423,8 @@ class S3Client {
     Sink sink{resp, req.into, req.read_into, req.max_body, h};
     curl_easy_setopt(h, CURLOPT_URL, url.c_str());
     curl_easy_setopt(h, CURLOPT_AWS_SIGV4, sigv4_.c_str());
-    curl_easy_setopt(h, CURLOPT_USERNAME, opt_.access_key.c_str());
-    curl_easy_setopt(h, CURLOPT_PASSWORD, opt_.secret_key.c_str());
+    curl_easy_setopt(h, CURLOPT_USERNAME, cred.access_key.c_str());
+    curl_easy_setopt(h, CURLOPT_PASSWORD, cred.secret_key.c_str());
     curl_easy_setopt(h, CURLOPT_HTTPHEADER, headers);
     curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
     if (!opt_.reuse_connections) curl_easy_setopt(h, CURLOPT_FORBID_REUSE, 1L);
@@ -444,9 +459,27 @@ class S3Client {
     return code;
   }
 
+  // Replaces the credentials with those reload_credentials gives; false
+  // when there is no way to reload or they did not change.
+  bool ReloadCredentials() {
+    if (!opt_.reload_credentials) return false;
+    auto fresh = opt_.reload_credentials();
+    if (!fresh.ok()) return false;
+    std::lock_guard lock(credentials_mu_);
+    if (*fresh == credentials_) return false;
+    credentials_ = std::move(fresh).value();
+    return true;
+  }
+  S3Credentials Credentials() const {
+    std::lock_guard lock(credentials_mu_);
+    return credentials_;
+  }
+
   S3Location loc_;
   S3Options opt_;
   std::string shown_;  // the endpoint as messages show it: no password
+  mutable std::mutex credentials_mu_;
+  S3Credentials credentials_;  // guarded by credentials_mu_ (opt_'s may be stale)
   std::string sigv4_;
   HandlePool pool_;
   std::array<std::atomic<uint64_t>, kKinds> sent_{};
@@ -772,22 +805,117 @@ Result<S3Location> ParseS3Url(std::string_view url) {
   return loc;
 }
 
+namespace {
+
+// The keys of section `section` of an INI-style AWS file ("key = value"
+// lines under "[section]"; '#' and ';' start comments). Empty when the file
+// or the section is missing. Files larger than 1 MiB are not read.
+std::map<std::string, std::string> ReadAwsSection(const std::string& path, const std::string& section) {
+  std::map<std::string, std::string> out;
+  std::ifstream in(path);
+  if (!in) return out;
+  auto trim = [](std::string s) {
+    const size_t a = s.find_first_not_of(" \t\r");
+    const size_t b = s.find_last_not_of(" \t\r");
+    return a == std::string::npos ? std::string() : s.substr(a, b - a + 1);
+  };
+  std::string line, current;
+  size_t read = 0;
+  while (std::getline(in, line)) {
+    read += line.size() + 1;
+    if (read > (1u << 20)) break;
+    line = trim(line);
+    if (line.empty() || line[0] == '#' || line[0] == ';') continue;
+    if (line.front() == '[' && line.back() == ']') {
+      current = trim(line.substr(1, line.size() - 2));
+      continue;
+    }
+    const size_t eq = line.find('=');
+    if (current != section || eq == std::string::npos) continue;
+    out[trim(line.substr(0, eq))] = trim(line.substr(eq + 1));
+  }
+  return out;
+}
+
+struct AwsFiles {
+  std::string profile;
+  std::string credentials;  // path of the shared credentials file
+  std::string config;       // path of the config file
+};
+
+// Credentials of the profile from the shared credentials file, else from
+// the config file; `source` says which. Empty when neither has both keys.
+S3Credentials ReadProfileCredentials(const AwsFiles& files, std::string* source) {
+  const std::string config_section = files.profile == "default" ? "default" : "profile " + files.profile;
+  for (const auto& [path, section] : {std::pair(files.credentials, files.profile), std::pair(files.config, config_section)}) {
+    if (path.empty()) continue;
+    auto keys = ReadAwsSection(path, section);
+    S3Credentials c{keys["aws_access_key_id"], keys["aws_secret_access_key"], keys["aws_session_token"]};
+    if (!c.access_key.empty() && !c.secret_key.empty()) {
+      if (source) *source = "profile '" + files.profile + "' of " + path;
+      return c;
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
 Result<S3Options> S3Options::FromEnvironment() {
   S3Options o;
   auto env = [](const char* name) -> std::string {
     const char* v = std::getenv(name);
     return v ? std::string(v) : std::string();
   };
+  AwsFiles files;
+  files.profile = env("AWS_PROFILE").empty() ? "default" : env("AWS_PROFILE");
+  const std::string home = env("HOME");
+  files.credentials = env("AWS_SHARED_CREDENTIALS_FILE");
+  if (files.credentials.empty() && !home.empty()) files.credentials = home + "/.aws/credentials";
+  files.config = env("AWS_CONFIG_FILE");
+  if (files.config.empty() && !home.empty()) files.config = home + "/.aws/config";
+  const auto profile_config = files.config.empty()
+                                  ? std::map<std::string, std::string>{}
+                                  : ReadAwsSection(files.config, files.profile == "default" ? "default"
+                                                                                            : "profile " + files.profile);
+  auto from_config = [&](const char* key) {
+    auto it = profile_config.find(key);
+    return it == profile_config.end() ? std::string() : it->second;
+  };
   o.endpoint = env("AWS_ENDPOINT_URL");
+  if (o.endpoint.empty()) o.endpoint = from_config("endpoint_url");
   if (o.endpoint.empty()) {
-    return Status::InvalidArgument("no S3 endpoint: set AWS_ENDPOINT_URL (e.g. https://s3.us-east-1.amazonaws.com)");
+    return Status::InvalidArgument("no S3 endpoint: set AWS_ENDPOINT_URL (e.g. https://s3.us-east-1.amazonaws.com) "
+                                   "or endpoint_url in the profile of " + files.config);
   }
-  if (std::string r = env("AWS_REGION"); !r.empty()) o.region = r;
+  if (std::string r = env("AWS_REGION"); !r.empty()) {
+    o.region = r;
+  } else if (std::string d = env("AWS_DEFAULT_REGION"); !d.empty()) {
+    o.region = d;
+  } else if (std::string c = from_config("region"); !c.empty()) {
+    o.region = c;
+  }
   o.access_key = env("AWS_ACCESS_KEY_ID");
   o.secret_key = env("AWS_SECRET_ACCESS_KEY");
   o.session_token = env("AWS_SESSION_TOKEN");
   if (o.access_key.empty() || o.secret_key.empty()) {
-    return Status::InvalidArgument("no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY");
+    S3Credentials c = ReadProfileCredentials(files, &o.credentials_source);
+    if (c.access_key.empty()) {
+      return Status::InvalidArgument("no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or give "
+                                     "profile '" + files.profile + "' aws_access_key_id and aws_secret_access_key in " +
+                                     (files.credentials.empty() ? std::string("~/.aws/credentials") : files.credentials));
+    }
+    o.access_key = c.access_key;
+    o.secret_key = c.secret_key;
+    o.session_token = c.session_token;
+    o.reload_credentials = [files]() -> Result<S3Credentials> {
+      S3Credentials fresh = ReadProfileCredentials(files, nullptr);
+      if (fresh.access_key.empty()) {
+        return Status::FailedPrecondition("profile '" + files.profile + "' no longer has credentials in " +
+                                          files.credentials);
+      }
+      return fresh;
+    };
   }
   if (std::string d = env("CKPT_S3_REQUEST_DEADLINE"); !d.empty()) {
     char* end = nullptr;

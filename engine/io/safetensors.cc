@@ -103,13 +103,19 @@ Result<std::vector<SafetensorsShard>> ShardsOfSafetensors(const SafetensorsHeade
     }
     return true;
   };
+  // Tensors by name, for O(log n) matching: a file may hold 10^5 entries.
+  std::vector<std::pair<std::string_view, size_t>> by_name;
+  by_name.reserve(header.tensors.size());
+  for (size_t i = 0; i < header.tensors.size(); ++i) by_name.emplace_back(header.tensors[i].name, i);
+  std::sort(by_name.begin(), by_name.end());
   for (const auto& [name, spec] : j->as_object()) {
     auto bad_tensor = [&](const std::string& what) { return bad("tensor '" + name + "': " + what); };
-    auto it = std::find_if(header.tensors.begin(), header.tensors.end(),
-                           [&](const SafetensorsTensor& t) { return t.name == name; });
-    if (it == header.tensors.end()) return bad("names tensor '" + name + "', which the file does not hold");
-    const SafetensorsTensor& stored = *it;
-    SafetensorsShard& shard = out[static_cast<size_t>(it - header.tensors.begin())];
+    auto it = std::lower_bound(by_name.begin(), by_name.end(), std::pair<std::string_view, size_t>(name, 0));
+    if (it == by_name.end() || it->first != name) {
+      return bad("names tensor '" + name + "', which the file does not hold");
+    }
+    const SafetensorsTensor& stored = header.tensors[it->second];
+    SafetensorsShard& shard = out[it->second];
     if (!spec.is_object()) return bad_tensor("entry is not an object");
     const Json* gs = spec.Find("global_shape");
     const Json* offsets = spec.Find("offsets");

@@ -17,6 +17,9 @@ way a broken proxy or an attacker who can write to the bucket would:
                   repository's prefix or cannot be written into a URL
   short-range     ranged GETs return fewer bytes than asked
   ignore-range    ranged GETs return the whole object with 200
+  expiring        requests signed with the access key `expired_key` get
+                  400 ExpiredToken, after `on_expired` (say, one that
+                  writes fresh credentials into a file) has run
 
 Every request is recorded as (method, path, query) in `requests`.
 """
@@ -40,6 +43,9 @@ class State:
         self.next_upload = 0
         self.mode = "honest"
         self.evil_id_target = ""
+        self.expired_key = None
+        self.on_expired = None
+        self.access_keys = []  # the access key of each request, in order
         self.requests = []
         self.stop = threading.Event()
 
@@ -93,9 +99,24 @@ class Handler(http.server.BaseHTTPRequestHandler):
         bucket = parts[0]
         key = parts[1] if len(parts) > 1 else ""
         query = dict(urllib.parse.parse_qsl(url.query, keep_blank_values=True))
+        auth = self.headers.get("Authorization", "")
+        access_key = auth.split("Credential=", 1)[1].split("/", 1)[0] if "Credential=" in auth else ""
         with self.st.lock:
             self.st.requests.append((self.command, url.path, query))
+            self.st.access_keys.append(access_key)
         return bucket, key, query
+
+    def expired(self):
+        """In mode expiring, answers ExpiredToken to the expired key."""
+        st = self.st
+        if st.mode != "expiring" or self.st.access_keys[-1] != st.expired_key:
+            return False
+        if st.on_expired:
+            st.on_expired()
+        if self.command == "PUT" or self.command == "POST":
+            self.body()
+        self.error(400, "ExpiredToken")
+        return True
 
     def body(self):
         n = int(self.headers.get("Content-Length") or 0)
@@ -105,6 +126,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_PUT(self):
         bucket, key, q = self.parse()
+        if self.expired():
+            return
         data = self.body()
         st = self.st
         with st.lock:
@@ -126,6 +149,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):
         bucket, key, q = self.parse()
+        if self.expired():
+            return
         self.body()
         st = self.st
         with st.lock:
@@ -143,6 +168,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_DELETE(self):
         bucket, key, q = self.parse()
+        if self.expired():
+            return
         with self.st.lock:
             if "uploadId" in q:
                 self.st.uploads.pop(q["uploadId"], None)
@@ -152,6 +179,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_HEAD(self):
         bucket, key, _ = self.parse()
+        if self.expired():
+            return
         with self.st.lock:
             data = self.st.objects.get((bucket, key))
         if data is None:
@@ -162,6 +191,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         bucket, key, q = self.parse()
+        if self.expired():
+            return
         st = self.st
         mode = st.mode
         if mode == "endless-error":

@@ -51,18 +51,21 @@ class HostileStore(unittest.TestCase):
         self.server.state.mode = "honest"
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def ckpt(self, *args, ok=True, without=()):
+    def ckpt(self, *args, ok=True, without=(), extra=None):
         """Runs ckpt; returns (exit code, stdout bytes, stderr text, seconds, its own peak RSS in bytes)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "CKPT_"))}
         env.update(AWS_ENDPOINT_URL=self.server.endpoint, AWS_ACCESS_KEY_ID="hostile", AWS_SECRET_ACCESS_KEY="secret",
                    HOME=self.home, CKPT_REPO=self.url, CKPT_S3_REQUEST_DEADLINE=str(DEADLINE_S))
         for name in without:
             env.pop(name, None)
+        env.update(extra or {})
         t0 = time.monotonic()
         p = subprocess.Popen([CKPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=self.cwd)
         killer = threading.Timer(120, lambda: p.send_signal(signal.SIGKILL))
         killer.start()
         out, err = p.stdout.read(), p.stderr.read()  # both are small: read one, then the other
+        p.stdout.close()
+        p.stderr.close()
         _, status, usage = os.wait4(p.pid, 0)
         killer.cancel()
         p.returncode = os.waitstatus_to_exitcode(status)
@@ -108,6 +111,46 @@ class HostileStore(unittest.TestCase):
         _, out, _, _, _ = self.ckpt("ls", "--cache-dir", os.path.join(self.home, "given"), without=("HOME",))
         self.assertIn(b"step-1", out)
         self.assertEqual(os.stat(os.path.join(self.home, "given")).st_mode & 0o777, 0o700)
+
+    def test_credentials_come_from_the_profile_and_are_read_again_when_expired(self):
+        state = self.server.state
+        creds = os.path.join(self.tmp, "credentials")
+        config = os.path.join(self.tmp, "config")
+
+        def write_credentials(key, secret):
+            with open(creds, "w") as f:
+                f.write(f"[default]\naws_access_key_id = other\naws_secret_access_key = other\n\n"
+                        f"[ci]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\n")
+        write_credentials("old-key", "old-secret-123")
+        with open(config, "w") as f:
+            f.write(f"[profile ci]\nregion = us-east-1\nendpoint_url = {self.server.endpoint}\n")
+        # A credential helper rewrites the file when the old key expires.
+        state.expired_key = "old-key"
+        state.on_expired = lambda: write_credentials("new-key", "new-secret-456")
+        state.mode = "expiring"
+        with state.lock:
+            del state.access_keys[:]
+        env = {"AWS_PROFILE": "ci", "AWS_SHARED_CREDENTIALS_FILE": creds, "AWS_CONFIG_FILE": config}
+        rc, out, err, _, _ = self.ckpt("ls", without=("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
+                                       extra=env)
+        self.assertEqual(rc, 0, err)
+        self.assertIn(b"step-1", out)
+        with state.lock:
+            keys = list(state.access_keys)
+        self.assertEqual(keys[0], "old-key")
+        self.assertEqual(keys[-1], "new-key")
+        # Each of the command's two store clients (the repository's top and
+        # its objects) learns of the expiry once, then uses the new key.
+        self.assertLessEqual(keys.count("old-key"), 2, keys)
+        # Credentials the store refuses: the message names where they came
+        # from, never the secret.
+        write_credentials("old-key", "old-secret-123")
+        state.on_expired = None
+        code, _, err, _, _ = self.ckpt("ls", ok=False, without=("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
+                                                                 "AWS_SECRET_ACCESS_KEY"), extra=env)
+        self.assertNotEqual(code, 0)
+        self.assertIn(f"refused the credentials (ExpiredToken): check profile 'ci' of {creds}", err)
+        self.assertNotIn("secret", err)
 
     def test_bodies_that_never_end_are_cut_at_their_bound(self):
         self.server.state.mode = "endless-config"
