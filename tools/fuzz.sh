@@ -27,7 +27,7 @@ cmake --build build-fuzz -j "$JOBS"
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
   targets=(fuzz_json fuzz_safetensors fuzz_shard_map fuzz_names fuzz_chunk_codec fuzz_pack_index fuzz_manifest
-           fuzz_catalog_records fuzz_repository_pack)
+           fuzz_catalog_records fuzz_repository_pack fuzz_s3_xml fuzz_repository_config)
 fi
 work=build-fuzz/run
 rm -rf "$work"

@@ -89,14 +89,10 @@ Result<std::vector<std::string>> Repository::PlanRetention(const RetentionPolicy
   for (const auto& c : list) {
     if (!keep.count(c.name)) remove.push_back(c.name);
   }
-  // The newest is the last in the policy's order and also the one committed
-  // last (they differ when a run went back to an earlier step).
-  const auto last_committed = std::max_element(
-      list.begin(), list.end(), [](const CheckpointRecord& a, const CheckpointRecord& b) { return a.sequence < b.sequence; });
-  std::string newest_removed;
-  for (const auto* c : {&list.back(), &*last_committed}) {
-    if (!keep.count(c->name)) newest_removed = c->name;
-  }
+  // The newest is the last in the policy's own order (by step, or by commit
+  // order without steps), the one keep-last 1 keeps.
+  const std::string& newest = list.back().name;
+  const std::string newest_removed = keep.count(newest) ? std::string() : newest;
   if (!newest_removed.empty() && !policy.allow_removing_newest) {
     const std::string what = remove.size() == list.size()
                                  ? "every checkpoint (" + std::to_string(list.size()) + ")"

@@ -144,9 +144,11 @@ Status ValidateConfig(const RepositoryConfig& c) {
 namespace {
 // Parses ckptfs.json (`text`, read from `where`). `origin` names the
 // repository in messages; `id` receives its repository_id.
+}  // namespace
+
 Result<RepositoryConfig> ParseRepositoryConfig(const std::string& text, const std::string& origin,
                                                const std::string& file, std::string* id) {
-  auto parsed = Json::Parse(text);
+  auto parsed = Json::Parse(text, 4096);  // a config has a dozen values
   const Json* fmt = parsed.ok() ? parsed->Find("format") : nullptr;
   if (!fmt || !fmt->is_string() || fmt->as_string() != "ckptfs") {
     return Status::FailedPrecondition("'" + origin + "' is not a ckptfs repository (" + kConfigFile +
@@ -198,7 +200,6 @@ Result<RepositoryConfig> ParseRepositoryConfig(const std::string& text, const st
   }
   return c;
 }
-}  // namespace
 
 Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path) {
   if (!PathExists(path)) {

@@ -151,6 +151,12 @@ class DirectFetcher : public ChunkFetcher {
 };
 
 Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path);
+// Parses and checks a repository's config (`ckptfs.json`, untrusted on a
+// shared store): `origin` names the repository and `file` the config in
+// messages; `id`, when given, receives the repository_id, which must be a
+// safe file name (it names this host's state directory).
+Result<RepositoryConfig> ParseRepositoryConfig(const std::string& text, const std::string& origin,
+                                               const std::string& file, std::string* id);
 // Records a sealed pack in the catalog: its PackInfo, and the location of
 // each of its chunks that has none yet (a chunk stored in another pack too
 // keeps the entry it has). Returns how many chunk entries it added.

@@ -333,6 +333,8 @@ class Concurrency(unittest.TestCase):
         os.makedirs(mnt)
         proc = subprocess.Popen([CKPT, "mount", "-r", self.repo, mnt, "-f", "--cache-size", "1M", "--prefetch", "0"],
                                 stderr=subprocess.PIPE)
+        stop = threading.Event()
+        threads = []
         try:
             deadline = time.time() + 10
             while not os.path.ismount(mnt) and time.time() < deadline:
@@ -340,7 +342,6 @@ class Concurrency(unittest.TestCase):
             want_frozen = self.frozen.tobytes()
             want_head = np.full((64, 256), 5, np.float32).tobytes()
             failures, reads = [], [0]
-            stop = threading.Event()
 
             def reader():
                 while not stop.is_set():
@@ -362,7 +363,7 @@ class Concurrency(unittest.TestCase):
                             failures.append(f"{name}: {e}")
                         reads[0] += 1
 
-            threads = [threading.Thread(target=reader) for _ in range(2)]
+            threads.extend(threading.Thread(target=reader) for _ in range(2))
             for th in threads:
                 th.start()
             for i in range(3, 6):
@@ -378,6 +379,11 @@ class Concurrency(unittest.TestCase):
             self.assertGreater(reads[0], 4)
             run(self.repo, "verify")
         finally:
+            # Readers stop before the mount goes, even when the test failed
+            # midway (they would otherwise loop on errors for ever).
+            stop.set()
+            for th in threads:
+                th.join()
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=20)
             proc.stderr.close()
