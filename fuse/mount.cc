@@ -3,6 +3,7 @@
 #include "mount.h"
 
 #include <dirent.h>
+#include <malloc.h>
 #include <fuse_lowlevel.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -88,27 +89,46 @@ void RaiseReadahead(const std::string& dir, size_t bytes) {
 enum class Kind { kRoot, kLatest, kCheckpoint, kBlobsDir, kFile };
 
 // One committed checkpoint as the mount shows it: its files (the engine's
-// CheckpointFiles) and the inode-level lookups of its two directories.
-// Immutable once built.
+// CheckpointFiles) and the range of inode numbers they have. Immutable once
+// built, but for the kernel's count of lookups.
+//
+// Inode numbers are computed, not stored: file i is ino_base + i, the
+// checkpoint's directory ino_base + N and its blobs/ directory
+// ino_base + N + 1 (N files). A mount of a checkpoint of 10^6 tensors
+// holds no table entry per file.
 struct CheckpointView {
   std::string name;
   uint64_t sequence = 0;
   uint64_t mtime = 0;  // commit time, seconds
   std::unique_ptr<CheckpointFiles> files;
-  std::map<std::string, size_t, std::less<>> top, blobs;  // file name -> index into files->files()
+  fuse_ino_t ino_base = 0;
+  uint64_t lookups = 0;  // guarded by Filesystem::mu_: the kernel's references to its inodes
+  size_t file_count() const { return files->files().size(); }
+  fuse_ino_t dir_ino() const { return ino_base + file_count(); }
+  fuse_ino_t blobs_ino() const { return ino_base + file_count() + 1; }
+  fuse_ino_t inode_count() const { return file_count() + 2; }
 };
 
 struct Node {
   Kind kind;
   std::shared_ptr<CheckpointView> view;  // null for root and latest
   size_t file = 0;                       // index into view->files->files()
-  uint64_t lookups = 0;
 };
 
 struct DirEntry {
   std::string name;
   fuse_ino_t ino;
   mode_t mode;
+};
+
+// What an open directory lists: a few named entries, then (for a
+// checkpoint's directory and its blobs/) files of the view by index, whose
+// names are taken from the view as each ReadDir reaches them.
+struct DirListing {
+  std::vector<DirEntry> named;
+  std::shared_ptr<CheckpointView> view;
+  std::vector<uint32_t> files;
+  size_t size() const { return named.size() + files.size(); }
 };
 
 struct OpenFile {
@@ -126,8 +146,6 @@ class Filesystem {
  public:
   Filesystem(std::unique_ptr<Repository> repo, const MountOptions& options)
       : repo_(std::move(repo)), options_(options) {
-    nodes_[FUSE_ROOT_ID] = Node{Kind::kRoot, nullptr, 0, 1};
-    nodes_[kLatestIno] = Node{Kind::kLatest, nullptr, 0, 1};
   }
 
   void SetSession(fuse_session* se) { session_ = se; }
@@ -149,30 +167,30 @@ class Filesystem {
           if (view.status().IsNotFound()) return (void)fuse_reply_err(req, ENOENT);
           return ReplyError(req, view.status());  // damaged records: EIO, logged
         }
-        ino = InodeFor(Kind::kCheckpoint, *view, 0);
+        ino = (*view)->dir_ino();
       }
     } else if (node->kind == Kind::kCheckpoint || node->kind == Kind::kBlobsDir) {
       const auto& v = node->view;
       if (node->kind == Kind::kCheckpoint && n == "blobs") {
-        ino = InodeFor(Kind::kBlobsDir, v, 0);
+        ino = v->blobs_ino();
       } else {
-        const auto& dir = node->kind == Kind::kCheckpoint ? v->top : v->blobs;
-        auto it = dir.find(n);
-        if (it == dir.end()) return (void)fuse_reply_err(req, ENOENT);
-        ino = InodeFor(Kind::kFile, v, it->second);
+        const CheckpointFile* f = nullptr;
+        if (node->kind == Kind::kBlobsDir) {
+          f = v->files->Find(std::string(kBlobsPrefix) + std::string(n));
+        } else if (!n.starts_with(kBlobsPrefix)) {
+          f = v->files->Find(n);
+        }
+        if (!f) return (void)fuse_reply_err(req, ENOENT);
+        ino = v->ino_base + static_cast<fuse_ino_t>(f - v->files->files().data());
       }
     } else {
       return (void)fuse_reply_err(req, ENOTDIR);
     }
     fuse_entry_param e{};
     e.ino = ino;
-    Node target;
-    {
-      std::lock_guard lock(mu_);
-      Node& t = nodes_[ino];
-      ++t.lookups;
-      target = t;
-    }
+    auto found = GetNode(ino, /*count_lookup=*/true);
+    if (!found) return (void)fuse_reply_err(req, ENOENT);  // its checkpoint changed meanwhile
+    const Node target = *found;
     e.attr = Attr(ino, target);
     double timeout = (target.kind == Kind::kCheckpoint || target.kind == Kind::kLatest) ? kRootTimeout : kImmutableTimeout;
     e.attr_timeout = timeout;
@@ -180,16 +198,17 @@ class Filesystem {
     fuse_reply_entry(req, &e);
   }
 
+  // A view the kernel no longer references, and that is not the current
+  // view of its checkpoint (removed, or committed again), gives its inode
+  // range up.
   void Forget(fuse_ino_t ino, uint64_t n) {
     std::lock_guard lock(mu_);
     if (ino == FUSE_ROOT_ID || ino == kLatestIno) return;
-    auto it = nodes_.find(ino);
-    if (it == nodes_.end()) return;
-    it->second.lookups = it->second.lookups > n ? it->second.lookups - n : 0;
-    if (it->second.lookups == 0) {
-      ino_of_.erase(KeyOf(it->second.kind, it->second.view, it->second.file));
-      nodes_.erase(it);
-    }
+    auto it = ViewHolding(ino);
+    if (it == by_base_.end()) return;
+    CheckpointView& v = *it->second;
+    v.lookups = v.lookups > n ? v.lookups - n : 0;
+    if (v.lookups == 0 && !IsCurrent(v)) by_base_.erase(it);
   }
 
   void GetAttr(fuse_req_t req, fuse_ino_t ino) {
@@ -210,30 +229,29 @@ class Filesystem {
   void OpenDir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     auto node = GetNode(ino);
     if (!node) return (void)fuse_reply_err(req, ENOENT);
-    auto entries = std::make_unique<std::vector<DirEntry>>();
-    entries->push_back({".", ino, S_IFDIR});
-    entries->push_back({"..", FUSE_ROOT_ID, S_IFDIR});
+    auto entries = std::make_unique<DirListing>();
+    entries->named.push_back({".", ino, S_IFDIR});
+    entries->named.push_back({"..", FUSE_ROOT_ID, S_IFDIR});
     if (node->kind == Kind::kRoot) {
       auto list = repo_->ListCheckpoints(false);
       if (!list.ok()) return ReplyError(req, list.status());
-      if (!list->empty()) entries->push_back({"latest", kLatestIno, S_IFLNK});
+      if (!list->empty()) entries->named.push_back({"latest", kLatestIno, S_IFLNK});
       for (const auto& c : *list) {
         // A checkpoint whose records are damaged is left out of the listing;
         // looking it up gives EIO with the reason in the log.
         auto view = ViewOf(c);
-        if (view.ok()) entries->push_back({c.name, InodeFor(Kind::kCheckpoint, *view, 0), S_IFDIR});
+        if (view.ok()) entries->named.push_back({c.name, (*view)->dir_ino(), S_IFDIR});
       }
     } else if (node->kind == Kind::kCheckpoint || node->kind == Kind::kBlobsDir) {
       const auto& v = node->view;
+      if (node->kind == Kind::kCheckpoint) entries->named.push_back({"blobs", v->blobs_ino(), S_IFDIR});
       // In the order of CheckpointFiles: tensors, model.safetensors, metadata.json.
       const auto& files = v->files->files();
+      entries->view = v;
       for (size_t i = 0; i < files.size(); ++i) {
         const bool in_blobs = files[i].name.starts_with(kBlobsPrefix);
-        if (in_blobs != (node->kind == Kind::kBlobsDir)) continue;
-        std::string name = in_blobs ? files[i].name.substr(kBlobsPrefix.size()) : files[i].name;
-        entries->push_back({std::move(name), InodeFor(Kind::kFile, v, i), S_IFREG});
+        if (in_blobs == (node->kind == Kind::kBlobsDir)) entries->files.push_back(static_cast<uint32_t>(i));
       }
-      if (node->kind == Kind::kCheckpoint) entries->push_back({"blobs", InodeFor(Kind::kBlobsDir, v, 0), S_IFDIR});
     } else {
       return (void)fuse_reply_err(req, ENOTDIR);
     }
@@ -244,14 +262,25 @@ class Filesystem {
   }
 
   void ReadDir(fuse_req_t req, size_t size, off_t off, fuse_file_info* fi) {
-    auto* entries = reinterpret_cast<std::vector<DirEntry>*>(fi->fh);
+    auto* entries = reinterpret_cast<DirListing*>(fi->fh);
     std::vector<char> buf(size);
     size_t used = 0;
+    std::string name;
     for (size_t i = static_cast<size_t>(off); i < entries->size(); ++i) {
       struct stat st{};
-      st.st_ino = (*entries)[i].ino;
-      st.st_mode = (*entries)[i].mode;
-      size_t n = fuse_add_direntry(req, buf.data() + used, size - used, (*entries)[i].name.c_str(), &st,
+      if (i < entries->named.size()) {
+        const DirEntry& e = entries->named[i];
+        st.st_ino = e.ino;
+        st.st_mode = e.mode;
+        name = e.name;
+      } else {
+        const uint32_t index = entries->files[i - entries->named.size()];
+        const std::string& path = entries->view->files->files()[index].name;
+        name = path.starts_with(kBlobsPrefix) ? path.substr(kBlobsPrefix.size()) : path;
+        st.st_ino = entries->view->ino_base + index;
+        st.st_mode = S_IFREG;
+      }
+      size_t n = fuse_add_direntry(req, buf.data() + used, size - used, name.c_str(), &st,
                                    static_cast<off_t>(i + 1));
       if (n > size - used) break;
       used += n;
@@ -260,7 +289,7 @@ class Filesystem {
   }
 
   void ReleaseDir(fuse_req_t req, fuse_file_info* fi) {
-    delete reinterpret_cast<std::vector<DirEntry>*>(fi->fh);
+    delete reinterpret_cast<DirListing*>(fi->fh);
     fuse_reply_err(req, 0);
   }
 
@@ -395,27 +424,32 @@ class Filesystem {
   static constexpr fuse_ino_t kLatestIno = 2;
   static constexpr std::string_view kBlobsPrefix = "blobs/";
 
-  static std::string KeyOf(Kind kind, const std::shared_ptr<CheckpointView>& v, size_t index) {
-    return std::to_string(static_cast<int>(kind)) + "/" + (v ? v->name + "@" + std::to_string(v->sequence) : "") +
-           "/" + std::to_string(index);
+  // The view whose inode range holds `ino`, or by_base_.end() (mu_ held).
+  std::map<fuse_ino_t, std::shared_ptr<CheckpointView>>::iterator ViewHolding(fuse_ino_t ino) {
+    auto it = by_base_.upper_bound(ino);
+    if (it == by_base_.begin()) return by_base_.end();
+    --it;
+    return ino < it->first + it->second->inode_count() ? it : by_base_.end();
+  }
+  // Whether `v` is what its checkpoint's name shows now (mu_ held).
+  bool IsCurrent(const CheckpointView& v) {
+    auto it = views_.find(v.name);
+    return it != views_.end() && it->second.get() == &v;
   }
 
-  fuse_ino_t InodeFor(Kind kind, const std::shared_ptr<CheckpointView>& v, size_t index) {
+  // What inode `ino` is; with count_lookup, the kernel now holds one more
+  // reference to it (Lookup's reply).
+  std::optional<Node> GetNode(fuse_ino_t ino, bool count_lookup = false) {
+    if (ino == FUSE_ROOT_ID) return Node{Kind::kRoot, nullptr, 0};
+    if (ino == kLatestIno) return Node{Kind::kLatest, nullptr, 0};
     std::lock_guard lock(mu_);
-    auto key = KeyOf(kind, v, index);
-    auto it = ino_of_.find(key);
-    if (it != ino_of_.end()) return it->second;
-    fuse_ino_t ino = next_ino_++;
-    ino_of_[key] = ino;
-    nodes_[ino] = Node{kind, v, index, 0};
-    return ino;
-  }
-
-  std::optional<Node> GetNode(fuse_ino_t ino) {
-    std::lock_guard lock(mu_);
-    auto it = nodes_.find(ino);
-    if (it == nodes_.end()) return std::nullopt;
-    return it->second;
+    auto it = ViewHolding(ino);
+    if (it == by_base_.end()) return std::nullopt;
+    const std::shared_ptr<CheckpointView>& v = it->second;
+    if (count_lookup) ++v->lookups;
+    const size_t index = ino - v->ino_base;
+    if (index < v->file_count()) return Node{Kind::kFile, v, index};
+    return Node{index == v->file_count() ? Kind::kCheckpoint : Kind::kBlobsDir, v, 0};
   }
 
   std::string LatestName() {
@@ -424,9 +458,15 @@ class Filesystem {
     return list->back().name;
   }
 
+  // The checkpoint is gone: its view gives its inode range up once the
+  // kernel holds none of its inodes.
   void DropView(const std::string& name) {
-    std::lock_guard lock(views_mu_);
-    views_.erase(name);
+    std::lock_guard lock(mu_);
+    auto it = views_.find(name);
+    if (it == views_.end()) return;
+    std::shared_ptr<CheckpointView> v = std::move(it->second);
+    views_.erase(it);
+    if (v->lookups == 0) by_base_.erase(v->ino_base);
   }
 
   // The view of committed checkpoint `name`, built on first use and kept
@@ -446,7 +486,7 @@ class Filesystem {
   Result<std::shared_ptr<CheckpointView>> ViewOf(const CheckpointRecord& record) {
     const std::string& name = record.name;
     {
-      std::lock_guard lock(views_mu_);
+      std::lock_guard lock(mu_);
       auto it = views_.find(name);
       if (it != views_.end() && it->second->sequence == record.sequence) return it->second;
     }
@@ -457,21 +497,29 @@ class Filesystem {
     }
     auto files = CheckpointFiles::Build(std::move(reader).value());
     if (!files.ok()) return files.status();
+    // Building allocates and frees much (the catalog's records, metadata
+    // sizes); give what is free back, so a mount of millions of tensors
+    // keeps only what it holds.
+    ::malloc_trim(0);
     auto v = std::make_shared<CheckpointView>();
     v->name = name;
     v->sequence = record.sequence;
     v->mtime = record.committed_unix_ms / 1000;
     v->files = std::move(files).value();
-    const auto& list = v->files->files();
-    for (size_t i = 0; i < list.size(); ++i) {
-      if (list[i].name.starts_with(kBlobsPrefix)) {
-        v->blobs.emplace(list[i].name.substr(kBlobsPrefix.size()), i);
-      } else {
-        v->top.emplace(list[i].name, i);
-      }
+    std::lock_guard lock(mu_);
+    auto it = views_.find(name);
+    if (it != views_.end() && it->second->sequence == record.sequence) return it->second;  // built meanwhile
+    v->ino_base = next_ino_;
+    next_ino_ += v->inode_count();
+    by_base_[v->ino_base] = v;
+    if (it != views_.end()) {
+      // The name now shows a newer commit: the old view goes once the
+      // kernel holds none of its inodes.
+      if (it->second->lookups == 0) by_base_.erase(it->second->ino_base);
+      it->second = v;
+    } else {
+      views_[name] = v;
     }
-    std::lock_guard lock(views_mu_);
-    views_[name] = v;
     return v;
   }
 
@@ -544,12 +592,10 @@ class Filesystem {
   MountOptions options_;
   fuse_session* session_ = nullptr;
   const time_t mounted_at_ = ::time(nullptr);
-  std::mutex mu_;  // nodes_, ino_of_, next_ino_
-  std::unordered_map<fuse_ino_t, Node> nodes_;
-  std::unordered_map<std::string, fuse_ino_t> ino_of_;
+  std::mutex mu_;  // views_, by_base_, next_ino_ and each view's lookups
+  std::map<std::string, std::shared_ptr<CheckpointView>> views_;       // by checkpoint name: the current views
+  std::map<fuse_ino_t, std::shared_ptr<CheckpointView>> by_base_;     // by first inode: views with inodes in use
   fuse_ino_t next_ino_ = 3;
-  std::mutex views_mu_;
-  std::map<std::string, std::shared_ptr<CheckpointView>> views_;
   std::atomic<uint64_t> opens_{0}, reads_{0}, read_bytes_{0};  // files opened, read requests, bytes
 };
 

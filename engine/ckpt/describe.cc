@@ -52,40 +52,43 @@ Json DescribeRecord(const CheckpointRecord& c) {
   return j;
 }
 
+Json DescribeTensor(const TensorRecord& t, uint64_t stored_bytes) {
+  Json tj = Json::MakeObject();
+  tj.Set("name", t.name);
+  tj.Set("dtype", DTypeName(t.dtype));
+  tj.Set("shape", ShapeToJson(t.shape));
+  tj.Set("logical_bytes", t.ByteSize());
+  tj.Set("stored_bytes", stored_bytes);
+  Json shards = Json::MakeArray();
+  for (const auto& s : t.shards) {
+    Json sj = RegionToJson(s.region);
+    Json ranks = Json::MakeArray();
+    for (uint32_t r : s.ranks) ranks.Push(static_cast<uint64_t>(r));
+    sj.Set("ranks", std::move(ranks));
+    sj.Set("bytes", s.ByteSize());
+    sj.Set("chunks", static_cast<uint64_t>(s.chunks.size()));
+    shards.Push(std::move(sj));
+  }
+  tj.Set("shards", std::move(shards));
+  return tj;
+}
+
+Json DescribeBlob(const BlobRecord& b) {
+  Json bj = Json::MakeObject();
+  bj.Set("name", b.name);
+  bj.Set("bytes", b.size);
+  return bj;
+}
+
 Result<Json> DescribeCheckpoint(const CheckpointReader& reader) {
   CKPT_ASSIGN_OR_RETURN(StoredSizes stored, reader.StoredBytes());
   Json j = DescribeRecord(reader.info());
   j.Set("stored_bytes", stored.total);
   Json tensors = Json::MakeArray();
-  for (size_t i = 0; i < reader.tensors().size(); ++i) {
-    const TensorRecord& t = reader.tensors()[i];
-    Json tj = Json::MakeObject();
-    tj.Set("name", t.name);
-    tj.Set("dtype", DTypeName(t.dtype));
-    tj.Set("shape", ShapeToJson(t.shape));
-    tj.Set("logical_bytes", t.ByteSize());
-    tj.Set("stored_bytes", stored.tensors[i]);
-    Json shards = Json::MakeArray();
-    for (const auto& s : t.shards) {
-      Json sj = RegionToJson(s.region);
-      Json ranks = Json::MakeArray();
-      for (uint32_t r : s.ranks) ranks.Push(static_cast<uint64_t>(r));
-      sj.Set("ranks", std::move(ranks));
-      sj.Set("bytes", s.ByteSize());
-      sj.Set("chunks", static_cast<uint64_t>(s.chunks.size()));
-      shards.Push(std::move(sj));
-    }
-    tj.Set("shards", std::move(shards));
-    tensors.Push(std::move(tj));
-  }
+  for (size_t i = 0; i < reader.tensors().size(); ++i) tensors.Push(DescribeTensor(reader.tensors()[i], stored.tensors[i]));
   j.Set("tensors", std::move(tensors));
   Json blobs = Json::MakeArray();
-  for (const auto& b : reader.blobs()) {
-    Json bj = Json::MakeObject();
-    bj.Set("name", b.name);
-    bj.Set("bytes", b.size);
-    blobs.Push(std::move(bj));
-  }
+  for (const auto& b : reader.blobs()) blobs.Push(DescribeBlob(b));
   j.Set("blobs", std::move(blobs));
   return j;
 }

@@ -21,6 +21,9 @@ Json DescribeRecord(const CheckpointRecord& record);
 // and stored bytes, shards with region, ranks, bytes, chunks) and blob.
 // Reads the catalog (chunk sizes), never tensor data.
 Result<Json> DescribeCheckpoint(const CheckpointReader& reader);
+// Its parts: one tensor (with its stored bytes) and one blob.
+Json DescribeTensor(const TensorRecord& tensor, uint64_t stored_bytes);
+Json DescribeBlob(const BlobRecord& blob);
 // What `ckpt gc --json` prints: dry_run, removed, dead chunks, packs
 // deleted, rewritten and orphaned, bytes before, after, reclaimed and live.
 Json DescribeGcReport(const GcReport& report, bool dry_run);

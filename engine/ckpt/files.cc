@@ -15,31 +15,33 @@ Result<std::unique_ptr<CheckpointFiles>> CheckpointFiles::Build(std::unique_ptr<
   std::unique_ptr<CheckpointFiles> f(new CheckpointFiles());
   const auto& tensors = reader->tensors();
   const auto& blobs = reader->blobs();
-  std::vector<TensorMeta> metas;
-  metas.reserve(tensors.size());
+  f->files_.reserve(tensors.size() + 2 + 2 * blobs.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorRecord& t = tensors[i];
-    f->npy_headers_.push_back(NpyHeader(t.dtype, t.shape));
-    f->files_.push_back({FileKind::kTensor, FileNameFor(t.name, ".npy"), i, f->npy_headers_.back().size() + t.ByteSize()});
-    metas.push_back({t.name, t.dtype, t.shape});
+    // .npy headers are made again on each read that needs one, not kept.
+    f->files_.push_back({FileKind::kTensor, FileNameFor(t.name, ".npy"), i, NpyHeader(t.dtype, t.shape).size() + t.ByteSize()});
   }
   // "format": "pt" is what Hugging Face's loaders ask of a safetensors file
   // before they read it as torch weights.
-  std::vector<std::pair<std::string, std::string>> meta = {{"format", "pt"},
-                                                           {"ckptfs.checkpoint", reader->info().name}};
-  if (reader->info().step) meta.emplace_back("ckptfs.step", std::to_string(*reader->info().step));
-  f->safetensors_ = LayoutSafetensors(metas, meta);
-  f->files_.push_back({FileKind::kSafetensors, "model.safetensors", 0, f->safetensors_.total_size});
+  // model.safetensors: the offsets of its tensors and its header's size;
+  // the header itself is made when it is read, like metadata.json.
+  f->safetensors_metadata_ = {{"format", "pt"}, {"ckptfs.checkpoint", reader->info().name}};
+  if (reader->info().step) f->safetensors_metadata_.emplace_back("ckptfs.step", std::to_string(*reader->info().step));
+  f->reader_ = std::move(reader);
+  f->safetensors_header_size_ = f->WriteSafetensorsHeaderTo(nullptr);
+  f->tensor_offsets_.reserve(tensors.size());
+  uint64_t pos = f->safetensors_header_size_;
+  for (const TensorRecord& t : tensors) {
+    f->tensor_offsets_.push_back(pos);
+    pos += t.ByteSize();
+  }
+  f->files_.push_back({FileKind::kSafetensors, "model.safetensors", 0, pos});
 
-  // metadata.json: the description of `ckpt show --json`, plus the file that
-  // shows each tensor and blob.
-  CKPT_ASSIGN_OR_RETURN(Json described, DescribeCheckpoint(*reader));
-  auto& tensor_list = described.Find("tensors")->as_array();
-  for (size_t i = 0; i < tensor_list.size(); ++i) tensor_list[i].Set("file", f->files_[i].name);
-  auto& blob_list = described.Find("blobs")->as_array();
-  for (size_t i = 0; i < blob_list.size(); ++i) blob_list[i].Set("file", "blobs/" + FileNameFor(blobs[i].name, ""));
-  f->metadata_ = described.Dump(2) + "\n";
-  f->files_.push_back({FileKind::kMetadata, "metadata.json", 0, f->metadata_.size()});
+  // metadata.json: only its size now (written a tensor at a time and
+  // dropped); its text is made when it is first read.
+  uint64_t metadata_size = 0;
+  CKPT_RETURN_IF_ERROR(f->WriteMetadata([&](std::string_view piece) { metadata_size += piece.size(); }));
+  f->files_.push_back({FileKind::kMetadata, "metadata.json", 0, metadata_size});
   for (size_t i = 0; i < blobs.size(); ++i) {
     f->files_.push_back({FileKind::kBlob, "blobs/" + FileNameFor(blobs[i].name, ""), i, blobs[i].size});
   }
@@ -56,20 +58,87 @@ Result<std::unique_ptr<CheckpointFiles>> CheckpointFiles::Build(std::unique_ptr<
     f->files_.push_back({FileKind::kBlob, n, i, blobs[i].size});
   }
   f->opened_.reset(new std::atomic<bool>[f->files_.size()]());
+  f->by_path_.resize(f->files_.size());
+  for (size_t i = 0; i < f->files_.size(); ++i) f->by_path_[i] = static_cast<uint32_t>(i);
+  std::sort(f->by_path_.begin(), f->by_path_.end(),
+            [&](uint32_t a, uint32_t b) { return f->files_[a].name < f->files_[b].name; });
   std::vector<size_t> by_name(tensors.size());
   for (size_t i = 0; i < by_name.size(); ++i) by_name[i] = i;
   std::sort(by_name.begin(), by_name.end(), [&](size_t a, size_t b) { return f->files_[a].name < f->files_[b].name; });
   f->next_tensor_file_.assign(tensors.size(), SIZE_MAX);
   for (size_t k = 0; k + 1 < by_name.size(); ++k) f->next_tensor_file_[by_name[k]] = by_name[k + 1];
-  f->reader_ = std::move(reader);
   return f;
 }
 
-const CheckpointFile* CheckpointFiles::Find(std::string_view path) const {
-  for (const auto& file : files_) {
-    if (file.name == path) return &file;
+// The text is `ckpt show --json`'s description plus each tensor's and
+// blob's file, as Json::Dump(2) writes it, but made one tensor at a time:
+// a checkpoint of millions of tensors never holds the whole tree.
+Status CheckpointFiles::WriteMetadata(const std::function<void(std::string_view)>& out) const {
+  const CheckpointReader& r = *reader_;
+  CKPT_ASSIGN_OR_RETURN(StoredSizes stored, r.StoredBytes());
+  Json head = DescribeRecord(r.info());
+  head.Set("stored_bytes", stored.total);
+  head.Set("tensors", Json::MakeArray());
+  Json blob_list = Json::MakeArray();
+  for (size_t i = 0; i < r.blobs().size(); ++i) {
+    Json b = DescribeBlob(r.blobs()[i]);
+    b.Set("file", "blobs/" + FileNameFor(r.blobs()[i].name, ""));
+    blob_list.Push(std::move(b));
   }
-  return nullptr;
+  head.Set("blobs", std::move(blob_list));
+  // The head as Dump(2) writes it with an empty tensor list; the tensors
+  // go where "[]" stands, each indented as an element of that list.
+  const std::string text = head.Dump(2) + "\n";
+  const std::string_view marker = "\"tensors\": []";
+  const size_t at = text.find(marker);
+  if (at == std::string::npos) return Status::Internal("metadata.json: no tensor list to fill");
+  const size_t open = at + marker.size() - 1;  // the ']'
+  out(std::string_view(text).substr(0, open));
+  std::string piece;
+  for (size_t i = 0; i < r.tensors().size(); ++i) {
+    Json t = DescribeTensor(r.tensors()[i], stored.tensors[i]);
+    t.Set("file", files_[i].name);
+    piece = i ? ",\n    " : "\n    ";
+    const std::string dumped = t.Dump(2);
+    for (char c : dumped) {
+      piece.push_back(c);
+      if (c == '\n') piece.append(4, ' ');
+    }
+    out(piece);
+  }
+  out(r.tensors().empty() ? std::string_view() : std::string_view("\n  "));
+  out(std::string_view(text).substr(open));
+  return Status::OK();
+}
+
+uint64_t CheckpointFiles::WriteSafetensorsHeaderTo(const std::function<void(std::string_view)>& out) const {
+  const auto& tensors = reader_->tensors();
+  return WriteSafetensorsHeader(
+      tensors.size(), [&](size_t i) { return TensorMetaRef{tensors[i].name, tensors[i].dtype, tensors[i].shape}; },
+      safetensors_metadata_, out);
+}
+
+Result<std::shared_ptr<const std::string>> CheckpointFiles::Text(FileKind kind) const {
+  std::lock_guard lock(text_mu_);
+  std::weak_ptr<const std::string>& cached = kind == FileKind::kMetadata ? metadata_ : safetensors_header_;
+  if (auto live = cached.lock()) return live;
+  auto text = std::make_shared<std::string>();
+  auto append = [&](std::string_view piece) { text->append(piece); };
+  if (kind == FileKind::kMetadata) {
+    text->reserve(files_[reader_->tensors().size() + 1].size);
+    CKPT_RETURN_IF_ERROR(WriteMetadata(append));
+  } else {
+    text->reserve(safetensors_header_size_);
+    WriteSafetensorsHeaderTo(append);
+  }
+  cached = text;
+  return std::shared_ptr<const std::string>(std::move(text));
+}
+
+const CheckpointFile* CheckpointFiles::Find(std::string_view path) const {
+  auto it = std::lower_bound(by_path_.begin(), by_path_.end(), path,
+                             [&](uint32_t i, std::string_view p) { return std::string_view(files_[i].name) < p; });
+  return it != by_path_.end() && files_[*it].name == path ? &files_[*it] : nullptr;
 }
 
 const CheckpointFile* CheckpointFiles::NextTensorFile(const CheckpointFile& file) const {
@@ -80,57 +149,68 @@ const CheckpointFile* CheckpointFiles::NextTensorFile(const CheckpointFile& file
 
 uint64_t CheckpointFiles::HeaderSize(const CheckpointFile& file) const {
   switch (file.kind) {
-    case FileKind::kTensor: return npy_headers_[file.index].size();
-    case FileKind::kSafetensors: return safetensors_.header.size();
+    case FileKind::kTensor: {
+      const TensorRecord& t = reader_->tensors()[file.index];
+      return file.size - t.ByteSize();
+    }
+    case FileKind::kSafetensors: return safetensors_header_size_;
     default: return 0;
   }
 }
 
 size_t CheckpointFiles::SafetensorsTensorAt(uint64_t pos) const {
-  const auto& L = safetensors_;
+  const auto& offsets = tensor_offsets_;
+  const auto& tensors = reader_->tensors();
   // The last tensor starting at or before pos; zero-size tensors share their
   // offset with the next one and are stepped over.
-  size_t i = static_cast<size_t>(std::upper_bound(L.offsets.begin(), L.offsets.end(), pos) - L.offsets.begin()) - 1;
-  while (i + 1 < L.offsets.size() && L.offsets[i] + L.sizes[i] <= pos) ++i;
+  size_t i = static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), pos) - offsets.begin()) - 1;
+  while (i + 1 < offsets.size() && offsets[i] + tensors[i].ByteSize() <= pos) ++i;
   return i;
 }
 
 Result<bool> CheckpointFiles::Walk(const CheckpointFile& file, uint64_t offset, size_t n,
-                                   const std::function<void(std::string_view)>& literal,
+                                   const std::function<void(std::string_view, bool)>& literal,
                                    const std::function<Result<bool>(size_t, uint64_t, size_t)>& tensor) const {
-  auto part = [&](const std::string& s, uint64_t at, size_t len) {
-    if (len > 0) literal(std::string_view(s).substr(at, len));
+  auto part = [&](std::string_view s, uint64_t at, size_t len, bool transient) {
+    if (len > 0) literal(s.substr(at, len), transient);
   };
   switch (file.kind) {
-    case FileKind::kMetadata:
-      part(metadata_, offset, n);
+    case FileKind::kMetadata: {
+      // Held here for the call; ReadInPlace and open files hold it longer.
+      CKPT_ASSIGN_OR_RETURN(auto text, Text(FileKind::kMetadata));
+      part(*text, offset, n, false);
       return true;
+    }
     case FileKind::kBlob:
       return Status::Internal("a blob has no layout to walk");
     case FileKind::kTensor: {
-      const std::string& h = npy_headers_[file.index];
+      const TensorRecord& t = reader_->tensors()[file.index];
+      const uint64_t header_size = file.size - t.ByteSize();
+      std::string h;
+      if (offset < header_size) h = NpyHeader(t.dtype, t.shape);
       size_t in_header = 0;
-      if (offset < h.size()) {
-        in_header = std::min<size_t>(n, h.size() - offset);
-        part(h, offset, in_header);
+      if (offset < header_size) {
+        in_header = std::min<size_t>(n, header_size - offset);
+        part(h, offset, in_header, true);
       }
       if (in_header == n) return true;
-      return tensor(file.index, offset + in_header - h.size(), n - in_header);
+      return tensor(file.index, offset + in_header - header_size, n - in_header);
     }
     case FileKind::kSafetensors: {
-      const auto& L = safetensors_;
       size_t done = 0;
       while (done < n) {
         const uint64_t pos = offset + done;
-        if (pos < L.header.size()) {
-          const size_t len = std::min<size_t>(n - done, L.header.size() - pos);
-          part(L.header, pos, len);
+        if (pos < safetensors_header_size_) {
+          // Held here for the call; ReadInPlace and open files hold it longer.
+          CKPT_ASSIGN_OR_RETURN(auto header, Text(FileKind::kSafetensors));
+          const size_t len = std::min<size_t>(n - done, safetensors_header_size_ - pos);
+          part(*header, pos, len, false);
           done += len;
           continue;
         }
         const size_t i = SafetensorsTensorAt(pos);
-        const uint64_t in = pos - L.offsets[i];
-        const size_t len = std::min<uint64_t>(n - done, L.sizes[i] - in);
+        const uint64_t in = pos - tensor_offsets_[i];
+        const size_t len = std::min<uint64_t>(n - done, reader_->tensors()[i].ByteSize() - in);
         CKPT_ASSIGN_OR_RETURN(bool go_on, tensor(i, in, len));
         if (!go_on) return false;
         done += len;
@@ -151,7 +231,7 @@ Status CheckpointFiles::Read(const CheckpointFile& file, uint64_t offset, std::s
   size_t done = 0;
   return Walk(
              file, offset, dst.size(),
-             [&](std::string_view s) {
+             [&](std::string_view s, bool) {
                std::memcpy(dst.data() + done, s.data(), s.size());
                done += s.size();
              },
@@ -167,6 +247,7 @@ void FilePieces::Clear() {
   if (!slices_.empty()) reader_->Consumed(slices_);
   slices_.clear();
   pieces_.clear();
+  text_.reset();
   reader_ = nullptr;
 }
 
@@ -176,9 +257,19 @@ Result<bool> CheckpointFiles::ReadInPlace(const CheckpointFile& file, uint64_t o
   if (offset > file.size || n > file.size - offset) return Status::InvalidArgument("read past the end of " + file.name);
   if (file.kind == FileKind::kBlob) return false;
   out.reader_ = reader_.get();
+  if (file.kind == FileKind::kMetadata || (file.kind == FileKind::kSafetensors && offset < safetensors_header_size_)) {
+    CKPT_ASSIGN_OR_RETURN(out.text_, Text(file.kind));  // the pieces point into it
+  }
   Result<bool> fits = Walk(
       file, offset, n,
-      [&](std::string_view s) { out.pieces_.emplace_back(reinterpret_cast<const std::byte*>(s.data()), s.size()); },
+      [&](std::string_view s, bool transient) {
+        if (transient) {
+          // A header made for this read (at most one per walk): kept by `out`.
+          out.owned_.assign(s);
+          s = out.owned_;
+        }
+        out.pieces_.emplace_back(reinterpret_cast<const std::byte*>(s.data()), s.size());
+      },
       [&](size_t i, uint64_t in, size_t len) -> Result<bool> {
         const size_t first = out.slices_.size();
         if (out.pieces_.size() >= max_pieces) return false;
@@ -199,13 +290,20 @@ FileReadahead::FileReadahead(const CheckpointFiles& files, const CheckpointFile&
     : files_(files),
       file_(file),
       window_(window),
-      slack_(4 * files.reader().chunk_size()) {}
+      slack_(4 * files.reader().chunk_size()) {
+  // metadata.json's text and model.safetensors's header are made at their
+  // first open and dropped when the last open file lets go of them.
+  if (file.kind == FileKind::kMetadata || file.kind == FileKind::kSafetensors) {
+    auto text = files.Text(file.kind);
+    if (text.ok()) text_ = std::move(text).value();
+  }
+}
 
 void FileReadahead::ForEachTensorRange(const CheckpointFile& file, uint64_t from, uint64_t to,
                                        const std::function<void(size_t, uint64_t, uint64_t)>& fn) const {
   to = std::min(to, file.size);
   if (from >= to || (file.kind != FileKind::kTensor && file.kind != FileKind::kSafetensors)) return;
-  (void)files_.Walk(file, from, to - from, [](std::string_view) {}, [&](size_t i, uint64_t in, size_t n) -> Result<bool> {
+  (void)files_.Walk(file, from, to - from, [](std::string_view, bool) {}, [&](size_t i, uint64_t in, size_t n) -> Result<bool> {
     if (n > 0) fn(i, in, n);
     return true;
   });

@@ -63,6 +63,8 @@ class FilePieces {
   const CheckpointReader* reader_ = nullptr;
   std::vector<std::span<const std::byte>> pieces_;
   std::vector<ChunkSlice> slices_;
+  std::string owned_;  // a .npy header made for the read (its capacity is reused)
+  std::shared_ptr<const std::string> text_;  // metadata.json's text, while pieces point into it
 };
 
 class CheckpointFiles {
@@ -76,6 +78,7 @@ class CheckpointFiles {
   // the blobs in the reader's order.
   const std::vector<CheckpointFile>& files() const { return files_; }
   // The file at `path` ("x.npy", "blobs/rng"); nullptr when there is none.
+  // O(log n).
   const CheckpointFile* Find(std::string_view path) const;
   const CheckpointFile& tensor_file(size_t tensor) const { return files_[tensor]; }
   const CheckpointFile& safetensors_file() const { return files_[reader_->tensors().size()]; }
@@ -105,12 +108,22 @@ class CheckpointFiles {
   CheckpointFiles() = default;
   friend class FileReadahead;
   // Walks bytes [offset, offset + n) of a tensor, safetensors or metadata
-  // file in order: the bytes held here (headers, metadata) go to `literal`,
-  // tensor data to `tensor` (tensor index, offset in it, length), which
-  // returns false to stop the walk; the result is then false.
+  // file in order: header and metadata bytes go to `literal` (with
+  // transient true when they were made for this walk and vanish after the
+  // call, as .npy headers do; false when held here for as long as this
+  // object lives), tensor data to `tensor` (tensor index, offset in it,
+  // length), which returns false to stop the walk; the result is then false.
   Result<bool> Walk(const CheckpointFile& file, uint64_t offset, size_t n,
-                    const std::function<void(std::string_view)>& literal,
+                    const std::function<void(std::string_view, bool)>& literal,
                     const std::function<Result<bool>(size_t, uint64_t, size_t)>& tensor) const;
+  // metadata.json's text, in pieces, to `out`.
+  Status WriteMetadata(const std::function<void(std::string_view)>& out) const;
+  // metadata.json's text (kind kMetadata) or model.safetensors's header
+  // (kSafetensors): the one in use, or made anew when nobody holds it.
+  Result<std::shared_ptr<const std::string>> Text(FileKind kind) const;
+  // model.safetensors's header, in pieces to `out` (null: counted only);
+  // returns its size.
+  uint64_t WriteSafetensorsHeaderTo(const std::function<void(std::string_view)>& out) const;
   // The tensor holding byte `pos` of model.safetensors (pos past its header).
   size_t SafetensorsTensorAt(uint64_t pos) const;
 
@@ -118,13 +131,17 @@ class CheckpointFiles {
   std::vector<CheckpointFile> files_;
   std::unique_ptr<std::atomic<bool>[]> opened_;  // per file: opened before
   std::vector<size_t> next_tensor_file_;          // per tensor file: NextTensorFile's index
+  std::vector<uint32_t> by_path_;                 // indices of files_ in name order: Find's binary search
   // First opens of .npy files: the last one, and whether each followed its
   // predecessor in name order (only then do readers prefetch across files).
   mutable std::atomic<size_t> last_first_open_{SIZE_MAX};
   mutable std::atomic<bool> opens_follow_names_{true};
-  std::vector<std::string> npy_headers_;  // per tensor
-  SafetensorsLayout safetensors_;
-  std::string metadata_;
+  std::vector<std::pair<std::string, std::string>> safetensors_metadata_;
+  uint64_t safetensors_header_size_ = 0;
+  std::vector<uint64_t> tensor_offsets_;  // in model.safetensors, per tensor
+  mutable std::mutex text_mu_;
+  // Made on demand, held by readers only (guarded by text_mu_).
+  mutable std::weak_ptr<const std::string> metadata_, safetensors_header_;
 };
 
 // The sequential-read policy of one open file. A reader that continues
@@ -180,6 +197,7 @@ class FileReadahead {
   uint64_t prefetched_until_ = 0;  // file offset up to which prefetch was asked
   uint64_t dropped_until_ = 0;     // file offset before which chunks were dropped
   uint64_t following_until_ = 0;   // bytes of the following files prefetch was asked for
+  std::shared_ptr<const std::string> text_;  // metadata.json's, while this file is open
 };
 
 }  // namespace ckptfs

@@ -9,10 +9,19 @@ namespace ckptfs {
 class ReaderImpl {
  public:
   std::shared_ptr<RepositoryImpl> repo;  // a reader may outlive its Repository
-  Manifest manifest;
-  std::unordered_map<std::string, size_t> tensor_index;
-  std::unordered_map<std::string, size_t> blob_index;
+  Manifest manifest;  // tensors and blobs sorted by name (catalog key order)
 };
+
+namespace {
+// The record named `name` in `list` (sorted by name), or null: a binary
+// search, so a checkpoint of millions of tensors needs no index beside it.
+template <typename Record>
+const Record* FindByName(const std::vector<Record>& list, std::string_view name) {
+  auto it = std::lower_bound(list.begin(), list.end(), name,
+                             [](const Record& r, std::string_view n) { return std::string_view(r.name) < n; });
+  return it != list.end() && it->name == name ? &*it : nullptr;
+}
+}  // namespace
 
 CheckpointReader::CheckpointReader(std::unique_ptr<ReaderImpl> impl) : impl_(std::move(impl)) {}
 CheckpointReader::~CheckpointReader() {
@@ -28,13 +37,11 @@ const std::vector<BlobRecord>& CheckpointReader::blobs() const { return impl_->m
 uint64_t CheckpointReader::chunk_size() const { return impl_->repo->config.chunk_size; }
 
 const TensorRecord* CheckpointReader::FindTensor(std::string_view name) const {
-  auto it = impl_->tensor_index.find(std::string(name));
-  return it == impl_->tensor_index.end() ? nullptr : &impl_->manifest.tensors[it->second];
+  return FindByName(impl_->manifest.tensors, name);
 }
 
 const BlobRecord* CheckpointReader::FindBlob(std::string_view name) const {
-  auto it = impl_->blob_index.find(std::string(name));
-  return it == impl_->blob_index.end() ? nullptr : &impl_->manifest.blobs[it->second];
+  return FindByName(impl_->manifest.blobs, name);
 }
 
 Result<const TensorRecord*> CheckpointReader::GetTensor(std::string_view name) const {
@@ -242,8 +249,13 @@ Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::
     });
   }));
   CKPT_RETURN_IF_ERROR(inner);
-  for (size_t i = 0; i < m.tensors.size(); ++i) impl->tensor_index[m.tensors[i].name] = i;
-  for (size_t i = 0; i < m.blobs.size(); ++i) impl->blob_index[m.blobs[i].name] = i;
+  // The catalog's keys hold the names after a common prefix, so a scan
+  // yields them in byte order already; sorted again only if not (cheap).
+  auto by_name = [](const auto& a, const auto& b) { return a.name < b.name; };
+  if (!std::is_sorted(m.tensors.begin(), m.tensors.end(), by_name)) std::sort(m.tensors.begin(), m.tensors.end(), by_name);
+  if (!std::is_sorted(m.blobs.begin(), m.blobs.end(), by_name)) std::sort(m.blobs.begin(), m.blobs.end(), by_name);
+  m.tensors.shrink_to_fit();  // a reader of millions of tensors keeps no spare capacity
+  m.blobs.shrink_to_fit();
   return std::unique_ptr<CheckpointReader>(new CheckpointReader(std::move(impl)));
 }
 

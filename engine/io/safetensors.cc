@@ -194,39 +194,76 @@ std::span<const std::byte> SafetensorsFile::Data(const SafetensorsTensor& t) con
   return {map_ + header_.data_offset + t.begin, t.end - t.begin};
 }
 
-SafetensorsLayout LayoutSafetensors(const std::vector<TensorMeta>& tensors,
-                                    const std::vector<std::pair<std::string, std::string>>& metadata) {
-  SafetensorsLayout layout;
-  Json header = Json::MakeObject();
+namespace {
+// The header's JSON (compact, as Json::Dump writes it) in pieces; returns
+// its length.
+uint64_t WriteHeaderJson(size_t count, const std::function<TensorMetaRef(size_t)>& tensor,
+                         const std::vector<std::pair<std::string, std::string>>& metadata,
+                         const std::function<void(std::string_view)>& out) {
+  uint64_t length = 0;
+  std::string piece;
+  auto emit = [&] {
+    length += piece.size();
+    if (out) out(piece);
+    piece.clear();
+  };
+  piece = "{";
   if (!metadata.empty()) {
     Json m = Json::MakeObject();
     for (const auto& [k, v] : metadata) m.Set(k, v);
-    header.Append("__metadata__", std::move(m));
+    piece += "\"__metadata__\":" + m.Dump();
   }
   uint64_t pos = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const TensorMetaRef t = tensor(i);
+    if (i > 0 || !metadata.empty()) piece += ',';
+    piece += Json(t.name).Dump();
+    piece += ":{\"dtype\":";
+    piece += Json(DTypeName(t.dtype)).Dump();
+    piece += ",\"shape\":[";
+    uint64_t elements = 1;
+    for (size_t d = 0; d < t.shape.size(); ++d) {
+      if (d) piece += ',';
+      piece += std::to_string(t.shape[d]);
+      elements *= t.shape[d];
+    }
+    const uint64_t size = elements * DTypeSize(t.dtype);
+    piece += "],\"data_offsets\":[" + std::to_string(pos) + "," + std::to_string(pos + size) + "]}";
+    pos += size;
+    emit();
+  }
+  piece += '}';
+  emit();
+  return length;
+}
+}  // namespace
+
+uint64_t WriteSafetensorsHeader(size_t count, const std::function<TensorMetaRef(size_t)>& tensor,
+                                const std::vector<std::pair<std::string, std::string>>& metadata,
+                                const std::function<void(std::string_view)>& out) {
+  const uint64_t json = WriteHeaderJson(count, tensor, metadata, nullptr);
+  const uint64_t padded = (json + 7) / 8 * 8;
+  if (out) {
+    out(std::string_view(reinterpret_cast<const char*>(&padded), 8));
+    WriteHeaderJson(count, tensor, metadata, out);
+    out(std::string_view("        ", padded - json));
+  }
+  return 8 + padded;
+}
+
+SafetensorsLayout LayoutSafetensors(const std::vector<TensorMeta>& tensors,
+                                    const std::vector<std::pair<std::string, std::string>>& metadata) {
+  SafetensorsLayout layout;
+  auto ref = [&](size_t i) { return TensorMetaRef{tensors[i].name, tensors[i].dtype, tensors[i].shape}; };
+  WriteSafetensorsHeader(tensors.size(), ref, metadata, [&](std::string_view p) { layout.header.append(p); });
+  uint64_t pos = layout.header.size();
   for (const auto& t : tensors) {
-    Json e = Json::MakeObject();
-    e.Set("dtype", DTypeName(t.dtype));
-    Json shape = Json::MakeArray();
-    for (uint64_t d : t.shape) shape.Push(d);
-    e.Set("shape", std::move(shape));
-    uint64_t size = NumElements(t.shape) * DTypeSize(t.dtype);
-    Json offs = Json::MakeArray();
-    offs.Push(pos);
-    offs.Push(pos + size);
-    e.Set("data_offsets", std::move(offs));
-    header.Append(t.name, std::move(e));
+    const uint64_t size = NumElements(t.shape) * DTypeSize(t.dtype);
     layout.sizes.push_back(size);
     layout.offsets.push_back(pos);
     pos += size;
   }
-  std::string json = header.Dump();
-  while (json.size() % 8 != 0) json.push_back(' ');
-  uint64_t n = json.size();
-  layout.header.assign(reinterpret_cast<const char*>(&n), 8);
-  layout.header += json;
-  for (auto& off : layout.offsets) off += layout.header.size();
-  layout.total_size = layout.header.size() + pos;
+  layout.total_size = pos;
   return layout;
 }
 

@@ -5,9 +5,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -98,6 +100,20 @@ struct TensorMeta {
 };
 SafetensorsLayout LayoutSafetensors(const std::vector<TensorMeta>& tensors,
                                     const std::vector<std::pair<std::string, std::string>>& metadata);
+// A tensor as the header writer needs it, without copies.
+struct TensorMetaRef {
+  std::string_view name;
+  DType dtype;
+  std::span<const uint64_t> shape;
+};
+// The whole header of a safetensors file holding `count` tensors in file
+// order (`tensor(i)` gives each): the 8-byte length, the JSON and its
+// padding, exactly as LayoutSafetensors makes it, written in pieces to `out`
+// (null: only counted). Returns its size. A checkpoint of millions of
+// tensors can so know its header's size without holding the header.
+uint64_t WriteSafetensorsHeader(size_t count, const std::function<TensorMetaRef(size_t)>& tensor,
+                                const std::vector<std::pair<std::string, std::string>>& metadata,
+                                const std::function<void(std::string_view)>& out);
 
 // The header of a .npy file (format 1.0, or 2.0 for huge headers) for a
 // C-order array; its length is a multiple of 64. BF16 and F8 types are

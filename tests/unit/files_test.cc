@@ -3,6 +3,7 @@
 // repository in a local directory and over one on an in-memory object
 // store (packs in memory, the catalog in a temporary directory).
 #include "ckpt/files.h"
+#include "ckpt/describe.h"
 
 #include <gtest/gtest.h>
 
@@ -201,6 +202,15 @@ TEST_P(CheckpointAsFiles, FilesHoldTheSavedBytes) {
   auto json = Json::Parse(std::string_view(reinterpret_cast<const char*>(meta.data()), meta.size()));
   ASSERT_OK(json);
   EXPECT_EQ(json->Find("tensors")->as_array()[0].Find("file")->as_string(), "big%25name.npy");
+  // Written a tensor at a time, the text is what the whole tree would dump.
+  auto described = DescribeCheckpoint(files_->reader());
+  ASSERT_OK(described);
+  auto& tensors = described->Find("tensors")->as_array();
+  for (size_t i = 0; i < tensors.size(); ++i) tensors[i].Set("file", files_->tensor_file(i).name);
+  auto& blobs = described->Find("blobs")->as_array();
+  for (size_t i = 0; i < blobs.size(); ++i) blobs[i].Set("file", files_->blob_file(i).name);
+  const std::string expected = described->Dump(2) + "\n";
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(meta.data()), meta.size()), expected);
 }
 
 TEST_P(CheckpointAsFiles, EveryByteRangeOfEveryFileMatchesTheWholeFile) {
