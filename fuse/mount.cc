@@ -311,8 +311,13 @@ class Filesystem {
   }
 
   void Release(fuse_req_t req, fuse_file_info* fi) {
-    delete &OpenFileOf(fi);
+    OpenFile* f = &OpenFileOf(fi);
+    const bool held_text = f->file.kind == FileKind::kMetadata || f->file.kind == FileKind::kSafetensors;
+    delete f;
     fuse_reply_err(req, 0);
+    // metadata.json's text or model.safetensors's header may have gone with
+    // it (megabytes for a big checkpoint): give the memory back.
+    if (held_text) ::malloc_trim(0);
   }
 
   void Read(fuse_req_t req, size_t size, off_t off, fuse_file_info* fi) {

@@ -431,6 +431,49 @@ class MountLiveAndFailures(Mounted):
 
 
 @unittest.skipUnless(HAVE_FUSE, "no /dev/fuse or fusermount3: FUSE tests need them")
+class MountScale(Mounted):
+    """A checkpoint of 100,000 tensors: the daemon holds at most about a
+    kilobyte per tensor once the directory is listed, and lookups stay fast."""
+
+    TENSORS = 100_000
+
+    @classmethod
+    def build_repo(cls):
+        path = os.path.join(cls.tmp, "many.safetensors")
+        st.write(path, [(f"layers.{i // 100}.block.{i % 100}.w", "F32", np.full(2, i, np.float32))
+                        for i in range(cls.TENSORS)])
+        ckpt(cls.repo, "import", "many", path)
+        os.unlink(path)
+
+    def rss(self):
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    def test_a_listed_checkpoint_costs_at_most_about_a_kilobyte_per_tensor(self):
+        before = self.rss()
+        names = os.listdir(os.path.join(self.mnt, "many"))
+        self.assertEqual(len(names), self.TENSORS + 3)  # model.safetensors, metadata.json, blobs
+        listed = (self.rss() - before) / self.TENSORS
+        t0 = time.monotonic()
+        for i in (0, self.TENSORS // 2, self.TENSORS - 1):
+            path = os.path.join(self.mnt, "many", f"layers.{i // 100}.block.{i % 100}.w.npy")
+            self.assertEqual(np.load(path).tolist(), [i, i])
+        self.assertLess(time.monotonic() - t0, 5.0)
+        with open(os.path.join(self.mnt, "many", "metadata.json")) as f:
+            meta = json.load(f)
+        self.assertEqual(len(meta["tensors"]), self.TENSORS)
+        # The kernel sends the release of a closed file after close returns:
+        # the text goes (and its memory back) shortly after.
+        deadline = time.monotonic() + 10
+        while True:
+            per_tensor = (self.rss() - before) / self.TENSORS
+            if per_tensor < 1200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        self.assertLess(listed, 1200, f"{listed:.0f} B per tensor once listed")
+        self.assertLess(per_tensor, 1200, f"{per_tensor:.0f} B per tensor after reading metadata.json")
+
+
 class MountLifecycle(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="ckptfs-mount-")
