@@ -229,6 +229,17 @@ class ImportAndRead(CkptTestCase):
         self.assertIn("not fully covered", err)
         self.assertEqual(json.loads(self.run_ckpt("ls", "--json").stdout), [])
 
+    def test_one_ranks_file_without_rank_is_refused_before_anything_is_written(self):
+        a = rand(self.rng, "F32", (8, 4))
+        paths = self.write_ranks(2, lambda r: ([("x", "F32", a[r * 4:r * 4 + 4])],
+                                               {"x": {"global_shape": [8, 4], "offsets": [r * 4, 0]}}))
+        packs = pathlib.Path(self.repo, "objects", "packs")
+        err = self.error_of("import", "r", paths[0])
+        self.assertIn("tensor 'x': the files hold 16 of its 32 elements; nothing was written", err)
+        self.assertIn("--rank R --world-size N", err)
+        self.assertEqual(list(packs.iterdir()) if packs.exists() else [], [])
+        self.run_ckpt("import", "r", *paths)  # both parts at once are whole
+
     def test_progress_is_shown_on_a_terminal_only(self):
         big = self.rng.standard_normal((1024, 1024)).astype(np.float32)
         st.write(self.path("big.safetensors"), [("big", "F32", big)])

@@ -354,6 +354,28 @@ int CmdImport(const Args& args) {
     files.push_back(std::move(f).value());
     shard_lists.push_back(std::move(shards).value());
   }
+  // Without --rank the files must hold every element of each tensor. Too
+  // few is a rank's part of a sharded checkpoint given alone: refused now,
+  // rather than at the commit after every byte was written. (Gaps between
+  // parts that do add up are still found at the commit.)
+  if (!args.Has("rank")) {
+    std::map<std::string_view, std::pair<uint64_t, uint64_t>> held;  // name -> (elements held, elements)
+    for (size_t fi = 0; fi < files.size(); ++fi) {
+      for (const SafetensorsShard& shard : shard_lists[fi]) {
+        auto& h = held[files[fi]->header().tensors[shard.tensor].name];
+        h.first += shard.region.NumElements();
+        h.second = NumElements(shard.global_shape);
+      }
+    }
+    for (const auto& [tensor, h] : held) {
+      if (h.first < h.second) {
+        return Fail(Status::InvalidArgument(
+            "tensor '" + std::string(tensor) + "': the files hold " + std::to_string(h.first) + " of its " +
+            std::to_string(h.second) + " elements; nothing was written. To import one rank's part of a sharded "
+            "checkpoint, give --rank R --world-size N (the other ranks' imports complete it)"));
+      }
+    }
+  }
   for (const auto& index : inputs.indexes) {
     Status st = CheckSafetensorsIndex(index, files);
     if (!st.ok()) return Fail(st);
