@@ -160,7 +160,7 @@ class PrefixedBackend final : public Backend {
     return keys;
   }
   Status Delete(std::string_view key) override { return store_->Delete(Key(key)); }
-  Status RemoveIncomplete() override { return store_->RemoveIncomplete(); }
+  Result<uint64_t> RemoveIncomplete() override { return store_->RemoveIncomplete(); }
   std::string Describe() const override { return store_->Describe() + "/" + prefix_.substr(0, prefix_.size() - 1); }
   RequestCounts Requests() const override { return store_->Requests(); }
   bool ReadsWithKernelCopy() const override { return store_->ReadsWithKernelCopy(); }

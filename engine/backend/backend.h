@@ -86,7 +86,9 @@ class Backend {
   virtual Status Delete(std::string_view key) = 0;
   // Removes what writers that never committed left behind (temporary files,
   // unfinished uploads). Only safe while no writer is active.
-  virtual Status RemoveIncomplete() { return Status::OK(); }
+  // Returns the bytes it removed, where the backend knows them (an object
+  // store's unfinished uploads count 0).
+  virtual Result<uint64_t> RemoveIncomplete() { return uint64_t{0}; }
   // A short description for messages ("local:/data/repo/objects").
   virtual std::string Describe() const = 0;
   // Requests sent so far (see RequestCounts).

@@ -121,7 +121,11 @@ class LocalBackend final : public Backend {
     return FsyncDir(path.substr(0, path.rfind('/')));
   }
 
-  Status RemoveIncomplete() override { return RemoveTemporaries(root_); }
+  Result<uint64_t> RemoveIncomplete() override {
+    uint64_t bytes = 0;
+    CKPT_RETURN_IF_ERROR(RemoveTemporaries(root_, &bytes));
+    return bytes;
+  }
 
   std::string Describe() const override { return "local:" + root_; }
 
@@ -160,7 +164,7 @@ class LocalBackend final : public Backend {
     fds_.erase(path);
   }
 
-  static Status RemoveTemporaries(const std::string& dir) {
+  static Status RemoveTemporaries(const std::string& dir, uint64_t* bytes) {
     DIR* d = ::opendir(dir.c_str());
     if (!d) return errno == ENOENT ? Status::OK() : Status::FromErrno(errno, "listing " + dir);
     Status st;
@@ -171,11 +175,15 @@ class LocalBackend final : public Backend {
       struct stat sb;
       if (::lstat(path.c_str(), &sb) != 0) continue;
       if (S_ISDIR(sb.st_mode)) {
-        st = RemoveTemporaries(path);
+        st = RemoveTemporaries(path, bytes);
         if (!st.ok()) break;
-      } else if (name.rfind(".tmp-", 0) == 0 && ::unlink(path.c_str()) != 0 && errno != ENOENT) {
-        st = Status::FromErrno(errno, "removing " + path);
-        break;
+      } else if (name.rfind(".tmp-", 0) == 0) {
+        if (::unlink(path.c_str()) == 0) {
+          *bytes += static_cast<uint64_t>(sb.st_size);
+        } else if (errno != ENOENT) {
+          st = Status::FromErrno(errno, "removing " + path);
+          break;
+        }
       }
     }
     ::closedir(d);

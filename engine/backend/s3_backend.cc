@@ -688,7 +688,7 @@ class S3Backend final : public Backend {
   // keys under the prefix, built into the request path the way every other
   // request's is): a listed key such as "run/../../other-bucket/x" is
   // skipped, never sent.
-  Status RemoveIncomplete() override {
+  Result<uint64_t> RemoveIncomplete() override {
     const std::string prefix = client_->location().prefix.empty() ? "" : client_->location().prefix + "/";
     std::string key_marker, id_marker;
     std::set<std::pair<std::string, std::string>> markers_seen;
@@ -719,7 +719,7 @@ class S3Backend final : public Backend {
                                " is truncated without a new marker: the store's listing does not end");
       }
     }
-    return Status::OK();
+    return uint64_t{0};  // the sizes of unfinished uploads are not listed
   }
 
   std::string Describe() const override { return client_->Where(); }

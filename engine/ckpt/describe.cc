@@ -101,6 +101,7 @@ Json DescribeGcReport(const GcReport& r, bool dry_run) {
   j.Set("removed", std::move(removed));
   j.Set("dead_chunks", r.dead_chunks);
   j.Set("orphan_packs", r.orphan_packs);
+  j.Set("temporary_bytes", r.temporary_bytes);
   j.Set("packs_deleted", r.packs_deleted);
   j.Set("packs_rewritten", r.packs_rewritten);
   j.Set("bytes_before", r.bytes_before);

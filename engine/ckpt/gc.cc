@@ -154,6 +154,7 @@ Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names)
   };
   std::unordered_map<ChunkId, Use, ChunkIdHash> uses;
   std::unordered_map<ChunkId, uint32_t, ChunkIdHash> stored_len;
+  std::unordered_set<std::string> recorded_packs;
   CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
     CKPT_RETURN_IF_ERROR(ForEachReference(txn, [&](const std::string& ckpt, const ChunkRef& c) {
       Use& u = uses[c.id];
@@ -170,11 +171,26 @@ Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names)
                                                       return true;
                                                     }));
     CKPT_RETURN_IF_ERROR(inner);
-    return ScanDecoded<PackInfo>(txn, Table::kPacks, "", DecodePackInfo, [&](std::string_view, PackInfo&& info) {
+    return ScanDecoded<PackInfo>(txn, Table::kPacks, "", DecodePackInfo, [&](std::string_view k, PackInfo&& info) {
       report.pack_bytes += info.size;
+      recorded_packs.insert(std::string(k));
       return true;
     });
   }));
+  if (!impl_->remote) {
+    CKPT_ASSIGN_OR_RETURN(auto keys, impl_->backend->List("packs/"));
+    for (const auto& key : keys) {
+      std::string id;
+      if (!ParsePackKey(key, &id) || recorded_packs.count(id)) continue;
+      auto size = impl_->backend->Size(key);
+      if (!size.ok()) continue;  // gone meanwhile
+      ++report.unrecorded_packs;
+      report.unrecorded_pack_bytes += *size;
+    }
+  }
+  for (const auto& [id, stored] : stored_len) {
+    if (!uses.count(id)) report.unreferenced_bytes += stored;
+  }
   std::map<std::string, UsageEntry> entries;
   for (const auto& c : list) {
     entries[c.name] = UsageEntry{c.name, c.logical_bytes, 0, 0};
@@ -193,6 +209,8 @@ Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names)
     if (any_committed) {
       report.unique_raw_bytes += u.raw_len;
       report.referenced_bytes += stored;
+    } else {
+      report.pending_bytes += stored;
     }
   }
   for (const auto& c : list) {
@@ -404,7 +422,7 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
   for (const auto& id : drop) CKPT_RETURN_IF_ERROR(remove(id));
   for (const auto& id : rewrite) CKPT_RETURN_IF_ERROR(remove(id));
   for (const auto& id : orphans) CKPT_RETURN_IF_ERROR(remove(id));
-  CKPT_RETURN_IF_ERROR(backend->RemoveIncomplete());
+  CKPT_ASSIGN_OR_RETURN(report.temporary_bytes, backend->RemoveIncomplete());
   return report;
 }
 

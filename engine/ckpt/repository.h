@@ -345,7 +345,10 @@ struct GcReport {
   uint64_t bytes_before = 0;         // pack bytes on disk
   uint64_t bytes_after = 0;
   uint64_t live_bytes = 0;           // stored bytes the remaining checkpoints reference
-  uint64_t bytes_reclaimed() const { return bytes_before > bytes_after ? bytes_before - bytes_after : 0; }
+  uint64_t temporary_bytes = 0;      // temporary files of interrupted writes, removed (local repositories)
+  uint64_t bytes_reclaimed() const {
+    return (bytes_before > bytes_after ? bytes_before - bytes_after : 0) + temporary_bytes;
+  }
 };
 
 struct UsageEntry {
@@ -360,7 +363,14 @@ struct UsageReport {
   uint64_t logical_bytes = 0;     // all committed checkpoints
   uint64_t unique_raw_bytes = 0;  // distinct referenced chunks, decoded
   uint64_t referenced_bytes = 0;  // distinct referenced chunks, stored
-  uint64_t pack_bytes = 0;        // on disk, including garbage
+  uint64_t pack_bytes = 0;        // in the packs the catalog records, including what gc would reclaim
+  uint64_t pending_bytes = 0;     // stored chunks only pending ranks reference (kept by gc)
+  uint64_t unreferenced_bytes = 0;  // stored chunks nothing references (gc reclaims them)
+  // Local repositories: pack files no catalog entry records, left by saves
+  // that were killed (gc deletes them). Not counted on an object store,
+  // where other hosts' saves in flight have such packs too.
+  uint64_t unrecorded_packs = 0;
+  uint64_t unrecorded_pack_bytes = 0;
   double dedup_ratio() const { return unique_raw_bytes ? double(logical_bytes) / unique_raw_bytes : 1.0; }
   double compression_ratio() const { return referenced_bytes ? double(unique_raw_bytes) / referenced_bytes : 1.0; }
 };

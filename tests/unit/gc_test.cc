@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "ckpt/repo_lock.h"
@@ -291,6 +292,47 @@ TEST_F(GarbageCollection, DiskUsageCountsExclusiveBytes) {
   EXPECT_NEAR(static_cast<double>(a.exclusive_bytes), 300 << 10, 1024);  // random bytes: stored raw
   EXPECT_NEAR(u->dedup_ratio(), (1600.0) / (1100.0), 0.01);
   EXPECT_FALSE(repo_->DiskUsage({"zzz"}).ok());
+}
+
+TEST_F(GarbageCollection, DiskUsageSeparatesPendingUnreferencedAndUnrecordedSpace) {
+  auto base = RandomBytes(1000, 1);
+  Save("a", 1, 1, base);
+  Save("b", 2, 2, base);
+  auto pending_data = RandomBytes(200 << 10, 3);
+  {
+    auto w = std::move(repo_->BeginCheckpoint("p", {0, 2, 3, {}})).value();
+    ASSERT_OK(w->PutTensor({"x", DType::kU8, {pending_data.size()}}, pending_data));
+    ASSERT_OK(w->Commit().Wait());
+  }
+  ASSERT_OK(repo_->RemoveCheckpoints({"a"}));  // its own 300 KiB are now unreferenced
+  {
+    auto objects = std::move(OpenLocalBackend(dir_ / "objects")).value();
+    PackWriter killed(objects.get(), 1 << 20);
+    auto chunk = RandomBytes(64 << 10, 4);
+    ASSERT_OK(killed.Add(ChunkId::Of(chunk), Codec::kRaw, 64 << 10, chunk));
+    ASSERT_OK(killed.Finish());
+  }
+  auto u = repo_->DiskUsage({});
+  ASSERT_OK(u);
+  EXPECT_NEAR(static_cast<double>(u->pending_bytes), 200 << 10, 4096);  // random bytes: stored raw
+  EXPECT_NEAR(static_cast<double>(u->unreferenced_bytes), 300 << 10, 4096);
+  EXPECT_EQ(u->unrecorded_packs, 1u);
+  EXPECT_GT(u->unrecorded_pack_bytes, 64u << 10);
+  {
+    // A killed save's pack that was never sealed: a temporary file.
+    std::ofstream tmp(dir_ / "objects/packs/.tmp-killed", std::ios::binary);
+    tmp << std::string(1000, 'x');
+  }
+  auto r = repo_->CollectGarbage({});
+  ASSERT_OK(r);
+  EXPECT_EQ(r->orphan_packs, 1u);
+  EXPECT_EQ(r->temporary_bytes, 1000u);  // removed, and counted in what gc reclaimed
+  EXPECT_GE(r->bytes_reclaimed(), (300u << 10) + u->unrecorded_pack_bytes + 1000);
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "objects/packs/.tmp-killed"));
+  auto after = *repo_->DiskUsage({});
+  EXPECT_EQ(after.unreferenced_bytes, 0u);
+  EXPECT_EQ(after.unrecorded_packs, 0u);
+  EXPECT_EQ(after.pending_bytes, u->pending_bytes);  // gc keeps what a pending rank wrote
 }
 
 TEST_F(GarbageCollection, DiffReportsChangesSharingAndMaxAbsDiff) {

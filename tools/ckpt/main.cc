@@ -871,6 +871,13 @@ const CommandSpec kDu{"du", "[NAME...]", "Show the space checkpoints use, and wh
                       "the stored bytes only it references (what removing it alone would reclaim).",
                       {kRepoOpt, kJsonOpt}, 0, SIZE_MAX};
 
+// What gc would reclaim inside recorded packs: neither referenced by a
+// committed checkpoint nor by a pending rank.
+uint64_t Reclaimable(const UsageReport& r) {
+  const uint64_t kept = r.referenced_bytes + r.pending_bytes;
+  return r.pack_bytes > kept ? r.pack_bytes - kept : 0;
+}
+
 int CmdDu(const Args& args) {
   int rc = kExitOk;
   auto repo = OpenRepoOr(args, &rc);
@@ -894,7 +901,13 @@ int CmdDu(const Args& args) {
     t.Set("unique_raw_bytes", r->unique_raw_bytes);
     t.Set("referenced_bytes", r->referenced_bytes);
     t.Set("pack_bytes", r->pack_bytes);
-    t.Set("garbage_bytes", r->pack_bytes > r->referenced_bytes ? r->pack_bytes - r->referenced_bytes : 0);
+    t.Set("pending_bytes", r->pending_bytes);
+    t.Set("unreferenced_bytes", r->unreferenced_bytes);
+    t.Set("garbage_bytes", Reclaimable(*r));
+    if (!repo->remote()) {
+      t.Set("unrecorded_packs", r->unrecorded_packs);
+      t.Set("unrecorded_pack_bytes", r->unrecorded_pack_bytes);
+    }
     t.Set("dedup_ratio", r->dedup_ratio());
     t.Set("compression_ratio", r->compression_ratio());
     j.Set("total", std::move(t));
@@ -906,10 +919,14 @@ int CmdDu(const Args& args) {
     std::printf("%-28s %12s %12s %12s\n", e.name.c_str(), HumanBytes(e.logical_bytes).c_str(),
                 HumanBytes(e.referenced_bytes).c_str(), HumanBytes(e.exclusive_bytes).c_str());
   }
-  std::printf("\ntotal: %s logical, %s after dedup, %s stored (%s in packs, %s garbage)\n",
+  std::printf("\ntotal: %s logical, %s after dedup, %s stored (%s in packs: %s pending, %s reclaimable by gc)\n",
               HumanBytes(r->logical_bytes).c_str(), HumanBytes(r->unique_raw_bytes).c_str(),
               HumanBytes(r->referenced_bytes).c_str(), HumanBytes(r->pack_bytes).c_str(),
-              HumanBytes(r->pack_bytes > r->referenced_bytes ? r->pack_bytes - r->referenced_bytes : 0).c_str());
+              HumanBytes(r->pending_bytes).c_str(), HumanBytes(Reclaimable(*r)).c_str());
+  if (r->unrecorded_packs) {
+    std::printf("%llu packs of interrupted saves: %s (gc deletes them)\n",
+                static_cast<unsigned long long>(r->unrecorded_packs), HumanBytes(r->unrecorded_pack_bytes).c_str());
+  }
   std::printf("dedup ratio %.2fx, compression ratio %.2fx, overall %.2fx\n", r->dedup_ratio(), r->compression_ratio(),
               r->referenced_bytes ? double(r->logical_bytes) / r->referenced_bytes : 1.0);
   return kExitOk;
