@@ -11,11 +11,72 @@
 namespace ckptfs {
 namespace {
 
-std::unordered_set<ChunkId, ChunkIdHash> ChunkSet(const TensorRecord& t) {
+std::unordered_set<ChunkId, ChunkIdHash> ChunkSet(const std::vector<const std::vector<ChunkRef>*>& lists) {
   std::unordered_set<ChunkId, ChunkIdHash> ids;
-  for (const auto& s : t.shards) for (const auto& c : s.chunks) ids.insert(c.id);
+  for (const auto* l : lists) for (const auto& c : *l) ids.insert(c.id);
   return ids;
 }
+
+std::vector<const std::vector<ChunkRef>*> ChunkLists(const TensorRecord& t) {
+  std::vector<const std::vector<ChunkRef>*> out;
+  for (const auto& s : t.shards) out.push_back(&s.chunks);
+  return out;
+}
+
+// Fills the chunk figures: how many of A's chunks, and of A's bytes, B holds.
+void CompareChunks(const std::vector<const std::vector<ChunkRef>*>& a,
+                   const std::vector<const std::vector<ChunkRef>*>& b, TensorDiff& d) {
+  auto bset = ChunkSet(b);
+  uint64_t shared = 0, total = 0;
+  for (const auto* l : a) {
+    for (const auto& c : *l) {
+      total += c.raw_len;
+      ++d.chunks;
+      if (bset.count(c.id)) {
+        shared += c.raw_len;
+      } else {
+        ++d.changed_chunks;
+      }
+    }
+  }
+  d.shared_fraction = total ? static_cast<double>(shared) / total : 1.0;
+}
+
+// Running |a - b| statistics of float elements.
+struct Deviation {
+  double max = 0, sum_abs = 0, sum_sq_diff = 0, sum_sq_a = 0;
+  uint64_t count = 0;
+  bool infinite = false;
+  void Add(double x, double y) {
+    ++count;
+    const bool nx = std::isnan(x), ny = std::isnan(y);
+    if (nx || ny) {
+      if (nx != ny) infinite = true;
+      return;
+    }
+    if (std::isinf(x) || std::isinf(y)) {
+      if (x != y) infinite = true;
+      return;
+    }
+    const double diff = std::fabs(x - y);
+    max = std::max(max, diff);
+    sum_abs += diff;
+    sum_sq_diff += diff * diff;
+    sum_sq_a += x * x;
+  }
+  void Fill(TensorDiff& d) const {
+    const double inf = std::numeric_limits<double>::infinity();
+    d.max_abs_diff = infinite ? inf : max;
+    d.mean_abs_diff = infinite ? inf : count ? sum_abs / static_cast<double>(count) : 0.0;
+    if (infinite) {
+      d.relative_l2 = inf;
+    } else if (sum_sq_diff == 0) {
+      d.relative_l2 = 0.0;
+    } else {
+      d.relative_l2 = sum_sq_a > 0 ? std::sqrt(sum_sq_diff / sum_sq_a) : inf;
+    }
+  }
+};
 
 bool SameLayoutAndChunks(const TensorRecord& a, const TensorRecord& b) {
   if (a.shards.size() != b.shards.size()) return false;
@@ -48,47 +109,67 @@ Result<std::vector<TensorDiff>> Repository::Diff(const std::string& a_name, cons
     } else if (ta->dtype != tb->dtype || ta->shape != tb->shape) {
       d.kind = TensorDiff::Kind::kTypeChanged;
     } else {
-      // Shared fraction: A's bytes in chunks that B also holds.
-      auto bset = ChunkSet(*tb);
-      uint64_t shared = 0, total = 0;
-      for (const auto& s : ta->shards) {
-        for (const auto& c : s.chunks) {
-          total += c.raw_len;
-          if (bset.count(c.id)) shared += c.raw_len;
-        }
-      }
-      d.shared_fraction = total ? static_cast<double>(shared) / total : 1.0;
+      CompareChunks(ChunkLists(*ta), ChunkLists(*tb), d);
+      const bool is_float = IsFloat(ta->dtype);
       if (SameLayoutAndChunks(*ta, *tb)) {
         d.kind = TensorDiff::Kind::kUnchanged;
-        if (IsFloat(ta->dtype)) d.max_abs_diff = 0.0;
+        if (is_float) Deviation{}.Fill(d);
       } else {
-        // Different chunks or sharding: compare the bytes.
+        // Different chunks or sharding: compare the bytes (all of them for
+        // a float tensor, whose figures need every element).
         const uint64_t w = DTypeSize(ta->dtype), size = ta->ByteSize();
         std::vector<std::byte> x, y;
         bool equal = true;
-        double max_diff = 0;
+        Deviation dev;
         for (uint64_t off = 0; off < size; off += kPiece) {
           const uint64_t n = std::min(kPiece, size - off);
           x.resize(n);
           y.resize(n);
           CKPT_RETURN_IF_ERROR(a->ReadBytes(*ta, off, x));
           CKPT_RETURN_IF_ERROR(b->ReadBytes(*tb, off, y));
-          if (x == y) continue;
-          equal = false;
-          if (!IsFloat(ta->dtype)) break;
+          const bool same = x == y;
+          equal = equal && same;
+          if (!same && !is_float) break;
+          if (!is_float) continue;
           for (uint64_t i = 0; i < n / w; ++i) {
-            double da = ElementAsDouble(ta->dtype, x.data(), i), db = ElementAsDouble(tb->dtype, y.data(), i);
-            double diff = std::fabs(da - db);
-            if (std::isnan(diff)) {
-              if (std::isnan(da) != std::isnan(db)) max_diff = std::numeric_limits<double>::infinity();
-            } else {
-              max_diff = std::max(max_diff, diff);
-            }
+            dev.Add(ElementAsDouble(ta->dtype, x.data(), i), ElementAsDouble(tb->dtype, y.data(), i));
           }
         }
         d.kind = equal ? TensorDiff::Kind::kUnchanged : TensorDiff::Kind::kChanged;
-        if (IsFloat(ta->dtype)) d.max_abs_diff = equal ? 0.0 : max_diff;
+        if (is_float) dev.Fill(d);
       }
+    }
+    out.push_back(std::move(d));
+  }
+  // Blobs: by their chunks, then their bytes.
+  std::map<std::string, std::pair<const BlobRecord*, const BlobRecord*>> blobs;
+  for (const auto& x : a->blobs()) blobs[x.name].first = &x;
+  for (const auto& x : b->blobs()) blobs[x.name].second = &x;
+  for (const auto& [name, pair] : blobs) {
+    TensorDiff d;
+    d.name = name;
+    d.blob = true;
+    const BlobRecord* ba = pair.first;
+    const BlobRecord* bb = pair.second;
+    if (!bb) {
+      d.kind = TensorDiff::Kind::kOnlyInA;
+    } else if (!ba) {
+      d.kind = TensorDiff::Kind::kOnlyInB;
+    } else {
+      CompareChunks({&ba->chunks}, {&bb->chunks}, d);
+      bool equal = ba->size == bb->size;
+      if (equal && ba->chunks != bb->chunks) {
+        std::vector<std::byte> x, y;
+        for (uint64_t off = 0; off < ba->size && equal; off += kPiece) {
+          const uint64_t n = std::min(kPiece, ba->size - off);
+          x.resize(n);
+          y.resize(n);
+          CKPT_RETURN_IF_ERROR(a->ReadBlob(*ba, off, x));
+          CKPT_RETURN_IF_ERROR(b->ReadBlob(*bb, off, y));
+          equal = x == y;
+        }
+      }
+      d.kind = equal ? TensorDiff::Kind::kUnchanged : TensorDiff::Kind::kChanged;
     }
     out.push_back(std::move(d));
   }

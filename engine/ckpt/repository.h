@@ -375,11 +375,19 @@ struct UsageReport {
   double compression_ratio() const { return referenced_bytes ? double(unique_raw_bytes) / referenced_bytes : 1.0; }
 };
 
+// One tensor (or blob) of two checkpoints compared. The figures of a float
+// tensor count NaN against NaN as equal and NaN against a number, or an
+// infinity against anything else, as an infinite difference.
 struct TensorDiff {
   std::string name;
+  bool blob = false;                   // a blob (bytes), not a tensor
   enum class Kind { kUnchanged, kChanged, kOnlyInA, kOnlyInB, kTypeChanged } kind = Kind::kUnchanged;
   double shared_fraction = 0;          // of A's bytes, in chunks B also has
-  std::optional<double> max_abs_diff;  // changed floating-point tensors
+  uint64_t chunks = 0;                 // A's chunks
+  uint64_t changed_chunks = 0;         // of those, the ones B does not hold
+  std::optional<double> max_abs_diff;  // floating-point tensors present in both with one dtype and shape
+  std::optional<double> mean_abs_diff;
+  std::optional<double> relative_l2;   // ||b - a|| / ||a|| (0 when equal; infinite when a is zero and b not)
 };
 
 // Progress callback: done and total units (bytes or items).
@@ -459,7 +467,9 @@ class Repository {
   Result<std::vector<std::string>> PlanRetention(const RetentionPolicy& policy);
   // Space per checkpoint (`names`, or every committed one) and in total.
   Result<UsageReport> DiskUsage(const std::vector<std::string>& names);
-  // Per tensor: changed or not, chunks shared, max |a - b| for floats.
+  // Per tensor (by name), then per blob: changed or not, chunks shared and
+  // changed, and for float tensors max and mean |a - b| and the relative
+  // L2 change. Tensors whose chunk lists are the same are not read.
   Result<std::vector<TensorDiff>> Diff(const std::string& a, const std::string& b);
   // Re-reads and re-hashes every chunk (of `name`, or of the repository),
   // checks every tensor is tiled exactly and every pack index is sound.

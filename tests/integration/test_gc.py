@@ -71,11 +71,20 @@ class DedupAndReports(CkptTestCase):
         self.assertGreaterEqual(before["pack_bytes"] - after["pack_bytes"], by["v1"]["exclusive_bytes"])
         self.run_ckpt("import", "v1", self.path("v1.safetensors"), "--step", "1")
         self.assertEqual(by["v3"]["exclusive_bytes"], 0)  # v3-again shares everything
-        diff = {d["name"]: d for d in json.loads(self.run_ckpt("diff", "v0", "v1", "--json").stdout)}
+        diff = {d["name"]: d for d in json.loads(self.run_ckpt("diff", "v0", "v1", "--json", "--all").stdout)}
         self.assertFalse(diff["base"]["changed"])
         self.assertEqual(diff["base"]["shared_fraction"], 1.0)
+        self.assertEqual(diff["base"]["changed_chunks"], 0)
         self.assertTrue(diff["head"]["changed"])
-        self.assertAlmostEqual(diff["head"]["max_abs_diff"], float(np.abs(heads[0] - heads[1]).max()), places=5)
+        d = (heads[1].astype(np.float64) - heads[0].astype(np.float64))
+        self.assertAlmostEqual(diff["head"]["max_abs_diff"], float(np.abs(d).max()), places=5)
+        self.assertAlmostEqual(diff["head"]["mean_abs_diff"], float(np.abs(d).mean()), places=5)
+        self.assertAlmostEqual(diff["head"]["relative_l2"],
+                               float(np.linalg.norm(d) / np.linalg.norm(heads[0].astype(np.float64))), places=5)
+        self.assertEqual(diff["head"]["changed_chunks"], diff["head"]["chunks"])
+        # Without --all, --json lists only what changed, as the table does.
+        changed_only = json.loads(self.run_ckpt("diff", "v0", "v1", "--json").stdout)
+        self.assertEqual([d["name"] for d in changed_only], ["head"])
         self.assertIn("1 of 2 tensors differ", self.run_ckpt("diff", "v0", "v1").stdout.decode())
         self.assertIn("no checkpoint", self.error_of("diff", "v0", "nope"))
 

@@ -352,7 +352,7 @@ class MultiHost(S3Case):
         a.run("-r", self.repo, "import", "--step", "2", "c2", self.path("x.safetensors"))
         du = json.loads(fresh.run("-r", self.repo, "du", "--json").stdout)
         self.assertGreater(du["total"]["dedup_ratio"], 1.9)
-        diff = json.loads(fresh.run("-r", self.repo, "diff", "--json", "c1", "c2").stdout)
+        diff = json.loads(fresh.run("-r", self.repo, "diff", "--json", "--all", "c1", "c2").stdout)
         self.assertTrue(diff and not any(t["changed"] for t in diff), diff)
         fresh.run("-r", self.repo, "verify")
 

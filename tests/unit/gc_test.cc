@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -345,21 +346,39 @@ TEST_F(GarbageCollection, DiffReportsChangesSharingAndMaxAbsDiff) {
     ASSERT_OK(wr->PutTensor({"w", DType::kF32, {data.size()}}, std::as_bytes(std::span(data))));
     std::vector<uint16_t> same(1000, 7);
     ASSERT_OK(wr->PutTensor({"same", DType::kBF16, {1000}}, std::as_bytes(std::span(same))));
+    std::vector<float> nan_in_b(10, 1.0f);
+    if (with_extra) nan_in_b[3] = std::nanf("");
+    ASSERT_OK(wr->PutTensor({"n", DType::kF32, {10}}, std::as_bytes(std::span(nan_in_b))));
     if (with_extra) ASSERT_OK(wr->PutTensor({"extra", DType::kU8, {3}}, RandomBytes(3, 1)));
+    ASSERT_OK(wr->PutBlob("config", RandomBytes(100, 5)));
+    ASSERT_OK(wr->PutBlob("rng", RandomBytes(100, with_extra ? 6 : 7)));
     ASSERT_OK(wr->Commit().Wait());
   };
   put("a", w, false);
   put("b", w2, true);
   auto d = repo_->Diff("a", "b");
   ASSERT_OK(d);
-  std::map<std::string, TensorDiff> by;
-  for (auto& x : *d) by[x.name] = x;
+  std::map<std::string, TensorDiff> by, blobs;
+  for (auto& x : *d) (x.blob ? blobs : by)[x.name] = x;
   EXPECT_EQ(by["extra"].kind, TensorDiff::Kind::kOnlyInB);
   EXPECT_EQ(by["same"].kind, TensorDiff::Kind::kUnchanged);
+  EXPECT_EQ(*by["same"].relative_l2, 0.0);
   EXPECT_EQ(by["w"].kind, TensorDiff::Kind::kChanged);
   EXPECT_NEAR(*by["w"].max_abs_diff, 0.5, 1e-6);
+  EXPECT_NEAR(*by["w"].mean_abs_diff, 0.5 / 100000, 1e-9);
+  double norm = 0;
+  for (float v : w) norm += double(v) * v;
+  EXPECT_NEAR(*by["w"].relative_l2, 0.5 / std::sqrt(norm), 1e-9);
   EXPECT_GT(by["w"].shared_fraction, 0.8);  // one of seven chunks changed
   EXPECT_LT(by["w"].shared_fraction, 1.0);
+  EXPECT_EQ(by["w"].chunks, 7u);
+  EXPECT_EQ(by["w"].changed_chunks, 1u);
+  EXPECT_TRUE(std::isinf(*by["n"].max_abs_diff));  // NaN against a number
+  EXPECT_TRUE(std::isinf(*by["n"].relative_l2));
+  EXPECT_EQ(blobs["config"].kind, TensorDiff::Kind::kUnchanged);
+  EXPECT_EQ(blobs["rng"].kind, TensorDiff::Kind::kChanged);
+  EXPECT_EQ(blobs["rng"].changed_chunks, 1u);
+  EXPECT_FALSE(blobs["rng"].max_abs_diff.has_value());
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -932,10 +933,13 @@ int CmdDu(const Args& args) {
   return kExitOk;
 }
 
-const CommandSpec kDiff{"diff", "A B", "Compare two checkpoints tensor by tensor.",
-                        "For each tensor: whether it changed, the fraction of A's bytes in chunks B\n"
-                        "shares, and for changed floating-point tensors the largest |a - b|.",
-                        {kRepoOpt, kJsonOpt, {"all", 'a', false, false, "", "list unchanged tensors too"}}, 2, 2};
+const CommandSpec kDiff{"diff", "A B", "Compare two checkpoints tensor by tensor, and their blobs.",
+                        "For each tensor and blob: whether it changed, the fraction of A's bytes in\n"
+                        "chunks B shares and how many of A's chunks B lacks; for floating-point\n"
+                        "tensors the largest and the mean |a - b| and the relative L2 change\n"
+                        "||b - a|| / ||a||. Without --all, unchanged ones are counted, not listed\n"
+                        "(in --json too).",
+                        {kRepoOpt, kJsonOpt, {"all", 'a', false, false, "", "list unchanged tensors and blobs too"}}, 2, 2};
 
 const char* DiffKindName(TensorDiff::Kind k) {
   switch (k) {
@@ -954,33 +958,54 @@ int CmdDiff(const Args& args) {
   if (!repo) return rc;
   auto diffs = repo->Diff(args.positional[0], args.positional[1]);
   if (!diffs.ok()) return Fail(diffs.status());
+  const bool all = args.Has("all");
+  // JSON numbers cannot be infinite: an infinite difference is the string "inf".
+  auto number = [](const std::optional<double>& v) {
+    if (!v) return Json();
+    return std::isinf(*v) ? Json("inf") : Json(*v);
+  };
   if (args.Has("json")) {
     Json j = Json::MakeArray();
     for (const auto& d : *diffs) {
+      if (d.kind == TensorDiff::Kind::kUnchanged && !all) continue;
       Json dj = Json::MakeObject();
       dj.Set("name", d.name);
+      dj.Set("kind", d.blob ? "blob" : "tensor");
       dj.Set("status", DiffKindName(d.kind));
       dj.Set("changed", d.kind != TensorDiff::Kind::kUnchanged);
       dj.Set("shared_fraction", d.shared_fraction);
-      dj.Set("max_abs_diff", d.max_abs_diff ? Json(*d.max_abs_diff) : Json());
+      dj.Set("chunks", d.chunks);
+      dj.Set("changed_chunks", d.changed_chunks);
+      dj.Set("max_abs_diff", number(d.max_abs_diff));
+      dj.Set("mean_abs_diff", number(d.mean_abs_diff));
+      dj.Set("relative_l2", number(d.relative_l2));
       j.Push(std::move(dj));
     }
     PrintJson(j);
     return kExitOk;
   }
-  size_t changed = 0;
-  std::printf("%-48s %-20s %8s %14s\n", "TENSOR", "STATUS", "SHARED", "MAX |A-B|");
+  size_t changed = 0, tensors = 0, blobs = 0, changed_blobs = 0;
+  std::printf("%-48s %-20s %8s %9s %12s %12s %12s\n", "TENSOR / BLOB", "STATUS", "SHARED", "CHUNKS", "MAX |A-B|",
+              "MEAN |A-B|", "REL L2");
   for (const auto& d : *diffs) {
-    if (d.kind != TensorDiff::Kind::kUnchanged) ++changed;
-    if (d.kind == TensorDiff::Kind::kUnchanged && !args.Has("all")) continue;
-    char shared[16] = "-", diff[32] = "-";
+    const bool differs = d.kind != TensorDiff::Kind::kUnchanged;
+    (d.blob ? blobs : tensors) += 1;
+    if (differs) (d.blob ? changed_blobs : changed) += 1;
+    if (!differs && !all) continue;
+    char shared[16] = "-", chunks[48] = "-", max_diff[32] = "-", mean[32] = "-", l2[32] = "-";
     if (d.kind == TensorDiff::Kind::kChanged || d.kind == TensorDiff::Kind::kUnchanged) {
       std::snprintf(shared, sizeof shared, "%.1f%%", 100 * d.shared_fraction);
+      std::snprintf(chunks, sizeof chunks, "%llu/%llu", static_cast<unsigned long long>(d.changed_chunks),
+                    static_cast<unsigned long long>(d.chunks));
     }
-    if (d.max_abs_diff) std::snprintf(diff, sizeof diff, "%.6g", *d.max_abs_diff);
-    std::printf("%-48s %-20s %8s %14s\n", d.name.c_str(), DiffKindName(d.kind), shared, diff);
+    if (d.max_abs_diff) std::snprintf(max_diff, sizeof max_diff, "%.6g", *d.max_abs_diff);
+    if (d.mean_abs_diff) std::snprintf(mean, sizeof mean, "%.6g", *d.mean_abs_diff);
+    if (d.relative_l2) std::snprintf(l2, sizeof l2, "%.3g", *d.relative_l2);
+    const std::string name = (d.blob ? "blob " : "") + EscapeForTerminal(d.name);
+    std::printf("%-48s %-20s %8s %9s %12s %12s %12s\n", name.c_str(), DiffKindName(d.kind), shared, chunks, max_diff,
+                mean, l2);
   }
-  std::printf("%zu of %zu tensors differ\n", changed, diffs->size());
+  std::printf("%zu of %zu tensors differ, %zu of %zu blobs\n", changed, tensors, changed_blobs, blobs);
   return kExitOk;
 }
 
