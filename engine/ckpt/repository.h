@@ -151,8 +151,10 @@ class CommitHandle {
   CommitHandle() = default;
   CommitHandle(const CommitHandle&) = default;
   CommitHandle(CommitHandle&&) = default;
-  CommitHandle& operator=(const CommitHandle&) = default;
-  CommitHandle& operator=(CommitHandle&&) = default;
+  // Assigning over a handle of a commit started before a fork, in the
+  // child, leaves that commit's state alone, as destroying it does.
+  CommitHandle& operator=(const CommitHandle& other);
+  CommitHandle& operator=(CommitHandle&& other) noexcept;
   ~CommitHandle();
   // Blocks until the commit finished; its outcome. In a child forked after
   // the commit started: FailedPrecondition (the commit runs in the parent).
@@ -167,6 +169,9 @@ class CommitHandle {
  private:
   friend class CheckpointWriter;
   friend class WriterImpl;
+  // Lets go of future_; in a forked child, without destroying its state
+  // (which would join the parent's commit thread, absent here: a hang).
+  void ReleaseFuture();
   std::shared_future<Result<CommitResult>> future_;
   uint64_t fork_generation_ = ForkGeneration();
   std::chrono::nanoseconds blocking_{0};

@@ -45,12 +45,37 @@ Status HostSource::Read(uint64_t offset, std::span<std::byte> dst) {
   return Status::OK();
 }
 
-CommitHandle::~CommitHandle() {
+void CommitHandle::ReleaseFuture() {
   // In a forked child, the commit thread of the parent does not exist: the
   // future's state would wait for it forever (core/fork.h).
   if (future_.valid() && ForkGeneration() != fork_generation_) {
     new std::shared_future<Result<CommitResult>>(std::move(future_));
   }
+  future_ = {};
+}
+
+CommitHandle::~CommitHandle() { ReleaseFuture(); }
+
+CommitHandle& CommitHandle::operator=(const CommitHandle& other) {
+  if (this != &other) {
+    ReleaseFuture();
+    future_ = other.future_;
+    fork_generation_ = other.fork_generation_;
+    blocking_ = other.blocking_;
+    total_ns_ = other.total_ns_;
+  }
+  return *this;
+}
+
+CommitHandle& CommitHandle::operator=(CommitHandle&& other) noexcept {
+  if (this != &other) {
+    ReleaseFuture();
+    future_ = std::move(other.future_);
+    fork_generation_ = other.fork_generation_;
+    blocking_ = other.blocking_;
+    total_ns_ = std::move(other.total_ns_);
+  }
+  return *this;
 }
 
 Result<CommitResult> CommitHandle::Wait() {
