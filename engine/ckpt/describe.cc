@@ -93,6 +93,23 @@ Result<Json> DescribeCheckpoint(const CheckpointReader& reader) {
   return j;
 }
 
+Json DescribeTensorStats(const TensorStats& s) {
+  auto opt = [](const std::optional<double>& v) { return v ? Json(*v) : Json(); };
+  Json j = Json::MakeObject();
+  j.Set("name", s.name);
+  j.Set("dtype", DTypeName(s.dtype));
+  j.Set("elements", s.elements);
+  j.Set("nan_count", s.nan_count);
+  j.Set("inf_count", s.inf_count);
+  j.Set("zero_count", s.zero_count);
+  j.Set("min", opt(s.min));
+  j.Set("max", opt(s.max));
+  j.Set("mean", opt(s.mean));
+  j.Set("std", opt(s.std));
+  j.Set("l2_norm", s.l2_norm);
+  return j;
+}
+
 Json DescribeGcReport(const GcReport& r, bool dry_run) {
   Json j = Json::MakeObject();
   j.Set("dry_run", dry_run);

@@ -24,6 +24,11 @@ Result<Json> DescribeCheckpoint(const CheckpointReader& reader);
 // Its parts: one tensor (with its stored bytes) and one blob.
 Json DescribeTensor(const TensorRecord& tensor, uint64_t stored_bytes);
 Json DescribeBlob(const BlobRecord& blob);
+// One tensor's statistics as `ckpt show --stats --json` prints them (and
+// Python's Repository.stats returns them): name, dtype, elements,
+// nan_count, inf_count, zero_count, min, max, mean, std (null when no
+// element is finite), l2_norm.
+Json DescribeTensorStats(const TensorStats& stats);
 // What `ckpt gc --json` prints: dry_run, removed, dead chunks, packs
 // deleted, rewritten and orphaned, bytes before, after, reclaimed and live.
 Json DescribeGcReport(const GcReport& report, bool dry_run);

@@ -395,6 +395,20 @@ struct TensorDiff {
   std::optional<double> relative_l2;   // ||b - a|| / ||a|| (0 when equal; infinite when a is zero and b not)
 };
 
+// What one streaming pass over a tensor finds: the element count, NaN,
+// infinite and zero counts, and over the finite elements min, max, mean,
+// (population) standard deviation and L2 norm. Integer and bool tensors
+// are read as numbers. min, max, mean and std are absent when no element
+// is finite.
+struct TensorStats {
+  std::string name;
+  DType dtype = DType::kU8;
+  uint64_t elements = 0;
+  uint64_t nan_count = 0, inf_count = 0, zero_count = 0;
+  std::optional<double> min, max, mean, std;
+  double l2_norm = 0;
+};
+
 // Progress callback: done and total units (bytes or items).
 using ProgressFn = std::function<void(uint64_t done, uint64_t total)>;
 
@@ -472,6 +486,11 @@ class Repository {
   Result<std::vector<std::string>> PlanRetention(const RetentionPolicy& policy);
   // Space per checkpoint (`names`, or every committed one) and in total.
   Result<UsageReport> DiskUsage(const std::vector<std::string>& names);
+  // Statistics of the named tensors of committed checkpoint `name` (every
+  // tensor when `tensors` is empty), each in one pass of 4 MiB at a time.
+  // NotFound for a checkpoint or tensor that does not exist.
+  Result<std::vector<TensorStats>> Stats(const std::string& name, const std::vector<std::string>& tensors,
+                                         const ProgressFn& progress = {});
   // Per tensor (by name), then per blob: changed or not, chunks shared and
   // changed, and for float tensors max and mean |a - b| and the relative
   // L2 change. Tensors whose chunk lists are the same are not read.

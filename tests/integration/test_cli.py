@@ -229,6 +229,26 @@ class ImportAndRead(CkptTestCase):
         self.assertIn("not fully covered", err)
         self.assertEqual(json.loads(self.run_ckpt("ls", "--json").stdout), [])
 
+    def test_show_stats_counts_nans_and_matches_numpy(self):
+        x = self.rng.standard_normal(100_000).astype(np.float32)
+        x[[3, 99]] = np.nan
+        x[7] = np.inf
+        st.write(self.path("s.safetensors"), [("x", "F32", x), ("y", "I32", np.arange(-2, 3, dtype=np.int32))])
+        self.run_ckpt("import", "s", self.path("s.safetensors"))
+        stats = {s["name"]: s for s in json.loads(self.run_ckpt("show", "s", "--stats", "--json").stdout)}
+        f = x[np.isfinite(x)].astype(np.float64)
+        self.assertEqual((stats["x"]["nan_count"], stats["x"]["inf_count"]), (2, 1))
+        self.assertAlmostEqual(stats["x"]["mean"], f.mean(), places=9)
+        self.assertAlmostEqual(stats["x"]["std"], f.std(), places=9)
+        self.assertAlmostEqual(stats["x"]["l2_norm"], np.linalg.norm(f), places=6)
+        self.assertEqual((stats["x"]["min"], stats["x"]["max"]), (float(f.min()), float(f.max())))
+        self.assertEqual((stats["y"]["min"], stats["y"]["max"], stats["y"]["zero_count"]), (-2, 2, 1))
+        one = json.loads(self.run_ckpt("show", "s", "y", "--stats", "--json").stdout)
+        self.assertEqual([s["name"] for s in one], ["y"])
+        self.assertIn("NAN", self.run_ckpt("show", "s", "--stats").stdout.decode())
+        self.assertIn("no tensor 'z'", self.error_of("show", "s", "z", "--stats"))
+        self.assertIn("go with --stats", self.error_of("show", "s", "y"))
+
     def test_one_ranks_file_without_rank_is_refused_before_anything_is_written(self):
         a = rand(self.rng, "F32", (8, 4))
         paths = self.write_ranks(2, lambda r: ([("x", "F32", a[r * 4:r * 4 + 4])],

@@ -399,6 +399,25 @@ class Maintenance(PythonTestCase):
         self.assertEqual(cli_show["tags"], {"run": "x"})
 
 
+class Statistics(PythonTestCase):
+    def test_stats_match_torchs_nan_aware_figures(self):
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(50_000, generator=gen).to(torch.bfloat16)
+        x[5] = float("nan")
+        x[6] = float("-inf")
+        self.r.save("s", {"x": x, "z": torch.zeros(4)})
+        s = {t["name"]: t for t in self.r.stats("s")}
+        f = x.float()[torch.isfinite(x.float())].double()
+        self.assertEqual((s["x"]["nan_count"], s["x"]["inf_count"]), (1, 1))
+        self.assertAlmostEqual(s["x"]["mean"], f.mean().item(), places=9)
+        self.assertAlmostEqual(s["x"]["std"], f.std(unbiased=False).item(), places=9)
+        self.assertAlmostEqual(s["x"]["l2_norm"], f.norm().item(), places=6)
+        self.assertEqual(s["z"]["zero_count"], 4)
+        self.assertEqual([t["name"] for t in self.r.stats("s", ["z"])], ["z"])
+        with self.assertRaises(ckptfs.NotFoundError):
+            self.r.stats("s", ["nope"])
+
+
 class Interop(PythonTestCase):
     def test_the_cli_reads_what_python_saved(self):
         gen = torch.Generator().manual_seed(11)

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -334,6 +335,65 @@ TEST_F(GarbageCollection, DiskUsageSeparatesPendingUnreferencedAndUnrecordedSpac
   EXPECT_EQ(after.unreferenced_bytes, 0u);
   EXPECT_EQ(after.unrecorded_packs, 0u);
   EXPECT_EQ(after.pending_bytes, u->pending_bytes);  // gc keeps what a pending rank wrote
+}
+
+TEST_F(GarbageCollection, StatsOfABf16TensorWithPlantedNaNsAndInfinities) {
+  // bf16 is the top half of a float32.
+  auto bf16 = [](float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    return static_cast<uint16_t>(bits >> 16);
+  };
+  std::vector<uint16_t> x(300000);
+  double sum = 0, sum_sq = 0;
+  uint64_t finite = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float v = static_cast<float>(static_cast<int>(i % 17) - 8) * 0.5f;  // exact in bf16
+    x[i] = bf16(v);
+  }
+  x[10] = 0x7fc0;   // NaN
+  x[11] = 0xffc1;   // another NaN payload, negative
+  x[20] = 0x7f80;   // +inf
+  x[21] = 0xff80;   // -inf
+  uint64_t zeros = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (i == 10 || i == 11 || i == 20 || i == 21) continue;
+    const double v = static_cast<double>(static_cast<int>(i % 17) - 8) * 0.5;
+    sum += v;
+    sum_sq += v * v;
+    ++finite;
+    zeros += v == 0;
+  }
+  auto w = std::move(repo_->BeginCheckpoint("s", {0, 1, 1, {}})).value();
+  ASSERT_OK(w->PutTensor({"x", DType::kBF16, {x.size()}}, std::as_bytes(std::span(x))));
+  std::vector<int32_t> ints = {-3, 0, 5};
+  ASSERT_OK(w->PutTensor({"i", DType::kI32, {3}}, std::as_bytes(std::span(ints))));
+  std::vector<float> nans(4, std::nanf(""));
+  ASSERT_OK(w->PutTensor({"n", DType::kF32, {4}}, std::as_bytes(std::span(nans))));
+  ASSERT_OK(w->Commit().Wait());
+  auto s = repo_->Stats("s", {});
+  ASSERT_OK(s);
+  ASSERT_EQ(s->size(), 3u);  // by name: i, n, x
+  const TensorStats& bx = (*s)[2];
+  EXPECT_EQ(bx.name, "x");
+  EXPECT_EQ(bx.elements, x.size());
+  EXPECT_EQ(bx.nan_count, 2u);
+  EXPECT_EQ(bx.inf_count, 2u);
+  EXPECT_EQ(bx.zero_count, zeros);
+  EXPECT_EQ(*bx.min, -4.0);
+  EXPECT_EQ(*bx.max, 4.0);
+  const double mean = sum / finite;
+  EXPECT_NEAR(*bx.mean, mean, 1e-12);
+  EXPECT_NEAR(*bx.std, std::sqrt(sum_sq / finite - mean * mean), 1e-9);
+  EXPECT_NEAR(bx.l2_norm, std::sqrt(sum_sq), 1e-6);
+  EXPECT_EQ(*(*s)[0].min, -3.0);
+  EXPECT_EQ((*s)[0].zero_count, 1u);
+  EXPECT_EQ((*s)[1].nan_count, 4u);
+  EXPECT_FALSE((*s)[1].mean.has_value());  // nothing finite
+  auto one = repo_->Stats("s", {"i"});
+  ASSERT_OK(one);
+  EXPECT_EQ(one->size(), 1u);
+  EXPECT_TRUE(repo_->Stats("s", {"nope"}).status().IsNotFound());
 }
 
 TEST_F(GarbageCollection, DiffReportsChangesSharingAndMaxAbsDiff) {

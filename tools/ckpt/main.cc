@@ -499,13 +499,50 @@ int CmdLs(const Args& args) {
   return kExitOk;
 }
 
-const CommandSpec kShow{"show", "NAME", "Show a checkpoint: tensors, dtypes, shapes, shard layout, sizes.", "",
-                        {kRepoOpt, kJsonOpt}, 1, 1};
+const CommandSpec kShow{"show", "NAME [TENSOR...]", "Show a checkpoint: tensors, dtypes, shapes, shard layout, sizes.",
+                        "With --stats, each tensor's statistics instead (the TENSORs, or every tensor):\n"
+                        "NaN, infinite and zero counts, and over the finite elements min, max, mean,\n"
+                        "standard deviation and L2 norm, read in one streaming pass.",
+                        {kRepoOpt, kJsonOpt, {"stats", 0, false, false, "", "read the tensors and show their statistics"}},
+                        1, SIZE_MAX};
+
+int ShowStats(Repository& repo, const Args& args) {
+  std::vector<std::string> tensors(args.positional.begin() + 1, args.positional.end());
+  Progress progress("reading " + args.positional[0]);
+  auto stats = repo.Stats(args.positional[0], tensors, [&](uint64_t d, uint64_t t) { progress.Update(d, t); });
+  progress.Finish();
+  if (!stats.ok()) return Fail(stats.status());
+  if (args.Has("json")) {
+    Json j = Json::MakeArray();
+    for (const auto& s : *stats) j.Push(DescribeTensorStats(s));
+    PrintJson(j);
+    return kExitOk;
+  }
+  auto num = [](const std::optional<double>& v) {
+    char buf[32] = "-";
+    if (v) std::snprintf(buf, sizeof buf, "%.6g", *v);
+    return std::string(buf);
+  };
+  std::printf("%-40s %-8s %10s %10s %10s %12s %12s %12s %12s %12s\n", "TENSOR", "DTYPE", "NAN", "INF", "ZERO", "MIN",
+              "MAX", "MEAN", "STD", "L2");
+  for (const auto& s : *stats) {
+    std::printf("%-40s %-8s %10llu %10llu %10llu %12s %12s %12s %12s %12s\n", EscapeForTerminal(s.name).c_str(),
+                std::string(DTypeName(s.dtype)).c_str(), static_cast<unsigned long long>(s.nan_count),
+                static_cast<unsigned long long>(s.inf_count), static_cast<unsigned long long>(s.zero_count),
+                num(s.min).c_str(), num(s.max).c_str(), num(s.mean).c_str(), num(s.std).c_str(),
+                num(s.l2_norm).c_str());
+  }
+  return kExitOk;
+}
 
 int CmdShow(const Args& args) {
   int rc = kExitOk;
   auto repo = OpenRepoOr(args, &rc);
   if (!repo) return rc;
+  if (args.Has("stats")) return ShowStats(*repo, args);
+  if (args.positional.size() > 1) {
+    return UsageError(Status::InvalidArgument("TENSOR names go with --stats (see 'ckpt show --help')"));
+  }
   auto reader = repo->OpenCheckpoint(args.positional[0]);
   if (!reader.ok()) return Fail(reader.status());
   auto stored = (*reader)->StoredBytes();

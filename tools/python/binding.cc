@@ -495,6 +495,17 @@ class PyRepository {
     return JsonToPython(DescribeGcReport(r, dry_run));
   }
 
+  py::object stats(const std::string& name, const std::vector<std::string>& tensors) {
+    std::vector<TensorStats> s;
+    {
+      py::gil_scoped_release nogil;
+      s = Value(repo_->Stats(name, tensors));
+    }
+    Json j = Json::MakeArray();
+    for (const auto& t : s) j.Push(DescribeTensorStats(t));
+    return JsonToPython(j);
+  }
+
   py::dict verify(std::optional<std::string> name) {
     VerifyReport r;
     {
@@ -601,6 +612,7 @@ PYBIND11_MODULE(_core, m) {
       .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"))
       .def("checkpoints", &PyRepository::checkpoints, py::arg("include_pending"))
       .def("rm", &PyRepository::rm, py::arg("names"))
+      .def("stats", &PyRepository::stats, py::arg("name"), py::arg("tensors"))
       .def("gc", &PyRepository::gc, py::arg("keep_last"), py::arg("keep_every"), py::arg("keep_within"),
            py::arg("keep"), py::arg("allow_removing_newest"), py::arg("dry_run"),
            py::arg("rewrite_below"))

@@ -584,6 +584,17 @@ class Repository:
         return self._repo.gc(keep_last, keep_every, keep_within, list(keep), bool(allow_removing_newest),
                              bool(dry_run), float(rewrite_below))
 
+    def stats(self, name: str, tensors: Sequence[str] = ()) -> List[Dict[str, Any]]:
+        """Statistics of the tensors `tensors` of checkpoint `name` (every
+        tensor when empty), each read in one streaming pass: name, dtype,
+        elements, nan_count, inf_count, zero_count, and over the finite
+        elements min, max, mean, std (None when none is finite) and l2_norm,
+        as `ckpt show NAME --stats --json` prints them."""
+        if isinstance(tensors, str):
+            tensors = [tensors]
+        _check_names("tensor", tensors)
+        return self._repo.stats(name, list(tensors))
+
     def verify(self, name: Optional[str] = None) -> Dict[str, Any]:
         """Re-reads and re-hashes every chunk (of `name`, or of every
         checkpoint) and checks every tensor is tiled; the report's `ok` is
