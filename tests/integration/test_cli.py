@@ -283,9 +283,21 @@ class ImportAndRead(CkptTestCase):
         os.close(master)
         self.assertEqual(p.returncode, 0)
         self.assertIn(b"exporting p: 100.0%", drawn)
+        self.assertRegex(drawn, rb"of 4\.0 MiB, [0-9.]+ [KMG]?i?B/s")  # throughput beside the bytes
         self.assertIn(b"\r\x1b[K", drawn)  # the line is cleared when done
         # not a terminal: nothing but the result
         q = self.run_ckpt("export", "p", self.path("p2.safetensors"))
+        self.assertEqual(q.stderr, b"")
+        # --progress forces lines, --progress=json gives objects, --quiet nothing
+        q = self.run_ckpt("export", "p", self.path("p3.safetensors"), "--progress")
+        self.assertIn(b"exporting p: 100.0% (4.0 MiB of 4.0 MiB", q.stderr)
+        q = self.run_ckpt("--progress=json", "export", "p", self.path("p4.safetensors"))
+        lines = [json.loads(line) for line in q.stderr.decode().splitlines()]
+        self.assertEqual(lines[-1]["finished"], True)
+        self.assertEqual(lines[-1]["done_bytes"], lines[-1]["total_bytes"])
+        self.assertEqual(lines[-1]["progress"], "exporting p")
+        self.assertIn("bytes_per_second", lines[-1])
+        q = self.run_ckpt("verify", "--quiet")
         self.assertEqual(q.stderr, b"")
 
     def test_blobs(self):

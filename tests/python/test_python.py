@@ -399,6 +399,21 @@ class Maintenance(PythonTestCase):
         self.assertEqual(cli_show["tags"], {"run": "x"})
 
 
+class Progress(PythonTestCase):
+    def test_save_and_load_report_progress_in_bytes(self):
+        state = {"a": torch.zeros(1000), "b": np.zeros(500, np.int16), "blob": b"x" * 7}
+        seen = []
+        self.r.save("p", state, progress=lambda d, t: seen.append((d, t)))
+        self.assertEqual(seen, [(4000, 5007), (5000, 5007), (5007, 5007)])
+        seen.clear()
+        self.r.async_save("q", {"a": torch.zeros(10)}, progress=lambda d, t: seen.append((d, t))).result()
+        self.assertEqual(seen, [(40, 40)])
+        seen.clear()
+        self.r.load("p", {"a": torch.empty(1000), "b": np.empty(500, np.int16)},
+                    progress=lambda d, t: seen.append((d, t)))
+        self.assertEqual(seen, [(4000, 5000), (5000, 5000)])
+
+
 class Statistics(PythonTestCase):
     def test_stats_match_torchs_nan_aware_figures(self):
         gen = torch.Generator().manual_seed(3)

@@ -1,5 +1,7 @@
 #include "cli.h"
 
+#include "core/json.h"
+
 #include <unistd.h>
 
 #include <chrono>
@@ -157,23 +159,64 @@ std::string HumanBytes(uint64_t bytes) {
   return buf;
 }
 
-Progress::Progress(std::string label) : label_(std::move(label)), enabled_(::isatty(STDERR_FILENO) == 1) {}
+namespace {
+ProgressMode g_progress_mode = ProgressMode::kAuto;
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+void SetProgressMode(ProgressMode mode) { g_progress_mode = mode; }
+
+Progress::Progress(std::string label)
+    : label_(std::move(label)), terminal_(::isatty(STDERR_FILENO) == 1), start_ms_(NowMs()) {
+  mode_ = g_progress_mode;
+  if (mode_ == ProgressMode::kAuto) mode_ = terminal_ ? ProgressMode::kOn : ProgressMode::kOff;
+}
 Progress::~Progress() { Finish(); }
 
 void Progress::Update(uint64_t done, uint64_t total) {
-  if (!enabled_) return;
-  int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
-                    std::chrono::steady_clock::now().time_since_epoch()).count();
-  if (done < total && now - last_ms_ < 200) return;
+  if (mode_ == ProgressMode::kOff) return;
+  done_ = done;
+  total_ = total;
+  const int64_t now = NowMs();
+  // A terminal line is redrawn 5 times a second; lines for programs and
+  // logs come once a second.
+  const int64_t every = mode_ == ProgressMode::kOn && terminal_ ? 200 : 1000;
+  if (done < total && now - last_ms_ < every) return;
   last_ms_ = now;
-  double pct = total ? 100.0 * static_cast<double>(done) / static_cast<double>(total) : 100.0;
-  std::fprintf(stderr, "\r%s: %5.1f%% (%s of %s)\033[K", label_.c_str(), pct, HumanBytes(done).c_str(),
-               HumanBytes(total).c_str());
+  Draw(done, total, false);
+}
+
+void Progress::Draw(uint64_t done, uint64_t total, bool final) {
+  const double seconds = static_cast<double>(NowMs() - start_ms_) / 1000.0;
+  const double rate = seconds > 0 ? static_cast<double>(done) / seconds : 0;
+  const double eta = rate > 0 && total > done ? static_cast<double>(total - done) / rate : 0;
+  if (mode_ == ProgressMode::kJson) {
+    std::fprintf(stderr,
+                 "{\"progress\": %s, \"done_bytes\": %llu, \"total_bytes\": %llu, \"bytes_per_second\": %.0f, "
+                 "\"eta_seconds\": %.1f, \"elapsed_seconds\": %.1f, \"finished\": %s}\n",
+                 Json(label_).Dump().c_str(), static_cast<unsigned long long>(done),
+                 static_cast<unsigned long long>(total), rate, eta, seconds, final ? "true" : "false");
+    return;
+  }
+  const double pct = total ? 100.0 * static_cast<double>(done) / static_cast<double>(total) : 100.0;
+  char tail[64] = "";
+  if (!final && rate > 0 && done < total) std::snprintf(tail, sizeof tail, ", %.0f s left", eta);
+  std::fprintf(stderr, "%s%s: %5.1f%% (%s of %s, %s/s%s)%s", terminal_ ? "\r" : "", label_.c_str(), pct,
+               HumanBytes(done).c_str(), HumanBytes(total).c_str(), HumanBytes(static_cast<uint64_t>(rate)).c_str(),
+               tail, terminal_ ? "\033[K" : "\n");
   printed_ = true;
 }
 
 void Progress::Finish() {
-  if (enabled_ && printed_) std::fputs("\r\033[K", stderr);
+  if (mode_ == ProgressMode::kJson && (done_ || total_)) {
+    Draw(done_, total_, true);
+    done_ = total_ = 0;
+    return;
+  }
+  if (mode_ == ProgressMode::kOn && terminal_ && printed_) std::fputs("\r\033[K", stderr);
   printed_ = false;
 }
 

@@ -68,6 +68,15 @@ Result<int64_t> ParseInt(const std::string& text, const std::string& what);
 std::string HumanBytes(uint64_t bytes);
 
 // Progress on stderr when it is a terminal; silent otherwise.
+// How long operations report progress on stderr: kAuto draws a line when
+// stderr is a terminal and says nothing otherwise; kOn draws it anyway (a
+// line per update when stderr is not a terminal); kJson writes one JSON
+// object per line for programs; kOff is quiet.
+enum class ProgressMode { kAuto, kOn, kJson, kOff };
+void SetProgressMode(ProgressMode mode);
+
+// Progress of one operation or phase: done and total bytes, the rate so
+// far and the time left at that rate.
 class Progress {
  public:
   explicit Progress(std::string label);
@@ -76,10 +85,14 @@ class Progress {
   void Finish();
 
  private:
+  void Draw(uint64_t done, uint64_t total, bool final);
   std::string label_;
-  bool enabled_;
+  ProgressMode mode_;
+  bool terminal_;
   bool printed_ = false;
+  int64_t start_ms_;
   int64_t last_ms_ = 0;
+  uint64_t done_ = 0, total_ = 0;
 };
 
 }  // namespace ckptfs::cli

@@ -1182,7 +1182,9 @@ std::optional<std::vector<char*>> MoveGlobalOptionsBehindCommand(int argc, char*
 
 // --cache-dir DIR, accepted anywhere before "--" by every command, sets
 // CKPT_CACHE_DIR (where a repository on S3 keeps this host's catalog) and
-// is removed from the arguments. False when it lacks its value.
+// is removed from the arguments; so are --progress, --progress=json and
+// --quiet, which set how long operations report progress. False when
+// --cache-dir lacks its value.
 bool TakeCacheDirOption(int* argc, char** argv) {
   int out = 1;
   bool ok = true;
@@ -1192,7 +1194,13 @@ bool TakeCacheDirOption(int* argc, char** argv) {
       while (i < *argc) argv[out++] = argv[i++];
       break;
     }
-    if (a == "--cache-dir") {
+    if (a == "--progress") {
+      ckptfs::cli::SetProgressMode(ckptfs::cli::ProgressMode::kOn);
+    } else if (a == "--progress=json") {
+      ckptfs::cli::SetProgressMode(ckptfs::cli::ProgressMode::kJson);
+    } else if (a == "--quiet") {
+      ckptfs::cli::SetProgressMode(ckptfs::cli::ProgressMode::kOff);
+    } else if (a == "--cache-dir") {
       if (i + 1 >= *argc || argv[i + 1][0] == '\0') {
         ok = false;
         continue;

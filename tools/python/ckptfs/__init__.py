@@ -26,7 +26,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _core
 from ._core import (  # noqa: F401  (re-exported)
@@ -306,6 +306,17 @@ def _region(shard: Optional[Shard], memory: _Memory, what: str):
     raise InvalidArgumentError(f"{what}: shards must be ckptfs.Box or ckptfs.Flat, not {type(shard).__name__}")
 
 
+def _nbytes(value) -> int:
+    """Bytes of a state-dict value or load target (for progress reports)."""
+    if isinstance(value, (bytes, bytearray)):
+        return len(value)
+    if isinstance(value, memoryview):
+        return value.nbytes
+    if _is_tensor(value):
+        return value.numel() * value.element_size()
+    return int(getattr(value, "nbytes", 0))
+
+
 def _put_value(writer, key: str, value, shard: Optional[Shard], sharded: bool, kept: List[_Memory]) -> None:
     """Puts one state-dict entry into a core writer; device memory that the
     commit still has to copy is appended to `kept`."""
@@ -439,7 +450,7 @@ class Repository:
 
     # -- save --
 
-    def _put_all(self, name, state_dict, step, rank, world_size, shards, tags):
+    def _put_all(self, name, state_dict, step, rank, world_size, shards, tags, progress=None):
         if not isinstance(state_dict, Mapping):
             raise InvalidArgumentError(f"state_dict must be a mapping of names to values, not {type(state_dict).__name__}")
         shards = dict(shards or {})
@@ -450,24 +461,30 @@ class Repository:
         writer = self._repo.begin(name, int(rank), int(world_size), None if step is None else int(step),
                                   [(str(k), str(v)) for k, v in (tags or {}).items()])
         kept = []  # device memory must stay alive until the commit has copied it
+        total = sum(_nbytes(v) for v in state_dict.values()) if progress else 0
+        done = 0
         try:
             for key, value in state_dict.items():
                 _put_value(writer, key, value, shards.get(key), key in shards, kept)
+                if progress:
+                    done += _nbytes(value)
+                    progress(done, total)
         except BaseException:
             writer.abort()
             raise
         return writer, kept
 
-    def _put_and_commit(self, name, state_dict, step, rank, world_size, shards, tags, *, snapshot):
+    def _put_and_commit(self, name, state_dict, step, rank, world_size, shards, tags, *, snapshot, progress=None):
         """Puts everything and starts the commit; the core's save handle.
         CUDA tensors stay referenced until the commit has copied them."""
-        writer, kept = self._put_all(name, state_dict, step, rank, world_size, shards, tags)
+        writer, kept = self._put_all(name, state_dict, step, rank, world_size, shards, tags, progress)
         _sync_cuda(kept)
         return writer.commit(snapshot=snapshot)
 
     def save(self, name: str, state_dict: Mapping[str, Any], *, step: Optional[int] = None, rank: int = 0,
              world_size: int = 1, shards: Optional[Mapping[str, Shard]] = None,
-             tags: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+             tags: Optional[Mapping[str, str]] = None,
+             progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
         """Saves this rank's part of checkpoint `name` and returns once it is durable.
 
         state_dict maps names to torch tensors (CPU or CUDA), NumPy arrays
@@ -478,15 +495,18 @@ class Repository:
         allowed). Returns this rank's summary (checkpoint_visible,
         chunks_written, chunks_deduplicated, logical_bytes, stored_bytes).
         Raises AlreadyExistsError when `name` is committed, InvalidArgumentError
-        for values, shards or ranks that do not fit.
+        for values, shards or ranks that do not fit. `progress(done_bytes,
+        total_bytes)`, when given, is called after each value is consumed.
         """
-        handle = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags, snapshot=False)
+        handle = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags, snapshot=False,
+                                      progress=progress)
         handle.wait(None)
         return handle.result()
 
     def async_save(self, name: str, state_dict: Mapping[str, Any], *, step: Optional[int] = None, rank: int = 0,
                    world_size: int = 1, shards: Optional[Mapping[str, Shard]] = None,
-                   tags: Optional[Mapping[str, str]] = None) -> SaveHandle:
+                   tags: Optional[Mapping[str, str]] = None,
+                   progress: Optional[Callable[[int, int], None]] = None) -> SaveHandle:
         """Like save, but returns as soon as the caller may modify its
         tensors: CPU tensors, arrays and blobs have been hashed and encoded,
         CUDA tensors copied to pinned host memory. The rest (compression
@@ -495,12 +515,14 @@ class Repository:
         interpreter exits are finished first.
         """
         start = time.perf_counter()
-        handle = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags, snapshot=True)
+        handle = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags, snapshot=True,
+                                      progress=progress)
         return SaveHandle(handle, time.perf_counter() - start)
 
     # -- load --
 
-    def load(self, name: str, targets: Mapping[str, Any], *, shards: Optional[Mapping[str, Shard]] = None):
+    def load(self, name: str, targets: Mapping[str, Any], *, shards: Optional[Mapping[str, Shard]] = None,
+             progress: Optional[Callable[[int, int], None]] = None):
         """Fills pre-allocated tensors or arrays from checkpoint `name`.
 
         targets maps tensor names to CPU or CUDA tensors or NumPy arrays. A
@@ -508,7 +530,8 @@ class Repository:
         Flat, that region of the global tensor: any sharding, whatever the
         sharding it was saved at. Raises NotFoundError for an unknown
         checkpoint or tensor, InvalidArgumentError when a target's dtype or
-        shape does not match. Returns `targets`.
+        shape does not match. Returns `targets`. `progress(done_bytes,
+        total_bytes)`, when given, is called after each target is filled.
         """
         if not isinstance(targets, Mapping):
             raise InvalidArgumentError(f"targets must be a mapping of names to tensors, not {type(targets).__name__}")
@@ -519,8 +542,13 @@ class Repository:
             raise InvalidArgumentError(f"shards names {unknown} that are not in targets")
         reader = self._repo.open_checkpoint(name)
         mappings = _writable_mappings()  # read once per load: targets may be any memory
+        total = sum(_nbytes(t) for t in targets.values()) if progress else 0
+        done = 0
         for key, target in targets.items():
             _read_value(reader, key, target, shards.get(key), mappings)
+            if progress:
+                done += _nbytes(target)
+                progress(done, total)
         return targets
 
     def tensor(self, name: str, tensor_name: str, *, device: Any = "cpu"):
