@@ -49,7 +49,38 @@ Json DescribeRecord(const CheckpointRecord& c) {
   Json tags = Json::MakeObject();
   for (const auto& [k, v] : c.tags) tags.Set(k, v);
   j.Set("tags", std::move(tags));
+  if (!committed) {
+    // What a pending checkpoint waits for; "created" is its first rank's commit.
+    Json in = Json::MakeArray(), missing = Json::MakeArray();
+    for (uint32_t r : c.committed_ranks) in.Push(static_cast<uint64_t>(r));
+    for (uint32_t r : MissingRanks(c)) missing.Push(static_cast<uint64_t>(r));
+    j.Set("ranks_committed", std::move(in));
+    j.Set("ranks_missing", std::move(missing));
+  }
   return j;
+}
+
+std::vector<uint32_t> MissingRanks(const CheckpointRecord& c) {
+  std::vector<uint32_t> out;
+  size_t k = 0;
+  for (uint32_t r = 0; r < c.world_size; ++r) {
+    while (k < c.committed_ranks.size() && c.committed_ranks[k] < r) ++k;
+    if (k == c.committed_ranks.size() || c.committed_ranks[k] != r) out.push_back(r);
+  }
+  return out;
+}
+
+std::string RanksToString(const std::vector<uint32_t>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    if (!out.empty()) out += ',';
+    out += std::to_string(ranks[i]);
+    if (j > i) out += "-" + std::to_string(ranks[j]);
+    i = j + 1;
+  }
+  return out.empty() ? "-" : out;
 }
 
 Json DescribeTensor(const TensorRecord& t, uint64_t stored_bytes) {

@@ -16,7 +16,12 @@ Json ShapeToJson(const Shape& shape);
 Json RegionToJson(const Region& region);
 // name, state, step, world size, ranks committed, tensor count, logical
 // bytes, times, tags.
+// A pending checkpoint also gets ranks_committed and ranks_missing (lists).
 Json DescribeRecord(const CheckpointRecord& record);
+// The ranks of [0, world size) that have not committed `record` yet.
+std::vector<uint32_t> MissingRanks(const CheckpointRecord& record);
+// "0-3,5,7-9"; "-" for none.
+std::string RanksToString(const std::vector<uint32_t>& ranks);
 // DescribeRecord plus stored bytes and every tensor (dtype, shape, logical
 // and stored bytes, shards with region, ranks, bytes, chunks) and blob.
 // Reads the catalog (chunk sizes), never tensor data.

@@ -181,7 +181,14 @@ class ImportAndRead(CkptTestCase):
             self.assertEqual(json.loads(self.run_ckpt("ls", "--json").stdout), [])
         pending = json.loads(self.run_ckpt("ls", "--all", "--json").stdout)
         self.assertEqual(pending[0]["state"], "pending")
+        self.assertEqual((pending[0]["ranks_committed"], pending[0]["ranks_missing"]), ([0, 1, 2], [3]))
         self.assertIn("not committed", self.error_of("cat", "s", "w"))
+        # What a pending checkpoint waits for, in the listing and from show.
+        self.assertIn("missing ranks 3)", self.run_ckpt("ls", "--all").stdout.decode())
+        shown = self.run_ckpt("show", "s").stdout.decode()
+        self.assertIn("3 of 4 committed (0-2); missing 3", shown)
+        self.assertIn("ckpt rm s", shown)
+        self.assertEqual(json.loads(self.run_ckpt("show", "s", "--json").stdout)["ranks_missing"], [3])
         self.run_ckpt("import", "s", paths[3], "--rank", "3", "--world-size", "4", "--step", "5")
         for n, (dt, arr) in want.items():
             self.check_tensor("s", n, arr, dt)

@@ -490,11 +490,14 @@ int CmdLs(const Args& args) {
   }
   std::printf("%-28s %-10s %8s %8s %12s  %s\n", "NAME", "STEP", "RANKS", "TENSORS", "SIZE", "COMMITTED");
   for (const auto& c : *list) {
+    const bool committed = c.state == CheckpointState::kCommitted;
     std::string ranks = std::to_string(c.committed_ranks.size()) + "/" + std::to_string(c.world_size);
+    const std::string when = committed ? FormatUnixMs(c.committed_unix_ms)
+                                       : "(pending since " + FormatUnixMs(c.created_unix_ms) + "; missing ranks " +
+                                             RanksToString(MissingRanks(c)) + ")";
     std::printf("%-28s %-10s %8s %8llu %12s  %s\n", c.name.c_str(), c.step ? std::to_string(*c.step).c_str() : "-",
-                c.state == CheckpointState::kCommitted ? std::to_string(c.world_size).c_str() : ranks.c_str(),
-                static_cast<unsigned long long>(c.tensor_count), HumanBytes(c.logical_bytes).c_str(),
-                c.state == CheckpointState::kCommitted ? FormatUnixMs(c.committed_unix_ms).c_str() : "(pending)");
+                committed ? std::to_string(c.world_size).c_str() : ranks.c_str(),
+                static_cast<unsigned long long>(c.tensor_count), HumanBytes(c.logical_bytes).c_str(), when.c_str());
   }
   return kExitOk;
 }
@@ -544,7 +547,27 @@ int CmdShow(const Args& args) {
     return UsageError(Status::InvalidArgument("TENSOR names go with --stats (see 'ckpt show --help')"));
   }
   auto reader = repo->OpenCheckpoint(args.positional[0]);
-  if (!reader.ok()) return Fail(reader.status());
+  if (!reader.ok()) {
+    // A pending checkpoint: what it waits for.
+    auto all = repo->ListCheckpoints(true);
+    if (all.ok()) {
+      for (const auto& c : *all) {
+        if (c.name != args.positional[0] || c.state == CheckpointState::kCommitted) continue;
+        if (args.Has("json")) {
+          PrintJson(DescribeRecord(c));
+          return kExitOk;
+        }
+        std::printf("checkpoint %s (pending: not visible until every rank has committed)\n", c.name.c_str());
+        std::printf("  step:      %s\n", c.step ? std::to_string(*c.step).c_str() : "-");
+        std::printf("  ranks:     %zu of %u committed (%s); missing %s\n", c.committed_ranks.size(), c.world_size,
+                    RanksToString(c.committed_ranks).c_str(), RanksToString(MissingRanks(c)).c_str());
+        std::printf("  since:     %s (the first rank's commit)\n", FormatUnixMs(c.created_unix_ms).c_str());
+        std::printf("  remove it: ckpt rm %s (its ranks' data then goes with the next gc)\n", c.name.c_str());
+        return kExitOk;
+      }
+    }
+    return Fail(reader.status());
+  }
   auto stored = (*reader)->StoredBytes();
   if (!stored.ok()) return Fail(stored.status());
   const auto& info = (*reader)->info();
