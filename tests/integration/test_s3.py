@@ -224,13 +224,15 @@ class MultiHost(S3Case):
         b.run("-r", self.repo, "import", "--rank", "2", "--world-size", "3", "s", files[2])
         for h in (a, b, c):
             self.assertEqual(h.names(self.repo), [], h.name)
-            self.assertIn("'s'", h.run("-r", self.repo, "show", "s", ok=False).stderr.decode())
+            # show says what the pending checkpoint waits for, on every host
+            self.assertIn("2 of 3 committed (0,2); missing 1", h.run("-r", self.repo, "show", "s").stdout.decode())
             self.assertNotEqual(h.run("-r", self.repo, "cat", "s", "embed", ok=False).returncode, 0)
         # pending on every host, with the ranks that are in
         for h in (a, b, c):
             pending = json.loads(h.run("-r", self.repo, "ls", "--all", "--json").stdout)
             self.assertEqual([(p["name"], p["state"], p["committed_ranks"], p["world_size"]) for p in pending],
                              [("s", "pending", 2, 3)], h.name)
+            self.assertEqual((pending[0]["ranks_committed"], pending[0]["ranks_missing"]), ([0, 2], [1]))
         # a disagreeing world size is refused before anything is written
         err = c.run("-r", self.repo, "import", "--rank", "1", "--world-size", "4", "s", files[1], ok=False).stderr
         self.assertIn("world size", err.decode())
