@@ -155,11 +155,14 @@ Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names)
   std::unordered_map<ChunkId, Use, ChunkIdHash> uses;
   std::unordered_map<ChunkId, uint32_t, ChunkIdHash> stored_len;
   std::unordered_set<std::string> recorded_packs;
+  std::set<std::string> retired_names;
   CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
     CKPT_RETURN_IF_ERROR(ForEachReference(txn, [&](const std::string& ckpt, const ChunkRef& c) {
       Use& u = uses[c.id];
       u.raw_len = c.raw_len;
-      const std::string owner = committed.count(ckpt) ? ckpt : "";
+      // "" for pending ranks, "/" for removed checkpoints kept for readers.
+      const std::string owner = committed.count(ckpt) ? ckpt : keys::IsRetiredCheckpoint(ckpt) ? "/" : "";
+      if (owner == "/") retired_names.insert(ckpt);
       if (std::find(u.owners.begin(), u.owners.end(), owner) == u.owners.end()) u.owners.push_back(owner);
     }));
     Status inner;
@@ -199,9 +202,10 @@ Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names)
   for (const auto& [id, u] : uses) {
     auto it = stored_len.find(id);
     const uint64_t stored = it == stored_len.end() ? 0 : it->second;
-    bool any_committed = false;
+    bool any_committed = false, any_retired = false;
     for (const auto& o : u.owners) {
-      if (o.empty()) continue;
+      if (o == "/") any_retired = true;
+      if (o.empty() || o == "/") continue;
       any_committed = true;
       entries[o].referenced_bytes += stored;
       if (u.owners.size() == 1) entries[o].exclusive_bytes += stored;
@@ -209,10 +213,13 @@ Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names)
     if (any_committed) {
       report.unique_raw_bytes += u.raw_len;
       report.referenced_bytes += stored;
+    } else if (any_retired) {
+      report.retired_bytes += stored;
     } else {
       report.pending_bytes += stored;
     }
   }
+  report.retired_checkpoints = retired_names.size();
   for (const auto& c : list) {
     if (names.empty() || std::find(names.begin(), names.end(), c.name) != names.end()) {
       report.checkpoints.push_back(entries[c.name]);
@@ -306,6 +313,82 @@ Result<Disposal> Dispose(Backend* backend, const Liveness& l, const std::set<std
   return d;
 }
 
+// Removed checkpoints kept for their readers (lease.h), split by whether a
+// read lease on their name is held now.
+struct RetiredPlan {
+  std::vector<std::string> doomed, kept;  // catalog names "NAME/TOKEN"
+};
+
+Result<std::vector<std::string>> RetiredInCatalog(LmdbEnv& catalog) {
+  std::vector<std::string> out;
+  CKPT_RETURN_IF_ERROR(catalog.Read([&](const ReadTxn& txn) {
+    return txn.Scan(Table::kCheckpoints, "", [&](std::string_view k, std::string_view) {
+      if (keys::IsRetiredCheckpoint(k)) out.emplace_back(k);
+      return true;
+    });
+  }));
+  return out;
+}
+
+// Local repositories: `scan` keeps the names found unleased locked against
+// new readers until it is destroyed. Object stores: the lease objects.
+Result<RetiredPlan> PlanRetired(RepositoryImpl& repo, LocalLeaseScan& scan) {
+  RetiredPlan plan;
+  CKPT_ASSIGN_OR_RETURN(auto retired, RetiredInCatalog(*repo.catalog));
+  if (retired.empty()) return plan;
+  std::set<std::string> leased;
+  if (repo.remote) {
+    CKPT_ASSIGN_OR_RETURN(leased, ListStoreLeases(*repo.backend, repo.lock_options));
+  } else {
+    std::map<std::string, bool> known;
+    for (const auto& r : retired) {
+      const std::string base = keys::BaseName(r);
+      if (known.count(base)) continue;
+      CKPT_ASSIGN_OR_RETURN(known[base], scan.Leased(base));
+      if (known[base]) leased.insert(base);
+    }
+  }
+  for (auto& r : retired) (leased.count(keys::BaseName(r)) ? plan.kept : plan.doomed).push_back(std::move(r));
+  return plan;
+}
+
+// Drops the retired checkpoints nobody reads: their retired manifests, then
+// their records, so the liveness analysis after it frees their chunks. On an
+// object store a reader may have written its lease after the leases were
+// listed, then found the retired manifest still there: the leases are listed
+// again after the deletes, and a checkpoint leased meanwhile gets its
+// retired manifest back and is kept (lease.h).
+Status CollectRetired(RepositoryImpl& repo, RetiredPlan& plan) {
+  if (plan.doomed.empty()) return Status::OK();
+  for (const auto& r : plan.doomed) {
+    Status st = repo.backend->Delete(keys::RetiredObject(r));
+    if (!st.ok() && !st.IsNotFound()) return st;
+  }
+  if (repo.remote) {
+    CKPT_ASSIGN_OR_RETURN(auto leased, ListStoreLeases(*repo.backend, repo.lock_options));
+    std::vector<std::string> doomed;
+    for (auto& r : plan.doomed) {
+      if (!leased.count(keys::BaseName(r))) {
+        doomed.push_back(std::move(r));
+        continue;
+      }
+      Manifest m;
+      CKPT_RETURN_IF_ERROR(repo.catalog->Read([&](const ReadTxn& txn) -> Status {
+        CKPT_ASSIGN_OR_RETURN(m, LoadManifest(txn, r));
+        return Status::OK();
+      }));
+      const std::string body = EncodeManifest(m);
+      CKPT_RETURN_IF_ERROR(repo.backend->Put(keys::RetiredObject(r), std::as_bytes(std::span(body))));
+      plan.kept.push_back(std::move(r));
+    }
+    plan.doomed = std::move(doomed);
+  }
+  return repo.catalog->Update([&](WriteTxn& txn) -> Status {
+    for (const auto& r : plan.doomed) CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, r));
+    return Status::OK();
+  });
+}
+
 }  // namespace
 
 Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const ProgressFn& progress) {
@@ -334,6 +417,15 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
     }
   }
   CKPT_RETURN_IF_ERROR(impl_->Sync(RepositoryImpl::SyncScope::kReferences).status());
+  // Removed checkpoints nobody reads now count as gone when choosing packs
+  // to rewrite (step 2 decides again, under the lock).
+  {
+    LocalLeaseScan probe(impl_->state_dir);
+    CKPT_ASSIGN_OR_RETURN(RetiredPlan plan, PlanRetired(*impl_, probe));
+    excluded.insert(plan.doomed.begin(), plan.doomed.end());
+    report.retired_collected = plan.doomed.size();
+    report.retired_kept = plan.kept.size();
+  }
 
   // 1. Without the gc lock (saves go on): find the mostly-dead packs and copy
   //    their live chunks into new packs, durably. A dry run stops after the
@@ -373,6 +465,13 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
   //    saves may have committed meanwhile (a chunk that was dead may be
   //    referenced again) and removals may have freed more.
   CKPT_ASSIGN_OR_RETURN(RepoLock lock, RepoLock::Acquire(impl_->state_dir, RepoLock::Mode::kExclusive));
+  //    Removed checkpoints nobody reads now go; those read stay live (and
+  //    their chunks move with the rest).
+  LocalLeaseScan lease_scan(impl_->state_dir);
+  CKPT_ASSIGN_OR_RETURN(RetiredPlan retired, PlanRetired(*impl_, lease_scan));
+  CKPT_RETURN_IF_ERROR(CollectRetired(*impl_, retired));
+  report.retired_collected = retired.doomed.size();
+  report.retired_kept = retired.kept.size();
   CKPT_ASSIGN_OR_RETURN(Liveness now, Analyze(*impl_->catalog, {}));
   for (const auto& id : rewrite) {
     for (const auto& [chunk, loc] : now.packs[id].live) {

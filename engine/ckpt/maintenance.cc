@@ -160,18 +160,31 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
 Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   std::set<std::string> unique(names.begin(), names.end());
-  // All must exist before anything is touched.
+  // All must exist before anything is touched. Committed ones are retired
+  // (lease.h): their manifests, as the catalog has them, go to retired/.
+  std::map<std::string, Manifest> committed;
   CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
     for (const auto& n : unique) {
+      if (keys::IsRetiredCheckpoint(n)) return Status::NotFound("no checkpoint named '" + n + "'; nothing was removed");
       CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kCheckpoints, keys::Checkpoint(n)));
       if (!v) return Status::NotFound("no checkpoint named '" + n + "'; nothing was removed");
+      CKPT_ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*v));
+      if (rec.state == CheckpointState::kCommitted) {
+        CKPT_ASSIGN_OR_RETURN(committed[n], LoadManifest(txn, n));
+      }
     }
     return Status::OK();
   }));
-  // Manifests go first: a crash after this point leaves checkpoints that the
-  // catalog still lists but that reindex would not bring back, never the
-  // reverse (a removed checkpoint resurrected without its chunks).
+  // The retired manifest is durable before the manifest goes, and both
+  // before the catalog changes: a crash in between leaves a checkpoint still
+  // listed (rm again finishes it), never one whose readers lose their bytes.
+  // A crash after the retired manifest was written leaves it for gc.
   for (const auto& n : unique) {
+    if (auto it = committed.find(n); it != committed.end()) {
+      const std::string body = EncodeManifest(it->second);
+      const std::string retired = keys::RetiredCheckpoint(n, it->second.checkpoint.committed_unix_ms);
+      CKPT_RETURN_IF_ERROR(impl_->backend->Put(keys::RetiredObject(retired), std::as_bytes(std::span(body))));
+    }
     Status st = impl_->backend->Delete(keys::ManifestObject(n));
     if (!st.ok() && !st.IsNotFound()) return st;
     if (!impl_->remote) continue;
@@ -183,7 +196,13 @@ Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
     }
   }
   return impl_->catalog->Update([&](WriteTxn& txn) -> Status {
-    for (const auto& n : unique) CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, n));
+    for (const auto& n : unique) {
+      CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, n));
+      if (auto it = committed.find(n); it != committed.end()) {
+        const auto& m = it->second;
+        CKPT_RETURN_IF_ERROR(RecordManifestAs(txn, m, keys::RetiredCheckpoint(n, m.checkpoint.committed_unix_ms)));
+      }
+    }
     return Status::OK();
   });
 }
@@ -252,6 +271,22 @@ Result<ReindexReport> Repository::Reindex(const std::string& path, const Progres
     CKPT_RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) { return RecordManifest(txn, *m); }));
     max_seq = std::max(max_seq, m->checkpoint.sequence);
     ++report.checkpoints;
+  }
+  // Removed checkpoints kept for readers: their chunks stay live for gc.
+  CKPT_ASSIGN_OR_RETURN(auto retired_keys, backend->List(keys::kRetiredPrefix));
+  for (const auto& key : retired_keys) {
+    std::string catalog_name;
+    if (!keys::ParseRetiredObject(key, &catalog_name)) continue;
+    auto data = backend->ReadAll(key);
+    auto m = data.ok() ? DecodeManifest(*data) : Result<Manifest>(data.status());
+    if (m.ok() && m->checkpoint.name != keys::BaseName(catalog_name)) {
+      m = Status::Corruption("it names checkpoint '" + m->checkpoint.name + "'");
+    }
+    if (!m.ok()) {
+      report.problems.push_back("skipped removed checkpoint " + key + ": " + m.status().message());
+      continue;
+    }
+    CKPT_RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) { return RecordManifestAs(txn, *m, catalog_name); }));
   }
   CKPT_RETURN_IF_ERROR(env->Update([&](WriteTxn& txn) -> Status {
     CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kFormatVersionKey, EncodeFormatVersion(kFormatVersion)));

@@ -10,6 +10,7 @@ class ReaderImpl {
  public:
   std::shared_ptr<RepositoryImpl> repo;  // a reader may outlive its Repository
   Manifest manifest;  // tensors and blobs sorted by name (catalog key order)
+  CheckpointLease lease;  // declared last: released before the rest goes
 };
 
 namespace {
@@ -196,6 +197,7 @@ namespace {
 // The record of `name` when it is committed; NotFound (saying how far a
 // pending one got) otherwise.
 Result<CheckpointRecord> CommittedRecord(const ReadTxn& txn, const std::string& name) {
+  if (keys::IsRetiredCheckpoint(name)) return Status::NotFound("no checkpoint named '" + name + "'");
   CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
   if (!raw) return Status::NotFound("no checkpoint named '" + name + "'");
   CKPT_ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*raw));
@@ -217,36 +219,36 @@ Result<CheckpointRecord> Repository::GetCheckpoint(const std::string& name) {
   return rec;
 }
 
-Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::string& name) {
-  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
-  // On an object store: the chunks of checkpoints other hosts saved may be
-  // in packs whose indexes this host has not read yet.
-  CKPT_RETURN_IF_ERROR(impl_->IndexPacks());
-  auto impl = std::make_unique<ReaderImpl>();
-  impl->repo = impl_;
-  Manifest& m = impl->manifest;
+Result<Manifest> LoadManifest(const ReadTxn& txn, const std::string& catalog_name) {
+  Manifest m;
   Status inner;
-  CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
-    CKPT_ASSIGN_OR_RETURN(m.checkpoint, CommittedRecord(txn, name));
-    const std::string prefix = keys::MemberPrefix(name);
-    CKPT_RETURN_IF_ERROR(txn.Scan(Table::kTensors, prefix, [&](std::string_view, std::string_view v) {
-      auto t = DecodeTensor(v);
-      if (!t.ok()) {
-        inner = t.status().WithContext("checkpoint '" + name + "'");
-        return false;
-      }
-      m.tensors.push_back(std::move(t).value());
-      return true;
-    }));
-    return txn.Scan(Table::kBlobs, prefix, [&](std::string_view, std::string_view v) {
-      auto b = DecodeBlob(v);
-      if (!b.ok()) {
-        inner = b.status().WithContext("checkpoint '" + name + "'");
-        return false;
-      }
-      m.blobs.push_back(std::move(b).value());
-      return true;
-    });
+  if (keys::IsRetiredCheckpoint(catalog_name)) {
+    CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(catalog_name)));
+    if (!raw) return Status::NotFound("no removed checkpoint '" + catalog_name + "' is kept");
+    CKPT_ASSIGN_OR_RETURN(m.checkpoint, DecodeCheckpoint(*raw));
+  } else {
+    CKPT_ASSIGN_OR_RETURN(m.checkpoint, CommittedRecord(txn, catalog_name));
+  }
+  const std::string& name = m.checkpoint.name;
+  const std::string prefix = keys::MemberPrefix(catalog_name);
+  CKPT_RETURN_IF_ERROR(txn.Scan(Table::kTensors, prefix, [&](std::string_view, std::string_view v) {
+    auto t = DecodeTensor(v);
+    if (!t.ok()) {
+      inner = t.status().WithContext("checkpoint '" + name + "'");
+      return false;
+    }
+    m.tensors.push_back(std::move(t).value());
+    return true;
+  }));
+  CKPT_RETURN_IF_ERROR(inner);
+  CKPT_RETURN_IF_ERROR(txn.Scan(Table::kBlobs, prefix, [&](std::string_view, std::string_view v) {
+    auto b = DecodeBlob(v);
+    if (!b.ok()) {
+      inner = b.status().WithContext("checkpoint '" + name + "'");
+      return false;
+    }
+    m.blobs.push_back(std::move(b).value());
+    return true;
   }));
   CKPT_RETURN_IF_ERROR(inner);
   // The catalog's keys hold the names after a common prefix, so a scan
@@ -254,9 +256,96 @@ Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::
   auto by_name = [](const auto& a, const auto& b) { return a.name < b.name; };
   if (!std::is_sorted(m.tensors.begin(), m.tensors.end(), by_name)) std::sort(m.tensors.begin(), m.tensors.end(), by_name);
   if (!std::is_sorted(m.blobs.begin(), m.blobs.end(), by_name)) std::sort(m.blobs.begin(), m.blobs.end(), by_name);
+  return m;
+}
+
+Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::string& name, const ReadOptions& options) {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
+  // On an object store: the chunks of checkpoints other hosts saved may be
+  // in packs whose indexes this host has not read yet.
+  CKPT_RETURN_IF_ERROR(impl_->IndexPacks());
+  auto impl = std::make_unique<ReaderImpl>();
+  impl->repo = impl_;
+  // The lease comes first: what the catalog says afterwards stays readable
+  // (a local gc collects a name only while holding its lease file).
+  bool first = false;
+  if (options.lease) {
+    if (keys::IsRetiredCheckpoint(name)) return Status::NotFound("no checkpoint named '" + name + "'");
+    CKPT_RETURN_IF_ERROR(impl_->leases->Acquire(name, &first));
+    impl->lease = CheckpointLease(impl_, name);
+  }
+  CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+    CKPT_ASSIGN_OR_RETURN(impl->manifest, LoadManifest(txn, name));
+    return Status::OK();
+  }));
+  if (first) CKPT_RETURN_IF_ERROR(impl_->CheckStillStored(impl->manifest.checkpoint));
+  Manifest& m = impl->manifest;
   m.tensors.shrink_to_fit();  // a reader of millions of tensors keeps no spare capacity
   m.blobs.shrink_to_fit();
   return std::unique_ptr<CheckpointReader>(new CheckpointReader(std::move(impl)));
+}
+
+Result<CheckpointLease> Repository::LeaseCheckpoint(const CheckpointReader& reader) {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
+  const CheckpointRecord& rec = reader.info();
+  bool first = false;
+  CKPT_RETURN_IF_ERROR(impl_->leases->Acquire(rec.name, &first));
+  CheckpointLease lease(impl_, rec.name);
+  if (impl_->remote) {
+    // Another process of this host verified it when it took the lease.
+    if (first) CKPT_RETURN_IF_ERROR(impl_->CheckStillStored(rec));
+    return lease;
+  }
+  // Local: the catalog, read under the lease, says whether gc collected it.
+  CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+    CKPT_ASSIGN_OR_RETURN(auto live, txn.Get(Table::kCheckpoints, keys::Checkpoint(rec.name)));
+    if (live) {
+      CKPT_ASSIGN_OR_RETURN(CheckpointRecord now, DecodeCheckpoint(*live));
+      if (now.committed_unix_ms == rec.committed_unix_ms) return Status::OK();
+    }
+    CKPT_ASSIGN_OR_RETURN(auto retired,
+                          txn.Get(Table::kCheckpoints, keys::RetiredCheckpoint(rec.name, rec.committed_unix_ms)));
+    if (retired) return Status::OK();
+    return Status::NotFound("checkpoint '" + rec.name + "' was removed and its data collected");
+  }));
+  return lease;
+}
+
+Status RepositoryImpl::CheckStillStored(const CheckpointRecord& rec) {
+  if (!remote) return Status::OK();
+  // A lease written before a removal is seen by every gc after it; one
+  // written after must find the retired manifest still there (gc deletes it
+  // before the chunks, and restores it when a lease shows up meanwhile).
+  auto live = backend->Size(keys::ManifestObject(rec.name));
+  if (live.ok()) return Status::OK();
+  if (!live.status().IsNotFound()) return live.status();
+  auto retired = backend->Size(keys::RetiredObject(keys::RetiredCheckpoint(rec.name, rec.committed_unix_ms)));
+  if (retired.ok()) return Status::OK();
+  if (!retired.status().IsNotFound()) return retired.status();
+  return Status::NotFound("checkpoint '" + rec.name + "' was removed and its data collected");
+}
+
+CheckpointLease::CheckpointLease(CheckpointLease&& other) noexcept
+    : repo_(std::move(other.repo_)), name_(std::move(other.name_)) {}
+
+CheckpointLease& CheckpointLease::operator=(CheckpointLease&& other) noexcept {
+  if (this != &other) {
+    Release();
+    repo_ = std::move(other.repo_);
+    name_ = std::move(other.name_);
+  }
+  return *this;
+}
+
+void CheckpointLease::Release() {
+  if (!repo_) return;
+  // In a forked child the lease is the parent's (core/fork.h).
+  if (repo_->Forked()) {
+    new std::shared_ptr<RepositoryImpl>(std::move(repo_));
+    return;
+  }
+  repo_->leases->Release(name_);
+  repo_.reset();
 }
 
 }  // namespace ckptfs

@@ -227,8 +227,9 @@ Result<uint64_t> RecordPack(WriteTxn& txn, const SealedPack& pack) {
   return added;
 }
 
-Status RecordManifest(WriteTxn& txn, const Manifest& m) {
-  const std::string& name = m.checkpoint.name;
+Status RecordManifest(WriteTxn& txn, const Manifest& m) { return RecordManifestAs(txn, m, m.checkpoint.name); }
+
+Status RecordManifestAs(WriteTxn& txn, const Manifest& m, const std::string& name) {
   CKPT_RETURN_IF_ERROR(txn.Put(Table::kCheckpoints, keys::Checkpoint(name), EncodeCheckpoint(m.checkpoint)));
   for (const auto& t : m.tensors) CKPT_RETURN_IF_ERROR(txn.Put(Table::kTensors, keys::Member(name, t.name), EncodeTensor(t)));
   for (const auto& b : m.blobs) CKPT_RETURN_IF_ERROR(txn.Put(Table::kBlobs, keys::Member(name, b.name), EncodeBlob(b)));
@@ -248,9 +249,11 @@ RepositoryImpl::~RepositoryImpl() {
     (void)buffers.release();
     (void)backend.release();
     (void)fetcher_.release();
+    (void)leases.release();
     return;
   }
   pool.reset();
+  leases.reset();
 }
 
 Status RepositoryImpl::CheckProcess() const {
@@ -288,10 +291,16 @@ Status DirectFetcher::ReadWithRelocation(const ChunkId& id, ChunkLocation loc, s
                                          ChunkDestination destination) {
   // Garbage collection may move a live chunk to a new pack and delete the
   // old one between our lookup and our read: look it up again and retry.
+  bool refreshed = false;
   for (int attempt = 0;; ++attempt) {
     Status st = ReadChunk(backend_, id, loc, dst, destination);
     if (st.ok() || !st.IsNotFound() || attempt >= 3) return st;
     CKPT_ASSIGN_OR_RETURN(ChunkLocation again, lookup_(id));
+    if (again.pack == loc.pack && again.offset == loc.offset && refresh_ && !refreshed) {
+      refreshed = true;
+      CKPT_RETURN_IF_ERROR(refresh_());
+      CKPT_ASSIGN_OR_RETURN(again, lookup_(id));
+    }
     if (again.pack == loc.pack && again.offset == loc.offset) return st;
     loc = again;
   }
@@ -307,12 +316,19 @@ Status DirectFetcher::FetchInto(const ChunkRef& chunk, std::span<std::byte> dst)
 }
 
 namespace {
+// Object stores: a packs-only sync, after which the catalog knows where gc
+// on another host moved chunks.
+std::function<Status()> RefreshOf(RepositoryImpl* repo) {
+  if (!repo->remote) return {};
+  return [repo] { return repo->Sync(RepositoryImpl::SyncScope::kPacks).status(); };
+}
+
 class CachedFetcher : public ChunkFetcher {
  public:
   explicit CachedFetcher(RepositoryImpl* repo)
       : repo_(repo),
         direct_(repo->backend.get(), [repo](const ChunkId& id) { return repo->LookupChunk(id); },
-                repo->buffers.get()) {}
+                repo->buffers.get(), RefreshOf(repo)) {}
   Result<ChunkData> Fetch(const ChunkRef& chunk) override {
     return repo_->cache->Get(chunk.id, [&] { return direct_.Fetch(chunk); });
   }
@@ -672,6 +688,8 @@ Result<std::unique_ptr<Repository>> Repository::FinishOpen(std::unique_ptr<Repos
   impl->buffers = std::make_unique<BufferPool>(config.chunk_size, 4 * threads + 8);
   impl->cache = std::make_unique<ChunkCache>(options.cache_bytes);
   impl->InitFetcher();
+  impl->leases = std::make_unique<LeaseRegistry>(impl->state_dir, impl->remote ? impl->backend.get() : nullptr,
+                                                 impl->lock_options);
   CKPT_RETURN_IF_ERROR(impl->Sync().status());
   return std::unique_ptr<Repository>(new Repository(std::move(impl)));
 }
@@ -681,7 +699,8 @@ Result<std::vector<CheckpointRecord>> Repository::ListCheckpoints(bool include_p
   std::vector<CheckpointRecord> committed, pending;
   Status inner;
   CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) {
-    return txn.Scan(Table::kCheckpoints, "", [&](std::string_view, std::string_view v) {
+    return txn.Scan(Table::kCheckpoints, "", [&](std::string_view k, std::string_view v) {
+      if (keys::IsRetiredCheckpoint(k)) return true;  // removed, kept for its readers (lease.h)
       auto rec = DecodeCheckpoint(v);
       if (!rec.ok()) {
         inner = rec.status();

@@ -222,6 +222,35 @@ struct StoredSizes {
 
 class ReaderImpl;
 
+// A read lease on a checkpoint (docs/DESIGN.md "Removal and read leases"):
+// while one is held anywhere, removing the checkpoint (rm, gc's retention)
+// takes its name away but gc keeps its bytes. Released when destroyed.
+// A CheckpointReader holds one unless opened with ReadOptions::lease false.
+class CheckpointLease {
+ public:
+  CheckpointLease() = default;
+  ~CheckpointLease() { Release(); }
+  CheckpointLease(CheckpointLease&& other) noexcept;
+  CheckpointLease& operator=(CheckpointLease&& other) noexcept;
+  CheckpointLease(const CheckpointLease&) = delete;
+  CheckpointLease& operator=(const CheckpointLease&) = delete;
+  bool held() const { return repo_ != nullptr; }
+  void Release();
+
+ private:
+  friend class Repository;
+  CheckpointLease(std::shared_ptr<RepositoryImpl> repo, std::string name)
+      : repo_(std::move(repo)), name_(std::move(name)) {}
+  std::shared_ptr<RepositoryImpl> repo_;
+  std::string name_;
+};
+
+struct ReadOptions {
+  // Hold a read lease for the reader's lifetime. The mount opens its
+  // directory views without one and leases a checkpoint per open file.
+  bool lease = true;
+};
+
 // A committed checkpoint, readable by many threads at once.
 class CheckpointReader {
  public:
@@ -351,6 +380,10 @@ struct GcReport {
   uint64_t bytes_after = 0;
   uint64_t live_bytes = 0;           // stored bytes the remaining checkpoints reference
   uint64_t temporary_bytes = 0;      // temporary files of interrupted writes, removed (local repositories)
+  // Removed checkpoints (rm, retention) whose data this run reclaimed, and
+  // those kept because a reader still holds a lease on them.
+  uint64_t retired_collected = 0;
+  uint64_t retired_kept = 0;
   uint64_t bytes_reclaimed() const {
     return (bytes_before > bytes_after ? bytes_before - bytes_after : 0) + temporary_bytes;
   }
@@ -370,6 +403,10 @@ struct UsageReport {
   uint64_t referenced_bytes = 0;  // distinct referenced chunks, stored
   uint64_t pack_bytes = 0;        // in the packs the catalog records, including what gc would reclaim
   uint64_t pending_bytes = 0;     // stored chunks only pending ranks reference (kept by gc)
+  // Stored chunks only removed checkpoints reference: kept while a reader
+  // holds a lease on them, reclaimed by the first gc after.
+  uint64_t retired_bytes = 0;
+  uint64_t retired_checkpoints = 0;
   uint64_t unreferenced_bytes = 0;  // stored chunks nothing references (gc reclaims them)
   // Local repositories: pack files no catalog entry records, left by saves
   // that were killed (gc deletes them). Not counted on an object store,
@@ -463,16 +500,23 @@ class Repository {
   // again at commit, since other ranks may commit meanwhile.
   Result<std::unique_ptr<CheckpointWriter>> BeginCheckpoint(const std::string& name,
                                                             const WriterOptions& options);
-  // Committed checkpoints only; NotFound otherwise.
-  Result<std::unique_ptr<CheckpointReader>> OpenCheckpoint(const std::string& name);
+  // Committed checkpoints only; NotFound otherwise. The reader holds a read
+  // lease (unless options.lease is false): removing the checkpoint while it
+  // is open takes the name away, but its bytes stay until the reader goes.
+  Result<std::unique_ptr<CheckpointReader>> OpenCheckpoint(const std::string& name, const ReadOptions& options = {});
+  // A read lease on the checkpoint `reader` reads, for as long as the lease
+  // lives (the mount takes one per open file). NotFound when the checkpoint
+  // was removed and its bytes were already collected.
+  Result<CheckpointLease> LeaseCheckpoint(const CheckpointReader& reader);
   // The record of committed checkpoint `name`; NotFound otherwise.
   Result<CheckpointRecord> GetCheckpoint(const std::string& name);
   // Committed checkpoints in commit order; pending ones too when asked.
   Result<std::vector<CheckpointRecord>> ListCheckpoints(bool include_pending = false);
   // Removes checkpoints (committed or pending), all or none: NotFound when
-  // any name is unknown, and then nothing is removed. Their manifests are
-  // deleted first, then their records in one catalog transaction; their
-  // chunks stay until garbage collection.
+  // any name is unknown, and then nothing is removed. The names go at once;
+  // a committed checkpoint is retired (its manifest moved to retired/, its
+  // records kept under a retired name) and gc drops it, and reclaims its
+  // chunks, once no read lease on it is held. Pending ones are deleted.
   Status RemoveCheckpoints(const std::vector<std::string>& names);
   // Applies the retention policy (unless dry_run), copies the live chunks of
   // mostly-dead packs into new packs while saves go on, then, holding the gc

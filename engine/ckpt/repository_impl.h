@@ -9,6 +9,7 @@
 #include <string>
 
 #include "backend/backend.h"
+#include "ckpt/lease.h"
 #include "ckpt/merge.h"
 #include "ckpt/object_lock.h"
 #include "ckpt/repository.h"
@@ -85,6 +86,8 @@ class RepositoryImpl {
   std::unique_ptr<BufferPool> buffers;
   std::unique_ptr<ChunkCache> cache;
   std::unique_ptr<ThreadPool> pool;
+  // Read leases of this process (lease.h).
+  std::unique_ptr<LeaseRegistry> leases;
 
   // Location of a committed chunk; NotFound when the catalog lacks it.
   Result<ChunkLocation> LookupChunk(const ChunkId& id) const;
@@ -120,6 +123,13 @@ class RepositoryImpl {
   // lock_options says; null for a local repository.
   Result<std::unique_ptr<ObjectLock>> LockStore(ObjectLock::Mode mode);
 
+  // Object stores: called by the first reader of `rec` in this process once
+  // it holds the lease. OK while the store still holds the checkpoint (its
+  // manifest, or its retired manifest), so no gc can collect it now;
+  // NotFound when it was removed and collected meanwhile. OK at once for a
+  // local repository, whose catalog is read under the lease.
+  Status CheckStillStored(const CheckpointRecord& rec);
+
   // Encoded chunks waiting for any pack writer of this process: the
   // adaptive codec's view of whether the disk keeps up.
   std::atomic<int64_t> queued_chunks{0};
@@ -137,8 +147,12 @@ class DirectFetcher : public ChunkFetcher {
  public:
   using Lookup = std::function<Result<ChunkLocation>(const ChunkId&)>;
   // Decoded chunks are leased from `buffers` (allocated per chunk when null).
-  DirectFetcher(Backend* backend, Lookup lookup, BufferPool* buffers = nullptr)
-      : backend_(backend), lookup_(std::move(lookup)), buffers_(buffers) {}
+  // `refresh`, when given, is called once when a chunk's pack is gone and
+  // the lookup still names it: an object store's catalog learns there where
+  // gc on another host moved the chunk.
+  DirectFetcher(Backend* backend, Lookup lookup, BufferPool* buffers = nullptr,
+                std::function<Status()> refresh = {})
+      : backend_(backend), lookup_(std::move(lookup)), buffers_(buffers), refresh_(std::move(refresh)) {}
   Result<ChunkData> Fetch(const ChunkRef& chunk) override;
   Status FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) override;
 
@@ -148,6 +162,7 @@ class DirectFetcher : public ChunkFetcher {
   Backend* backend_;
   Lookup lookup_;
   BufferPool* buffers_;
+  std::function<Status()> refresh_;
 };
 
 Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path);
@@ -166,6 +181,12 @@ Status RecordManifest(WriteTxn& txn, const Manifest& manifest);
 // Removes every catalog record of checkpoint `name` (committed or pending:
 // its record, tensors, blobs and pending ranks).
 Status DeleteCheckpointRecords(WriteTxn& txn, const std::string& name);
+// The checkpoint the catalog keeps under `catalog_name` (a live name, or a
+// retired "NAME/TOKEN"), whole: its record, tensors and blobs by name.
+Result<Manifest> LoadManifest(const ReadTxn& txn, const std::string& catalog_name);
+// Records `m` under catalog name `catalog_name` (RecordManifest records it
+// under its own name).
+Status RecordManifestAs(WriteTxn& txn, const Manifest& m, const std::string& catalog_name);
 // A rank's part of a checkpoint not yet visible, as its pending/ object
 // holds it: the checkpoint as this rank saw it (pending, world size, step,
 // tags; committed_ranks is just this rank) and the rank's records. Encoded

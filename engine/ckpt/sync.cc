@@ -43,6 +43,7 @@ using RankSets = std::map<std::string, std::set<uint32_t>>;  // checkpoint -> ra
 struct KnownState {
   std::set<std::string> packs;
   std::set<std::string> committed;
+  std::set<std::string> retired;  // catalog names "NAME/TOKEN" (lease.h)
   RankSets pending;  // pending checkpoints and the ranks their records list
   RankSets records;  // pending ranks whose records are in kRanks
 };
@@ -55,8 +56,10 @@ Result<KnownState> ReadKnown(LmdbEnv& catalog) {
       return true;
     }));
     CKPT_RETURN_IF_ERROR(ScanDecoded<CheckpointRecord>(txn, Table::kCheckpoints, "", DecodeCheckpoint,
-                                                       [&](std::string_view, CheckpointRecord&& c) {
-                                                         if (c.state == CheckpointState::kCommitted) {
+                                                       [&](std::string_view key, CheckpointRecord&& c) {
+                                                         if (keys::IsRetiredCheckpoint(key)) {
+                                                           k.retired.emplace(key);
+                                                         } else if (c.state == CheckpointState::kCommitted) {
                                                            k.committed.insert(c.name);
                                                          } else {
                                                            k.pending[c.name].insert(c.committed_ranks.begin(),
@@ -117,10 +120,15 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
   std::lock_guard lock(sync_mu_);
   const bool checkpoints = scope != SyncScope::kPacks;
   CKPT_ASSIGN_OR_RETURN(KnownState known, ReadKnown(*catalog));
-  std::vector<std::string> pending_keys, manifest_keys;
+  std::vector<std::string> pending_keys, manifest_keys, retired_keys;
   if (checkpoints) {
     CKPT_ASSIGN_OR_RETURN(pending_keys, backend->List(keys::kPendingPrefix));
     CKPT_ASSIGN_OR_RETURN(manifest_keys, backend->List(keys::kManifestPrefix));
+  }
+  // Removed checkpoints kept for their readers matter to gc only.
+  const bool retired = scope == SyncScope::kReferences;
+  if (retired) {
+    CKPT_ASSIGN_OR_RETURN(retired_keys, backend->List(keys::kRetiredPrefix));
   }
   CKPT_ASSIGN_OR_RETURN(auto pack_keys, backend->List(keys::kPackPrefix));
   uint64_t objects_read = 0;
@@ -162,6 +170,27 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
     return m;
   });
   objects_read += added.size();
+
+  // ---- removed checkpoints kept for readers ----
+  std::set<std::string> listed_retired;
+  for (const auto& key : retired_keys) {
+    std::string name;
+    if (keys::ParseRetiredObject(key, &name)) listed_retired.insert(name);
+  }
+  const std::vector<std::string> retired_gone = retired ? Missing(known.retired, listed_retired)
+                                                        : std::vector<std::string>{};
+  const std::vector<std::string> retired_new = Missing(listed_retired, known.retired);
+  auto retired_manifests = FetchAll<Manifest>(retired_new.size(), [&](size_t i) -> Result<Manifest> {
+    const std::string key = keys::RetiredObject(retired_new[i]);
+    CKPT_ASSIGN_OR_RETURN(std::string data, backend->ReadAll(key));
+    auto m = DecodeManifest(data);
+    if (m.ok() && m->checkpoint.name != keys::BaseName(retired_new[i])) {
+      m = Status::Corruption("it names checkpoint '" + m->checkpoint.name + "'");
+    }
+    if (!m.ok()) return m.status().WithContext("removed checkpoint " + key);
+    return m;
+  });
+  objects_read += retired_new.size();
 
   // ---- pending checkpoints ----
   RankSets listed_pending;
@@ -233,6 +262,14 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
 
     for (const auto& name : removed) CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, name));
     r.checkpoints_removed = removed.size();
+    for (const auto& name : retired_gone) CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, name));
+    for (size_t i = 0; i < retired_new.size(); ++i) {
+      if (!retired_manifests[i].ok()) {
+        if (retired_manifests[i].status().IsNotFound()) continue;  // collected since the listing
+        return retired_manifests[i].status();  // gc must know every reference
+      }
+      CKPT_RETURN_IF_ERROR(RecordManifestAs(txn, *retired_manifests[i], retired_new[i]));
+    }
     CKPT_ASSIGN_OR_RETURN(auto raw_seq, txn.Get(Table::kMeta, keys::kNextSequenceKey));
     uint64_t next_seq = 1;
     if (raw_seq) {

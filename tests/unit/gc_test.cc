@@ -252,6 +252,111 @@ TEST_F(GarbageCollection, ReaderOpenedBeforeARewriteKeepsReading) {
   EXPECT_EQ(got, owns_["s3"]);
 }
 
+TEST_F(GarbageCollection, AnOpenReaderKeepsARemovedCheckpointsBytesUntilItGoes) {
+  auto base = RandomBytes(1000, 1);
+  Save("s0", 0, 10, base);
+  Save("s1", 1, 11, base);
+  auto reader = std::move(repo_->OpenCheckpoint("s0")).value();
+  ASSERT_OK(repo_->RemoveCheckpoints({"s0"}));
+  // The name is gone at once...
+  EXPECT_EQ(repo_->ListCheckpoints().value().size(), 1u);
+  EXPECT_TRUE(repo_->OpenCheckpoint("s0").status().IsNotFound());
+  EXPECT_TRUE(repo_->RemoveCheckpoints({"s0"}).IsNotFound());
+  // ...the bytes stay while the reader lives, through gc and pack rewrites.
+  GcOptions o;
+  o.rewrite_below = 0.99;
+  auto r = repo_->CollectGarbage(o);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->retired_kept, 1u);
+  EXPECT_EQ(r->retired_collected, 0u);
+  std::vector<std::byte> got(owns_["s0"].size());
+  ASSERT_OK(reader->ReadBytes(*reader->FindTensor("own"), 0, got));
+  EXPECT_EQ(got, owns_["s0"]);
+  auto u = repo_->DiskUsage({});
+  ASSERT_OK(u);
+  EXPECT_NEAR(static_cast<double>(u->retired_bytes), 300 << 10, 4096);
+  const uint64_t before = PackBytesOnDisk();
+  // The first gc after the reader went reclaims them.
+  reader.reset();
+  r = repo_->CollectGarbage(o);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->retired_collected, 1u);
+  EXPECT_EQ(r->retired_kept, 0u);
+  EXPECT_GE(before - PackBytesOnDisk(), 290u << 10);
+  EXPECT_EQ(repo_->DiskUsage({}).value().retired_bytes, 0u);
+  ExpectReadable("s1", base);
+}
+
+TEST_F(GarbageCollection, RetentionWithAReaderOfTheOldestRemovesTheNameAndKeepsTheBytes) {
+  auto base = RandomBytes(1000, 1);
+  for (int i = 0; i < 3; ++i) Save("s" + std::to_string(i), i, i + 10, base);
+  auto reader = std::move(repo_->OpenCheckpoint("s0")).value();
+  GcOptions o;
+  o.retention.keep_last = 1;
+  auto r = repo_->CollectGarbage(o);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->removed, (std::vector<std::string>{"s0", "s1"}));
+  EXPECT_EQ(r->retired_collected, 1u);  // s1: nobody reads it
+  EXPECT_EQ(r->retired_kept, 1u);
+  std::vector<std::byte> got(owns_["s0"].size());
+  ASSERT_OK(reader->ReadBytes(*reader->FindTensor("own"), 0, got));
+  EXPECT_EQ(got, owns_["s0"]);
+}
+
+TEST_F(GarbageCollection, ANameSavedAgainAfterRemovalIsANewCheckpointAndTheOldReaderKeepsTheOld) {
+  auto base = RandomBytes(1000, 1);
+  Save("x", 1, 10, base);
+  const auto old_own = owns_["x"];
+  auto old_reader = std::move(repo_->OpenCheckpoint("x")).value();
+  ASSERT_OK(repo_->RemoveCheckpoints({"x"}));
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));  // another commit time
+  Save("x", 2, 20, base);
+  ASSERT_OK(repo_->CollectGarbage({}));
+  std::vector<std::byte> got(old_own.size());
+  ASSERT_OK(old_reader->ReadBytes(*old_reader->FindTensor("own"), 0, got));
+  EXPECT_EQ(got, old_own);
+  ExpectReadable("x", base);
+  old_reader.reset();
+  auto r = repo_->CollectGarbage({});
+  ASSERT_OK(r);
+  EXPECT_EQ(r->retired_collected, 1u);
+  ExpectReadable("x", base);
+}
+
+TEST_F(GarbageCollection, ALeaseTakenAfterCollectionSaysTheCheckpointIsGone) {
+  auto base = RandomBytes(1000, 1);
+  Save("s0", 0, 10, base);
+  Save("s1", 1, 11, base);
+  // As the mount does: a view without a lease, a lease per open file.
+  auto view = std::move(repo_->OpenCheckpoint("s0", ReadOptions{.lease = false})).value();
+  {
+    auto lease = repo_->LeaseCheckpoint(*view);
+    ASSERT_OK(lease);
+    ASSERT_OK(repo_->RemoveCheckpoints({"s0"}));
+    EXPECT_EQ(repo_->CollectGarbage({}).value().retired_kept, 1u);
+    ASSERT_OK(repo_->LeaseCheckpoint(*view));  // a second file, while the first is open
+  }
+  EXPECT_EQ(repo_->CollectGarbage({}).value().retired_collected, 1u);
+  EXPECT_TRUE(repo_->LeaseCheckpoint(*view).status().IsNotFound());
+}
+
+TEST_F(GarbageCollection, ReindexKeepsRemovedCheckpointsForGcToDecide) {
+  auto base = RandomBytes(1000, 1);
+  Save("s0", 0, 10, base);
+  Save("s1", 1, 11, base);
+  ASSERT_OK(repo_->RemoveCheckpoints({"s0"}));
+  repo_.reset();
+  ASSERT_OK(Repository::Reindex(dir_.path()));
+  repo_ = std::move(Repository::Open(dir_.path(), {2, 1 << 20})).value();
+  EXPECT_EQ(repo_->ListCheckpoints().value().size(), 1u);
+  auto u = repo_->DiskUsage({});
+  ASSERT_OK(u);
+  EXPECT_EQ(u->retired_checkpoints, 1u);
+  EXPECT_NEAR(static_cast<double>(u->retired_bytes), 300 << 10, 4096);
+  EXPECT_EQ(repo_->CollectGarbage({}).value().retired_collected, 1u);
+  ExpectReadable("s1", base);
+}
+
 TEST_F(GarbageCollection, GcWaitsForSavesInFlight) {
   auto w = std::move(repo_->BeginCheckpoint("inflight", {0, 1, 1, {}})).value();
   // While a writer lives, the exclusive lock cannot be had...
@@ -306,7 +411,7 @@ TEST_F(GarbageCollection, DiskUsageSeparatesPendingUnreferencedAndUnrecordedSpac
     ASSERT_OK(w->PutTensor({"x", DType::kU8, {pending_data.size()}}, pending_data));
     ASSERT_OK(w->Commit().Wait());
   }
-  ASSERT_OK(repo_->RemoveCheckpoints({"a"}));  // its own 300 KiB are now unreferenced
+  ASSERT_OK(repo_->RemoveCheckpoints({"a"}));  // its own 300 KiB wait for gc, which no reader holds off
   {
     auto objects = std::move(OpenLocalBackend(dir_ / "objects")).value();
     PackWriter killed(objects.get(), 1 << 20);
@@ -317,7 +422,9 @@ TEST_F(GarbageCollection, DiskUsageSeparatesPendingUnreferencedAndUnrecordedSpac
   auto u = repo_->DiskUsage({});
   ASSERT_OK(u);
   EXPECT_NEAR(static_cast<double>(u->pending_bytes), 200 << 10, 4096);  // random bytes: stored raw
-  EXPECT_NEAR(static_cast<double>(u->unreferenced_bytes), 300 << 10, 4096);
+  EXPECT_NEAR(static_cast<double>(u->retired_bytes), 300 << 10, 4096);
+  EXPECT_EQ(u->retired_checkpoints, 1u);
+  EXPECT_EQ(u->unreferenced_bytes, 0u);
   EXPECT_EQ(u->unrecorded_packs, 1u);
   EXPECT_GT(u->unrecorded_pack_bytes, 64u << 10);
   {
@@ -333,6 +440,9 @@ TEST_F(GarbageCollection, DiskUsageSeparatesPendingUnreferencedAndUnrecordedSpac
   EXPECT_FALSE(std::filesystem::exists(dir_ / "objects/packs/.tmp-killed"));
   auto after = *repo_->DiskUsage({});
   EXPECT_EQ(after.unreferenced_bytes, 0u);
+  EXPECT_EQ(after.retired_bytes, 0u);
+  EXPECT_EQ(after.retired_checkpoints, 0u);
+  EXPECT_EQ(r->retired_collected, 1u);
   EXPECT_EQ(after.unrecorded_packs, 0u);
   EXPECT_EQ(after.pending_bytes, u->pending_bytes);  // gc keeps what a pending rank wrote
 }

@@ -5,12 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <atomic>
 #include <barrier>
 #include <thread>
 #include <cstdlib>
 #include <cstring>
 
+#include "backend/s3_backend.h"
 #include "ckpt/repository.h"
 #include "core/random.h"
 #include "fault_proxy.h"
@@ -147,13 +149,14 @@ TEST_F(S3Repository, ASaveReadsNoIndexOfOtherHostsPacksAndAReaderReadsThemOnce) 
   EXPECT_EQ(save.get, 1u) << "only the new manifest";
   EXPECT_LE(save.total(), 16u);
   // Reading a's checkpoint lists the packs and reads a's pack indexes
-  // once (3 requests each).
+  // once (3 requests each); its read lease is a PUT and a HEAD of the
+  // manifest (lease.h).
   RequestCounts mark = b->store_requests();
   auto reader = b->OpenCheckpoint("step-1");
   ASSERT_OK(reader);
   const RequestCounts open = b->store_requests() - mark;
   EXPECT_EQ(open.list, 1u);
-  EXPECT_EQ(open.total(), 1u + 4 * 3);
+  EXPECT_EQ(open.total(), 1u + 4 * 3 + 2);
   std::vector<std::byte> out(w.size());
   ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, out));
   EXPECT_EQ(out, w);
@@ -252,6 +255,99 @@ TEST_F(S3Repository, GcOnAHostThatNeverSawAPendingCheckpointKeepsItsRanks) {
   std::vector<std::byte> out(w.size());
   ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, out));
   EXPECT_EQ(out, w);
+}
+
+// The repository's objects/ as a plain store, to look at or plant objects.
+std::unique_ptr<Backend> ObjectsOf(const std::string& url, const S3Options& s3) {
+  const std::string prefix = url.substr(std::string("s3://ckptfs-test/").size()) + "/objects";
+  return std::move(OpenS3Backend({"ckptfs-test", prefix}, s3)).value();
+}
+
+TEST_F(S3Repository, AReaderOnOneHostKeepsWhatRmAndGcOnAnotherWouldCollect) {
+  const uint64_t rows = 32, cols = 1024;  // 2 chunks: x's first pack holds them and 2 of its own
+  auto old_w = RandomBytes(rows * cols * 4, 7), new_w = RandomBytes(rows * cols * 4, 8);
+  auto a = Host("a"), b = Host("b");
+  ASSERT_TRUE(a && b);
+  {
+    // x's packs hold s0's chunks (deduplicated) beside bytes only x has.
+    auto x = std::move(a->BeginCheckpoint("x", {})).value();
+    ASSERT_OK(x->PutTensor({"w", DType::kF32, {rows, cols}}, old_w));
+    auto own = RandomBytes(old_w.size(), 6);
+    ASSERT_OK(x->PutTensor({"own", DType::kU8, {own.size()}}, own));
+    ASSERT_OK(x->Commit().Wait());
+  }
+  ASSERT_OK(SaveRows(*a, "s0", 0, 1, old_w, rows, cols));
+  ASSERT_OK(SaveRows(*a, "s1", 0, 1, new_w, rows, cols));
+  ASSERT_OK(b->Refresh());
+  auto reader = std::move(b->OpenCheckpoint("s0")).value();
+  auto objects = ObjectsOf(url_, s3_);
+  EXPECT_EQ(objects->List("leases/s0/").value().size(), 1u);  // one per host and checkpoint
+  auto second = std::move(b->OpenCheckpoint("s0")).value();
+  EXPECT_EQ(objects->List("leases/s0/").value().size(), 1u);
+  second.reset();
+  EXPECT_EQ(objects->List("leases/s0/").value().size(), 1u);  // the first reader still holds it
+
+  ASSERT_OK(a->RemoveCheckpoints({"x", "s0"}));
+  GcOptions o;
+  o.rewrite_below = 0.99;
+  auto r = a->CollectGarbage(o);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->retired_kept, 1u);
+  EXPECT_EQ(r->retired_collected, 1u);  // x: nobody reads it
+  EXPECT_GT(r->packs_rewritten, 0u);
+  EXPECT_TRUE(a->OpenCheckpoint("s0").status().IsNotFound());
+  // b's catalog still names the old packs: the reader finds the moved chunks.
+  std::vector<std::byte> out(old_w.size());
+  ASSERT_OK(reader->ReadBytes(*reader->GetTensor("w").value(), 0, out));
+  EXPECT_EQ(out, old_w);
+  ASSERT_OK(b->Refresh());  // as a mount polls: the name is gone on b too
+  EXPECT_TRUE(b->OpenCheckpoint("s0").status().IsNotFound());
+  std::fill(out.begin(), out.end(), std::byte{0});
+  ASSERT_OK(reader->ReadBytes(*reader->GetTensor("w").value(), 0, out));
+  EXPECT_EQ(out, old_w);
+
+  // The first gc after the reader went reclaims the space.
+  reader.reset();
+  EXPECT_TRUE(objects->List("leases/").value().empty());
+  const uint64_t before = a->DiskUsage({}).value().pack_bytes;
+  r = a->CollectGarbage(o);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->retired_collected, 1u);
+  EXPECT_TRUE(objects->List("retired/").value().empty());
+  auto u = a->DiskUsage({});
+  ASSERT_OK(u);
+  EXPECT_EQ(u->retired_bytes, 0u);
+  EXPECT_GE(before - u->pack_bytes, old_w.size() / 2);  // random floats: stored about raw
+  auto fresh = std::move(b->OpenCheckpoint("s1")).value();
+  ASSERT_OK(fresh->ReadBytes(*fresh->GetTensor("w").value(), 0, out));
+  EXPECT_EQ(out, new_w);
+}
+
+TEST_F(S3Repository, ALeaseNotRefreshedForTheStaleTimeIsIgnoredAndDeleted) {
+  const uint64_t rows = 16, cols = 1024;
+  auto w = RandomBytes(rows * cols * 4, 9);
+  auto a = Host("a");
+  ASSERT_TRUE(a);
+  ASSERT_OK(SaveRows(*a, "s0", 0, 1, w, rows, cols));
+  ASSERT_OK(SaveRows(*a, "s1", 0, 1, RandomBytes(rows * cols * 4, 10), rows, cols));
+  auto objects = ObjectsOf(url_, s3_);
+  // A host that crashed an hour ago while reading s0, and one reading now.
+  auto lease = [](uint64_t at) {
+    return "{\"host\":\"gone\",\"pid\":1,\"refreshed_unix_ms\":" + std::to_string(at) + "}";
+  };
+  const uint64_t now = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                 std::chrono::system_clock::now().time_since_epoch())
+                                                 .count());
+  const std::string crashed = lease(now - 3600 * 1000), alive = lease(now);
+  ASSERT_OK(objects->Put("leases/s0/0123456789abcdef", std::as_bytes(std::span(crashed))));
+  ASSERT_OK(objects->Put("leases/s1/fedcba9876543210", std::as_bytes(std::span(alive))));
+  ASSERT_OK(a->RemoveCheckpoints({"s0", "s1"}));
+  auto r = a->CollectGarbage({});
+  ASSERT_OK(r);
+  EXPECT_EQ(r->retired_collected, 1u);  // s0
+  EXPECT_EQ(r->retired_kept, 1u);       // s1
+  EXPECT_EQ(objects->List("leases/").value(), (std::vector<std::string>{"leases/s1/fedcba9876543210"}));
+  EXPECT_EQ(objects->List("retired/").value().size(), 1u);
 }
 
 TEST_F(S3Repository, TransientFaultsMidSaveAreRetriedToSuccess) {

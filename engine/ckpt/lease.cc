@@ -1,0 +1,237 @@
+#include "ckpt/lease.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <vector>
+
+#include "ckpt/repository.h"
+#include "core/json.h"
+#include "core/random.h"
+
+namespace ckptfs {
+
+namespace keys {
+std::string RetiredCheckpoint(const std::string& name, uint64_t token) { return name + "/" + std::to_string(token); }
+bool IsRetiredCheckpoint(std::string_view catalog_name) { return catalog_name.find('/') != std::string_view::npos; }
+std::string BaseName(std::string_view catalog_name) { return std::string(catalog_name.substr(0, catalog_name.find('/'))); }
+std::string RetiredObject(const std::string& catalog_name) {
+  return std::string(kRetiredPrefix) + catalog_name + ".manifest";
+}
+bool ParseRetiredObject(const std::string& key, std::string* catalog_name) {
+  const std::string prefix = kRetiredPrefix, suffix = ".manifest";
+  if (key.size() <= prefix.size() + suffix.size() || !key.starts_with(prefix) || !key.ends_with(suffix)) return false;
+  std::string rest = key.substr(prefix.size(), key.size() - prefix.size() - suffix.size());
+  const size_t slash = rest.find('/');
+  if (slash == std::string::npos || !ValidateCheckpointName(rest.substr(0, slash)).ok()) return false;
+  const std::string token = rest.substr(slash + 1);
+  if (token.empty() || token.size() > 20 || token.find_first_not_of("0123456789") != std::string::npos) return false;
+  *catalog_name = std::move(rest);
+  return true;
+}
+std::string LeaseObject(const std::string& name, const std::string& host) {
+  return std::string(kLeasePrefix) + name + "/" + host;
+}
+bool ParseLeaseObject(const std::string& key, std::string* name, std::string* host) {
+  if (!key.starts_with(kLeasePrefix)) return false;
+  const std::string rest = key.substr(std::string(kLeasePrefix).size());
+  const size_t slash = rest.find('/');
+  if (slash == std::string::npos || !ValidateCheckpointName(rest.substr(0, slash)).ok()) return false;
+  *name = rest.substr(0, slash);
+  *host = rest.substr(slash + 1);
+  return !host->empty() && host->find('/') == std::string::npos;
+}
+}  // namespace keys
+
+namespace {
+
+uint64_t Now(const ObjectLockOptions& o) {
+  if (o.now_unix_ms) return o.now_unix_ms();
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count());
+}
+
+Result<int> OpenLeaseFile(const std::string& state_dir, const std::string& name) {
+  const std::string dir = state_dir + "/leases";
+  if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) return Status::FromErrno(errno, "creating " + dir);
+  const std::string path = dir + "/" + name;
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0) return Status::FromErrno(errno, "opening " + path);
+  return fd;
+}
+
+// Takes `op` on fd, retrying on EINTR: 0, or the errno.
+int Flock(int fd, int op) {
+  while (::flock(fd, op) != 0) {
+    if (errno != EINTR) return errno;
+  }
+  return 0;
+}
+
+// This host's id in the store's lease names: made once per state directory
+// (each host has its own), so two hosts of one name never share a lease.
+Result<std::string> HostId(const std::string& state_dir) {
+  const std::string path = state_dir + "/host-id";
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd >= 0) {
+      char buf[64] = {};
+      const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+      ::close(fd);
+      std::string id(buf, n > 0 ? static_cast<size_t>(n) : 0);
+      if (id.size() == 16 && id.find_first_not_of("0123456789abcdef") == std::string::npos) return id;
+      return Status::Corruption(path + " does not hold a host id (16 hex digits); delete it");
+    }
+    if (errno != ENOENT) return Status::FromErrno(errno, "opening " + path);
+    const std::string id = RandomHex(16), tmp = path + ".tmp" + RandomHex(8);
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0) return Status::FromErrno(errno, "creating " + tmp);
+    const bool written = ::write(fd, id.data(), id.size()) == static_cast<ssize_t>(id.size()) && ::fsync(fd) == 0;
+    ::close(fd);
+    // link() fails when another process made the id first: then read theirs.
+    const int linked = written ? ::link(tmp.c_str(), path.c_str()) : -1;
+    ::unlink(tmp.c_str());
+    if (!written) return Status::IOError("writing " + tmp);
+    if (linked == 0) return id;
+    if (errno != EEXIST) return Status::FromErrno(errno, "creating " + path);
+  }
+  return Status::Internal("could not read or create " + path);
+}
+
+}  // namespace
+
+LeaseRegistry::LeaseRegistry(std::string state_dir, Backend* backend, ObjectLockOptions options)
+    : state_dir_(std::move(state_dir)), backend_(backend), options_(std::move(options)) {}
+
+LeaseRegistry::~LeaseRegistry() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (refresher_.joinable()) refresher_.join();
+  for (auto& [name, h] : held_) ::close(h.fd);
+}
+
+Status LeaseRegistry::PutObject(const std::string& name) {
+  Json j = Json::MakeObject();
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) std::snprintf(host, sizeof host, "unknown host");
+  j.Set("host", std::string(host));
+  j.Set("pid", static_cast<uint64_t>(::getpid()));
+  j.Set("refreshed_unix_ms", Now(options_));
+  const std::string body = j.Dump();
+  return backend_->Put(keys::LeaseObject(name, host_), std::as_bytes(std::span(body)));
+}
+
+Status LeaseRegistry::Acquire(const std::string& name, bool* first) {
+  if (first) *first = false;
+  std::unique_lock lock(mu_);
+  auto it = held_.find(name);
+  if (it != held_.end()) {
+    ++it->second.count;
+    return Status::OK();
+  }
+  if (backend_ && host_.empty()) {
+    CKPT_ASSIGN_OR_RETURN(host_, HostId(state_dir_));
+  }
+  CKPT_ASSIGN_OR_RETURN(int fd, OpenLeaseFile(state_dir_, name));
+  // Waits while gc collects a removed checkpoint of this name.
+  if (int err = Flock(fd, LOCK_SH); err != 0) {
+    ::close(fd);
+    return Status::FromErrno(err, "taking the read lease of checkpoint '" + name + "'");
+  }
+  if (backend_) {
+    if (Status st = PutObject(name); !st.ok()) {
+      ::close(fd);
+      return st.WithContext("writing the read lease of checkpoint '" + name + "'");
+    }
+    if (!refresher_.joinable()) refresher_ = std::thread([this] { RefreshLoop(); });
+  }
+  held_[name] = Held{fd, 1};
+  if (first) *first = true;
+  return Status::OK();
+}
+
+void LeaseRegistry::Release(const std::string& name) {
+  std::lock_guard lock(mu_);
+  auto it = held_.find(name);
+  if (it == held_.end() || --it->second.count > 0) return;
+  const int fd = it->second.fd;
+  held_.erase(it);
+  // The host's object goes with the host's last holder: taking the file
+  // exclusively, without waiting, tells that no other process holds it
+  // (one that comes meanwhile waits, then writes the object again).
+  if (backend_ && Flock(fd, LOCK_EX | LOCK_NB) == 0) (void)backend_->Delete(keys::LeaseObject(name, host_));
+  ::close(fd);
+}
+
+void LeaseRegistry::RefreshLoop() {
+  const auto interval = std::max<std::chrono::milliseconds>(
+      std::chrono::milliseconds(10), std::min<std::chrono::milliseconds>(std::chrono::minutes(10), options_.stale_after / 3));
+  std::unique_lock lock(mu_);
+  while (!stop_) {
+    cv_.wait_for(lock, interval, [&] { return stop_; });
+    if (stop_) return;
+    std::vector<std::string> names;
+    for (const auto& [name, h] : held_) names.push_back(name);
+    lock.unlock();
+    // A failed refresh is tried again at the next interval; two in a row
+    // fail before the lease could be taken for stale.
+    for (const auto& name : names) (void)PutObject(name);
+    lock.lock();
+  }
+}
+
+LocalLeaseScan::~LocalLeaseScan() {
+  for (int fd : fds_) ::close(fd);
+}
+
+Result<bool> LocalLeaseScan::Leased(const std::string& name) {
+  CKPT_ASSIGN_OR_RETURN(int fd, OpenLeaseFile(state_dir_, name));
+  const int err = Flock(fd, LOCK_EX | LOCK_NB);
+  if (err == 0) {
+    fds_.push_back(fd);
+    return false;
+  }
+  ::close(fd);
+  if (err == EWOULDBLOCK) return true;
+  return Status::FromErrno(err, "checking the read leases of checkpoint '" + name + "'");
+}
+
+Result<std::set<std::string>> ListStoreLeases(Backend& backend, const ObjectLockOptions& options) {
+  CKPT_ASSIGN_OR_RETURN(auto listed, backend.List(keys::kLeasePrefix));
+  std::set<std::string> names;
+  const uint64_t now = Now(options);
+  const auto stale_ms = static_cast<uint64_t>(options.stale_after.count());
+  for (const auto& key : listed) {
+    std::string name, host;
+    if (!keys::ParseLeaseObject(key, &name, &host)) continue;
+    auto body = backend.ReadAll(key, kMaxSmallObject);
+    if (!body.ok()) {
+      if (body.status().IsNotFound()) continue;  // released meanwhile
+      names.insert(name);
+      continue;
+    }
+    auto j = Json::Parse(*body, 64);
+    const Json* refreshed = j.ok() ? j->Find("refreshed_unix_ms") : nullptr;
+    if (!refreshed || !refreshed->is_uint()) {
+      names.insert(name);
+      continue;
+    }
+    const uint64_t at = refreshed->as_uint();
+    if (now > at && now - at > stale_ms) {
+      (void)backend.Delete(key);  // a crashed host's
+      continue;
+    }
+    names.insert(name);
+  }
+  return names;
+}
+
+}  // namespace ckptfs
