@@ -137,6 +137,10 @@ struct OpenFile {
   std::shared_ptr<CheckpointView> view;  // keeps `file` alive
   const CheckpointFile& file;
   FileReadahead readahead;
+  // While any file of a checkpoint is open (or mapped: the kernel releases
+  // a file only at its last munmap), removing the checkpoint leaves its
+  // bytes for this mount (docs/DESIGN.md "Removal and read leases").
+  CheckpointLease lease;
 };
 
 // The one place a file handle becomes an OpenFile.
@@ -302,7 +306,13 @@ class Filesystem {
     }
     if (node->kind == Kind::kLatest) return (void)fuse_reply_err(req, ELOOP);
     const CheckpointFile& file = node->view->files->files()[node->file];
+    auto lease = repo_->LeaseCheckpoint(node->view->files->reader());
+    if (!lease.ok()) {
+      if (lease.status().IsNotFound()) return (void)fuse_reply_err(req, ENOENT);  // removed and collected
+      return ReplyError(req, lease.status());
+    }
     auto* f = new OpenFile(node->view, file, options_.prefetch_chunks * repo_->config().chunk_size);
+    f->lease = std::move(lease).value();
     f->readahead.OnOpen();
     fi->fh = reinterpret_cast<uint64_t>(f);
     fi->keep_cache = 1;  // immutable content: keep the page cache across opens
@@ -495,7 +505,8 @@ class Filesystem {
       auto it = views_.find(name);
       if (it != views_.end() && it->second->sequence == record.sequence) return it->second;
     }
-    auto reader = repo_->OpenCheckpoint(name);
+    // Views hold no lease: open files do.
+    auto reader = repo_->OpenCheckpoint(name, ReadOptions{.lease = false});
     if (!reader.ok()) {
       DropView(name);
       return reader.status();

@@ -156,6 +156,8 @@ Json DescribeGcReport(const GcReport& r, bool dry_run) {
   j.Set("bytes_after", r.bytes_after);
   j.Set("bytes_reclaimed", r.bytes_reclaimed());
   j.Set("live_bytes", r.live_bytes);
+  j.Set("removed_collected", r.retired_collected);
+  j.Set("removed_kept_for_readers", r.retired_kept);
   return j;
 }
 

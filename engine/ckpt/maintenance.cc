@@ -169,8 +169,13 @@ Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
       CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kCheckpoints, keys::Checkpoint(n)));
       if (!v) return Status::NotFound("no checkpoint named '" + n + "'; nothing was removed");
       CKPT_ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*v));
-      if (rec.state == CheckpointState::kCommitted) {
-        CKPT_ASSIGN_OR_RETURN(committed[n], LoadManifest(txn, n));
+      if (rec.state != CheckpointState::kCommitted) continue;
+      // One whose records are damaged cannot be read anyway: it is deleted.
+      auto m = LoadManifest(txn, n);
+      if (m.ok()) {
+        committed[n] = std::move(m).value();
+      } else if (!m.status().IsCorruption()) {
+        return m.status();
       }
     }
     return Status::OK();

@@ -1,6 +1,7 @@
 """Integration tests of `ckpt mount`: a real FUSE mount of a real repository,
 read with NumPy, an independent safetensors parser and plain file I/O."""
 import errno
+import io
 import json
 import os
 import pathlib
@@ -348,6 +349,39 @@ class MountLiveAndFailures(Mounted):
         wait_for(lambda: "two" not in os.listdir(self.mnt), what="removed checkpoint to disappear")
         wait_for(lambda: not os.path.exists(os.path.join(self.mnt, "two")), what="removed checkpoint lookup to fail")
         wait_for(lambda: os.readlink(os.path.join(self.mnt, "latest")) == "one", what="latest to move back")
+
+    def test_an_mmap_and_an_open_file_outlive_rm_and_gc_whose_space_the_next_gc_reclaims(self):
+        v = self.rng.integers(0, 1 << 31, size=(512, 512), dtype=np.int32)  # 1 MiB, 16 chunks
+        st.write(os.path.join(self.tmp, "v.safetensors"), [("t", "I32", v)])
+        ckpt(self.repo, "import", "victim", os.path.join(self.tmp, "v.safetensors"), "--step", "0")
+        path = os.path.join(self.mnt, "victim", "t.npy")
+        wait_for(lambda: os.path.exists(path), what="victim to appear")
+        arr = np.load(path, mmap_mode="r")  # maps the file; its descriptor is closed
+        f = open(path, "rb")
+        ckpt(self.repo, "rm", "victim")
+        wait_for(lambda: "victim" not in os.listdir(self.mnt), what="victim to disappear")
+        report = json.loads(ckpt(self.repo, "gc", "--json").stdout)
+        self.assertEqual(report["removed_kept_for_readers"], 1)
+        du = json.loads(ckpt(self.repo, "du", "--json").stdout)["total"]
+        self.assertGreaterEqual(du["removed_bytes"], v.nbytes)
+        # Nothing the kernel cached answers: every page comes from the daemon.
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        self.assertTrue(np.array_equal(arr, v))  # page faults through the mapping: no SIGBUS
+        f.seek(0)
+        self.assertTrue(np.array_equal(np.load(io.BytesIO(f.read())), v))  # and through the open file
+        f.close()
+        del arr
+        # The kernel releases the file once it is unmapped and closed; the
+        # first gc after that reclaims the space.
+        reclaimed = {}
+
+        def collected():
+            reclaimed.update(json.loads(ckpt(self.repo, "gc", "--json").stdout))
+            return reclaimed["removed_collected"] == 1
+
+        wait_for(collected, what="gc to reclaim the released checkpoint")
+        self.assertGreaterEqual(reclaimed["bytes_reclaimed"], v.nbytes)
+        self.assertEqual(json.loads(ckpt(self.repo, "du", "--json").stdout)["total"]["removed_bytes"], 0)
 
     def test_corrupt_chunk_gives_eio_and_listing_reads_no_data(self):
         c = self.rng.integers(0, 1 << 31, size=(256, 256), dtype=np.int32)

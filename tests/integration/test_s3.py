@@ -295,6 +295,43 @@ class MultiHost(S3Case):
             subprocess.run(["fusermount3", "-u", mnt])
 
     @unittest.skipUnless(HAVE_FUSE, "no /dev/fuse or fusermount3: FUSE tests need them")
+    def test_an_mmap_through_a_mount_outlives_rm_and_gc_on_another_host(self):
+        a = self.host("a")
+        reader = Host(self.tmp, "mounting", namespace=False)  # its mount must be visible here
+        a.run("-r", self.repo, "init", "--chunk-size", "64K")
+        v = self.rng.integers(0, 1 << 31, size=(512, 512), dtype=np.int32)  # 1 MiB: stored raw
+        st.write(self.path("v.safetensors"), [("t", "I32", v)])
+        a.run("-r", self.repo, "import", "victim", self.path("v.safetensors"))
+        st.write(self.path("k.safetensors"), [("t", "F32", np.arange(10, dtype=np.float32))])
+        a.run("-r", self.repo, "import", "kept", self.path("k.safetensors"))
+        mnt = self.path("mnt")
+        os.makedirs(mnt)
+        reader.run("-r", self.repo, "mount", "--poll", "1", mnt)
+        try:
+            arr = np.load(os.path.join(mnt, "victim", "t.npy"), mmap_mode="r")
+            a.run("-r", self.repo, "rm", "victim")
+            report = json.loads(a.run("-r", self.repo, "gc", "--json").stdout)
+            self.assertEqual(report["removed_kept_for_readers"], 1)
+            deadline = time.monotonic() + 10
+            while "victim" in os.listdir(mnt) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            self.assertNotIn("victim", os.listdir(mnt))
+            self.assertEqual(sha(arr), sha(v))  # every page through the mapping, after the name went
+            del arr
+            deadline = time.monotonic() + 20
+            while True:
+                report = json.loads(a.run("-r", self.repo, "gc", "--json").stdout)
+                if report["removed_collected"] == 1 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            self.assertEqual(report["removed_collected"], 1)
+            self.assertGreaterEqual(report["bytes_reclaimed"], v.nbytes)
+            with open(os.path.join(mnt, "kept", "t.npy"), "rb") as f:
+                self.assertEqual(np.load(f).tolist(), list(range(10)))
+        finally:
+            subprocess.run(["fusermount3", "-u", mnt])
+
+    @unittest.skipUnless(HAVE_FUSE, "no /dev/fuse or fusermount3: FUSE tests need them")
     def test_a_mount_daemon_keeps_a_cache_directory_given_relative_to_the_callers(self):
         # The daemon works in "/": a relative --cache-dir must still name the
         # directory under the caller's, not one under "/".

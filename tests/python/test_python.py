@@ -3,6 +3,7 @@ tests/python/requirements.txt, in the venv tools/dev.sh test makes): round
 trips, sharded saves by rank processes, async isolation, errors, interop
 with the CLI, memory, and the package as pip installs it."""
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -365,6 +366,28 @@ class Errors(PythonTestCase):
 
 
 class Maintenance(PythonTestCase):
+    def test_a_load_in_progress_survives_rm_and_gc_from_another_process(self):
+        gen = torch.Generator().manual_seed(6)
+        old = {k: random_tensor(gen, torch.float32, (64 << 10,)) for k in ("a", "b")}
+        self.r.save("old", old, step=1)
+        self.r.save("new", {"a": torch.zeros(4)}, step=2)
+        reports = []
+
+        def meanwhile(done, total):
+            if not reports:  # "a" is in; "b" is still to read
+                self.run_ckpt("rm", "old")
+                reports.append(json.loads(self.run_ckpt("gc", "--json").stdout))
+
+        targets = {k: torch.empty_like(v) for k, v in old.items()}
+        self.r.load("old", targets, progress=meanwhile)
+        self.assertEqual(reports[0]["removed_kept_for_readers"], 1)
+        for k in old:
+            self.assertTrue(torch.equal(targets[k].view(torch.uint8), old[k].view(torch.uint8)), k)
+        self.assertEqual([c["name"] for c in self.r.checkpoints()], ["new"])
+        after = json.loads(self.run_ckpt("gc", "--json").stdout)  # the load is over: its lease went
+        self.assertEqual(after["removed_collected"], 1)
+        self.assertGreaterEqual(after["bytes_reclaimed"], 2 * (256 << 10))
+
     def test_gc_keep_last_mirrors_the_cli(self):
         gen = torch.Generator().manual_seed(5)
         for step in range(4):

@@ -861,7 +861,9 @@ int CmdReindex(const Args& args) {
 
 const CommandSpec kRm{"rm", "NAME...", "Remove checkpoints (all or none); 'ckpt gc' reclaims their space.",
                       "Committed and pending checkpoints can be removed. If any NAME is unknown,\n"
-                      "nothing is removed.",
+                      "nothing is removed. The names go at once; like unlink(2), files open through\n"
+                      "a mount (and mmaps of them) and open readers keep reading, on every host, and\n"
+                      "the first gc after the last of them closed reclaims the space.",
                       {kRepoOpt}, 1, SIZE_MAX};
 
 int CmdRm(const Args& args) {
@@ -932,10 +934,11 @@ const CommandSpec kDu{"du", "[NAME...]", "Show the space checkpoints use, and wh
                       "the stored bytes only it references (what removing it alone would reclaim).",
                       {kRepoOpt, kJsonOpt}, 0, SIZE_MAX};
 
-// What gc would reclaim inside recorded packs: neither referenced by a
-// committed checkpoint nor by a pending rank.
+// What gc would reclaim inside recorded packs: referenced neither by a
+// committed checkpoint, nor by a pending rank, nor by a removed checkpoint
+// (which gc reclaims only once nobody reads it).
 uint64_t Reclaimable(const UsageReport& r) {
-  const uint64_t kept = r.referenced_bytes + r.pending_bytes;
+  const uint64_t kept = r.referenced_bytes + r.pending_bytes + r.retired_bytes;
   return r.pack_bytes > kept ? r.pack_bytes - kept : 0;
 }
 
@@ -964,6 +967,8 @@ int CmdDu(const Args& args) {
     t.Set("pack_bytes", r->pack_bytes);
     t.Set("pending_bytes", r->pending_bytes);
     t.Set("unreferenced_bytes", r->unreferenced_bytes);
+    t.Set("removed_bytes", r->retired_bytes);
+    t.Set("removed_checkpoints", r->retired_checkpoints);
     t.Set("garbage_bytes", Reclaimable(*r));
     if (!repo->remote()) {
       t.Set("unrecorded_packs", r->unrecorded_packs);
@@ -984,6 +989,10 @@ int CmdDu(const Args& args) {
               HumanBytes(r->logical_bytes).c_str(), HumanBytes(r->unique_raw_bytes).c_str(),
               HumanBytes(r->referenced_bytes).c_str(), HumanBytes(r->pack_bytes).c_str(),
               HumanBytes(r->pending_bytes).c_str(), HumanBytes(Reclaimable(*r)).c_str());
+  if (r->retired_checkpoints) {
+    std::printf("%llu removed checkpoints: %s only they use (gc reclaims it once no reader has them open)\n",
+                static_cast<unsigned long long>(r->retired_checkpoints), HumanBytes(r->retired_bytes).c_str());
+  }
   if (r->unrecorded_packs) {
     std::printf("%llu packs of interrupted saves: %s (gc deletes them)\n",
                 static_cast<unsigned long long>(r->unrecorded_packs), HumanBytes(r->unrecorded_pack_bytes).c_str());
@@ -1077,7 +1086,9 @@ const CommandSpec kGc{
     "committed checkpoint (or all of them, as --keep-last 0 would) is refused unless\n"
     "--allow-removing-newest is given; pending checkpoints are never removed. Packs\n"
     "left mostly dead (less than half live) are rewritten. gc waits for saves in\n"
-    "progress, and new saves wait for it.",
+    "progress, and new saves wait for it. A removed checkpoint that a reader still\n"
+    "has open (through a mount, on any host, or in a process) keeps its data until\n"
+    "the first gc after it is closed.",
     {kRepoOpt,
      {"keep-last", 0, true, false, "N", "keep the newest N checkpoints"},
      {"keep-every", 0, true, false, "K", "keep checkpoints whose step is a multiple of K"},
@@ -1128,6 +1139,11 @@ int CmdGc(const Args& args) {
               static_cast<unsigned long long>(r->dead_chunks), static_cast<unsigned long long>(r->packs_deleted),
               static_cast<unsigned long long>(r->packs_rewritten), static_cast<unsigned long long>(r->orphan_packs),
               HumanBytes(r->bytes_after).c_str(), o.dry_run ? "after it" : "now", HumanBytes(r->live_bytes).c_str());
+  if (r->retired_kept) {
+    std::printf("%llu removed checkpoints are still open for reading (a mount or a process): their space is\n"
+                "reclaimed by the first gc after they are closed\n",
+                static_cast<unsigned long long>(r->retired_kept));
+  }
   return kExitOk;
 }
 
