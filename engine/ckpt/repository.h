@@ -6,10 +6,12 @@
 //   catalog/           LMDB catalog
 //   objects/packs/     pack files
 //   objects/manifests/ one manifest object per committed checkpoint
+//   objects/retired/   removed checkpoints kept for their readers (lease.h)
+//   leases/            read leases (flock files)
 // A repository on S3 (s3://BUCKET/PREFIX) has the same ckptfs.json and
 // objects/ under PREFIX, plus objects/pending/ (ranks of checkpoints not yet
-// visible) and objects/locks/; each host keeps its own catalog in a cache
-// directory (OpenOptions::cache_dir).
+// visible), objects/locks/ and objects/leases/; each host keeps its own
+// catalog in a cache directory (OpenOptions::cache_dir).
 //
 // Thread safety: a Repository may be shared by threads. One Repository per
 // path per process (LMDB's rule); several processes may open the same path.
