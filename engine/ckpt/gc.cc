@@ -393,6 +393,9 @@ Status CollectRetired(RepositoryImpl& repo, RetiredPlan& plan) {
 
 Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const ProgressFn& progress) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
+  auto phase = [&](const std::string& what) {
+    if (options.on_phase) options.on_phase(what);
+  };
   GcReport report;
   CKPT_ASSIGN_OR_RETURN(report.removed, PlanRetention(options.retention));
   std::set<std::string> excluded;  // removed, or to be removed in a dry run
@@ -400,6 +403,7 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
     if (options.dry_run) {
       excluded.insert(report.removed.begin(), report.removed.end());
     } else {
+      phase("removing " + std::to_string(report.removed.size()) + " checkpoints");
       CKPT_RETURN_IF_ERROR(RemoveCheckpoints(report.removed));
     }
   }
@@ -409,14 +413,18 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
   // whole run holds the exclusive one (docs/DESIGN.md "Repositories on S3").
   std::unique_ptr<ObjectLock> store_lock;
   if (!options.dry_run) {
+    phase("waiting for any other gc of this host");
     CKPT_ASSIGN_OR_RETURN(RepoLock l, RepoLock::Acquire(impl_->state_dir, RepoLock::Mode::kExclusive, RepoLock::Name::kGcRun));
     run_lock.emplace(std::move(l));
     if (impl_->remote) {
       CKPT_RETURN_IF_ERROR(RemoveStaleObjectLocks(*backend, impl_->lock_options).status());
+      phase("waiting for saves and gc on other hosts (the store's exclusive lock)");
       CKPT_ASSIGN_OR_RETURN(store_lock, impl_->LockStore(ObjectLock::Mode::kExclusive));
     }
   }
+  if (impl_->remote) phase("reading every reference from the store");
   CKPT_RETURN_IF_ERROR(impl_->Sync(RepositoryImpl::SyncScope::kReferences).status());
+  phase("finding live chunks");
   // Removed checkpoints nobody reads now count as gone when choosing packs
   // to rewrite (step 2 decides again, under the lock).
   {
@@ -444,6 +452,7 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
     report.bytes_after += rewrite_bytes;  // estimate: the live bytes move to new packs
     return report;
   }
+  if (!rewrite.empty()) phase("rewriting " + std::to_string(rewrite.size()) + " mostly dead packs");
   PackWriter writer(backend, impl_->config.pack_size);
   std::unordered_map<ChunkId, std::pair<ChunkLocation, ChunkLocation>, ChunkIdHash> moved;  // old, new
   std::vector<std::byte> buf;
@@ -464,7 +473,9 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
   // 2. Under the exclusive lock no save is in flight: look again, since
   //    saves may have committed meanwhile (a chunk that was dead may be
   //    referenced again) and removals may have freed more.
+  phase("waiting for saves in progress");
   CKPT_ASSIGN_OR_RETURN(RepoLock lock, RepoLock::Acquire(impl_->state_dir, RepoLock::Mode::kExclusive));
+  phase("checking liveness again");
   //    Removed checkpoints nobody reads now go; those read stay live (and
   //    their chunks move with the rest).
   LocalLeaseScan lease_scan(impl_->state_dir);
@@ -518,6 +529,7 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
     Status st = backend->Delete(PackKey(id));
     return st.IsNotFound() ? Status::OK() : st;
   };
+  phase("deleting " + std::to_string(drop.size() + rewrite.size() + orphans.size()) + " packs");
   for (const auto& id : drop) CKPT_RETURN_IF_ERROR(remove(id));
   for (const auto& id : rewrite) CKPT_RETURN_IF_ERROR(remove(id));
   for (const auto& id : orphans) CKPT_RETURN_IF_ERROR(remove(id));

@@ -369,6 +369,9 @@ struct GcOptions {
   // A pack whose live bytes fall below this fraction of its size is
   // rewritten (live chunks copied to a new pack, then the old one deleted).
   double rewrite_below = 0.5;
+  // Called as each phase of the run starts, with a line saying what it
+  // does ("waiting for saves in progress", "deleting 12 packs").
+  std::function<void(const std::string&)> on_phase;
 };
 
 struct GcReport {

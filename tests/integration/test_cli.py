@@ -306,6 +306,13 @@ class ImportAndRead(CkptTestCase):
         self.assertIn("bytes_per_second", lines[-1])
         q = self.run_ckpt("verify", "--quiet")
         self.assertEqual(q.stderr, b"")
+        # gc says which phase it is in, as lines or as objects
+        q = self.run_ckpt("gc", "--progress")
+        self.assertIn(b"gc: waiting for saves in progress\n", q.stderr)
+        q = self.run_ckpt("--progress=json", "gc")
+        phases = [json.loads(line)["phase"] for line in q.stderr.decode().splitlines()]
+        self.assertEqual(phases[:2], ["waiting for any other gc of this host", "finding live chunks"])
+        self.assertEqual(self.run_ckpt("gc").stderr, b"")
 
     def test_blobs(self):
         st.write(self.path("m.safetensors"), [("x", "F32", rand(self.rng, "F32", (3,)))])

@@ -392,11 +392,20 @@ class Maintenance(PythonTestCase):
         gen = torch.Generator().manual_seed(5)
         for step in range(4):
             self.r.save(f"step-{step}", {"w": random_tensor(gen, torch.float32, (64 << 10,))}, step=step)
-        dry = self.r.gc(keep_last=2, dry_run=True)
+        phases, done = [], []
+        dry = self.r.gc(keep_last=2, dry_run=True, on_phase=phases.append)
+        self.assertEqual(phases, ["finding live chunks"])
         self.assertEqual(dry["removed"], ["step-0", "step-1"])
         self.assertEqual(len(self.r.checkpoints()), 4)
-        report = self.r.gc(keep_last=2)
+        report = self.r.gc(keep_last=2, on_phase=phases.append, progress=lambda d, t: done.append((d, t)),
+                           rewrite_below=0.99)
         self.assertEqual(report["removed"], ["step-0", "step-1"])
+        self.assertEqual(phases[1:4], ["removing 2 checkpoints", "waiting for any other gc of this host",
+                                       "finding live chunks"])
+        self.assertIn("waiting for saves in progress", phases)
+        self.assertTrue(phases[-1].startswith("deleting "), phases)
+        with self.assertRaises(ZeroDivisionError):  # a callback's exception comes out of gc
+            self.r.gc(on_phase=lambda line: 1 / 0)
         self.assertGreater(report["bytes_reclaimed"], 0)
         self.assertEqual([c["name"] for c in self.r.checkpoints()], ["step-2", "step-3"])
         self.r.rm("step-2")

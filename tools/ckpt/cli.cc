@@ -169,6 +169,21 @@ int64_t NowMs() {
 
 void SetProgressMode(ProgressMode mode) { g_progress_mode = mode; }
 
+void Phase(const std::string& operation, const std::string& what) {
+  ProgressMode mode = g_progress_mode;
+  if (mode == ProgressMode::kAuto) mode = ::isatty(STDERR_FILENO) == 1 ? ProgressMode::kOn : ProgressMode::kOff;
+  if (mode == ProgressMode::kOff) return;
+  if (mode == ProgressMode::kJson) {
+    std::fprintf(stderr, "{\"operation\": %s, \"phase\": %s, \"unix_ms\": %lld}\n", Json(operation).Dump().c_str(),
+                 Json(what).Dump().c_str(),
+                 static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                            std::chrono::system_clock::now().time_since_epoch())
+                                            .count()));
+    return;
+  }
+  std::fprintf(stderr, "%s: %s\n", operation.c_str(), what.c_str());
+}
+
 Progress::Progress(std::string label)
     : label_(std::move(label)), terminal_(::isatty(STDERR_FILENO) == 1), start_ms_(NowMs()) {
   mode_ = g_progress_mode;

@@ -75,6 +75,11 @@ std::string HumanBytes(uint64_t bytes);
 enum class ProgressMode { kAuto, kOn, kJson, kOff };
 void SetProgressMode(ProgressMode mode);
 
+// A phase of a long operation starting ("gc: waiting for saves in
+// progress"): a line on stderr when progress is shown (a terminal, or
+// --progress), a JSON line with --progress=json, nothing otherwise.
+void Phase(const std::string& operation, const std::string& what);
+
 // Progress of one operation or phase: done and total bytes, the rate so
 // far and the time left at that rate.
 class Progress {

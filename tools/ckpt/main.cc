@@ -1126,6 +1126,10 @@ int CmdGc(const Args& args) {
     for (const auto& n : *plan) std::printf("%s %s\n", o.dry_run ? "would remove" : "removing", n.c_str());
   }
   Progress progress("rewriting packs");
+  o.on_phase = [&](const std::string& what) {
+    progress.Finish();  // a phase line never lands inside a progress line
+    Phase("gc", what);
+  };
   auto r = repo->CollectGarbage(o, [&](uint64_t d, uint64_t t) { progress.Update(d, t); });
   progress.Finish();
   if (!r.ok()) return Fail(r.status());

@@ -477,7 +477,8 @@ class PyRepository {
 
   py::object gc(std::optional<uint64_t> keep_last, std::optional<uint64_t> keep_every,
                 std::optional<std::string> keep_within, const std::vector<std::string>& keep,
-                bool allow_removing_newest, bool dry_run, double rewrite_below) {
+                bool allow_removing_newest, bool dry_run, double rewrite_below, py::object on_phase,
+                py::object progress) {
     if (keep_every && *keep_every == 0) throw StatusError{Status::InvalidArgument("keep_every must be at least 1")};
     GcOptions o;
     o.retention.keep_last = keep_last;
@@ -487,11 +488,38 @@ class PyRepository {
     o.retention.allow_removing_newest = allow_removing_newest;
     o.dry_run = dry_run;
     o.rewrite_below = rewrite_below;
+    // The callbacks run on this thread, between gc's steps: the GIL is taken
+    // back for them. A callback's exception is kept and raised after gc.
+    std::optional<py::error_already_set> failed;
+    if (!on_phase.is_none()) {
+      o.on_phase = [&](const std::string& what) {
+        py::gil_scoped_acquire gil;
+        if (failed) return;
+        try {
+          on_phase(what);
+        } catch (py::error_already_set& e) {
+          failed.emplace(std::move(e));
+        }
+      };
+    }
+    ProgressFn bytes;
+    if (!progress.is_none()) {
+      bytes = [&](uint64_t done, uint64_t total) {
+        py::gil_scoped_acquire gil;
+        if (failed) return;
+        try {
+          progress(done, total);
+        } catch (py::error_already_set& e) {
+          failed.emplace(std::move(e));
+        }
+      };
+    }
     GcReport r;
     {
       py::gil_scoped_release nogil;
-      r = Value(repo_->CollectGarbage(o));
+      r = Value(repo_->CollectGarbage(o, bytes));
     }
+    if (failed) throw std::move(*failed);
     return JsonToPython(DescribeGcReport(r, dry_run));
   }
 
@@ -615,7 +643,7 @@ PYBIND11_MODULE(_core, m) {
       .def("stats", &PyRepository::stats, py::arg("name"), py::arg("tensors"))
       .def("gc", &PyRepository::gc, py::arg("keep_last"), py::arg("keep_every"), py::arg("keep_within"),
            py::arg("keep"), py::arg("allow_removing_newest"), py::arg("dry_run"),
-           py::arg("rewrite_below"))
+           py::arg("rewrite_below"), py::arg("on_phase"), py::arg("progress"))
       .def("verify", &PyRepository::verify, py::arg("name"))
       .def("buffer_stats", &PyRepository::buffer_stats);
 }

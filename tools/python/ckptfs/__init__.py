@@ -594,7 +594,8 @@ class Repository:
     def gc(self, *, keep_last: Optional[int] = None, keep_every: Optional[int] = None,
            keep_within: Union[str, int, float, None] = None, keep: Sequence[str] = (),
            allow_removing_newest: bool = False, dry_run: bool = False,
-           rewrite_below: float = 0.5) -> Dict[str, Any]:
+           rewrite_below: float = 0.5, on_phase: Optional[Callable[[str], None]] = None,
+           progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
         """Applies a retention policy (keep the newest `keep_last`, steps that
         are multiples of `keep_every`, those committed within `keep_within`
         of the newest — a duration such as "36h" or "1w2d", or seconds — and
@@ -602,7 +603,11 @@ class Repository:
         the space no checkpoint uses. A policy that would remove the newest
         committed checkpoint, or every one, raises ckptfs.Error
         and removes nothing unless `allow_removing_newest` is true.
-        Returns the fields of `ckpt gc --json`."""
+        `on_phase(line)` is called as each phase starts ("waiting for saves
+        in progress", "deleting 12 packs"), `progress(done_bytes,
+        total_bytes)` while packs are rewritten; both run between gc's steps
+        and must not use the repository. Returns the fields of
+        `ckpt gc --json`."""
         if isinstance(keep, str):
             keep = [keep]
         if keep_within is not None and not isinstance(keep_within, str):
@@ -610,7 +615,7 @@ class Repository:
                 raise InvalidArgumentError(f"keep_within: {keep_within!r} is not a duration")
             keep_within = f"{int(keep_within)}s"
         return self._repo.gc(keep_last, keep_every, keep_within, list(keep), bool(allow_removing_newest),
-                             bool(dry_run), float(rewrite_below))
+                             bool(dry_run), float(rewrite_below), on_phase, progress)
 
     def stats(self, name: str, tensors: Sequence[str] = ()) -> List[Dict[str, Any]]:
         """Statistics of the tensors `tensors` of checkpoint `name` (every
