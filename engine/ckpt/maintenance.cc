@@ -282,11 +282,7 @@ Result<ReindexReport> Repository::Reindex(const std::string& path, const Progres
   for (const auto& key : retired_keys) {
     std::string catalog_name;
     if (!keys::ParseRetiredObject(key, &catalog_name)) continue;
-    auto data = backend->ReadAll(key);
-    auto m = data.ok() ? DecodeManifest(*data) : Result<Manifest>(data.status());
-    if (m.ok() && m->checkpoint.name != keys::BaseName(catalog_name)) {
-      m = Status::Corruption("it names checkpoint '" + m->checkpoint.name + "'");
-    }
+    auto m = ReadManifestObject(*backend, key, keys::BaseName(catalog_name));
     if (!m.ok()) {
       report.problems.push_back("skipped removed checkpoint " + key + ": " + m.status().message());
       continue;

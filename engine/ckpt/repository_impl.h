@@ -199,6 +199,10 @@ std::string EncodePendingRank(const CheckpointRecord& header, const RankRecord& 
 // NotFound when the object is missing; Corruption naming the key.
 Result<PendingRank> ReadPendingRank(Backend& backend, const std::string& name, uint32_t rank);
 
+// A manifest object (manifests/ or retired/) that must describe checkpoint
+// `name`: NotFound when missing, Corruption when damaged or naming another.
+Result<Manifest> ReadManifestObject(Backend& backend, const std::string& key, const std::string& name);
+
 // Reindex of a repository on S3: drops this host's catalog and syncs anew.
 Result<ReindexReport> ReindexRemote(const std::string& url, const OpenOptions& options);
 uint64_t NowUnixMs();

@@ -93,6 +93,13 @@ std::vector<Result<T>> FetchAll(size_t n, const std::function<Result<T>(size_t)>
 
 }  // namespace
 
+Result<Manifest> ReadManifestObject(Backend& backend, const std::string& key, const std::string& name) {
+  CKPT_ASSIGN_OR_RETURN(std::string data, backend.ReadAll(key));
+  CKPT_ASSIGN_OR_RETURN(Manifest m, DecodeManifest(data));
+  if (m.checkpoint.name != name) return Status::Corruption("it names checkpoint '" + m.checkpoint.name + "'");
+  return m;
+}
+
 Result<PendingRank> ReadPendingRank(Backend& backend, const std::string& name, uint32_t rank) {
   const std::string key = keys::PendingRankObject(name, rank);
   CKPT_ASSIGN_OR_RETURN(std::string data, backend.ReadAll(key));
@@ -164,10 +171,7 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
                                                        : std::vector<std::string>{};
   const std::vector<std::string> added = Missing(listed_committed, known.committed);
   auto manifests = FetchAll<Manifest>(added.size(), [&](size_t i) -> Result<Manifest> {
-    CKPT_ASSIGN_OR_RETURN(std::string data, backend->ReadAll(keys::ManifestObject(added[i])));
-    CKPT_ASSIGN_OR_RETURN(Manifest m, DecodeManifest(data));
-    if (m.checkpoint.name != added[i]) return Status::Corruption("it names checkpoint '" + m.checkpoint.name + "'");
-    return m;
+    return ReadManifestObject(*backend, keys::ManifestObject(added[i]), added[i]);
   });
   objects_read += added.size();
 
@@ -182,11 +186,7 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
   const std::vector<std::string> retired_new = Missing(listed_retired, known.retired);
   auto retired_manifests = FetchAll<Manifest>(retired_new.size(), [&](size_t i) -> Result<Manifest> {
     const std::string key = keys::RetiredObject(retired_new[i]);
-    CKPT_ASSIGN_OR_RETURN(std::string data, backend->ReadAll(key));
-    auto m = DecodeManifest(data);
-    if (m.ok() && m->checkpoint.name != keys::BaseName(retired_new[i])) {
-      m = Status::Corruption("it names checkpoint '" + m->checkpoint.name + "'");
-    }
+    auto m = ReadManifestObject(*backend, key, keys::BaseName(retired_new[i]));
     if (!m.ok()) return m.status().WithContext("removed checkpoint " + key);
     return m;
   });

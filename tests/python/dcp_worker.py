@@ -11,7 +11,6 @@ test_dcp (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment):
 
 Prints "ok" when its checks pass; FULL() is the state every run agrees on.
 """
-import os
 import sys
 
 import torch
@@ -22,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from ckptfs.torch import StorageReader, StorageWriter
+from worker_exit import leave
 
 
 def full():
@@ -85,18 +85,6 @@ def check(sd):
         assert got.dtype == tensor.dtype and same(got, tensor), name
     assert sd["step"] == 1234, sd["step"]
     assert sd["extra"] == {"lr": 3e-4, "names": ["a", "b"]}, sd["extra"]
-
-
-def leave():
-    """Ends this rank: its process group, then the process itself without
-    C++ static destructors. At exit, torch's gloo sometimes aborts there
-    ("terminate called without an active exception"; about 1 run in 20 on
-    2 busy cores, with DCP's own FileSystemReader and no ckptfs loaded too),
-    which would fail a rank whose work passed every check."""
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def main():

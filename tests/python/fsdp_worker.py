@@ -22,7 +22,6 @@ the 2 steps.
 """
 import hashlib
 import json
-import os
 import sys
 
 import torch
@@ -41,6 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from ckptfs.torch import StorageReader, StorageWriter
+from worker_exit import leave
 
 VOCAB, DIM, LAYERS = 97, 32, 2
 
@@ -134,18 +134,6 @@ def save_hugging_face_model(repo):
     config = model.config.to_json_string().encode()
     dcp.save(get_model_state_dict(model),
              storage_writer=StorageWriter(repo, "fsdp-hf", blobs={"config.json": config}))
-
-
-def leave():
-    """Ends this rank: its process group, then the process itself without
-    C++ static destructors. At exit, torch's gloo sometimes aborts there
-    ("terminate called without an active exception"; about 1 run in 20 on
-    2 busy cores, with DCP's own FileSystemReader and no ckptfs loaded too),
-    which would fail a rank whose work passed every check."""
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def main():
