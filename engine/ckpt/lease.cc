@@ -115,7 +115,10 @@ LeaseRegistry::~LeaseRegistry() {
   }
   cv_.notify_all();
   if (refresher_.joinable()) refresher_.join();
-  for (auto& [name, h] : held_) ::close(h.fd);
+  // Leases still held (a reader kept past its repository, lingering ones)
+  // go now rather than when they turn stale.
+  std::lock_guard lock(mu_);
+  while (!held_.empty()) Drop(held_.begin());
 }
 
 Status LeaseRegistry::PutObject(const std::string& name) {
@@ -135,6 +138,7 @@ Status LeaseRegistry::Acquire(const std::string& name, bool* first) {
   auto it = held_.find(name);
   if (it != held_.end()) {
     ++it->second.count;
+    it->second.idle_since.reset();
     return Status::OK();
   }
   if (backend_ && host_.empty()) {
@@ -153,16 +157,27 @@ Status LeaseRegistry::Acquire(const std::string& name, bool* first) {
     }
     if (!refresher_.joinable()) refresher_ = std::thread([this] { RefreshLoop(); });
   }
-  held_[name] = Held{fd, 1};
+  held_[name] = Held{fd, 1, std::nullopt};
   if (first) *first = true;
   return Status::OK();
 }
 
-void LeaseRegistry::Release(const std::string& name) {
+void LeaseRegistry::Release(const std::string& name, bool linger) {
   std::lock_guard lock(mu_);
   auto it = held_.find(name);
-  if (it == held_.end() || --it->second.count > 0) return;
+  if (it == held_.end() || it->second.count == 0 || --it->second.count > 0) return;
+  if (backend_ && linger) {
+    it->second.idle_since = std::chrono::steady_clock::now();  // the refresher drops it
+    idle_changed_ = true;
+    cv_.notify_all();
+    return;
+  }
+  Drop(it);
+}
+
+void LeaseRegistry::Drop(std::map<std::string, Held>::iterator it) {
   const int fd = it->second.fd;
+  const std::string name = it->first;
   held_.erase(it);
   // The host's object goes with the host's last holder: taking the file
   // exclusively, without waiting, tells that no other process holds it
@@ -172,12 +187,27 @@ void LeaseRegistry::Release(const std::string& name) {
 }
 
 void LeaseRegistry::RefreshLoop() {
+  using Clock = std::chrono::steady_clock;
   const auto interval = std::max<std::chrono::milliseconds>(
       std::chrono::milliseconds(10), std::min<std::chrono::milliseconds>(std::chrono::minutes(10), options_.stale_after / 3));
+  auto next_refresh = Clock::now() + interval;
   std::unique_lock lock(mu_);
   while (!stop_) {
-    cv_.wait_for(lock, interval, [&] { return stop_; });
+    auto wake = next_refresh;
+    for (const auto& [name, h] : held_) {
+      if (h.idle_since) wake = std::min(wake, *h.idle_since + kLinger);
+    }
+    cv_.wait_until(lock, wake, [&] { return stop_ || idle_changed_; });
     if (stop_) return;
+    idle_changed_ = false;
+    const auto now = Clock::now();
+    for (auto it = held_.begin(); it != held_.end();) {
+      auto next = std::next(it);
+      if (it->second.idle_since && now >= *it->second.idle_since + kLinger) Drop(it);
+      it = next;
+    }
+    if (now < next_refresh) continue;
+    next_refresh = now + interval;
     std::vector<std::string> names;
     for (const auto& [name, h] : held_) names.push_back(name);
     lock.unlock();

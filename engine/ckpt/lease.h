@@ -28,8 +28,10 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <chrono>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -72,15 +74,25 @@ class LeaseRegistry {
   // Sets *first when this call took the lease for the process.
   Status Acquire(const std::string& name, bool* first = nullptr);
   // One holder fewer; the last releases the flock, and deletes the host's
-  // object when no other process of the host holds NAME.
-  void Release(const std::string& name);
+  // object when no other process of the host holds NAME. On an object
+  // store the lease lingers for kLinger first, so a loop of short reads
+  // (repo.tensor per tensor) takes it once, not once per read.
+  // `linger` false: a lease taken for nothing (the checkpoint was not
+  // there) goes at once.
+  void Release(const std::string& name, bool linger = true);
+
+  static constexpr std::chrono::milliseconds kLinger{5000};
 
  private:
   struct Held {
     int fd = -1;
     uint64_t count = 0;
+    // When the count fell to 0 (object stores: it lingers); unset in use.
+    std::optional<std::chrono::steady_clock::time_point> idle_since;
   };
   Status PutObject(const std::string& name);
+  // Lets go of `it` (mu_ held): flock, the host's object, the descriptor.
+  void Drop(std::map<std::string, Held>::iterator it);
   void RefreshLoop();
 
   const std::string state_dir_;
@@ -91,6 +103,7 @@ class LeaseRegistry {
   std::map<std::string, Held> held_;
   std::condition_variable cv_;
   bool stop_ = false;
+  bool idle_changed_ = false;  // a lease started lingering: the refresher's next wake moves
   std::thread refresher_;  // object stores, from the first lease on
 };
 

@@ -274,16 +274,22 @@ Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::
     CKPT_RETURN_IF_ERROR(impl_->leases->Acquire(name, &first));
     impl->lease = CheckpointLease(impl_, name);
   }
-  CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+  Status st = impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
     CKPT_ASSIGN_OR_RETURN(impl->manifest, LoadManifest(txn, name));
     return Status::OK();
-  }));
-  if (first) CKPT_RETURN_IF_ERROR(impl_->CheckStillStored(impl->manifest.checkpoint));
+  });
+  if (st.ok() && first) st = impl_->CheckStillStored(impl->manifest.checkpoint);
+  if (!st.ok()) {
+    impl->lease.Release(/*linger=*/false);  // held for nothing
+    return st;
+  }
   Manifest& m = impl->manifest;
   m.tensors.shrink_to_fit();  // a reader of millions of tensors keeps no spare capacity
   m.blobs.shrink_to_fit();
   return std::unique_ptr<CheckpointReader>(new CheckpointReader(std::move(impl)));
 }
+
+static Status StillInCatalog(LmdbEnv& catalog, const CheckpointRecord& rec);
 
 Result<CheckpointLease> Repository::LeaseCheckpoint(const CheckpointReader& reader) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
@@ -291,13 +297,23 @@ Result<CheckpointLease> Repository::LeaseCheckpoint(const CheckpointReader& read
   bool first = false;
   CKPT_RETURN_IF_ERROR(impl_->leases->Acquire(rec.name, &first));
   CheckpointLease lease(impl_, rec.name);
+  Status st;
   if (impl_->remote) {
     // Another process of this host verified it when it took the lease.
-    if (first) CKPT_RETURN_IF_ERROR(impl_->CheckStillStored(rec));
-    return lease;
+    if (first) st = impl_->CheckStillStored(rec);
+  } else {
+    st = StillInCatalog(*impl_->catalog, rec);
   }
-  // Local: the catalog, read under the lease, says whether gc collected it.
-  CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+  if (!st.ok()) {
+    lease.Release(/*linger=*/false);
+    return st;
+  }
+  return lease;
+}
+
+// Local: the catalog, read under the lease, says whether gc collected it.
+static Status StillInCatalog(LmdbEnv& catalog, const CheckpointRecord& rec) {
+  return catalog.Read([&](const ReadTxn& txn) -> Status {
     CKPT_ASSIGN_OR_RETURN(auto live, txn.Get(Table::kCheckpoints, keys::Checkpoint(rec.name)));
     if (live) {
       CKPT_ASSIGN_OR_RETURN(CheckpointRecord now, DecodeCheckpoint(*live));
@@ -307,8 +323,7 @@ Result<CheckpointLease> Repository::LeaseCheckpoint(const CheckpointReader& read
                           txn.Get(Table::kCheckpoints, keys::RetiredCheckpoint(rec.name, rec.committed_unix_ms)));
     if (retired) return Status::OK();
     return Status::NotFound("checkpoint '" + rec.name + "' was removed and its data collected");
-  }));
-  return lease;
+  });
 }
 
 Status RepositoryImpl::CheckStillStored(const CheckpointRecord& rec) {
@@ -337,14 +352,14 @@ CheckpointLease& CheckpointLease::operator=(CheckpointLease&& other) noexcept {
   return *this;
 }
 
-void CheckpointLease::Release() {
+void CheckpointLease::Release(bool linger) {
   if (!repo_) return;
   // In a forked child the lease is the parent's (core/fork.h).
   if (repo_->Forked()) {
     new std::shared_ptr<RepositoryImpl>(std::move(repo_));
     return;
   }
-  repo_->leases->Release(name_);
+  repo_->leases->Release(name_, linger);
   repo_.reset();
 }
 

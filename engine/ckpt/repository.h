@@ -237,7 +237,9 @@ class CheckpointLease {
   CheckpointLease(const CheckpointLease&) = delete;
   CheckpointLease& operator=(const CheckpointLease&) = delete;
   bool held() const { return repo_ != nullptr; }
-  void Release();
+  // On an object store a released lease lingers a few seconds (lease.h);
+  // `linger` false lets it go at once.
+  void Release(bool linger = true);
 
  private:
   friend class Repository;

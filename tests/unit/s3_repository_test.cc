@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "backend/s3_backend.h"
+#include "ckpt/lease.h"
 #include "ckpt/repository.h"
 #include "core/random.h"
 #include "fault_proxy.h"
@@ -306,8 +307,14 @@ TEST_F(S3Repository, AReaderOnOneHostKeepsWhatRmAndGcOnAnotherWouldCollect) {
   ASSERT_OK(reader->ReadBytes(*reader->GetTensor("w").value(), 0, out));
   EXPECT_EQ(out, old_w);
 
-  // The first gc after the reader went reclaims the space.
+  // The first gc after the reader went reclaims the space. The lease
+  // lingers a few seconds first (a loop of short reads takes it once).
   reader.reset();
+  EXPECT_EQ(objects->List("leases/s0/").value().size(), 1u);
+  const auto deadline = std::chrono::steady_clock::now() + 3 * LeaseRegistry::kLinger;
+  while (!objects->List("leases/").value().empty() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
   EXPECT_TRUE(objects->List("leases/").value().empty());
   const uint64_t before = a->DiskUsage({}).value().pack_bytes;
   r = a->CollectGarbage(o);
