@@ -1,6 +1,7 @@
 // Verify and reindex.
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <filesystem>
@@ -13,6 +14,9 @@
 #include "ckpt/repository.h"
 #include "ckpt/repository_impl.h"
 #include "core/encoding.h"
+#include "core/json.h"
+#include "core/text.h"
+#include "core/thread_pool.h"
 
 namespace ckptfs {
 
@@ -210,6 +214,38 @@ Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
     }
     return Status::OK();
   });
+}
+
+Result<std::vector<RankProgress>> Repository::PendingRanks(const std::string& name) {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
+  CKPT_ASSIGN_OR_RETURN(auto all, ListCheckpoints(true));
+  auto it = std::find_if(all.begin(), all.end(), [&](const CheckpointRecord& c) {
+    return c.name == name && c.state != CheckpointState::kCommitted;
+  });
+  if (it == all.end()) return Status::NotFound("no pending checkpoint named '" + name + "'");
+  std::vector<RankProgress> out;
+  if (!impl_->remote) return out;
+  CKPT_ASSIGN_OR_RETURN(auto listed, impl_->backend->List(keys::PendingPrefix(name)));
+  std::set<uint32_t> committed, started;
+  for (const auto& key : listed) {
+    std::string n;
+    uint32_t r;
+    if (keys::ParsePendingRankObject(key, &n, &r) && n == name) committed.insert(r);
+    if (keys::ParseStartedRankObject(key, name, &r) && r < it->world_size) started.insert(r);
+  }
+  for (uint32_t r : started) out.push_back(RankProgress{r, committed.count(r) > 0, "", 0, 0});
+  ParallelFor(out.size(), kStoreRequestsInFlight, [&](size_t i) {
+    auto body = impl_->backend->ReadAll(keys::StartedRankObject(name, out[i].rank), kMaxSmallObject);
+    auto j = body.ok() ? Json::Parse(*body, 64) : Result<Json>(body.status());
+    if (!j.ok()) return;  // gone meanwhile, or not ours: shown without a host
+    const Json* host = j->Find("host");
+    const Json* pid = j->Find("pid");
+    const Json* at = j->Find("started_unix_ms");
+    if (host && host->is_string()) out[i].host = ToValidUtf8(host->as_string().substr(0, 255));
+    if (pid && pid->is_uint()) out[i].pid = pid->as_uint();
+    if (at && at->is_uint()) out[i].started_unix_ms = at->as_uint();
+  });
+  return out;
 }
 
 Status DeleteCheckpointRecords(WriteTxn& txn, const std::string& name) {

@@ -42,6 +42,23 @@ std::string CommitClaimObject(const std::string& checkpoint) { return PendingPre
 std::string PendingRankObject(const std::string& checkpoint, uint32_t rank) {
   return PendingPrefix(checkpoint) + "rank-" + std::to_string(rank);
 }
+std::string StartedRankObject(const std::string& checkpoint, uint32_t rank) {
+  return PendingPrefix(checkpoint) + "started-" + std::to_string(rank);
+}
+bool ParseStartedRankObject(const std::string& key, const std::string& checkpoint, uint32_t* rank) {
+  const std::string prefix = PendingPrefix(checkpoint) + "started-";
+  if (!key.starts_with(prefix) || key.size() == prefix.size() || key.size() > prefix.size() + 10) return false;
+  uint64_t r = 0;
+  for (size_t i = prefix.size(); i < key.size(); ++i) {
+    if (key[i] < '0' || key[i] > '9' || (i == prefix.size() && key[i] == '0' && key.size() > prefix.size() + 1)) {
+      return false;
+    }
+    r = r * 10 + static_cast<uint64_t>(key[i] - '0');
+  }
+  if (r > UINT32_MAX) return false;
+  *rank = static_cast<uint32_t>(r);
+  return true;
+}
 bool ParsePendingRankObject(const std::string& key, std::string* checkpoint, uint32_t* rank) {
   const std::string prefix = kPendingPrefix;
   if (key.compare(0, prefix.size(), prefix) != 0) return false;

@@ -365,6 +365,15 @@ struct RetentionPolicy {
 // the text.
 Result<uint64_t> ParseDuration(std::string_view text);
 
+// A rank of a pending checkpoint on an object store that began its save.
+struct RankProgress {
+  uint32_t rank = 0;
+  bool committed = false;
+  std::string host;  // as the rank's host names itself
+  uint64_t pid = 0;
+  uint64_t started_unix_ms = 0;
+};
+
 struct GcOptions {
   RetentionPolicy retention;
   bool dry_run = false;
@@ -533,6 +542,12 @@ class Repository {
   // durable before the catalog refers to them, and old packs are deleted only
   // after the catalog stopped referring to them. Gc runs never overlap.
   Result<GcReport> CollectGarbage(const GcOptions& options, const ProgressFn& progress = {});
+  // For pending checkpoint `name` of an object store: each rank that began
+  // its save, where (host, pid) and since when, and whether it committed
+  // (one LIST and one small GET per rank). Ranks not listed never began,
+  // or gave their save up. Empty for a local repository, whose ranks all run
+  // on this host. NotFound when no checkpoint of that name is pending.
+  Result<std::vector<RankProgress>> PendingRanks(const std::string& name);
   // The checkpoints `policy` would remove.
   Result<std::vector<std::string>> PlanRetention(const RetentionPolicy& policy);
   // Space per checkpoint (`names`, or every committed one) and in total.

@@ -37,6 +37,12 @@ std::string PendingRankObject(const std::string& checkpoint, uint32_t rank);
 // Written (if absent) by the one rank that commits a checkpoint on an object store.
 std::string CommitClaimObject(const std::string& checkpoint);  // "pending/NAME/commit"
 bool ParsePendingRankObject(const std::string& key, std::string* checkpoint, uint32_t* rank);
+// Written by each rank of an object-store repository when it begins a save
+// ("pending/NAME/started-R": JSON host, pid, started_unix_ms), so a
+// pending checkpoint can say where its ranks run; deleted with the rank
+// objects, or by the rank when it gives its save up.
+std::string StartedRankObject(const std::string& checkpoint, uint32_t rank);
+bool ParseStartedRankObject(const std::string& key, const std::string& checkpoint, uint32_t* rank);
 }  // namespace keys
 
 // Objects of an object store are fetched with this many requests in flight.

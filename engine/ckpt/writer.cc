@@ -5,6 +5,8 @@
 // pool, which hashes each chunk, skips chunks already stored, encodes the
 // rest and queues them for a single pack-writer thread that appends to packs.
 // Memory in flight is bounded by a semaphore on chunks.
+#include <unistd.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
@@ -20,6 +22,7 @@
 #include "ckpt/repository.h"
 #include "ckpt/repo_lock.h"
 #include "ckpt/repository_impl.h"
+#include "core/json.h"
 #include "core/random.h"
 #include "core/thread_pool.h"
 #include "core/encoding.h"
@@ -123,6 +126,7 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
       committed = committed_;
     }
     if (!committed && !repo_->remote) packs_.Discard();
+    if (!committed && repo_->remote) (void)repo_->backend->Delete(keys::StartedRankObject(name_, options_.rank));
   }
 
   Status PutShard(const TensorInfo& info, const Region& region, ShardSource& source);
@@ -847,6 +851,7 @@ Status WriterImpl::CommitToStore(const std::vector<SealedPack>& sealed, CommitRe
     if (failing) return;
     Status st = store.Delete(keys::PendingRankObject(name_, static_cast<uint32_t>(r)));
     if (!st.ok() && !st.IsNotFound()) failing = true;
+    (void)store.Delete(keys::StartedRankObject(name_, static_cast<uint32_t>(r)));
   });
   if (!failing) (void)store.Delete(claim_key);
   (void)repo_->Sync();
@@ -954,6 +959,18 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
     return CheckJoin(rec, options);
   }));
   auto impl = std::make_shared<WriterImpl>(impl_, name, options, std::move(lock), std::move(store_lock));
+  if (impl_->remote) {
+    // Where this rank runs, for `ckpt show` of the checkpoint while it is
+    // pending; a save does not fail for want of it.
+    Json j = Json::MakeObject();
+    char host[256] = {};
+    if (::gethostname(host, sizeof host - 1) != 0) std::snprintf(host, sizeof host, "unknown host");
+    j.Set("host", std::string(host));
+    j.Set("pid", static_cast<uint64_t>(::getpid()));
+    j.Set("started_unix_ms", NowUnixMs());
+    const std::string body = j.Dump();
+    (void)impl_->backend->Put(keys::StartedRankObject(name, options.rank), std::as_bytes(std::span(body)));
+  }
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
 }
 

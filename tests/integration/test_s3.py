@@ -233,6 +233,11 @@ class MultiHost(S3Case):
             self.assertEqual([(p["name"], p["state"], p["committed_ranks"], p["world_size"]) for p in pending],
                              [("s", "pending", 2, 3)], h.name)
             self.assertEqual((pending[0]["ranks_committed"], pending[0]["ranks_missing"]), ([0, 2], [1]))
+            # and where the ranks that began run; rank 1 never began
+            shown = json.loads(h.run("-r", self.repo, "show", "s", "--json").stdout)
+            self.assertEqual([(r["rank"], r["committed"]) for r in shown["ranks_started"]], [(0, True), (2, True)])
+            self.assertTrue(all(r["host"] and r["pid"] > 0 for r in shown["ranks_started"]))
+            self.assertIn("not begun: 1", h.run("-r", self.repo, "show", "s").stdout.decode())
         # a disagreeing world size is refused before anything is written
         err = c.run("-r", self.repo, "import", "--rank", "1", "--world-size", "4", "s", files[1], ok=False).stderr
         self.assertIn("world size", err.decode())

@@ -4,6 +4,8 @@
 // breaks requests mid-save). Needs the S3 server the AWS_* variables name.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <atomic>
@@ -328,6 +330,33 @@ TEST_F(S3Repository, AReaderOnOneHostKeepsWhatRmAndGcOnAnotherWouldCollect) {
   auto fresh = std::move(b->OpenCheckpoint("s1")).value();
   ASSERT_OK(fresh->ReadBytes(*fresh->GetTensor("w").value(), 0, out));
   EXPECT_EQ(out, new_w);
+}
+
+TEST_F(S3Repository, APendingCheckpointSaysWhereEachRankThatBeganRuns) {
+  const uint64_t rows = 8, cols = 1024;
+  auto w = RandomBytes(rows * cols * 4, 12);
+  auto a = Host("a"), b = Host("b"), c = Host("c");
+  ASSERT_TRUE(a && b && c);
+  auto saving = std::move(a->BeginCheckpoint("s", {.rank = 0, .world_size = 3})).value();  // in progress
+  ASSERT_OK(SaveRows(*b, "s", 1, 3, w, rows, cols));                                        // committed
+  ASSERT_OK(c->Refresh());
+  auto ranks = c->PendingRanks("s");
+  ASSERT_OK(ranks);
+  ASSERT_EQ(ranks->size(), 2u);  // rank 2 never began
+  EXPECT_EQ((*ranks)[0].rank, 0u);
+  EXPECT_FALSE((*ranks)[0].committed);
+  EXPECT_EQ((*ranks)[0].pid, static_cast<uint64_t>(::getpid()));
+  EXPECT_FALSE((*ranks)[0].host.empty());
+  EXPECT_GT((*ranks)[0].started_unix_ms, 0u);
+  EXPECT_EQ((*ranks)[1].rank, 1u);
+  EXPECT_TRUE((*ranks)[1].committed);
+  saving.reset();  // given up: it no longer shows as saving
+  ASSERT_EQ(c->PendingRanks("s").value().size(), 1u);
+  EXPECT_TRUE(c->PendingRanks("nope").status().IsNotFound());
+  // Once committed, the records of where ranks ran are gone with the rank objects.
+  ASSERT_OK(SaveRows(*a, "s", 0, 3, w, rows, cols));
+  ASSERT_OK(SaveRows(*a, "s", 2, 3, w, rows, cols));
+  EXPECT_TRUE(ObjectsOf(url_, s3_)->List("pending/").value().empty());
 }
 
 TEST_F(S3Repository, ALeaseNotRefreshedForTheStaleTimeIsIgnoredAndDeleted) {

@@ -553,8 +553,26 @@ int CmdShow(const Args& args) {
     if (all.ok()) {
       for (const auto& c : *all) {
         if (c.name != args.positional[0] || c.state == CheckpointState::kCommitted) continue;
+        // On an object store: where each rank that began runs (hosts of
+        // missing ranks that began tell a hung rank from one never started).
+        auto ranks = repo->PendingRanks(c.name);
+        if (!ranks.ok()) return Fail(ranks.status());
         if (args.Has("json")) {
-          PrintJson(DescribeRecord(c));
+          Json j = DescribeRecord(c);
+          if (repo->remote()) {
+            Json list = Json::MakeArray();
+            for (const auto& r : *ranks) {
+              Json rj = Json::MakeObject();
+              rj.Set("rank", static_cast<uint64_t>(r.rank));
+              rj.Set("committed", r.committed);
+              rj.Set("host", r.host);
+              rj.Set("pid", r.pid);
+              rj.Set("started_unix_ms", r.started_unix_ms);
+              list.Push(std::move(rj));
+            }
+            j.Set("ranks_started", std::move(list));
+          }
+          PrintJson(j);
           return kExitOk;
         }
         std::printf("checkpoint %s (pending: not visible until every rank has committed)\n", c.name.c_str());
@@ -562,6 +580,20 @@ int CmdShow(const Args& args) {
         std::printf("  ranks:     %zu of %u committed (%s); missing %s\n", c.committed_ranks.size(), c.world_size,
                     RanksToString(c.committed_ranks).c_str(), RanksToString(MissingRanks(c)).c_str());
         std::printf("  since:     %s (the first rank's commit)\n", FormatUnixMs(c.created_unix_ms).c_str());
+        if (repo->remote()) {
+          std::set<uint32_t> began;
+          for (const auto& r : *ranks) {
+            began.insert(r.rank);
+            std::printf("  rank %-5u %s on %s (pid %llu), began %s\n", r.rank, r.committed ? "committed" : "saving   ",
+                        r.host.empty() ? "?" : EscapeForTerminal(r.host).c_str(),
+                        static_cast<unsigned long long>(r.pid), FormatUnixMs(r.started_unix_ms).c_str());
+          }
+          std::vector<uint32_t> never;
+          for (uint32_t r : MissingRanks(c)) {
+            if (!began.count(r)) never.push_back(r);
+          }
+          if (!never.empty()) std::printf("  not begun: %s (no save in progress)\n", RanksToString(never).c_str());
+        }
         std::printf("  remove it: ckpt rm %s (its ranks' data then goes with the next gc)\n", c.name.c_str());
         return kExitOk;
       }
