@@ -108,7 +108,7 @@ def main():
             dist.destroy_process_group()
             return
     print("ok")
-    if action == "async-save":
+    if action == "async-save" and sys.argv[4] == "process":
         # DCP's process-based async saver ends its helper at interpreter
         # exit; os._exit would leave it holding our stdout.
         dist.destroy_process_group()
