@@ -388,6 +388,27 @@ class Maintenance(PythonTestCase):
         self.assertEqual(after["removed_collected"], 1)
         self.assertGreaterEqual(after["bytes_reclaimed"], 2 * (256 << 10))
 
+    def test_pending_ranks_say_where_the_ranks_that_began_run(self):
+        shards = {"x": ckptfs.Box((4,), (0,))}
+        self.r.save("p", {"x": torch.zeros(2)}, rank=0, world_size=2, shards=shards)
+        self.assertEqual(self.r.pending_ranks("p"), [])  # a local repository: every rank is on this host
+        with self.assertRaises(ckptfs.NotFoundError):
+            self.r.pending_ranks("nope")
+        if not os.environ.get("AWS_ENDPOINT_URL"):
+            if os.environ.get("CKPTFS_REQUIRE_S3"):
+                self.fail("CKPTFS_REQUIRE_S3 is set but no S3 endpoint is configured")
+            return
+        os.environ["CKPT_CACHE_DIR"] = os.path.join(self.tmp, "cache")
+        try:
+            s3 = ckptfs.init(f"s3://ckptfs-test/py-pending-{os.getpid()}-{time.time_ns()}")
+            s3.save("p", {"x": torch.zeros(2)}, rank=1, world_size=3, shards={"x": ckptfs.Box((6,), (2,))})
+            [rank] = s3.pending_ranks("p")
+            self.assertEqual((rank["rank"], rank["committed"], rank["pid"]), (1, True, os.getpid()))
+            self.assertTrue(rank["host"])
+            self.assertGreater(rank["started_unix_ms"], 0)
+        finally:
+            del os.environ["CKPT_CACHE_DIR"]
+
     def test_gc_keep_last_mirrors_the_cli(self):
         gen = torch.Generator().manual_seed(5)
         for step in range(4):

@@ -459,6 +459,27 @@ class PyRepository {
     return Reader(repo_, Value(repo_->OpenCheckpoint(name)));
   }
 
+  // Ranks of a pending checkpoint that began their save: the fields of
+  // `ckpt show NAME --json`'s ranks_started.
+  py::object pending_ranks(const std::string& name) {
+    std::vector<RankProgress> ranks;
+    {
+      py::gil_scoped_release nogil;
+      ranks = Value(repo_->PendingRanks(name));
+    }
+    py::list out;
+    for (const auto& r : ranks) {
+      py::dict d;
+      d["rank"] = r.rank;
+      d["committed"] = r.committed;
+      d["host"] = r.host;
+      d["pid"] = r.pid;
+      d["started_unix_ms"] = r.started_unix_ms;
+      out.append(d);
+    }
+    return out;
+  }
+
   py::object checkpoints(bool include_pending) {
     std::vector<CheckpointRecord> list;
     {
@@ -639,6 +660,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("tags"))
       .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"))
       .def("checkpoints", &PyRepository::checkpoints, py::arg("include_pending"))
+      .def("pending_ranks", &PyRepository::pending_ranks, py::arg("name"))
       .def("rm", &PyRepository::rm, py::arg("names"))
       .def("stats", &PyRepository::stats, py::arg("name"), py::arg("tensors"))
       .def("gc", &PyRepository::gc, py::arg("keep_last"), py::arg("keep_every"), py::arg("keep_within"),

@@ -578,6 +578,14 @@ class Repository:
         with the fields of `ckpt ls --json`."""
         return self._repo.checkpoints(bool(include_pending))
 
+    def pending_ranks(self, name: str) -> List[Dict[str, Any]]:
+        """For pending checkpoint `name` of an S3 repository, each rank that
+        began its save: `rank`, `committed`, `host`, `pid`,
+        `started_unix_ms` (`ranks_started` of `ckpt show NAME --json`).
+        Ranks not listed never began. Empty for a local repository;
+        NotFoundError when no checkpoint of that name is pending."""
+        return self._repo.pending_ranks(name)
+
     def show(self, name: str) -> Dict[str, Any]:
         """Checkpoint `name` with its tensors, shards and blobs: the fields of
         `ckpt show --json`."""
