@@ -218,6 +218,7 @@ Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
 
 Result<std::vector<RankProgress>> Repository::PendingRanks(const std::string& name) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
+  CKPT_RETURN_IF_ERROR(impl_->Sync().status());  // object stores: what the other hosts' ranks did
   CKPT_ASSIGN_OR_RETURN(auto all, ListCheckpoints(true));
   auto it = std::find_if(all.begin(), all.end(), [&](const CheckpointRecord& c) {
     return c.name == name && c.state != CheckpointState::kCommitted;

@@ -544,7 +544,7 @@ class Repository {
   Result<GcReport> CollectGarbage(const GcOptions& options, const ProgressFn& progress = {});
   // For pending checkpoint `name` of an object store: each rank that began
   // its save, where (host, pid) and since when, and whether it committed
-  // (one LIST and one small GET per rank). Ranks not listed never began,
+  // (a sync, one LIST and one small GET per rank). Ranks not listed never began,
   // or gave their save up. Empty for a local repository, whose ranks all run
   // on this host. NotFound when no checkpoint of that name is pending.
   Result<std::vector<RankProgress>> PendingRanks(const std::string& name);
