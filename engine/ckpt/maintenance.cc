@@ -11,6 +11,7 @@
 #include <unordered_map>
 
 #include "backend/s3_backend.h"
+#include "ckpt/repo_lock.h"
 #include "ckpt/repository.h"
 #include "ckpt/repository_impl.h"
 #include "core/encoding.h"
@@ -184,6 +185,14 @@ Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
     }
     return Status::OK();
   }));
+  // Writing retired manifests is writing objects: like a save, rm holds the
+  // gc lock shared (and on an object store a shared lock object), so gc's
+  // sweep of temporary files never takes one it is writing.
+  CKPT_ASSIGN_OR_RETURN(RepoLock gc_lock, RepoLock::Acquire(impl_->state_dir, RepoLock::Mode::kShared));
+  std::unique_ptr<ObjectLock> store_lock;
+  if (impl_->remote) {
+    CKPT_ASSIGN_OR_RETURN(store_lock, impl_->LockStore(ObjectLock::Mode::kShared));
+  }
   // The retired manifest is durable before the manifest goes, and both
   // before the catalog changes: a crash in between leaves a checkpoint still
   // listed (rm again finishes it), never one whose readers lose their bytes.
