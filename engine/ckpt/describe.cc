@@ -141,6 +141,20 @@ Json DescribeTensorStats(const TensorStats& s) {
   return j;
 }
 
+Json DescribePendingRanks(const std::vector<RankProgress>& ranks) {
+  Json list = Json::MakeArray();
+  for (const auto& r : ranks) {
+    Json j = Json::MakeObject();
+    j.Set("rank", static_cast<uint64_t>(r.rank));
+    j.Set("committed", r.committed);
+    j.Set("host", r.host);
+    j.Set("pid", r.pid);
+    j.Set("started_unix_ms", r.started_unix_ms);
+    list.Push(std::move(j));
+  }
+  return list;
+}
+
 Json DescribeGcReport(const GcReport& r, bool dry_run) {
   Json j = Json::MakeObject();
   j.Set("dry_run", dry_run);

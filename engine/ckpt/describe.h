@@ -37,5 +37,7 @@ Json DescribeTensorStats(const TensorStats& stats);
 // What `ckpt gc --json` prints: dry_run, removed, dead chunks, packs
 // deleted, rewritten and orphaned, bytes before, after, reclaimed and live.
 Json DescribeGcReport(const GcReport& report, bool dry_run);
+// Repository::PendingRanks as `ckpt show NAME --json`'s ranks_started.
+Json DescribePendingRanks(const std::vector<RankProgress>& ranks);
 
 }  // namespace ckptfs

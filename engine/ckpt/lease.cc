@@ -49,14 +49,11 @@ bool ParseLeaseObject(const std::string& key, std::string* name, std::string* ho
 
 namespace {
 
-uint64_t Now(const ObjectLockOptions& o) {
-  if (o.now_unix_ms) return o.now_unix_ms();
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                   std::chrono::system_clock::now().time_since_epoch())
-                                   .count());
-}
+uint64_t Now(const ObjectLockOptions& o) { return o.now_unix_ms ? o.now_unix_ms() : WallClockUnixMs(); }
 
 Result<int> OpenLeaseFile(const std::string& state_dir, const std::string& name) {
+  // The name becomes a file name: only a checkpoint name will do.
+  CKPT_RETURN_IF_ERROR(ValidateCheckpointName(name));
   const std::string dir = state_dir + "/leases";
   if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) return Status::FromErrno(errno, "creating " + dir);
   const std::string path = dir + "/" + name;
@@ -122,11 +119,7 @@ LeaseRegistry::~LeaseRegistry() {
 }
 
 Status LeaseRegistry::PutObject(const std::string& name) {
-  Json j = Json::MakeObject();
-  char host[256] = {};
-  if (::gethostname(host, sizeof host - 1) != 0) std::snprintf(host, sizeof host, "unknown host");
-  j.Set("host", std::string(host));
-  j.Set("pid", static_cast<uint64_t>(::getpid()));
+  Json j = ThisProcess();
   j.Set("refreshed_unix_ms", Now(options_));
   const std::string body = j.Dump();
   return backend_->Put(keys::LeaseObject(name, host_), std::as_bytes(std::span(body)));

@@ -9,23 +9,32 @@
 
 namespace ckptfs {
 
-namespace {
+std::string HostName() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) return "unknown host";
+  return host;
+}
 
-constexpr const char* kLockPrefix = "locks/";
-
-uint64_t WallClockMs() {
+uint64_t WallClockUnixMs() {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
                                    std::chrono::system_clock::now().time_since_epoch())
                                    .count());
 }
 
+Json ThisProcess() {
+  Json j = Json::MakeObject();
+  j.Set("host", HostName());
+  j.Set("pid", static_cast<uint64_t>(::getpid()));
+  return j;
+}
+
+namespace {
+
+constexpr const char* kLockPrefix = "locks/";
+
 ObjectLockOptions WithDefaults(ObjectLockOptions o) {
-  if (!o.now_unix_ms) o.now_unix_ms = WallClockMs;
-  if (o.holder.empty()) {
-    char host[256] = {};
-    if (::gethostname(host, sizeof host - 1) != 0) std::snprintf(host, sizeof host, "unknown host");
-    o.holder = std::string(host) + " pid " + std::to_string(::getpid());
-  }
+  if (!o.now_unix_ms) o.now_unix_ms = WallClockUnixMs;
+  if (o.holder.empty()) o.holder = HostName() + " pid " + std::to_string(::getpid());
   return o;
 }
 

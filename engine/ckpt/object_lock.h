@@ -34,9 +34,17 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "core/json.h"
 #include "core/status.h"
 
 namespace ckptfs {
+
+// This host's name ("unknown host" when it has none), the wall clock in
+// unix ms, and {"host", "pid"} of this process: who holds a lock, a lease or
+// a rank's started- object.
+std::string HostName();
+uint64_t WallClockUnixMs();
+Json ThisProcess();
 
 struct ObjectLockOptions {
   std::chrono::milliseconds refresh_interval = std::chrono::minutes(1);

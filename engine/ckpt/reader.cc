@@ -270,7 +270,8 @@ Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::
   // (a local gc collects a name only while holding its lease file).
   bool first = false;
   if (options.lease) {
-    if (keys::IsRetiredCheckpoint(name)) return Status::NotFound("no checkpoint named '" + name + "'");
+    // No checkpoint has a name that is not one (nor a lease file).
+    if (!ValidateCheckpointName(name).ok()) return Status::NotFound("no checkpoint named '" + name + "'");
     CKPT_RETURN_IF_ERROR(impl_->leases->Acquire(name, &first));
     impl->lease = CheckpointLease(impl_, name);
   }
@@ -289,7 +290,20 @@ Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::
   return std::unique_ptr<CheckpointReader>(new CheckpointReader(std::move(impl)));
 }
 
-static Status StillInCatalog(LmdbEnv& catalog, const CheckpointRecord& rec);
+// Local: the catalog, read under the lease, says whether gc collected it.
+static Status StillInCatalog(LmdbEnv& catalog, const CheckpointRecord& rec) {
+  return catalog.Read([&](const ReadTxn& txn) -> Status {
+    CKPT_ASSIGN_OR_RETURN(auto live, txn.Get(Table::kCheckpoints, keys::Checkpoint(rec.name)));
+    if (live) {
+      CKPT_ASSIGN_OR_RETURN(CheckpointRecord now, DecodeCheckpoint(*live));
+      if (now.committed_unix_ms == rec.committed_unix_ms) return Status::OK();
+    }
+    CKPT_ASSIGN_OR_RETURN(auto retired,
+                          txn.Get(Table::kCheckpoints, keys::RetiredCheckpoint(rec.name, rec.committed_unix_ms)));
+    if (retired) return Status::OK();
+    return Status::NotFound("checkpoint '" + rec.name + "' was removed and its data collected");
+  });
+}
 
 Result<CheckpointLease> Repository::LeaseCheckpoint(const CheckpointReader& reader) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
@@ -311,20 +325,6 @@ Result<CheckpointLease> Repository::LeaseCheckpoint(const CheckpointReader& read
   return lease;
 }
 
-// Local: the catalog, read under the lease, says whether gc collected it.
-static Status StillInCatalog(LmdbEnv& catalog, const CheckpointRecord& rec) {
-  return catalog.Read([&](const ReadTxn& txn) -> Status {
-    CKPT_ASSIGN_OR_RETURN(auto live, txn.Get(Table::kCheckpoints, keys::Checkpoint(rec.name)));
-    if (live) {
-      CKPT_ASSIGN_OR_RETURN(CheckpointRecord now, DecodeCheckpoint(*live));
-      if (now.committed_unix_ms == rec.committed_unix_ms) return Status::OK();
-    }
-    CKPT_ASSIGN_OR_RETURN(auto retired,
-                          txn.Get(Table::kCheckpoints, keys::RetiredCheckpoint(rec.name, rec.committed_unix_ms)));
-    if (retired) return Status::OK();
-    return Status::NotFound("checkpoint '" + rec.name + "' was removed and its data collected");
-  });
-}
 
 Status RepositoryImpl::CheckStillStored(const CheckpointRecord& rec) {
   if (!remote) return Status::OK();

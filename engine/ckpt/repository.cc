@@ -45,19 +45,23 @@ std::string PendingRankObject(const std::string& checkpoint, uint32_t rank) {
 std::string StartedRankObject(const std::string& checkpoint, uint32_t rank) {
   return PendingPrefix(checkpoint) + "started-" + std::to_string(rank);
 }
-bool ParseStartedRankObject(const std::string& key, const std::string& checkpoint, uint32_t* rank) {
-  const std::string prefix = PendingPrefix(checkpoint) + "started-";
-  if (!key.starts_with(prefix) || key.size() == prefix.size() || key.size() > prefix.size() + 10) return false;
+namespace {
+// A rank as object names write it: decimal, no leading zeros, 32 bits.
+bool ParseRank(std::string_view digits, uint32_t* rank) {
+  if (digits.empty() || digits.size() > 10 || (digits[0] == '0' && digits.size() > 1)) return false;
   uint64_t r = 0;
-  for (size_t i = prefix.size(); i < key.size(); ++i) {
-    if (key[i] < '0' || key[i] > '9' || (i == prefix.size() && key[i] == '0' && key.size() > prefix.size() + 1)) {
-      return false;
-    }
-    r = r * 10 + static_cast<uint64_t>(key[i] - '0');
+  for (char c : digits) {
+    if (c < '0' || c > '9') return false;
+    r = r * 10 + static_cast<uint64_t>(c - '0');
   }
   if (r > UINT32_MAX) return false;
   *rank = static_cast<uint32_t>(r);
   return true;
+}
+}  // namespace
+bool ParseStartedRankObject(const std::string& key, const std::string& checkpoint, uint32_t* rank) {
+  const std::string prefix = PendingPrefix(checkpoint) + "started-";
+  return key.starts_with(prefix) && ParseRank(std::string_view(key).substr(prefix.size()), rank);
 }
 bool ParsePendingRankObject(const std::string& key, std::string* checkpoint, uint32_t* rank) {
   const std::string prefix = kPendingPrefix;
@@ -66,23 +70,11 @@ bool ParsePendingRankObject(const std::string& key, std::string* checkpoint, uin
   if (slash == std::string::npos) return false;
   *checkpoint = key.substr(prefix.size(), slash - prefix.size());
   const std::string tail = key.substr(slash + 1);
-  if (tail.size() < 6 || tail.size() > 15 || tail.compare(0, 5, "rank-") != 0) return false;
-  uint64_t r = 0;
-  for (size_t i = 5; i < tail.size(); ++i) {
-    if (tail[i] < '0' || tail[i] > '9' || (i == 5 && tail[i] == '0' && tail.size() > 6)) return false;
-    r = r * 10 + static_cast<uint64_t>(tail[i] - '0');
-  }
-  if (r > UINT32_MAX) return false;
-  *rank = static_cast<uint32_t>(r);
+  if (!tail.starts_with("rank-") || !ParseRank(std::string_view(tail).substr(5), rank)) return false;
   return ValidateCheckpointName(*checkpoint).ok();
 }
 }  // namespace keys
 
-uint64_t NowUnixMs() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                   std::chrono::system_clock::now().time_since_epoch())
-                                   .count());
-}
 
 Status ValidateCheckpointName(const std::string& name) {
   if (name.empty() || name.size() > 200) {

@@ -211,6 +211,5 @@ Result<Manifest> ReadManifestObject(Backend& backend, const std::string& key, co
 
 // Reindex of a repository on S3: drops this host's catalog and syncs anew.
 Result<ReindexReport> ReindexRemote(const std::string& url, const OpenOptions& options);
-uint64_t NowUnixMs();
 
 }  // namespace ckptfs

@@ -5,8 +5,6 @@
 // pool, which hashes each chunk, skips chunks already stored, encodes the
 // rest and queues them for a single pack-writer thread that appends to packs.
 // Memory in flight is bounded by a semaphore on chunks.
-#include <unistd.h>
-
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
@@ -22,7 +20,6 @@
 #include "ckpt/repository.h"
 #include "ckpt/repo_lock.h"
 #include "ckpt/repository_impl.h"
-#include "core/json.h"
 #include "core/random.h"
 #include "core/thread_pool.h"
 #include "core/encoding.h"
@@ -230,7 +227,7 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   bool stop_writer_ = false;
   std::thread writer_thread_;
 
-  const uint64_t created_unix_ms_ = NowUnixMs();
+  const uint64_t created_unix_ms_ = WallClockUnixMs();
   std::chrono::steady_clock::time_point first_put_{};
   std::chrono::nanoseconds blocking_{0};
 };
@@ -628,7 +625,7 @@ Result<Manifest> WriterImpl::MergeRanks(const CommitView& view) {
   }
   ckpt.state = CheckpointState::kCommitted;
   ckpt.sequence = seq;
-  ckpt.committed_unix_ms = NowUnixMs();
+  ckpt.committed_unix_ms = WallClockUnixMs();
   ckpt.tensor_count = manifest.tensors.size();
   ckpt.logical_bytes = 0;
   for (const auto& t : manifest.tensors) ckpt.logical_bytes += t.ByteSize();
@@ -962,12 +959,8 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
   if (impl_->remote) {
     // Where this rank runs, for `ckpt show` of the checkpoint while it is
     // pending; a save does not fail for want of it.
-    Json j = Json::MakeObject();
-    char host[256] = {};
-    if (::gethostname(host, sizeof host - 1) != 0) std::snprintf(host, sizeof host, "unknown host");
-    j.Set("host", std::string(host));
-    j.Set("pid", static_cast<uint64_t>(::getpid()));
-    j.Set("started_unix_ms", NowUnixMs());
+    Json j = ThisProcess();
+    j.Set("started_unix_ms", WallClockUnixMs());
     const std::string body = j.Dump();
     (void)impl_->backend->Put(keys::StartedRankObject(name, options.rank), std::as_bytes(std::span(body)));
   }

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <thread>
 
+#include "ckpt/lease.h"
 #include "ckpt/repo_lock.h"
 #include "ckpt/repository.h"
 #include "store/pack.h"
@@ -338,6 +339,20 @@ TEST_F(GarbageCollection, ALeaseTakenAfterCollectionSaysTheCheckpointIsGone) {
   }
   EXPECT_EQ(repo_->CollectGarbage({}).value().retired_collected, 1u);
   EXPECT_TRUE(repo_->LeaseCheckpoint(*view).status().IsNotFound());
+}
+
+TEST_F(GarbageCollection, ALeaseIsAFileOnlyForACheckpointName) {
+  // A name that is not one finds nothing and creates no lease file, inside
+  // the repository or out of it.
+  for (const std::string bad : {"../../escaped", "a/123", "..", "x y"}) {
+    EXPECT_TRUE(repo_->OpenCheckpoint(bad).status().IsNotFound()) << bad;
+  }
+  EXPECT_FALSE(std::filesystem::exists(std::filesystem::path(dir_.path()).parent_path() / "escaped"));
+  LeaseRegistry leases(dir_.path(), nullptr, {});
+  EXPECT_EQ(leases.Acquire("../../escaped").code(), StatusCode::kInvalidArgument);
+  EXPECT_FALSE(std::filesystem::exists(std::filesystem::path(dir_.path()).parent_path() / "escaped"));
+  LocalLeaseScan scan(dir_.path());
+  EXPECT_EQ(scan.Leased("../x").status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST_F(GarbageCollection, ReindexKeepsRemovedCheckpointsForGcToDecide) {

@@ -559,19 +559,7 @@ int CmdShow(const Args& args) {
         if (!ranks.ok()) return Fail(ranks.status());
         if (args.Has("json")) {
           Json j = DescribeRecord(c);
-          if (repo->remote()) {
-            Json list = Json::MakeArray();
-            for (const auto& r : *ranks) {
-              Json rj = Json::MakeObject();
-              rj.Set("rank", static_cast<uint64_t>(r.rank));
-              rj.Set("committed", r.committed);
-              rj.Set("host", r.host);
-              rj.Set("pid", r.pid);
-              rj.Set("started_unix_ms", r.started_unix_ms);
-              list.Push(std::move(rj));
-            }
-            j.Set("ranks_started", std::move(list));
-          }
+          if (repo->remote()) j.Set("ranks_started", DescribePendingRanks(*ranks));
           PrintJson(j);
           return kExitOk;
         }

@@ -405,6 +405,24 @@ class RepositoryCache {
   uint64_t generation_ = ForkGeneration();                 // guarded by mu_
 };
 
+// A Python callable `fn` as a callback the engine calls on the calling
+// thread while the GIL is released: the GIL is taken for each call, and the
+// first exception is kept in `failed` (later calls are skipped) for the
+// caller to raise once the engine returns. Empty when fn is None.
+template <typename... Args>
+std::function<void(Args...)> FromEngineThread(const py::object& fn, std::optional<py::error_already_set>& failed) {
+  if (fn.is_none()) return {};
+  return [fn, &failed](Args... args) {
+    py::gil_scoped_acquire gil;
+    if (failed) return;
+    try {
+      fn(args...);
+    } catch (py::error_already_set& e) {
+      failed.emplace(std::move(e));
+    }
+  };
+}
+
 class PyRepository {
  public:
   explicit PyRepository(std::shared_ptr<Repository> repo) : repo_(std::move(repo)) {}
@@ -467,17 +485,7 @@ class PyRepository {
       py::gil_scoped_release nogil;
       ranks = Value(repo_->PendingRanks(name));
     }
-    py::list out;
-    for (const auto& r : ranks) {
-      py::dict d;
-      d["rank"] = r.rank;
-      d["committed"] = r.committed;
-      d["host"] = r.host;
-      d["pid"] = r.pid;
-      d["started_unix_ms"] = r.started_unix_ms;
-      out.append(d);
-    }
-    return out;
+    return JsonToPython(DescribePendingRanks(ranks));
   }
 
   py::object checkpoints(bool include_pending) {
@@ -512,29 +520,8 @@ class PyRepository {
     // The callbacks run on this thread, between gc's steps: the GIL is taken
     // back for them. A callback's exception is kept and raised after gc.
     std::optional<py::error_already_set> failed;
-    if (!on_phase.is_none()) {
-      o.on_phase = [&](const std::string& what) {
-        py::gil_scoped_acquire gil;
-        if (failed) return;
-        try {
-          on_phase(what);
-        } catch (py::error_already_set& e) {
-          failed.emplace(std::move(e));
-        }
-      };
-    }
-    ProgressFn bytes;
-    if (!progress.is_none()) {
-      bytes = [&](uint64_t done, uint64_t total) {
-        py::gil_scoped_acquire gil;
-        if (failed) return;
-        try {
-          progress(done, total);
-        } catch (py::error_already_set& e) {
-          failed.emplace(std::move(e));
-        }
-      };
-    }
+    o.on_phase = FromEngineThread<const std::string&>(on_phase, failed);
+    ProgressFn bytes = FromEngineThread<uint64_t, uint64_t>(progress, failed);
     GcReport r;
     {
       py::gil_scoped_release nogil;
