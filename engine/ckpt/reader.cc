@@ -221,7 +221,6 @@ Result<CheckpointRecord> Repository::GetCheckpoint(const std::string& name) {
 
 Result<Manifest> LoadManifest(const ReadTxn& txn, const std::string& catalog_name) {
   Manifest m;
-  Status inner;
   if (keys::IsRetiredCheckpoint(catalog_name)) {
     CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(catalog_name)));
     if (!raw) return Status::NotFound("no removed checkpoint '" + catalog_name + "' is kept");
@@ -229,28 +228,18 @@ Result<Manifest> LoadManifest(const ReadTxn& txn, const std::string& catalog_nam
   } else {
     CKPT_ASSIGN_OR_RETURN(m.checkpoint, CommittedRecord(txn, catalog_name));
   }
-  const std::string& name = m.checkpoint.name;
   const std::string prefix = keys::MemberPrefix(catalog_name);
-  CKPT_RETURN_IF_ERROR(txn.Scan(Table::kTensors, prefix, [&](std::string_view, std::string_view v) {
-    auto t = DecodeTensor(v);
-    if (!t.ok()) {
-      inner = t.status().WithContext("checkpoint '" + name + "'");
-      return false;
-    }
-    m.tensors.push_back(std::move(t).value());
+  Status st = ScanDecoded<TensorRecord>(txn, Table::kTensors, prefix, DecodeTensor, [&](std::string_view, TensorRecord&& t) {
+    m.tensors.push_back(std::move(t));
     return true;
-  }));
-  CKPT_RETURN_IF_ERROR(inner);
-  CKPT_RETURN_IF_ERROR(txn.Scan(Table::kBlobs, prefix, [&](std::string_view, std::string_view v) {
-    auto b = DecodeBlob(v);
-    if (!b.ok()) {
-      inner = b.status().WithContext("checkpoint '" + name + "'");
-      return false;
-    }
-    m.blobs.push_back(std::move(b).value());
-    return true;
-  }));
-  CKPT_RETURN_IF_ERROR(inner);
+  });
+  if (st.ok()) {
+    st = ScanDecoded<BlobRecord>(txn, Table::kBlobs, prefix, DecodeBlob, [&](std::string_view, BlobRecord&& b) {
+      m.blobs.push_back(std::move(b));
+      return true;
+    });
+  }
+  if (!st.ok()) return st.WithContext("checkpoint '" + m.checkpoint.name + "'");
   // The catalog's keys hold the names after a common prefix, so a scan
   // yields them in byte order already; sorted again only if not (cheap).
   auto by_name = [](const auto& a, const auto& b) { return a.name < b.name; };
