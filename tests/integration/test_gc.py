@@ -98,8 +98,12 @@ class DedupAndReports(CkptTestCase):
         dry = json.loads(self.run_ckpt("gc", "--keep-last", "2", "--keep-every", "20", "--dry-run", "--json").stdout)
         self.assertEqual(dry["removed"], ["step-1", "step-3"])
         self.assertEqual(json.loads(self.run_ckpt("du", "--json").stdout)["total"], before)  # nothing changed
+        text = self.run_ckpt("gc", "--keep-last", "2", "--keep-every", "20", "--dry-run").stdout.decode()
+        self.assertIn("would remove step-1", text)
+        self.assertIn("in packs after it", text)  # the state after the gc, not now
         out = self.run_ckpt("gc", "--keep-last", "2", "--keep-every", "20").stdout.decode()
         self.assertIn("removing step-1", out)
+        self.assertIn("in packs now", out)
         names = [c["name"] for c in json.loads(self.run_ckpt("ls", "--json").stdout)]
         self.assertEqual(names, ["step-0", "step-2", "step-4", "step-5"])
         after = json.loads(self.run_ckpt("du", "--json").stdout)["total"]
