@@ -699,11 +699,12 @@ Status RunMount(const MountOptions& given) {
   if (!IsS3Url(options.repository)) {
     CKPT_ASSIGN_OR_RETURN(options.repository, absolute(options.repository));
   }
-  if (const char* dir = std::getenv("CKPT_CACHE_DIR"); dir && *dir && dir[0] != '/') {
-    CKPT_ASSIGN_OR_RETURN(std::string cache_dir, absolute(dir));
-    ::setenv("CKPT_CACHE_DIR", cache_dir.c_str(), 1);
+  for (std::string* dir : {&options.open.cache_dir, &options.open.cache_root}) {
+    if (!dir->empty() && (*dir)[0] != '/') {
+      CKPT_ASSIGN_OR_RETURN(*dir, absolute(*dir));
+    }
   }
-  OpenOptions open_options;
+  OpenOptions open_options = options.open;
   open_options.cache_bytes = options.cache_bytes;
   // Reads wait on the disk as much as they decode: twice as many workers as
   // cores keep both busy.

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <string>
 
+#include "ckpt/repository.h"
 #include "core/status.h"
 
 namespace ckptfs::mount {
@@ -20,6 +21,9 @@ namespace ckptfs::mount {
 struct MountOptions {
   std::string repository;
   std::string mountpoint;
+  // How the repository is opened (cache directory, S3 settings); threads
+  // and cache_bytes are this struct's own.
+  OpenOptions open;
   bool foreground = false;
   bool allow_other = false;
   bool debug = false;            // libfuse's request log on stderr

@@ -102,6 +102,9 @@ case "$cmd" in
     ;;
   test)
     setup test
+    stage_begin "source rules: layers, no environment reads in the engine (tools/check_source.py)"
+    python3 tools/check_source.py
+    stage_end
     python_env
     stage_begin "release build with tests (build/)"
     # Tests on explicitly: the demo configures the same build/ without them.

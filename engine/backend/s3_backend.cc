@@ -818,10 +818,10 @@ S3Credentials ReadProfileCredentials(const AwsFiles& files, std::string* source)
 
 }  // namespace
 
-Result<S3Options> S3Options::FromEnvironment() {
+Result<S3Options> S3Options::FromEnvironment(const Environment& environment) {
   S3Options o;
-  auto env = [](const char* name) -> std::string {
-    const char* v = std::getenv(name);
+  auto env = [&](const char* name) -> std::string {
+    const char* v = environment ? environment(name) : nullptr;
     return v ? std::string(v) : std::string();
   };
   AwsFiles files;

@@ -33,6 +33,7 @@
 #include <string_view>
 
 #include "backend/backend.h"
+#include "core/environment.h"
 #include "core/status.h"
 
 namespace ckptfs {
@@ -91,8 +92,9 @@ struct S3Options {
   // from a file are re-read when they expire (reload_credentials). The
   // endpoint is required: there is no default. CKPT_S3_REQUEST_DEADLINE
   // (seconds, default 600). InvalidArgument naming what is missing or
-  // malformed, never a secret.
-  static Result<S3Options> FromEnvironment();
+  // malformed, never a secret. `env` looks the variables up (std::getenv
+  // for the process's own environment).
+  static Result<S3Options> FromEnvironment(const Environment& env);
 };
 
 Result<std::unique_ptr<Backend>> OpenS3Backend(const S3Location& location, const S3Options& options);

@@ -391,14 +391,18 @@ struct RemoteStore {
   std::unique_ptr<Backend> root;
 };
 
-Result<RemoteStore> ConnectRemote(const std::string& url, const std::optional<S3Options>& options,
+Result<RemoteStore> ConnectRemote(const std::string& url, const OpenOptions& options,
                                   bool create_bucket = false) {
   RemoteStore r;
   CKPT_ASSIGN_OR_RETURN(r.location, ParseS3Url(url));
-  if (options) {
-    r.options = *options;
+  if (options.s3) {
+    r.options = *options.s3;
+  } else if (options.s3_settings) {
+    CKPT_ASSIGN_OR_RETURN(r.options, options.s3_settings());
   } else {
-    CKPT_ASSIGN_OR_RETURN(r.options, S3Options::FromEnvironment());
+    return Status::InvalidArgument("no S3 settings given for " + url +
+                                   " (endpoint and credentials: OpenOptions::s3, or AWS_ENDPOINT_URL, "
+                                   "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment of ckpt)");
   }
   if (create_bucket) CKPT_RETURN_IF_ERROR(CreateS3Bucket(r.location, r.options));
   CKPT_ASSIGN_OR_RETURN(r.root, OpenS3Backend(r.location, r.options));
@@ -421,29 +425,21 @@ Status InitStore(Backend& store, const std::string& where, const RepositoryConfi
   return store.Put(kConfigFile, std::as_bytes(std::span(json)));
 }
 
-Status InitRemote(const std::string& url, const RepositoryConfig& config) {
-  CKPT_ASSIGN_OR_RETURN(RemoteStore r, ConnectRemote(url, std::nullopt, /*create_bucket=*/true));
+Status InitRemote(const std::string& url, const RepositoryConfig& config, const OpenOptions& options) {
+  CKPT_ASSIGN_OR_RETURN(RemoteStore r, ConnectRemote(url, options, /*create_bucket=*/true));
   return InitStore(*r.root, url, config);
 }
 
 // The directory where this host keeps the catalog of repository `id`. With
-// no cache directory given and neither XDG_CACHE_HOME nor HOME set, there is
-// no place that belongs to this user alone: refused (a predictable shared
-// directory such as /tmp/NAME could be prepared by another local user).
+// neither a cache directory nor a cache root given there is no place that
+// belongs to this user alone: refused (a predictable shared directory such
+// as /tmp/NAME could be prepared by another local user).
 Result<std::string> CacheDirFor(const OpenOptions& options, const std::string& id) {
   if (!options.cache_dir.empty()) return options.cache_dir;
-  if (const char* env = std::getenv("CKPT_CACHE_DIR"); env && *env) return std::string(env);
-  std::string base;
-  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) {
-    base = xdg;
-  } else if (const char* home = std::getenv("HOME"); home && *home) {
-    base = std::string(home) + "/.cache";
-  } else {
-    return Status::FailedPrecondition(
-        "no cache directory for this host's catalog of the repository: HOME and XDG_CACHE_HOME are unset; give "
-        "--cache-dir DIR (or CKPT_CACHE_DIR)");
-  }
-  return base + "/ckptfs/" + id;
+  if (!options.cache_root.empty()) return options.cache_root + "/" + id;
+  return Status::FailedPrecondition(
+      "no cache directory for this host's catalog of the repository: HOME and XDG_CACHE_HOME are unset; give "
+      "--cache-dir DIR (or CKPT_CACHE_DIR)");
 }
 
 // Creates `dir` and its missing parents with owner-only permissions.
@@ -561,7 +557,7 @@ struct RemoteRepository {
 
 Result<RemoteRepository> LocateRemote(const std::string& url, const OpenOptions& options) {
   RemoteRepository r;
-  CKPT_ASSIGN_OR_RETURN(r.store, ConnectRemote(url, options.s3));
+  CKPT_ASSIGN_OR_RETURN(r.store, ConnectRemote(url, options));
   CKPT_ASSIGN_OR_RETURN(r.located, LocateStore(*r.store.root, url, options));
   return r;
 }
@@ -574,17 +570,10 @@ Status OpenStoreCatalog(const LocatedStore& located, const OpenOptions& options,
   impl.state_dir = located.state_dir;
   CKPT_ASSIGN_OR_RETURN(impl.catalog, OpenCatalog(impl.state_dir + "/" + kCatalogDir, true));
   impl.lock_options.wait = options.lock_wait;
-  // How long a lock object goes unrefreshed before others take its holder
-  // for crashed: 30 minutes, or CKPT_LOCK_STALE_SECONDS (tests shorten it).
-  if (const char* env = std::getenv("CKPT_LOCK_STALE_SECONDS"); env && *env) {
-    char* end = nullptr;
-    const double seconds = std::strtod(env, &end);
-    if (*end != '\0' || !(seconds >= 0.1)) {
-      return Status::InvalidArgument("CKPT_LOCK_STALE_SECONDS must be a number of seconds, at least 0.1 (not '" +
-                                     std::string(env) + "')");
-    }
-    impl.lock_options.stale_after = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  if (options.lock_stale_after < std::chrono::milliseconds(100)) {
+    return Status::InvalidArgument("the stale time of locks must be at least 0.1 s");
   }
+  impl.lock_options.stale_after = options.lock_stale_after;
   impl.lock_options.refresh_interval =
       std::min<std::chrono::milliseconds>(std::chrono::minutes(1), impl.lock_options.stale_after / 10);
   return InitCatalogMeta(*impl.catalog);
@@ -597,6 +586,31 @@ Status OpenRemote(const std::string& url, const OpenOptions& options, Repository
 }
 
 }  // namespace
+
+Result<OpenOptions> OpenOptionsFromEnvironment(const Environment& env) {
+  OpenOptions options;
+  auto get = [&](const char* name) -> std::string {
+    const char* v = env ? env(name) : nullptr;
+    return v ? std::string(v) : std::string();
+  };
+  options.cache_dir = get("CKPT_CACHE_DIR");
+  if (std::string xdg = get("XDG_CACHE_HOME"); !xdg.empty()) {
+    options.cache_root = xdg + "/ckptfs";
+  } else if (std::string home = get("HOME"); !home.empty()) {
+    options.cache_root = home + "/.cache/ckptfs";
+  }
+  if (std::string stale = get("CKPT_LOCK_STALE_SECONDS"); !stale.empty()) {
+    char* end = nullptr;
+    const double seconds = std::strtod(stale.c_str(), &end);
+    if (*end != '\0' || !(seconds >= 0.1) || seconds > 1e9) {
+      return Status::InvalidArgument("CKPT_LOCK_STALE_SECONDS must be a number of seconds, at least 0.1 (not '" +
+                                     stale + "')");
+    }
+    options.lock_stale_after = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  }
+  options.s3_settings = [env] { return S3Options::FromEnvironment(env); };
+  return options;
+}
 
 Result<ReindexReport> ReindexRemote(const std::string& url, const OpenOptions& options) {
   {
@@ -619,9 +633,9 @@ Result<ReindexReport> ReindexRemote(const std::string& url, const OpenOptions& o
   return report;
 }
 
-Status Repository::Init(const std::string& path, const RepositoryConfig& config) {
+Status Repository::Init(const std::string& path, const RepositoryConfig& config, const OpenOptions& options) {
   CKPT_RETURN_IF_ERROR(ValidateConfig(config));
-  if (IsS3Url(path)) return InitRemote(path, config);
+  if (IsS3Url(path)) return InitRemote(path, config, options);
   if (PathExists(path + "/" + kConfigFile)) {
     return Status::AlreadyExists("'" + path + "' already holds a ckptfs repository");
   }

@@ -68,21 +68,41 @@ struct RepositoryConfig {
 struct OpenOptions {
   size_t threads = 0;                     // workers; 0 = hardware concurrency
   size_t cache_bytes = 512ull << 20;      // decoded-chunk cache bound
-  // Repositories on S3: where this host keeps its catalog. Empty:
-  // $CKPT_CACHE_DIR, else a directory per repository under
-  // $XDG_CACHE_HOME/ckptfs (default ~/.cache/ckptfs); with neither HOME nor
-  // XDG_CACHE_HOME set, Open fails (FailedPrecondition) rather than use a
-  // shared place such as /tmp. Directories it creates are owner-only (0700);
-  // a symbolic link on the way owned by another user (not root), or a final
-  // directory owned by another user, is refused.
+  // Repositories on an object store: the directory where this host keeps
+  // the repository's catalog. Empty: CACHE_ROOT/ID, a directory per
+  // repository under `cache_root`; with that empty too, Open fails
+  // (FailedPrecondition) rather than use a shared place such as /tmp.
+  // Directories it creates are owner-only (0700); a symbolic link on the
+  // way owned by another user (not root), or a final directory owned by
+  // another user, is refused.
   std::string cache_dir;
+  std::string cache_root;
   // Repositories on S3: how long a save or gc waits for a conflicting lock
   // (a gc on another host, or saves) before it fails naming the holder.
   std::chrono::milliseconds lock_wait = std::chrono::minutes(10);
-  // Repositories on S3: endpoint, credentials and retry settings; unset,
-  // S3Options::FromEnvironment().
+  // Repositories on S3: how long a lock or read-lease object may go
+  // unrefreshed before other hosts take its holder for crashed (at least
+  // 100 ms; holders refresh theirs well within it).
+  std::chrono::milliseconds lock_stale_after = std::chrono::minutes(30);
+  // Repositories on S3: endpoint, credentials and retry settings. Unset,
+  // they come from `s3_settings`, called only when the URL names an S3
+  // store (so a local repository opens without them); with neither, Open
+  // of an S3 URL fails naming what is missing.
   std::optional<S3Options> s3;
+  std::function<Result<S3Options>()> s3_settings;
 };
+
+// Open options as the command-line tool and the Python package take them
+// from the environment, looked up through `env` (std::getenv for the
+// process's own):
+//   CKPT_CACHE_DIR            cache_dir
+//   XDG_CACHE_HOME, HOME      cache_root: $XDG_CACHE_HOME/ckptfs, else
+//                             $HOME/.cache/ckptfs
+//   CKPT_LOCK_STALE_SECONDS   lock_stale_after (seconds, at least 0.1)
+//   AWS_*, CKPT_S3_*          s3_settings: S3Options::FromEnvironment(env),
+//                             read when an S3 repository is opened
+// InvalidArgument naming a malformed variable.
+Result<OpenOptions> OpenOptionsFromEnvironment(const Environment& env);
 
 // Bytes a source lends to the writer: valid and unchanged while `keep` is
 // held. The writer drops `keep` as soon as it has hashed and encoded them.
@@ -467,8 +487,10 @@ using ProgressFn = std::function<void(uint64_t done, uint64_t total)>;
 
 class Repository {
  public:
-  // Creates a repository in `path` (an empty or missing directory).
-  static Status Init(const std::string& path, const RepositoryConfig& config);
+  // Creates a repository in `path` (an empty or missing directory), or at
+  // an s3:// URL (the bucket is created if missing; `options` give the S3
+  // settings).
+  static Status Init(const std::string& path, const RepositoryConfig& config, const OpenOptions& options = {});
   // AlreadyExists/NotFound/FailedPrecondition with a message saying what is
   // wrong with `path`; Unsupported for a newer format version.
   static Result<std::unique_ptr<Repository>> Open(const std::string& path,

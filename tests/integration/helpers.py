@@ -6,6 +6,16 @@ import tempfile
 import unittest
 
 CKPT = os.environ.get("CKPT_BIN") or os.path.join(os.path.dirname(__file__), "../../build/tools/ckpt")
+# ckpt with its crash points armed from CKPTFS_TEST_CRASH_AT and
+# CKPTFS_TEST_CRASH_COUNT_FILE (ckpt itself never reads them).
+CKPT_CRASHING = os.environ.get("CKPT_CRASHING_BIN") or os.path.join(os.path.dirname(__file__),
+                                                                    "../../build/tests/ckpt_crashing")
+CRASH_VARIABLES = ("CKPTFS_TEST_CRASH_AT", "CKPTFS_TEST_CRASH_COUNT_FILE")
+
+
+def ckpt_for(env):
+    """The binary to run with `env`: the crashing one when it arms crash points."""
+    return CKPT_CRASHING if env and any(k in env for k in CRASH_VARIABLES) else CKPT
 
 
 class CkptTestCase(unittest.TestCase):

@@ -73,6 +73,36 @@ class HelpAndUsage(CkptTestCase):
         self.assertEqual(p.returncode, 2)
         self.assertIn("needs a value", p.stderr.decode())
 
+    def test_global_options_are_parsed_once_wherever_they_appear(self):
+        self.run_ckpt("init")
+        other = self.path("other")
+        self.run_ckpt("init", "-r", other)
+        # before the command, after it, between its arguments: the same options
+        for args in (["--quiet", "-r", other, "ls"], ["ls", "--quiet", "-r", other], ["ls", "-r", other, "--json"],
+                     ["--cache-dir", self.path("c"), "ls", "-r", other]):
+            out = self.run_ckpt(*args, use_repo=False).stdout.decode()
+            self.assertTrue("no checkpoints" in out or out.strip() == "[]", (args, out))
+        for args, says in ((["-r", other, "ls", "-r", other], "given twice"),
+                           (["--progress", "ls", "--quiet"], "contradict"),
+                           (["--progress=yes", "ls"], "--progress takes"),
+                           (["--cache-dir=", "ls"], "--cache-dir needs a value"),
+                           (["--json", "ls"], "unknown option '--json' before the command")):
+            p = self.run_ckpt(*args, ok=None)
+            self.assertEqual(p.returncode, 2, args)
+            self.assertIn(says, p.stderr.decode(), args)
+        # every command's help lists them
+        for cmd in ("ls", "gc", "import", "mount"):
+            text = self.run_ckpt(cmd, "--help").stdout.decode()
+            for opt in ("--repo", "--cache-dir", "--progress", "--quiet"):
+                self.assertIn(opt, text, (cmd, opt))
+        # crash points are armed only by the crash tests' own ckpt_crashing
+        st.write(self.path("t.safetensors"), [("x", "F32", np.arange(4, dtype=np.float32))])
+        self.run_ckpt("import", "uncrashed", self.path("t.safetensors"), env={"CKPTFS_TEST_CRASH_AT": "1"})
+        # a malformed setting in the environment is named
+        p = self.run_ckpt("ls", ok=None, env={"CKPT_LOCK_STALE_SECONDS": "soon"})
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("CKPT_LOCK_STALE_SECONDS", p.stderr.decode())
+
     def test_newer_format_version_is_refused(self):
         self.run_ckpt("init")
         cfg_path = os.path.join(self.repo, "ckptfs.json")

@@ -15,7 +15,7 @@ import unittest
 import numpy as np
 
 import st
-from helpers import CKPT, CkptTestCase
+from helpers import CKPT, CkptTestCase, ckpt_for
 
 HAVE_FUSE = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
 KILL_POINTS = 30  # per command, spread over the whole run
@@ -26,7 +26,7 @@ def run(repo, *args, env=None, check=True):
     e.pop("CKPTFS_TEST_CRASH_AT", None)
     if env:
         e.update(env)
-    p = subprocess.run([CKPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=e, timeout=300)
+    p = subprocess.run([ckpt_for(env), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=e, timeout=300)
     if check and p.returncode != 0:
         raise AssertionError(f"ckpt {' '.join(args)} failed ({p.returncode}): {p.stderr.decode()}")
     return p

@@ -22,7 +22,7 @@ import uuid
 import numpy as np
 
 import st
-from helpers import CKPT
+from helpers import CKPT, ckpt_for
 
 HAVE_S3 = bool(os.environ.get("AWS_ENDPOINT_URL"))
 HAVE_FUSE = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
@@ -69,8 +69,8 @@ class Host:
             self.cache = os.path.join(tmp, "host-" + name)
             self.prefix = []
 
-    def command(self, *args):
-        return [*self.prefix, CKPT, *args]
+    def command(self, *args, env=None):
+        return [*self.prefix, ckpt_for(env), *args]
 
     def env(self, extra=None):
         e = dict(os.environ)
@@ -81,7 +81,7 @@ class Host:
         return e
 
     def run(self, *args, ok=True, env=None, timeout=300):
-        p = subprocess.run(self.command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        p = subprocess.run(self.command(*args, env=env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            env=self.env(env), timeout=timeout)
         if ok and p.returncode != 0:
             raise AssertionError(f"host {self.name}: ckpt {' '.join(args)} failed ({p.returncode}): "
@@ -89,7 +89,7 @@ class Host:
         return p
 
     def start(self, *args, env=None):
-        return subprocess.Popen(self.command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        return subprocess.Popen(self.command(*args, env=env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=self.env(env))
 
     def names(self, repo, pending=False):

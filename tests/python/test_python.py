@@ -409,6 +409,27 @@ class Maintenance(PythonTestCase):
         finally:
             del os.environ["CKPT_CACHE_DIR"]
 
+    def test_open_and_init_take_the_cache_directory_as_the_cli_does(self):
+        with self.assertRaises(ValueError):
+            ckptfs.open(self.tmp, cache_dir="")
+        if not os.environ.get("AWS_ENDPOINT_URL"):
+            if os.environ.get("CKPTFS_REQUIRE_S3"):
+                self.fail("CKPTFS_REQUIRE_S3 is set but no S3 endpoint is configured")
+            return
+        url = f"s3://ckptfs-test/py-cache-{os.getpid()}-{time.time_ns()}"
+        by_init, by_open, by_variable = (os.path.join(self.tmp, d) for d in ("init", "open", "variable"))
+        os.environ["CKPT_CACHE_DIR"] = by_variable
+        try:
+            first = ckptfs.init(url, cache_dir=by_init)
+            first.save("a", {"x": torch.arange(3.0)})
+            self.assertTrue(os.path.exists(os.path.join(by_init, "repository")))
+            again = ckptfs.open(url, cache_dir=by_open)  # another host's catalog: the store is the truth
+            self.assertTrue(torch.equal(again.tensor("a", "x"), torch.arange(3.0)))
+            self.assertTrue(os.path.exists(os.path.join(by_open, "repository")))
+            self.assertFalse(os.path.exists(by_variable), "the argument wins over CKPT_CACHE_DIR")
+        finally:
+            del os.environ["CKPT_CACHE_DIR"]
+
     def test_gc_keep_last_mirrors_the_cli(self):
         gen = torch.Generator().manual_seed(5)
         for step in range(4):

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <functional>
 #include <fstream>
+#include <map>
 #include <random>
 #include <thread>
 
@@ -633,6 +634,62 @@ TEST(RepositoryOpen, MissingForeignAndNewerRepositoriesAreRefused) {
   RepositoryConfig bad;
   bad.chunk_size = 1000;
   EXPECT_FALSE(Repository::Init(dir / "repo2", bad).ok());
+}
+
+// The engine reads settings from the environment only through the lookup
+// its caller hands it; S3 settings are read only when an S3 URL is opened.
+TEST(RepositoryOpen, SettingsComeFromTheEnvironmentOnlyThroughTheLookupGiven) {
+  std::map<std::string, std::string> vars = {{"HOME", "/home/u"}, {"CKPT_LOCK_STALE_SECONDS", "2.5"}};
+  const Environment env = [&](const char* name) -> const char* {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  };
+  auto o = OpenOptionsFromEnvironment(env);
+  ASSERT_OK(o.status());
+  EXPECT_EQ(o->cache_dir, "");
+  EXPECT_EQ(o->cache_root, "/home/u/.cache/ckptfs");
+  EXPECT_EQ(o->lock_stale_after, std::chrono::milliseconds(2500));
+  ASSERT_TRUE(o->s3_settings);
+  auto s3 = o->s3_settings();
+  EXPECT_EQ(s3.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s3.status().message().find("AWS_ENDPOINT_URL"), std::string::npos) << s3.status().message();
+  // Read when asked for, not when the options were made.
+  vars["AWS_ENDPOINT_URL"] = "http://127.0.0.1:1";
+  vars["AWS_ACCESS_KEY_ID"] = "key";
+  vars["AWS_SECRET_ACCESS_KEY"] = "secret";
+  s3 = o->s3_settings();
+  ASSERT_OK(s3.status());
+  EXPECT_EQ(s3->endpoint, "http://127.0.0.1:1");
+  EXPECT_EQ(s3->access_key, "key");
+
+  vars["XDG_CACHE_HOME"] = "/xdg";
+  vars["CKPT_CACHE_DIR"] = "/cache/repo";
+  o = OpenOptionsFromEnvironment(env);
+  ASSERT_OK(o.status());
+  EXPECT_EQ(o->cache_dir, "/cache/repo");
+  EXPECT_EQ(o->cache_root, "/xdg/ckptfs");
+  for (const char* bad : {"soon", "0.01", "-3", "1e99"}) {
+    vars["CKPT_LOCK_STALE_SECONDS"] = bad;
+    auto refused = OpenOptionsFromEnvironment(env);
+    EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(refused.status().message().find("CKPT_LOCK_STALE_SECONDS"), std::string::npos);
+  }
+  vars.erase("CKPT_LOCK_STALE_SECONDS");
+
+  // A local repository opens without any S3 setting; an S3 URL with none
+  // given is refused, naming what is missing, before any request.
+  TempDir dir;
+  ASSERT_OK(Repository::Init(dir / "repo", {}));
+  vars.erase("AWS_ENDPOINT_URL");
+  o = OpenOptionsFromEnvironment(env);
+  ASSERT_OK(o.status());
+  ASSERT_OK(Repository::Open(dir / "repo", *o).status());
+  OpenOptions none;
+  none.cache_dir = dir / "cache";
+  auto s3_open = Repository::Open("s3://bucket/prefix", none);
+  EXPECT_EQ(s3_open.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s3_open.status().message().find("no S3 settings"), std::string::npos) << s3_open.status().message();
+  EXPECT_EQ(Repository::Open("s3://bucket/prefix", *o).status().code(), StatusCode::kInvalidArgument);
 }
 
 // A repository on an object store handed over as a Backend: hosts (each a

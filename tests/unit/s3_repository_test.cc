@@ -40,7 +40,9 @@ class S3Repository : public ::testing::Test {
     RepositoryConfig config;
     config.chunk_size = 64 << 10;
     config.pack_size = 256 << 10;
-    ASSERT_OK(Repository::Init(url_, config));
+    OpenOptions init;
+    init.s3 = s3_;
+    ASSERT_OK(Repository::Init(url_, config, init));
   }
 
   // A host: its own cache directory; `endpoint_port` routes through a proxy.

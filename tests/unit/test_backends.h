@@ -32,7 +32,7 @@ inline void PrintTo(const BackendFactory& f, std::ostream* os) { *os << f.name; 
 // The S3 test server's options, from the AWS_* variables; nullopt, with
 // `why`, when none is configured.
 inline std::optional<S3Options> S3TestOptions(std::string* why) {
-  auto options = S3Options::FromEnvironment();
+  auto options = S3Options::FromEnvironment(std::getenv);
   if (!options.ok()) {
     *why = "no S3 server (" + options.status().message() + "); tools/s3-server.sh starts one";
     return std::nullopt;

@@ -52,7 +52,7 @@ int main(int argc, char** argv) {
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
-  auto options = S3Options::FromEnvironment();
+  auto options = S3Options::FromEnvironment(std::getenv);
   Check(options.status(), "S3 settings");
   S3Location location{"ckptfs-bench", "s3-bench-" + std::to_string(::getpid())};
   Check(CreateS3Bucket(location, *options), "create bucket");

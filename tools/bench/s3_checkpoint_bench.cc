@@ -89,6 +89,13 @@ void RemovePrefix(const S3Options& s3, const std::string& prefix) {
   for (const auto& k : *keys) (void)(*backend)->Delete(k);
 }
 
+// Open options that only name the S3 settings.
+OpenOptions S3Only(const S3Options& s3) {
+  OpenOptions o;
+  o.s3 = s3;
+  return o;
+}
+
 std::unique_ptr<Repository> OpenHost(const std::string& url, const std::string& cache_dir, const S3Options& s3,
                                      size_t threads) {
   OpenOptions o;
@@ -123,7 +130,7 @@ void TransferRuns(const Options& o, const S3Options& s3) {
     const std::string prefix = "ckpt-bench-" + std::to_string(::getpid()) + "-" + std::to_string(run);
     const std::string url = std::string("s3://") + kBucket + "/" + prefix;
     RepositoryConfig config;
-    Check(Repository::Init(url, config), "init");
+    Check(Repository::Init(url, config, S3Only(s3)), "init");
     // Each rank a host of its own; opened before the clock starts, as a
     // training job opens its repository once.
     std::vector<std::unique_ptr<Repository>> hosts;
@@ -251,7 +258,7 @@ ScaleFigures ScaleRun(const Options& o, const S3Options& s3, int n) {
   const std::string url = std::string("s3://") + kBucket + "/" + prefix;
   const std::string work = o.dir + "/ckptfs-s3-scale-" + std::to_string(::getpid());
   RepositoryConfig config;
-  Check(Repository::Init(url, config), "init");
+  Check(Repository::Init(url, config, S3Only(s3)), "init");
   std::vector<std::unique_ptr<Repository>> hosts(n);
   {
     std::vector<std::thread> openers;
@@ -378,7 +385,7 @@ int main(int argc, char** argv) {
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
-  auto s3 = S3Options::FromEnvironment();
+  auto s3 = S3Options::FromEnvironment(std::getenv);
   Check(s3.status(), "S3 settings");
   Check(CreateS3Bucket({kBucket, ""}, *s3), "create bucket");
   if (o.transfers) TransferRuns(o, *s3);

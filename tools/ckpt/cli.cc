@@ -11,41 +11,103 @@
 
 namespace ckptfs::cli {
 
+const std::vector<OptionSpec> kGlobalOptions = {
+    {"repo", 'r', true, false, "PATH", "repository: a directory or s3://BUCKET/PREFIX (default: $CKPT_REPO)"},
+    {"cache-dir", 0, true, false, "DIR",
+     "where this host keeps the catalog of an S3 repository (default: $CKPT_CACHE_DIR, else ~/.cache/ckptfs)"},
+    {"progress", 0, false, false, "", "show progress even when stderr is not a terminal (=json: JSON lines)", true},
+    {"quiet", 0, false, false, "", "show no progress"},
+};
+
 std::string HelpText(const CommandSpec& spec) {
-  std::string s = "usage: ckpt " + spec.name + (spec.options.empty() ? "" : " [options]") +
-                  (spec.usage.empty() ? "" : " " + spec.usage) + "\n\n" + spec.summary + "\n";
+  std::string s = "usage: ckpt " + spec.name + " [options]" + (spec.usage.empty() ? "" : " " + spec.usage) +
+                  "\n\n" + spec.summary + "\n";
   if (!spec.details.empty()) s += "\n" + spec.details + "\n";
-  s += "\noptions:\n";
-  auto add = [&](const std::string& flags, const std::string& help) {
-    std::string line = "  " + flags;
+  auto add = [&](const OptionSpec& o) {
+    std::string line = "  " + (o.short_name ? std::string("-") + o.short_name + ", " : std::string("    ")) + "--" + o.name;
+    if (o.takes_value) line += " " + o.value_name;
+    if (o.inline_value_allowed) line += "[=json]";
     if (line.size() < 28) line.append(28 - line.size(), ' ');
     else line += "\n" + std::string(28, ' ');
-    s += line + help + "\n";
+    s += line + o.help + "\n";
   };
-  for (const auto& o : spec.options) {
-    std::string flags = o.short_name ? std::string("-") + o.short_name + ", " : "    ";
-    flags += "--" + o.name;
-    if (o.takes_value) flags += " " + o.value_name;
-    add(flags, o.help);
-    // Parsed before the command's own options (main.cc), for every command
-    // that opens a repository.
-    if (o.name == "repo") {
-      add("    --cache-dir DIR", "where this host keeps the catalog of an S3 repository (default: $CKPT_CACHE_DIR, "
-                               "else ~/.cache/ckptfs)");
-    }
-  }
-  add("-h, --help", "show this help");
+  s += "\noptions:\n";
+  for (const auto& o : spec.options) add(o);
+  add({"help", 'h', false, false, "", "show this help"});
+  s += "\nglobal options (before or after the command):\n";
+  for (const auto& o : kGlobalOptions) add(o);
   return s;
 }
 
-Result<Args> Parse(const CommandSpec& spec, int argc, char** argv, int first, bool* help_shown) {
-  Args args;
+namespace {
+
+const OptionSpec* FindOption(const std::vector<OptionSpec>& options, const std::string& arg, bool long_form) {
+  for (const auto& o : options) {
+    if (long_form ? o.name == arg : (o.short_name != 0 && o.short_name == arg[1])) return &o;
+  }
+  return nullptr;
+}
+
+// One option at argv[*i] (which starts with '-'), looked up in `options`
+// then the global options. Nullptr (and OK) when it is none of them.
+Result<const OptionSpec*> TakeOption(const std::vector<OptionSpec>& options, int argc, char** argv, int* i,
+                                     Args* args) {
+  const std::string a = argv[*i];
+  const OptionSpec* opt = nullptr;
+  std::optional<std::string> inline_value;
+  if (a.rfind("--", 0) == 0) {
+    std::string name = a.substr(2);
+    if (size_t eq = name.find('='); eq != std::string::npos) {
+      inline_value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+    }
+    opt = FindOption(options, name, true);
+    if (!opt) opt = FindOption(kGlobalOptions, name, true);
+  } else {
+    opt = FindOption(options, a, false);
+    if (!opt) opt = FindOption(kGlobalOptions, a, false);
+    if (opt && a.size() > 2) inline_value = a.substr(2);
+  }
+  if (!opt) return static_cast<const OptionSpec*>(nullptr);
+  std::string value;
+  if (opt->takes_value) {
+    if (inline_value) {
+      value = *inline_value;
+    } else if (*i + 1 < argc) {
+      value = argv[++*i];
+    } else {
+      return Status::InvalidArgument("option --" + opt->name + " needs a value");
+    }
+  } else if (inline_value) {
+    if (!opt->inline_value_allowed) return Status::InvalidArgument("option --" + opt->name + " takes no value");
+    value = *inline_value;
+  }
+  auto& slot = args->values[opt->name];
+  if (!slot.empty() && !opt->repeatable) return Status::InvalidArgument("option --" + opt->name + " given twice");
+  slot.push_back(value);
+  return opt;
+}
+
+}  // namespace
+
+Result<int> ParseLeadingGlobals(int argc, char** argv, int first, Args* args) {
+  int i = first;
+  for (; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.size() < 2 || a[0] != '-' || a == "--" || a == "-h" || a == "--help" || a == "--version") break;
+    CKPT_ASSIGN_OR_RETURN(const OptionSpec* opt, TakeOption({}, argc, argv, &i, args));
+    if (!opt) return Status::InvalidArgument("unknown option '" + a + "' before the command (see 'ckpt --help')");
+  }
+  return i;
+}
+
+Status Parse(const CommandSpec& spec, int argc, char** argv, int first, Args* args, bool* help_shown) {
   *help_shown = false;
   bool only_positional = false;
   for (int i = first; i < argc; ++i) {
     std::string a = argv[i];
     if (only_positional || a.size() < 2 || a[0] != '-' || a == "-") {
-      args.positional.push_back(a);
+      args->positional.push_back(a);
       continue;
     }
     if (a == "--") {
@@ -55,50 +117,18 @@ Result<Args> Parse(const CommandSpec& spec, int argc, char** argv, int first, bo
     if (a == "-h" || a == "--help") {
       std::fputs(HelpText(spec).c_str(), stdout);
       *help_shown = true;
-      return args;
+      return Status::OK();
     }
-    const OptionSpec* opt = nullptr;
-    std::optional<std::string> inline_value;
-    if (a.rfind("--", 0) == 0) {
-      std::string name = a.substr(2);
-      size_t eq = name.find('=');
-      if (eq != std::string::npos) {
-        inline_value = name.substr(eq + 1);
-        name = name.substr(0, eq);
-      }
-      for (const auto& o : spec.options) {
-        if (o.name == name) opt = &o;
-      }
-    } else if (a.size() >= 2) {
-      for (const auto& o : spec.options) {
-        if (o.short_name == a[1]) opt = &o;
-      }
-      if (opt && a.size() > 2) inline_value = a.substr(2);
-    }
+    CKPT_ASSIGN_OR_RETURN(const OptionSpec* opt, TakeOption(spec.options, argc, argv, &i, args));
     if (!opt) return Status::InvalidArgument("unknown option '" + a + "' (see 'ckpt " + spec.name + " --help')");
-    std::string value;
-    if (opt->takes_value) {
-      if (inline_value) {
-        value = *inline_value;
-      } else if (i + 1 < argc) {
-        value = argv[++i];
-      } else {
-        return Status::InvalidArgument("option --" + opt->name + " needs a value");
-      }
-    } else if (inline_value) {
-      return Status::InvalidArgument("option --" + opt->name + " takes no value");
-    }
-    auto& slot = args.values[opt->name];
-    if (!slot.empty() && !opt->repeatable) return Status::InvalidArgument("option --" + opt->name + " given twice");
-    slot.push_back(value);
   }
-  if (args.positional.size() < spec.min_args) {
+  if (args->positional.size() < spec.min_args) {
     return Status::InvalidArgument("missing arguments: usage: ckpt " + spec.name + " " + spec.usage);
   }
-  if (args.positional.size() > spec.max_args) {
+  if (args->positional.size() > spec.max_args) {
     return Status::InvalidArgument("too many arguments: usage: ckpt " + spec.name + " " + spec.usage);
   }
-  return args;
+  return Status::OK();
 }
 
 Result<uint64_t> ParseSize(const std::string& text) {

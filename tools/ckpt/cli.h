@@ -26,6 +26,8 @@ struct OptionSpec {
   bool repeatable = false;
   std::string value_name;  // for help: "SIZE"
   std::string help;
+  // A flag that may carry a value inline only: --progress, --progress=json.
+  bool inline_value_allowed = false;
 };
 
 struct CommandSpec {
@@ -57,8 +59,20 @@ struct Args {
   Result<std::optional<int64_t>> Int(const std::string& name, int64_t min = INT64_MIN) const;
 };
 
-// Parses argv[first..]; --help prints help and sets *help_shown.
-Result<Args> Parse(const CommandSpec& spec, int argc, char** argv, int first, bool* help_shown);
+// Options every command takes, before its name or after it: -r/--repo,
+// --cache-dir, --progress[=json], --quiet. They are parsed with the
+// command's own into the same Args, and read once into GlobalOptions
+// (common.h).
+extern const std::vector<OptionSpec> kGlobalOptions;
+
+// Parses the global options at argv[first..] up to the first argument that
+// is not one (the command's name) into *args, and returns that argument's
+// index.
+Result<int> ParseLeadingGlobals(int argc, char** argv, int first, Args* args);
+
+// Parses argv[first..] into *args (which may already hold global options
+// given before the command); --help prints help and sets *help_shown.
+Status Parse(const CommandSpec& spec, int argc, char** argv, int first, Args* args, bool* help_shown);
 std::string HelpText(const CommandSpec& spec);
 
 // "4M", "64KiB", "1G", "4096" -> bytes.

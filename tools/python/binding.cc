@@ -386,6 +386,8 @@ class RepositoryCache {
     std::error_code ec;
     std::string key = std::filesystem::weakly_canonical(path, ec).string();
     if (ec) key = path;
+    // Another cache directory is another catalog: another Repository.
+    key += '\0' + options.cache_dir;
     std::lock_guard lock(mu_);
     if (generation_ != ForkGeneration()) {
       // Repositories of the parent refuse to work in a forked child: forget
@@ -428,7 +430,7 @@ class PyRepository {
   explicit PyRepository(std::shared_ptr<Repository> repo) : repo_(std::move(repo)) {}
 
   static void Init(const std::string& path, uint64_t chunk_size, uint64_t pack_size, const std::string& compression,
-                   int level, bool adaptive) {
+                   int level, bool adaptive, const std::string& cache_dir) {
     RepositoryConfig c;
     c.chunk_size = chunk_size;
     c.pack_size = pack_size;
@@ -437,16 +439,27 @@ class PyRepository {
     else throw StatusError{Status::InvalidArgument("compression must be 'zstd' or 'none', not '" + compression + "'")};
     c.codec.level = level;
     c.adaptive = adaptive;
+    OpenOptions o = Value(OptionsFromEnvironment(cache_dir));
     py::gil_scoped_release nogil;
-    Check(Repository::Init(path, c));
+    Check(Repository::Init(path, c, o));
   }
 
-  static PyRepository Open(const std::string& path, size_t threads, uint64_t cache_bytes) {
-    OpenOptions o;
+  static PyRepository Open(const std::string& path, size_t threads, uint64_t cache_bytes, const std::string& cache_dir) {
+    OpenOptions o = Value(OptionsFromEnvironment(cache_dir));
     o.threads = threads;
     o.cache_bytes = cache_bytes;
     py::gil_scoped_release nogil;
     return PyRepository(RepositoryCache::Get().Open(path, o));
+  }
+
+  // The one place where the package reads the engine's settings from the
+  // process's environment (CKPT_CACHE_DIR, HOME, XDG_CACHE_HOME,
+  // CKPT_LOCK_STALE_SECONDS, AWS_*: docs/PYTHON.md); a cache directory
+  // given to open() or init() wins over CKPT_CACHE_DIR.
+  static Result<OpenOptions> OptionsFromEnvironment(const std::string& cache_dir) {
+    CKPT_ASSIGN_OR_RETURN(OpenOptions o, OpenOptionsFromEnvironment(std::getenv));
+    if (!cache_dir.empty()) o.cache_dir = cache_dir;
+    return o;
   }
 
   std::string path() const { return repo_->path(); }
@@ -639,8 +652,9 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<PyRepository>(m, "Repository")
       .def_static("init", &PyRepository::Init, py::arg("path"), py::arg("chunk_size"), py::arg("pack_size"),
-                  py::arg("compression"), py::arg("level"), py::arg("adaptive"))
-      .def_static("open", &PyRepository::Open, py::arg("path"), py::arg("threads"), py::arg("cache_bytes"))
+                  py::arg("compression"), py::arg("level"), py::arg("adaptive"), py::arg("cache_dir"))
+      .def_static("open", &PyRepository::Open, py::arg("path"), py::arg("threads"), py::arg("cache_bytes"),
+                  py::arg("cache_dir"))
       .def_property_readonly("path", &PyRepository::path)
       .def_property_readonly("config", &PyRepository::config)
       .def("begin", &PyRepository::begin, py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("step"),

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Checks rules of the source tree that the compiler does not:
+
+- layers: a file in engine/LAYER/ includes headers of the layers below it
+  only (docs/DESIGN.md, "Layers"), and the include graph between layers
+  has no cycle;
+- configuration: no engine file reads the environment (getenv): settings
+  reach the engine as options, and OpenOptionsFromEnvironment and
+  S3Options::FromEnvironment are handed a lookup by their callers.
+
+Prints each violation as FILE:LINE: message and exits 1 when there is one.
+"""
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What each engine layer may include, itself aside.
+ENGINE_LAYERS = {
+    "core": set(),
+    "codec": {"core"},
+    "backend": {"core"},
+    "store": {"core", "codec", "backend"},
+    "meta": {"core", "store"},
+    "io": {"core"},
+    "ckpt": {"core", "codec", "backend", "store", "meta", "io"},
+}
+# Above the engine: which engine layers each may use.
+UPPER = {
+    "gpu": {"core", "ckpt"},
+    "fuse": {"core", "backend", "ckpt"},
+}
+
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([a-z_]+)/[^"]+"')
+GETENV = re.compile(r"\bgetenv\s*\(")
+
+
+def sources(folder):
+    for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+        for f in sorted(files):
+            if f.endswith((".h", ".cc", ".cu")):
+                yield os.path.join(dirpath, f)
+
+
+def main():
+    problems = []
+    for layer, allowed in list(ENGINE_LAYERS.items()) + list(UPPER.items()):
+        folder = layer if layer in UPPER else os.path.join("engine", layer)
+        for path in sources(folder):
+            rel = os.path.relpath(path, ROOT)
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    m = INCLUDE.match(line)
+                    if m and m.group(1) in ENGINE_LAYERS and m.group(1) != layer and m.group(1) not in allowed:
+                        problems.append(f"{rel}:{n}: {layer} includes {m.group(1)}/, which it may not "
+                                        f"(it may include {', '.join(sorted(allowed)) or 'nothing else'})")
+                    code = line.split("//", 1)[0]
+                    if folder.startswith("engine") and GETENV.search(code):
+                        problems.append(f"{rel}:{n}: the engine reads no environment variable; take the "
+                                        "setting as an option")
+    # The table itself must be a DAG, or the rule would allow a cycle.
+    seen, done = set(), set()
+
+    def visit(layer, path):
+        if layer in done:
+            return
+        if layer in seen:
+            problems.append("layers: the allowed includes form a cycle: " + " -> ".join(path + [layer]))
+            return
+        seen.add(layer)
+        for below in ENGINE_LAYERS.get(layer, ()):
+            visit(below, path + [layer])
+        done.add(layer)
+
+    for layer in ENGINE_LAYERS:
+        visit(layer, [])
+    for p in problems:
+        print(p)
+    if problems:
+        print(f"check_source: {len(problems)} problems", file=sys.stderr)
+        return 1
+    print("check_source: layers and configuration rules hold")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

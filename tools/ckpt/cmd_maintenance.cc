@@ -1,0 +1,213 @@
+// ckpt verify, reindex, rm and gc: checking and maintaining a repository.
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <functional>
+#include <map>
+#include <set>
+
+#include "backend/durable_file.h"
+#include "ckpt/describe.h"
+#include "ckpt/files.h"
+#include "ckpt/repository.h"
+#include "commands.h"
+#include "core/json.h"
+#include "core/text.h"
+#include "io/safetensors.h"
+
+namespace ckptfs::cli {
+namespace {
+
+const CommandSpec kVerify{"verify", "[NAME]", "Re-read and re-hash every chunk; check every tensor is tiled exactly.",
+                          "Without NAME the whole repository is checked, including chunks no checkpoint\n"
+                          "references and every pack index. Exits 1 when a problem is found.",
+                          {kJsonOpt}, 0, 1};
+
+int CmdVerify(const GlobalOptions& global, const Args& args) {
+  int rc = kExitOk;
+  auto repo = OpenRepoOr(global, &rc);
+  if (!repo) return rc;
+  std::optional<std::string> name;
+  if (!args.positional.empty()) name = args.positional[0];
+  Progress progress("verifying");
+  auto report = repo->Verify(name, [&](uint64_t d, uint64_t t) { progress.Update(d, t); });
+  progress.Finish();
+  if (!report.ok()) return Fail(report.status());
+  if (args.Has("json")) {
+    Json j = Json::MakeObject();
+    j.Set("ok", report->ok());
+    j.Set("checkpoints", report->checkpoints);
+    j.Set("tensors", report->tensors);
+    j.Set("chunks", report->chunks);
+    j.Set("bytes", report->bytes);
+    Json problems = Json::MakeArray();
+    for (const auto& p : report->problems) {
+      Json pj = Json::MakeObject();
+      pj.Set("checkpoint", p.checkpoint);
+      pj.Set("what", p.what);
+      pj.Set("message", p.message);
+      problems.Push(std::move(pj));
+    }
+    j.Set("problems", std::move(problems));
+    PrintJson(j);
+  } else {
+    for (const auto& p : report->problems) {
+      std::fprintf(stderr, "problem: %s%s%s: %s\n", p.checkpoint.c_str(), p.checkpoint.empty() ? "" : " ",
+                   EscapeForTerminal(p.what).c_str(), EscapeForTerminal(p.message).c_str());
+    }
+    std::printf("verified %llu checkpoints, %llu tensors, %llu chunks (%s): %s\n",
+                static_cast<unsigned long long>(report->checkpoints), static_cast<unsigned long long>(report->tensors),
+                static_cast<unsigned long long>(report->chunks), HumanBytes(report->bytes).c_str(),
+                report->ok() ? "ok" : (std::to_string(report->problems.size()) + " problems").c_str());
+  }
+  if (!report->ok()) {
+    std::fprintf(stderr, "ckpt: error: verify found %zu problems\n", report->problems.size());
+    return kExitError;
+  }
+  return kExitOk;
+}
+
+const CommandSpec kReindex{"reindex", "", "Rebuild the catalog from pack files and manifests alone.",
+                           "Use when the catalog is lost or damaged. No other process may use the\n"
+                           "repository meanwhile. Uncommitted checkpoints are dropped.",
+                           {kJsonOpt}, 0, 0};
+
+int CmdReindex(const GlobalOptions& global, const Args& args) {
+  auto path = global.RepoPath();
+  if (!path.ok()) return UsageError(path.status());
+  Progress progress("reindexing");
+  auto report = Repository::Reindex(*path, [&](uint64_t d, uint64_t t) { progress.Update(d, t); }, global.open);
+  progress.Finish();
+  if (!report.ok()) return Fail(report.status());
+  for (const auto& p : report->problems) std::fprintf(stderr, "warning: %s\n", EscapeForTerminal(p).c_str());
+  if (args.Has("json")) {
+    Json j = Json::MakeObject();
+    j.Set("packs", report->packs);
+    j.Set("chunks", report->chunks);
+    j.Set("checkpoints", report->checkpoints);
+    Json problems = Json::MakeArray();
+    for (const auto& p : report->problems) problems.Push(p);
+    j.Set("problems", std::move(problems));
+    PrintJson(j);
+  } else {
+    std::printf("rebuilt catalog: %llu checkpoints, %llu packs, %llu chunks\n",
+                static_cast<unsigned long long>(report->checkpoints), static_cast<unsigned long long>(report->packs),
+                static_cast<unsigned long long>(report->chunks));
+  }
+  if (!report->problems.empty()) {
+    // The catalog is rebuilt from everything else; what was skipped is lost
+    // to it, which a script must be able to tell.
+    std::fprintf(stderr, "ckpt: error: reindex skipped %zu damaged objects (warnings above)\n",
+                 report->problems.size());
+    return kExitError;
+  }
+  return kExitOk;
+}
+
+const CommandSpec kRm{"rm", "NAME...", "Remove checkpoints (all or none); 'ckpt gc' reclaims their space.",
+                      "Committed and pending checkpoints can be removed. If any NAME is unknown,\n"
+                      "nothing is removed. The names go at once; like unlink(2), files open through\n"
+                      "a mount (and mmaps of them) and open readers keep reading, on every host, and\n"
+                      "the first gc after the last of them closed reclaims the space.",
+                      {}, 1, SIZE_MAX};
+
+int CmdRm(const GlobalOptions& global, const Args& args) {
+  int rc = kExitOk;
+  auto repo = OpenRepoOr(global, &rc);
+  if (!repo) return rc;
+  Status st = repo->RemoveCheckpoints(args.positional);
+  if (!st.ok()) return Fail(st);
+  for (const auto& n : args.positional) std::printf("removed %s\n", n.c_str());
+  return kExitOk;
+}
+
+const CommandSpec kGc{
+    "gc", "", "Apply a retention policy, then reclaim the space no checkpoint uses.",
+    "Checkpoints are ordered by step (by commit order when some have no step). The\n"
+    "--keep-* options together say what stays; without any, nothing is removed and\n"
+    "only unreferenced data is reclaimed. A policy that would remove the newest\n"
+    "committed checkpoint (or all of them, as --keep-last 0 would) is refused unless\n"
+    "--allow-removing-newest is given; pending checkpoints are never removed. Packs\n"
+    "left mostly dead (less than half live) are rewritten. gc waits for saves in\n"
+    "progress, and new saves wait for it. A removed checkpoint that a reader still\n"
+    "has open (through a mount, on any host, or in a process) keeps its data until\n"
+    "the first gc after it is closed.",
+    {{"keep-last", 0, true, false, "N", "keep the newest N checkpoints"},
+     {"keep-every", 0, true, false, "K", "keep checkpoints whose step is a multiple of K"},
+     {"keep-within", 0, true, false, "DURATION",
+      "keep checkpoints committed within DURATION of the newest (s, m, h, d, w: 36h, 1w2d)"},
+     {"keep", 0, true, true, "NAME", "keep this checkpoint (repeatable)"},
+     {"allow-removing-newest", 0, false, false, "",
+      "let the policy remove the newest committed checkpoint (or every checkpoint)"},
+     {"dry-run", 'n', false, false, "", "show what would be removed and reclaimed; change nothing"},
+     kJsonOpt},
+    0, 0};
+
+int CmdGc(const GlobalOptions& global, const Args& args) {
+  GcOptions o;
+  auto keep_last = args.Int("keep-last", 0);
+  auto keep_every = args.Int("keep-every", 1);
+  if (!keep_last.ok()) return UsageError(keep_last.status());
+  if (!keep_every.ok()) return UsageError(keep_every.status());
+  if (*keep_last) o.retention.keep_last = static_cast<uint64_t>(**keep_last);
+  if (*keep_every) o.retention.keep_every = static_cast<uint64_t>(**keep_every);
+  if (auto within = args.Get("keep-within")) {
+    auto seconds = ParseDuration(*within);
+    if (!seconds.ok()) return UsageError(Status::InvalidArgument("--keep-within: " + seconds.status().message()));
+    o.retention.keep_within_s = *seconds;
+  }
+  o.retention.keep = args.All("keep");
+  o.retention.allow_removing_newest = args.Has("allow-removing-newest");
+  o.dry_run = args.Has("dry-run");
+  int rc = kExitOk;
+  auto repo = OpenRepoOr(global, &rc);
+  if (!repo) return rc;
+  auto plan = repo->PlanRetention(o.retention);
+  if (!plan.ok()) return Fail(plan.status());
+  if (!args.Has("json")) {
+    for (const auto& n : *plan) std::printf("%s %s\n", o.dry_run ? "would remove" : "removing", n.c_str());
+  }
+  Progress progress("rewriting packs");
+  o.on_phase = [&](const std::string& what) {
+    progress.Finish();  // a phase line never lands inside a progress line
+    Phase("gc", what);
+  };
+  auto r = repo->CollectGarbage(o, [&](uint64_t d, uint64_t t) { progress.Update(d, t); });
+  progress.Finish();
+  if (!r.ok()) return Fail(r.status());
+  if (args.Has("json")) {
+    Json j = DescribeGcReport(*r, o.dry_run);
+    PrintJson(j);
+    return kExitOk;
+  }
+  std::printf("%s %s (%llu dead chunks, %llu packs deleted, %llu rewritten, %llu orphaned); %s in packs %s, %s live\n",
+              o.dry_run ? "would reclaim" : "reclaimed", HumanBytes(r->bytes_reclaimed()).c_str(),
+              static_cast<unsigned long long>(r->dead_chunks), static_cast<unsigned long long>(r->packs_deleted),
+              static_cast<unsigned long long>(r->packs_rewritten), static_cast<unsigned long long>(r->orphan_packs),
+              HumanBytes(r->bytes_after).c_str(), o.dry_run ? "after it" : "now", HumanBytes(r->live_bytes).c_str());
+  if (r->retired_kept) {
+    std::printf("%llu removed checkpoints are still open for reading (a mount or a process): their space is\n"
+                "reclaimed by the first gc after they are closed\n",
+                static_cast<unsigned long long>(r->retired_kept));
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+const Command kVerifyCommand{&kVerify, CmdVerify};
+const Command kReindexCommand{&kReindex, CmdReindex};
+const Command kRmCommand{&kRm, CmdRm};
+const Command kGcCommand{&kGc, CmdGc};
+
+}  // namespace ckptfs::cli

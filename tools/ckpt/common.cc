@@ -1,0 +1,100 @@
+#include "common.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "core/text.h"
+
+namespace ckptfs::cli {
+
+Result<GlobalOptions> GlobalOptions::From(const Args& args) {
+  GlobalOptions g;
+  if (auto r = args.Get("repo")) {
+    g.repo = *r;
+  } else if (const char* env = std::getenv("CKPT_REPO"); env && *env) {
+    g.repo = std::string(env);
+  }
+  if (args.Has("progress") && args.Has("quiet")) {
+    return Status::InvalidArgument("--progress and --quiet contradict each other");
+  }
+  if (auto p = args.Get("progress")) {
+    if (!p->empty() && *p != "json") return Status::InvalidArgument("--progress takes no value or =json, not '" + *p + "'");
+    g.progress = p->empty() ? ProgressMode::kOn : ProgressMode::kJson;
+  } else if (args.Has("progress")) {
+    g.progress = ProgressMode::kOn;
+  }
+  if (args.Has("quiet")) g.progress = ProgressMode::kOff;
+  // The one place where ckpt reads the engine's settings from its
+  // environment.
+  CKPT_ASSIGN_OR_RETURN(g.open, OpenOptionsFromEnvironment(std::getenv));
+  if (args.Has("cache-dir")) {
+    const std::string dir = *args.Get("cache-dir");
+    if (dir.empty()) return Status::InvalidArgument("option --cache-dir needs a value");
+    g.open.cache_dir = dir;
+  }
+  return g;
+}
+
+Result<std::string> GlobalOptions::RepoPath() const {
+  if (repo) return *repo;
+  return Status::InvalidArgument("no repository given: pass -r PATH or set CKPT_REPO");
+}
+
+int UsageError(const Status& st) {
+  std::fprintf(stderr, "ckpt: error: %s\n", EscapeForTerminal(st.message()).c_str());
+  return kExitUsage;
+}
+
+int Fail(const Status& st) {
+  std::fprintf(stderr, "ckpt: error: %s\n", EscapeForTerminal(st.message()).c_str());
+  return kExitError;
+}
+
+std::unique_ptr<Repository> OpenRepoOr(const GlobalOptions& global, int* exit_code) {
+  auto path = global.RepoPath();
+  if (!path.ok()) {
+    *exit_code = UsageError(path.status());
+    return nullptr;
+  }
+  auto repo = Repository::Open(*path, global.open);
+  if (!repo.ok()) {
+    *exit_code = Fail(repo.status());
+    return nullptr;
+  }
+  return std::move(repo).value();
+}
+
+void PrintJson(const Json& j) { std::printf("%s\n", j.Dump(2).c_str()); }
+
+namespace {
+volatile std::sig_atomic_t g_interrupt_signal = 0;
+extern "C" void OnInterrupt(int sig) { g_interrupt_signal = sig; }
+}  // namespace
+
+InterruptGuard::InterruptGuard() {
+  struct sigaction sa {};
+  sa.sa_handler = OnInterrupt;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGINT, &sa, &old_int_);
+  ::sigaction(SIGTERM, &sa, &old_term_);
+}
+
+InterruptGuard::~InterruptGuard() {
+  ::sigaction(SIGINT, &old_int_, nullptr);
+  ::sigaction(SIGTERM, &old_term_, nullptr);
+}
+
+bool InterruptGuard::requested() const { return g_interrupt_signal != 0; }
+
+Status InterruptGuard::status() const {
+  return Status::FailedPrecondition(std::string("interrupted by ") + (g_interrupt_signal == SIGINT ? "SIGINT" : "SIGTERM"));
+}
+
+int InterruptGuard::Exit(const std::string& what, const std::string& left) const {
+  const int sig = g_interrupt_signal;
+  std::fprintf(stderr, "ckpt: interrupted (%s): %s stopped; %s\n", sig == SIGINT ? "SIGINT" : "SIGTERM",
+               EscapeForTerminal(what).c_str(), left.c_str());
+  return 128 + sig;
+}
+
+}  // namespace ckptfs::cli

@@ -1,0 +1,72 @@
+// What the commands of ckpt share: the global options, read once; messages
+// and exit statuses; interruption; opening the repository.
+#pragma once
+
+#include <csignal>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "ckpt/repository.h"
+#include "cli.h"
+#include "core/json.h"
+
+namespace ckptfs::cli {
+
+inline const OptionSpec kJsonOpt{"json", 0, false, false, "", "print machine-readable JSON"};
+
+// The global options (kGlobalOptions) and the environment, read in one
+// place (GlobalOptions::From) and handed to every command.
+struct GlobalOptions {
+  std::optional<std::string> repo;  // -r/--repo, else $CKPT_REPO
+  ProgressMode progress = ProgressMode::kAuto;
+  // How the engine opens the repository: $CKPT_CACHE_DIR or --cache-dir,
+  // the default cache root under $XDG_CACHE_HOME or $HOME,
+  // $CKPT_LOCK_STALE_SECONDS, and the S3 settings of AWS_* (read when the
+  // repository is on S3). See docs/CLI.md, "Environment".
+  OpenOptions open;
+
+  static Result<GlobalOptions> From(const Args& args);
+  // The repository's path or URL; InvalidArgument when none was named.
+  Result<std::string> RepoPath() const;
+};
+
+// A command line that cannot work: one line on stderr, exit status 2.
+int UsageError(const Status& st);
+// The operation failed: one line on stderr, exit status 1.
+int Fail(const Status& st);
+
+// Opens the repository that -r or CKPT_REPO names. On failure the error is
+// printed and *exit_code set (2 when no repository was named).
+std::unique_ptr<Repository> OpenRepoOr(const GlobalOptions& global, int* exit_code);
+
+void PrintJson(const Json& j);
+
+// SIGINT and SIGTERM during a long command: the handler only notes the
+// signal; the command's loop sees it at its next chunk, undoes what it wrote
+// and leaves with InterruptGuard::Exit (128 + the signal, as a shell
+// reports a process the signal killed).
+class InterruptGuard {
+ public:
+  InterruptGuard();
+  ~InterruptGuard();
+  InterruptGuard(const InterruptGuard&) = delete;
+  InterruptGuard& operator=(const InterruptGuard&) = delete;
+
+  bool requested() const;
+  Status status() const;
+  // Says what stopped and what is left, and returns the exit status.
+  int Exit(const std::string& what, const std::string& left) const;
+
+ private:
+  struct sigaction old_int_ {}, old_term_ {};
+};
+
+// One entry of ckpt's command table (main.cc); each command group's file
+// defines its entries.
+struct Command {
+  const CommandSpec* spec;
+  int (*run)(const GlobalOptions& global, const Args& args);
+};
+
+}  // namespace ckptfs::cli
