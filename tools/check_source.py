@@ -39,7 +39,7 @@ GETENV = re.compile(r"\bgetenv\s*\(")
 def sources(folder):
     for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
         for f in sorted(files):
-            if f.endswith((".h", ".cc", ".cu")):
+            if f.endswith((".h", ".cc", ".cu", ".h.in")):
                 yield os.path.join(dirpath, f)
 
 

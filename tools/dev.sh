@@ -37,10 +37,9 @@ setup() {  # demo|test
   stage_end
 }
 
-configure_build() {  # dir, extra cmake args...
-  local dir=$1; shift
-  cmake -S "$ROOT" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >/dev/null
-  cmake --build "$dir" -j "$JOBS"
+configure_build() {  # preset (CMakePresets.json), extra cmake args...
+  local preset=$1; shift
+  (cd "$ROOT" && cmake --preset "$preset" "$@" >/dev/null && cmake --build --preset "$preset" -j "$JOBS")
 }
 
 # The Python test environment: a venv inside the build tree with the pinned
@@ -88,12 +87,12 @@ case "$cmd" in
     setup test
     python_env
     # shellcheck disable=SC2046
-    configure_build build $(python_args)
+    configure_build default $(python_args)
     ;;
   demo)
     setup demo
     stage_begin "build (build/)"
-    configure_build build -DCKPTFS_BUILD_TESTS=OFF
+    configure_build default -DCKPTFS_BUILD_TESTS=OFF
     stage_end
     stage_begin "demo (tools/demo.sh)"
     bash tools/demo.sh "$ROOT/build/tools/ckpt"
@@ -109,7 +108,7 @@ case "$cmd" in
     stage_begin "release build with tests (build/)"
     # Tests on explicitly: the demo configures the same build/ without them.
     # shellcheck disable=SC2046
-    configure_build build -DCKPTFS_BUILD_TESTS=ON $(python_args)
+    configure_build default -DCKPTFS_BUILD_TESTS=ON $(python_args)
     stage_end
     python_wheel
     # A real S3 server (Ceph RGW on loopback) for the S3 backend's tests, up
@@ -128,6 +127,18 @@ case "$cmd" in
     stage_begin "tests (release build)"
     ctest --test-dir build --output-on-failure --no-tests=error -j "$JOBS" -LE "gpu|device"
     stage_end
+    stage_begin "install, then embed the engine as a program would (find_package and pkg-config; tests/install)"
+    inst=$(mktemp -d /tmp/ckptfs-install.XXXXXX)
+    cmake --install build --prefix "$inst/prefix" >/dev/null
+    cmake -S tests/install -B "$inst/build" -G Ninja -DCMAKE_PREFIX_PATH="$inst/prefix" >/dev/null
+    cmake --build "$inst/build"
+    "$inst/build/consumer" "$inst/repo-cmake"
+    pc_dir=$(dirname "$(find "$inst/prefix" -name ckptfs.pc)")
+    # shellcheck disable=SC2046
+    c++ -O1 tests/install/consumer.cc -o "$inst/consumer-pc" $(PKG_CONFIG_PATH="$pc_dir" pkg-config --cflags --libs ckptfs)
+    "$inst/consumer-pc" "$inst/repo-pkg-config"
+    rm -rf "$inst"
+    stage_end
     stage_begin "GPU and device tests (labels gpu, device)"
     echo "   (a GPU, or torch >= 2.4 for DCP; where those are missing, each test says so and is skipped)"
     gpu_log=$(mktemp)
@@ -141,7 +152,7 @@ case "$cmd" in
     # The sanitizer builds compile as unity builds (several sources per
     # compiler run): half the build time on two cores.
     stage_begin "engine unit tests under ASan+UBSan (build-asan/)"
-    configure_build build-asan -DCKPTFS_SANITIZE=ON -DCKPTFS_UNIT_TESTS_ONLY=ON -DCMAKE_UNITY_BUILD=ON
+    configure_build asan
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
       ctest --test-dir build-asan --output-on-failure --no-tests=error -j "$JOBS" -L unit
     stage_end
@@ -158,7 +169,7 @@ case "$cmd" in
       PYTHONPATH="$ROOT/build-pyasan/python" "$VENV/bin/python" -m unittest -v test_python.Layouts)
     stage_end
     stage_begin "engine unit tests under TSan (build-tsan/)"
-    configure_build build-tsan -DCKPTFS_SANITIZE_THREAD=ON -DCKPTFS_UNIT_TESTS_ONLY=ON -DCMAKE_UNITY_BUILD=ON
+    configure_build tsan
     TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
       ctest --test-dir build-tsan --output-on-failure --no-tests=error -j "$JOBS" -L unit
     stage_end

@@ -20,8 +20,7 @@ PARALLEL=${FUZZ_PARALLEL:-2}
 # The newest installed clang whose sanitizer and libFuzzer runtimes link.
 clang_version=$(bash tools/check-tools.sh fuzz-clang)
 echo "fuzz: clang-$clang_version"
-CC=clang-$clang_version CXX=clang++-$clang_version cmake -S "$ROOT" -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCKPTFS_FUZZ=ON -DCMAKE_UNITY_BUILD=ON >/dev/null
+(cd "$ROOT" && CC=clang-$clang_version CXX=clang++-$clang_version cmake --preset fuzz >/dev/null)
 cmake --build build-fuzz -j "$JOBS"
 
 targets=("$@")

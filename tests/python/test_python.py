@@ -591,7 +591,9 @@ class Install(unittest.TestCase):
             subprocess.run(["cmake", "--install", os.environ["CKPTFS_BUILD_DIR"], "--prefix", prefix],
                            check=True, capture_output=True, timeout=300)
             self.assertTrue(os.access(os.path.join(prefix, "bin", "ckpt"), os.X_OK))
-            [site] = [os.path.join(root) for root, dirs, _ in os.walk(prefix) if "ckptfs" in dirs]
+            # (include/ckptfs holds the engine's headers: not a package)
+            [site] = [root for root, dirs, _ in os.walk(prefix)
+                      if "ckptfs" in dirs and os.path.exists(os.path.join(root, "ckptfs", "__init__.py"))]
             env = dict(os.environ, PYTHONPATH=site)
             p = subprocess.run([sys.executable, "-c", "import ckptfs, ckptfs.torch; print(ckptfs.__file__)"],
                                env=env, capture_output=True, text=True, timeout=120)

@@ -7,6 +7,7 @@
 
 #include "commands.h"
 #include "core/text.h"
+#include "core/version.h"
 
 namespace ckptfs::cli {
 namespace {

@@ -23,6 +23,7 @@
 #include "ckpt/describe.h"
 #include "ckpt/repository.h"
 #include "core/fork.h"
+#include "core/version.h"
 #include "core/dtype.h"
 #include "core/region.h"
 #include "staging.h"
