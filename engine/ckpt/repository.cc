@@ -259,10 +259,17 @@ RepositoryImpl::~RepositoryImpl() {
     (void)backend.release();
     (void)fetcher_.release();
     (void)leases.release();
+    (void)io_pool_.release();
     return;
   }
   pool.reset();
+  io_pool_.reset();
   leases.reset();
+}
+
+ThreadPool& RepositoryImpl::IoPool() {
+  std::call_once(io_pool_once_, [this] { io_pool_ = std::make_unique<ThreadPool>(kStoreRequestsInFlight - 1); });
+  return *io_pool_;
 }
 
 Status RepositoryImpl::CheckProcess() const {

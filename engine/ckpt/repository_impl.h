@@ -92,6 +92,10 @@ class RepositoryImpl {
   std::unique_ptr<BufferPool> buffers;
   std::unique_ptr<ChunkCache> cache;
   std::unique_ptr<ThreadPool> pool;
+  // Threads for blocking store requests made in parallel (ParallelFor),
+  // kStoreRequestsInFlight of them, created at the first use: a local
+  // repository never starts them.
+  ThreadPool& IoPool();
   // Read leases of this process (lease.h).
   std::unique_ptr<LeaseRegistry> leases;
 
@@ -142,6 +146,8 @@ class RepositoryImpl {
 
  private:
   std::unique_ptr<ChunkFetcher> fetcher_;
+  std::once_flag io_pool_once_;
+  std::unique_ptr<ThreadPool> io_pool_;
   std::mutex sync_mu_;
   // Packs listed by the last sync whose indexes are not in the catalog yet
   // (guarded by sync_mu_).

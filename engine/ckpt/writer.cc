@@ -742,7 +742,7 @@ Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, Commit
 Result<Manifest> WriterImpl::MergeStoredRanks() {
   const uint32_t n = options_.world_size;
   std::vector<Result<PendingRank>> objects(n, Status::Internal("not read"));
-  ParallelFor(n, kStoreRequestsInFlight,
+  ParallelFor(repo_->IoPool(), n, kStoreRequestsInFlight,
               [&](size_t r) { objects[r] = ReadPendingRank(*repo_->backend, name_, static_cast<uint32_t>(r)); });
   CommitView view;
   view.checkpoint.name = name_;
@@ -844,7 +844,7 @@ Status WriterImpl::CommitToStore(const std::vector<SealedPack>& sealed, CommitRe
   // behind are ignored by sync and removed by rm; the next sync brings the
   // checkpoint into this host's catalog.
   std::atomic<bool> failing{false};
-  ParallelFor(options_.world_size, kStoreRequestsInFlight, [&](size_t r) {
+  ParallelFor(repo_->IoPool(), options_.world_size, kStoreRequestsInFlight, [&](size_t r) {
     if (failing) return;
     Status st = store.Delete(keys::PendingRankObject(name_, static_cast<uint32_t>(r)));
     if (!st.ok() && !st.IsNotFound()) failing = true;

@@ -47,15 +47,35 @@ void ThreadPool::Run() {
   }
 }
 
-void ParallelFor(size_t n, size_t threads, const std::function<void(size_t)>& fn) {
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < n;) fn(i);
+void ParallelFor(ThreadPool& pool, size_t n, size_t threads, const std::function<void(size_t)>& fn) {
+  // Shared with the helpers, which may start after the call has returned.
+  struct State {
+    std::atomic<size_t> next{0};
+    std::mutex mu;
+    std::condition_variable idle;
+    size_t running = 0;  // helpers that may still call fn; guarded by mu
   };
-  std::vector<std::thread> helpers;
-  for (size_t k = 1; k < std::min(n, threads); ++k) helpers.emplace_back(work);
-  work();
-  for (auto& t : helpers) t.join();
+  auto state = std::make_shared<State>();
+  const std::function<void(size_t)>* body = &fn;
+  auto work = [n, body](State& s) {
+    for (size_t i; (i = s.next.fetch_add(1)) < n;) (*body)(i);
+  };
+  const size_t helpers = std::min(n, std::min(threads, pool.size() + 1));
+  for (size_t k = 1; k < helpers; ++k) {
+    pool.Submit([state, work, n] {
+      {
+        std::lock_guard lock(state->mu);
+        if (state->next.load() >= n) return;  // all taken: fn may be gone
+        ++state->running;
+      }
+      work(*state);
+      std::lock_guard lock(state->mu);
+      if (--state->running == 0) state->idle.notify_all();
+    });
+  }
+  work(*state);
+  std::unique_lock lock(state->mu);
+  state->idle.wait(lock, [&] { return state->running == 0; });
 }
 
 }  // namespace ckptfs

@@ -58,9 +58,13 @@ class WaitGroup {
   size_t count_ = 0;
 };
 
-// fn(i) for every i in [0, n), on up to `threads` threads of its own (for
-// blocking work such as requests to an object store, which must not occupy
-// a ThreadPool's workers). Returns when all calls have returned.
-void ParallelFor(size_t n, size_t threads, const std::function<void(size_t)>& fn);
+// fn(i) for every i in [0, n), on the calling thread and up to `threads - 1`
+// workers of `pool` (for blocking work such as requests to an object
+// store: a pool of its own, so that it never occupies the compute
+// workers). No thread is created. The caller takes indices too, so the
+// loop finishes even when every worker is busy, and a ParallelFor inside
+// another on the same pool cannot deadlock. Returns when all calls have
+// returned; a worker that starts after that touches nothing of the call's.
+void ParallelFor(ThreadPool& pool, size_t n, size_t threads, const std::function<void(size_t)>& fn);
 
 }  // namespace ckptfs

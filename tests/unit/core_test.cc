@@ -3,7 +3,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <vector>
 #include <set>
 
 #include "core/chunk_id.h"
@@ -11,6 +17,7 @@
 #include "core/random.h"
 #include "core/status.h"
 #include "core/text.h"
+#include "core/thread_pool.h"
 
 namespace ckptfs {
 namespace {
@@ -124,6 +131,45 @@ TEST(RandomHex, DistinctAndForkSafe) {
   ::close(pipefd[0]);
   ::close(pipefd[1]);
   EXPECT_NE(std::string(buf, 24), parent);
+}
+
+// ParallelFor runs on the caller and the pool's workers: every index once,
+// no thread of its own, and no deadlock when the workers are busy or the
+// loop nests.
+TEST(ParallelFor, EveryIndexOnceOnTheCallerAndThePoolsWorkersOnly) {
+  ThreadPool pool(3);
+  std::mutex mu;
+  std::set<std::thread::id> threads;
+  for (int round = 0; round < 50; ++round) {
+    std::vector<std::atomic<int>> calls(37);
+    ParallelFor(pool, calls.size(), 16, [&](size_t i) {
+      calls[i].fetch_add(1);
+      std::lock_guard lock(mu);
+      threads.insert(std::this_thread::get_id());
+    });
+    for (auto& c : calls) ASSERT_EQ(c.load(), 1);
+  }
+  EXPECT_LE(threads.size(), 4u) << "threads beyond the caller and the pool's 3 workers ran the loop";
+  ParallelFor(pool, 0, 16, [](size_t) { FAIL() << "no index in an empty loop"; });
+}
+
+TEST(ParallelFor, FinishesWhenEveryWorkerIsBusyAndWhenNested) {
+  ThreadPool pool(2);
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  for (int k = 0; k < 2; ++k) pool.Submit([released] { released.wait(); });
+  std::atomic<int> sum{0};
+  {
+    // The helpers it queued run after it returned, once the workers are
+    // free: they must not touch the loop's state (ASan would see it).
+    std::vector<int> values(10, 1);
+    ParallelFor(pool, values.size(), 8, [&](size_t i) { sum += values[i]; });
+  }
+  EXPECT_EQ(sum.load(), 10);
+  release.set_value();
+  sum = 0;
+  ParallelFor(pool, 4, 8, [&](size_t) { ParallelFor(pool, 5, 8, [&](size_t) { sum += 1; }); });
+  EXPECT_EQ(sum.load(), 20);
 }
 
 }  // namespace
