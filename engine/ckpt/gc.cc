@@ -181,7 +181,7 @@ Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names)
     });
   }));
   if (!impl_->remote) {
-    CKPT_ASSIGN_OR_RETURN(auto keys, impl_->backend->List("packs/"));
+    CKPT_ASSIGN_OR_RETURN(auto keys, impl_->backend->List(keys::kPackPrefix));
     for (const auto& key : keys) {
       std::string id;
       if (!ParsePackKey(key, &id) || recorded_packs.count(id)) continue;

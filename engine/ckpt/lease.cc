@@ -15,37 +15,6 @@
 
 namespace ckptfs {
 
-namespace keys {
-std::string RetiredCheckpoint(const std::string& name, uint64_t token) { return name + "/" + std::to_string(token); }
-bool IsRetiredCheckpoint(std::string_view catalog_name) { return catalog_name.find('/') != std::string_view::npos; }
-std::string BaseName(std::string_view catalog_name) { return std::string(catalog_name.substr(0, catalog_name.find('/'))); }
-std::string RetiredObject(const std::string& catalog_name) {
-  return std::string(kRetiredPrefix) + catalog_name + ".manifest";
-}
-bool ParseRetiredObject(const std::string& key, std::string* catalog_name) {
-  const std::string prefix = kRetiredPrefix, suffix = ".manifest";
-  if (key.size() <= prefix.size() + suffix.size() || !key.starts_with(prefix) || !key.ends_with(suffix)) return false;
-  std::string rest = key.substr(prefix.size(), key.size() - prefix.size() - suffix.size());
-  const size_t slash = rest.find('/');
-  if (slash == std::string::npos || !ValidateCheckpointName(rest.substr(0, slash)).ok()) return false;
-  const std::string token = rest.substr(slash + 1);
-  if (token.empty() || token.size() > 20 || token.find_first_not_of("0123456789") != std::string::npos) return false;
-  *catalog_name = std::move(rest);
-  return true;
-}
-std::string LeaseObject(const std::string& name, const std::string& host) {
-  return std::string(kLeasePrefix) + name + "/" + host;
-}
-bool ParseLeaseObject(const std::string& key, std::string* name, std::string* host) {
-  if (!key.starts_with(kLeasePrefix)) return false;
-  const std::string rest = key.substr(std::string(kLeasePrefix).size());
-  const size_t slash = rest.find('/');
-  if (slash == std::string::npos || !ValidateCheckpointName(rest.substr(0, slash)).ok()) return false;
-  *name = rest.substr(0, slash);
-  *host = rest.substr(slash + 1);
-  return !host->empty() && host->find('/') == std::string::npos;
-}
-}  // namespace keys
 
 namespace {
 
@@ -54,7 +23,7 @@ uint64_t Now(const ObjectLockOptions& o) { return o.now_unix_ms ? o.now_unix_ms(
 Result<int> OpenLeaseFile(const std::string& state_dir, const std::string& name) {
   // The name becomes a file name: only a checkpoint name will do.
   CKPT_RETURN_IF_ERROR(ValidateCheckpointName(name));
-  const std::string dir = state_dir + "/leases";
+  const std::string dir = state_dir + "/" + keys::kLeaseFilesDir;
   if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) return Status::FromErrno(errno, "creating " + dir);
   const std::string path = dir + "/" + name;
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
@@ -73,7 +42,7 @@ int Flock(int fd, int op) {
 // This host's id in the store's lease names: made once per state directory
 // (each host has its own), so two hosts of one name never share a lease.
 Result<std::string> HostId(const std::string& state_dir) {
-  const std::string path = state_dir + "/host-id";
+  const std::string path = state_dir + "/" + keys::kHostIdFile;
   for (int attempt = 0; attempt < 2; ++attempt) {
     int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
     if (fd >= 0) {

@@ -37,27 +37,12 @@
 #include <thread>
 
 #include "backend/backend.h"
+#include "ckpt/layout.h"
 #include "ckpt/object_lock.h"
 #include "core/status.h"
 
 namespace ckptfs {
 
-namespace keys {
-inline constexpr const char* kRetiredPrefix = "retired/";
-inline constexpr const char* kLeasePrefix = "leases/";
-// The catalog name of a retired checkpoint: "NAME/TOKEN" ('/' is not allowed
-// in checkpoint names, so it never collides with a live one).
-std::string RetiredCheckpoint(const std::string& name, uint64_t token);
-bool IsRetiredCheckpoint(std::string_view catalog_name);
-// NAME of "NAME/TOKEN" (the name itself when not retired).
-std::string BaseName(std::string_view catalog_name);
-// "retired/NAME/TOKEN.manifest" for a catalog name "NAME/TOKEN".
-std::string RetiredObject(const std::string& catalog_name);
-// The catalog name a retired/ object key holds, or false for foreign keys.
-bool ParseRetiredObject(const std::string& key, std::string* catalog_name);
-std::string LeaseObject(const std::string& name, const std::string& host);
-bool ParseLeaseObject(const std::string& key, std::string* name, std::string* host);
-}  // namespace keys
 
 class LeaseRegistry {
  public:

@@ -1,4 +1,5 @@
 #include "ckpt/object_lock.h"
+#include "ckpt/layout.h"
 
 #include <unistd.h>
 
@@ -30,7 +31,7 @@ Json ThisProcess() {
 
 namespace {
 
-constexpr const char* kLockPrefix = "locks/";
+using keys::kLockPrefix;
 
 ObjectLockOptions WithDefaults(ObjectLockOptions o) {
   if (!o.now_unix_ms) o.now_unix_ms = WallClockUnixMs;

@@ -1,4 +1,5 @@
 #include "ckpt/repo_lock.h"
+#include "ckpt/layout.h"
 
 #include <fcntl.h>
 #include <sys/file.h>
@@ -12,7 +13,7 @@ namespace ckptfs {
 Result<RepoLock> RepoLock::Lock(const std::string& repository, Mode mode, Name name, bool wait) {
   const std::string dir = repository + "/locks";
   if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) return Status::FromErrno(errno, "creating " + dir);
-  const std::string path = dir + (name == Name::kGc ? "/gc.lock" : "/gc-run.lock");
+  const std::string path = dir + "/" + (name == Name::kGc ? keys::kGcLockFile : keys::kGcRunLockFile);
   int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) return Status::FromErrno(errno, "opening " + path);
   int op = (mode == Mode::kShared ? LOCK_SH : LOCK_EX) | (wait ? 0 : LOCK_NB);

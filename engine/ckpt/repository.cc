@@ -22,58 +22,6 @@
 
 namespace ckptfs {
 
-// ---- keys ------------------------------------------------------------------
-
-namespace keys {
-std::string ManifestObject(const std::string& checkpoint) {
-  return std::string(kManifestPrefix) + checkpoint + ".manifest";
-}
-bool ParseManifestObject(const std::string& key, std::string* checkpoint) {
-  const std::string prefix = kManifestPrefix, suffix = ".manifest";
-  if (key.size() <= prefix.size() + suffix.size() || key.compare(0, prefix.size(), prefix) != 0 ||
-      key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0) {
-    return false;
-  }
-  *checkpoint = key.substr(prefix.size(), key.size() - prefix.size() - suffix.size());
-  return ValidateCheckpointName(*checkpoint).ok();
-}
-std::string PendingPrefix(const std::string& checkpoint) { return std::string(kPendingPrefix) + checkpoint + "/"; }
-std::string CommitClaimObject(const std::string& checkpoint) { return PendingPrefix(checkpoint) + "commit"; }
-std::string PendingRankObject(const std::string& checkpoint, uint32_t rank) {
-  return PendingPrefix(checkpoint) + "rank-" + std::to_string(rank);
-}
-std::string StartedRankObject(const std::string& checkpoint, uint32_t rank) {
-  return PendingPrefix(checkpoint) + "started-" + std::to_string(rank);
-}
-namespace {
-// A rank as object names write it: decimal, no leading zeros, 32 bits.
-bool ParseRank(std::string_view digits, uint32_t* rank) {
-  if (digits.empty() || digits.size() > 10 || (digits[0] == '0' && digits.size() > 1)) return false;
-  uint64_t r = 0;
-  for (char c : digits) {
-    if (c < '0' || c > '9') return false;
-    r = r * 10 + static_cast<uint64_t>(c - '0');
-  }
-  if (r > UINT32_MAX) return false;
-  *rank = static_cast<uint32_t>(r);
-  return true;
-}
-}  // namespace
-bool ParseStartedRankObject(const std::string& key, const std::string& checkpoint, uint32_t* rank) {
-  const std::string prefix = PendingPrefix(checkpoint) + "started-";
-  return key.starts_with(prefix) && ParseRank(std::string_view(key).substr(prefix.size()), rank);
-}
-bool ParsePendingRankObject(const std::string& key, std::string* checkpoint, uint32_t* rank) {
-  const std::string prefix = kPendingPrefix;
-  if (key.compare(0, prefix.size(), prefix) != 0) return false;
-  const size_t slash = key.find('/', prefix.size());
-  if (slash == std::string::npos) return false;
-  *checkpoint = key.substr(prefix.size(), slash - prefix.size());
-  const std::string tail = key.substr(slash + 1);
-  if (!tail.starts_with("rank-") || !ParseRank(std::string_view(tail).substr(5), rank)) return false;
-  return ValidateCheckpointName(*checkpoint).ok();
-}
-}  // namespace keys
 
 
 Status ValidateCheckpointName(const std::string& name) {
@@ -114,9 +62,9 @@ Status ValidateMemberName(std::string_view kind, std::string_view name, bool all
 // ---- config ----------------------------------------------------------------
 
 namespace {
-constexpr const char* kConfigFile = "ckptfs.json";
-constexpr const char* kCatalogDir = "catalog";
-constexpr const char* kObjectsDir = "objects";
+using keys::kCatalogDir;
+using keys::kConfigFile;
+using keys::kObjectsDir;
 // The LMDB map at creation; it doubles on demand (docs/FORMAT.md).
 constexpr uint64_t kInitialMapSize = 64ull << 20;
 
@@ -493,7 +441,7 @@ Status MakePrivateDirectory(const std::string& dir) {
 Status ClaimCacheDir(const std::string& dir, const std::string& url, const std::string& id) {
   std::error_code ec;
   CKPT_RETURN_IF_ERROR(MakePrivateDirectory(dir));
-  const std::string marker = dir + "/repository";
+  const std::string marker = dir + "/" + keys::kRepositoryMarkerFile;
   const std::string want = id + " " + url + "\n";
   std::ifstream in(marker);
   if (in) {
@@ -508,7 +456,7 @@ Status ClaimCacheDir(const std::string& dir, const std::string& url, const std::
     std::filesystem::remove_all(dir + "/" + kCatalogDir, ec);
   }
   CKPT_ASSIGN_OR_RETURN(auto local, OpenLocalBackend(dir));
-  return local->Put("repository", std::as_bytes(std::span(want)));
+  return local->Put(keys::kRepositoryMarkerFile, std::as_bytes(std::span(want)));
 }
 
 Result<std::unique_ptr<LmdbEnv>> OpenCatalog(const std::string& dir, bool create) {

@@ -17,33 +17,13 @@
 #include "core/fork.h"
 #include "core/thread_pool.h"
 #include "meta/catalog_schema.h"
+#include "ckpt/layout.h"
 #include "meta/lmdb_env.h"
 #include "store/chunk_cache.h"
 #include "store/pack.h"
 
 namespace ckptfs {
 
-// Catalog keys (docs/FORMAT.md). One module builds them all.
-// Object names in the backend (the catalog's keys are meta/catalog_schema.h's).
-namespace keys {
-std::string ManifestObject(const std::string& checkpoint);
-bool ParseManifestObject(const std::string& key, std::string* checkpoint);
-inline constexpr const char* kManifestPrefix = "manifests/";
-inline constexpr const char* kPackPrefix = "packs/";
-// Object-store repositories: a rank's part of a checkpoint not yet visible.
-inline constexpr const char* kPendingPrefix = "pending/";
-std::string PendingPrefix(const std::string& checkpoint);  // "pending/NAME/"
-std::string PendingRankObject(const std::string& checkpoint, uint32_t rank);
-// Written (if absent) by the one rank that commits a checkpoint on an object store.
-std::string CommitClaimObject(const std::string& checkpoint);  // "pending/NAME/commit"
-bool ParsePendingRankObject(const std::string& key, std::string* checkpoint, uint32_t* rank);
-// Written by each rank of an object-store repository when it begins a save
-// ("pending/NAME/started-R": JSON host, pid, started_unix_ms), so a
-// pending checkpoint can say where its ranks run; deleted with the rank
-// objects, or by the rank when it gives its save up.
-std::string StartedRankObject(const std::string& checkpoint, uint32_t rank);
-bool ParseStartedRankObject(const std::string& key, const std::string& checkpoint, uint32_t* rank);
-}  // namespace keys
 
 // Objects of an object store are fetched with this many requests in flight.
 inline constexpr size_t kStoreRequestsInFlight = 16;

@@ -8,10 +8,10 @@
 
 namespace ckptfs {
 
-std::string PackKey(const std::string& pack_id) { return "packs/" + pack_id + ".pack"; }
+std::string PackKey(const std::string& pack_id) { return kPackKeyPrefix + pack_id + ".pack"; }
 
 bool ParsePackKey(const std::string& key, std::string* pack_id) {
-  const std::string prefix = "packs/", suffix = ".pack";
+  const std::string prefix = kPackKeyPrefix, suffix = ".pack";
   if (key.size() <= prefix.size() + suffix.size() || key.compare(0, prefix.size(), prefix) != 0 ||
       key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0) {
     return false;

@@ -49,6 +49,8 @@ struct SealedPack {
 };
 
 // Object keys, built and parsed in one place.
+// Packs are the objects "packs/ID.pack" (ckpt/layout.h lists the rest).
+inline constexpr const char* kPackKeyPrefix = "packs/";
 std::string PackKey(const std::string& pack_id);
 bool ParsePackKey(const std::string& key, std::string* pack_id);
 std::string NewPackId();
