@@ -30,7 +30,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "backend/s3_backend.h"
+#include "backend/store_url.h"
 #include "ckpt/files.h"
 #include "ckpt/repository.h"
 #include "core/buffer_pool.h"
@@ -696,7 +696,7 @@ Status RunMount(const MountOptions& given) {
     if (ec) return Status::FromErrno(ec.value(), "resolving '" + path + "' against the current directory");
     return p.string();
   };
-  if (!IsS3Url(options.repository)) {
+  if (!IsObjectStoreUrl(options.repository)) {
     CKPT_ASSIGN_OR_RETURN(options.repository, absolute(options.repository));
   }
   for (std::string* dir : {&options.open.cache_dir, &options.open.cache_root}) {

@@ -4,9 +4,12 @@
 - layers: a file in engine/LAYER/ includes headers of the layers below it
   only (docs/DESIGN.md, "Layers"), and the include graph between layers
   has no cycle;
+- protocols: above backend/ (engine/ckpt, gpu, fuse, tools), no file
+  includes an S3 header (backend/s3_*.h); stores are opened by URL through
+  backend/store_url.h;
 - configuration: no engine file reads the environment (getenv): settings
   reach the engine as options, and OpenOptionsFromEnvironment and
-  S3Options::FromEnvironment are handed a lookup by their callers.
+  ObjectStoreOptions::FromEnvironment are handed a lookup by their callers.
 
 Prints each violation as FILE:LINE: message and exits 1 when there is one.
 """
@@ -33,6 +36,8 @@ UPPER = {
 }
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([a-z_]+)/[^"]+"')
+S3_INCLUDE = re.compile(r'^\s*#\s*include\s+"backend/s3_[^"]*"')
+ABOVE_BACKEND = ("engine/ckpt", "gpu", "fuse", "tools")
 GETENV = re.compile(r"\bgetenv\s*\(")
 
 
@@ -59,6 +64,14 @@ def main():
                     if folder.startswith("engine") and GETENV.search(code):
                         problems.append(f"{rel}:{n}: the engine reads no environment variable; take the "
                                         "setting as an option")
+    for folder in ABOVE_BACKEND:
+        for path in sources(folder):
+            rel = os.path.relpath(path, ROOT)
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if S3_INCLUDE.match(line):
+                        problems.append(f"{rel}:{n}: above backend/, stores are opened by URL "
+                                        "(backend/store_url.h), never through an S3 header")
     # The table itself must be a DAG, or the rule would allow a cycle.
     seen, done = set(), set()
 
@@ -80,7 +93,7 @@ def main():
     if problems:
         print(f"check_source: {len(problems)} problems", file=sys.stderr)
         return 1
-    print("check_source: layers and configuration rules hold")
+    print("check_source: layers, protocol and configuration rules hold")
     return 0
 
 

@@ -214,7 +214,7 @@ class HandlePool {
 
 class S3Client {
  public:
-  S3Client(S3Location location, S3Options options) : loc_(std::move(location)), opt_(std::move(options)) {
+  S3Client(S3Location location, ObjectStoreOptions options) : loc_(std::move(location)), opt_(std::move(options)) {
     GlobalInit();
     while (!opt_.endpoint.empty() && opt_.endpoint.back() == '/') opt_.endpoint.pop_back();
     shown_ = RedactUrl(opt_.endpoint);
@@ -223,7 +223,7 @@ class S3Client {
   }
 
   const S3Location& location() const { return loc_; }
-  const S3Options& options() const { return opt_; }
+  const ObjectStoreOptions& options() const { return opt_; }
   std::string Where() const { return loc_.ToString() + " at " + shown_; }
 
   std::string ObjectPath(std::string_view key) const {
@@ -367,7 +367,7 @@ class S3Client {
     headers = curl_slist_append(headers, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
     // (No "Expect:" header to turn 100-continue off: libcurl's signer would
     // sign the empty header it then leaves out, and the signature fails.)
-    const S3Credentials cred = Credentials();
+    const ObjectStoreCredentials cred = Credentials();
     if (!cred.session_token.empty()) {
       headers = curl_slist_append(headers, ("x-amz-security-token: " + cred.session_token).c_str());
     }
@@ -427,16 +427,16 @@ class S3Client {
     credentials_ = std::move(fresh).value();
     return true;
   }
-  S3Credentials Credentials() const {
+  ObjectStoreCredentials Credentials() const {
     std::lock_guard lock(credentials_mu_);
     return credentials_;
   }
 
   S3Location loc_;
-  S3Options opt_;
+  ObjectStoreOptions opt_;
   std::string shown_;  // the endpoint as messages show it: no password
   mutable std::mutex credentials_mu_;
-  S3Credentials credentials_;  // guarded by credentials_mu_ (opt_'s may be stale)
+  ObjectStoreCredentials credentials_;  // guarded by credentials_mu_ (opt_'s may be stale)
   std::string sigv4_;
   HandlePool pool_;
   std::array<std::atomic<uint64_t>, kKinds> sent_{};
@@ -802,12 +802,12 @@ struct AwsFiles {
 
 // Credentials of the profile from the shared credentials file, else from
 // the config file; `source` says which. Empty when neither has both keys.
-S3Credentials ReadProfileCredentials(const AwsFiles& files, std::string* source) {
+ObjectStoreCredentials ReadProfileCredentials(const AwsFiles& files, std::string* source) {
   const std::string config_section = files.profile == "default" ? "default" : "profile " + files.profile;
   for (const auto& [path, section] : {std::pair(files.credentials, files.profile), std::pair(files.config, config_section)}) {
     if (path.empty()) continue;
     auto keys = ReadAwsSection(path, section);
-    S3Credentials c{keys["aws_access_key_id"], keys["aws_secret_access_key"], keys["aws_session_token"]};
+    ObjectStoreCredentials c{keys["aws_access_key_id"], keys["aws_secret_access_key"], keys["aws_session_token"]};
     if (!c.access_key.empty() && !c.secret_key.empty()) {
       if (source) *source = "profile '" + files.profile + "' of " + path;
       return c;
@@ -818,8 +818,8 @@ S3Credentials ReadProfileCredentials(const AwsFiles& files, std::string* source)
 
 }  // namespace
 
-Result<S3Options> S3Options::FromEnvironment(const Environment& environment) {
-  S3Options o;
+Result<ObjectStoreOptions> ObjectStoreOptions::FromEnvironment(const Environment& environment) {
+  ObjectStoreOptions o;
   auto env = [&](const char* name) -> std::string {
     const char* v = environment ? environment(name) : nullptr;
     return v ? std::string(v) : std::string();
@@ -856,7 +856,7 @@ Result<S3Options> S3Options::FromEnvironment(const Environment& environment) {
   o.secret_key = env("AWS_SECRET_ACCESS_KEY");
   o.session_token = env("AWS_SESSION_TOKEN");
   if (o.access_key.empty() || o.secret_key.empty()) {
-    S3Credentials c = ReadProfileCredentials(files, &o.credentials_source);
+    ObjectStoreCredentials c = ReadProfileCredentials(files, &o.credentials_source);
     if (c.access_key.empty()) {
       return Status::InvalidArgument("no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or give "
                                      "profile '" + files.profile + "' aws_access_key_id and aws_secret_access_key in " +
@@ -865,8 +865,8 @@ Result<S3Options> S3Options::FromEnvironment(const Environment& environment) {
     o.access_key = c.access_key;
     o.secret_key = c.secret_key;
     o.session_token = c.session_token;
-    o.reload_credentials = [files]() -> Result<S3Credentials> {
-      S3Credentials fresh = ReadProfileCredentials(files, nullptr);
+    o.reload_credentials = [files]() -> Result<ObjectStoreCredentials> {
+      ObjectStoreCredentials fresh = ReadProfileCredentials(files, nullptr);
       if (fresh.access_key.empty()) {
         return Status::FailedPrecondition("profile '" + files.profile + "' no longer has credentials in " +
                                           files.credentials);
@@ -886,7 +886,7 @@ Result<S3Options> S3Options::FromEnvironment(const Environment& environment) {
   return o;
 }
 
-Result<std::unique_ptr<Backend>> OpenS3Backend(const S3Location& location, const S3Options& options) {
+Result<std::unique_ptr<Backend>> OpenS3Backend(const S3Location& location, const ObjectStoreOptions& options) {
   if (options.part_size < (5u << 20)) return Status::InvalidArgument("S3 part size must be at least 5 MiB");
   auto client = std::make_shared<S3Client>(location, options);
   // One cheap request, so that a wrong endpoint, bucket or key fails here
@@ -897,7 +897,7 @@ Result<std::unique_ptr<Backend>> OpenS3Backend(const S3Location& location, const
   return std::unique_ptr<Backend>(new S3Backend(std::move(client)));
 }
 
-Status CreateS3Bucket(const S3Location& location, const S3Options& options) {
+Status CreateS3Bucket(const S3Location& location, const ObjectStoreOptions& options) {
   S3Client client(location, options);
   Request req = MakeRequest("PUT", client.BucketPath());
   req.has_body = true;  // an empty body

@@ -10,7 +10,7 @@
 #include <set>
 #include <unordered_map>
 
-#include "backend/s3_backend.h"
+#include "backend/store_url.h"
 #include "ckpt/repo_lock.h"
 #include "ckpt/repository.h"
 #include "ckpt/repository_impl.h"
@@ -273,7 +273,7 @@ Status DeleteCheckpointRecords(WriteTxn& txn, const std::string& name) {
 
 Result<ReindexReport> Repository::Reindex(const std::string& path, const ProgressFn& progress,
                                          const OpenOptions& options) {
-  if (IsS3Url(path)) return ReindexRemote(path, options);
+  if (IsObjectStoreUrl(path)) return ReindexRemote(path, options);
   CKPT_ASSIGN_OR_RETURN(RepositoryConfig config, ReadRepositoryConfig(path));
   (void)config;
   ReindexReport report;

@@ -13,7 +13,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "backend/s3_backend.h"
+#include "backend/store_url.h"
 #include "ckpt/repository_impl.h"
 #include "core/encoding.h"
 #include "core/json.h"
@@ -338,18 +338,21 @@ Result<std::unique_ptr<ObjectLock>> RepositoryImpl::LockStore(ObjectLock::Mode m
 
 namespace {
 
-// An S3 repository's store: ckptfs.json at PREFIX, the objects under
-// PREFIX/objects.
+// A repository on an object store: ckptfs.json at the URL's location, the
+// objects under URL/objects.
 struct RemoteStore {
-  S3Location location;
-  S3Options options;
+  std::string url;
+  ObjectStoreOptions options;
   std::unique_ptr<Backend> root;
 };
 
 Result<RemoteStore> ConnectRemote(const std::string& url, const OpenOptions& options,
                                   bool create_bucket = false) {
   RemoteStore r;
-  CKPT_ASSIGN_OR_RETURN(r.location, ParseS3Url(url));
+  r.url = url;
+  if (const auto known = StoreSchemes(); std::find(known.begin(), known.end(), StoreScheme(url)) == known.end()) {
+    return OpenObjectStore(url, {}).status();  // names the unknown scheme
+  }
   if (options.s3) {
     r.options = *options.s3;
   } else if (options.s3_settings) {
@@ -359,15 +362,12 @@ Result<RemoteStore> ConnectRemote(const std::string& url, const OpenOptions& opt
                                    " (endpoint and credentials: OpenOptions::s3, or AWS_ENDPOINT_URL, "
                                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment of ckpt)");
   }
-  if (create_bucket) CKPT_RETURN_IF_ERROR(CreateS3Bucket(r.location, r.options));
-  CKPT_ASSIGN_OR_RETURN(r.root, OpenS3Backend(r.location, r.options));
+  CKPT_ASSIGN_OR_RETURN(r.root, OpenObjectStore(url, r.options, create_bucket));
   return r;
 }
 
 Result<std::unique_ptr<Backend>> OpenRemoteObjects(const RemoteStore& r) {
-  S3Location objects = r.location;
-  objects.prefix = objects.prefix.empty() ? kObjectsDir : objects.prefix + "/" + kObjectsDir;
-  return OpenS3Backend(objects, r.options);
+  return OpenObjectStore(ObjectStoreChild(r.url, kObjectsDir), r.options);
 }
 
 // Writes the config object of a new repository at the top of `store`
@@ -563,7 +563,7 @@ Result<OpenOptions> OpenOptionsFromEnvironment(const Environment& env) {
     }
     options.lock_stale_after = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
   }
-  options.s3_settings = [env] { return S3Options::FromEnvironment(env); };
+  options.s3_settings = [env] { return ObjectStoreOptions::FromEnvironment(env); };
   return options;
 }
 
@@ -590,7 +590,7 @@ Result<ReindexReport> ReindexRemote(const std::string& url, const OpenOptions& o
 
 Status Repository::Init(const std::string& path, const RepositoryConfig& config, const OpenOptions& options) {
   CKPT_RETURN_IF_ERROR(ValidateConfig(config));
-  if (IsS3Url(path)) return InitRemote(path, config, options);
+  if (IsObjectStoreUrl(path)) return InitRemote(path, config, options);
   if (PathExists(path + "/" + kConfigFile)) {
     return Status::AlreadyExists("'" + path + "' already holds a ckptfs repository");
   }
@@ -614,7 +614,7 @@ Status Repository::Init(const std::string& path, const RepositoryConfig& config,
 Result<std::unique_ptr<Repository>> Repository::Open(const std::string& path, const OpenOptions& options) {
   auto impl = std::make_unique<RepositoryImpl>();
   impl->path = path;
-  if (IsS3Url(path)) {
+  if (IsObjectStoreUrl(path)) {
     CKPT_RETURN_IF_ERROR(OpenRemote(path, options, *impl));
   } else {
     CKPT_ASSIGN_OR_RETURN(impl->config, ReadRepositoryConfig(path));

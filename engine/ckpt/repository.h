@@ -44,7 +44,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "backend/s3_backend.h"
+#include "backend/store_options.h"
 #include "codec/codec.h"
 #include "core/buffer_pool.h"
 #include "core/fork.h"
@@ -88,8 +88,8 @@ struct OpenOptions {
   // they come from `s3_settings`, called only when the URL names an S3
   // store (so a local repository opens without them); with neither, Open
   // of an S3 URL fails naming what is missing.
-  std::optional<S3Options> s3;
-  std::function<Result<S3Options>()> s3_settings;
+  std::optional<ObjectStoreOptions> s3;
+  std::function<Result<ObjectStoreOptions>()> s3_settings;
 };
 
 // Open options as the command-line tool and the Python package take them
@@ -99,7 +99,7 @@ struct OpenOptions {
 //   XDG_CACHE_HOME, HOME      cache_root: $XDG_CACHE_HOME/ckptfs, else
 //                             $HOME/.cache/ckptfs
 //   CKPT_LOCK_STALE_SECONDS   lock_stale_after (seconds, at least 0.1)
-//   AWS_*, CKPT_S3_*          s3_settings: S3Options::FromEnvironment(env),
+//   AWS_*, CKPT_S3_*          s3_settings: ObjectStoreOptions::FromEnvironment(env),
 //                             read when an S3 repository is opened
 // InvalidArgument naming a malformed variable.
 Result<OpenOptions> OpenOptionsFromEnvironment(const Environment& env);

@@ -2,7 +2,7 @@
 // way networks and overloaded servers do: a 503 answer, a reset before any
 // answer, an answer cut off midway, or silence. Used to test the S3
 // backend's retries against a real S3 server. One request per connection
-// (clients set S3Options::reuse_connections = false), so the fault plan
+// (clients set ObjectStoreOptions::reuse_connections = false), so the fault plan
 // chooses per request.
 #pragma once
 

@@ -13,9 +13,11 @@
 #include <functional>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <random>
 #include <thread>
 
+#include "backend/store_url.h"
 #include "ckpt/repository_impl.h"
 #include "test_util.h"
 
@@ -690,6 +692,63 @@ TEST(RepositoryOpen, SettingsComeFromTheEnvironmentOnlyThroughTheLookupGiven) {
   EXPECT_EQ(s3_open.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s3_open.status().message().find("no S3 settings"), std::string::npos) << s3_open.status().message();
   EXPECT_EQ(Repository::Open("s3://bucket/prefix", *o).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Stores are opened by URL through a registry of schemes: an unknown scheme
+// is named, and a scheme a program registers works like s3://.
+TEST(RepositoryOpen, StoresOpenByUrlThroughTheRegistryOfSchemes) {
+  EXPECT_EQ(StoreScheme("S3://bucket/p"), "s3");
+  EXPECT_EQ(StoreScheme("/data/ckpt"), "");
+  EXPECT_EQ(StoreScheme("./a://b"), "");
+  EXPECT_FALSE(IsObjectStoreUrl("relative/dir"));
+  EXPECT_EQ(ObjectStoreChild("s3://b/p/", "objects"), "s3://b/p/objects");
+  EXPECT_EQ(ObjectStoreChild("s3://b", "objects"), "s3://b/objects");
+  TempDir dir;
+  OpenOptions o;
+  o.s3 = ObjectStoreOptions{};
+  o.cache_dir = dir / "cache-1";
+  auto unknown = Repository::Open("gs://bucket/run", o);
+  EXPECT_EQ(unknown.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(unknown.status().message().find("unknown scheme 'gs://'"), std::string::npos) << unknown.status().message();
+  EXPECT_NE(unknown.status().message().find("s3://"), std::string::npos);
+
+  // "memtest://NAME/PATH": the objects under PATH of an in-memory store NAME.
+  auto stores = std::make_shared<std::map<std::string, std::shared_ptr<Backend>>>();
+  auto mu = std::make_shared<std::mutex>();
+  RegisterStoreScheme("memtest", [stores, mu](const std::string& url, const ObjectStoreOptions&,
+                                              bool create) -> Result<std::unique_ptr<Backend>> {
+    const std::string rest = url.substr(std::string("memtest://").size());
+    const size_t slash = rest.find('/');
+    if (slash == std::string::npos) return Status::InvalidArgument("memtest:// needs a path");
+    std::lock_guard lock(*mu);
+    auto& store = (*stores)[rest.substr(0, slash)];
+    if (!store) {
+      if (!create) return Status::NotFound("no store " + rest.substr(0, slash));
+      store = NewMemoryBackend();
+    }
+    return NewPrefixedBackend(store, rest.substr(slash + 1));
+  });
+  EXPECT_EQ(Repository::Open("memtest://nothing/here", o).status().code(), StatusCode::kNotFound);
+  ASSERT_OK(Repository::Init("memtest://a/repo", {}, o));
+  const std::string bytes = "twelve bytes";
+  {
+    auto host1 = Repository::Open("memtest://a/repo", o);
+    ASSERT_OK(host1.status());
+    EXPECT_TRUE((*host1)->remote());
+    auto w = (*host1)->BeginCheckpoint("c", {});
+    ASSERT_OK(w.status());
+    ASSERT_OK((*w)->PutTensor({"t", DType::kU8, {12}}, std::as_bytes(std::span(bytes))));
+    ASSERT_OK((*w)->Commit().Wait().status());
+  }
+  o.cache_dir = dir / "cache-2";  // another host
+  auto host2 = Repository::Open("memtest://a/repo", o);
+  ASSERT_OK(host2.status());
+  auto r = (*host2)->OpenCheckpoint("c");
+  ASSERT_OK(r.status());
+  std::string got(12, '\0');
+  ASSERT_OK((*r)->ReadRegion(*(*r)->FindTensor("t"), Region::OfFlat(0, 12), std::as_writable_bytes(std::span(got))));
+  EXPECT_EQ(got, bytes);
+  EXPECT_EQ(Repository::Init("memtest://a/repo", {}, o).code(), StatusCode::kAlreadyExists);
 }
 
 // A repository on an object store handed over as a Backend: hosts (each a

@@ -51,7 +51,7 @@ class S3Backend : public ::testing::Test {
     ASSERT_OK(b);
     backend_ = std::move(b).value();
   }
-  S3Options options_;
+  ObjectStoreOptions options_;
   S3Location location_;
   std::unique_ptr<Backend> backend_;
 };
@@ -110,7 +110,7 @@ TEST_F(S3Backend, AnAbortedMultipartUploadLeavesNothingBehind) {
 }
 
 TEST_F(S3Backend, BadCredentialsAMissingBucketAndAnUnreachableEndpointEachGiveOneClearError) {
-  S3Options wrong = options_;
+  ObjectStoreOptions wrong = options_;
   wrong.secret_key = "not-the-secret";
   auto creds = OpenS3Backend(location_, wrong);
   EXPECT_EQ(creds.status().code(), StatusCode::kFailedPrecondition);
@@ -122,7 +122,7 @@ TEST_F(S3Backend, BadCredentialsAMissingBucketAndAnUnreachableEndpointEachGiveOn
   EXPECT_NE(missing.status().message().find("'ckptfs-no-such-bucket' does not exist"), std::string::npos)
       << missing.status().message();
 
-  S3Options nowhere = options_;
+  ObjectStoreOptions nowhere = options_;
   nowhere.endpoint = "http://127.0.0.1:9";  // discard port: nothing listens
   nowhere.max_retries = 2;
   const auto t0 = std::chrono::steady_clock::now();
@@ -156,7 +156,7 @@ TEST_F(S3Backend, TransientFaultsAreRetriedUntilEveryOperationSucceeds) {
   const Fault kinds[] = {Fault::kServiceUnavailable, Fault::kResetBeforeAnswer, Fault::kCutAnswer, Fault::kSilence};
   const int upstream = std::stoi(options_.endpoint.substr(options_.endpoint.rfind(':') + 1));
   testing::FaultProxy proxy(upstream, [&](int n) { return n % 3 == 1 ? kinds[(n / 3) % 4] : Fault::kNone; });
-  S3Options faulty = options_;
+  ObjectStoreOptions faulty = options_;
   faulty.endpoint = "http://127.0.0.1:" + std::to_string(proxy.port());
   faulty.reuse_connections = false;  // one request per connection: the plan picks requests
   faulty.stall_timeout_s = 1;
@@ -197,7 +197,7 @@ TEST_F(S3Backend, AnUploadThatKeepsFailingFailsCleanlyAndLeavesNoObject) {
   // The first requests get through (the bucket check, the upload's start
   // and first part); from then on the server answers 503 forever.
   testing::FaultProxy proxy(upstream, [](int n) { return n < 3 ? Fault::kNone : Fault::kServiceUnavailable; });
-  S3Options faulty = options_;
+  ObjectStoreOptions faulty = options_;
   faulty.endpoint = "http://127.0.0.1:" + std::to_string(proxy.port());
   faulty.reuse_connections = false;
   faulty.max_retries = 2;

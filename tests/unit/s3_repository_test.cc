@@ -75,7 +75,7 @@ class S3Repository : public ::testing::Test {
   }
 
   TempDir dir_;
-  S3Options s3_;
+  ObjectStoreOptions s3_;
   std::string url_;
 };
 
@@ -264,7 +264,7 @@ TEST_F(S3Repository, GcOnAHostThatNeverSawAPendingCheckpointKeepsItsRanks) {
 }
 
 // The repository's objects/ as a plain store, to look at or plant objects.
-std::unique_ptr<Backend> ObjectsOf(const std::string& url, const S3Options& s3) {
+std::unique_ptr<Backend> ObjectsOf(const std::string& url, const ObjectStoreOptions& s3) {
   const std::string prefix = url.substr(std::string("s3://ckptfs-test/").size()) + "/objects";
   return std::move(OpenS3Backend({"ckptfs-test", prefix}, s3)).value();
 }

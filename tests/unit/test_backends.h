@@ -31,8 +31,8 @@ inline void PrintTo(const BackendFactory& f, std::ostream* os) { *os << f.name; 
 
 // The S3 test server's options, from the AWS_* variables; nullopt, with
 // `why`, when none is configured.
-inline std::optional<S3Options> S3TestOptions(std::string* why) {
-  auto options = S3Options::FromEnvironment(std::getenv);
+inline std::optional<ObjectStoreOptions> S3TestOptions(std::string* why) {
+  auto options = ObjectStoreOptions::FromEnvironment(std::getenv);
   if (!options.ok()) {
     *why = "no S3 server (" + options.status().message() + "); tools/s3-server.sh starts one";
     return std::nullopt;

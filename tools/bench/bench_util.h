@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "backend/s3_backend.h"
+#include "backend/store_options.h"
 #include "core/status.h"
 
 namespace ckptfs::bench {
@@ -280,7 +280,7 @@ inline double PageFaultMicros() {
 
 // The s3cmd command line (Debian's s3cmd) for the server and credentials
 // in `s3`; append "put FILE s3://..." or "get ...".
-inline std::string S3cmd(const S3Options& s3) {
+inline std::string S3cmd(const ObjectStoreOptions& s3) {
   const std::string host = s3.endpoint.substr(s3.endpoint.find("://") + 3);
   return "s3cmd --no-ssl --host=" + host + " --host-bucket=" + host + " --access_key=" + s3.access_key +
          " --secret_key=" + s3.secret_key + " --region=" + s3.region + " --no-check-md5 -q";

@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "backend/s3_backend.h"
+#include "backend/store_url.h"
 #include "bench_util.h"
 
 using namespace ckptfs;
@@ -52,11 +52,10 @@ int main(int argc, char** argv) {
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
-  auto options = S3Options::FromEnvironment(std::getenv);
+  auto options = ObjectStoreOptions::FromEnvironment(std::getenv);
   Check(options.status(), "S3 settings");
-  S3Location location{"ckptfs-bench", "s3-bench-" + std::to_string(::getpid())};
-  Check(CreateS3Bucket(location, *options), "create bucket");
-  auto backend = std::move(OpenS3Backend(location, *options)).value();
+  const std::string url = "s3://ckptfs-bench/s3-bench-" + std::to_string(::getpid());
+  auto backend = std::move(OpenObjectStore(url, *options, /*create=*/true)).value();
   const std::string s3cmd = bench::S3cmd(*options);
 
   const uint64_t size = mib << 20;
@@ -84,7 +83,7 @@ int main(int argc, char** argv) {
     const double tp = Seconds(t0);
 
     t0 = Clock::now();
-    if (Run(s3cmd + " put " + file + " s3://" + location.bucket + "/" + location.prefix + "/s3cmd-object") != 0) {
+    if (Run(s3cmd + " put " + file + " " + url + "/s3cmd-object") != 0) {
       std::fprintf(stderr, "s3cmd put failed\n");
       return 1;
     }
@@ -109,7 +108,7 @@ int main(int argc, char** argv) {
     }
 
     t0 = Clock::now();
-    if (Run(s3cmd + " get --force s3://" + location.bucket + "/" + location.prefix + "/s3cmd-object - > /dev/null") != 0) {
+    if (Run(s3cmd + " get --force " + url + "/s3cmd-object - > /dev/null") != 0) {
       std::fprintf(stderr, "s3cmd get failed\n");
       return 1;
     }
@@ -129,7 +128,7 @@ int main(int argc, char** argv) {
     Check(backend->Delete("packs/object"), "delete");
   }
   std::filesystem::remove(file);
-  (void)Run(s3cmd + " del s3://" + location.bucket + "/" + location.prefix + "/s3cmd-object > /dev/null");
+  (void)Run(s3cmd + " del " + url + "/s3cmd-object > /dev/null");
   std::printf("\nmedian of %d runs:\n", runs);
   std::printf("  backend multipart put   %6.0f MB/s   ratio to s3cmd put %.2f\n", fig.Median("put"),
               fig.Median("put_ratio"));

@@ -33,7 +33,7 @@
 #include <thread>
 #include <vector>
 
-#include "backend/s3_backend.h"
+#include "backend/store_url.h"
 #include "bench_util.h"
 #include "ckpt/repository.h"
 #include "llm_state.h"
@@ -81,8 +81,8 @@ std::vector<int> ParseList(const std::string& s) {
 }
 
 // Removes every object under the prefix (the server keeps data in memory).
-void RemovePrefix(const S3Options& s3, const std::string& prefix) {
-  auto backend = OpenS3Backend({kBucket, prefix}, s3);
+void RemovePrefix(const ObjectStoreOptions& s3, const std::string& prefix) {
+  auto backend = OpenObjectStore(std::string("s3://") + kBucket + "/" + prefix, s3);
   if (!backend.ok()) return;
   auto keys = (*backend)->List("");
   if (!keys.ok()) return;
@@ -90,13 +90,13 @@ void RemovePrefix(const S3Options& s3, const std::string& prefix) {
 }
 
 // Open options that only name the S3 settings.
-OpenOptions S3Only(const S3Options& s3) {
+OpenOptions S3Only(const ObjectStoreOptions& s3) {
   OpenOptions o;
   o.s3 = s3;
   return o;
 }
 
-std::unique_ptr<Repository> OpenHost(const std::string& url, const std::string& cache_dir, const S3Options& s3,
+std::unique_ptr<Repository> OpenHost(const std::string& url, const std::string& cache_dir, const ObjectStoreOptions& s3,
                                      size_t threads) {
   OpenOptions o;
   o.cache_dir = cache_dir;
@@ -110,7 +110,7 @@ std::unique_ptr<Repository> OpenHost(const std::string& url, const std::string& 
 
 // ---- save and load against plain transfers ----
 
-void TransferRuns(const Options& o, const S3Options& s3) {
+void TransferRuns(const Options& o, const ObjectStoreOptions& s3) {
   auto state = bench::BuildState(o.gib);
   uint64_t total = 0;
   for (const auto& t : state) total += t.bytes.size();
@@ -181,7 +181,7 @@ void TransferRuns(const Options& o, const S3Options& s3) {
 
     // The same bytes downloaded: 4 MiB ranged GETs from several threads,
     // and s3cmd get.
-    auto raw_backend = std::move(OpenS3Backend({kBucket, prefix + "-raw"}, s3)).value();
+    auto raw_backend = std::move(OpenObjectStore(std::string("s3://") + kBucket + "/" + prefix + "-raw", s3)).value();
     std::vector<std::byte> out(total);
     cpu0 = CpuSeconds();
     t0 = Clock::now();
@@ -252,7 +252,7 @@ struct ScaleFigures {
   double latency_ms;         // median over steps
 };
 
-ScaleFigures ScaleRun(const Options& o, const S3Options& s3, int n) {
+ScaleFigures ScaleRun(const Options& o, const ObjectStoreOptions& s3, int n) {
   std::vector<double> step_requests, step_committer, step_latency;
   const std::string prefix = "ckpt-scale-" + std::to_string(::getpid()) + "-" + std::to_string(n);
   const std::string url = std::string("s3://") + kBucket + "/" + prefix;
@@ -385,9 +385,9 @@ int main(int argc, char** argv) {
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
-  auto s3 = S3Options::FromEnvironment(std::getenv);
+  auto s3 = ObjectStoreOptions::FromEnvironment(std::getenv);
   Check(s3.status(), "S3 settings");
-  Check(CreateS3Bucket({kBucket, ""}, *s3), "create bucket");
+  Check(OpenObjectStore(std::string("s3://") + kBucket, *s3, /*create=*/true).status(), "create bucket");
   if (o.transfers) TransferRuns(o, *s3);
   if (!o.scale.empty()) {
     std::printf("scale: each rank a host with its own catalog, 64 KiB of new bytes per rank and step, %d steps\n",
