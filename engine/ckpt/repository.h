@@ -192,7 +192,8 @@ class CommitHandle {
   friend class CheckpointWriter;
   friend class WriterImpl;
   // Lets go of future_; in a forked child, without destroying its state
-  // (which would join the parent's commit thread, absent here: a hang).
+  // (a thread of the parent, absent here, may have held its lock at the
+  // fork).
   void ReleaseFuture();
   std::shared_future<Result<CommitResult>> future_;
   uint64_t fork_generation_ = ForkGeneration();

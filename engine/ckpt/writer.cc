@@ -517,7 +517,16 @@ CommitHandle WriterImpl::Commit() {
   handle.blocking_ = blocking_;
   auto total = handle.total_ns_;
   auto start = first_put_;
-  handle.future_ = std::async(std::launch::async, [this, self = shared_from_this(), total, start]() mutable -> Result<CommitResult> {
+  // On the repository's I/O pool: a commit waits on the disk or the store,
+  // never on the compute workers' tasks. The task may be the last owner of
+  // the repository's internals (their Repository gone, the handle kept):
+  // it lets them go before the handle reports, and the pool lets a worker
+  // destroy it (thread_pool.h).
+  auto promise = std::make_shared<std::promise<Result<CommitResult>>>();
+  handle.future_ = promise->get_future().share();
+  ThreadPool& io = repo_->IoPool();
+  io.Submit([this, self = shared_from_this(), total, start, promise]() mutable {
+    promise->set_value([&]() -> Result<CommitResult> {
                      Shutdown();
                      Status st;
                      {
@@ -537,7 +546,8 @@ CommitHandle WriterImpl::Commit() {
                      self.reset();
                      if (!st.ok()) return st;
                      return result;
-                   }).share();
+                   }());
+  });
   return handle;
 }
 

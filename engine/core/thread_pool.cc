@@ -10,38 +10,44 @@ thread_local bool on_pool_thread = false;
 
 ThreadPool::ThreadPool(size_t threads) {
   if (threads == 0) threads = 1;
-  for (size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
+  for (size_t i = 0; i < threads; ++i) threads_.emplace_back([state = state_] { Run(state); });
 }
 
 ThreadPool::~ThreadPool() {
   {
-    std::lock_guard lock(mu_);
-    stop_ = true;
+    std::lock_guard lock(state_->mu);
+    state_->stop = true;
   }
-  cv_.notify_all();
-  for (auto& t : threads_) t.join();
+  state_->cv.notify_all();
+  for (auto& t : threads_) {
+    if (t.get_id() == std::this_thread::get_id()) {
+      t.detach();  // a task of this pool is destroying it: this worker ends after it
+    } else {
+      t.join();
+    }
+  }
 }
 
 bool ThreadPool::OnPoolThread() { return on_pool_thread; }
 
 void ThreadPool::Submit(std::function<void()> task) {
   {
-    std::lock_guard lock(mu_);
-    queue_.push_back(std::move(task));
+    std::lock_guard lock(state_->mu);
+    state_->queue.push_back(std::move(task));
   }
-  cv_.notify_one();
+  state_->cv.notify_one();
 }
 
-void ThreadPool::Run() {
+void ThreadPool::Run(std::shared_ptr<State> state) {
   on_pool_thread = true;
   while (true) {
     std::function<void()> task;
     {
-      std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      task = std::move(queue_.front());
-      queue_.pop_front();
+      std::unique_lock lock(state->mu);
+      state->cv.wait(lock, [&] { return state->stop || !state->queue.empty(); });
+      if (state->queue.empty()) return;
+      task = std::move(state->queue.front());
+      state->queue.pop_front();
     }
     task();
   }

@@ -3,13 +3,16 @@
 //
 // Thread safety: Submit may be called from any thread. Tasks must not block
 // waiting on other tasks of the same pool; code that may run on a pool
-// thread checks OnPoolThread() and runs inline instead.
+// thread checks OnPoolThread() and runs inline instead. A task may destroy
+// the pool it runs on (its last owner let go inside it): the destructor
+// then lets that worker finish on its own instead of joining it.
 #pragma once
 
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -19,7 +22,7 @@ namespace ckptfs {
 class ThreadPool {
  public:
   explicit ThreadPool(size_t threads);
-  ~ThreadPool();  // runs the queued tasks, then joins
+  ~ThreadPool();  // runs the queued tasks, then joins (see above)
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
@@ -28,11 +31,16 @@ class ThreadPool {
   static bool OnPoolThread();
 
  private:
-  void Run();
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  bool stop_ = false;
+  // Shared with the workers, so that one outliving the pool (above) still
+  // has its queue to drain.
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> queue;  // guarded by mu
+    bool stop = false;                        // guarded by mu
+  };
+  static void Run(std::shared_ptr<State> state);
+  std::shared_ptr<State> state_ = std::make_shared<State>();
   std::vector<std::thread> threads_;
 };
 

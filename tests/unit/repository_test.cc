@@ -323,6 +323,26 @@ TEST_F(SaveAndLoad, HandlesWritersAndReadersOutliveTheirRepository) {
   ExpectWhole("second", big);
 }
 
+// The commit is the last owner of everything: the repository and the
+// writer are gone before it ends. It releases them on its own thread (the
+// repository's I/O pool, which it thereby destroys) before the handle
+// reports, so the path opens again at once.
+TEST_F(SaveAndLoad, ACommitThatOutlivesItsRepositoryAndWriterReleasesThemBeforeItReports) {
+  for (int round = 0; round < 3; ++round) {
+    const std::string name = "last-" + std::to_string(round);
+    auto big = MakeRef("big", DType::kBF16, {8 << 20}, 30 + round);
+    auto w = Begin(name);
+    PutFlat(*w, big, 0, big.info.shape[0]);
+    CommitHandle handle = w->Commit();
+    w.reset();
+    repo_.reset();
+    ASSERT_OK(handle.Wait());
+    handle = CommitHandle();
+    Reopen();
+    ExpectWhole(name, big);
+  }
+}
+
 TEST_F(SaveAndLoad, TensorBlobAndTagNamesAreCheckedBeforeTheirBytesAreWritten) {
   auto expect_refused = [](const Status& st, const std::string& says) {
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
