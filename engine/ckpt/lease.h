@@ -85,10 +85,10 @@ class LeaseRegistry {
   const ObjectLockOptions options_;
   std::string host_;  // object stores: this host's id (STATE/host-id)
   std::mutex mu_;
-  std::map<std::string, Held> held_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  bool idle_changed_ = false;  // a lease started lingering: the refresher's next wake moves
+  std::map<std::string, Held> held_;  // guarded by mu_
+  std::condition_variable cv_;        // with mu_
+  bool stop_ = false;                 // guarded by mu_
+  bool idle_changed_ = false;  // guarded by mu_; a lease started lingering: the refresher's next wake moves
   std::thread refresher_;  // object stores, from the first lease on
 };
 

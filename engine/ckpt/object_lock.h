@@ -86,9 +86,9 @@ class ObjectLock {
   const std::string key_;
   const ObjectLockOptions options_;
   mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  uint64_t last_refresh_ms_;
+  std::condition_variable cv_;  // with mu_
+  bool stop_ = false;           // guarded by mu_
+  uint64_t last_refresh_ms_;    // guarded by mu_
   std::thread refresher_;
 };
 

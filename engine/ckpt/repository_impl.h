@@ -127,7 +127,7 @@ class RepositoryImpl {
  private:
   std::unique_ptr<ChunkFetcher> fetcher_;
   std::once_flag io_pool_once_;
-  std::unique_ptr<ThreadPool> io_pool_;
+  std::unique_ptr<ThreadPool> io_pool_;  // set once, under io_pool_once_
   std::mutex sync_mu_;
   // Packs listed by the last sync whose indexes are not in the catalog yet
   // (guarded by sync_mu_).

@@ -201,35 +201,40 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   const WriterOptions options_;
   PackWriter packs_;
 
+  // Which lock guards what. The caller's thread (one per writer: PutShard,
+  // PutBlob, Commit), the compute workers (hashing, encoding), the
+  // pack-writer thread and the commit task share this object. Once the
+  // commit task's Shutdown() has returned, no worker or pack-writer thread
+  // is left, and the commit task reads record_ and stored_ alone.
   std::mutex mu_;
-  Status error_;
-  bool committed_ = false;
-  RankRecord record_;
-  std::map<std::string, size_t> tensor_index_;
-  std::set<std::string> blob_names_;
+  Status error_;                                  // guarded by mu_
+  bool committed_ = false;                        // guarded by mu_
+  RankRecord record_;                             // guarded by mu_ (alone after Shutdown)
+  std::map<std::string, size_t> tensor_index_;    // guarded by mu_
+  std::set<std::string> blob_names_;              // guarded by mu_
   // Chunks this writer has handled: the first job with an id stores or
   // deduplicates it, later ones only reference it.
-  std::unordered_set<ChunkId, ChunkIdHash> seen_;
-  std::unordered_map<ChunkId, ChunkLocation, ChunkIdHash> stored_;
-  CommitResult stats_;
+  std::unordered_set<ChunkId, ChunkIdHash> seen_;                       // guarded by mu_
+  std::unordered_map<ChunkId, ChunkLocation, ChunkIdHash> stored_;      // guarded by mu_ (alone after Shutdown)
+  CommitResult stats_;                            // guarded by mu_
 
   // In-flight bound.
   const size_t max_inflight_;
-  std::condition_variable inflight_cv_;
-  size_t inflight_ = 0;
-  WaitGroup inflight_wg_;
+  std::condition_variable inflight_cv_;           // with mu_
+  size_t inflight_ = 0;                           // guarded by mu_
+  WaitGroup inflight_wg_;                         // its own lock
 
   // Encoded chunks waiting for the pack-writer thread.
   const size_t queue_limit_;
   std::mutex queue_mu_;
-  std::condition_variable queue_cv_;
-  std::deque<Encoded> queue_;
-  bool stop_writer_ = false;
-  std::thread writer_thread_;
+  std::condition_variable queue_cv_;              // with queue_mu_
+  std::deque<Encoded> queue_;                     // guarded by queue_mu_
+  bool stop_writer_ = false;                      // guarded by queue_mu_
+  std::thread writer_thread_;                     // the caller's thread starts it; Shutdown joins it
 
   const uint64_t created_unix_ms_ = WallClockUnixMs();
-  std::chrono::steady_clock::time_point first_put_{};
-  std::chrono::nanoseconds blocking_{0};
+  std::chrono::steady_clock::time_point first_put_{};  // the caller's thread only
+  std::chrono::nanoseconds blocking_{0};               // the caller's thread only
 };
 
 namespace {
