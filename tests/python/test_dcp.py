@@ -123,11 +123,13 @@ class Pickling(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d:
             repo = os.path.join(d, "r")
             ckptfs.init(repo)
+            cache = os.path.join(d, "cache")  # (a local repository keeps no catalog there)
             w = pickle.loads(pickle.dumps(ckptfs_torch.StorageWriter(repo, "n", step=4, tags={"a": "b"},
-                                                                     blobs={"config.json": b"{}"})))
-            self.assertEqual((w.url, w.name, w.step, w.tags, w.blobs), (repo, "n", 4, {"a": "b"}, {"config.json": b"{}"}))
-            r = pickle.loads(pickle.dumps(ckptfs_torch.StorageReader(repo, "n")))
-            self.assertEqual((r.url, r.name), (repo, "n"))
+                                                                     blobs={"config.json": b"{}"}, cache_dir=cache)))
+            self.assertEqual((w.url, w.name, w.step, w.tags, w.blobs, w.cache_dir),
+                             (repo, "n", 4, {"a": "b"}, {"config.json": b"{}"}, cache))
+            r = pickle.loads(pickle.dumps(ckptfs_torch.StorageReader(repo, "n", cache_dir=cache)))
+            self.assertEqual((r.url, r.name, r.cache_dir), (repo, "n", cache))
 
 
 if __name__ == "__main__":

@@ -108,17 +108,18 @@ def _join(value: Any, load) -> Any:
 class CkptfsCheckpointIO(CheckpointIO):
     """A Lightning CheckpointIO plugin that saves into the ckptfs repository
     at `url` (a path, or s3://). `url` must name an existing repository
-    (ckptfs.init or `ckpt init`)."""
+    (ckptfs.init or `ckpt init`); `cache_dir` is as for ckptfs.open."""
 
-    def __init__(self, url: Union[str, os.PathLike]):
+    def __init__(self, url: Union[str, os.PathLike], *, cache_dir: Optional[Union[str, os.PathLike]] = None):
         super().__init__()
         self.url = os.fspath(url)
+        self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
         self._repo: Optional[ckptfs.Repository] = None
 
     @property
     def repo(self) -> "ckptfs.Repository":
         if self._repo is None:
-            self._repo = ckptfs.open(self.url)
+            self._repo = ckptfs.open(self.url, cache_dir=self.cache_dir)
         return self._repo
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Union[str, os.PathLike],

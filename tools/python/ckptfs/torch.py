@@ -114,7 +114,8 @@ class StorageWriter(_WriterBase):
     """
 
     def __init__(self, url: Union[str, os.PathLike], name: Optional[str] = None, *, step: Optional[int] = None,
-                 tags: Optional[dict] = None, blobs: Optional[Dict[str, bytes]] = None):
+                 tags: Optional[dict] = None, blobs: Optional[Dict[str, bytes]] = None,
+                 cache_dir: Optional[Union[str, os.PathLike]] = None):
         if _REASON is not None:
             raise UnsupportedError(_REASON)
         super().__init__()
@@ -123,7 +124,8 @@ class StorageWriter(_WriterBase):
         self.step = step
         self.tags = dict(tags or {})
         self.blobs = {str(k): bytes(v) for k, v in (blobs or {}).items()}
-        self._repo = ckptfs.open(self.url)
+        self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
+        self._repo = ckptfs.open(self.url, cache_dir=self.cache_dir)
         self._writer = None
         self._kept: List[Any] = []
         self._is_coordinator = False
@@ -131,10 +133,12 @@ class StorageWriter(_WriterBase):
     # dcp.async_save in a process sends the writer there pickled: it carries
     # its settings, and the new process opens the repository again.
     def __getstate__(self):
-        return {"url": self.url, "name": self.name, "step": self.step, "tags": self.tags, "blobs": self.blobs}
+        return {"url": self.url, "name": self.name, "step": self.step, "tags": self.tags, "blobs": self.blobs,
+                "cache_dir": self.cache_dir}
 
     def __setstate__(self, state):
-        self.__init__(state["url"], state["name"], step=state["step"], tags=state["tags"], blobs=state["blobs"])
+        self.__init__(state["url"], state["name"], step=state["step"], tags=state["tags"], blobs=state["blobs"],
+                      cache_dir=state.get("cache_dir"))
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
@@ -229,19 +233,21 @@ class StorageReader(_ReaderBase):
     any sharding. A checkpoint_id given to dcp.load names the checkpoint
     instead, so one reader serves every step."""
 
-    def __init__(self, url: Union[str, os.PathLike], name: Optional[str] = None):
+    def __init__(self, url: Union[str, os.PathLike], name: Optional[str] = None, *,
+                 cache_dir: Optional[Union[str, os.PathLike]] = None):
         if _REASON is not None:
             raise UnsupportedError(_REASON)
         super().__init__()
         self.url = os.fspath(url)
         self.name = name
-        self._repo = ckptfs.open(self.url)
+        self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
+        self._repo = ckptfs.open(self.url, cache_dir=self.cache_dir)
 
     def __getstate__(self):
-        return {"url": self.url, "name": self.name}
+        return {"url": self.url, "name": self.name, "cache_dir": self.cache_dir}
 
     def __setstate__(self, state):
-        self.__init__(state["url"], state["name"])
+        self.__init__(state["url"], state["name"], cache_dir=state.get("cache_dir"))
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
