@@ -508,6 +508,41 @@ class Statistics(PythonTestCase):
 
 
 class Interop(PythonTestCase):
+    def test_import_safetensors_does_what_ckpt_import_does(self):
+        gen = torch.Generator().manual_seed(3)
+        a = torch.randn(64, 32, generator=gen)
+        b = torch.arange(100, dtype=torch.int64)
+        model = self.path("model")
+        os.makedirs(os.path.join(model, "subdir"))
+        st.write(os.path.join(model, "model-1.safetensors"), [("a", "F32", a.numpy())])
+        st.write(os.path.join(model, "model-2.safetensors"), [("b", "I64", b.numpy())])
+        with open(os.path.join(model, "model.safetensors.index.json"), "w") as f:
+            json.dump({"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}, f)
+        with open(os.path.join(model, "config.json"), "w") as f:
+            f.write('{"model_type": "test"}')
+        with open(self.path("extra.bin"), "wb") as f:
+            f.write(b"\x01\x02")
+        got = self.r.import_safetensors("hf", model, step=7, tags={"src": "hf"}, blobs={"extra": self.path("extra.bin")})
+        self.assertTrue(got["checkpoint_visible"])
+        self.assertEqual(got["left_out"], [os.path.join(model, "subdir") + " (a directory)"])
+        self.assertTrue(torch.equal(self.r.tensor("hf", "a"), a))
+        self.assertTrue(torch.equal(self.r.tensor("hf", "b"), b))
+        shown = json.loads(self.run_ckpt("show", "hf", "--json").stdout)
+        self.assertEqual(sorted(x["name"] for x in shown["blobs"]), ["config.json", "extra"])
+        self.assertEqual(shown["step"], 7)
+        # the same checks as the CLI's, before anything is written
+        st.write(self.path("part.safetensors"), [("c", "F32", np.zeros(4, np.float32))],
+                 metadata={"ckptfs.shards": json.dumps({"c": {"global_shape": [8], "offsets": [0]}})})
+        with self.assertRaisesRegex(ckptfs.InvalidArgumentError, "hold 4 of its 8 elements.*world_size="):
+            self.r.import_safetensors("part", self.path("part.safetensors"))
+        with open(os.path.join(model, "model.safetensors.index.json"), "w") as f:
+            json.dump({"weight_map": {"a": "model-2.safetensors", "b": "model-2.safetensors"}}, f)
+        with self.assertRaisesRegex(ckptfs.InvalidArgumentError, "places tensor 'a'"):
+            self.r.import_safetensors("bad-index", model)
+        self.assertEqual([c["name"] for c in self.r.checkpoints(include_pending=True)], ["hf"])
+        half = self.r.import_safetensors("part", self.path("part.safetensors"), rank=0, world_size=2)
+        self.assertFalse(half["checkpoint_visible"])
+
     def test_the_cli_reads_what_python_saved(self):
         gen = torch.Generator().manual_seed(11)
         w = random_tensor(gen, torch.bfloat16, (16, 8))
@@ -694,7 +729,8 @@ class Documentation(unittest.TestCase):
         for f in (ckptfs.init, ckptfs.open, ckptfs.Repository.save, ckptfs.Repository.async_save,
                   ckptfs.Repository.load, ckptfs.Repository.tensor, ckptfs.Repository.blob,
                   ckptfs.Repository.checkpoints, ckptfs.Repository.show, ckptfs.Repository.rm,
-                  ckptfs.Repository.gc, ckptfs.SaveHandle.result, ckptfs.Box, ckptfs.Flat):
+                  ckptfs.Repository.gc, ckptfs.Repository.import_safetensors, ckptfs.SaveHandle.result,
+                  ckptfs.Box, ckptfs.Flat):
             self.assertTrue(f.__doc__ and len(f.__doc__) > 40, f)
 
 

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "ckpt/describe.h"
+#include "ckpt/import.h"
 #include "ckpt/repository.h"
 #include "core/fork.h"
 #include "core/version.h"
@@ -486,6 +487,44 @@ class PyRepository {
     return Writer(repo_, Value(repo_->BeginCheckpoint(name, o)));
   }
 
+  // What `ckpt import` does (ckpt/import.h): every input checked first, then
+  // written and committed as one rank's part.
+  py::dict import_safetensors(const std::string& name, const std::vector<std::string>& paths,
+                              const std::vector<std::pair<std::string, std::string>>& blob_files, uint32_t rank,
+                              uint32_t world_size, std::optional<int64_t> step,
+                              const std::vector<std::pair<std::string, std::string>>& tags) {
+    std::vector<std::string> left_out;
+    Result<CommitResult> r = [&]() -> Result<CommitResult> {
+      py::gil_scoped_release nogil;
+      ImportInputs in;
+      in.paths = paths;
+      in.blob_files = blob_files;
+      in.partial = world_size > 1;
+      in.left_out = [&](const std::string& what) { left_out.push_back(what); };
+      CKPT_ASSIGN_OR_RETURN(PreparedImport prepared, PreparedImport::Prepare(in));
+      WriterOptions o;
+      o.rank = rank;
+      o.world_size = world_size;
+      o.step = step;
+      o.tags = tags;
+      CKPT_ASSIGN_OR_RETURN(auto writer, repo_->BeginCheckpoint(name, o));
+      if (Status st = prepared.PutInto(*writer); !st.ok()) {
+        writer->Abort();
+        return st;
+      }
+      return writer->Commit().Wait();
+    }();
+    if (!r.ok()) throw StatusError{r.status()};
+    py::dict d;
+    d["checkpoint_visible"] = r->checkpoint_visible;
+    d["chunks_written"] = r->chunks_written;
+    d["chunks_deduplicated"] = r->chunks_deduplicated;
+    d["logical_bytes"] = r->logical_bytes;
+    d["stored_bytes"] = r->stored_bytes;
+    d["left_out"] = left_out;
+    return d;
+  }
+
   Reader open_checkpoint(const std::string& name) {
     py::gil_scoped_release nogil;
     return Reader(repo_, Value(repo_->OpenCheckpoint(name)));
@@ -658,6 +697,8 @@ PYBIND11_MODULE(_core, m) {
                   py::arg("cache_dir"))
       .def_property_readonly("path", &PyRepository::path)
       .def_property_readonly("config", &PyRepository::config)
+      .def("import_safetensors", &PyRepository::import_safetensors, py::arg("name"), py::arg("paths"),
+           py::arg("blob_files"), py::arg("rank"), py::arg("world_size"), py::arg("step"), py::arg("tags"))
       .def("begin", &PyRepository::begin, py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("step"),
            py::arg("tags"))
       .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"))

@@ -1,0 +1,236 @@
+#include "ckpt/import.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+#include <string_view>
+
+#include "core/json.h"
+#include "core/region.h"
+#include "io/safetensors.h"
+
+namespace ckptfs {
+namespace {
+
+// What the paths of an import hold: safetensors files, and the other files
+// of a model directory, which become blobs.
+struct Found {
+  std::vector<std::string> safetensors;
+  std::vector<std::pair<std::string, std::string>> blob_files;  // blob name, path
+  std::vector<std::string> indexes;                            // *.safetensors.index.json
+};
+
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// A directory (a Hugging Face model directory written by save_pretrained)
+// gives its *.safetensors files as tensors, its *.safetensors.index.json as a
+// check, and every other regular file as a blob of the same name.
+// Subdirectories and hidden files are left out, and said so through
+// `left_out`.
+Status AddImportPath(const std::string& path, Found* in, const std::function<void(const std::string&)>& left_out) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return Status::FromErrno(errno, "reading " + path);
+  if (!S_ISDIR(st.st_mode)) {
+    in->safetensors.push_back(path);
+    return Status::OK();
+  }
+  DIR* d = ::opendir(path.c_str());
+  if (!d) return Status::FromErrno(errno, "listing " + path);
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(d)) names.emplace_back(e->d_name);
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  const size_t before = in->safetensors.size() + in->blob_files.size();
+  for (const auto& n : names) {
+    if (n == "." || n == "..") continue;
+    const std::string full = path + "/" + n;
+    if (::stat(full.c_str(), &st) != 0) return Status::FromErrno(errno, "reading " + full);
+    if (n[0] == '.' || !S_ISREG(st.st_mode)) {
+      if (left_out) {
+        left_out(full + " (" + (n[0] == '.' ? "a hidden file" : S_ISDIR(st.st_mode) ? "a directory" : "not a regular file") +
+                 ")");
+      }
+      continue;
+    }
+    if (EndsWith(n, ".safetensors")) {
+      in->safetensors.push_back(full);
+    } else if (EndsWith(n, ".safetensors.index.json")) {
+      in->indexes.push_back(full);
+    } else {
+      in->blob_files.emplace_back(n, full);
+    }
+  }
+  if (in->safetensors.size() + in->blob_files.size() == before) {
+    return Status::InvalidArgument(path + " holds no files to import");
+  }
+  return Status::OK();
+}
+
+// A regular file (after symbolic links) of at most `limit` bytes, whole.
+// Opened without blocking, so a FIFO is refused instead of waited on.
+Result<std::string> ReadRegularFile(const std::string& path, uint64_t limit) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return Status::FromErrno(errno, "opening " + path);
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return Status::InvalidArgument(path + " is not a regular file");
+  }
+  if (static_cast<uint64_t>(st.st_size) > limit) {
+    ::close(fd);
+    return Status::InvalidArgument(path + " has " + std::to_string(st.st_size) + " bytes, more than the " +
+                                   std::to_string(limit) + " such a file may have");
+  }
+  std::string data(static_cast<size_t>(st.st_size), '\0');
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t n = ::read(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      Status err = n < 0 ? Status::FromErrno(errno, "reading " + path)
+                         : Status::IOError(path + " became shorter while it was read");
+      ::close(fd);
+      return err;
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  return data;
+}
+
+// A safetensors index must name exactly the tensors the files hold, each in
+// the file that holds it.
+Status CheckSafetensorsIndex(const std::string& index_path,
+                             const std::vector<std::unique_ptr<SafetensorsFile>>& files) {
+  auto text = ReadRegularFile(index_path, 64 << 20);
+  if (!text.ok()) return text.status();
+  auto index = Json::Parse(*text, text->size() / 4 + 64);
+  if (!index.ok()) return index.status().WithContext(index_path);
+  const Json* map = index->Find("weight_map");
+  if (!map || !map->is_object()) return Status::InvalidArgument(index_path + ": no \"weight_map\" object");
+  std::map<std::string, std::string> where;  // tensor -> file name
+  for (const auto& f : files) {
+    const std::string base = f->path().substr(f->path().find_last_of('/') + 1);
+    for (const auto& t : f->header().tensors) where[t.name] = base;
+  }
+  for (const auto& [tensor, file] : map->as_object()) {
+    auto it = where.find(tensor);
+    if (!file.is_string()) return Status::InvalidArgument(index_path + ": the file of '" + tensor + "' is not a string");
+    if (it == where.end()) {
+      return Status::InvalidArgument(index_path + " names tensor '" + tensor + "' (in " + file.as_string() +
+                                     "), which no imported file holds");
+    }
+    if (it->second != file.as_string()) {
+      return Status::InvalidArgument(index_path + " places tensor '" + tensor + "' in " + file.as_string() +
+                                     ", but it is in " + it->second);
+    }
+  }
+  if (map->as_object().size() != where.size()) {
+    for (const auto& [tensor, file] : where) {
+      if (!map->Find(tensor)) {
+        return Status::InvalidArgument(index_path + " does not name tensor '" + tensor + "' of " + file);
+      }
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+PreparedImport::PreparedImport() = default;
+PreparedImport::PreparedImport(PreparedImport&&) noexcept = default;
+PreparedImport& PreparedImport::operator=(PreparedImport&&) noexcept = default;
+PreparedImport::~PreparedImport() = default;
+
+Result<PreparedImport> PreparedImport::Prepare(const ImportInputs& inputs) {
+  PreparedImport p;
+  Found found;
+  for (const auto& path : inputs.paths) CKPT_RETURN_IF_ERROR(AddImportPath(path, &found, inputs.left_out));
+  for (const auto& path : found.safetensors) {
+    CKPT_ASSIGN_OR_RETURN(auto f, SafetensorsFile::Open(path));
+    auto shards = ShardsOfSafetensors(f->header());
+    if (!shards.ok()) return shards.status().WithContext(path);
+    for (const auto& t : f->header().tensors) {
+      Status name_ok = ValidateMemberName("tensor name", t.name);
+      if (!name_ok.ok()) return name_ok.WithContext(path);
+      p.total_ += t.end - t.begin;
+    }
+    p.files_.push_back(std::move(f));
+    p.shards_.push_back(std::move(shards).value());
+  }
+  // A whole checkpoint's files must hold every element of each tensor. Too
+  // few is a rank's part of a sharded checkpoint given alone: refused now,
+  // rather than at the commit after every byte was written. (Gaps between
+  // parts that do add up are still found at the commit.)
+  if (!inputs.partial) {
+    std::map<std::string_view, std::pair<uint64_t, uint64_t>> held;  // name -> (elements held, elements)
+    for (size_t fi = 0; fi < p.files_.size(); ++fi) {
+      for (const SafetensorsShard& shard : p.shards_[fi]) {
+        auto& h = held[p.files_[fi]->header().tensors[shard.tensor].name];
+        h.first += shard.region.NumElements();
+        h.second = NumElements(shard.global_shape);
+      }
+    }
+    for (const auto& [tensor, h] : held) {
+      if (h.first < h.second) {
+        return Status::InvalidArgument(
+            "tensor '" + std::string(tensor) + "': the files hold " + std::to_string(h.first) + " of its " +
+            std::to_string(h.second) + " elements; nothing was written. To import one rank's part of a sharded "
+            "checkpoint, give its rank and the world size (ckpt import --rank R --world-size N; Python: rank=, "
+            "world_size=): the other ranks' imports complete it");
+      }
+    }
+  }
+  for (const auto& index : found.indexes) CKPT_RETURN_IF_ERROR(CheckSafetensorsIndex(index, p.files_));
+  for (const auto& [blob_name, path] : found.blob_files) {
+    CKPT_ASSIGN_OR_RETURN(std::string data, ReadRegularFile(path, kMaxImportBlobBytes));
+    p.total_ += data.size();
+    p.blobs_.push_back({blob_name, std::move(data)});
+  }
+  for (const auto& [blob_name, path] : inputs.blob_files) {
+    CKPT_RETURN_IF_ERROR(ValidateMemberName("blob name", blob_name));
+    // A regular file after symbolic links (not a FIFO, a device such as
+    // /dev/zero, or a directory), read whole with every error checked.
+    auto data = ReadRegularFile(path, kMaxImportBlobBytes);
+    if (!data.ok()) return data.status().WithContext("blob " + blob_name);
+    p.total_ += data->size();
+    p.blobs_.push_back({blob_name, std::move(data).value()});
+  }
+  return p;
+}
+
+Status PreparedImport::PutInto(CheckpointWriter& writer, const ProgressFn& progress,
+                               const std::function<bool()>& cancelled) const {
+  uint64_t done = 0;
+  auto stop = [&] { return cancelled && cancelled(); };
+  const Status kCancelled = Status::FailedPrecondition("import cancelled");
+  for (size_t fi = 0; fi < files_.size(); ++fi) {
+    const SafetensorsFile& f = *files_[fi];
+    for (const SafetensorsShard& shard : shards_[fi]) {
+      if (stop()) return kCancelled;
+      const SafetensorsTensor& t = f.header().tensors[shard.tensor];
+      TensorInfo info{t.name, t.dtype, shard.global_shape};
+      HostSource source(f.Data(t));
+      Status st = writer.PutShard(info, shard.region, source);
+      if (!st.ok()) return st.WithContext(f.path());
+      done += t.end - t.begin;
+      if (progress) progress(done, total_);
+    }
+  }
+  for (const auto& b : blobs_) {
+    if (stop()) return kCancelled;
+    CKPT_RETURN_IF_ERROR(writer.PutBlob(b.name, std::as_bytes(std::span(b.data))));
+    done += b.data.size();
+    if (progress) progress(done, total_);
+  }
+  if (stop()) return kCancelled;
+  return Status::OK();
+}
+
+}  // namespace ckptfs

@@ -1,0 +1,73 @@
+// Importing safetensors files and Hugging Face model directories into a
+// checkpoint: `ckpt import` and the Python package's import_safetensors.
+//
+// In two steps, so that nothing is written unless every input is sound:
+// Prepare reads and checks every input (headers, shard maps, names,
+// coverage, an index's weight map, blob files), then PutInto writes into a
+// CheckpointWriter that the caller begins and commits.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ckpt/repository.h"
+#include "core/status.h"
+
+namespace ckptfs {
+
+class SafetensorsFile;
+struct SafetensorsShard;
+
+// Blobs are held in memory whole while a checkpoint is imported.
+inline constexpr uint64_t kMaxImportBlobBytes = uint64_t{1} << 30;
+
+struct ImportInputs {
+  // Safetensors files, or model directories (as save_pretrained writes
+  // them): a directory gives its *.safetensors files as tensors, checks them
+  // against its *.safetensors.index.json, and gives every other regular
+  // file as a blob of the same name; subdirectories and hidden files are
+  // left out and passed to `left_out` ("PATH (a directory)").
+  std::vector<std::string> paths;
+  // More blobs: (name, file).
+  std::vector<std::pair<std::string, std::string>> blob_files;
+  // The files are one rank's part only (a rank of several): the check that
+  // they hold every element of each tensor is left to the commit.
+  bool partial = false;
+  std::function<void(const std::string&)> left_out;
+};
+
+class PreparedImport {
+ public:
+  // Reads and checks every input; writes nothing. InvalidArgument (or the
+  // I/O error) naming the file and what is wrong.
+  static Result<PreparedImport> Prepare(const ImportInputs& inputs);
+  PreparedImport(PreparedImport&&) noexcept;
+  PreparedImport& operator=(PreparedImport&&) noexcept;
+  ~PreparedImport();
+
+  uint64_t total_bytes() const { return total_; }  // tensor and blob bytes to write
+
+  // Puts every tensor shard and blob into `writer`. `progress` gets bytes
+  // done and total_bytes(); `cancelled`, asked before each tensor and blob,
+  // stops it with FailedPrecondition ("cancelled"; the caller aborts the
+  // writer).
+  Status PutInto(CheckpointWriter& writer, const ProgressFn& progress = {},
+                 const std::function<bool()>& cancelled = {}) const;
+
+ private:
+  PreparedImport();
+  struct Blob {
+    std::string name;
+    std::string data;
+  };
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::vector<std::vector<SafetensorsShard>> shards_;
+  std::vector<Blob> blobs_;
+  uint64_t total_ = 0;
+};
+
+}  // namespace ckptfs
