@@ -99,6 +99,38 @@ class Backend {
   virtual bool ReadsWithKernelCopy() const { return false; }
 };
 
+// Forwards every call to another backend: the base of backends that change
+// a few calls of another (a test's full disk or failing store), which then
+// override only those.
+class BackendWrapper : public Backend {
+ public:
+  explicit BackendWrapper(std::shared_ptr<Backend> inner) : inner_(std::move(inner)) {}
+  Result<std::unique_ptr<ObjectWriter>> Create(std::string_view key) override { return inner_->Create(key); }
+  Status Put(std::string_view key, std::span<const std::byte> data) override { return inner_->Put(key, data); }
+  Status PutIfAbsent(std::string_view key, std::span<const std::byte> data) override {
+    return inner_->PutIfAbsent(key, data);
+  }
+  Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) override {
+    return inner_->ReadRange(key, offset, out);
+  }
+  Result<std::string> ReadAll(std::string_view key, uint64_t max_bytes = kMaxWholeObject) override {
+    return inner_->ReadAll(key, max_bytes);
+  }
+  Result<uint64_t> Size(std::string_view key) override { return inner_->Size(key); }
+  Result<std::vector<std::string>> List(std::string_view prefix) override { return inner_->List(prefix); }
+  Status Delete(std::string_view key) override { return inner_->Delete(key); }
+  Result<uint64_t> RemoveIncomplete() override { return inner_->RemoveIncomplete(); }
+  std::string Describe() const override { return inner_->Describe(); }
+  RequestCounts Requests() const override { return inner_->Requests(); }
+  bool ReadsWithKernelCopy() const override { return inner_->ReadsWithKernelCopy(); }
+
+ protected:
+  Backend& inner() const { return *inner_; }
+
+ private:
+  std::shared_ptr<Backend> inner_;
+};
+
 // True when `key` is a valid object key.
 bool IsValidObjectKey(std::string_view key);
 

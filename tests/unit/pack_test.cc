@@ -208,9 +208,9 @@ TEST(Pack, IndexEntriesOutsideTheDataAreaAreRejectedWithoutOverflow) {
 
 TEST(Pack, FailedAppendIsStickyAndSealsNothing) {
   // A backend whose writers fail after some bytes: a full disk.
-  class FullDisk : public Backend {
+  class FullDisk : public BackendWrapper {
    public:
-    std::unique_ptr<Backend> inner = NewMemoryBackend();
+    FullDisk() : BackendWrapper(NewMemoryBackend()) {}
     class W : public ObjectWriter {
      public:
       explicit W(std::unique_ptr<ObjectWriter> w) : w_(std::move(w)) {}
@@ -224,15 +224,9 @@ TEST(Pack, FailedAppendIsStickyAndSealsNothing) {
       std::unique_ptr<ObjectWriter> w_;
     };
     Result<std::unique_ptr<ObjectWriter>> Create(std::string_view key) override {
-      CKPT_ASSIGN_OR_RETURN(auto w, inner->Create(key));
+      CKPT_ASSIGN_OR_RETURN(auto w, inner().Create(key));
       return std::unique_ptr<ObjectWriter>(new W(std::move(w)));
     }
-    Status PutIfAbsent(std::string_view k, std::span<const std::byte> d) override { return inner->PutIfAbsent(k, d); }
-    Status ReadRange(std::string_view k, uint64_t o, std::span<std::byte> out) override { return inner->ReadRange(k, o, out); }
-    Result<uint64_t> Size(std::string_view k) override { return inner->Size(k); }
-    Result<std::vector<std::string>> List(std::string_view p) override { return inner->List(p); }
-    Status Delete(std::string_view k) override { return inner->Delete(k); }
-    std::string Describe() const override { return "full"; }
   } disk;
   PackWriter writer(&disk, 1 << 20);
   auto data = RandomBytes(6000, 1);

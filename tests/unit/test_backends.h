@@ -82,6 +82,11 @@ inline auto AllBackendFactories() {
   return ::testing::Values(
       BackendFactory{"memory", [](const std::string&, std::string*) { return NewMemoryBackend(); }},
       BackendFactory{"prefixed", MakePrefixedTestBackend},
+      // Every call forwarded: BackendWrapper leaves none out.
+      BackendFactory{"wrapped",
+                     [](const std::string&, std::string*) -> std::unique_ptr<Backend> {
+                       return std::make_unique<BackendWrapper>(NewMemoryBackend());
+                     }},
       BackendFactory{"local",
                      [](const std::string& dir, std::string*) {
                        return std::move(OpenLocalBackend(dir + "/objects")).value();
