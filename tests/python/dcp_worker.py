@@ -105,15 +105,14 @@ def main():
             future.result()
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             print(f"failed: {str(e).splitlines()[0]}")
-            dist.destroy_process_group()
-            return
-    print("ok")
-    if action == "async-save" and sys.argv[4] == "process":
-        # DCP's process-based async saver ends its helper at interpreter
-        # exit; os._exit would leave it holding our stdout.
-        dist.destroy_process_group()
-        return
-    leave()
+        else:
+            print("ok")
+    else:
+        print("ok")
+    # DCP's process-based async saver is a daemon process that
+    # multiprocessing ends at interpreter exit: run the exit handlers first,
+    # or it would outlive this rank holding its stdout.
+    leave(run_exit_handlers=action == "async-save" and sys.argv[4] == "process")
 
 
 if __name__ == "__main__":
