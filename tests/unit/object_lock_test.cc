@@ -122,12 +122,18 @@ TEST_P(ObjectLocks, ACrashedHoldersLockGoesStaleAndIsRemoved) {
 }
 
 TEST_P(ObjectLocks, RefreshesKeepAHeldLockFresh) {
-  auto held = ObjectLock::Acquire(*backend_, Mode::kShared, Options("long save"));
+  // A wider margin than the other tests: a refresh is one PUT, which a
+  // busy test server can take over a second to answer.
+  ObjectLockOptions options = Options("long save");
+  options.stale_after = 3s;
+  auto held = ObjectLock::Acquire(*backend_, Mode::kShared, options);
   ASSERT_OK(held);
   // Longer than stale_after: without refreshes it would go stale.
-  const auto until = std::chrono::steady_clock::now() + 3s;
+  const auto until = std::chrono::steady_clock::now() + 4s;
   while (std::chrono::steady_clock::now() < until) {
-    auto locks = ListObjectLocks(*backend_, Options("observer"));
+    ObjectLockOptions observer = Options("observer");
+    observer.stale_after = options.stale_after;
+    auto locks = ListObjectLocks(*backend_, observer);
     ASSERT_OK(locks);
     ASSERT_EQ(locks->size(), 1u);
     EXPECT_FALSE((*locks)[0].stale);
