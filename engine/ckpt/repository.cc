@@ -15,6 +15,7 @@
 
 #include "backend/store_url.h"
 #include "ckpt/repository_impl.h"
+#include "ckpt/state_dir.h"
 #include "core/encoding.h"
 #include "core/json.h"
 #include "core/random.h"
@@ -59,7 +60,7 @@ Status ValidateMemberName(std::string_view kind, std::string_view name, bool all
   return Status::OK();
 }
 
-// ---- config ----------------------------------------------------------------
+// ---- helpers -----------------------------------------------------------------
 
 namespace {
 using keys::kCatalogDir;
@@ -73,104 +74,7 @@ bool PathExists(const std::string& p) {
   return ::stat(p.c_str(), &sb) == 0;
 }
 
-Json ConfigToJson(const RepositoryConfig& c) {
-  Json j = Json::MakeObject();
-  j.Set("format", "ckptfs");
-  j.Set("format_version", static_cast<uint64_t>(kFormatVersion));
-  j.Set("repository_id", RandomHex(32));
-  j.Set("chunk_size", c.chunk_size);
-  j.Set("pack_size", c.pack_size);
-  j.Set("compression", c.codec.compression == Compression::kZstd ? "zstd" : "none");
-  j.Set("level", static_cast<int64_t>(c.codec.level));
-  j.Set("adaptive", c.adaptive);
-  return j;
-}
-
-Status ValidateConfig(const RepositoryConfig& c) {
-  if (c.chunk_size % 8 != 0 || c.chunk_size < (64 << 10) || c.chunk_size > kMaxChunkSize) {
-    return Status::InvalidArgument("chunk size must be a multiple of 8 between 64 KiB and 256 MiB");
-  }
-  if (c.pack_size < c.chunk_size) return Status::InvalidArgument("pack size must be at least the chunk size");
-  if (c.codec.level < -100 || c.codec.level > 19) {
-    return Status::InvalidArgument("compression level must be between -100 and 19");
-  }
-  return Status::OK();
-}
 }  // namespace
-
-namespace {
-// Parses ckptfs.json (`text`, read from `where`). `origin` names the
-// repository in messages; `id` receives its repository_id.
-}  // namespace
-
-Result<RepositoryConfig> ParseRepositoryConfig(const std::string& text, const std::string& origin,
-                                               const std::string& file, std::string* id) {
-  auto parsed = Json::Parse(text, 4096);  // a config has a dozen values
-  const Json* fmt = parsed.ok() ? parsed->Find("format") : nullptr;
-  if (!fmt || !fmt->is_string() || fmt->as_string() != "ckptfs") {
-    return Status::FailedPrecondition("'" + origin + "' is not a ckptfs repository (" + kConfigFile +
-                                      " is not a ckptfs config)");
-  }
-  const Json& j = *parsed;
-  const Json* version = j.Find("format_version");
-  if (!version || !version->is_uint()) return Status::Corruption(file + " lacks format_version");
-  if (version->as_uint() > kFormatVersion) {
-    return Status::Unsupported("repository '" + origin + "' has format version " +
-                               std::to_string(version->as_uint()) + "; this ckptfs reads versions up to " +
-                               std::to_string(kFormatVersion) + " (upgrade ckptfs)");
-  }
-  RepositoryConfig c;
-  auto get_uint = [&](const char* key, uint64_t* out) -> Status {
-    const Json* v = j.Find(key);
-    if (!v || !v->is_uint()) return Status::Corruption(file + ": '" + key + "' is missing or not a number");
-    *out = v->as_uint();
-    return Status::OK();
-  };
-  CKPT_RETURN_IF_ERROR(get_uint("chunk_size", &c.chunk_size));
-  CKPT_RETURN_IF_ERROR(get_uint("pack_size", &c.pack_size));
-  const Json* comp = j.Find("compression");
-  if (!comp || !comp->is_string() || (comp->as_string() != "zstd" && comp->as_string() != "none")) {
-    return Status::Corruption(file + ": 'compression' must be \"zstd\" or \"none\"");
-  }
-  c.codec.compression = comp->as_string() == "zstd" ? Compression::kZstd : Compression::kNone;
-  const Json* level = j.Find("level");
-  if (!level || !level->is_int()) return Status::Corruption(file + ": 'level' is missing");
-  c.codec.level = static_cast<int>(level->as_int());
-  const Json* adaptive = j.Find("adaptive");
-  c.adaptive = adaptive && adaptive->is_bool() ? adaptive->as_bool() : true;
-  CKPT_RETURN_IF_ERROR(ValidateConfig(c).WithContext(file));
-  if (id) {
-    const Json* rid = j.Find("repository_id");
-    if (!rid || !rid->is_string() || rid->as_string().empty()) {
-      return Status::Corruption(file + ": 'repository_id' is missing");
-    }
-    // It names this host's state directory: a safe file name only.
-    const std::string& s = rid->as_string();
-    const bool safe = s.size() <= 64 && std::all_of(s.begin(), s.end(), [](char ch) {
-      return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '_' || ch == '-';
-    });
-    if (!safe) {
-      return Status::Corruption(file + ": 'repository_id' must be 1 to 64 of [A-Za-z0-9_-] (ckpt init writes 32 hex "
-                                       "digits); this store's is not, and is not used");
-    }
-    *id = s;
-  }
-  return c;
-}
-
-Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path) {
-  if (!PathExists(path)) {
-    return Status::NotFound("no repository at '" + path + "': the directory does not exist (create one with 'ckpt init')");
-  }
-  std::string file = path + "/" + kConfigFile;
-  std::ifstream f(file, std::ios::binary);
-  if (!f) {
-    return Status::FailedPrecondition("'" + path + "' is not a ckptfs repository (it has no " + kConfigFile + ")");
-  }
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ParseRepositoryConfig(ss.str(), path, file, nullptr);
-}
 
 Result<uint64_t> RecordPack(WriteTxn& txn, const SealedPack& pack) {
   uint64_t added = 0;
@@ -383,80 +287,6 @@ Status InitStore(Backend& store, const std::string& where, const RepositoryConfi
 Status InitRemote(const std::string& url, const RepositoryConfig& config, const OpenOptions& options) {
   CKPT_ASSIGN_OR_RETURN(RemoteStore r, ConnectRemote(url, options, /*create_bucket=*/true));
   return InitStore(*r.root, url, config);
-}
-
-// The directory where this host keeps the catalog of repository `id`. With
-// neither a cache directory nor a cache root given there is no place that
-// belongs to this user alone: refused (a predictable shared directory such
-// as /tmp/NAME could be prepared by another local user).
-Result<std::string> CacheDirFor(const OpenOptions& options, const std::string& id) {
-  if (!options.cache_dir.empty()) return options.cache_dir;
-  if (!options.cache_root.empty()) return options.cache_root + "/" + id;
-  return Status::FailedPrecondition(
-      "no cache directory for this host's catalog of the repository: HOME and XDG_CACHE_HOME are unset; give "
-      "--cache-dir DIR (or CKPT_CACHE_DIR)");
-}
-
-// Creates `dir` and its missing parents with owner-only permissions.
-// Refuses to follow a symbolic link owned by another user (root's are
-// trusted) and a final directory that belongs to another user: either could
-// hand this user's catalog to someone else.
-Status MakePrivateDirectory(const std::string& dir) {
-  const uid_t me = ::geteuid();
-  std::string path;
-  size_t pos = 0;
-  while (pos <= dir.size()) {
-    size_t next = dir.find('/', pos);
-    if (next == std::string::npos) next = dir.size();
-    path = dir.substr(0, next);
-    pos = next + 1;
-    if (path.empty() || path == "." || path == "..") continue;
-    struct stat sb;
-    if (::lstat(path.c_str(), &sb) != 0) {
-      if (errno != ENOENT) return Status::FromErrno(errno, "cache directory " + path);
-      if (::mkdir(path.c_str(), 0700) != 0 && errno != EEXIST) return Status::FromErrno(errno, "creating " + path);
-      if (::lstat(path.c_str(), &sb) != 0) return Status::FromErrno(errno, "cache directory " + path);
-    }
-    if (S_ISLNK(sb.st_mode) && sb.st_uid != me && sb.st_uid != 0) {
-      return Status::FailedPrecondition("cache directory " + dir + ": " + path + " is a symbolic link owned by user " +
-                                        std::to_string(sb.st_uid) + ", not followed; give --cache-dir DIR");
-    }
-  }
-  struct stat sb;
-  if (::lstat(dir.c_str(), &sb) != 0) return Status::FromErrno(errno, "cache directory " + dir);
-  if (S_ISLNK(sb.st_mode) && ::stat(dir.c_str(), &sb) != 0) return Status::FromErrno(errno, "cache directory " + dir);
-  if (!S_ISDIR(sb.st_mode)) return Status::FailedPrecondition("cache directory " + dir + " is not a directory");
-  if (sb.st_uid != me) {
-    return Status::FailedPrecondition("cache directory " + dir + " belongs to user " + std::to_string(sb.st_uid) +
-                                      ", not to this user; give --cache-dir DIR");
-  }
-  return Status::OK();
-}
-
-// Makes `dir` the state directory of repository `id` at `url`: a directory
-// whose `repository` file names them. A directory holding another
-// repository's state is refused; one holding the state of an earlier
-// repository at the same URL (recreated since) is emptied, since it is
-// only a cache.
-Status ClaimCacheDir(const std::string& dir, const std::string& url, const std::string& id) {
-  std::error_code ec;
-  CKPT_RETURN_IF_ERROR(MakePrivateDirectory(dir));
-  const std::string marker = dir + "/" + keys::kRepositoryMarkerFile;
-  const std::string want = id + " " + url + "\n";
-  std::ifstream in(marker);
-  if (in) {
-    std::string have((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (have == want) return Status::OK();
-    const std::string have_url = have.substr(have.find(' ') + 1);
-    if (have_url != url + "\n") {
-      return Status::FailedPrecondition("cache directory " + dir + " holds the state of another repository (" +
-                                        have_url.substr(0, have_url.size() - 1) +
-                                        "); give each repository its own --cache-dir");
-    }
-    std::filesystem::remove_all(dir + "/" + kCatalogDir, ec);
-  }
-  CKPT_ASSIGN_OR_RETURN(auto local, OpenLocalBackend(dir));
-  return local->Put(keys::kRepositoryMarkerFile, std::as_bytes(std::span(want)));
 }
 
 Result<std::unique_ptr<LmdbEnv>> OpenCatalog(const std::string& dir, bool create) {

@@ -17,6 +17,7 @@
 #include "core/fork.h"
 #include "core/thread_pool.h"
 #include "meta/catalog_schema.h"
+#include "ckpt/config.h"
 #include "ckpt/layout.h"
 #include "meta/lmdb_env.h"
 #include "store/chunk_cache.h"
@@ -157,13 +158,6 @@ class DirectFetcher : public ChunkFetcher {
   std::function<Status()> refresh_;
 };
 
-Result<RepositoryConfig> ReadRepositoryConfig(const std::string& path);
-// Parses and checks a repository's config (`ckptfs.json`, untrusted on a
-// shared store): `origin` names the repository and `file` the config in
-// messages; `id`, when given, receives the repository_id, which must be a
-// safe file name (it names this host's state directory).
-Result<RepositoryConfig> ParseRepositoryConfig(const std::string& text, const std::string& origin,
-                                               const std::string& file, std::string* id);
 // Records a sealed pack in the catalog: its PackInfo, and the location of
 // each of its chunks that has none yet (a chunk stored in another pack too
 // keeps the entry it has). Returns how many chunk entries it added.
