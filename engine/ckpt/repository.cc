@@ -496,6 +496,7 @@ Result<std::unique_ptr<Repository>> Repository::FinishOpen(std::unique_ptr<Repos
   impl->buffers = std::make_unique<BufferPool>(config.chunk_size, 4 * threads + 8);
   impl->cache = std::make_unique<ChunkCache>(options.cache_bytes);
   impl->InitFetcher();
+  impl->commits = impl->remote ? MakeStoreCommit(*impl) : MakeCatalogCommit(*impl);
   impl->leases = std::make_unique<LeaseRegistry>(impl->state_dir, impl->remote ? impl->backend.get() : nullptr,
                                                  impl->lock_options);
   CKPT_RETURN_IF_ERROR(impl->Sync().status());

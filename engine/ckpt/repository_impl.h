@@ -9,6 +9,7 @@
 #include <string>
 
 #include "backend/backend.h"
+#include "ckpt/commit.h"
 #include "ckpt/lease.h"
 #include "ckpt/merge.h"
 #include "ckpt/object_lock.h"
@@ -79,6 +80,9 @@ class RepositoryImpl {
   ThreadPool& IoPool();
   // Read leases of this process (lease.h).
   std::unique_ptr<LeaseRegistry> leases;
+  // How writers commit (commit.h): the catalog's protocol or the object
+  // store's, chosen when the repository opens.
+  std::unique_ptr<CommitProtocol> commits;
 
   // Location of a committed chunk; NotFound when the catalog lacks it.
   Result<ChunkLocation> LookupChunk(const ChunkId& id) const;

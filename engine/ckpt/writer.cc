@@ -1,4 +1,5 @@
-// CheckpointWriter: the save pipeline and the multi-rank commit protocol.
+// CheckpointWriter: the save pipeline. What it saved joins its checkpoint
+// through the repository's commit protocol (commit.h).
 //
 // Pipeline: the caller's thread cuts each shard into chunks (aligned to the
 // tensor's global byte offsets for flat ranges) and hands them to the worker
@@ -17,25 +18,14 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "ckpt/commit.h"
 #include "ckpt/repository.h"
 #include "ckpt/repo_lock.h"
 #include "ckpt/repository_impl.h"
-#include "core/random.h"
 #include "core/thread_pool.h"
 #include "core/encoding.h"
 
 namespace ckptfs {
-
-Status CheckJoin(const CheckpointRecord& rec, const WriterOptions& options);
-
-// Ranks may each bring tags; the first rank to give a key sets its value.
-void AddTags(CheckpointRecord& ckpt, const std::vector<std::pair<std::string, std::string>>& tags) {
-  for (const auto& tag : tags) {
-    if (std::none_of(ckpt.tags.begin(), ckpt.tags.end(), [&](const auto& t) { return t.first == tag.first; })) {
-      ckpt.tags.push_back(tag);
-    }
-  }
-}
 
 Status HostSource::Read(uint64_t offset, std::span<std::byte> dst) {
   if (offset > data_.size() || dst.size() > data_.size() - offset) {
@@ -114,16 +104,14 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   ~WriterImpl() {
     SetError(Status::FailedPrecondition("checkpoint writer was aborted"));
     Shutdown();
-    // A save given up before its commit leaves no pack behind in a local
-    // repository. On an object store its packs stay for gc: another host
-    // may have listed them and deduplicated against their chunks.
+    // A save given up before its commit: the protocol says what its packs
+    // and records become.
     bool committed;
     {
       std::lock_guard lock(mu_);
       committed = committed_;
     }
-    if (!committed && !repo_->remote) packs_.Discard();
-    if (!committed && repo_->remote) (void)repo_->backend->Delete(keys::StartedRankObject(name_, options_.rank));
+    if (!committed) repo_->commits->Abandon(name_, options_.rank, packs_);
   }
 
   Status PutShard(const TensorInfo& info, const Region& region, ShardSource& source);
@@ -170,20 +158,8 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   void Process(Job& job);
   void WriterLoop();
   void StopWriterThread();
-  Status CommitToCatalog(const std::vector<SealedPack>& sealed, CommitResult* result);
-  // The commit of a repository on an object store (docs/DESIGN.md
-  // "Repositories on S3"): this rank's record becomes an object; the rank
-  // that finds every rank's object merges them and writes the manifest.
-  Status CommitToStore(const std::vector<SealedPack>& sealed, CommitResult* result);
-  Result<Manifest> MergeStoredRanks();
-  // The steps of CommitToCatalog.
-  struct CommitView;
-  Result<CommitView> ReadCommitView();
-  Result<Manifest> MergeRanks(const CommitView& view);
-  Status WriteManifest(const Manifest& manifest);
-  // False when the view changed since it was read (nothing was written).
-  Result<bool> PublishInCatalog(const CommitView& view, const Manifest* manifest,
-                                const std::vector<SealedPack>& sealed);
+  // Hands the finished rank to the repository's commit protocol.
+  Status CommitRank(const std::vector<SealedPack>& sealed, CommitResult* result);
   Status ChunkStream(const std::vector<uint64_t>& bounds, DType dtype, ShardSource& source,
                      std::vector<ChunkRef>& chunks);
   std::vector<uint64_t> ChunkBounds(uint64_t global_start, uint64_t size) const;
@@ -541,7 +517,7 @@ CommitHandle WriterImpl::Commit() {
                      CommitResult result;
                      if (st.ok()) {
                        auto sealed = packs_.Finish();
-                       st = sealed.ok() ? CommitToCatalog(*sealed, &result) : sealed.status();
+                       st = sealed.ok() ? CommitRank(*sealed, &result) : sealed.status();
                      }
                      total->store((std::chrono::steady_clock::now() - start).count());
                      // Done with the catalog: let gc run even if the caller
@@ -556,150 +532,7 @@ CommitHandle WriterImpl::Commit() {
   return handle;
 }
 
-// The commit, in the steps docs/DESIGN.md names ("Commit protocol"):
-//   1. ReadCommitView: a read transaction takes what the catalog holds for
-//      this checkpoint (its record, the ranks committed, the next sequence).
-//   2. CheckJoin and CheckTensorsAgree on that view.
-//   3. Last rank only, outside any write transaction: MergeRanks merges the
-//      ranks' records (reading the bytes where replicas overlap) and checks
-//      the tiling; WriteManifest makes the manifest object durable.
-//   4. PublishInCatalog: one short write transaction re-reads the view; if
-//      another commit changed it meanwhile, the commit starts over at 1
-//      (and removes a manifest it wrote for a view that no longer holds);
-//      otherwise it records chunks, packs and this rank, and, for the last
-//      rank, the merged records and the committed state.
-struct WriterImpl::CommitView {
-  std::optional<std::string> raw_checkpoint;  // as stored, to see changes
-  std::optional<std::string> raw_sequence;
-  CheckpointRecord checkpoint;                // this rank added
-  std::vector<RankRecord> ranks;              // this rank last
-  bool last = false;
-};
-
-Result<WriterImpl::CommitView> WriterImpl::ReadCommitView() {
-  CommitView view;
-  Status st = repo_->catalog->Read([&](const ReadTxn& txn) -> Status {
-    CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name_)));
-    if (raw) view.raw_checkpoint = std::string(*raw);
-    CKPT_ASSIGN_OR_RETURN(auto seq, txn.Get(Table::kMeta, keys::kNextSequenceKey));
-    if (seq) view.raw_sequence = std::string(*seq);
-    Status inner;
-    CKPT_RETURN_IF_ERROR(txn.Scan(Table::kRanks, keys::MemberPrefix(name_), [&](std::string_view, std::string_view v) {
-      auto r = DecodeRank(v);
-      if (!r.ok()) {
-        inner = r.status();
-        return false;
-      }
-      view.ranks.push_back(std::move(r).value());
-      return true;
-    }));
-    return inner;
-  });
-  CKPT_RETURN_IF_ERROR(st);
-  CheckpointRecord& ckpt = view.checkpoint;
-  if (view.raw_checkpoint) {
-    CKPT_ASSIGN_OR_RETURN(ckpt, DecodeCheckpoint(*view.raw_checkpoint));
-    CKPT_RETURN_IF_ERROR(CheckJoin(ckpt, options_));
-    if (!ckpt.step) ckpt.step = options_.step;
-  } else {
-    ckpt.name = name_;
-    ckpt.step = options_.step;
-    ckpt.world_size = options_.world_size;
-    ckpt.created_unix_ms = created_unix_ms_;
-  }
-  view.ranks.push_back(record_);
-  ckpt.committed_ranks.push_back(options_.rank);
-  std::sort(ckpt.committed_ranks.begin(), ckpt.committed_ranks.end());
-  AddTags(ckpt, options_.tags);
-  view.last = ckpt.committed_ranks.size() >= ckpt.world_size;
-  return view;
-}
-
-Result<Manifest> WriterImpl::MergeRanks(const CommitView& view) {
-  // Chunks this rank stored are not in the catalog yet; the others' are,
-  // locally. On an object store the other ranks' packs are indexed only
-  // when the check of an overlap needs their bytes: most merges read none.
-  std::once_flag indexed;
-  Status index_status;
-  DirectFetcher fetcher(repo_->backend.get(), [&](const ChunkId& id) -> Result<ChunkLocation> {
-    auto it = stored_.find(id);
-    if (it != stored_.end()) return it->second;
-    auto loc = repo_->LookupChunk(id);
-    if (!repo_->remote || !loc.status().IsNotFound()) return loc;
-    std::call_once(indexed, [&] { index_status = repo_->Sync(RepositoryImpl::SyncScope::kPacks).status(); });
-    CKPT_RETURN_IF_ERROR(index_status);
-    return repo_->LookupChunk(id);
-  });
-  Manifest manifest;
-  CKPT_ASSIGN_OR_RETURN(manifest.tensors, MergeRankTensors(view.ranks, fetcher));
-  CKPT_ASSIGN_OR_RETURN(manifest.blobs, MergeRankBlobs(view.ranks));
-  CheckpointRecord ckpt = view.checkpoint;
-  uint64_t seq = 1;
-  if (view.raw_sequence) {
-    CKPT_ASSIGN_OR_RETURN(seq, DecodeSequence(*view.raw_sequence));
-  }
-  ckpt.state = CheckpointState::kCommitted;
-  ckpt.sequence = seq;
-  ckpt.committed_unix_ms = WallClockUnixMs();
-  ckpt.tensor_count = manifest.tensors.size();
-  ckpt.logical_bytes = 0;
-  for (const auto& t : manifest.tensors) ckpt.logical_bytes += t.ByteSize();
-  for (const auto& b : manifest.blobs) ckpt.logical_bytes += b.size;
-  manifest.checkpoint = ckpt;
-  return manifest;
-}
-
-Status WriterImpl::WriteManifest(const Manifest& manifest) {
-  // Durable before the catalog makes the checkpoint visible: reindex trusts
-  // manifests, so both views agree after a crash.
-  std::string encoded = EncodeManifest(manifest);
-  return repo_->backend->Put(keys::ManifestObject(name_), std::as_bytes(std::span(encoded)));
-}
-
-Result<bool> WriterImpl::PublishInCatalog(const CommitView& view, const Manifest* manifest,
-                                          const std::vector<SealedPack>& sealed) {
-  bool unchanged = true;
-  Status st = repo_->catalog->Update([&](WriteTxn& txn) -> Status {
-    CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name_)));
-    CKPT_ASSIGN_OR_RETURN(auto seq, txn.Get(Table::kMeta, keys::kNextSequenceKey));
-    auto same = [](const std::optional<std::string_view>& now, const std::optional<std::string>& then) {
-      return now.has_value() == then.has_value() && (!now || *now == *then);
-    };
-    if (!same(raw, view.raw_checkpoint) || (manifest && !same(seq, view.raw_sequence))) {
-      unchanged = false;
-      return Status::OK();  // nothing written; the caller starts over
-    }
-    // Chunks first: a chunk another process stored meanwhile keeps its entry.
-    for (const auto& p : sealed) CKPT_RETURN_IF_ERROR(RecordPack(txn, p).status());
-    // Every chunk this rank references must be in the catalog now: one that
-    // was deduplicated against a chunk since removed fails the commit rather
-    // than leave a dangling reference.
-    auto check_present = [&](const std::vector<ChunkRef>& chunks, const std::string& what) -> Status {
-      for (const auto& c : chunks) {
-        CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(c.id)));
-        if (!v) return Status::Internal(what + ": chunk " + c.id.ToHex() + " was neither stored nor found in the catalog");
-      }
-      return Status::OK();
-    };
-    for (const auto& t : record_.tensors) {
-      for (const auto& s : t.shards) CKPT_RETURN_IF_ERROR(check_present(s.chunks, "tensor '" + t.name + "'"));
-    }
-    for (const auto& b : record_.blobs) CKPT_RETURN_IF_ERROR(check_present(b.chunks, "blob '" + b.name + "'"));
-    if (!manifest) {
-      CKPT_RETURN_IF_ERROR(txn.Put(Table::kRanks, keys::Rank(name_, options_.rank), EncodeRank(record_)));
-      return txn.Put(Table::kCheckpoints, keys::Checkpoint(name_), EncodeCheckpoint(view.checkpoint));
-    }
-    for (const auto& r : view.ranks) {
-      CKPT_RETURN_IF_ERROR(txn.Delete(Table::kRanks, keys::Rank(name_, r.rank)));
-    }
-    CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kNextSequenceKey, EncodeSequence(manifest->checkpoint.sequence + 1)));
-    return RecordManifest(txn, *manifest);
-  });
-  CKPT_RETURN_IF_ERROR(st);
-  return unchanged;
-}
-
-Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, CommitResult* result) {
+Status WriterImpl::CommitRank(const std::vector<SealedPack>& sealed, CommitResult* result) {
   for (auto& t : record_.tensors) {
     for (auto& s : t.shards) s.ComputeStarts();
   }
@@ -708,166 +541,8 @@ Status WriterImpl::CommitToCatalog(const std::vector<SealedPack>& sealed, Commit
     *result = stats_;
   }
   result->checkpoint_visible = false;
-  if (repo_->remote) return CommitToStore(sealed, result);
-  // Commits of other ranks may change the view between the steps; each
-  // round trip means one of them got through, so this ends.
-  for (;;) {
-    CKPT_ASSIGN_OR_RETURN(CommitView view, ReadCommitView());
-    std::optional<Manifest> manifest;
-    if (view.last) {
-      CKPT_ASSIGN_OR_RETURN(manifest, MergeRanks(view));
-      CKPT_RETURN_IF_ERROR(WriteManifest(*manifest));
-    } else {
-      // Dtype and shape disagreement shows now; tiling waits for the last rank.
-      CKPT_RETURN_IF_ERROR(CheckTensorsAgree(view.ranks));
-    }
-    auto published = PublishInCatalog(view, manifest ? &*manifest : nullptr, sealed);
-    if (manifest && !(published.ok() && *published)) {
-      // The manifest describes a commit that did not happen: take it back,
-      // or reindex would publish it.
-      (void)repo_->backend->Delete(keys::ManifestObject(name_));
-    }
-    CKPT_RETURN_IF_ERROR(published.status());
-    if (*published) {
-      result->checkpoint_visible = view.last;
-      return Status::OK();
-    }
-  }
-}
-
-// ---- commit to an object store ---------------------------------------------------
-//
-// Steps (docs/DESIGN.md "Repositories on S3", with the outcome of a crash
-// after each):
-//   1. This rank's packs are durable (sealed before this is called).
-//   2. Its record is PUT as pending/NAME/rank-R: its part is durable.
-//   3. It LISTs pending/NAME/. Fewer than world-size ranks: done, the
-//      checkpoint stays invisible. All of them: this rank commits.
-//   4. Commit: read every rank's record, merge and check the tiling (an
-//      overlap whose bytes must be compared syncs the packs first: every
-//      pack a record names was durable before the record, so that listing
-//      has it), PUT the manifest if none exists: the checkpoint is visible
-//      on every host from this PUT on.
-//   5. Delete the rank objects (leftovers are ignored once the manifest
-//      exists, and removed by rm).
-// Ranks finishing together may all see every rank and all merge; the
-// manifest is written with a conditional PUT (If-None-Match), so exactly one
-// of them commits and the others stand down.
-
-Result<Manifest> WriterImpl::MergeStoredRanks() {
-  const uint32_t n = options_.world_size;
-  std::vector<Result<PendingRank>> objects(n, Status::Internal("not read"));
-  ParallelFor(repo_->IoPool(), n, kStoreRequestsInFlight,
-              [&](size_t r) { objects[r] = ReadPendingRank(*repo_->backend, name_, static_cast<uint32_t>(r)); });
-  CommitView view;
-  view.checkpoint.name = name_;
-  view.checkpoint.world_size = n;
-  view.checkpoint.created_unix_ms = created_unix_ms_;
-  for (uint32_t r = 0; r < n; ++r) {
-    if (!objects[r].ok()) return objects[r].status().WithContext("committing checkpoint '" + name_ + "'");
-    const CheckpointRecord& h = objects[r]->header;
-    if (h.world_size != n) {
-      return Status::InvalidArgument("checkpoint '" + name_ + "': rank " + std::to_string(r) + " was saved with world size " +
-                                     std::to_string(h.world_size) + ", rank " + std::to_string(options_.rank) + " with " +
-                                     std::to_string(n));
-    }
-    if (h.step) {
-      if (view.checkpoint.step && *view.checkpoint.step != *h.step) {
-        return Status::InvalidArgument("checkpoint '" + name_ + "': ranks disagree on the step (" +
-                                       std::to_string(*view.checkpoint.step) + " and " + std::to_string(*h.step) + ")");
-      }
-      view.checkpoint.step = h.step;
-    }
-    view.checkpoint.created_unix_ms = std::min(view.checkpoint.created_unix_ms, h.created_unix_ms);
-    AddTags(view.checkpoint, h.tags);
-    view.checkpoint.committed_ranks.push_back(r);
-    view.ranks.push_back(std::move(objects[r]->record));
-  }
-  CKPT_RETURN_IF_ERROR(repo_->catalog->Read([&](const ReadTxn& txn) -> Status {
-    CKPT_ASSIGN_OR_RETURN(auto seq, txn.Get(Table::kMeta, keys::kNextSequenceKey));
-    if (seq) view.raw_sequence = std::string(*seq);
-    return Status::OK();
-  }));
-  view.last = true;
-  return MergeRanks(view);
-}
-
-Status WriterImpl::CommitToStore(const std::vector<SealedPack>& sealed, CommitResult* result) {
-  Backend& store = *repo_->backend;
-  // Were the lock's refreshes failing, a gc elsewhere may have taken it for
-  // stale and removed chunks this save deduplicated against.
-  CKPT_RETURN_IF_ERROR(store_lock_->Check());
-  const std::string own_key = keys::PendingRankObject(name_, options_.rank);
-  auto committed = store.Size(keys::ManifestObject(name_));
-  if (committed.ok()) return Status::AlreadyExists("checkpoint '" + name_ + "' already exists");
-  if (!committed.status().IsNotFound()) return committed.status();
-  auto mine = store.Size(own_key);
-  if (mine.ok()) {
-    return Status::AlreadyExists("rank " + std::to_string(options_.rank) + " of checkpoint '" + name_ + "' already committed");
-  }
-  if (!mine.status().IsNotFound()) return mine.status();
-
-  CheckpointRecord header;
-  header.name = name_;
-  header.step = options_.step;
-  header.world_size = options_.world_size;
-  header.created_unix_ms = created_unix_ms_;
-  header.tags = options_.tags;
-  const std::string encoded = EncodePendingRank(header, record_);
-  CKPT_RETURN_IF_ERROR(store.Put(own_key, std::as_bytes(std::span(encoded))));
-  // The catalog is this host's index of the store: the packs just written
-  // go in as a sync would put them.
-  CKPT_RETURN_IF_ERROR(repo_->catalog->Update([&](WriteTxn& txn) -> Status {
-    for (const auto& p : sealed) CKPT_RETURN_IF_ERROR(RecordPack(txn, p).status());
-    return Status::OK();
-  }));
-
-  CKPT_ASSIGN_OR_RETURN(auto present, store.List(keys::PendingPrefix(name_)));
-  std::set<uint32_t> ranks;
-  for (const auto& key : present) {
-    std::string n;
-    uint32_t r;
-    if (keys::ParsePendingRankObject(key, &n, &r) && n == name_ && r < options_.world_size) ranks.insert(r);
-  }
-  if (ranks.size() < options_.world_size) return Status::OK();
-
-  // Ranks finishing together may all see every rank in: the one whose
-  // claim lands first (a conditional PUT) commits, the others are done.
-  // The claim names this attempt, so an answer lost on the way and a retry
-  // that finds the object still tell whose claim it is.
-  const std::string claim_key = keys::CommitClaimObject(name_);
-  const std::string claim = "rank " + std::to_string(options_.rank) + " " + RandomHex(16);
-  Status claimed = store.PutIfAbsent(claim_key, std::as_bytes(std::span(claim)));
-  if (claimed.IsAlreadyExists()) {
-    auto holder = store.ReadAll(claim_key, kMaxSmallObject);
-    if (!holder.ok() && !holder.status().IsNotFound()) return holder.status();
-    if (!holder.ok() || *holder != claim) return Status::OK();  // another rank commits (or did)
-  } else {
-    CKPT_RETURN_IF_ERROR(claimed);
-  }
-  const std::string manifest_key = keys::ManifestObject(name_);
-  CKPT_ASSIGN_OR_RETURN(Manifest manifest, MergeStoredRanks());
-  CKPT_RETURN_IF_ERROR(store_lock_->Check());
-  const std::string manifest_bytes = EncodeManifest(manifest);
-  Status put = store.PutIfAbsent(manifest_key, std::as_bytes(std::span(manifest_bytes)));
-  // Exists: this PUT's own, its answer lost and retried.
-  if (put.IsAlreadyExists()) return Status::OK();
-  CKPT_RETURN_IF_ERROR(put);
-  result->checkpoint_visible = true;
-  // The checkpoint is committed: what follows is tidying, and its failure
-  // (the store going away now) does not undo the commit. Rank objects left
-  // behind are ignored by sync and removed by rm; the next sync brings the
-  // checkpoint into this host's catalog.
-  std::atomic<bool> failing{false};
-  ParallelFor(repo_->IoPool(), options_.world_size, kStoreRequestsInFlight, [&](size_t r) {
-    if (failing) return;
-    Status st = store.Delete(keys::PendingRankObject(name_, static_cast<uint32_t>(r)));
-    if (!st.ok() && !st.IsNotFound()) failing = true;
-    (void)store.Delete(keys::StartedRankObject(name_, static_cast<uint32_t>(r)));
-  });
-  if (!failing) (void)store.Delete(claim_key);
-  (void)repo_->Sync();
-  return Status::OK();
+  const RankCommit rank{name_, options_, created_unix_ms_, record_, sealed, stored_, store_lock_.get()};
+  return repo_->commits->Commit(rank, result);
 }
 
 // ---- public wrappers -------------------------------------------------------------
@@ -918,27 +593,6 @@ void CheckpointWriter::Abort() {
   impl_.reset();
 }
 
-// Whether `options` may join the pending checkpoint `rec`.
-Status CheckJoin(const CheckpointRecord& rec, const WriterOptions& options) {
-  const std::string& name = rec.name;
-  if (rec.state == CheckpointState::kCommitted) {
-    return Status::AlreadyExists("checkpoint '" + name + "' already exists");
-  }
-  if (rec.world_size != options.world_size) {
-    return Status::InvalidArgument("checkpoint '" + name + "' is being written with world size " +
-                                   std::to_string(rec.world_size) + ", not " + std::to_string(options.world_size));
-  }
-  if (options.step && rec.step && *options.step != *rec.step) {
-    return Status::InvalidArgument("checkpoint '" + name + "' is being written as step " + std::to_string(*rec.step) +
-                                   ", not " + std::to_string(*options.step));
-  }
-  if (std::binary_search(rec.committed_ranks.begin(), rec.committed_ranks.end(), options.rank)) {
-    return Status::AlreadyExists("rank " + std::to_string(options.rank) + " of checkpoint '" + name +
-                                 "' already committed");
-  }
-  return Status::OK();
-}
-
 Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std::string& name,
                                                                       const WriterOptions& options) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
@@ -971,14 +625,7 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
     return CheckJoin(rec, options);
   }));
   auto impl = std::make_shared<WriterImpl>(impl_, name, options, std::move(lock), std::move(store_lock));
-  if (impl_->remote) {
-    // Where this rank runs, for `ckpt show` of the checkpoint while it is
-    // pending; a save does not fail for want of it.
-    Json j = ThisProcess();
-    j.Set("started_unix_ms", WallClockUnixMs());
-    const std::string body = j.Dump();
-    (void)impl_->backend->Put(keys::StartedRankObject(name, options.rank), std::as_bytes(std::span(body)));
-  }
+  impl_->commits->Begin(name, options.rank);
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
 }
 
