@@ -59,7 +59,7 @@ Result<Manifest> StoreCommit::MergeStoredRanks(const RankCommit& rank) {
   const std::string& name = rank.name;
   const uint32_t n = rank.options.world_size;
   std::vector<Result<PendingRank>> objects(n, Status::Internal("not read"));
-  ParallelFor(repo_.IoPool(), n, kStoreRequestsInFlight,
+  ParallelFor(repo_.IoPool(), n, repo_.io_threads,
               [&](size_t r) { objects[r] = ReadPendingRank(*repo_.backend, name, static_cast<uint32_t>(r)); });
   CommitView view;
   view.checkpoint.name = name;
@@ -163,7 +163,7 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
   // behind are ignored by sync and removed by rm; the next sync brings the
   // checkpoint into this host's catalog.
   std::atomic<bool> failing{false};
-  ParallelFor(repo_.IoPool(), options.world_size, kStoreRequestsInFlight, [&](size_t r) {
+  ParallelFor(repo_.IoPool(), options.world_size, repo_.io_threads, [&](size_t r) {
     if (failing) return;
     Status st = store.Delete(keys::PendingRankObject(name, static_cast<uint32_t>(r)));
     if (!st.ok() && !st.IsNotFound()) failing = true;

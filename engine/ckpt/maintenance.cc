@@ -244,7 +244,7 @@ Result<std::vector<RankProgress>> Repository::PendingRanks(const std::string& na
     if (keys::ParseStartedRankObject(key, name, &r) && r < it->world_size) started.insert(r);
   }
   for (uint32_t r : started) out.push_back(RankProgress{r, committed.count(r) > 0, "", 0, 0});
-  ParallelFor(impl_->IoPool(), out.size(), kStoreRequestsInFlight, [&](size_t i) {
+  ParallelFor(impl_->IoPool(), out.size(), impl_->io_threads, [&](size_t i) {
     auto body = impl_->backend->ReadAll(keys::StartedRankObject(name, out[i].rank), kMaxSmallObject);
     auto j = body.ok() ? Json::Parse(*body, 64) : Result<Json>(body.status());
     if (!j.ok()) return;  // gone meanwhile, or not ours: shown without a host

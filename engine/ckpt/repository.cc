@@ -120,7 +120,7 @@ RepositoryImpl::~RepositoryImpl() {
 }
 
 ThreadPool& RepositoryImpl::IoPool() {
-  std::call_once(io_pool_once_, [this] { io_pool_ = std::make_unique<ThreadPool>(kStoreRequestsInFlight - 1); });
+  std::call_once(io_pool_once_, [this] { io_pool_ = std::make_unique<ThreadPool>(std::max<size_t>(1, io_threads - 1)); });
   return *io_pool_;
 }
 
@@ -491,6 +491,7 @@ Result<std::unique_ptr<Repository>> Repository::FinishOpen(std::unique_ptr<Repos
   CKPT_RETURN_IF_ERROR(st);
   size_t threads = options.threads ? options.threads : std::max(1u, std::thread::hardware_concurrency());
   impl->pool = std::make_unique<ThreadPool>(threads);
+  impl->io_threads = options.io_threads ? options.io_threads : kStoreRequestsInFlight;
   // Idle buffers kept: enough for every worker's chunks in flight (the
   // writer bounds those to about 4 per worker).
   impl->buffers = std::make_unique<BufferPool>(config.chunk_size, 4 * threads + 8);

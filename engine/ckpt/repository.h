@@ -90,6 +90,12 @@ struct OpenOptions {
   // of an S3 URL fails naming what is missing.
   std::optional<ObjectStoreOptions> s3;
   std::function<Result<ObjectStoreOptions>()> s3_settings;
+  // Requests to an object store one operation sends at once (reading
+  // indexes and manifests, a commit's rank objects): the I/O pool's
+  // io_threads - 1 threads, made at first use, and the caller. Commits run
+  // on that pool too. 0 = 16. (Last, as new fields go: code that lists the
+  // first fields positionally keeps its meaning.)
+  size_t io_threads = 0;
 };
 
 // Open options as the command-line tool and the Python package take them

@@ -27,7 +27,8 @@
 namespace ckptfs {
 
 
-// Objects of an object store are fetched with this many requests in flight.
+// Objects of an object store are fetched with this many requests in flight
+// unless OpenOptions::io_threads says otherwise.
 inline constexpr size_t kStoreRequestsInFlight = 16;
 
 // What one sync of an object-store repository's catalog brought in.
@@ -74,10 +75,12 @@ class RepositoryImpl {
   std::unique_ptr<BufferPool> buffers;
   std::unique_ptr<ChunkCache> cache;
   std::unique_ptr<ThreadPool> pool;
-  // Threads for blocking store requests made in parallel (ParallelFor),
-  // kStoreRequestsInFlight of them, created at the first use: a local
-  // repository never starts them.
+  // Threads for blocking store requests made in parallel (ParallelFor, up
+  // to io_threads requests at once: the pool's io_threads - 1 and the
+  // caller) and for commits, created at the first use: a local repository
+  // starts one when it first commits.
   ThreadPool& IoPool();
+  size_t io_threads = kStoreRequestsInFlight;
   // Read leases of this process (lease.h).
   std::unique_ptr<LeaseRegistry> leases;
   // How writers commit (commit.h): the catalog's protocol or the object

@@ -85,9 +85,9 @@ std::vector<typename Set::value_type> Missing(const Set& a, const Set& b) {
 
 // Fetches objects in parallel: out[i] = read(i).
 template <typename T>
-std::vector<Result<T>> FetchAll(ThreadPool& pool, size_t n, const std::function<Result<T>(size_t)>& read) {
+std::vector<Result<T>> FetchAll(RepositoryImpl& repo, size_t n, const std::function<Result<T>(size_t)>& read) {
   std::vector<Result<T>> out(n, Status::Internal("not read"));
-  ParallelFor(pool, n, kStoreRequestsInFlight, [&](size_t i) { out[i] = read(i); });
+  ParallelFor(repo.IoPool(), n, repo.io_threads, [&](size_t i) { out[i] = read(i); });
   return out;
 }
 
@@ -157,7 +157,7 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
     unindexed_packs_ = std::move(fresh_packs);  // read when needed (IndexPacks)
     fresh_packs.clear();
   }
-  auto indexes = FetchAll<SealedPack>(IoPool(), fresh_packs.size(),
+  auto indexes = FetchAll<SealedPack>(*this, fresh_packs.size(),
                                       [&](size_t i) { return ReadPackIndex(backend.get(), fresh_packs[i]); });
   objects_read += fresh_packs.size();
 
@@ -170,7 +170,7 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
   const std::vector<std::string> removed = checkpoints ? Missing(known.committed, listed_committed)
                                                        : std::vector<std::string>{};
   const std::vector<std::string> added = Missing(listed_committed, known.committed);
-  auto manifests = FetchAll<Manifest>(IoPool(), added.size(), [&](size_t i) -> Result<Manifest> {
+  auto manifests = FetchAll<Manifest>(*this, added.size(), [&](size_t i) -> Result<Manifest> {
     return ReadManifestObject(*backend, keys::ManifestObject(added[i]), added[i]);
   });
   objects_read += added.size();
@@ -184,7 +184,7 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
   const std::vector<std::string> retired_gone = retired ? Missing(known.retired, listed_retired)
                                                         : std::vector<std::string>{};
   const std::vector<std::string> retired_new = Missing(listed_retired, known.retired);
-  auto retired_manifests = FetchAll<Manifest>(IoPool(), retired_new.size(), [&](size_t i) -> Result<Manifest> {
+  auto retired_manifests = FetchAll<Manifest>(*this, retired_new.size(), [&](size_t i) -> Result<Manifest> {
     const std::string key = keys::RetiredObject(retired_new[i]);
     auto m = ReadManifestObject(*backend, key, keys::BaseName(retired_new[i]));
     if (!m.ok()) return m.status().WithContext("removed checkpoint " + key);
@@ -217,7 +217,7 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
     }
     if (!reading && !known.pending.count(name)) to_read.emplace_back(name, *ranks.begin());
   }
-  auto rank_objects = FetchAll<PendingRank>(IoPool(), to_read.size(), [&](size_t i) {
+  auto rank_objects = FetchAll<PendingRank>(*this, to_read.size(), [&](size_t i) {
     return ReadPendingRank(*backend, to_read[i].first, to_read[i].second);
   });
   objects_read += to_read.size();

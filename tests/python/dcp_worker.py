@@ -91,6 +91,7 @@ def main():
     action, repo, name = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo")
     world = dist.get_world_size()
+    outcome = "ok"
     if action == "save":
         dcp.save(state(world, True, False), storage_writer=StorageWriter(repo, name, step=1234))
     elif action == "load":
@@ -104,11 +105,8 @@ def main():
         try:
             future.result()
         except BaseException as e:  # DCP's CheckpointException is a BaseException
-            print(f"failed: {str(e).splitlines()[0]}")
-        else:
-            print("ok")
-    else:
-        print("ok")
+            outcome = f"failed: {str(e).splitlines()[0]}"
+    print(outcome)
     # DCP's process-based async saver is a daemon process that
     # multiprocessing ends at interpreter exit: run the exit handlers first,
     # or it would outlive this rank holding its stdout.

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstring>
@@ -769,6 +770,76 @@ TEST(RepositoryOpen, StoresOpenByUrlThroughTheRegistryOfSchemes) {
   ASSERT_OK((*r)->ReadRegion(*(*r)->FindTensor("t"), Region::OfFlat(0, 12), std::as_writable_bytes(std::span(got))));
   EXPECT_EQ(got, bytes);
   EXPECT_EQ(Repository::Init("memtest://a/repo", {}, o).code(), StatusCode::kAlreadyExists);
+}
+
+// Counts the reads in flight at once, each held 20 ms so that parallel
+// ones overlap.
+class ConcurrencyProbe : public BackendWrapper {
+ public:
+  using BackendWrapper::BackendWrapper;
+  std::atomic<bool> counting{false};
+  std::atomic<int> now{0}, most{0};
+  Result<std::string> ReadAll(std::string_view key, uint64_t max_bytes) override {
+    Hold hold(*this);
+    return BackendWrapper::ReadAll(key, max_bytes);
+  }
+  Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) override {
+    Hold hold(*this);
+    return BackendWrapper::ReadRange(key, offset, out);
+  }
+
+ private:
+  struct Hold {
+    explicit Hold(ConcurrencyProbe& p) : p(p) {
+      if (!p.counting) return;
+      int n = ++p.now;
+      for (int m = p.most; n > m && !p.most.compare_exchange_weak(m, n);) {
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ~Hold() {
+      if (p.counting) --p.now;
+    }
+    ConcurrencyProbe& p;
+  };
+};
+
+TEST(RepositoryOpen, IoThreadsBoundTheRequestsAnOperationSendsAtOnce) {
+  TempDir dir;
+  auto probe = std::make_shared<ConcurrencyProbe>(NewMemoryBackend());
+  ASSERT_OK(Repository::Init(*probe, {}));
+  OpenOptions o;
+  o.cache_dir = dir / "host-a";
+  {
+    auto host_a = Repository::Open(probe, o);
+    ASSERT_OK(host_a.status());
+    for (int i = 0; i < 24; ++i) {
+      const std::string bytes = "checkpoint " + std::to_string(i);
+      auto w = (*host_a)->BeginCheckpoint("c" + std::to_string(i), {});
+      ASSERT_OK(w.status());
+      ASSERT_OK((*w)->PutTensor({"t", DType::kU8, {bytes.size()}}, std::as_bytes(std::span(bytes))));
+      ASSERT_OK((*w)->Commit().Wait().status());
+    }
+  }
+  // Another host's first open reads the 24 manifests (and the packs'
+  // indexes) in parallel: never more at once than io_threads.
+  for (size_t io_threads : {1u, 3u, 8u}) {
+    SCOPED_TRACE("io_threads " + std::to_string(io_threads));
+    o.cache_dir = dir / ("host-b-" + std::to_string(io_threads));
+    o.io_threads = io_threads;
+    probe->most = 0;
+    probe->counting = true;
+    auto host_b = Repository::Open(probe, o);
+    probe->counting = false;
+    ASSERT_OK(host_b.status());
+    auto listed = (*host_b)->ListCheckpoints(false);
+    ASSERT_OK(listed.status());
+    EXPECT_EQ(listed->size(), 24u);
+    EXPECT_LE(probe->most.load(), static_cast<int>(io_threads));
+    if (io_threads > 1) {
+      EXPECT_GE(probe->most.load(), 2);
+    }
+  }
 }
 
 // A repository on an object store handed over as a Backend: hosts (each a

@@ -446,9 +446,11 @@ class PyRepository {
     Check(Repository::Init(path, c, o));
   }
 
-  static PyRepository Open(const std::string& path, size_t threads, uint64_t cache_bytes, const std::string& cache_dir) {
+  static PyRepository Open(const std::string& path, size_t threads, uint64_t cache_bytes, const std::string& cache_dir,
+                           size_t io_threads) {
     OpenOptions o = Value(OptionsFromEnvironment(cache_dir));
     o.threads = threads;
+    o.io_threads = io_threads;
     o.cache_bytes = cache_bytes;
     py::gil_scoped_release nogil;
     return PyRepository(RepositoryCache::Get().Open(path, o));
@@ -694,7 +696,7 @@ PYBIND11_MODULE(_core, m) {
       .def_static("init", &PyRepository::Init, py::arg("path"), py::arg("chunk_size"), py::arg("pack_size"),
                   py::arg("compression"), py::arg("level"), py::arg("adaptive"), py::arg("cache_dir"))
       .def_static("open", &PyRepository::Open, py::arg("path"), py::arg("threads"), py::arg("cache_bytes"),
-                  py::arg("cache_dir"))
+                  py::arg("cache_dir"), py::arg("io_threads"))
       .def_property_readonly("path", &PyRepository::path)
       .def_property_readonly("config", &PyRepository::config)
       .def("import_safetensors", &PyRepository::import_safetensors, py::arg("name"), py::arg("paths"),

@@ -664,22 +664,22 @@ class Repository:
 
 def init(url: str, *, chunk_size: int = 4 << 20, pack_size: int = 256 << 20, compression: str = "zstd",
          level: int = 1, adaptive: bool = True, threads: int = 0, cache_bytes: int = 512 << 20,
-         cache_dir: Optional[str] = None) -> Repository:
+         cache_dir: Optional[str] = None, io_threads: int = 0) -> Repository:
     """Creates a repository at `url` (an empty or missing directory, or
     s3://BUCKET/PREFIX) and opens it.
 
     chunk_size: bytes per chunk, a multiple of 8 in [64 KiB, 256 MiB];
     pack_size: a pack file is sealed at this size; compression: "zstd" or
     "none"; level: zstd level; adaptive: store raw while the disk is idle.
-    threads, cache_bytes and cache_dir are as for open().
+    threads, cache_bytes, cache_dir and io_threads are as for open().
     """
     _core.Repository.init(url, int(chunk_size), int(pack_size), compression, int(level), bool(adaptive),
                           _path_or_empty(cache_dir))
-    return open(url, threads=threads, cache_bytes=cache_bytes, cache_dir=cache_dir)
+    return open(url, threads=threads, cache_bytes=cache_bytes, cache_dir=cache_dir, io_threads=io_threads)
 
 
 def open(url: str, *, threads: int = 0, cache_bytes: int = 512 << 20,  # noqa: A001
-         cache_dir: Optional[str] = None) -> Repository:
+         cache_dir: Optional[str] = None, io_threads: int = 0) -> Repository:
     """Opens the repository at `url`: a local directory, or
     s3://BUCKET/PREFIX on an S3 store (endpoint and credentials from
     AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or the AWS
@@ -689,10 +689,12 @@ def open(url: str, *, threads: int = 0, cache_bytes: int = 512 << 20,  # noqa: A
     core); cache_bytes: bound of the decoded-chunk cache; cache_dir: where
     this host keeps the catalog of a repository on S3 (default:
     $CKPT_CACHE_DIR, else a directory per repository under
-    ~/.cache/ckptfs). Raises NotFoundError when there is no repository
-    there.
+    ~/.cache/ckptfs); io_threads: requests to an S3 store sent at once by
+    one operation, such as reading pack indexes (0: 16). Raises
+    NotFoundError when there is no repository there.
     """
-    return Repository(_core.Repository.open(url, int(threads), int(cache_bytes), _path_or_empty(cache_dir)))
+    return Repository(_core.Repository.open(url, int(threads), int(cache_bytes), _path_or_empty(cache_dir),
+                                            int(io_threads)))
 
 
 def _path_or_empty(path: Optional[str]) -> str:
