@@ -166,6 +166,18 @@ class GpuRegistry {
 
 // ---- save ------------------------------------------------------------------------
 
+// What a commit did, as save(), commit handles and import_safetensors
+// return it.
+py::dict CommitResultDict(const CommitResult& r) {
+  py::dict d;
+  d["checkpoint_visible"] = r.checkpoint_visible;
+  d["chunks_written"] = r.chunks_written;
+  d["chunks_deduplicated"] = r.chunks_deduplicated;
+  d["logical_bytes"] = r.logical_bytes;
+  d["stored_bytes"] = r.stored_bytes;
+  return d;
+}
+
 // Runs `fn` on a thread of its own. Unlike std::async's, the future does not
 // block when dropped, so a caller may let go of a save's handle; the Python
 // side waits for saves still in flight when the interpreter exits.
@@ -199,13 +211,7 @@ class SaveHandle {
     CheckProcess();
     Result<CommitResult> r = future_.get();  // ready: callers wait first
     if (!r.ok()) throw StatusError{r.status()};
-    py::dict d;
-    d["checkpoint_visible"] = r->checkpoint_visible;
-    d["chunks_written"] = r->chunks_written;
-    d["chunks_deduplicated"] = r->chunks_deduplicated;
-    d["logical_bytes"] = r->logical_bytes;
-    d["stored_bytes"] = r->stored_bytes;
-    return d;
+    return CommitResultDict(*r);
   }
   double blocking_seconds() const { return blocking_seconds_; }
 
@@ -517,12 +523,7 @@ class PyRepository {
       return writer->Commit().Wait();
     }();
     if (!r.ok()) throw StatusError{r.status()};
-    py::dict d;
-    d["checkpoint_visible"] = r->checkpoint_visible;
-    d["chunks_written"] = r->chunks_written;
-    d["chunks_deduplicated"] = r->chunks_deduplicated;
-    d["logical_bytes"] = r->logical_bytes;
-    d["stored_bytes"] = r->stored_bytes;
+    py::dict d = CommitResultDict(*r);
     d["left_out"] = left_out;
     return d;
   }
