@@ -6,7 +6,6 @@
 #include <mutex>
 
 #include "ckpt/repository_impl.h"
-#include "core/encoding.h"
 
 namespace ckptfs {
 

@@ -23,7 +23,6 @@
 #include "ckpt/repo_lock.h"
 #include "ckpt/repository_impl.h"
 #include "core/thread_pool.h"
-#include "core/encoding.h"
 
 namespace ckptfs {
 
