@@ -28,7 +28,7 @@ Result<Manifest> MergeView(RepositoryImpl& repo, const RankCommit& rank, const C
     if (it != rank.stored.end()) return it->second;
     auto loc = repo.LookupChunk(id);
     if (!index_on_miss || !loc.status().IsNotFound()) return loc;
-    std::call_once(indexed, [&] { index_status = repo.Sync(RepositoryImpl::SyncScope::kPacks).status(); });
+    std::call_once(indexed, [&] { index_status = repo.protocol->Sync(SyncScope::kPacks).status(); });
     CKPT_RETURN_IF_ERROR(index_status);
     return repo.LookupChunk(id);
   });

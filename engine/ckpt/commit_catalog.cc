@@ -13,8 +13,10 @@
 //      otherwise it records chunks, packs and this rank, and, for the last
 //      rank, the merged records and the committed state.
 #include <algorithm>
+#include <map>
 
 #include "ckpt/commit.h"
+#include "ckpt/lease.h"
 #include "ckpt/repository_impl.h"
 
 namespace ckptfs {
@@ -30,6 +32,53 @@ class CatalogCommit : public CommitProtocol {
   // No other process has seen these packs: nothing deduplicates against
   // them before a commit records them.
   void Abandon(const std::string&, uint32_t, PackWriter& packs) override { packs.Discard(); }
+
+  // The catalog is the truth: nothing to bring in, no other host to lock
+  // out, and chunks move only under this host's locks.
+  Result<SyncReport> Sync(SyncScope, const PhaseFn&) override { return SyncReport{}; }
+  Status IndexPacks() override { return Status::OK(); }
+  std::function<Status()> RelocationRefresh() override { return {}; }
+  Result<std::unique_ptr<ObjectLock>> LockHosts(ObjectLock::Mode, const PhaseFn&) override {
+    return std::unique_ptr<ObjectLock>();
+  }
+
+  // gc collects a name only while holding its lease file, and drops its
+  // records then: the catalog, read under the lease, says whether it did.
+  Status CheckLeased(const CheckpointRecord& rec, bool) override {
+    return repo_.catalog->Read([&](const ReadTxn& txn) -> Status {
+      CKPT_ASSIGN_OR_RETURN(auto live, txn.Get(Table::kCheckpoints, keys::Checkpoint(rec.name)));
+      if (live) {
+        CKPT_ASSIGN_OR_RETURN(CheckpointRecord now, DecodeCheckpoint(*live));
+        if (now.committed_unix_ms == rec.committed_unix_ms) return Status::OK();
+      }
+      CKPT_ASSIGN_OR_RETURN(auto retired,
+                            txn.Get(Table::kCheckpoints, keys::RetiredCheckpoint(rec.name, rec.committed_unix_ms)));
+      if (retired) return Status::OK();
+      return Status::NotFound("checkpoint '" + rec.name + "' was removed and its data collected");
+    });
+  }
+
+  Result<std::set<std::string>> Leased(const std::vector<std::string>& retired, LocalLeaseScan& scan) override {
+    std::set<std::string> leased;
+    std::map<std::string, bool> known;
+    for (const auto& r : retired) {
+      const std::string base = keys::BaseName(r);
+      if (known.count(base)) continue;
+      CKPT_ASSIGN_OR_RETURN(known[base], scan.Leased(base));
+      if (known[base]) leased.insert(base);
+    }
+    return leased;
+  }
+  // The scan holds the free names locked: no reader came since.
+  Result<std::set<std::string>> LeasedSinceDelete() override { return std::set<std::string>(); }
+  bool KeepsDeadChunkLocations() const override { return false; }
+  bool UnknownPacksAreLeftovers() const override { return true; }
+
+  // The catalog holds the pending ranks; rm drops them with the checkpoint.
+  Status RemoveRankObjects(const std::string&) override { return Status::OK(); }
+  Result<std::vector<RankProgress>> RankProgressOf(const std::string&, uint32_t) override {
+    return std::vector<RankProgress>();
+  }
 
   Status Commit(const RankCommit& rank, CommitResult* result) override {
     // Commits of other ranks may change the view between the steps; each

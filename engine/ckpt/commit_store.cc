@@ -14,6 +14,9 @@
 //      on every host from this PUT on.
 //   5. Delete the rank objects (leftovers are ignored once the manifest
 //      exists, and removed by rm).
+// A commit that fails in step 4 (the shards disagree, the store fails)
+// deletes its own rank object and its claim: the checkpoint stays pending
+// without this rank, which may commit again.
 // Ranks finishing together may all see every rank and all merge; the
 // manifest is written with a conditional PUT (If-None-Match), so exactly one
 // of them commits and the others stand down.
@@ -22,15 +25,19 @@
 #include <set>
 
 #include "ckpt/commit.h"
+#include "ckpt/lease.h"
 #include "ckpt/repository_impl.h"
+#include "ckpt/store_sync.h"
+#include "core/json.h"
 #include "core/random.h"
+#include "core/text.h"
 
 namespace ckptfs {
 namespace {
 
 class StoreCommit : public CommitProtocol {
  public:
-  explicit StoreCommit(RepositoryImpl& repo) : repo_(repo) {}
+  explicit StoreCommit(RepositoryImpl& repo) : repo_(repo), sync_(repo) {}
 
   void Begin(const std::string& name, uint32_t rank) override {
     // Where this rank runs, for `ckpt show` of the checkpoint while it is
@@ -49,11 +56,94 @@ class StoreCommit : public CommitProtocol {
 
   Status Commit(const RankCommit& rank, CommitResult* result) override;
 
+  // The store is the truth; this host's catalog catches up (sync.cc).
+  Result<SyncReport> Sync(SyncScope scope, const PhaseFn& on_phase) override {
+    if (on_phase && scope == SyncScope::kReferences) on_phase("reading every reference from the store");
+    return sync_.Sync(scope);
+  }
+  Status IndexPacks() override { return sync_.IndexPacks(); }
+  // A packs-only sync, after which the catalog knows where gc on another
+  // host moved chunks.
+  std::function<Status()> RelocationRefresh() override {
+    return [this] { return sync_.Sync(SyncScope::kPacks).status(); };
+  }
+
+  Result<std::unique_ptr<ObjectLock>> LockHosts(ObjectLock::Mode mode, const PhaseFn& on_phase) override {
+    if (mode == ObjectLock::Mode::kExclusive) {
+      CKPT_RETURN_IF_ERROR(RemoveStaleObjectLocks(*repo_.backend, repo_.lock_options).status());
+      if (on_phase) on_phase("waiting for saves and gc on other hosts (the store's exclusive lock)");
+    }
+    return ObjectLock::Acquire(*repo_.backend, mode, repo_.lock_options);
+  }
+
+  // A lease written before a removal is seen by every gc after it; one
+  // written after must find the retired manifest still there (gc deletes it
+  // before the chunks, and restores it when a lease shows up meanwhile).
+  // Another process of this host verified it when it took the lease.
+  Status CheckLeased(const CheckpointRecord& rec, bool first) override {
+    if (!first) return Status::OK();
+    Backend& store = *repo_.backend;
+    auto live = store.Size(keys::ManifestObject(rec.name));
+    if (live.ok()) return Status::OK();
+    if (!live.status().IsNotFound()) return live.status();
+    auto retired = store.Size(keys::RetiredObject(keys::RetiredCheckpoint(rec.name, rec.committed_unix_ms)));
+    if (retired.ok()) return Status::OK();
+    if (!retired.status().IsNotFound()) return retired.status();
+    return Status::NotFound("checkpoint '" + rec.name + "' was removed and its data collected");
+  }
+  // Every host's leases are objects.
+  Result<std::set<std::string>> Leased(const std::vector<std::string>&, LocalLeaseScan&) override {
+    return ListStoreLeases(*repo_.backend, repo_.lock_options);
+  }
+  Result<std::set<std::string>> LeasedSinceDelete() override {
+    return ListStoreLeases(*repo_.backend, repo_.lock_options);
+  }
+  bool KeepsDeadChunkLocations() const override { return true; }
+  bool UnknownPacksAreLeftovers() const override { return false; }
+
+  Status RemoveRankObjects(const std::string& name) override {
+    CKPT_ASSIGN_OR_RETURN(auto pending, repo_.backend->List(keys::PendingPrefix(name)));
+    for (const auto& key : pending) {
+      Status st = repo_.backend->Delete(key);
+      if (!st.ok() && !st.IsNotFound()) return st;
+    }
+    return Status::OK();
+  }
+  Result<std::vector<RankProgress>> RankProgressOf(const std::string& name, uint32_t world_size) override;
+
  private:
   Result<Manifest> MergeStoredRanks(const RankCommit& rank);
 
   RepositoryImpl& repo_;
+  StoreSync sync_;
 };
+
+// The ranks that started (their started/ objects name host, pid and time)
+// and which of them committed (their pending/ objects).
+Result<std::vector<RankProgress>> StoreCommit::RankProgressOf(const std::string& name, uint32_t world_size) {
+  std::vector<RankProgress> out;
+  CKPT_ASSIGN_OR_RETURN(auto listed, repo_.backend->List(keys::PendingPrefix(name)));
+  std::set<uint32_t> committed, started;
+  for (const auto& key : listed) {
+    std::string n;
+    uint32_t r;
+    if (keys::ParsePendingRankObject(key, &n, &r) && n == name) committed.insert(r);
+    if (keys::ParseStartedRankObject(key, name, &r) && r < world_size) started.insert(r);
+  }
+  for (uint32_t r : started) out.push_back(RankProgress{r, committed.count(r) > 0, "", 0, 0});
+  ParallelFor(repo_.IoPool(), out.size(), repo_.io_threads, [&](size_t i) {
+    auto body = repo_.backend->ReadAll(keys::StartedRankObject(name, out[i].rank), kMaxSmallObject);
+    auto j = body.ok() ? Json::Parse(*body, 64) : Result<Json>(body.status());
+    if (!j.ok()) return;  // gone meanwhile, or not ours: shown without a host
+    const Json* host = j->Find("host");
+    const Json* pid = j->Find("pid");
+    const Json* at = j->Find("started_unix_ms");
+    if (host && host->is_string()) out[i].host = ToValidUtf8(host->as_string().substr(0, 255));
+    if (pid && pid->is_uint()) out[i].pid = pid->as_uint();
+    if (at && at->is_uint()) out[i].started_unix_ms = at->as_uint();
+  });
+  return out;
+}
 
 Result<Manifest> StoreCommit::MergeStoredRanks(const RankCommit& rank) {
   const std::string& name = rank.name;
@@ -149,14 +239,24 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
   } else {
     CKPT_RETURN_IF_ERROR(claimed);
   }
+  // A commit that fails from here on (the ranks' shards disagree, the store
+  // fails) takes its rank object and its claim back, as a failed commit
+  // of a local repository leaves its rank out: the checkpoint stays
+  // pending, and this rank may commit again.
+  auto fail = [&](Status st) {
+    (void)store.Delete(own_key);
+    (void)store.Delete(claim_key);
+    return st;
+  };
   const std::string manifest_key = keys::ManifestObject(name);
-  CKPT_ASSIGN_OR_RETURN(Manifest manifest, MergeStoredRanks(rank));
-  CKPT_RETURN_IF_ERROR(rank.store_lock->Check());
-  const std::string manifest_bytes = EncodeManifest(manifest);
+  auto manifest = MergeStoredRanks(rank);
+  if (!manifest.ok()) return fail(manifest.status());
+  if (Status held = rank.store_lock->Check(); !held.ok()) return fail(held);
+  const std::string manifest_bytes = EncodeManifest(*manifest);
   Status put = store.PutIfAbsent(manifest_key, std::as_bytes(std::span(manifest_bytes)));
   // Exists: this PUT's own, its answer lost and retried.
   if (put.IsAlreadyExists()) return Status::OK();
-  CKPT_RETURN_IF_ERROR(put);
+  if (!put.ok()) return fail(put);
   result->checkpoint_visible = true;
   // The checkpoint is committed: what follows is tidying, and its failure
   // (the store going away now) does not undo the commit. Rank objects left
@@ -170,7 +270,7 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
     (void)store.Delete(keys::StartedRankObject(name, static_cast<uint32_t>(r)));
   });
   if (!failing) (void)store.Delete(claim_key);
-  (void)repo_.Sync();
+  (void)sync_.Sync(SyncScope::kCheckpoints);
   return Status::OK();
 }
 

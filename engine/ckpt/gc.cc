@@ -140,7 +140,7 @@ Result<uint64_t> ParseDuration(std::string_view text) {
 
 Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
-  CKPT_RETURN_IF_ERROR(impl_->IndexPacks());
+  CKPT_RETURN_IF_ERROR(impl_->protocol->IndexPacks());
   CKPT_ASSIGN_OR_RETURN(auto list, ListCheckpoints(false));
   std::map<std::string, const CheckpointRecord*> committed;
   for (const auto& c : list) committed[c.name] = &c;
@@ -180,7 +180,7 @@ Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names)
       return true;
     });
   }));
-  if (!impl_->remote) {
+  if (impl_->protocol->UnknownPacksAreLeftovers()) {
     CKPT_ASSIGN_OR_RETURN(auto keys, impl_->backend->List(keys::kPackPrefix));
     for (const auto& key : keys) {
       std::string id;
@@ -330,24 +330,13 @@ Result<std::vector<std::string>> RetiredInCatalog(LmdbEnv& catalog) {
   return out;
 }
 
-// Local repositories: `scan` keeps the names found unleased locked against
-// new readers until it is destroyed. Object stores: the lease objects.
+// The protocol says which are leased (CommitProtocol::Leased; `scan` may
+// keep the free names locked against new readers until it is destroyed).
 Result<RetiredPlan> PlanRetired(RepositoryImpl& repo, LocalLeaseScan& scan) {
   RetiredPlan plan;
   CKPT_ASSIGN_OR_RETURN(auto retired, RetiredInCatalog(*repo.catalog));
   if (retired.empty()) return plan;
-  std::set<std::string> leased;
-  if (repo.remote) {
-    CKPT_ASSIGN_OR_RETURN(leased, ListStoreLeases(*repo.backend, repo.lock_options));
-  } else {
-    std::map<std::string, bool> known;
-    for (const auto& r : retired) {
-      const std::string base = keys::BaseName(r);
-      if (known.count(base)) continue;
-      CKPT_ASSIGN_OR_RETURN(known[base], scan.Leased(base));
-      if (known[base]) leased.insert(base);
-    }
-  }
+  CKPT_ASSIGN_OR_RETURN(std::set<std::string> leased, repo.protocol->Leased(retired, scan));
   for (auto& r : retired) (leased.count(keys::BaseName(r)) ? plan.kept : plan.doomed).push_back(std::move(r));
   return plan;
 }
@@ -355,17 +344,17 @@ Result<RetiredPlan> PlanRetired(RepositoryImpl& repo, LocalLeaseScan& scan) {
 // Drops the retired checkpoints nobody reads: their retired manifests, then
 // their records, so the liveness analysis after it frees their chunks. On an
 // object store a reader may have written its lease after the leases were
-// listed, then found the retired manifest still there: the leases are listed
-// again after the deletes, and a checkpoint leased meanwhile gets its
-// retired manifest back and is kept (lease.h).
+// listed, then found the retired manifest still there: the protocol lists
+// the leases again after the deletes (LeasedSinceDelete), and a checkpoint
+// leased meanwhile gets its retired manifest back and is kept (lease.h).
 Status CollectRetired(RepositoryImpl& repo, RetiredPlan& plan) {
   if (plan.doomed.empty()) return Status::OK();
   for (const auto& r : plan.doomed) {
     Status st = repo.backend->Delete(keys::RetiredObject(r));
     if (!st.ok() && !st.IsNotFound()) return st;
   }
-  if (repo.remote) {
-    CKPT_ASSIGN_OR_RETURN(auto leased, ListStoreLeases(*repo.backend, repo.lock_options));
+  CKPT_ASSIGN_OR_RETURN(std::set<std::string> leased, repo.protocol->LeasedSinceDelete());
+  if (!leased.empty()) {
     std::vector<std::string> doomed;
     for (auto& r : plan.doomed) {
       if (!leased.count(keys::BaseName(r))) {
@@ -416,14 +405,9 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
     phase("waiting for any other gc of this host");
     CKPT_ASSIGN_OR_RETURN(RepoLock l, RepoLock::Acquire(impl_->state_dir, RepoLock::Mode::kExclusive, RepoLock::Name::kGcRun));
     run_lock.emplace(std::move(l));
-    if (impl_->remote) {
-      CKPT_RETURN_IF_ERROR(RemoveStaleObjectLocks(*backend, impl_->lock_options).status());
-      phase("waiting for saves and gc on other hosts (the store's exclusive lock)");
-      CKPT_ASSIGN_OR_RETURN(store_lock, impl_->LockStore(ObjectLock::Mode::kExclusive));
-    }
+    CKPT_ASSIGN_OR_RETURN(store_lock, impl_->protocol->LockHosts(ObjectLock::Mode::kExclusive, phase));
   }
-  if (impl_->remote) phase("reading every reference from the store");
-  CKPT_RETURN_IF_ERROR(impl_->Sync(RepositoryImpl::SyncScope::kReferences).status());
+  CKPT_RETURN_IF_ERROR(impl_->protocol->Sync(SyncScope::kReferences, phase).status());
   phase("finding live chunks");
   // Removed checkpoints nobody reads now count as gone when choosing packs
   // to rewrite (step 2 decides again, under the lock).
@@ -504,14 +488,16 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
 
   // 3. One catalog transaction: forget dead chunks and old packs, point
   //    live moved chunks at their new packs.
-  // A remote catalog mirrors the pack indexes (sync.cc): a dead chunk keeps
-  // its entry while its pack stays, as on every other host.
+  // A catalog that mirrors the pack indexes (an object store's, sync.cc)
+  // keeps a dead chunk's entry while its pack stays, as every other host's
+  // does.
   std::set<std::string> leaving(drop.begin(), drop.end());
   leaving.insert(rewrite.begin(), rewrite.end());
+  const bool keep_dead = impl_->protocol->KeepsDeadChunkLocations();
   if (store_lock) CKPT_RETURN_IF_ERROR(store_lock->Check());
   CKPT_RETURN_IF_ERROR(impl_->catalog->Update([&](WriteTxn& txn) -> Status {
     for (const auto& [id, pack] : now.dead) {
-      if (impl_->remote && !leaving.count(pack)) continue;
+      if (keep_dead && !leaving.count(pack)) continue;
       CKPT_RETURN_IF_ERROR(txn.Delete(Table::kChunks, keys::Chunk(id)));
     }
     for (const auto& [id, locs] : moved) {

@@ -31,7 +31,7 @@ struct ChunkUse {
 
 Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, const ProgressFn& progress) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
-  CKPT_RETURN_IF_ERROR(impl_->IndexPacks());
+  CKPT_RETURN_IF_ERROR(impl_->protocol->IndexPacks());
   VerifyReport report;
   std::vector<std::string> names;
   if (name) {
@@ -189,10 +189,7 @@ Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
   // gc lock shared (and on an object store a shared lock object), so gc's
   // sweep of temporary files never takes one it is writing.
   CKPT_ASSIGN_OR_RETURN(RepoLock gc_lock, RepoLock::Acquire(impl_->state_dir, RepoLock::Mode::kShared));
-  std::unique_ptr<ObjectLock> store_lock;
-  if (impl_->remote) {
-    CKPT_ASSIGN_OR_RETURN(store_lock, impl_->LockStore(ObjectLock::Mode::kShared));
-  }
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<ObjectLock> store_lock, impl_->protocol->LockHosts(ObjectLock::Mode::kShared));
   // The retired manifest is durable before the manifest goes, and both
   // before the catalog changes: a crash in between leaves a checkpoint still
   // listed (rm again finishes it), never one whose readers lose their bytes.
@@ -205,13 +202,8 @@ Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
     }
     Status st = impl_->backend->Delete(keys::ManifestObject(n));
     if (!st.ok() && !st.IsNotFound()) return st;
-    if (!impl_->remote) continue;
     // The ranks of a pending checkpoint, and those a crashed committer left.
-    CKPT_ASSIGN_OR_RETURN(auto pending, impl_->backend->List(keys::PendingPrefix(n)));
-    for (const auto& key : pending) {
-      st = impl_->backend->Delete(key);
-      if (!st.ok() && !st.IsNotFound()) return st;
-    }
+    CKPT_RETURN_IF_ERROR(impl_->protocol->RemoveRankObjects(n));
   }
   return impl_->catalog->Update([&](WriteTxn& txn) -> Status {
     for (const auto& n : unique) {
@@ -227,35 +219,13 @@ Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
 
 Result<std::vector<RankProgress>> Repository::PendingRanks(const std::string& name) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
-  CKPT_RETURN_IF_ERROR(impl_->Sync().status());  // object stores: what the other hosts' ranks did
+  CKPT_RETURN_IF_ERROR(impl_->protocol->Sync().status());  // object stores: what the other hosts' ranks did
   CKPT_ASSIGN_OR_RETURN(auto all, ListCheckpoints(true));
   auto it = std::find_if(all.begin(), all.end(), [&](const CheckpointRecord& c) {
     return c.name == name && c.state != CheckpointState::kCommitted;
   });
   if (it == all.end()) return Status::NotFound("no pending checkpoint named '" + name + "'");
-  std::vector<RankProgress> out;
-  if (!impl_->remote) return out;
-  CKPT_ASSIGN_OR_RETURN(auto listed, impl_->backend->List(keys::PendingPrefix(name)));
-  std::set<uint32_t> committed, started;
-  for (const auto& key : listed) {
-    std::string n;
-    uint32_t r;
-    if (keys::ParsePendingRankObject(key, &n, &r) && n == name) committed.insert(r);
-    if (keys::ParseStartedRankObject(key, name, &r) && r < it->world_size) started.insert(r);
-  }
-  for (uint32_t r : started) out.push_back(RankProgress{r, committed.count(r) > 0, "", 0, 0});
-  ParallelFor(impl_->IoPool(), out.size(), impl_->io_threads, [&](size_t i) {
-    auto body = impl_->backend->ReadAll(keys::StartedRankObject(name, out[i].rank), kMaxSmallObject);
-    auto j = body.ok() ? Json::Parse(*body, 64) : Result<Json>(body.status());
-    if (!j.ok()) return;  // gone meanwhile, or not ours: shown without a host
-    const Json* host = j->Find("host");
-    const Json* pid = j->Find("pid");
-    const Json* at = j->Find("started_unix_ms");
-    if (host && host->is_string()) out[i].host = ToValidUtf8(host->as_string().substr(0, 255));
-    if (pid && pid->is_uint()) out[i].pid = pid->as_uint();
-    if (at && at->is_uint()) out[i].started_unix_ms = at->as_uint();
-  });
-  return out;
+  return impl_->protocol->RankProgressOf(name, it->world_size);
 }
 
 Status DeleteCheckpointRecords(WriteTxn& txn, const std::string& name) {

@@ -252,7 +252,7 @@ Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   // On an object store: the chunks of checkpoints other hosts saved may be
   // in packs whose indexes this host has not read yet.
-  CKPT_RETURN_IF_ERROR(impl_->IndexPacks());
+  CKPT_RETURN_IF_ERROR(impl_->protocol->IndexPacks());
   auto impl = std::make_unique<ReaderImpl>();
   impl->repo = impl_;
   // The lease comes first: what the catalog says afterwards stays readable
@@ -268,7 +268,7 @@ Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::
     CKPT_ASSIGN_OR_RETURN(impl->manifest, LoadManifest(txn, name));
     return Status::OK();
   });
-  if (st.ok() && first) st = impl_->CheckStillStored(impl->manifest.checkpoint);
+  if (st.ok() && options.lease) st = impl_->protocol->CheckLeased(impl->manifest.checkpoint, first);
   if (!st.ok()) {
     impl->lease.Release(/*linger=*/false);  // held for nothing
     return st;
@@ -279,34 +279,13 @@ Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::
   return std::unique_ptr<CheckpointReader>(new CheckpointReader(std::move(impl)));
 }
 
-// Local: the catalog, read under the lease, says whether gc collected it.
-static Status StillInCatalog(LmdbEnv& catalog, const CheckpointRecord& rec) {
-  return catalog.Read([&](const ReadTxn& txn) -> Status {
-    CKPT_ASSIGN_OR_RETURN(auto live, txn.Get(Table::kCheckpoints, keys::Checkpoint(rec.name)));
-    if (live) {
-      CKPT_ASSIGN_OR_RETURN(CheckpointRecord now, DecodeCheckpoint(*live));
-      if (now.committed_unix_ms == rec.committed_unix_ms) return Status::OK();
-    }
-    CKPT_ASSIGN_OR_RETURN(auto retired,
-                          txn.Get(Table::kCheckpoints, keys::RetiredCheckpoint(rec.name, rec.committed_unix_ms)));
-    if (retired) return Status::OK();
-    return Status::NotFound("checkpoint '" + rec.name + "' was removed and its data collected");
-  });
-}
-
 Result<CheckpointLease> Repository::LeaseCheckpoint(const CheckpointReader& reader) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   const CheckpointRecord& rec = reader.info();
   bool first = false;
   CKPT_RETURN_IF_ERROR(impl_->leases->Acquire(rec.name, &first));
   CheckpointLease lease(impl_, rec.name);
-  Status st;
-  if (impl_->remote) {
-    // Another process of this host verified it when it took the lease.
-    if (first) st = impl_->CheckStillStored(rec);
-  } else {
-    st = StillInCatalog(*impl_->catalog, rec);
-  }
+  Status st = impl_->protocol->CheckLeased(rec, first);
   if (!st.ok()) {
     lease.Release(/*linger=*/false);
     return st;
@@ -314,20 +293,6 @@ Result<CheckpointLease> Repository::LeaseCheckpoint(const CheckpointReader& read
   return lease;
 }
 
-
-Status RepositoryImpl::CheckStillStored(const CheckpointRecord& rec) {
-  if (!remote) return Status::OK();
-  // A lease written before a removal is seen by every gc after it; one
-  // written after must find the retired manifest still there (gc deletes it
-  // before the chunks, and restores it when a lease shows up meanwhile).
-  auto live = backend->Size(keys::ManifestObject(rec.name));
-  if (live.ok()) return Status::OK();
-  if (!live.status().IsNotFound()) return live.status();
-  auto retired = backend->Size(keys::RetiredObject(keys::RetiredCheckpoint(rec.name, rec.committed_unix_ms)));
-  if (retired.ok()) return Status::OK();
-  if (!retired.status().IsNotFound()) return retired.status();
-  return Status::NotFound("checkpoint '" + rec.name + "' was removed and its data collected");
-}
 
 CheckpointLease::CheckpointLease(CheckpointLease&& other) noexcept
     : repo_(std::move(other.repo_)), name_(std::move(other.name_)) {}

@@ -184,19 +184,12 @@ Status DirectFetcher::FetchInto(const ChunkRef& chunk, std::span<std::byte> dst)
 }
 
 namespace {
-// Object stores: a packs-only sync, after which the catalog knows where gc
-// on another host moved chunks.
-std::function<Status()> RefreshOf(RepositoryImpl* repo) {
-  if (!repo->remote) return {};
-  return [repo] { return repo->Sync(RepositoryImpl::SyncScope::kPacks).status(); };
-}
-
 class CachedFetcher : public ChunkFetcher {
  public:
   explicit CachedFetcher(RepositoryImpl* repo)
       : repo_(repo),
         direct_(repo->backend.get(), [repo](const ChunkId& id) { return repo->LookupChunk(id); },
-                repo->buffers.get(), RefreshOf(repo)) {}
+                repo->buffers.get(), repo->protocol->RelocationRefresh()) {}
   Result<ChunkData> Fetch(const ChunkRef& chunk) override {
     return repo_->cache->Get(chunk.id, [&] { return direct_.Fetch(chunk); });
   }
@@ -232,12 +225,7 @@ bool Repository::remote() const { return impl_->remote; }
 
 Status Repository::Refresh() {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
-  return impl_->Sync(RepositoryImpl::SyncScope::kCheckpoints).status();
-}
-
-Result<std::unique_ptr<ObjectLock>> RepositoryImpl::LockStore(ObjectLock::Mode mode) {
-  if (!remote) return std::unique_ptr<ObjectLock>();
-  return ObjectLock::Acquire(*backend, mode, lock_options);
+  return impl_->protocol->Sync(SyncScope::kCheckpoints).status();
 }
 
 namespace {
@@ -409,9 +397,9 @@ Result<ReindexReport> ReindexRemote(const std::string& url, const OpenOptions& o
   ReindexReport report;
   CKPT_ASSIGN_OR_RETURN(auto committed, repo->ListCheckpoints(false));
   report.checkpoints = committed.size();
-  report.problems = repo->impl_->last_sync.problems;
+  report.problems = repo->impl_->opening_sync.problems;
   // Open's sync left the pack indexes for later: read them all now.
-  CKPT_ASSIGN_OR_RETURN(SyncReport packs, repo->impl_->Sync(RepositoryImpl::SyncScope::kPacks));
+  CKPT_ASSIGN_OR_RETURN(SyncReport packs, repo->impl_->protocol->Sync(SyncScope::kPacks));
   report.packs = packs.packs_added;
   report.chunks = packs.chunks_added;
   report.problems.insert(report.problems.end(), packs.problems.begin(), packs.problems.end());
@@ -496,11 +484,11 @@ Result<std::unique_ptr<Repository>> Repository::FinishOpen(std::unique_ptr<Repos
   // writer bounds those to about 4 per worker).
   impl->buffers = std::make_unique<BufferPool>(config.chunk_size, 4 * threads + 8);
   impl->cache = std::make_unique<ChunkCache>(options.cache_bytes);
+  impl->protocol = impl->remote ? MakeStoreCommit(*impl) : MakeCatalogCommit(*impl);
   impl->InitFetcher();
-  impl->commits = impl->remote ? MakeStoreCommit(*impl) : MakeCatalogCommit(*impl);
   impl->leases = std::make_unique<LeaseRegistry>(impl->state_dir, impl->remote ? impl->backend.get() : nullptr,
                                                  impl->lock_options);
-  CKPT_RETURN_IF_ERROR(impl->Sync().status());
+  CKPT_ASSIGN_OR_RETURN(impl->opening_sync, impl->protocol->Sync());
   return std::unique_ptr<Repository>(new Repository(std::move(impl)));
 }
 

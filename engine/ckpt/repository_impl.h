@@ -31,16 +31,6 @@ namespace ckptfs {
 // unless OpenOptions::io_threads says otherwise.
 inline constexpr size_t kStoreRequestsInFlight = 16;
 
-// What one sync of an object-store repository's catalog brought in.
-struct SyncReport {
-  uint64_t packs_added = 0, packs_removed = 0;
-  uint64_t chunks_added = 0;
-  uint64_t checkpoints_added = 0, checkpoints_removed = 0;
-  uint64_t pending_ranks_added = 0, pending_ranks_removed = 0;
-  uint64_t objects_read = 0;            // GETs besides the LISTs
-  std::vector<std::string> problems;    // objects skipped, and why
-};
-
 class RepositoryImpl {
  public:
   // Finishes the worker pool's queued tasks (prefetches use the fetcher,
@@ -60,13 +50,15 @@ class RepositoryImpl {
   RepositoryConfig config;
   // The objects live in an object store shared by hosts; the catalog is
   // this host's index of them, kept in `state_dir` and brought up to date
-  // by Sync (docs/DESIGN.md "Repositories on S3").
+  // by the protocol's Sync (docs/DESIGN.md "Repositories on S3"). Read
+  // when the repository opens, to choose its protocol and lease registry,
+  // and by Repository::remote(); the code after that asks the protocol.
   bool remote = false;
   // Where the catalog and the local lock files live: the repository
   // directory, or the host's cache directory for a remote repository.
   std::string state_dir;
   ObjectLockOptions lock_options;  // remote only; `wait` is OpenOptions::lock_wait
-  SyncReport last_sync;  // guarded by the sync mutex
+  SyncReport opening_sync;  // what the open's sync brought in (set once)
   std::unique_ptr<Backend> backend;
   std::unique_ptr<LmdbEnv> catalog;
   // Chunk-sized buffers for decoded chunks (the cache holds them), encoded
@@ -83,50 +75,17 @@ class RepositoryImpl {
   size_t io_threads = kStoreRequestsInFlight;
   // Read leases of this process (lease.h).
   std::unique_ptr<LeaseRegistry> leases;
-  // How writers commit (commit.h): the catalog's protocol or the object
-  // store's, chosen when the repository opens.
-  std::unique_ptr<CommitProtocol> commits;
+  // How ranks commit and how this host's catalog follows the repository's
+  // truth (commit.h): the catalog's protocol or the object store's, chosen
+  // when the repository opens.
+  std::unique_ptr<CommitProtocol> protocol;
 
   // Location of a committed chunk; NotFound when the catalog lacks it.
   Result<ChunkLocation> LookupChunk(const ChunkId& id) const;
   // Fetches through the shared cache.
   ChunkFetcher* fetcher() { return fetcher_.get(); }
+  // After `protocol` is set.
   void InitFetcher();
-
-  // What a sync brings into the catalog.
-  enum class SyncScope {
-    // Committed checkpoints, and pending checkpoints with the ranks that are
-    // in (named by their objects; one rank object is read per pending
-    // checkpoint the catalog does not know yet). New packs are listed but
-    // their indexes are left for IndexPacks: a save deduplicates against
-    // the packs this host knows, and does not read every other rank's new
-    // packs at every step.
-    kCheckpoints,
-    // That, the indexes of all packs, and the records of every pending
-    // rank: references gc must keep.
-    kReferences,
-    // The indexes of all packs only (a committer about to merge the ranks'
-    // shards).
-    kPacks,
-  };
-  // Remote only: brings the catalog up to date with the store. Only objects
-  // new since the last sync are read; LISTs otherwise. No-op for a local
-  // repository.
-  Result<SyncReport> Sync(SyncScope scope = SyncScope::kCheckpoints);
-  // Remote only: reads the indexes of the packs the last sync listed but
-  // did not read, so every chunk of every synced checkpoint has its
-  // location. Readers, verify and du call it; no request when none is left.
-  Status IndexPacks();
-  // Remote only: a lock object in the store (object_lock.h), waiting as
-  // lock_options says; null for a local repository.
-  Result<std::unique_ptr<ObjectLock>> LockStore(ObjectLock::Mode mode);
-
-  // Object stores: called by the first reader of `rec` in this process once
-  // it holds the lease. OK while the store still holds the checkpoint (its
-  // manifest, or its retired manifest), so no gc can collect it now;
-  // NotFound when it was removed and collected meanwhile. OK at once for a
-  // local repository, whose catalog is read under the lease.
-  Status CheckStillStored(const CheckpointRecord& rec);
 
   // Encoded chunks waiting for any pack writer of this process: the
   // adaptive codec's view of whether the disk keeps up.
@@ -136,10 +95,6 @@ class RepositoryImpl {
   std::unique_ptr<ChunkFetcher> fetcher_;
   std::once_flag io_pool_once_;
   std::unique_ptr<ThreadPool> io_pool_;  // set once, under io_pool_once_
-  std::mutex sync_mu_;
-  // Packs listed by the last sync whose indexes are not in the catalog yet
-  // (guarded by sync_mu_).
-  std::vector<std::string> unindexed_packs_;
 };
 
 // Reads a chunk by location lookup, without caching.

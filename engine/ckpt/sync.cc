@@ -25,6 +25,7 @@
 #include <set>
 
 #include "ckpt/repository_impl.h"
+#include "ckpt/store_sync.h"
 #include "core/thread_pool.h"
 #include "store/pack.h"
 
@@ -122,9 +123,10 @@ std::string EncodePendingRank(const CheckpointRecord& header, const RankRecord& 
   return EncodeManifest(m);
 }
 
-Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
-  if (!remote) return SyncReport{};
-  std::lock_guard lock(sync_mu_);
+Result<SyncReport> StoreSync::Sync(SyncScope scope) {
+  std::lock_guard lock(mu_);
+  LmdbEnv* catalog = repo_.catalog.get();
+  Backend* backend = repo_.backend.get();
   const bool checkpoints = scope != SyncScope::kPacks;
   CKPT_ASSIGN_OR_RETURN(KnownState known, ReadKnown(*catalog));
   std::vector<std::string> pending_keys, manifest_keys, retired_keys;
@@ -153,12 +155,14 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
   std::vector<std::string> fresh_packs = gone_packs.empty()
                                              ? Missing(listed_packs, known.packs)
                                              : std::vector<std::string>(listed_packs.begin(), listed_packs.end());
-  if (scope == SyncScope::kCheckpoints && gone_packs.empty()) {
+  // Every listed pack the catalog lacks is read now, or left for IndexPacks.
+  const bool reads_indexes = scope != SyncScope::kCheckpoints || !gone_packs.empty();
+  if (!reads_indexes) {
     unindexed_packs_ = std::move(fresh_packs);  // read when needed (IndexPacks)
     fresh_packs.clear();
   }
-  auto indexes = FetchAll<SealedPack>(*this, fresh_packs.size(),
-                                      [&](size_t i) { return ReadPackIndex(backend.get(), fresh_packs[i]); });
+  auto indexes = FetchAll<SealedPack>(repo_, fresh_packs.size(),
+                                      [&](size_t i) { return ReadPackIndex(backend, fresh_packs[i]); });
   objects_read += fresh_packs.size();
 
   // ---- manifests ----
@@ -170,7 +174,7 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
   const std::vector<std::string> removed = checkpoints ? Missing(known.committed, listed_committed)
                                                        : std::vector<std::string>{};
   const std::vector<std::string> added = Missing(listed_committed, known.committed);
-  auto manifests = FetchAll<Manifest>(*this, added.size(), [&](size_t i) -> Result<Manifest> {
+  auto manifests = FetchAll<Manifest>(repo_, added.size(), [&](size_t i) -> Result<Manifest> {
     return ReadManifestObject(*backend, keys::ManifestObject(added[i]), added[i]);
   });
   objects_read += added.size();
@@ -184,7 +188,7 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
   const std::vector<std::string> retired_gone = retired ? Missing(known.retired, listed_retired)
                                                         : std::vector<std::string>{};
   const std::vector<std::string> retired_new = Missing(listed_retired, known.retired);
-  auto retired_manifests = FetchAll<Manifest>(*this, retired_new.size(), [&](size_t i) -> Result<Manifest> {
+  auto retired_manifests = FetchAll<Manifest>(repo_, retired_new.size(), [&](size_t i) -> Result<Manifest> {
     const std::string key = keys::RetiredObject(retired_new[i]);
     auto m = ReadManifestObject(*backend, key, keys::BaseName(retired_new[i]));
     if (!m.ok()) return m.status().WithContext("removed checkpoint " + key);
@@ -217,7 +221,7 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
     }
     if (!reading && !known.pending.count(name)) to_read.emplace_back(name, *ranks.begin());
   }
-  auto rank_objects = FetchAll<PendingRank>(*this, to_read.size(), [&](size_t i) {
+  auto rank_objects = FetchAll<PendingRank>(repo_, to_read.size(), [&](size_t i) {
     return ReadPendingRank(*backend, to_read[i].first, to_read[i].second);
   });
   objects_read += to_read.size();
@@ -351,25 +355,26 @@ Result<SyncReport> RepositoryImpl::Sync(SyncScope scope) {
     return Status::OK();
   });
   CKPT_RETURN_IF_ERROR(st);
-  if (!fresh_packs.empty()) unindexed_packs_ = std::move(retry);  // the rest are read
-  if (report.packs_removed || report.checkpoints_removed) cache->Clear();
-  last_sync = report;
+  // The rest are read. Packs left unindexed by an earlier sync that the
+  // catalog came to know otherwise (this host's own commit recorded them)
+  // were not fresh here, and are not left over either.
+  if (reads_indexes) unindexed_packs_ = std::move(retry);
+  if (report.packs_removed || report.checkpoints_removed) repo_.cache->Clear();
   return report;
 }
 
-Status RepositoryImpl::IndexPacks() {
-  if (!remote) return Status::OK();
+Status StoreSync::IndexPacks() {
   {
-    std::lock_guard lock(sync_mu_);
+    std::lock_guard lock(mu_);
     if (unindexed_packs_.empty()) return Status::OK();
   }
   // A packs-only sync reads every index the catalog lacks: these, and any
   // pack written since.
   CKPT_ASSIGN_OR_RETURN(SyncReport report, Sync(SyncScope::kPacks));
-  std::lock_guard lock(sync_mu_);
+  std::lock_guard lock(mu_);
   if (!unindexed_packs_.empty()) {
     return Status::IOError("cannot read the index of " + std::to_string(unindexed_packs_.size()) + " pack(s) in " +
-                           backend->Describe() + (report.problems.empty() ? "" : ": " + report.problems.front()));
+                           repo_.backend->Describe() + (report.problems.empty() ? "" : ": " + report.problems.front()));
   }
   return Status::OK();
 }

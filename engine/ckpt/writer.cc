@@ -110,7 +110,7 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
       std::lock_guard lock(mu_);
       committed = committed_;
     }
-    if (!committed) repo_->commits->Abandon(name_, options_.rank, packs_);
+    if (!committed) repo_->protocol->Abandon(name_, options_.rank, packs_);
   }
 
   Status PutShard(const TensorInfo& info, const Region& region, ShardSource& source);
@@ -541,7 +541,7 @@ Status WriterImpl::CommitRank(const std::vector<SealedPack>& sealed, CommitResul
   }
   result->checkpoint_visible = false;
   const RankCommit rank{name_, options_, created_unix_ms_, record_, sealed, stored_, store_lock_.get()};
-  return repo_->commits->Commit(rank, result);
+  return repo_->protocol->Commit(rank, result);
 }
 
 // ---- public wrappers -------------------------------------------------------------
@@ -613,8 +613,8 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
   CKPT_ASSIGN_OR_RETURN(RepoLock lock, RepoLock::Acquire(impl_->state_dir, RepoLock::Mode::kShared));
   // On an object store, the same across hosts; then the catalog catches up
   // with the store (chunks to deduplicate against, ranks already in).
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<ObjectLock> store_lock, impl_->LockStore(ObjectLock::Mode::kShared));
-  CKPT_RETURN_IF_ERROR(impl_->Sync().status());
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<ObjectLock> store_lock, impl_->protocol->LockHosts(ObjectLock::Mode::kShared));
+  CKPT_RETURN_IF_ERROR(impl_->protocol->Sync().status());
   // Nothing is written here: the checkpoint's record appears with the first
   // rank's commit, so an aborted or killed writer leaves no trace.
   CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
@@ -624,7 +624,7 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
     return CheckJoin(rec, options);
   }));
   auto impl = std::make_shared<WriterImpl>(impl_, name, options, std::move(lock), std::move(store_lock));
-  impl_->commits->Begin(name, options.rank);
+  impl_->protocol->Begin(name, options.rank);
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
 }
 

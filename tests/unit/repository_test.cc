@@ -20,6 +20,7 @@
 
 #include "backend/store_url.h"
 #include "ckpt/repository_impl.h"
+#include "test_repositories.h"
 #include "test_util.h"
 
 namespace ckptfs {
@@ -27,6 +28,7 @@ namespace {
 
 using testing::RandomBytes;
 using testing::TempDir;
+using testing::RepoKind;
 
 // A whole tensor in memory, the reference the store is checked against.
 struct Ref {
@@ -53,13 +55,16 @@ Ref MakeRef(const std::string& name, DType dtype, Shape shape, uint32_t seed) {
   return r;
 }
 
-class SaveAndLoad : public ::testing::Test {
+// A repository of one kind (test_repositories.h), opened as repo_.
+class RepositoryFixture : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void Create(RepoKind kind) {
     RepositoryConfig config;
     config.chunk_size = 64 << 10;  // small chunks: many per tensor
     config.pack_size = 1 << 20;
-    ASSERT_OK(Repository::Init(dir_.path(), config));
+    std::string why;
+    const bool made = where_.Create(kind, config, &why);
+    CKPTFS_SKIP_UNLESS(made, why);
     Reopen();
   }
   void Reopen() {
@@ -67,7 +72,7 @@ class SaveAndLoad : public ::testing::Test {
     OpenOptions opts;
     opts.threads = 3;
     opts.cache_bytes = 1 << 20;
-    auto r = Repository::Open(dir_.path(), opts);
+    auto r = where_.Open(opts);
     ASSERT_OK(r);
     repo_ = std::move(r).value();
   }
@@ -98,11 +103,27 @@ class SaveAndLoad : public ::testing::Test {
     EXPECT_TRUE(got == r.bytes) << r.info.name;
   }
 
-  TempDir dir_;
+  testing::TestRepository where_;
+  const TempDir& dir_ = where_.dir();  // the local kind's repository
   std::unique_ptr<Repository> repo_;
 };
 
-TEST_F(SaveAndLoad, EveryDTypeWholeTensorsRoundTrip) {
+// The conformance suite: what every kind of repository does alike, through
+// the public API.
+class SaveAndLoad : public RepositoryFixture, public ::testing::WithParamInterface<RepoKind> {
+ protected:
+  void SetUp() override { Create(GetParam()); }
+};
+INSTANTIATE_TEST_SUITE_P(Repositories, SaveAndLoad, testing::AllRepositoryKinds(), testing::RepoKindNamer());
+
+// What a local repository does on its own: its files, processes on one
+// host, its catalog.
+class LocalRepository : public RepositoryFixture {
+ protected:
+  void SetUp() override { Create(RepoKind::kLocal); }
+};
+
+TEST_P(SaveAndLoad, EveryDTypeWholeTensorsRoundTrip) {
   auto w = Begin("all-dtypes");
   std::vector<Ref> refs;
   for (int code = 0; code < kDTypeCount; ++code) {
@@ -121,7 +142,7 @@ TEST_F(SaveAndLoad, EveryDTypeWholeTensorsRoundTrip) {
   for (const auto& r : refs) ExpectWhole("all-dtypes", r);
 }
 
-TEST_F(SaveAndLoad, BoxAndFlatShardsFromManyRanksReshardOnLoad) {
+TEST_P(SaveAndLoad, BoxAndFlatShardsFromManyRanksReshardOnLoad) {
   Ref a = MakeRef("attn.qkv", DType::kF32, {64, 48}, 1);   // tensor parallel: column blocks
   Ref b = MakeRef("mlp.flat", DType::kBF16, {33, 77}, 2);  // FSDP: flat, uneven cuts
   Ref c = MakeRef("norm", DType::kF16, {48}, 3);           // replicated
@@ -175,7 +196,7 @@ TEST_F(SaveAndLoad, BoxAndFlatShardsFromManyRanksReshardOnLoad) {
   }
 }
 
-TEST_F(SaveAndLoad, LoadTargetsAreCheckedAgainstTheRecordAndAnyRegionReads) {
+TEST_P(SaveAndLoad, LoadTargetsAreCheckedAgainstTheRecordAndAnyRegionReads) {
   Ref a = MakeRef("w", DType::kBF16, {40, 30}, 21);
   auto w = Begin("targets");
   PutBox(*w, a, FullBox(a.info.shape));
@@ -211,7 +232,7 @@ TEST_F(SaveAndLoad, LoadTargetsAreCheckedAgainstTheRecordAndAnyRegionReads) {
             StatusCode::kInvalidArgument);
 }
 
-TEST_F(SaveAndLoad, RanksCommittingAtOnceMakeOneVisibleCheckpoint) {
+TEST_P(SaveAndLoad, RanksCommittingAtOnceMakeOneVisibleCheckpoint) {
   // Commits read the catalog, merge outside the write transaction and
   // publish only if nothing changed meanwhile: ranks racing each other must
   // still end with exactly one last rank and every part recorded.
@@ -242,7 +263,7 @@ TEST_F(SaveAndLoad, RanksCommittingAtOnceMakeOneVisibleCheckpoint) {
   for (size_t i = 0; i < list->size(); ++i) EXPECT_EQ((*list)[i].sequence, i + 1);
 }
 
-TEST_F(SaveAndLoad, FlatShardsDeduplicateAcrossWorldSizes) {
+TEST_P(SaveAndLoad, FlatShardsDeduplicateAcrossWorldSizes) {
   Ref p = MakeRef("flat.param", DType::kF32, {1000, 257}, 11);  // ~1 MiB, 16 chunks
   const uint64_t n = NumElements(p.info.shape);
   {
@@ -267,7 +288,7 @@ TEST_F(SaveAndLoad, FlatShardsDeduplicateAcrossWorldSizes) {
   ExpectWhole("ws3", p);
 }
 
-TEST_F(SaveAndLoad, SecondSaveOfSameStateStoresNothingNew) {
+TEST_P(SaveAndLoad, SecondSaveOfSameStateStoresNothingNew) {
   Ref a = MakeRef("w", DType::kBF16, {512, 512}, 1);
   for (const char* name : {"v1", "v2"}) {
     auto w = Begin(name);
@@ -282,7 +303,7 @@ TEST_F(SaveAndLoad, SecondSaveOfSameStateStoresNothingNew) {
   ExpectWhole("v2", a);
 }
 
-TEST_F(SaveAndLoad, BlobsRoundTrip) {
+TEST_P(SaveAndLoad, BlobsRoundTrip) {
   auto w = Begin("with-blobs");
   auto rng_state = RandomBytes(200 << 10, 4);
   ASSERT_OK(w->PutBlob("rng/rank0", rng_state));
@@ -298,7 +319,7 @@ TEST_F(SaveAndLoad, BlobsRoundTrip) {
   EXPECT_EQ(reader->FindBlob("empty")->size, 0u);
 }
 
-TEST_F(SaveAndLoad, HandlesWritersAndReadersOutliveTheirRepository) {
+TEST_P(SaveAndLoad, HandlesWritersAndReadersOutliveTheirRepository) {
   auto first = MakeRef("w", DType::kF32, {4 << 20}, 21);  // 16 MiB
   auto w = Begin("first");
   PutFlat(*w, first, 0, first.info.shape[0]);
@@ -328,7 +349,7 @@ TEST_F(SaveAndLoad, HandlesWritersAndReadersOutliveTheirRepository) {
 // writer are gone before it ends. It releases them on its own thread (the
 // repository's I/O pool, which it thereby destroys) before the handle
 // reports, so the path opens again at once.
-TEST_F(SaveAndLoad, ACommitThatOutlivesItsRepositoryAndWriterReleasesThemBeforeItReports) {
+TEST_P(SaveAndLoad, ACommitThatOutlivesItsRepositoryAndWriterReleasesThemBeforeItReports) {
   for (int round = 0; round < 3; ++round) {
     const std::string name = "last-" + std::to_string(round);
     auto big = MakeRef("big", DType::kBF16, {8 << 20}, 30 + round);
@@ -344,7 +365,7 @@ TEST_F(SaveAndLoad, ACommitThatOutlivesItsRepositoryAndWriterReleasesThemBeforeI
   }
 }
 
-TEST_F(SaveAndLoad, TensorBlobAndTagNamesAreCheckedBeforeTheirBytesAreWritten) {
+TEST_P(SaveAndLoad, TensorBlobAndTagNamesAreCheckedBeforeTheirBytesAreWritten) {
   auto expect_refused = [](const Status& st, const std::string& says) {
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
     EXPECT_NE(st.message().find(says), std::string::npos) << st.message();
@@ -384,7 +405,7 @@ TEST_F(SaveAndLoad, TensorBlobAndTagNamesAreCheckedBeforeTheirBytesAreWritten) {
   expect_refused(repo_->BeginCheckpoint("bad\x1bname", {0, 1, 1, {}}).status(), "bad\\x1bname");
 }
 
-TEST_F(SaveAndLoad, OverlapWithDifferentBytesFailsAndStaysInvisible) {
+TEST_P(SaveAndLoad, OverlapWithDifferentBytesFailsAndStaysInvisible) {
   Ref a = MakeRef("x", DType::kI32, {8, 8}, 1);
   {
     auto w = Begin("bad", 0, 2);
@@ -408,7 +429,7 @@ TEST_F(SaveAndLoad, OverlapWithDifferentBytesFailsAndStaysInvisible) {
   ExpectWhole("bad", a);
 }
 
-TEST_F(SaveAndLoad, OverlapWithSameBytesIsAccepted) {
+TEST_P(SaveAndLoad, OverlapWithSameBytesIsAccepted) {
   Ref a = MakeRef("x", DType::kF32, {6, 4}, 1);
   auto w0 = Begin("ok", 0, 2);
   PutFlat(*w0, a, 0, 14);
@@ -419,7 +440,7 @@ TEST_F(SaveAndLoad, OverlapWithSameBytesIsAccepted) {
   ExpectWhole("ok", a);
 }
 
-TEST_F(SaveAndLoad, GapFailsNamingTheTensor) {
+TEST_P(SaveAndLoad, GapFailsNamingTheTensor) {
   Ref a = MakeRef("layer.weight", DType::kF32, {10, 4}, 1);
   auto w = Begin("gappy");
   PutBox(*w, a, Box{{0, 0}, {4, 4}});
@@ -436,7 +457,7 @@ TEST_F(SaveAndLoad, GapFailsNamingTheTensor) {
   EXPECT_FALSE(w2->Commit().Wait().ok());
 }
 
-TEST_F(SaveAndLoad, DTypeOrShapeDisagreementBetweenRanksFails) {
+TEST_P(SaveAndLoad, DTypeOrShapeDisagreementBetweenRanksFails) {
   Ref a = MakeRef("x", DType::kF32, {4, 4}, 1);
   auto w0 = Begin("mismatch", 0, 2);
   PutBox(*w0, a, Box{{0, 0}, {2, 4}});
@@ -451,7 +472,10 @@ TEST_F(SaveAndLoad, DTypeOrShapeDisagreementBetweenRanksFails) {
   EXPECT_TRUE(repo_->OpenCheckpoint("mismatch").status().IsNotFound());
 }
 
-TEST_F(SaveAndLoad, DisagreementIsReportedBeforeTheLastRank) {
+// The catalog shows every rank in; on an object store a rank reads no other
+// rank's record until the last one merges them
+// (DTypeOrShapeDisagreementBetweenRanksFails holds for both).
+TEST_F(LocalRepository, DisagreementIsReportedBeforeTheLastRank) {
   Ref a = MakeRef("x", DType::kF32, {6, 4}, 1);
   auto w0 = Begin("early", 0, 3);
   PutBox(*w0, a, Box{{0, 0}, {2, 4}});
@@ -464,7 +488,7 @@ TEST_F(SaveAndLoad, DisagreementIsReportedBeforeTheLastRank) {
   EXPECT_EQ(res.status().message(), "tensor 'x': rank 1 saved it as I32 [6, 4] but rank 0 as F32 [6, 4]");
 }
 
-TEST_F(SaveAndLoad, GlobalShapeDisagreementBetweenRanksFailsAtTheLastCommit) {
+TEST_P(SaveAndLoad, GlobalShapeDisagreementBetweenRanksFailsAtTheLastCommit) {
   Ref a = MakeRef("w", DType::kF32, {4, 6}, 1);
   auto w0 = Begin("shapes", 0, 2);
   PutFlat(*w0, a, 0, 12);
@@ -480,7 +504,7 @@ TEST_F(SaveAndLoad, GlobalShapeDisagreementBetweenRanksFailsAtTheLastCommit) {
   EXPECT_TRUE(repo_->OpenCheckpoint("shapes").status().IsNotFound());
 }
 
-TEST_F(SaveAndLoad, BadPutsAreRejected) {
+TEST_P(SaveAndLoad, BadPutsAreRejected) {
   Ref a = MakeRef("x", DType::kF32, {4, 4}, 1);
   auto w = Begin("puts");
   std::vector<std::byte> small(10);
@@ -506,7 +530,7 @@ TEST_F(SaveAndLoad, BadPutsAreRejected) {
   EXPECT_NE(res.status().message().find("different bytes"), std::string::npos);
 }
 
-TEST_F(SaveAndLoad, WriterThatNeverCommitsLeavesNoRecord) {
+TEST_P(SaveAndLoad, WriterThatNeverCommitsLeavesNoRecord) {
   {
     auto w = Begin("ghost", 0, 2);
     Ref a = MakeRef("x", DType::kF32, {4, 4}, 1);
@@ -515,7 +539,7 @@ TEST_F(SaveAndLoad, WriterThatNeverCommitsLeavesNoRecord) {
   EXPECT_TRUE(repo_->ListCheckpoints(true)->empty());
 }
 
-TEST_F(SaveAndLoad, NamesAndRanksAreChecked) {
+TEST_P(SaveAndLoad, NamesAndRanksAreChecked) {
   EXPECT_FALSE(repo_->BeginCheckpoint("", {}).ok());
   EXPECT_FALSE(repo_->BeginCheckpoint("a/b", {}).ok());
   EXPECT_FALSE(repo_->BeginCheckpoint(".hidden", {}).ok());
@@ -537,7 +561,7 @@ TEST_F(SaveAndLoad, NamesAndRanksAreChecked) {
   EXPECT_EQ(repo_->ListCheckpoints(false)->size(), 1u);
 }
 
-TEST_F(SaveAndLoad, AbortedWriterLeavesNothingVisible) {
+TEST_P(SaveAndLoad, AbortedWriterLeavesNothingVisible) {
   Ref a = MakeRef("x", DType::kF32, {256, 256}, 1);
   {
     auto w = Begin("aborted");
@@ -550,7 +574,7 @@ TEST_F(SaveAndLoad, AbortedWriterLeavesNothingVisible) {
   EXPECT_TRUE(v->ok());
 }
 
-TEST_F(SaveAndLoad, RanksInSeparateProcessesCommitOnce) {
+TEST_F(LocalRepository, RanksInSeparateProcessesCommitOnce) {
   Ref a = MakeRef("x", DType::kBF16, {64, 1024}, 1);
   repo_.reset();  // children open their own environment
   const int world = 4;
@@ -578,7 +602,7 @@ TEST_F(SaveAndLoad, RanksInSeparateProcessesCommitOnce) {
   ExpectWhole("mp", a);
 }
 
-TEST_F(SaveAndLoad, CorruptPackFailsReadsAndVerifyNeverReturnsWrongBytes) {
+TEST_F(LocalRepository, CorruptPackFailsReadsAndVerifyNeverReturnsWrongBytes) {
   Ref a = MakeRef("x", DType::kF32, {128, 1024}, 1);
   auto w = Begin("c");
   ASSERT_OK(w->PutTensor(a.info, a.bytes));
@@ -606,7 +630,7 @@ TEST_F(SaveAndLoad, CorruptPackFailsReadsAndVerifyNeverReturnsWrongBytes) {
   EXPECT_NE(v->problems[0].message.find("pack"), std::string::npos);
 }
 
-TEST_F(SaveAndLoad, ReindexRebuildsDeletedCatalog) {
+TEST_F(LocalRepository, ReindexRebuildsDeletedCatalog) {
   Ref a = MakeRef("x", DType::kBF16, {100, 100}, 1);
   auto w = Begin("r1");
   ASSERT_OK(w->PutTensor(a.info, a.bytes));
@@ -984,7 +1008,7 @@ TEST(CatalogSchema, CountersAndKeysDecodeOnlyFromTheirExactEncoding) {
   EXPECT_LT(keys::Rank("a", 255), keys::Rank("a", 256));  // ranks scan in order
 }
 
-TEST_F(SaveAndLoad, SecondOpenOfOneRepositoryInAProcessIsRefused) {
+TEST_F(LocalRepository, SecondOpenOfOneRepositoryInAProcessIsRefused) {
   // Two LMDB environments of one catalog in one process corrupt each other's
   // lock table: the second open is refused, and a forked child, which does
   // not share the parent's environment, may open its own.
@@ -1042,7 +1066,7 @@ constexpr bool kThreadSanitizer = false;
 #endif
 constexpr bool kChildMayStartThreads = !kThreadSanitizer && !kAddressSanitizer;
 
-TEST_F(SaveAndLoad, AForkedChildRefusesInheritedHandlesAndOpensTheRepositoryAgain) {
+TEST_F(LocalRepository, AForkedChildRefusesInheritedHandlesAndOpensTheRepositoryAgain) {
   auto first = MakeRef("w", DType::kF32, {1 << 18}, 31);
   auto w = Begin("before-fork");
   PutFlat(*w, first, 0, first.info.shape[0]);
@@ -1103,7 +1127,7 @@ void OverwriteTensorRecord(const std::string& repo, const std::string& checkpoin
   }));
 }
 
-TEST_F(SaveAndLoad, DamagedRecordsAreRejectedWhenOpenedAndReportedByVerifyAndReindex) {
+TEST_F(LocalRepository, DamagedRecordsAreRejectedWhenOpenedAndReportedByVerifyAndReindex) {
   Ref a = MakeRef("a", DType::kF32, {64, 1024}, 1);  // 256 KiB: 4 chunks
   Ref b = MakeRef("b", DType::kBF16, {100}, 2);
   for (const char* name : {"good", "bad"}) {
