@@ -30,7 +30,7 @@
 #include <string_view>
 #include <vector>
 
-#include "ckpt/merge.h"
+#include "ckpt/read_plan.h"
 #include "ckpt/repository.h"
 #include "io/safetensors.h"
 

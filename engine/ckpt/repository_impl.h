@@ -12,6 +12,7 @@
 #include "ckpt/commit.h"
 #include "ckpt/lease.h"
 #include "ckpt/merge.h"
+#include "ckpt/read_plan.h"
 #include "ckpt/object_lock.h"
 #include "ckpt/repository.h"
 #include "core/buffer_pool.h"
@@ -22,6 +23,7 @@
 #include "ckpt/layout.h"
 #include "meta/lmdb_env.h"
 #include "store/chunk_cache.h"
+#include "store/chunk_fetcher.h"
 #include "store/pack.h"
 
 namespace ckptfs {
@@ -95,29 +97,6 @@ class RepositoryImpl {
   std::unique_ptr<ChunkFetcher> fetcher_;
   std::once_flag io_pool_once_;
   std::unique_ptr<ThreadPool> io_pool_;  // set once, under io_pool_once_
-};
-
-// Reads a chunk by location lookup, without caching.
-class DirectFetcher : public ChunkFetcher {
- public:
-  using Lookup = std::function<Result<ChunkLocation>(const ChunkId&)>;
-  // Decoded chunks are leased from `buffers` (allocated per chunk when null).
-  // `refresh`, when given, is called once when a chunk's pack is gone and
-  // the lookup still names it: an object store's catalog learns there where
-  // gc on another host moved the chunk.
-  DirectFetcher(Backend* backend, Lookup lookup, BufferPool* buffers = nullptr,
-                std::function<Status()> refresh = {})
-      : backend_(backend), lookup_(std::move(lookup)), buffers_(buffers), refresh_(std::move(refresh)) {}
-  Result<ChunkData> Fetch(const ChunkRef& chunk) override;
-  Status FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) override;
-
- private:
-  Status ReadWithRelocation(const ChunkId& id, ChunkLocation loc, std::span<std::byte> dst,
-                            ChunkDestination destination);
-  Backend* backend_;
-  Lookup lookup_;
-  BufferPool* buffers_;
-  std::function<Status()> refresh_;
 };
 
 // Records a sealed pack in the catalog: its PackInfo, and the location of

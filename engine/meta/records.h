@@ -12,15 +12,10 @@
 #include "core/dtype.h"
 #include "core/region.h"
 #include "core/status.h"
+#include "store/chunk_ref.h"
 #include "store/pack.h"
 
 namespace ckptfs {
-
-struct ChunkRef {
-  ChunkId id;
-  uint32_t raw_len = 0;
-  bool operator==(const ChunkRef&) const = default;
-};
 
 // One stored shard: a region of the tensor (normalised: contiguous boxes are
 // flat ranges) and the chunks of its row-major byte stream.

@@ -12,6 +12,7 @@
 #include <string_view>
 
 #include "ckpt/merge.h"
+#include "ckpt/read_plan.h"
 #include "meta/records.h"
 
 namespace ckptfs::fuzz {

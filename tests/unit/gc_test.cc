@@ -234,7 +234,9 @@ TEST_P(GarbageCollection, ReclaimsExactlyWhatIsDeadAndRewritesMostlyDeadPacks) {
   // chunks of a kept pack are still listed as dead there; nothing moves.)
   auto again = repo_->CollectGarbage({});
   ASSERT_OK(again);
-  if (GetParam() == RepoKind::kLocal) EXPECT_EQ(again->dead_chunks, 0u);
+  if (GetParam() == RepoKind::kLocal) {
+    EXPECT_EQ(again->dead_chunks, 0u);
+  }
   EXPECT_EQ(again->bytes_reclaimed(), 0u);
   EXPECT_EQ(again->packs_deleted, 0u);
   EXPECT_EQ(again->packs_written, 0u);

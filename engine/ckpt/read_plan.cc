@@ -1,0 +1,257 @@
+// The read planner (read_plan.h).
+#include "ckpt/read_plan.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace ckptfs {
+namespace {
+
+struct CopyOp {
+  uint64_t chunk_offset;  // within the decoded chunk
+  uint64_t length;
+  uint64_t dst_offset;
+};
+
+struct ChunkGroup {
+  const ShardRecord* shard;
+  size_t chunk;
+  std::vector<CopyOp> ops;
+};
+
+// Appends the ops that copy stream bytes [src, src + len) of `shard` to dst.
+void PlanStreamCopy(const ShardRecord& shard, uint64_t src, uint64_t len, uint64_t dst,
+                    std::vector<ChunkGroup>& groups,
+                    std::unordered_map<uint64_t, size_t>& group_of, size_t shard_index) {
+  const auto& st = shard.starts;
+  size_t k = static_cast<size_t>(std::upper_bound(st.begin(), st.end(), src) - st.begin()) - 1;
+  while (len > 0) {
+    uint64_t in_chunk = src - st[k];
+    uint64_t n = std::min<uint64_t>(len, st[k + 1] - src);
+    uint64_t key = (static_cast<uint64_t>(shard_index) << 40) | k;
+    auto [it, inserted] = group_of.try_emplace(key, groups.size());
+    if (inserted) groups.push_back(ChunkGroup{&shard, k, {}});
+    groups[it->second].ops.push_back(CopyOp{in_chunk, n, dst});
+    src += n;
+    dst += n;
+    len -= n;
+    ++k;
+  }
+}
+
+Status RunGroup(const ChunkGroup& g, std::span<std::byte> dst, ChunkFetcher& fetcher) {
+  const ChunkRef& ref = g.shard->chunks[g.chunk];
+  if (g.ops.size() == 1 && g.ops[0].chunk_offset == 0 && g.ops[0].length == ref.raw_len) {
+    return fetcher.FetchInto(ref, dst.subspan(g.ops[0].dst_offset, ref.raw_len));
+  }
+  CKPT_ASSIGN_OR_RETURN(ChunkData data, fetcher.Fetch(ref));
+  uint64_t copied = 0;
+  for (const CopyOp& op : g.ops) {
+    std::memcpy(dst.data() + op.dst_offset, data->data() + op.chunk_offset, op.length);
+    copied += op.length;
+  }
+  fetcher.Consumed(ref, copied);
+  return Status::OK();
+}
+
+}  // namespace
+
+
+namespace {
+
+// Plans the copies that fill `request` (row-major, starting `dst_base`
+// bytes into the destination) from the tensor's shards.
+Status PlanBox(const TensorRecord& tensor, const Box& request, std::vector<ChunkGroup>& groups,
+               uint64_t dst_base = 0) {
+  const uint64_t w = DTypeSize(tensor.dtype);
+  std::unordered_map<uint64_t, size_t> group_of;
+  const LinearSpace dst_space = SpaceOfBox(request);
+  // Parts of the request not yet planned; each element is copied once even
+  // where shards overlap.
+  std::vector<Box> remaining = {request};
+  for (size_t si = 0; si < tensor.shards.size() && !remaining.empty(); ++si) {
+    const ShardRecord& shard = tensor.shards[si];
+    const LinearSpace src_space = SpaceOfRegion(tensor.shape, shard.region);
+    for (const Box& sb : RegionToBoxes(tensor.shape, shard.region)) {
+      std::vector<Box> next;
+      for (const Box& r : remaining) {
+        auto piece = Intersect(sb, r);
+        if (!piece) {
+          next.push_back(r);
+          continue;
+        }
+        ForEachRun(*piece, src_space, dst_space, [&](uint64_t s, uint64_t d, uint64_t n) {
+          PlanStreamCopy(shard, s * w, n * w, dst_base + d * w, groups, group_of, si);
+        });
+        for (Box& rest : Subtract(r, sb)) next.push_back(std::move(rest));
+      }
+      remaining = std::move(next);
+    }
+  }
+  if (!remaining.empty()) {
+    return Status::Corruption("tensor '" + tensor.name + "': no stored shard covers " +
+                              remaining.front().ToString());
+  }
+  return Status::OK();
+}
+
+// Plans elements [first, end) of the tensor's row-major image, the
+// destination starting at element `first`.
+Status PlanElements(const TensorRecord& tensor, uint64_t first, uint64_t end, std::vector<ChunkGroup>& groups) {
+  const uint64_t w = DTypeSize(tensor.dtype);
+  for (const Box& box : FlatRangeToBoxes(tensor.shape, {first, end})) {
+    CKPT_RETURN_IF_ERROR(PlanBox(tensor, box, groups, (FlatIndexOf(tensor.shape, box.offsets) - first) * w));
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<std::byte> dst,
+                     ChunkFetcher& fetcher, ThreadPool* pool) {
+  const uint64_t w = DTypeSize(tensor.dtype);
+  CKPT_RETURN_IF_ERROR(ValidateRegion(tensor.shape, Region::OfBox(request)));
+  if (dst.size() != request.NumElements() * w) {
+    return Status::InvalidArgument("destination of " + std::to_string(dst.size()) +
+                                   " bytes does not match box " + request.ToString());
+  }
+  if (request.Empty()) return Status::OK();
+  std::vector<ChunkGroup> groups;
+  CKPT_RETURN_IF_ERROR(PlanBox(tensor, request, groups));
+
+  // Small reads (a FUSE request) run inline: their callers are already
+  // concurrent, and prefetching has usually decoded their chunks.
+  constexpr uint64_t kParallelMinBytes = 8 << 20;
+  if (pool == nullptr || groups.size() <= 1 || ThreadPool::OnPoolThread() || dst.size() < kParallelMinBytes) {
+    for (const auto& g : groups) CKPT_RETURN_IF_ERROR(RunGroup(g, dst, fetcher));
+    return Status::OK();
+  }
+  WaitGroup wg;
+  std::mutex mu;
+  Status first_error;
+  wg.Add(groups.size());
+  for (const auto& g : groups) {
+    pool->Submit([&, gp = &g] {
+      Status st = RunGroup(*gp, dst, fetcher);
+      if (!st.ok()) {
+        std::lock_guard lock(mu);
+        if (first_error.ok()) first_error = st;
+      }
+      wg.Done();
+    });
+  }
+  wg.Wait();
+  return first_error;
+}
+
+Status ReadTensorBytes(const TensorRecord& tensor, uint64_t offset, std::span<std::byte> dst,
+                       ChunkFetcher& fetcher, ThreadPool* pool) {
+  const uint64_t w = DTypeSize(tensor.dtype);
+  const uint64_t total = tensor.ByteSize();
+  if (offset > total || dst.size() > total - offset) {
+    return Status::InvalidArgument("byte range past the end of tensor '" + tensor.name + "'");
+  }
+  if (dst.empty()) return Status::OK();
+  const uint64_t first = offset / w;
+  const uint64_t end = (offset + dst.size() + w - 1) / w;
+  const bool aligned = offset % w == 0 && dst.size() % w == 0;
+  std::vector<std::byte> staging;
+  std::span<std::byte> out = dst;
+  if (!aligned) {
+    staging.resize((end - first) * w);
+    out = staging;
+  }
+  for (const Box& box : FlatRangeToBoxes(tensor.shape, {first, end})) {
+    uint64_t at = (FlatIndexOf(tensor.shape, box.offsets) - first) * w;
+    CKPT_RETURN_IF_ERROR(ReadTensorBox(tensor, box, out.subspan(at, box.NumElements() * w), fetcher, pool));
+  }
+  if (!aligned) std::memcpy(dst.data(), staging.data() + (offset - first * w), dst.size());
+  return Status::OK();
+}
+
+Result<bool> SliceTensorBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length, ChunkFetcher& fetcher,
+                              size_t max_slices, std::vector<ChunkSlice>& out) {
+  const uint64_t w = DTypeSize(tensor.dtype);
+  const uint64_t total = tensor.ByteSize();
+  if (offset > total || length > total - offset) {
+    return Status::InvalidArgument("byte range past the end of tensor '" + tensor.name + "'");
+  }
+  if (offset % w != 0 || length % w != 0) return false;
+  if (length == 0) return true;
+  struct Run {
+    uint64_t dst;
+    size_t group;
+    uint64_t chunk_offset;
+    uint64_t length;
+  };
+  std::vector<ChunkGroup> groups;
+  CKPT_RETURN_IF_ERROR(PlanElements(tensor, offset / w, (offset + length) / w, groups));
+  std::vector<Run> runs;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (const CopyOp& op : groups[g].ops) {
+      if (runs.size() == max_slices) return false;
+      runs.push_back({op.dst_offset, g, op.chunk_offset, op.length});
+    }
+  }
+  std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.dst < b.dst; });
+  // Each destination byte is planned exactly once, so sorted runs abut.
+  uint64_t at = 0;
+  for (const Run& r : runs) {
+    if (r.dst != at) return Status::Internal("tensor '" + tensor.name + "': read plan has a hole");
+    at += r.length;
+  }
+  if (at != length) return Status::Internal("tensor '" + tensor.name + "': read plan is short");
+  std::vector<ChunkData> fetched(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    CKPT_ASSIGN_OR_RETURN(fetched[g], fetcher.Fetch(groups[g].shard->chunks[groups[g].chunk]));
+  }
+  for (const Run& r : runs) {
+    out.push_back({groups[r.group].shard->chunks[groups[r.group].chunk], fetched[r.group], r.chunk_offset, r.length});
+  }
+  return true;
+}
+
+Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length) {
+  const uint64_t w = DTypeSize(tensor.dtype);
+  const uint64_t total = tensor.ByteSize();
+  std::vector<ChunkRef> out;
+  if (offset >= total || length == 0) return out;
+  length = std::min(length, total - offset);
+  const uint64_t first = offset / w, end = (offset + length + w - 1) / w;
+  std::vector<ChunkGroup> groups;
+  CKPT_RETURN_IF_ERROR(PlanElements(tensor, first, end, groups));
+  std::unordered_set<ChunkId, ChunkIdHash> seen;
+  for (const auto& g : groups) {
+    const ChunkRef& c = g.shard->chunks[g.chunk];
+    if (seen.insert(c.id).second) out.push_back(c);
+  }
+  return out;
+}
+
+Status ReadBlobBytes(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst,
+                     ChunkFetcher& fetcher) {
+  if (offset > blob.size || dst.size() > blob.size - offset) {
+    return Status::InvalidArgument("byte range past the end of blob '" + blob.name + "'");
+  }
+  uint64_t chunk_start = 0, done = 0;
+  for (const ChunkRef& c : blob.chunks) {
+    uint64_t chunk_end = chunk_start + c.raw_len;
+    uint64_t pos = offset + done;
+    if (done < dst.size() && pos < chunk_end) {
+      CKPT_ASSIGN_OR_RETURN(ChunkData data, fetcher.Fetch(c));
+      uint64_t n = std::min<uint64_t>(chunk_end - pos, dst.size() - done);
+      std::memcpy(dst.data() + done, data->data() + (pos - chunk_start), n);
+      fetcher.Consumed(c, n);
+      done += n;
+    }
+    chunk_start = chunk_end;
+  }
+  if (done != dst.size()) return Status::Corruption("blob '" + blob.name + "' is shorter than recorded");
+  return Status::OK();
+}
+
+}  // namespace ckptfs

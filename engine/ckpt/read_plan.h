@@ -1,0 +1,59 @@
+// The read planner: reading any region of a tensor, or any byte range of
+// its byte image or of a blob, from whatever shards were saved, chunk by
+// chunk through a ChunkFetcher (store/chunk_fetcher.h).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/region.h"
+#include "core/status.h"
+#include "core/thread_pool.h"
+#include "meta/records.h"
+#include "store/chunk_cache.h"
+#include "store/chunk_fetcher.h"
+
+namespace ckptfs {
+
+// Copies the elements of `request` (a box in the tensor's index space) into
+// `dst`, laid out row-major over the box. dst.size() must be
+// request.NumElements() * element size. Chunks are loaded in parallel on
+// `pool` when given (and when not already on a pool thread).
+// Corruption if a chunk fails verification or the shards leave part of the
+// request uncovered.
+Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<std::byte> dst,
+                     ChunkFetcher& fetcher, ThreadPool* pool);
+
+// Copies bytes [offset, offset + dst.size()) of the tensor's row-major
+// little-endian byte image.
+Status ReadTensorBytes(const TensorRecord& tensor, uint64_t offset, std::span<std::byte> dst,
+                       ChunkFetcher& fetcher, ThreadPool* pool);
+
+// Bytes of a decoded chunk that a read uses in place: data->data() + offset,
+// `length` bytes. `data` keeps them alive.
+struct ChunkSlice {
+  ChunkRef chunk;
+  ChunkData data;
+  uint64_t offset;
+  uint64_t length;
+};
+
+// Appends to `out`, in order, the slices of decoded chunks (fetched through
+// `fetcher`, i.e. its cache) that make up bytes [offset, offset + length)
+// of the tensor's byte image, so a caller can hand them on without copying
+// them. Returns false, appending nothing, when that would take more than
+// `max_slices` slices or the range does not start and end on an element:
+// the caller copies with ReadTensorBytes instead.
+Result<bool> SliceTensorBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length, ChunkFetcher& fetcher,
+                              size_t max_slices, std::vector<ChunkSlice>& out);
+
+// The chunks that bytes [offset, offset + length) of the tensor need, each
+// once, in the order a read would use them.
+Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length);
+
+// Copies bytes [offset, offset + dst.size()) of a blob.
+Status ReadBlobBytes(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst,
+                     ChunkFetcher& fetcher);
+
+}  // namespace ckptfs
