@@ -1,0 +1,228 @@
+// The save pipeline (pipeline.h).
+#include "ckpt/pipeline.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+
+namespace ckptfs {
+namespace {
+// While the disk waits for the codec, only chunks estimated to save at least
+// this fraction are compressed.
+constexpr double kAdaptiveMinSaving = 0.25;
+
+thread_local std::unique_ptr<ChunkEncoder> tls_encoder;
+thread_local CodecOptions tls_encoder_options;
+
+ChunkEncoder& EncoderFor(const CodecOptions& options) {
+  if (!tls_encoder || tls_encoder_options.compression != options.compression ||
+      tls_encoder_options.level != options.level || tls_encoder_options.min_saving != options.min_saving) {
+    tls_encoder = std::make_unique<ChunkEncoder>(options);
+    tls_encoder_options = options;
+  }
+  return *tls_encoder;
+}
+}  // namespace
+
+SavePipeline::SavePipeline(PipelineSettings settings)
+    : settings_(std::move(settings)),
+      queued_(settings_.queued_chunks ? *settings_.queued_chunks : own_queued_),
+      packs_(settings_.store, settings_.pack_size),
+      max_inflight_(2 * settings_.pool->size() + 2),
+      queue_limit_(2 * settings_.pool->size() + 1) {}
+
+SavePipeline::~SavePipeline() { Shutdown(); }
+
+Status SavePipeline::error() {
+  std::lock_guard lock(mu_);
+  return error_;
+}
+
+void SavePipeline::Fail(const Status& st) {
+  std::lock_guard lock(mu_);
+  if (error_.ok()) error_ = st;
+}
+
+PipelineStats SavePipeline::stats() {
+  std::lock_guard lock(mu_);
+  return stats_;
+}
+
+std::vector<uint64_t> SavePipeline::ChunkBounds(uint64_t global_start, uint64_t size) const {
+  const uint64_t c = settings_.chunk_size;
+  std::vector<uint64_t> bounds = {0};
+  uint64_t pos = 0;
+  while (pos < size) {
+    uint64_t next_global = (global_start + pos) / c * c + c;
+    pos = std::min(size, next_global - global_start);
+    bounds.push_back(pos);
+  }
+  return bounds;
+}
+
+void SavePipeline::Submit(Job job) {
+  {
+    std::unique_lock lock(mu_);
+    inflight_cv_.wait(lock, [&] { return inflight_ < max_inflight_; });
+    ++inflight_;
+  }
+  inflight_wg_.Add();
+  if (job.shard_wg) job.shard_wg->Add();
+  // Shared: the pool's tasks must be copyable, and a job owns a lease.
+  settings_.pool->Submit([this, shared = std::make_shared<Job>(std::move(job))] {
+    Job& job = *shared;
+    Process(job);
+    job.keep.reset();  // lent bytes go back to their source now, not when the task is freed
+    job.owned.Reset();
+    if (job.shard_wg) job.shard_wg->Done();
+    {
+      std::lock_guard lock(mu_);
+      --inflight_;
+    }
+    inflight_cv_.notify_one();
+    inflight_wg_.Done();
+  });
+}
+
+void SavePipeline::Process(Job& job) {
+  if (!error().ok()) return;
+  const ChunkId id = ChunkId::Of(job.data);
+  job.slot->id = id;
+  job.slot->raw_len = static_cast<uint32_t>(job.data.size());
+  {
+    std::lock_guard lock(mu_);
+    if (!seen_.insert(id).second) {
+      ++stats_.chunks_deduplicated;
+      return;
+    }
+  }
+  auto known = settings_.lookup(id);
+  if (known.ok()) {
+    std::lock_guard lock(mu_);
+    ++stats_.chunks_deduplicated;
+    return;
+  }
+  if (!known.status().IsNotFound()) {
+    Fail(known.status());
+    return;
+  }
+  const CodecOptions& codec = settings_.codec;
+  // Adaptive: unless encoded chunks are queueing for the disk, the disk is
+  // waiting for the codec; store this chunk raw rather than make it wait.
+  // The disk keeps up when encoded chunks do not pile up in front of it.
+  const bool disk_starving = settings_.adaptive && queued_.load() < static_cast<int64_t>(settings_.pool->size());
+  // Even then, chunks that compress well (bf16 weights: about a third) are
+  // worth the CPU; only the low-yield ones (fp32 moments) are passed raw.
+  const bool skip = disk_starving && EstimateSaving(job.data, job.dtype, codec.min_saving) < kAdaptiveMinSaving;
+  Encoded enc{id, Codec::kRaw, static_cast<uint32_t>(job.data.size()), settings_.buffers->Acquire(job.data.size())};
+  if (skip || codec.compression == Compression::kNone) {
+    std::memcpy(enc.buffer.data(), job.data.data(), job.data.size());
+    enc.size = job.data.size();
+  } else {
+    auto encoded = EncoderFor(codec).EncodeInto(job.data, job.dtype, enc.buffer.first(job.data.size()));
+    if (!encoded.ok()) {
+      Fail(encoded.status());
+      return;
+    }
+    enc.codec = encoded->codec;
+    enc.size = encoded->size;
+  }
+  // The encoded bytes are a copy: lent source bytes go back now, not after
+  // a wait for the disk.
+  job.keep.reset();
+  {
+    std::unique_lock lock(queue_mu_);
+    queue_cv_.wait(lock, [&] { return queue_.size() < queue_limit_ || stop_writer_; });
+    queue_.push_back(std::move(enc));
+    queued_.fetch_add(1);
+  }
+  queue_cv_.notify_all();
+}
+
+void SavePipeline::WriterLoop() {
+  while (true) {
+    Encoded enc;
+    {
+      std::unique_lock lock(queue_mu_);
+      queue_cv_.wait(lock, [&] { return !queue_.empty() || stop_writer_; });
+      if (queue_.empty()) return;
+      enc = std::move(queue_.front());
+      queue_.pop_front();
+      queued_.fetch_sub(1);
+    }
+    queue_cv_.notify_all();
+    if (!error().ok()) continue;  // drain without writing after an error
+    auto loc = packs_.Add(enc.id, enc.codec, enc.raw_len, enc.buffer.first(enc.size));
+    enc.buffer.Reset();  // back to the pool for the next chunk
+    if (!loc.ok()) {
+      Fail(loc.status());
+      continue;
+    }
+    std::lock_guard lock(mu_);
+    stored_[enc.id] = *loc;
+    ++stats_.chunks_written;
+    stats_.stored_bytes += enc.size;
+  }
+}
+
+void SavePipeline::Shutdown() {
+  inflight_wg_.Wait();
+  {
+    std::lock_guard lock(queue_mu_);
+    stop_writer_ = true;
+  }
+  queue_cv_.notify_all();
+  if (writer_thread_.joinable()) writer_thread_.join();
+}
+
+Status SavePipeline::Stream(const std::vector<uint64_t>& bounds, DType dtype, ShardSource& source,
+                            std::vector<ChunkRef>& chunks) {
+  if (!writer_thread_.joinable()) writer_thread_ = std::thread([this] { WriterLoop(); });
+  chunks.resize(bounds.size() - 1);
+  const std::byte* host = source.HostData();
+  if (!host) source.PlanChunks(bounds);
+  WaitGroup shard_wg;
+  Status st;
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+    Job job;
+    job.dtype = dtype;
+    job.slot = &chunks[i];
+    const uint64_t len = bounds[i + 1] - bounds[i];
+    if (host) {
+      job.data = {host + bounds[i], len};
+      job.shard_wg = &shard_wg;
+    } else {
+      auto lent = source.Borrow(bounds[i], len);
+      if (!lent.ok()) {
+        st = lent.status();
+        break;
+      }
+      if (lent->keep) {
+        if (lent->bytes.size() != len) {
+          st = Status::Internal("a shard source lent the wrong number of bytes");
+          break;
+        }
+        job.data = lent->bytes;
+        job.keep = std::move(lent->keep);
+      } else {
+        job.owned = settings_.buffers->Acquire(len);
+        st = source.Read(bounds[i], job.owned.first(len));
+        if (!st.ok()) break;
+        job.data = job.owned.first(len);
+      }
+      job.shard_wg = nullptr;
+    }
+    Submit(std::move(job));
+  }
+  // Zero-copy jobs read the caller's memory: wait until they are done with it.
+  shard_wg.Wait();
+  if (st.ok()) st = error();
+  if (!st.ok()) {
+    // Jobs already submitted still write into `chunks`, which the caller
+    // drops on an error: let them finish first.
+    inflight_wg_.Wait();
+  }
+  return st;
+}
+
+}  // namespace ckptfs

@@ -1,0 +1,153 @@
+// The save pipeline: chunking, hashing, dedup, encoding and pack writing,
+// without a catalog or a checkpoint. A writer (writer.cc) runs one per rank
+// and hands what it stored to the commit protocol (commit.h); the pipeline
+// itself knows a store to write packs to, the threads and buffers to use,
+// and how to ask whether a chunk is stored already.
+//
+// The caller's thread cuts a stream into chunks (aligned to the tensor's
+// global byte offsets for flat ranges) and hands them to the compute pool,
+// which hashes each chunk, skips chunks already stored, encodes the rest and
+// queues them for a single pack-writer thread that appends to packs. Memory
+// in flight is bounded: at most 2 * workers + 2 chunks are being hashed or
+// encoded, and at most 2 * workers + 1 encoded chunks wait for the disk.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "backend/backend.h"
+#include "codec/codec.h"
+#include "ckpt/repository.h"
+#include "core/buffer_pool.h"
+#include "core/chunk_id.h"
+#include "core/status.h"
+#include "core/thread_pool.h"
+#include "store/chunk_ref.h"
+#include "store/pack.h"
+
+namespace ckptfs {
+
+struct PipelineSettings {
+  Backend* store = nullptr;      // packs are written here
+  ThreadPool* pool = nullptr;    // hashing and encoding
+  BufferPool* buffers = nullptr; // staged source bytes and encoded chunks
+  uint64_t chunk_size = 0;
+  uint64_t pack_size = 0;
+  CodecOptions codec;
+  // Store a chunk raw when the disk waits for the codec and the chunk would
+  // compress poorly (RepositoryConfig::adaptive).
+  bool adaptive = false;
+  // Encoded chunks waiting for any pack writer of the process (shared by
+  // the pipelines of one repository): the adaptive codec's view of whether
+  // the disk keeps up. Null: this pipeline's own count.
+  std::atomic<int64_t>* queued_chunks = nullptr;
+  // Where a chunk is stored already; NotFound when it is not (it is then
+  // stored). Called from the compute pool.
+  std::function<Result<ChunkLocation>(const ChunkId&)> lookup;
+};
+
+struct PipelineStats {
+  uint64_t chunks_written = 0;       // stored by this pipeline
+  uint64_t chunks_deduplicated = 0;  // seen before in this pipeline, or stored already
+  uint64_t stored_bytes = 0;         // appended to packs
+};
+
+class SavePipeline {
+ public:
+  explicit SavePipeline(PipelineSettings settings);
+  // Shutdown(); the packs written stay (Finish, or packs().Discard()).
+  ~SavePipeline();
+  SavePipeline(const SavePipeline&) = delete;
+  SavePipeline& operator=(const SavePipeline&) = delete;
+
+  // Chunk boundaries of a stream of `size` bytes that starts at byte
+  // `global_start` of its tensor: at multiples of chunk_size in the
+  // tensor's coordinates, so a flat range chunks the same whatever the
+  // world size. Starts with 0 and ends with size.
+  std::vector<uint64_t> ChunkBounds(uint64_t global_start, uint64_t size) const;
+
+  // Chunks `source` at `bounds` and sets `chunks` to the chunks' refs.
+  // Returns once it no longer needs the source's bytes; the chunks may
+  // still be on their way to a pack. One caller thread at a time.
+  Status Stream(const std::vector<uint64_t>& bounds, DType dtype, ShardSource& source, std::vector<ChunkRef>& chunks);
+
+  // The first error of any step (sticky); after one nothing more is written.
+  Status error();
+  // Makes `st` the error, unless there is one already.
+  void Fail(const Status& st);
+
+  // Waits for every chunk in flight and stops the pack writer. Idempotent;
+  // nothing may be streamed afterwards.
+  void Shutdown();
+  // After Shutdown: seals the last pack and returns every pack written.
+  Result<std::vector<SealedPack>> Finish() { return packs_.Finish(); }
+  PackWriter& packs() { return packs_; }
+  // After Shutdown: where each chunk this pipeline stored went.
+  const std::unordered_map<ChunkId, ChunkLocation, ChunkIdHash>& stored() const { return stored_; }
+  PipelineStats stats();
+
+ private:
+  struct Job {
+    std::span<const std::byte> data;
+    BufferPool::Lease owned;            // when the source is not host memory
+    std::shared_ptr<const void> keep;   // holds bytes a source lent
+    DType dtype;
+    ChunkRef* slot;
+    WaitGroup* shard_wg;  // waited on by Stream for zero-copy jobs
+  };
+  struct Encoded {
+    ChunkId id;
+    Codec codec;
+    uint32_t raw_len;
+    BufferPool::Lease buffer;  // the stored bytes: buffer.first(size)
+    size_t size = 0;
+  };
+  void Submit(Job job);
+  void Process(Job& job);
+  void WriterLoop();
+
+  const PipelineSettings settings_;
+  std::atomic<int64_t> own_queued_{0};
+  std::atomic<int64_t>& queued_;
+  PackWriter packs_;
+
+  // The caller's thread (Stream), the compute workers (Process) and the
+  // pack-writer thread (WriterLoop) share what follows. Once Shutdown has
+  // returned, no worker task or pack-writer thread is left.
+  std::mutex mu_;
+  Status error_;                                                    // guarded by mu_
+  // Chunks handled: the first job with an id stores or deduplicates it,
+  // later ones only reference it.
+  std::unordered_set<ChunkId, ChunkIdHash> seen_;                   // guarded by mu_
+  std::unordered_map<ChunkId, ChunkLocation, ChunkIdHash> stored_;  // guarded by mu_ (alone after Shutdown)
+  PipelineStats stats_;                                             // guarded by mu_
+
+  // In-flight bound.
+  const size_t max_inflight_;
+  std::condition_variable inflight_cv_;  // with mu_
+  size_t inflight_ = 0;                  // guarded by mu_
+  WaitGroup inflight_wg_;                // its own lock
+
+  // Encoded chunks waiting for the pack-writer thread.
+  const size_t queue_limit_;
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;  // with queue_mu_
+  std::deque<Encoded> queue_;         // guarded by queue_mu_
+  bool stop_writer_ = false;          // guarded by queue_mu_
+  // Started by the first Stream (the caller's thread); Shutdown joins it.
+  // A thread of its own rather than a pool task: it runs as long as the
+  // pipeline, and would otherwise hold a pool thread that other writers'
+  // chunks or commits wait for.
+  std::thread writer_thread_;
+};
+
+}  // namespace ckptfs
