@@ -23,21 +23,9 @@ using testing::TempDir;
 using testing::RepoKind;
 
 // A repository of one kind (test_repositories.h), opened as repo_.
-class GcFixture : public ::testing::Test {
+class GcFixture : public testing::RepositoryTest {
  protected:
-  void Create(RepoKind kind) {
-    RepositoryConfig config;
-    config.chunk_size = 64 << 10;
-    config.pack_size = 1 << 20;
-    std::string why;
-    const bool made = where_.Create(kind, config, &why);
-    CKPTFS_SKIP_UNLESS(made, why);
-    Reopen();
-  }
-  void Reopen() {
-    repo_.reset();
-    repo_ = std::move(where_.Open({2, 1 << 20})).value();
-  }
+  void Create(RepoKind kind) { RepositoryTest::Create(kind, {2, 1 << 20}); }
   // After the last reader of a checkpoint let go: on an object store its
   // lease lingers (LeaseRegistry::kLinger) until the repository closes.
   // With no reader left the repository reopens, so the gc that should find
@@ -72,9 +60,6 @@ class GcFixture : public ::testing::Test {
     EXPECT_EQ(got, owns_[name]);
   }
 
-  testing::TestRepository where_;
-  const TempDir& dir_ = where_.dir();  // the local kind's repository
-  std::unique_ptr<Repository> repo_;
   std::map<std::string, std::vector<std::byte>> owns_;
 };
 

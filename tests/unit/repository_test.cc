@@ -56,25 +56,13 @@ Ref MakeRef(const std::string& name, DType dtype, Shape shape, uint32_t seed) {
 }
 
 // A repository of one kind (test_repositories.h), opened as repo_.
-class RepositoryFixture : public ::testing::Test {
+class RepositoryFixture : public testing::RepositoryTest {
  protected:
   void Create(RepoKind kind) {
-    RepositoryConfig config;
-    config.chunk_size = 64 << 10;  // small chunks: many per tensor
-    config.pack_size = 1 << 20;
-    std::string why;
-    const bool made = where_.Create(kind, config, &why);
-    CKPTFS_SKIP_UNLESS(made, why);
-    Reopen();
-  }
-  void Reopen() {
-    repo_.reset();
     OpenOptions opts;
     opts.threads = 3;
     opts.cache_bytes = 1 << 20;
-    auto r = where_.Open(opts);
-    ASSERT_OK(r);
-    repo_ = std::move(r).value();
+    RepositoryTest::Create(kind, opts);
   }
   std::unique_ptr<CheckpointWriter> Begin(const std::string& name, uint32_t rank = 0, uint32_t world = 1) {
     auto w = repo_->BeginCheckpoint(name, {rank, world, 7, {}});
@@ -103,9 +91,6 @@ class RepositoryFixture : public ::testing::Test {
     EXPECT_TRUE(got == r.bytes) << r.info.name;
   }
 
-  testing::TestRepository where_;
-  const TempDir& dir_ = where_.dir();  // the local kind's repository
-  std::unique_ptr<Repository> repo_;
 };
 
 // The conformance suite: what every kind of repository does alike, through

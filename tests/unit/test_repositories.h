@@ -120,4 +120,34 @@ class TestRepository {
   ObjectStoreOptions s3_;
 };
 
+// A fixture base: a repository of one kind, opened as repo_ (64 KiB chunks,
+// 1 MiB packs: many chunks per tensor, several packs per save).
+class RepositoryTest : public ::testing::Test {
+ protected:
+  // Skips (or, where the test command promised S3, fails) when the kind
+  // cannot be tested here.
+  void Create(RepoKind kind, OpenOptions open) {
+    open_ = std::move(open);
+    RepositoryConfig config;
+    config.chunk_size = 64 << 10;
+    config.pack_size = 1 << 20;
+    std::string why;
+    const bool made = where_.Create(kind, config, &why);
+    CKPTFS_SKIP_UNLESS(made, why);
+    Reopen();
+  }
+  // A fresh Repository of the same repository, as a new process would open.
+  void Reopen() {
+    repo_.reset();
+    auto r = where_.Open(open_);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    repo_ = std::move(r).value();
+  }
+
+  TestRepository where_;
+  const TempDir& dir_ = where_.dir();  // the local kind's repository
+  OpenOptions open_;
+  std::unique_ptr<Repository> repo_;
+};
+
 }  // namespace ckptfs::testing
