@@ -42,6 +42,21 @@ struct RepoKindNamer {
 // often as a test likes (each open a fresh Repository, as a new process's).
 class TestRepository {
  public:
+  TestRepository() = default;
+  TestRepository(const TestRepository&) = delete;
+  TestRepository& operator=(const TestRepository&) = delete;
+  // An S3 repository's objects are deleted (best effort): the test server
+  // keeps its data in memory, and the suites run three times per test
+  // command (release, ASan, TSan).
+  ~TestRepository() {
+    if (kind_ != RepoKind::kS3 || path_.empty()) return;
+    auto root = OpenObjectStore(path_, s3_);
+    if (!root.ok()) return;
+    auto keys = (*root)->List("");
+    if (!keys.ok()) return;
+    for (const auto& key : *keys) (void)(*root)->Delete(key);
+  }
+
   // False, with `why`, when this kind cannot be tested here (no S3 server).
   bool Create(RepoKind kind, const RepositoryConfig& config, std::string* why) {
     kind_ = kind;
