@@ -7,6 +7,10 @@
 - protocols: above backend/ (engine/ckpt, gpu, fuse, tools), no file
   includes an S3 header (backend/s3_*.h); stores are opened by URL through
   backend/store_url.h;
+- commit protocols: in engine/ckpt only repository.cc reads whether a
+  repository is on an object store (RepositoryImpl::remote), to choose its
+  commit protocol when it opens; everything else asks the protocol
+  (ckpt/commit.h);
 - configuration: no engine file reads the environment (getenv): settings
   reach the engine as options, and OpenOptionsFromEnvironment and
   ObjectStoreOptions::FromEnvironment are handed a lookup by their callers.
@@ -39,6 +43,9 @@ INCLUDE = re.compile(r'^\s*#\s*include\s+"([a-z_]+)/[^"]+"')
 S3_INCLUDE = re.compile(r'^\s*#\s*include\s+"backend/s3_[^"]*"')
 ABOVE_BACKEND = ("engine/ckpt", "gpu", "fuse", "tools")
 GETENV = re.compile(r"\bgetenv\s*\(")
+# impl_->remote, repo.remote, repo_->remote: a branch on the kind of store.
+REMOTE_FIELD = re.compile(r"(->|\.)remote\b(?!\s*\()")
+CHOOSES_PROTOCOL = "engine/ckpt/repository.cc"
 
 
 def sources(folder):
@@ -64,6 +71,15 @@ def main():
                     if folder.startswith("engine") and GETENV.search(code):
                         problems.append(f"{rel}:{n}: the engine reads no environment variable; take the "
                                         "setting as an option")
+    for path in sources(os.path.join("engine", "ckpt")):
+        rel = os.path.relpath(path, ROOT)
+        if rel == CHOOSES_PROTOCOL or not rel.endswith(".cc"):
+            continue
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if REMOTE_FIELD.search(line.split("//", 1)[0]):
+                    problems.append(f"{rel}:{n}: ask the repository's commit protocol (ckpt/commit.h) "
+                                    "instead of branching on whether it is on an object store")
     for folder in ABOVE_BACKEND:
         for path in sources(folder):
             rel = os.path.relpath(path, ROOT)
@@ -93,7 +109,7 @@ def main():
     if problems:
         print(f"check_source: {len(problems)} problems", file=sys.stderr)
         return 1
-    print("check_source: layers, protocol and configuration rules hold")
+    print("check_source: layers, protocol, commit protocol and configuration rules hold")
     return 0
 
 
