@@ -115,8 +115,10 @@ class CommitProtocol {
   // ---- readers and removed checkpoints (lease.h)
   // A reader of `rec` holds its lease (`first`: no other reader of this
   // process did). OK while no gc can collect its data now; NotFound when
-  // it was removed and collected meanwhile.
-  virtual Status CheckLeased(const CheckpointRecord& rec, bool first) = 0;
+  // it was removed and collected meanwhile. `read_under_lease`: `rec` was
+  // read from this host's catalog after the lease was taken, which a
+  // catalog that is the truth already vouches for.
+  virtual Status CheckLeased(const CheckpointRecord& rec, bool first, bool read_under_lease) = 0;
   // Of the removed checkpoints `retired` (catalog names "NAME/TOKEN"), the
   // base names some reader holds a lease on. `scan` keeps the local names
   // it found unleased locked against new readers until it is destroyed.

@@ -44,7 +44,8 @@ class CatalogCommit : public CommitProtocol {
 
   // gc collects a name only while holding its lease file, and drops its
   // records then: the catalog, read under the lease, says whether it did.
-  Status CheckLeased(const CheckpointRecord& rec, bool) override {
+  Status CheckLeased(const CheckpointRecord& rec, bool, bool read_under_lease) override {
+    if (read_under_lease) return Status::OK();
     return repo_.catalog->Read([&](const ReadTxn& txn) -> Status {
       CKPT_ASSIGN_OR_RETURN(auto live, txn.Get(Table::kCheckpoints, keys::Checkpoint(rec.name)));
       if (live) {

@@ -79,8 +79,10 @@ class StoreCommit : public CommitProtocol {
   // A lease written before a removal is seen by every gc after it; one
   // written after must find the retired manifest still there (gc deletes it
   // before the chunks, and restores it when a lease shows up meanwhile).
-  // Another process of this host verified it when it took the lease.
-  Status CheckLeased(const CheckpointRecord& rec, bool first) override {
+  // Another process of this host verified it when it took the lease. The
+  // catalog may lag the store (a gc elsewhere), so a record read under
+  // the lease proves nothing.
+  Status CheckLeased(const CheckpointRecord& rec, bool first, bool) override {
     if (!first) return Status::OK();
     Backend& store = *repo_.backend;
     auto live = store.Size(keys::ManifestObject(rec.name));

@@ -15,8 +15,6 @@
 #include "ckpt/repository.h"
 #include "ckpt/repository_impl.h"
 #include "core/encoding.h"
-#include "core/json.h"
-#include "core/text.h"
 #include "core/thread_pool.h"
 
 namespace ckptfs {

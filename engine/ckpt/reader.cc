@@ -268,7 +268,7 @@ Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::
     CKPT_ASSIGN_OR_RETURN(impl->manifest, LoadManifest(txn, name));
     return Status::OK();
   });
-  if (st.ok() && options.lease) st = impl_->protocol->CheckLeased(impl->manifest.checkpoint, first);
+  if (st.ok() && options.lease) st = impl_->protocol->CheckLeased(impl->manifest.checkpoint, first, /*read_under_lease=*/true);
   if (!st.ok()) {
     impl->lease.Release(/*linger=*/false);  // held for nothing
     return st;
@@ -285,7 +285,7 @@ Result<CheckpointLease> Repository::LeaseCheckpoint(const CheckpointReader& read
   bool first = false;
   CKPT_RETURN_IF_ERROR(impl_->leases->Acquire(rec.name, &first));
   CheckpointLease lease(impl_, rec.name);
-  Status st = impl_->protocol->CheckLeased(rec, first);
+  Status st = impl_->protocol->CheckLeased(rec, first, /*read_under_lease=*/false);
   if (!st.ok()) {
     lease.Release(/*linger=*/false);
     return st;

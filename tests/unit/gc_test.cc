@@ -65,18 +65,12 @@ class GcFixture : public testing::RepositoryTest {
 
 // The conformance suite: what gc, retention, rm, du and diff do alike on
 // every kind of repository.
-class GarbageCollection : public GcFixture, public ::testing::WithParamInterface<RepoKind> {
- protected:
-  void SetUp() override { Create(GetParam()); }
-};
+class GarbageCollection : public testing::EachKind<GcFixture> {};
 INSTANTIATE_TEST_SUITE_P(Repositories, GarbageCollection, testing::AllRepositoryKinds(), testing::RepoKindNamer());
 
 // A local repository's own: its lock and lease files, its reindex, packs
 // a killed save left on its disk.
-class LocalGarbageCollection : public GcFixture {
- protected:
-  void SetUp() override { Create(RepoKind::kLocal); }
-};
+class LocalGarbageCollection : public testing::LocalKind<GcFixture> {};
 
 TEST_P(GarbageCollection, RetentionByStepAndByCommitOrder) {
   auto base = RandomBytes(1000, 1);

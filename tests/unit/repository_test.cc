@@ -95,18 +95,12 @@ class RepositoryFixture : public testing::RepositoryTest {
 
 // The conformance suite: what every kind of repository does alike, through
 // the public API.
-class SaveAndLoad : public RepositoryFixture, public ::testing::WithParamInterface<RepoKind> {
- protected:
-  void SetUp() override { Create(GetParam()); }
-};
+class SaveAndLoad : public testing::EachKind<RepositoryFixture> {};
 INSTANTIATE_TEST_SUITE_P(Repositories, SaveAndLoad, testing::AllRepositoryKinds(), testing::RepoKindNamer());
 
 // What a local repository does on its own: its files, processes on one
 // host, its catalog.
-class LocalRepository : public RepositoryFixture {
- protected:
-  void SetUp() override { Create(RepoKind::kLocal); }
-};
+class LocalRepository : public testing::LocalKind<RepositoryFixture> {};
 
 TEST_P(SaveAndLoad, EveryDTypeWholeTensorsRoundTrip) {
   auto w = Begin("all-dtypes");

@@ -165,4 +165,19 @@ class RepositoryTest : public ::testing::Test {
   std::unique_ptr<Repository> repo_;
 };
 
+// A suite's two fixtures from one fixture `Base` (a RepositoryTest with a
+// Create(RepoKind)): EachKind<Base> runs its tests on every kind
+// (INSTANTIATE_TEST_SUITE_P with AllRepositoryKinds), LocalKind<Base> on a
+// local directory only.
+template <class Base>
+class EachKind : public Base, public ::testing::WithParamInterface<RepoKind> {
+ protected:
+  void SetUp() override { this->Create(this->GetParam()); }
+};
+template <class Base>
+class LocalKind : public Base {
+ protected:
+  void SetUp() override { this->Create(RepoKind::kLocal); }
+};
+
 }  // namespace ckptfs::testing
