@@ -130,6 +130,10 @@ void SavePipeline::Process(Job& job) {
   // The encoded bytes are a copy: lent source bytes go back now, not after
   // a wait for the disk.
   job.keep.reset();
+  Enqueue(std::move(enc));
+}
+
+void SavePipeline::Enqueue(Encoded enc) {
   {
     std::unique_lock lock(queue_mu_);
     queue_cv_.wait(lock, [&] { return queue_.size() < queue_limit_ || stop_writer_; });
@@ -137,6 +141,23 @@ void SavePipeline::Process(Job& job) {
     queued_.fetch_add(1);
   }
   queue_cv_.notify_all();
+}
+
+void SavePipeline::Start() {
+  if (!writer_thread_.joinable()) writer_thread_ = std::thread([this] { WriterLoop(); });
+}
+
+bool SavePipeline::Claim(const ChunkId& id) {
+  std::lock_guard lock(mu_);
+  return seen_.insert(id).second;
+}
+
+void SavePipeline::StoreEncoded(const ChunkId& id, Codec codec, uint32_t raw_len, BufferPool::Lease bytes,
+                                size_t size) {
+  if (!error().ok()) return;
+  Encoded enc{id, codec, raw_len, std::move(bytes)};
+  enc.size = size;
+  Enqueue(std::move(enc));
 }
 
 void SavePipeline::WriterLoop() {
@@ -177,7 +198,7 @@ void SavePipeline::Shutdown() {
 
 Status SavePipeline::Stream(const std::vector<uint64_t>& bounds, DType dtype, ShardSource& source,
                             std::vector<ChunkRef>& chunks) {
-  if (!writer_thread_.joinable()) writer_thread_ = std::thread([this] { WriterLoop(); });
+  Start();
   chunks.resize(bounds.size() - 1);
   const std::byte* host = source.HostData();
   if (!host) source.PlanChunks(bounds);

@@ -79,6 +79,16 @@ class SavePipeline {
   // still be on their way to a pack. One caller thread at a time.
   Status Stream(const std::vector<uint64_t>& bounds, DType dtype, ShardSource& source, std::vector<ChunkRef>& chunks);
 
+  // Chunks already encoded, as another repository stores them (a copy,
+  // copy.h). Start, then Claim each chunk to learn whether this pipeline
+  // has it already; those it claims go to StoreEncoded, which queues them
+  // for the pack writer as they are (their hashes checked by whoever read
+  // them) and blocks while that queue is full. Claim and StoreEncoded may
+  // be called from several threads at once; not together with Stream.
+  void Start();
+  bool Claim(const ChunkId& id);
+  void StoreEncoded(const ChunkId& id, Codec codec, uint32_t raw_len, BufferPool::Lease bytes, size_t size);
+
   // The first error of any step (sticky); after one nothing more is written.
   Status error();
   // Makes `st` the error, unless there is one already.
@@ -112,6 +122,7 @@ class SavePipeline {
   };
   void Submit(Job job);
   void Process(Job& job);
+  void Enqueue(Encoded enc);
   void WriterLoop();
 
   const PipelineSettings settings_;
@@ -142,7 +153,8 @@ class SavePipeline {
   std::condition_variable queue_cv_;  // with queue_mu_
   std::deque<Encoded> queue_;         // guarded by queue_mu_
   bool stop_writer_ = false;          // guarded by queue_mu_
-  // Started by the first Stream (the caller's thread); Shutdown joins it.
+  // Started by the first Stream or by Start (the caller's thread);
+  // Shutdown joins it.
   // A thread of its own rather than a pool task: it runs as long as the
   // pipeline, and would otherwise hold a pool thread that other writers'
   // chunks or commits wait for.

@@ -210,6 +210,9 @@ class CommitHandle {
 class RepositoryImpl;
 class WriterImpl;
 struct ChunkSlice;
+class DirectFetcher;
+class ThreadPool;
+struct CopyCounters;
 
 // Writes one rank's part of a checkpoint.
 class CheckpointWriter {
@@ -239,6 +242,8 @@ class CheckpointWriter {
 
  private:
   friend class Repository;
+  friend Status PutStoredRank(CheckpointWriter& writer, const RankRecord& part, DirectFetcher& source,
+                              ThreadPool& io, size_t threads, CopyCounters& counters);
   explicit CheckpointWriter(std::shared_ptr<WriterImpl> impl);
   std::shared_ptr<WriterImpl> impl_;  // shared with a commit in flight
 };
@@ -492,6 +497,53 @@ struct TensorStats {
 // Progress callback: done and total units (bytes or items).
 using ProgressFn = std::function<void(uint64_t done, uint64_t total)>;
 
+// Which checkpoints CopyCheckpoints copies: `names`, else the newest `last`
+// committed ones, else (all) every committed one; in commit order.
+struct CopyOptions {
+  std::vector<std::string> names;
+  std::optional<uint64_t> last;
+  bool all = false;
+  // Called as each checkpoint starts ("copying step-100 (4 ranks)") and
+  // with its outcome.
+  std::function<void(const std::string&)> on_phase;
+};
+
+struct CopiedCheckpoint {
+  std::string name;
+  // copied: made visible at the destination by this copy; present: the
+  // destination had it, with the same content, and nothing was sent.
+  enum class Outcome { kCopied, kPresent } outcome = Outcome::kCopied;
+  uint32_t ranks_copied = 0;        // ranks committed by this copy (others were by an interrupted one)
+  uint64_t chunks_sent = 0;         // chunks the destination lacked
+  uint64_t raw_bytes_sent = 0;      // their decoded size
+  uint64_t stored_bytes_sent = 0;   // their stored (encoded) size: what went into the destination's packs
+  uint64_t chunks_present = 0;      // chunks the destination had already
+  uint64_t raw_bytes_present = 0;
+};
+
+struct CopyReport {
+  std::vector<CopiedCheckpoint> checkpoints;
+  uint64_t chunks_sent = 0, raw_bytes_sent = 0, stored_bytes_sent = 0;
+  uint64_t chunks_present = 0, raw_bytes_present = 0;
+};
+
+class Repository;
+// Copies committed checkpoints of `source` to `destination` (any two
+// repositories: local, S3, a Backend; not the same one), sending only the
+// chunks the destination lacks, as they are stored (no encoding again).
+// Each chunk read is checked (decoded and re-hashed) before it is written.
+// A checkpoint keeps its name, step, tags, world size, tensors, shards and
+// blobs; at the destination it is saved rank by rank and becomes visible
+// atomically with its last rank's commit, so a copy that is interrupted
+// leaves it pending, and a copy run again commits only the ranks still
+// missing (and, on an object store, sends no chunk of a pack it finished).
+// A checkpoint the destination has with the same content is skipped;
+// AlreadyExists when it has a different one of that name, or a pending one
+// of another world size or step. NotFound for a name the source lacks.
+// `progress` counts the checkpoints' logical bytes.
+Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, const CopyOptions& options,
+                                   const ProgressFn& progress = {});
+
 class Repository {
  public:
   // Creates a repository in `path` (an empty or missing directory), or at
@@ -598,6 +650,8 @@ class Repository {
 
  private:
   friend Result<ReindexReport> ReindexRemote(const std::string& url, const OpenOptions& options);
+  friend Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, const CopyOptions& options,
+                                            const ProgressFn& progress);
   explicit Repository(std::unique_ptr<RepositoryImpl> impl);
   // What every Open does once the catalog and backend are open.
   static Result<std::unique_ptr<Repository>> FinishOpen(std::unique_ptr<RepositoryImpl> impl,

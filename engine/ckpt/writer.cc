@@ -14,6 +14,7 @@
 #include <unordered_set>
 
 #include "ckpt/commit.h"
+#include "ckpt/copy.h"
 #include "ckpt/pipeline.h"
 #include "ckpt/repository.h"
 #include "ckpt/repo_lock.h"
@@ -109,6 +110,8 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
 
   Status PutShard(const TensorInfo& info, const Region& region, ShardSource& source);
   Status PutBlob(const std::string& name, std::span<const std::byte> data);
+  Status PutStored(const RankRecord& part, DirectFetcher& source, ThreadPool& io, size_t threads,
+                   CopyCounters& counters);
   CommitHandle Commit();
   const RepositoryImpl& repo() const { return *repo_; }
 
@@ -239,6 +242,89 @@ Status WriterImpl::PutBlob(const std::string& name, std::span<const std::byte> d
   return Status::OK();
 }
 
+Status WriterImpl::PutStored(const RankRecord& part, DirectFetcher& source, ThreadPool& io, size_t threads,
+                             CopyCounters& counters) {
+  BlockTimer timer(&blocking_);
+  CKPT_RETURN_IF_ERROR(CheckUsable());
+  if (first_put_ == std::chrono::steady_clock::time_point{}) first_put_ = std::chrono::steady_clock::now();
+  // The records come from a manifest that validated itself; what a rank may
+  // put is checked here as PutShard and PutBlob check it.
+  std::vector<ChunkRef> chunks;
+  uint64_t logical = 0;
+  for (const TensorRecord& t : part.tensors) {
+    CKPT_RETURN_IF_ERROR(ValidateMemberName("tensor name", t.name));
+    for (const ShardRecord& shard : t.shards) {
+      CKPT_RETURN_IF_ERROR(ValidateRegion(t.shape, shard.region).WithContext("tensor '" + t.name + "'"));
+      logical += shard.region.NumElements() * DTypeSize(t.dtype);
+      chunks.insert(chunks.end(), shard.chunks.begin(), shard.chunks.end());
+    }
+  }
+  for (const BlobRecord& b : part.blobs) {
+    CKPT_RETURN_IF_ERROR(ValidateMemberName("blob name", b.name));
+    logical += b.size;
+    chunks.insert(chunks.end(), b.chunks.begin(), b.chunks.end());
+  }
+  // Which chunks the destination lacks: neither this writer nor the
+  // catalog has them.
+  std::vector<ChunkRef> missing;
+  for (const ChunkRef& chunk : chunks) {
+    if (!pipeline_.Claim(chunk.id)) continue;
+    auto known = repo_->LookupChunk(chunk.id);
+    if (!counters.handled.insert(chunk.id).second) {
+      // Sent by an earlier rank of this copy, or counted there.
+      if (known.ok()) continue;
+    }
+    if (known.ok()) {
+      counters.chunks_present.fetch_add(1);
+      counters.raw_bytes_present.fetch_add(chunk.raw_len);
+      continue;
+    }
+    if (!known.status().IsNotFound()) return known.status();
+    missing.push_back(chunk);
+  }
+  pipeline_.Start();
+  std::atomic<bool> failed{false};
+  ParallelFor(io, missing.size(), threads, [&](size_t i) {
+    if (failed.load() || !pipeline_.error().ok()) return;
+    BufferPool::Lease stored;
+    auto loc = source.FetchStored(missing[i], *repo_->buffers, &stored);
+    if (!loc.ok()) {
+      failed.store(true);
+      pipeline_.Fail(loc.status().WithContext("reading chunk " + missing[i].id.ToHex() + " from the source"));
+      return;
+    }
+    pipeline_.StoreEncoded(missing[i].id, loc->codec, loc->raw_len, std::move(stored), loc->stored_len);
+    counters.chunks_sent.fetch_add(1);
+    counters.raw_bytes_sent.fetch_add(missing[i].raw_len);
+  });
+  CKPT_RETURN_IF_ERROR(pipeline_.error());
+  std::lock_guard lock(mu_);
+  for (const TensorRecord& t : part.tensors) {
+    auto it = tensor_index_.find(t.name);
+    if (it == tensor_index_.end()) {
+      it = tensor_index_.emplace(t.name, record_.tensors.size()).first;
+      record_.tensors.push_back(TensorRecord{t.name, t.dtype, t.shape, {}});
+    }
+    TensorRecord& mine = record_.tensors[it->second];
+    if (mine.dtype != t.dtype || mine.shape != t.shape) {
+      return Status::InvalidArgument("tensor '" + t.name + "' was put twice with different dtype or shape");
+    }
+    for (const ShardRecord& shard : t.shards) {
+      ShardRecord copy;
+      copy.region = Normalize(t.shape, shard.region);
+      copy.ranks = {options_.rank};
+      copy.chunks = shard.chunks;
+      mine.shards.push_back(std::move(copy));
+    }
+  }
+  for (const BlobRecord& b : part.blobs) {
+    if (!blob_names_.insert(b.name).second) return Status::InvalidArgument("blob '" + b.name + "' was put twice");
+    record_.blobs.push_back(BlobRecord{b.name, b.size, b.chunks});
+  }
+  logical_bytes_ += logical;
+  return Status::OK();
+}
+
 CommitHandle WriterImpl::Commit() {
   CommitHandle handle;
   handle.total_ns_ = std::make_shared<std::atomic<int64_t>>(0);
@@ -338,6 +424,13 @@ CommitHandle CheckpointWriter::Commit() {
     return h;
   }
   return impl_->Commit();
+}
+
+Status PutStoredRank(CheckpointWriter& writer, const RankRecord& part, DirectFetcher& source, ThreadPool& io,
+                     size_t threads, CopyCounters& counters) {
+  if (!writer.impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
+  CKPT_RETURN_IF_ERROR(writer.impl_->repo().CheckProcess());
+  return writer.impl_->PutStored(part, source, io, threads, counters);
 }
 
 void CheckpointWriter::Abort() {

@@ -20,18 +20,21 @@ Result<ChunkData> DirectFetcher::Fetch(const ChunkRef& chunk) {
   }
   auto data = buffers_ ? std::make_shared<ChunkBuffer>(buffers_->Acquire(loc.raw_len), loc.raw_len)
                        : std::make_shared<ChunkBuffer>(loc.raw_len);
-  CKPT_RETURN_IF_ERROR(ReadWithRelocation(chunk.id, loc, data->span(), ChunkDestination::kOwnBuffer));
+  CKPT_RETURN_IF_ERROR(WithRelocation(chunk.id, loc, [&](const ChunkLocation& at) {
+                         return ReadChunk(backend_, chunk.id, at, data->span(), ChunkDestination::kOwnBuffer);
+                       }).status());
   return ChunkData(std::move(data));
 }
 
-Status DirectFetcher::ReadWithRelocation(const ChunkId& id, ChunkLocation loc, std::span<std::byte> dst,
-                                         ChunkDestination destination) {
+Result<ChunkLocation> DirectFetcher::WithRelocation(const ChunkId& id, ChunkLocation loc,
+                                                    const std::function<Status(const ChunkLocation&)>& read) {
   // Garbage collection may move a live chunk to a new pack and delete the
   // old one between our lookup and our read: look it up again and retry.
   bool refreshed = false;
   for (int attempt = 0;; ++attempt) {
-    Status st = ReadChunk(backend_, id, loc, dst, destination);
-    if (st.ok() || !st.IsNotFound() || attempt >= 3) return st;
+    Status st = read(loc);
+    if (st.ok()) return loc;
+    if (!st.IsNotFound() || attempt >= 3) return st;
     CKPT_ASSIGN_OR_RETURN(ChunkLocation again, lookup_(id));
     if (again.pack == loc.pack && again.offset == loc.offset && refresh_ && !refreshed) {
       refreshed = true;
@@ -43,13 +46,28 @@ Status DirectFetcher::ReadWithRelocation(const ChunkId& id, ChunkLocation loc, s
   }
 }
 
+Result<ChunkLocation> DirectFetcher::FetchStored(const ChunkRef& chunk, BufferPool& buffers,
+                                                 BufferPool::Lease* stored) {
+  CKPT_ASSIGN_OR_RETURN(ChunkLocation loc, lookup_(chunk.id));
+  return WithRelocation(chunk.id, loc, [&](const ChunkLocation& at) -> Status {
+    if (at.raw_len != chunk.raw_len) {
+      return Status::Corruption("chunk " + chunk.id.ToHex() + " has length " + std::to_string(at.raw_len) +
+                                " in pack " + at.pack + ", expected " + std::to_string(chunk.raw_len));
+    }
+    if (stored->capacity() < at.stored_len) *stored = buffers.Acquire(at.stored_len);
+    return ReadStoredChunk(backend_, chunk.id, at, stored->first(at.stored_len));
+  });
+}
+
 Status DirectFetcher::FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) {
   CKPT_ASSIGN_OR_RETURN(ChunkLocation loc, lookup_(chunk.id));
   if (loc.raw_len != chunk.raw_len || dst.size() != chunk.raw_len) {
     return Status::Corruption("chunk " + chunk.id.ToHex() + " has length " + std::to_string(loc.raw_len) +
                               " in pack " + loc.pack + ", expected " + std::to_string(chunk.raw_len));
   }
-  return ReadWithRelocation(chunk.id, loc, dst, ChunkDestination::kCallerMemory);
+  return WithRelocation(chunk.id, loc, [&](const ChunkLocation& at) {
+           return ReadChunk(backend_, chunk.id, at, dst, ChunkDestination::kCallerMemory);
+         }).status();
 }
 
 Result<ChunkData> CachedFetcher::Fetch(const ChunkRef& chunk) {

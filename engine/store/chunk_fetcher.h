@@ -45,10 +45,16 @@ class DirectFetcher : public ChunkFetcher {
       : backend_(backend), lookup_(std::move(lookup)), buffers_(buffers), refresh_(std::move(refresh)) {}
   Result<ChunkData> Fetch(const ChunkRef& chunk) override;
   Status FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) override;
+  // The chunk as it is stored (encoded), checked (ReadStoredChunk), in a
+  // buffer leased from `buffers`: its location says how it is encoded and
+  // how many of `stored`'s bytes hold it.
+  Result<ChunkLocation> FetchStored(const ChunkRef& chunk, BufferPool& buffers, BufferPool::Lease* stored);
 
  private:
-  Status ReadWithRelocation(const ChunkId& id, ChunkLocation loc, std::span<std::byte> dst,
-                            ChunkDestination destination);
+  // Reads the chunk at `loc` with `read`, looking it up again where gc
+  // moved it meanwhile; the location read last.
+  Result<ChunkLocation> WithRelocation(const ChunkId& id, ChunkLocation loc,
+                                       const std::function<Status(const ChunkLocation&)>& read);
   Backend* backend_;
   Lookup lookup_;
   BufferPool* buffers_;

@@ -228,4 +228,23 @@ Status ReadChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc, 
   return Status::OK();
 }
 
+Status ReadStoredChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc, std::span<std::byte> stored) {
+  auto where = [&]() {
+    return "chunk " + id.ToHex() + " in pack " + loc.pack + " at offset " + std::to_string(loc.offset);
+  };
+  if (stored.size() != loc.stored_len) return Status::Internal("buffer size does not match " + where());
+  CKPT_RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, stored).WithContext(where()));
+  if (loc.codec == Codec::kRaw) {
+    if (loc.stored_len != loc.raw_len) return Status::Corruption(where() + ": raw chunk with wrong length");
+    if (ChunkId::Of(stored) != id) return Status::Corruption(where() + ": content hash mismatch");
+    return Status::OK();
+  }
+  thread_local ScratchBuffer raw_buffer;
+  std::span<std::byte> raw(raw_buffer.Reserve(loc.raw_len), loc.raw_len);
+  Status st = DecodeChunk(loc.codec, stored, raw);
+  if (!st.ok()) return Status::Corruption(where() + ": " + st.message());
+  if (ChunkId::Of(raw) != id) return Status::Corruption(where() + ": content hash mismatch");
+  return Status::OK();
+}
+
 }  // namespace ckptfs

@@ -112,4 +112,10 @@ enum class ChunkDestination {
 Status ReadChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc, std::span<std::byte> raw,
                  ChunkDestination destination = ChunkDestination::kOwnBuffer);
 
+// Reads one chunk's stored (encoded) bytes into `stored` (loc.stored_len
+// bytes) and checks them as ReadChunk does: decoded into this thread's
+// scratch memory and hashed against `id`. What a copy to another
+// repository sends as it is, without encoding it again.
+Status ReadStoredChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc, std::span<std::byte> stored);
+
 }  // namespace ckptfs

@@ -1,0 +1,194 @@
+// Copying checkpoints between repositories (repository.h CopyCheckpoints).
+//
+// A checkpoint is copied as the ranks that saved it: rank r of the copy puts
+// every shard whose record names rank r (so the merge at the destination
+// gives each shard the same ranks, in the same order, as at the source) and
+// rank 0 the blobs. Each rank is a writer of the destination's own, whose
+// commit is durable on its own: an interrupted copy leaves the checkpoint
+// pending with the ranks it finished, and the next copy commits the rest.
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "ckpt/commit.h"
+#include "ckpt/copy.h"
+#include "ckpt/repository.h"
+#include "ckpt/repository_impl.h"
+
+namespace ckptfs {
+namespace {
+
+// Whether the destination's checkpoint holds what the source's does: the
+// same tensors, shards, chunks and blobs, step, world size and tags (not
+// when it was made).
+bool SameContent(const CheckpointReader& a, const CheckpointReader& b) {
+  const CheckpointRecord& x = a.info();
+  const CheckpointRecord& y = b.info();
+  if (x.step != y.step || x.world_size != y.world_size || x.tags != y.tags) return false;
+  if (a.tensors().size() != b.tensors().size() || a.blobs().size() != b.blobs().size()) return false;
+  for (size_t i = 0; i < a.tensors().size(); ++i) {
+    if (EncodeTensor(a.tensors()[i]) != EncodeTensor(b.tensors()[i])) return false;
+  }
+  for (size_t i = 0; i < a.blobs().size(); ++i) {
+    if (EncodeBlob(a.blobs()[i]) != EncodeBlob(b.blobs()[i])) return false;
+  }
+  return true;
+}
+
+// Rank `rank`'s part of the checkpoint `reader` reads.
+RankRecord PartOfRank(const CheckpointReader& reader, uint32_t rank) {
+  RankRecord part;
+  part.rank = rank;
+  for (const TensorRecord& t : reader.tensors()) {
+    TensorRecord mine{t.name, t.dtype, t.shape, {}};
+    for (const ShardRecord& s : t.shards) {
+      if (std::find(s.ranks.begin(), s.ranks.end(), rank) != s.ranks.end()) mine.shards.push_back(s);
+    }
+    if (!mine.shards.empty()) part.tensors.push_back(std::move(mine));
+  }
+  if (rank == 0) part.blobs = reader.blobs();
+  return part;
+}
+
+// Every shard must name ranks of the checkpoint, or no rank would put it.
+Status CheckShardRanks(const CheckpointReader& reader) {
+  const uint32_t world = reader.info().world_size;
+  for (const TensorRecord& t : reader.tensors()) {
+    for (const ShardRecord& s : t.shards) {
+      if (s.ranks.empty() || *std::max_element(s.ranks.begin(), s.ranks.end()) >= world) {
+        return Status::Corruption("checkpoint '" + reader.info().name + "': a shard of tensor '" + t.name +
+                                  "' names no rank of its world size " + std::to_string(world));
+      }
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, const CopyOptions& options,
+                                   const ProgressFn& progress) {
+  RepositoryImpl& src = *source.impl_;
+  RepositoryImpl& dst = *destination.impl_;
+  CKPT_RETURN_IF_ERROR(src.CheckProcess());
+  CKPT_RETURN_IF_ERROR(dst.CheckProcess());
+  if (&src == &dst || (!src.path.empty() && src.path == dst.path)) {
+    return Status::InvalidArgument("source and destination are the same repository (" + src.path + ")");
+  }
+  auto phase = [&](const std::string& what) {
+    if (options.on_phase) options.on_phase(what);
+  };
+
+  // What to copy, in commit order.
+  CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> committed, source.ListCheckpoints());
+  std::vector<CheckpointRecord> selected;
+  if (!options.names.empty()) {
+    std::set<std::string> wanted(options.names.begin(), options.names.end());
+    for (const CheckpointRecord& c : committed) {
+      if (wanted.erase(c.name)) selected.push_back(c);
+    }
+    if (!wanted.empty()) {
+      return Status::NotFound("the source has no committed checkpoint '" + *wanted.begin() + "'");
+    }
+  } else if (options.last) {
+    const size_t n = std::min<size_t>(*options.last, committed.size());
+    selected.assign(committed.end() - n, committed.end());
+  } else if (options.all) {
+    selected = committed;
+  } else {
+    return Status::InvalidArgument("name the checkpoints to copy, or ask for all or the last N");
+  }
+  uint64_t total = 0;
+  for (const CheckpointRecord& c : selected) total += c.logical_bytes;
+  uint64_t done_before = 0;
+  if (progress) progress(0, total);
+
+  CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> at_destination, destination.ListCheckpoints(true));
+  std::map<std::string, CheckpointRecord> there;
+  for (CheckpointRecord& c : at_destination) there.emplace(c.name, std::move(c));
+
+  CKPT_RETURN_IF_ERROR(src.protocol->IndexPacks());
+  DirectFetcher fetcher(
+      src.backend.get(), [r = &src](const ChunkId& id) { return r->LookupChunk(id); }, src.buffers.get(),
+      src.protocol->RelocationRefresh());
+
+  CopyReport report;
+  for (const CheckpointRecord& rec : selected) {
+    CopiedCheckpoint out;
+    out.name = rec.name;
+    // The source's bytes stay while we read them (a read lease).
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, source.OpenCheckpoint(rec.name));
+    CKPT_RETURN_IF_ERROR(CheckShardRanks(*reader));
+    const CheckpointRecord& info = reader->info();
+    std::set<uint32_t> done_ranks;
+    if (auto it = there.find(rec.name); it != there.end()) {
+      const CheckpointRecord& theirs = it->second;
+      if (theirs.state == CheckpointState::kCommitted) {
+        ReadOptions no_lease;
+        no_lease.lease = false;
+        CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> other, destination.OpenCheckpoint(rec.name, no_lease));
+        if (!SameContent(*reader, *other)) {
+          return Status::AlreadyExists("the destination has a different checkpoint named '" + rec.name + "'");
+        }
+        out.outcome = CopiedCheckpoint::Outcome::kPresent;
+        phase(rec.name + ": present at the destination, skipped");
+        report.checkpoints.push_back(out);
+        done_before += rec.logical_bytes;
+        if (progress) progress(done_before, total);
+        continue;
+      }
+      if (theirs.world_size != info.world_size || theirs.step != info.step) {
+        return Status::AlreadyExists("the destination has a pending checkpoint named '" + rec.name +
+                                     "' of another world size or step; remove it first (ckpt rm)");
+      }
+      done_ranks.insert(theirs.committed_ranks.begin(), theirs.committed_ranks.end());
+    }
+    phase("copying " + rec.name + " (" + std::to_string(info.world_size) + (info.world_size == 1 ? " rank" : " ranks") +
+          (done_ranks.empty() ? "" : ", " + std::to_string(done_ranks.size()) + " committed before") + ")");
+    CopyCounters counters;
+    uint64_t stored_sent = 0;
+    for (uint32_t rank = 0; rank < info.world_size; ++rank) {
+      if (done_ranks.count(rank)) continue;
+      WriterOptions wo;
+      wo.rank = rank;
+      wo.world_size = info.world_size;
+      wo.step = info.step;
+      wo.tags = info.tags;
+      CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer, destination.BeginCheckpoint(rec.name, wo));
+      // On an object store, packs an interrupted copy finished are listed
+      // by the sync above; their indexes make their chunks present.
+      CKPT_RETURN_IF_ERROR(dst.protocol->IndexPacks());
+      const RankRecord part = PartOfRank(*reader, rank);
+      CKPT_RETURN_IF_ERROR(
+          PutStoredRank(*writer, part, fetcher, src.IoPool(), std::max<size_t>(1, src.io_threads), counters)
+              .WithContext("copying checkpoint '" + rec.name + "' rank " + std::to_string(rank)));
+      auto committed_rank = writer->Commit().Wait();
+      if (!committed_rank.ok()) {
+        return committed_rank.status().WithContext("committing checkpoint '" + rec.name + "' rank " +
+                                                   std::to_string(rank) + " at the destination");
+      }
+      stored_sent += committed_rank->stored_bytes;
+      ++out.ranks_copied;
+      if (progress) {
+        const uint64_t handled = counters.raw_bytes_sent.load() + counters.raw_bytes_present.load();
+        progress(done_before + std::min(handled, rec.logical_bytes), total);
+      }
+    }
+    out.chunks_sent = counters.chunks_sent.load();
+    out.raw_bytes_sent = counters.raw_bytes_sent.load();
+    out.stored_bytes_sent = stored_sent;
+    out.chunks_present = counters.chunks_present.load();
+    out.raw_bytes_present = counters.raw_bytes_present.load();
+    report.chunks_sent += out.chunks_sent;
+    report.raw_bytes_sent += out.raw_bytes_sent;
+    report.stored_bytes_sent += out.stored_bytes_sent;
+    report.chunks_present += out.chunks_present;
+    report.raw_bytes_present += out.raw_bytes_present;
+    report.checkpoints.push_back(out);
+    done_before += rec.logical_bytes;
+    if (progress) progress(done_before, total);
+  }
+  return report;
+}
+
+}  // namespace ckptfs
