@@ -141,7 +141,17 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
         return Status::AlreadyExists("the destination has a pending checkpoint named '" + rec.name +
                                      "' of another world size or step; remove it first (ckpt rm)");
       }
-      done_ranks.insert(theirs.committed_ranks.begin(), theirs.committed_ranks.end());
+      if (theirs.committed_ranks.size() == theirs.world_size) {
+        // Every rank is in but the checkpoint is not visible: the last
+        // commit was interrupted between its rank's record and the
+        // manifest (an object store's protocol, commit_store.cc). No rank
+        // can commit again; the pending checkpoint is removed and copied
+        // anew, which finds its chunks present and sends none of them.
+        phase(rec.name + ": every rank is in at the destination, but its commit was interrupted; committing it again");
+        CKPT_RETURN_IF_ERROR(destination.RemoveCheckpoints({rec.name}));
+      } else {
+        done_ranks.insert(theirs.committed_ranks.begin(), theirs.committed_ranks.end());
+      }
     }
     phase("copying " + rec.name + " (" + std::to_string(info.world_size) + (info.world_size == 1 ? " rank" : " ranks") +
           (done_ranks.empty() ? "" : ", " + std::to_string(done_ranks.size()) + " committed before") + ")");

@@ -175,4 +175,28 @@ Json DescribeGcReport(const GcReport& r, bool dry_run) {
   return j;
 }
 
+Json DescribeCopyReport(const CopyReport& r) {
+  Json j = Json::MakeObject();
+  Json list = Json::MakeArray();
+  for (const CopiedCheckpoint& c : r.checkpoints) {
+    Json cj = Json::MakeObject();
+    cj.Set("name", c.name);
+    cj.Set("outcome", c.outcome == CopiedCheckpoint::Outcome::kCopied ? "copied" : "present");
+    cj.Set("ranks_copied", uint64_t{c.ranks_copied});
+    cj.Set("chunks_sent", c.chunks_sent);
+    cj.Set("raw_bytes_sent", c.raw_bytes_sent);
+    cj.Set("stored_bytes_sent", c.stored_bytes_sent);
+    cj.Set("chunks_present", c.chunks_present);
+    cj.Set("raw_bytes_present", c.raw_bytes_present);
+    list.Push(std::move(cj));
+  }
+  j.Set("checkpoints", std::move(list));
+  j.Set("chunks_sent", r.chunks_sent);
+  j.Set("raw_bytes_sent", r.raw_bytes_sent);
+  j.Set("stored_bytes_sent", r.stored_bytes_sent);
+  j.Set("chunks_present", r.chunks_present);
+  j.Set("raw_bytes_present", r.raw_bytes_present);
+  return j;
+}
+
 }  // namespace ckptfs

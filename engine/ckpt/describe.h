@@ -39,5 +39,7 @@ Json DescribeTensorStats(const TensorStats& stats);
 Json DescribeGcReport(const GcReport& report, bool dry_run);
 // Repository::PendingRanks as `ckpt show NAME --json`'s ranks_started.
 Json DescribePendingRanks(const std::vector<RankProgress>& ranks);
+// A copy's report, as `ckpt copy --json` prints it and ckptfs.copy returns it.
+Json DescribeCopyReport(const CopyReport& report);
 
 }  // namespace ckptfs

@@ -525,6 +525,101 @@ class GcRacingSaves(S3Case):
             self.assertEqual(fresh.digest(self.repo, n, "frozen"), sha(frozen), n)
 
 
+class Copy(S3Case):
+    """ckpt copy between a local repository and S3, and back."""
+
+    COPY_KILL_POINTS = 12
+
+    def setUp(self):
+        super().setUp()
+        self.a = self.host("a")
+        self.local = self.path("local")
+        self.a.run("-r", self.local, "init", "--chunk-size", "64K", "--pack-size", "1M")
+        model = {
+            "w": ("F32", self.rng.standard_normal((256, 1024)).astype(np.float32)),  # 1 MiB
+            "norm": ("BF16", st.random_array(self.rng, "BF16", (4096,))),
+        }
+        for step in (1, 2):  # four ranks, one file each
+            for r, f in enumerate(self.sharded_files(model, 4)):
+                self.a.run("-r", self.local, "import", f"step-{step}", f, "--rank", str(r), "--world-size", "4")
+            model["w"][1][0][:] += 1  # one row of the next step changes
+        self.caches = {}
+
+    def ck(self, *args, repo, env=None, ok=True):
+        """ckpt ... with the catalog of S3 repository `repo` (if any) in a
+        cache directory of its own."""
+        cache = self.caches.setdefault(repo, self.path(f"cache-{len(self.caches)}"))
+        return self.a.run(*args, env={"CKPT_CACHE_DIR": cache, **(env or {})}, ok=ok)
+
+    def fresh_s3(self):
+        url = f"s3://{BUCKET}/copy-{uuid.uuid4().hex[:10]}"
+        self.ck("-r", url, "init", "--chunk-size", "64K", "--pack-size", "1M", repo=url)
+        return url
+
+    def copy(self, src, dst, *args, env=None, ok=True):
+        return self.ck("copy", src, dst, *args, "--json", repo=src if src.startswith("s3:") else dst, env=env, ok=ok)
+
+    def names(self, repo):
+        return [c["name"] for c in json.loads(self.ck("-r", repo, "ls", "--json", repo=repo).stdout)]
+
+    def export(self, repo, name):
+        out = self.path(f"export-{uuid.uuid4().hex[:8]}.safetensors")
+        self.ck("-r", repo, "export", name, out, repo=repo)
+        with open(out, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    def test_local_to_s3_to_local_is_byte_identical_and_a_second_copy_sends_nothing(self):
+        s3 = self.fresh_s3()
+        first = json.loads(self.copy(self.local, s3, "--all").stdout)
+        self.assertEqual([c["outcome"] for c in first["checkpoints"]], ["copied", "copied"])
+        # step-2 shares every chunk but the changed row's with step-1
+        self.assertLess(first["checkpoints"][1]["raw_bytes_sent"], first["checkpoints"][1]["raw_bytes_present"] / 5)
+        other = self.path("other")
+        self.a.run("-r", other, "init")
+        json.loads(self.copy(s3, other, "step-1", "step-2").stdout)
+        for name in ("step-1", "step-2"):
+            self.assertEqual(self.export(other, name), self.export(self.local, name))
+        self.ck("-r", other, "verify", repo=other)
+        show = lambda repo: json.loads(self.ck("-r", repo, "show", "step-2", "--json", repo=repo).stdout)
+        self.assertEqual(show(other)["world_size"], 4)
+        du = lambda: json.loads(self.ck("-r", s3, "du", "--json", repo=s3).stdout)["total"]["pack_bytes"]
+        packs_before = du()
+        again = json.loads(self.copy(self.local, s3, "--all").stdout)
+        self.assertEqual([c["outcome"] for c in again["checkpoints"]], ["present", "present"])
+        self.assertEqual((again["chunks_sent"], again["stored_bytes_sent"]), (0, 0))
+        self.assertEqual(du(), packs_before)
+
+    def test_a_copy_killed_anywhere_resumes_and_ends_identical(self):
+        want = {n: self.export(self.local, n) for n in ("step-1", "step-2")}
+        count = self.path("count")
+        full = json.loads(self.copy(self.local, self.fresh_s3(), "--all",
+                                    env={"CKPTFS_TEST_CRASH_COUNT_FILE": count}).stdout)["stored_bytes_sent"]
+        with open(count) as f:
+            total = int(f.read())
+        self.assertGreaterEqual(total, self.COPY_KILL_POINTS)
+        n = self.COPY_KILL_POINTS
+        points = sorted({1 + (total - 1) * k // (n - 1) for k in range(n)})
+        kills, resent = 0, []
+        for pt in points:
+            s3 = self.fresh_s3()
+            rc = self.copy(self.local, s3, "--all", env={"CKPTFS_TEST_CRASH_AT": str(pt)}, ok=False).returncode
+            kills += rc == -signal.SIGKILL
+            visible = self.names(s3)
+            for name in visible:  # whatever shows is whole
+                self.assertEqual(self.export(s3, name), want[name], f"kill point {pt}")
+            resumed = json.loads(self.copy(self.local, s3, "--all").stdout)
+            self.assertEqual(sorted(self.names(s3)), ["step-1", "step-2"])
+            for name, digest in want.items():
+                self.assertEqual(self.export(s3, name), digest, f"kill point {pt}")
+            resent.append(resumed["stored_bytes_sent"])
+        self.assertGreaterEqual(kills, len(points) - 1)
+        # A resumed copy sends at most what a whole copy does, and, after
+        # the later kill points, less: what the killed copy committed (its
+        # ranks) or finished (its packs) is not sent again.
+        self.assertLessEqual(max(resent), full)
+        self.assertLess(sum(resent), len(resent) * full * 3 // 4, resent)
+
+
 class Errors(S3Case):
     def one_line(self, proc):
         self.assertEqual(proc.returncode, 1, proc.stderr.decode())

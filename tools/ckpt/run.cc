@@ -15,7 +15,7 @@ namespace {
 const Command* const kCommands[] = {
     &kInitCommand, &kImportCommand, &kLsCommand,      &kShowCommand, &kCatCommand,
     &kExportCommand, &kVerifyCommand, &kReindexCommand, &kRmCommand,   &kMountCommand,
-    &kDuCommand,   &kDiffCommand,   &kGcCommand,
+    &kDuCommand,   &kDiffCommand,   &kGcCommand,    &kCopyCommand,
 };
 
 void MainHelp(FILE* out) {

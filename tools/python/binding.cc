@@ -598,6 +598,25 @@ class PyRepository {
     return JsonToPython(j);
   }
 
+  py::object copy_to(PyRepository& destination, const std::vector<std::string>& names, bool all,
+                     std::optional<uint64_t> last, py::object on_phase, py::object progress) {
+    CopyOptions o;
+    o.names = names;
+    o.all = all;
+    o.last = last;
+    // As gc's: the callbacks run on this thread, with the GIL taken back.
+    std::optional<py::error_already_set> failed;
+    o.on_phase = FromEngineThread<const std::string&>(on_phase, failed);
+    ProgressFn bytes = FromEngineThread<uint64_t, uint64_t>(progress, failed);
+    CopyReport r;
+    {
+      py::gil_scoped_release nogil;
+      r = Value(CopyCheckpoints(*repo_, *destination.repo_, o, bytes));
+    }
+    if (failed) throw std::move(*failed);
+    return JsonToPython(DescribeCopyReport(r));
+  }
+
   py::dict verify(std::optional<std::string> name) {
     VerifyReport r;
     {
@@ -713,5 +732,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("keep"), py::arg("allow_removing_newest"), py::arg("dry_run"),
            py::arg("rewrite_below"), py::arg("on_phase"), py::arg("progress"))
       .def("verify", &PyRepository::verify, py::arg("name"))
+      .def("copy_to", &PyRepository::copy_to, py::arg("destination"), py::arg("names"), py::arg("all"),
+           py::arg("last"), py::arg("on_phase"), py::arg("progress"))
       .def("buffer_stats", &PyRepository::buffer_stats);
 }

@@ -48,6 +48,7 @@ __all__ = [
     "SaveHandle",
     "init",
     "open",
+    "copy",
     "cuda_available",
     "Error",
     "NotFoundError",
@@ -695,6 +696,35 @@ def open(url: str, *, threads: int = 0, cache_bytes: int = 512 << 20,  # noqa: A
     """
     return Repository(_core.Repository.open(url, int(threads), int(cache_bytes), _path_or_empty(cache_dir),
                                             int(io_threads)))
+
+
+def copy(source: Union[str, Repository], destination: Union[str, Repository],
+         names: Union[str, Sequence[str], None] = None, *, all: bool = False,  # noqa: A002
+         last: Optional[int] = None, on_phase: Optional[Callable[[str], None]] = None,
+         progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
+    """Copies checkpoints from `source` to `destination` (repositories, or
+    the URLs or paths to open), as `ckpt copy SRC DST` does: `names`, or
+    every committed checkpoint (all=True), or the newest `last`. Only the
+    chunks the destination lacks are sent, as they are stored, each checked
+    against its hash first; a checkpoint the destination has already is
+    skipped, and one an interrupted copy left pending there is finished.
+
+    Returns the report `ckpt copy --json` prints: per checkpoint its
+    outcome ("copied" or "present") and the chunks and bytes sent and found
+    present, and the totals. on_phase(line) and progress(done, total) (in
+    logical bytes) are called as the copy goes.
+    """
+    if isinstance(names, str):
+        names = [names]
+    names = list(names or [])
+    _check_names("checkpoint", names)
+    if (1 if names else 0) + (1 if all else 0) + (1 if last is not None else 0) != 1:
+        raise InvalidArgumentError("copy: give names, all=True or last=N (one of them)")
+    if last is not None and (isinstance(last, bool) or int(last) < 1):
+        raise InvalidArgumentError(f"copy: last must be at least 1, not {last!r}")
+    src = source if isinstance(source, Repository) else open(os.fspath(source))
+    dst = destination if isinstance(destination, Repository) else open(os.fspath(destination))
+    return src._repo.copy_to(dst._repo, names, bool(all), None if last is None else int(last), on_phase, progress)
 
 
 def _path_or_empty(path: Optional[str]) -> str:
