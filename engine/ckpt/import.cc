@@ -205,6 +205,55 @@ Result<PreparedImport> PreparedImport::Prepare(const ImportInputs& inputs) {
   return p;
 }
 
+Json PreparedImport::Describe() const {
+  // One entry per tensor, its shards' bytes summed, in first-seen order.
+  std::vector<std::string> order;
+  std::map<std::string, Json> tensors;
+  std::map<std::string, std::pair<uint64_t, uint64_t>> sizes;  // bytes, shards
+  uint64_t tensor_bytes = 0, blob_bytes = 0;
+  for (size_t f = 0; f < files_.size(); ++f) {
+    const SafetensorsHeader& h = files_[f]->header();
+    for (const SafetensorsShard& s : shards_[f]) {
+      const SafetensorsTensor& t = h.tensors[s.tensor];
+      auto [it, fresh] = tensors.try_emplace(t.name);
+      if (fresh) {
+        order.push_back(t.name);
+        Json j = Json::MakeObject();
+        j.Set("name", t.name);
+        j.Set("dtype", std::string(DTypeName(t.dtype)));
+        Json shape = Json::MakeArray();
+        for (uint64_t d : s.global_shape) shape.Push(d);
+        j.Set("shape", std::move(shape));
+        it->second = std::move(j);
+      }
+      sizes[t.name].first += t.end - t.begin;
+      sizes[t.name].second += 1;
+      tensor_bytes += t.end - t.begin;
+    }
+  }
+  Json list = Json::MakeArray();
+  for (const auto& name : order) {
+    Json j = std::move(tensors[name]);
+    j.Set("bytes", sizes[name].first);
+    j.Set("shards", sizes[name].second);
+    list.Push(std::move(j));
+  }
+  Json blobs = Json::MakeArray();
+  for (const Blob& b : blobs_) {
+    Json j = Json::MakeObject();
+    j.Set("name", b.name);
+    j.Set("bytes", static_cast<uint64_t>(b.data.size()));
+    blob_bytes += b.data.size();
+    blobs.Push(std::move(j));
+  }
+  Json out = Json::MakeObject();
+  out.Set("tensors", std::move(list));
+  out.Set("blobs", std::move(blobs));
+  out.Set("tensor_bytes", tensor_bytes);
+  out.Set("blob_bytes", blob_bytes);
+  return out;
+}
+
 Status PreparedImport::PutInto(CheckpointWriter& writer, const ProgressFn& progress,
                                const std::function<bool()>& cancelled) const {
   uint64_t done = 0;

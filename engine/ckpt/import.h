@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "ckpt/repository.h"
+#include "core/json.h"
 #include "core/status.h"
 
 namespace ckptfs {
@@ -50,6 +51,10 @@ class PreparedImport {
   ~PreparedImport();
 
   uint64_t total_bytes() const { return total_; }  // tensor and blob bytes to write
+  // What PutInto would put (`ckpt import --dry-run`): "tensors" (name,
+  // dtype, shape of the global tensor, bytes of this input, shards) and
+  // "blobs" (name, bytes), "tensor_bytes" and "blob_bytes".
+  Json Describe() const;
 
   // Puts every tensor shard and blob into `writer`. `progress` gets bytes
   // done and total_bytes(); `cancelled`, asked before each tensor and blob,

@@ -8,6 +8,9 @@ test_dcp (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment):
         and checks every element
     dcp_worker.py async-save REPO NAME thread|process
         (2 ranks) saves with dcp.async_save and waits on its future
+    dcp_worker.py save-files DIR big|placements
+        (any world size) saves with stock dcp.save and FileSystemWriter into
+        DIR: BIG() sharded by rows, or the DTensors of every placement
 
 Prints "ok" when its checks pass; FULL() is the state every run agrees on.
 """
@@ -34,6 +37,15 @@ def full():
         "hsdp": torch.randn(9, 4, generator=gen),                          # 2-D mesh: Replicate x Shard(0)
         "grid": torch.randint(-99, 99, (6, 10), generator=gen),            # 2-D mesh: Shard(0) x Shard(1)
         "tiny": torch.randn(2, generator=gen),                             # fewer rows than ranks
+    }
+
+
+def big():
+    """Tensors much larger than a 64 KiB chunk, for dedup across world sizes."""
+    gen = torch.Generator().manual_seed(11)
+    return {
+        "layers.0.weight": torch.randn(2048, 512, generator=gen),                       # Shard(0): 4 MiB
+        "embed.weight": torch.randn(1024, 256, generator=gen).to(torch.bfloat16),      # Replicate
     }
 
 
@@ -98,6 +110,15 @@ def main():
         sd = state(world, False, True)
         dcp.load(sd, storage_reader=StorageReader(repo, name))
         check(sd)
+    elif action == "save-files":
+        mesh = init_device_mesh("cpu", (world,))
+        if sys.argv[3] == "big":
+            b = big()
+            sd = {"layers.0.weight": distribute_tensor(b["layers.0.weight"], mesh, [Shard(0)]),
+                  "embed.weight": distribute_tensor(b["embed.weight"], mesh, [Replicate()]), "step": 77}
+        else:
+            sd = state(world, True, False)
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(repo))
     elif action == "async-save":
         kind = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}[sys.argv[4]]
         sd = {"w": distribute_tensor(full()["rows"], init_device_mesh("cpu", (world,)), [Shard(0)]), "step": 5}

@@ -42,17 +42,87 @@ const CommandSpec kImport{
     "{\"global_shape\": [..], \"offsets\": [..]} (a box shard) or\n"
     "{\"global_shape\": [..], \"flat_start\": N} (a flat shard of a 1-D stored tensor).\n"
     "With --rank R --world-size N only rank R's part is contributed; the checkpoint\n"
-    "becomes visible when all N ranks have committed.",
+    "becomes visible when all N ranks have committed.\n"
+    "A PATH that is a DCP checkpoint directory (a .metadata file beside __R_K.distcp\n"
+    "files, as dcp.save with FileSystemWriter and Megatron-Core's torch_dist write)\n"
+    "or a torch.save file is read with torch's own readers through the Python\n"
+    "package ckptfs (python3, or $CKPT_PYTHON; it needs torch: pip install\n"
+    "'ckptfs[torch]'): each saved DCP chunk becomes a box shard, non-tensor items\n"
+    "blobs. DCP's .metadata is a pickle, trusted as dcp.load trusts it: look first\n"
+    "with --dry-run, which lists what would be imported and writes nothing.",
     {{"step", 0, true, false, "N", "training step of the checkpoint"},
      {"rank", 0, true, false, "R", "contribute as rank R (with --world-size)"},
      {"world-size", 0, true, false, "N", "number of ranks writing the checkpoint"},
      {"tag", 0, true, true, "KEY=VALUE", "attach a tag (repeatable)"},
      {"blob", 0, true, true, "NAME=FILE", "store FILE's bytes as blob NAME (repeatable)"},
+     {"dry-run", 'n', false, false, "", "read and check the inputs, list what would be imported, write nothing"},
      kJsonOpt},
     2, SIZE_MAX};
 
+// Formats the engine reads itself, and those read with torch through the
+// Python package (ckptfs/formats.py).
+enum class InputKind { kNative, kDcp, kTorch };
+
+InputKind KindOf(const std::string& path) {
+  struct stat sb;
+  if (::stat(path.c_str(), &sb) != 0) return InputKind::kNative;  // the native reader names what is wrong
+  if (S_ISDIR(sb.st_mode)) {
+    return ::access((path + "/.metadata").c_str(), F_OK) == 0 ? InputKind::kDcp : InputKind::kNative;
+  }
+  if (!S_ISREG(sb.st_mode) || path.ends_with(".safetensors")) return InputKind::kNative;
+  unsigned char head[4] = {};
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return InputKind::kNative;
+  const ssize_t n = ::read(fd, head, sizeof head);
+  ::close(fd);
+  // A zip archive (torch.save since 1.6) or a pickle (older torch.save).
+  if ((n == 4 && std::memcmp(head, "PK\x03\x04", 4) == 0) || (n >= 1 && head[0] == 0x80)) return InputKind::kTorch;
+  return InputKind::kNative;
+}
+
+// Runs `python -m ckptfs.formats import ...` in place of this process.
+int DelegateToPython(const GlobalOptions& global, const Args& args, InputKind kind) {
+  const std::string& path = args.positional[1];
+  const std::string what = kind == InputKind::kDcp ? "'" + path + "' is a DCP checkpoint directory"
+                                                   : "'" + path + "' is a torch.save file";
+  if (args.positional.size() != 2 || args.Has("rank") || args.Has("blob")) {
+    return UsageError(Status::InvalidArgument(what + ": it is imported alone, without --rank or --blob"));
+  }
+  auto repo = global.RepoPath();
+  if (!repo.ok()) return UsageError(repo.status());
+  const char* env_python = std::getenv("CKPT_PYTHON");
+  const std::string python = env_python && *env_python ? env_python : "python3";
+  // Whether that Python has the package and torch, asked first so that a
+  // missing one gets one clear line.
+  const std::string probe = "'" + python + "' -c 'import ckptfs.formats, torch' >/dev/null 2>&1";
+  if (python.find('\'') != std::string::npos || std::system(probe.c_str()) != 0) {
+    return Fail(Status::Unsupported(what + ": it is read with torch through the Python package, and '" + python +
+                                    "' cannot import ckptfs and torch (pip install 'ckptfs[torch]', or set "
+                                    "CKPT_PYTHON to a Python that has them)"));
+  }
+  std::vector<std::string> argv = {python, "-m", "ckptfs.formats", "import", "--repo", *repo};
+  if (auto dir = args.Get("cache-dir")) argv.insert(argv.end(), {"--cache-dir", *dir});
+  if (auto step = args.Get("step")) argv.insert(argv.end(), {"--step", *step});
+  for (const auto& t : args.All("tag")) argv.insert(argv.end(), {"--tag", t});
+  if (args.Has("dry-run")) argv.push_back("--dry-run");
+  if (args.Has("json")) argv.push_back("--json");
+  argv.insert(argv.end(), {"--", args.positional[0], path});
+  std::vector<char*> cargv;
+  for (auto& a : argv) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  std::fflush(nullptr);
+  ::execvp(cargv[0], cargv.data());
+  return Fail(Status::IOError("cannot run '" + python + "': " + std::strerror(errno)));
+}
+
 int CmdImport(const GlobalOptions& global, const Args& args) {
   const std::string name = args.positional[0];
+  for (size_t i = 1; i < args.positional.size(); ++i) {
+    if (InputKind kind = KindOf(args.positional[i]); kind != InputKind::kNative) {
+      if (auto step = args.Int("step"); !step.ok()) return UsageError(step.status());
+      return DelegateToPython(global, args, kind);
+    }
+  }
   WriterOptions wopts;
   auto step = args.Int("step");
   if (!step.ok()) return UsageError(step.status());
@@ -96,6 +166,31 @@ int CmdImport(const GlobalOptions& global, const Args& args) {
   }
   auto prepared = PreparedImport::Prepare(inputs);
   if (!prepared.ok()) return Fail(prepared.status());
+  if (args.Has("dry-run")) {
+    Json what = prepared->Describe();
+    if (args.Has("json")) {
+      what.Set("format", "safetensors");
+      what.Set("name", name);
+      what.Set("committed", false);
+      PrintJson(what);
+      return kExitOk;
+    }
+    std::printf("%s: would import\n", EscapeForTerminal(name).c_str());
+    const Json::Array& tensors = what.Find("tensors")->as_array();
+    const Json::Array& blobs = what.Find("blobs")->as_array();
+    for (const Json& t : tensors) {
+      std::printf("  %s  %s %s  %s\n", EscapeForTerminal(t.Find("name")->as_string()).c_str(),
+                  t.Find("dtype")->as_string().c_str(), t.Find("shape")->Dump().c_str(),
+                  HumanBytes(t.Find("bytes")->as_uint()).c_str());
+    }
+    for (const Json& b : blobs) {
+      std::printf("  %s  (blob, %s)\n", EscapeForTerminal(b.Find("name")->as_string()).c_str(),
+                  HumanBytes(b.Find("bytes")->as_uint()).c_str());
+    }
+    std::printf("%zu tensors, %s; %zu blobs\n", tensors.size(), HumanBytes(what.Find("tensor_bytes")->as_uint()).c_str(),
+                blobs.size());
+    return kExitOk;
+  }
   int rc = kExitOk;
   auto repo = OpenRepoOr(global, &rc);
   if (!repo) return rc;

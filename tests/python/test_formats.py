@@ -1,0 +1,142 @@
+"""Checkpoints of other formats imported as they are (ckptfs.formats and
+`ckpt import`): DCP directories written by stock dcp.save with
+FileSystemWriter at several world sizes (each rank a process, gloo), and
+torch.save files; bad inputs give one clear error and leave nothing
+visible. The inputs are made by torch itself in the test."""
+import json
+import os
+import subprocess
+import sys
+import unittest
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "../integration"))
+
+import ckptfs  # noqa: E402
+import ckptfs.formats as formats  # noqa: E402
+import dcp_worker  # noqa: E402
+from helpers import CKPT  # noqa: E402
+from test_dcp import DCP_REASON, DcpTestCase  # noqa: E402
+
+
+def bits(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+@unittest.skipIf(DCP_REASON, DCP_REASON or "")
+class DcpDirectories(DcpTestCase):
+    def setUp(self):
+        super().setUp()
+        # Small chunks: the test's tensors span many.
+        self.repo = self.path("small")
+        ckptfs.init(self.repo, chunk_size=64 << 10, pack_size=1 << 20)
+        self.r = ckptfs.open(self.repo)
+
+    def save_files(self, world, what):
+        out = self.path(f"dcp-{what}-{world}")
+        self.assertEqual(self.run_job(world, "save-files", out, what), ["ok"] * world)
+        return out
+
+    def ckpt(self, *args, ok=True):
+        env = dict(os.environ, CKPT_REPO=self.repo, CKPT_PYTHON=sys.executable)
+        p = subprocess.run([CKPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, timeout=300)
+        if ok:
+            self.assertEqual(p.returncode, 0, p.stderr.decode())
+        return p
+
+    def test_dcp_checkpoints_of_4_and_2_ranks_import_as_saved_and_share_their_chunks(self):
+        four, two = self.save_files(4, "big"), self.save_files(2, "big")
+        # A dry run lists what would come in and writes nothing.
+        dry = json.loads(self.ckpt("import", "w4", four, "--dry-run", "--json").stdout)
+        self.assertEqual(dry["format"], "dcp")
+        self.assertEqual({t["name"]: t["shards"] for t in dry["tensors"]}, {"layers.0.weight": 4, "embed.weight": 1})
+        self.assertEqual([c["name"] for c in self.r.checkpoints()], [])
+        # Through the CLI (which hands DCP to the Python package) and the API.
+        self.ckpt("import", "w4", four, "--step", "77")
+        first = formats.import_checkpoint(self.r, "w2", two, step=77)
+        self.assertTrue(first["committed"])
+        want = dcp_worker.big()
+        for name in ("w4", "w2"):
+            for key, t in want.items():
+                got = self.r.tensor(name, key)
+                self.assertEqual(got.dtype, t.dtype)
+                self.assertTrue(torch.equal(bits(got), bits(t)), (name, key))
+            # the non-tensor item is DCP's pickle of it, as DCP wrote it
+            self.assertEqual(torch.load(__import__("io").BytesIO(self.r.blob(name, "step")), weights_only=True), 77)
+        shards = {t["name"]: len(t["shards"]) for t in self.r.show("w4")["tensors"]}
+        self.assertEqual(shards["layers.0.weight"], 4)
+        # The world-size-2 copy stored almost nothing new: its chunks are
+        # the world-size-4 copy's (the blob holds DCP's pickle, a few bytes).
+        logical = sum(t.numel() * t.element_size() for t in want.values())
+        self.assertLess(first["stored_bytes"], logical * 0.01, first)
+        du = {c["name"]: c for c in json.loads(self.ckpt("du", "--json").stdout)["checkpoints"]}
+        self.assertLess(du["w2"]["exclusive_bytes"], logical * 0.01, du)
+
+    def test_every_placement_imports_and_loads_through_dcp_at_another_world_size(self):
+        four = self.save_files(4, "placements")
+        formats.import_checkpoint(self.r, "p", four, step=1234)
+        self.assertEqual(self.run_job(3, "load", self.repo, "p"), ["ok"] * 3)
+
+    def test_a_dcp_directory_with_a_missing_or_truncated_file_is_refused_and_nothing_shows(self):
+        four = self.save_files(4, "big")
+        victim = os.path.join(four, "__1_0.distcp")
+        with open(victim, "rb") as f:
+            data = f.read()
+        with open(victim, "wb") as f:
+            f.write(data[: len(data) // 2])
+        err = self.ckpt("import", "bad", four, ok=False).stderr.decode().strip()
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertIn("cannot read the DCP data", err)
+        os.unlink(victim)
+        err = self.ckpt("import", "bad", four, ok=False).stderr.decode().strip()
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertIn("__1_0.distcp, which is missing", err)
+        self.assertEqual(self.r.checkpoints(include_pending=True), [])
+
+
+class TorchSaveFiles(unittest.TestCase):
+    def setUp(self):
+        import tempfile  # noqa: PLC0415
+
+        self.tmp = tempfile.mkdtemp(prefix="ckptfs-formats-")
+        self.repo = ckptfs.init(os.path.join(self.tmp, "repo"), chunk_size=64 << 10)
+
+    def tearDown(self):
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def test_a_nested_state_dict_imports_with_its_shape_and_values(self):
+        gen = torch.Generator().manual_seed(3)
+        state = {"model": {"w": torch.randn(300, 200, generator=gen), "b": torch.randn(200).to(torch.bfloat16)},
+                 "optimizer": {"state": {"0": {"exp_avg": torch.randn(300, 200, generator=gen)}},
+                               "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}]},
+                 "epoch": 3}
+        path = os.path.join(self.tmp, "state.pt")
+        torch.save(state, path)
+        self.assertEqual(formats.detect(path), "torch")
+        dry = formats.import_checkpoint(self.repo, "t", path, dry_run=True)
+        self.assertEqual(sorted(t["name"] for t in dry["tensors"]), ["model.b", "model.w", "optimizer.state.0.exp_avg"])
+        self.assertEqual(self.repo.checkpoints(), [])
+        formats.import_checkpoint(self.repo, "t", path, step=3)
+        self.assertTrue(torch.equal(self.repo.tensor("t", "model.w"), state["model"]["w"]))
+        self.assertTrue(torch.equal(bits(self.repo.tensor("t", "model.b")), bits(state["model"]["b"])))
+        structure = json.loads(self.repo.blob("t", formats.STRUCTURE_BLOB))
+        self.assertEqual([k for k, _ in structure["dict"]], ["model", "optimizer", "epoch"])
+        groups = torch.load(__import__("io").BytesIO(self.repo.blob("t", "optimizer.param_groups")), weights_only=True)
+        self.assertEqual(groups, state["optimizer"]["param_groups"])
+
+    def test_a_pickle_weights_only_refuses_is_refused_with_one_line(self):
+        path = os.path.join(self.tmp, "evil.pt")
+        torch.save({"w": torch.zeros(2), "thing": unittest.TestCase}, path)
+        with self.assertRaises(ckptfs.CorruptionError) as e:
+            formats.import_checkpoint(self.repo, "evil", path)
+        self.assertIn("weights_only", str(e.exception))
+        self.assertEqual(len(str(e.exception).splitlines()), 1)
+        self.assertEqual(self.repo.checkpoints(include_pending=True), [])
+
+
+if __name__ == "__main__":
+    unittest.main()
