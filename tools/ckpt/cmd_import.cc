@@ -46,7 +46,8 @@ const CommandSpec kImport{
     "A PATH that is a DCP checkpoint directory (a .metadata file beside __R_K.distcp\n"
     "files, as dcp.save with FileSystemWriter and Megatron-Core's torch_dist write)\n"
     "or a torch.save file is read with torch's own readers through the Python\n"
-    "package ckptfs (python3, or $CKPT_PYTHON; it needs torch: pip install\n"
+    "package ckptfs ($CKPT_PYTHON, else the python3 beside ckpt, else python3 on\n"
+    "PATH; it needs torch: pip install\n"
     "'ckptfs[torch]'): each saved DCP chunk becomes a box shard, non-tensor items\n"
     "blobs. DCP's .metadata is a pickle, trusted as dcp.load trusts it: look first\n"
     "with --dry-run, which lists what would be imported and writes nothing.",
@@ -90,8 +91,19 @@ int DelegateToPython(const GlobalOptions& global, const Args& args, InputKind ki
   }
   auto repo = global.RepoPath();
   if (!repo.ok()) return UsageError(repo.status());
+  // $CKPT_PYTHON; else the python3 beside this ckpt (a virtual
+  // environment's bin/, where pip installs both); else python3 on PATH.
   const char* env_python = std::getenv("CKPT_PYTHON");
-  const std::string python = env_python && *env_python ? env_python : "python3";
+  std::string python = env_python && *env_python ? env_python : "python3";
+  if (!env_python || !*env_python) {
+    char self[4096];
+    const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n > 0) {
+      std::string dir(self, static_cast<size_t>(n));
+      dir = dir.substr(0, dir.rfind('/'));
+      if (::access((dir + "/python3").c_str(), X_OK) == 0) python = dir + "/python3";
+    }
+  }
   // Whether that Python has the package and torch, asked first so that a
   // missing one gets one clear line.
   const std::string probe = "'" + python + "' -c 'import ckptfs.formats, torch' >/dev/null 2>&1";
