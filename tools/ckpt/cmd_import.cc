@@ -104,13 +104,14 @@ int DelegateToPython(const GlobalOptions& global, const Args& args, InputKind ki
       if (::access((dir + "/python3").c_str(), X_OK) == 0) python = dir + "/python3";
     }
   }
-  // Whether that Python has the package and torch, asked first so that a
-  // missing one gets one clear line.
-  const std::string probe = "'" + python + "' -c 'import ckptfs.formats, torch' >/dev/null 2>&1";
+  // Whether that Python has the package, asked first so that a missing one
+  // gets one clear line (without importing torch, which takes seconds: the
+  // package itself says when torch is missing).
+  const std::string probe = "'" + python + "' -c 'import ckptfs.formats' >/dev/null 2>&1";
   if (python.find('\'') != std::string::npos || std::system(probe.c_str()) != 0) {
     return Fail(Status::Unsupported(what + ": it is read with torch through the Python package, and '" + python +
-                                    "' cannot import ckptfs and torch (pip install 'ckptfs[torch]', or set "
-                                    "CKPT_PYTHON to a Python that has them)"));
+                                    "' cannot import ckptfs (pip install 'ckptfs[torch]', or set CKPT_PYTHON to a "
+                                    "Python that has ckptfs and torch)"));
   }
   std::vector<std::string> argv = {python, "-m", "ckptfs.formats", "import", "--repo", *repo};
   if (auto dir = args.Get("cache-dir")) argv.insert(argv.end(), {"--cache-dir", *dir});

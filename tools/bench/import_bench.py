@@ -1,0 +1,172 @@
+"""Importing a DCP checkpoint directory into a repository (durable), against
+copying the same directory with `cp -r` followed by `sync`, in the same run
+on the same bytes.
+
+The DCP directory holds LLM-like state (bf16 weights, fp32 master weights
+and AdamW moments; about --gib GiB) written by stock dcp.save with
+FileSystemWriter, one process. Measured, each from a dropped page cache
+where that works (root), the median over --runs:
+
+  cp -r DIR COPY && sync
+  ckptfs.formats.import_checkpoint (in this process; the commit fsyncs)
+  ckpt import NAME DIR (the command, which starts a Python with torch)
+
+and a second import of the same weights saved at another chunking of the
+first dimension (the directory written again with 2 chunks per tensor
+instead of 1), which shares its chunks with the first: the bytes it stored.
+
+    build/venv/bin/python tools/bench/import_bench.py --dir /tmp --gib 1 --runs 3
+
+(with the ckptfs package installed in that venv, or PYTHONPATH=build/python
+and CKPT_BIN=build/tools/ckpt).
+"""
+import argparse
+import dataclasses
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+from bench_util import drop_caches, minor_faults
+
+DIM = 1024
+
+
+def state(gib, torch):
+    """8 layers of bf16 weights with fp32 master weights and AdamW moments,
+    about `gib` GiB in all (14 bytes a parameter)."""
+    params = int(gib * (1 << 30) / 14)
+    rows = max(8, params // DIM // 8)
+    gen = torch.Generator().manual_seed(5)
+    out = {}
+    for i in range(8):
+        w = torch.randn(rows, DIM, generator=gen)
+        out[f"layers.{i}.weight"] = w.to(torch.bfloat16)
+        out[f"optim.layers.{i}.master"] = w
+        out[f"optim.layers.{i}.exp_avg"] = torch.randn(w.shape, generator=gen) * 1e-3
+        out[f"optim.layers.{i}.exp_avg_sq"] = (torch.randn(w.shape, generator=gen) * 1e-3) ** 2
+    return out
+
+
+def write_dcp(path, sd, pieces):
+    """dcp.save of `sd` into `path`; with pieces > 1 every tensor is saved as
+    that many row chunks (DCP's layout for Shard(0) over `pieces` ranks)."""
+    import torch  # noqa: PLC0415
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: PLC0415
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata  # noqa: PLC0415
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType, TensorWriteData  # noqa: PLC0415
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties  # noqa: PLC0415
+
+    class RowChunks(DefaultSavePlanner):
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            items = []
+            for item in plan.items:
+                if item.type != WriteItemType.TENSOR or pieces == 1:
+                    items.append(item)
+                    continue
+                size = item.tensor_data.size
+                step = (size[0] + pieces - 1) // pieces
+                for p in range(pieces):
+                    start = p * step
+                    n = min(step, size[0] - start)
+                    if n <= 0:
+                        break
+                    offsets = torch.Size([start] + [0] * (len(size) - 1))
+                    sizes = torch.Size([n] + list(size[1:]))
+                    items.append(WriteItem(index=MetadataIndex(item.index.fqn, offsets), type=WriteItemType.SHARD,
+                                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, sizes),
+                                                                       properties=item.tensor_data.properties,
+                                                                       size=size)))
+            plan = dataclasses.replace(plan, items=items)
+            self.plan = plan
+            return plan
+
+        def resolve_data(self, write_item):
+            if write_item.tensor_data is None or pieces == 1:
+                return super().resolve_data(write_item)
+            t = self.lookup_object(MetadataIndex(write_item.index.fqn))
+            off = write_item.tensor_data.chunk.offsets[0]
+            n = write_item.tensor_data.chunk.sizes[0]
+            return t[off:off + n]
+
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, thread_count=1), planner=RowChunks(),
+             no_dist=True)
+
+
+def timed(fn):
+    drop_caches()
+    faults0 = minor_faults()
+    t0 = time.monotonic()
+    fn()
+    return time.monotonic() - t0, minor_faults() - faults0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/tmp")
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    import torch  # noqa: PLC0415
+
+    import ckptfs  # noqa: PLC0415
+    import ckptfs.formats as formats  # noqa: PLC0415
+
+    ckpt = os.environ.get("CKPT_BIN") or shutil.which("ckpt")
+    work = os.path.join(args.dir, f"ckptfs-import-bench-{os.getpid()}")
+    os.makedirs(work)
+    try:
+        sd = state(args.gib, torch)
+        src = os.path.join(work, "dcp")
+        src2 = os.path.join(work, "dcp2")
+        write_dcp(src, sd, 1)
+        write_dcp(src2, sd, 2)
+        del sd
+        size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
+        print(f"DCP directory: {size / 2**30:.2f} GiB in {len(os.listdir(src))} files; {os.cpu_count()} CPUs; "
+              f"page cache dropped: {drop_caches()}")
+        figs = {"cp": [], "api": [], "cli": [], "second": [], "faults": []}
+        for run in range(args.runs):
+            copy = os.path.join(work, f"copy{run}")
+            t_cp, _ = timed(lambda: subprocess.run(f"cp -r '{src}' '{copy}' && sync", shell=True, check=True))
+            shutil.rmtree(copy)
+            repo_path = os.path.join(work, f"repo{run}")
+            repo = ckptfs.init(repo_path)
+            t_api, faults = timed(lambda: formats.import_checkpoint(repo, "a", src))
+            second = formats.import_checkpoint(repo, "b", src2)
+            t_cli = None
+            if ckpt:
+                t_cli, _ = timed(lambda: subprocess.run([ckpt, "-r", repo_path, "import", "c", src, "--quiet"],
+                                                        check=True, stdout=subprocess.DEVNULL,
+                                                        env=dict(os.environ, CKPT_PYTHON=sys.executable)))
+            del repo
+            shutil.rmtree(repo_path)
+            figs["cp"].append(t_cp)
+            figs["api"].append(t_api)
+            figs["faults"].append(faults / (size / 2**30))
+            figs["second"].append(second["stored_bytes"] / size)
+            if t_cli is not None:
+                figs["cli"].append(t_cli)
+            print(f"run {run}: cp -r + sync {t_cp:.2f} s; import (API) {t_api:.2f} s = {t_cp / t_api:.2f}x"
+                  + (f"; ckpt import {t_cli:.2f} s = {t_cp / t_cli:.2f}x" if t_cli else "")
+                  + f"; {faults / (size / 2**30):.0f} minor faults/GiB; the same weights in 2 chunks per tensor "
+                    f"stored {second['stored_bytes'] / size:.4f} of the bytes")
+        med = {k: statistics.median(v) for k, v in figs.items() if v}
+        print(f"\nmedians of {args.runs} runs ({size / 2**30:.2f} GiB):")
+        print(f"  cp -r + sync             {size / med['cp'] / 1e6:7.0f} MB/s")
+        print(f"  import (API, durable)    {size / med['api'] / 1e6:7.0f} MB/s   {med['cp'] / med['api']:.2f}x   "
+              "(target >= 1.0)")
+        if "cli" in med:
+            print(f"  ckpt import (command)    {size / med['cli'] / 1e6:7.0f} MB/s   {med['cp'] / med['cli']:.2f}x")
+        print(f"  minor page faults / GiB  {med['faults']:7.0f}")
+        print(f"  second import at another chunking stored {med['second']:.4f} of the bytes")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
