@@ -96,6 +96,146 @@ class DcpDirectories(DcpTestCase):
         self.assertEqual(self.r.checkpoints(include_pending=True), [])
 
 
+try:
+    import transformers  # noqa: E402
+
+    from test_huggingface import tiny_model  # noqa: E402
+    HF_REASON = None
+except ImportError as e:
+    HF_REASON = f"transformers is not importable: {e}"
+
+
+class Exports(unittest.TestCase):
+    """ckpt export --format hf, dcp and torch, and their resumption."""
+
+    def setUp(self):
+        import tempfile  # noqa: PLC0415
+
+        self.tmp = tempfile.mkdtemp(prefix="ckptfs-export-")
+        self.path = os.path.join(self.tmp, "repo")
+        self.repo = ckptfs.init(self.path, chunk_size=64 << 10)
+
+    def tearDown(self):
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def ckpt(self, *args, ok=True):
+        env = dict(os.environ, CKPT_REPO=self.path, CKPT_PYTHON=sys.executable)
+        p = subprocess.run([CKPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, timeout=300)
+        if ok:
+            self.assertEqual(p.returncode, 0, p.stderr.decode())
+        return p
+
+    @unittest.skipIf(HF_REASON, HF_REASON or "")
+    def test_a_model_directory_exports_as_hf_and_loads_with_identical_logits(self):
+        model = tiny_model()
+        src = os.path.join(self.tmp, "hf")
+        model.save_pretrained(src, max_shard_size="20KB")
+        with open(os.path.join(src, "model.safetensors.index.json")) as f:
+            theirs = json.load(f)
+        self.ckpt("import", "m", src)
+        out = os.path.join(self.tmp, "out")
+        done = json.loads(self.ckpt("export", "m", out, "--format", "hf", "--max-shard-size", "20KB",
+                                    "--json").stdout)
+        self.assertFalse(os.path.exists(out + formats.PARTIAL_SUFFIX))
+        with open(os.path.join(out, "model.safetensors.index.json")) as f:
+            ours = json.load(f)
+        self.assertEqual(ours["metadata"]["total_size"], theirs["metadata"]["total_size"])
+        self.assertEqual(sorted(ours["weight_map"]), sorted(theirs["weight_map"]))
+        self.assertEqual(len(set(ours["weight_map"].values())), len(set(theirs["weight_map"].values())))
+        for name in set(ours["weight_map"].values()):
+            with open(os.path.join(out, name), "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            self.assertEqual(header["__metadata__"]["format"], "pt")
+        self.assertIn("config.json", done["files"])
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        ids = torch.tensor([[1, 5, 9, 33, 2]])
+        with torch.no_grad():
+            self.assertTrue(torch.equal(model(ids).logits, loaded(ids).logits))
+        # --dtype casts the floating tensors, for a release.
+        half = os.path.join(self.tmp, "half")
+        self.ckpt("export", "m", half, "--format", "hf", "--dtype", "bfloat16")
+        self.assertTrue(os.path.exists(os.path.join(half, "model.safetensors")))
+        w = transformers.AutoModelForCausalLM.from_pretrained(half, dtype=torch.bfloat16)
+        self.assertEqual(next(w.parameters()).dtype, torch.bfloat16)
+
+    def test_dcp_and_torch_exports_load_with_torch_bit_exact(self):
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        gen = torch.Generator().manual_seed(9)
+        state = {"w": torch.randn(300, 200, generator=gen), "b": torch.randn(77, generator=gen).to(torch.bfloat16),
+                 "n": {"count": torch.arange(10)}, "epoch": 4}
+        path = os.path.join(self.tmp, "state.pt")
+        torch.save(state, path)
+        self.ckpt("import", "t", path)
+        out = os.path.join(self.tmp, "dcp")
+        self.ckpt("export", "t", out, "--format", "dcp")
+        target = {"w": torch.zeros(300, 200), "b": torch.zeros(77, dtype=torch.bfloat16),
+                  "n.count": torch.zeros(10, dtype=torch.int64)}
+        dcp.load(target, storage_reader=dcp.FileSystemReader(out), no_dist=True)
+        self.assertTrue(torch.equal(target["w"], state["w"]))
+        self.assertTrue(torch.equal(bits(target["b"]), bits(state["b"])))
+        self.assertTrue(torch.equal(target["n.count"], state["n"]["count"]))
+        tout = os.path.join(self.tmp, "torch")
+        self.ckpt("export", "t", tout, "--format", "torch")
+        back = torch.load(os.path.join(tout, "model.pt"), weights_only=True)
+        self.assertEqual(list(back), ["w", "b", "n", "epoch"])
+        self.assertEqual(back["epoch"], 4)
+        self.assertTrue(torch.equal(back["n"]["count"], state["n"]["count"]))
+        self.assertTrue(torch.equal(bits(back["b"]), bits(state["b"])))
+        # Nothing is replaced.
+        err = self.ckpt("export", "t", tout, "--format", "torch", ok=False).stderr.decode().strip()
+        self.assertIn("exists", err)
+        self.assertEqual(len(err.splitlines()), 1)
+
+    def test_an_interrupted_hf_export_resumes_without_redoing_finished_files(self):
+        gen = torch.Generator().manual_seed(4)
+        self.repo.save("big", {f"layer{i}": torch.randn(64, 64, generator=gen) for i in range(8)})
+        out = os.path.join(self.tmp, "out")
+        calls = []
+        real = formats._write_durable
+
+        def dies_on_the_third(path, write):
+            calls.append(path)
+            if len(calls) == 4:  # the progress file, two shards, then this one
+                raise OSError("disk went away")
+            real(path, write)
+
+        formats._write_durable = dies_on_the_third
+        try:
+            with self.assertRaises(OSError):
+                formats.export_checkpoint(self.repo, "big", out, format="hf", max_shard_size="20KB", threads=1)
+        finally:
+            formats._write_durable = real
+        self.assertFalse(os.path.exists(out))
+        self.assertTrue(os.path.isdir(out + formats.PARTIAL_SUFFIX))
+        # Other options: refused, naming the partial directory.
+        with self.assertRaises(ckptfs.AlreadyExistsError) as e:
+            formats.export_checkpoint(self.repo, "big", out, format="hf", max_shard_size="40KB")
+        self.assertIn(formats.PARTIAL_SUFFIX, str(e.exception))
+        done = formats.export_checkpoint(self.repo, "big", out, format="hf", max_shard_size="20KB")
+        self.assertGreaterEqual(done["resumed_files"], 1)
+        self.assertEqual(len(done["files"]), 9)  # 8 shards and the index
+        fresh = formats.export_checkpoint(self.repo, "big", os.path.join(self.tmp, "fresh"), format="hf",
+                                          max_shard_size="20KB")
+        for f in fresh["files"]:
+            with open(os.path.join(out, f), "rb") as a, open(os.path.join(self.tmp, "fresh", f), "rb") as b:
+                self.assertEqual(a.read(), b.read(), f)
+        # --clean starts over.
+        formats._write_durable = dies_on_the_third
+        calls.clear()
+        try:
+            with self.assertRaises(OSError):
+                formats.export_checkpoint(self.repo, "big", os.path.join(self.tmp, "o2"), format="hf",
+                                          max_shard_size="20KB", threads=1)
+        finally:
+            formats._write_durable = real
+        again = formats.export_checkpoint(self.repo, "big", os.path.join(self.tmp, "o2"), format="hf",
+                                          max_shard_size="40KB", clean=True)
+        self.assertEqual(again["resumed_files"], 0)
+
+
 class TorchSaveFiles(unittest.TestCase):
     def setUp(self):
         import tempfile  # noqa: PLC0415

@@ -91,41 +91,14 @@ int DelegateToPython(const GlobalOptions& global, const Args& args, InputKind ki
   }
   auto repo = global.RepoPath();
   if (!repo.ok()) return UsageError(repo.status());
-  // $CKPT_PYTHON; else the python3 beside this ckpt (a virtual
-  // environment's bin/, where pip installs both); else python3 on PATH.
-  const char* env_python = std::getenv("CKPT_PYTHON");
-  std::string python = env_python && *env_python ? env_python : "python3";
-  if (!env_python || !*env_python) {
-    char self[4096];
-    const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
-    if (n > 0) {
-      std::string dir(self, static_cast<size_t>(n));
-      dir = dir.substr(0, dir.rfind('/'));
-      if (::access((dir + "/python3").c_str(), X_OK) == 0) python = dir + "/python3";
-    }
-  }
-  // Whether that Python has the package, asked first so that a missing one
-  // gets one clear line (without importing torch, which takes seconds: the
-  // package itself says when torch is missing).
-  const std::string probe = "'" + python + "' -c 'import ckptfs.formats' >/dev/null 2>&1";
-  if (python.find('\'') != std::string::npos || std::system(probe.c_str()) != 0) {
-    return Fail(Status::Unsupported(what + ": it is read with torch through the Python package, and '" + python +
-                                    "' cannot import ckptfs (pip install 'ckptfs[torch]', or set CKPT_PYTHON to a "
-                                    "Python that has ckptfs and torch)"));
-  }
-  std::vector<std::string> argv = {python, "-m", "ckptfs.formats", "import", "--repo", *repo};
+  std::vector<std::string> argv = {"import", "--repo", *repo};
   if (auto dir = args.Get("cache-dir")) argv.insert(argv.end(), {"--cache-dir", *dir});
   if (auto step = args.Get("step")) argv.insert(argv.end(), {"--step", *step});
   for (const auto& t : args.All("tag")) argv.insert(argv.end(), {"--tag", t});
   if (args.Has("dry-run")) argv.push_back("--dry-run");
   if (args.Has("json")) argv.push_back("--json");
   argv.insert(argv.end(), {"--", args.positional[0], path});
-  std::vector<char*> cargv;
-  for (auto& a : argv) cargv.push_back(a.data());
-  cargv.push_back(nullptr);
-  std::fflush(nullptr);
-  ::execvp(cargv[0], cargv.data());
-  return Fail(Status::IOError("cannot run '" + python + "': " + std::strerror(errno)));
+  return ExecPythonFormats(what, argv);
 }
 
 int CmdImport(const GlobalOptions& global, const Args& args) {

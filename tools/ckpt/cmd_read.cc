@@ -104,9 +104,27 @@ int CmdCat(const GlobalOptions& global, const Args& args) {
   return st.ok() ? kExitOk : Fail(st);
 }
 
-const CommandSpec kExport{"export", "NAME OUT.safetensors", "Write a checkpoint as one safetensors file of merged tensors.",
-                          "Blobs are not part of safetensors; read them with 'ckpt cat --blob'.",
-                          {{"force", 'f', false, false, "", "overwrite OUT if it exists"}}, 2, 2};
+const CommandSpec kExport{
+    "export", "NAME OUT", "Write a checkpoint as standard files: safetensors, Hugging Face, DCP or torch.save.",
+    "--format safetensors (the default): OUT is one safetensors file of merged tensors;\n"
+    "blobs are not part of it (read them with 'ckpt cat --blob').\n"
+    "--format hf: OUT is a model directory: model-0000K-of-0000N.safetensors split at\n"
+    "--max-shard-size as Hugging Face splits, model.safetensors.index.json, and the\n"
+    "blobs named like files (config.json, tokenizer files).\n"
+    "--format dcp: OUT is a directory that dcp.load with FileSystemReader loads at any\n"
+    "world size. --format torch: OUT is a directory holding model.pt, one torch.save\n"
+    "file of the state dict. These three are written by the Python package with torch\n"
+    "($CKPT_PYTHON, else the python3 beside ckpt; pip install 'ckptfs[torch]') into\n"
+    "OUT.ckpt-export-partial, each file durable, and renamed to OUT when complete; run\n"
+    "the same command again to resume an interrupted one, or add --clean to start over.",
+    {{"force", 'f', false, false, "", "overwrite OUT if it exists (safetensors only)"},
+     {"format", 0, true, false, "FORMAT", "safetensors (default), hf, dcp or torch"},
+     {"max-shard-size", 0, true, false, "SIZE", "hf: largest shard file, as Hugging Face counts (default 5GB)"},
+     {"dtype", 0, true, false, "DTYPE", "hf, dcp, torch: cast floating tensors (bfloat16, float16, float32)"},
+     {"clean", 0, false, false, "", "remove an interrupted export's OUT.ckpt-export-partial first"},
+     kJsonOpt},
+    2,
+    2};
 
 // The temporary an export by process `pid` writes beside `out`.
 std::string ExportTemporary(const std::string& out, pid_t pid) { return out + ".ckpt-tmp-" + std::to_string(pid); }
@@ -154,6 +172,28 @@ void RemoveStaleExportTemporaries(const std::string& out) {
 }
 
 int CmdExport(const GlobalOptions& global, const Args& args) {
+  const std::string format = args.Get("format").value_or("safetensors");
+  if (format != "safetensors") {
+    if (format != "hf" && format != "dcp" && format != "torch") {
+      return UsageError(Status::InvalidArgument("--format must be safetensors, hf, dcp or torch, not '" + format + "'"));
+    }
+    if (args.Has("force")) return UsageError(Status::InvalidArgument("--force is for --format safetensors only"));
+    auto path = global.RepoPath();
+    if (!path.ok()) return UsageError(path.status());
+    std::vector<std::string> argv = {"export", "--repo", *path, "--format", format};
+    if (auto dir = args.Get("cache-dir")) argv.insert(argv.end(), {"--cache-dir", *dir});
+    if (auto size = args.Get("max-shard-size")) argv.insert(argv.end(), {"--max-shard-size", *size});
+    if (auto dtype = args.Get("dtype")) argv.insert(argv.end(), {"--dtype", *dtype});
+    if (args.Has("clean")) argv.push_back("--clean");
+    if (args.Has("json")) argv.push_back("--json");
+    argv.insert(argv.end(), {"--", args.positional[0], args.positional[1]});
+    return ExecPythonFormats("--format " + format, argv);
+  }
+  for (const char* option : {"max-shard-size", "dtype", "clean", "json"}) {
+    if (args.Has(option)) {
+      return UsageError(Status::InvalidArgument(std::string("--") + option + " is for --format hf, dcp or torch"));
+    }
+  }
   int rc = kExitOk;
   auto repo = OpenRepoOr(global, &rc);
   if (!repo) return rc;

@@ -1,6 +1,10 @@
 #include "common.h"
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 
 #include "core/text.h"
@@ -65,6 +69,37 @@ std::unique_ptr<Repository> OpenRepoOr(const GlobalOptions& global, int* exit_co
 }
 
 void PrintJson(const Json& j) { std::printf("%s\n", j.Dump(2).c_str()); }
+
+int ExecPythonFormats(const std::string& what, const std::vector<std::string>& args) {
+  const char* env_python = std::getenv("CKPT_PYTHON");
+  std::string python = env_python && *env_python ? env_python : "python3";
+  if (!env_python || !*env_python) {
+    char self[4096];
+    const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n > 0) {
+      std::string dir(self, static_cast<size_t>(n));
+      dir = dir.substr(0, dir.rfind('/'));
+      if (::access((dir + "/python3").c_str(), X_OK) == 0) python = dir + "/python3";
+    }
+  }
+  // Whether that Python has the package, asked first so that a missing one
+  // gets one clear line (without importing torch, which takes seconds: the
+  // package itself says when torch is missing).
+  const std::string probe = "'" + python + "' -c 'import ckptfs.formats' >/dev/null 2>&1";
+  if (python.find('\'') != std::string::npos || std::system(probe.c_str()) != 0) {
+    return Fail(Status::Unsupported(what + ": that is done with torch through the Python package, and '" + python +
+                                    "' cannot import ckptfs (pip install 'ckptfs[torch]', or set CKPT_PYTHON to a "
+                                    "Python that has ckptfs and torch)"));
+  }
+  std::vector<std::string> argv = {python, "-m", "ckptfs.formats"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::vector<char*> cargv;
+  for (auto& a : argv) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  std::fflush(nullptr);
+  ::execvp(cargv[0], cargv.data());
+  return Fail(Status::IOError("cannot run '" + python + "': " + std::strerror(errno)));
+}
 
 namespace {
 volatile std::sig_atomic_t g_interrupt_signal = 0;

@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "ckpt/repository.h"
 #include "cli.h"
@@ -41,6 +42,13 @@ int Fail(const Status& st);
 std::unique_ptr<Repository> OpenRepoOr(const GlobalOptions& global, int* exit_code);
 
 void PrintJson(const Json& j);
+
+// Runs `python -m ckptfs.formats ARGS...` in place of this process: the
+// formats read or written with torch (DCP, torch.save). The Python is
+// $CKPT_PYTHON, else the python3 beside this ckpt (a virtual environment's
+// bin/), else python3 on PATH; one that cannot import ckptfs gets one line
+// naming `what` and `pip install 'ckptfs[torch]'` (exit 1).
+int ExecPythonFormats(const std::string& what, const std::vector<std::string>& args);
 
 // SIGINT and SIGTERM during a long command: the handler only notes the
 // signal; the command's loop sees it at its next chunk, undoes what it wrote

@@ -26,13 +26,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import threading
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import ckptfs
 from ckptfs import InvalidArgumentError, UnsupportedError, _put_value
 
-__all__ = ["detect", "import_checkpoint", "STRUCTURE_BLOB"]
+__all__ = ["detect", "import_checkpoint", "export_checkpoint", "parse_size", "STRUCTURE_BLOB", "PARTIAL_SUFFIX"]
+
+# An export in progress writes into OUT + PARTIAL_SUFFIX, renamed to OUT
+# once complete and durable; a rerun resumes it.
+PARTIAL_SUFFIX = ".ckpt-export-partial"
+_PROGRESS_FILE = ".ckptfs-export.json"
 
 # The blob holding a torch.save file's dict shape (import_torch).
 STRUCTURE_BLOB = "ckptfs.torch.structure"
@@ -300,6 +307,310 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
     return out
 
 
+# ---- export ------------------------------------------------------------------------
+
+def parse_size(text: Union[str, int]) -> int:
+    """"5GB", "500MB", "2GiB", "1000000" -> bytes (HF's units: KB, MB, GB
+    are powers of 1000; KiB, MiB, GiB of 1024)."""
+    if isinstance(text, int):
+        return text
+    t = str(text).strip()
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    for unit, mult in units.items():
+        if t.upper().endswith(unit):
+            number = t[: -len(unit)].strip()
+            break
+    else:
+        number, mult = t, 1
+    try:
+        value = float(number) * mult
+    except ValueError:
+        raise InvalidArgumentError(f"bad size '{text}' (a number with KB, MB, GB, KiB, MiB or GiB)") from None
+    if value < 1:
+        raise InvalidArgumentError(f"size '{text}' must be at least 1 byte")
+    return int(value)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: str, write) -> None:
+    """Writes a file through `write(f)` at path + ".tmp", fsyncs it and
+    renames it into place."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _safetensors_bytes(tensors: Sequence[Tuple[str, Any]], metadata: Mapping[str, str]):
+    """The header of a safetensors file of `tensors` (name, torch tensor),
+    in that order, and the tensors' bytes as memoryviews."""
+    header: Dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    views = []
+    for key, t in tensors:
+        n = t.numel() * t.element_size()
+        header[key] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+        views.append(memoryview(t.contiguous().view(-1).view(_torch().uint8).numpy()) if n else memoryview(b""))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, views
+
+
+def hf_shards(sizes: Sequence[Tuple[str, int]], max_shard_size: int) -> List[List[str]]:
+    """Tensors (name, bytes), in order, split as Hugging Face splits a state
+    dict (huggingface_hub's split_torch_state_dict_into_shards): a tensor
+    joins the current shard unless that would pass max_shard_size; a tensor
+    larger than that is a shard of its own."""
+    shards: List[List[str]] = []
+    current: List[str] = []
+    size = 0
+    for name, n in sizes:
+        if n > max_shard_size:
+            shards.append([name])
+            continue
+        if current and size + n > max_shard_size:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += n
+    if current:
+        shards.append(current)
+    return shards
+
+
+class _Export:
+    """One export into OUT + PARTIAL_SUFFIX: which files are finished."""
+
+    def __init__(self, out: str, settings: Dict[str, Any], clean: bool):
+        self.out = out
+        self.partial = out + PARTIAL_SUFFIX
+        if os.path.lexists(out):
+            raise ckptfs.AlreadyExistsError(f"{out} exists; exports never replace anything")
+        if clean and os.path.lexists(self.partial):
+            shutil.rmtree(self.partial)
+        self.progress_file = os.path.join(self.partial, _PROGRESS_FILE)
+        self.done: List[str] = []
+        if os.path.isdir(self.partial):
+            try:
+                with open(self.progress_file) as f:
+                    state = json.load(f)
+            except (OSError, ValueError):
+                state = None
+            if not state or state.get("settings") != settings:
+                raise ckptfs.AlreadyExistsError(
+                    f"{self.partial} holds an interrupted export of something else (another checkpoint, format or "
+                    "options); rerun with the same ones to resume it, or with --clean to remove it")
+            self.done = list(state.get("done", []))
+        else:
+            os.makedirs(self.partial)
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._save()
+
+    def _save(self) -> None:
+        data = json.dumps({"settings": self.settings, "done": self.done}).encode()
+        _write_durable(self.progress_file, lambda f: f.write(data))
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.partial, name)
+
+    def finished(self, name: str) -> None:
+        with self._lock:  # files are finished by several threads
+            self.done.append(name)
+            self._save()
+
+    def commit(self) -> None:
+        os.unlink(self.progress_file)
+        _fsync_dir(self.partial)
+        os.rename(self.partial, self.out)
+        _fsync_dir(os.path.dirname(os.path.abspath(self.out)))
+
+
+def _read_tensor(reader, name: str, cast=None):
+    torch = _torch()
+    ckptfs._torch()
+    dtype_name, shape = reader.tensor_info(name)
+    dtype = ckptfs._name_to_torch.get(dtype_name)
+    if dtype is None:
+        raise UnsupportedError(f"tensor '{name}' is {dtype_name}, which torch {torch.__version__} lacks")
+    out = torch.empty(tuple(shape), dtype=dtype)
+    ckptfs._read_value(reader, name, out, None)
+    if cast is not None and out.is_floating_point() and out.dtype != cast:
+        out = out.to(cast)
+    return out
+
+
+def _tensor_order(repo, name: str, shown) -> List[str]:
+    """The checkpoint's tensors in the order their source had, where it
+    said (a torch.save file's structure), else by name."""
+    names = [t["name"] for t in shown["tensors"]]
+    if STRUCTURE_BLOB in {b["name"] for b in shown["blobs"]}:
+        order: List[str] = []
+
+        def walk(node):
+            if "dict" in node:
+                for _, child in node["dict"]:
+                    walk(child)
+            elif "tensor" in node:
+                order.append(node["tensor"])
+
+        walk(json.loads(repo.blob(name, STRUCTURE_BLOB)))
+        if sorted(order) == sorted(names):
+            return order
+    return names
+
+
+def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, format: str = "hf",  # noqa: A002
+                      max_shard_size: Union[str, int] = "5GB", dtype: Optional[str] = None, clean: bool = False,
+                      threads: int = 4) -> Dict[str, Any]:
+    """Writes checkpoint `name` to `out` as `format`:
+
+    - "hf": model-0000K-of-0000N.safetensors split at max_shard_size as
+      Hugging Face splits, model.safetensors.index.json (a single file is
+      model.safetensors, without an index), and the checkpoint's blobs
+      whose names are plain file names (config.json, tokenizer files) as
+      files; every safetensors file carries "format": "pt".
+    - "dcp": a directory stock dcp.load with FileSystemReader loads at any
+      world size (every tensor one chunk; blobs that hold DCP's pickles
+      become its non-tensor items again).
+    - "torch": one torch.save file of the state dict (nested again when the
+      checkpoint came from a torch.save file).
+
+    `dtype` ("bfloat16", "float16", "float32") casts floating tensors.
+    Files are written into out + ".ckpt-export-partial" (hf: `threads` at a
+    time), each made durable, and the directory is renamed to `out` only
+    when complete; an interrupted export is resumed by the same call
+    (hf: finished files are kept), or removed first with clean=True.
+    Returns {"out", "format", "files", "bytes", "resumed_files"}.
+    """
+    torch = _torch()
+    out = os.fspath(out)
+    if format not in ("hf", "dcp", "torch"):
+        raise InvalidArgumentError(f"unknown export format '{format}' (hf, dcp or torch; ckpt export writes safetensors)")
+    cast = None
+    if dtype is not None:
+        cast = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+                "float32": torch.float32, "fp32": torch.float32}.get(str(dtype).lower())
+        if cast is None:
+            raise InvalidArgumentError(f"dtype '{dtype}': use bfloat16, float16 or float32")
+    limit = parse_size(max_shard_size)
+    shown = repo.show(name)  # NotFoundError for an unknown checkpoint
+    settings = {"checkpoint": name, "committed": shown.get("committed"), "format": format, "max_shard_size": limit,
+                "dtype": None if cast is None else str(cast)}
+    export = _Export(out, settings, clean)
+    resumed = len(export.done)
+    reader = repo._repo.open_checkpoint(name)
+    order = _tensor_order(repo, name, shown)
+    files: List[str] = []
+    if format == "hf":
+        ckptfs._torch()
+        by_name = {t["name"]: t for t in shown["tensors"]}
+
+        def nbytes(n):
+            t = by_name[n]
+            count = 1
+            for d in t["shape"]:
+                count *= d
+            dt = ckptfs._name_to_torch[t["dtype"]]
+            if cast is not None and dt.is_floating_point:
+                dt = cast
+            return count * torch.empty((), dtype=dt).element_size()
+
+        ckptfs._torch()
+        shards = hf_shards([(n, nbytes(n)) for n in order], limit)
+        total = len(shards)
+        names = ["model.safetensors"] if total == 1 else \
+            [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
+
+        def write_shard(i):
+            if names[i] in export.done:
+                return
+            tensors = [(n, _read_tensor(reader, n, cast)) for n in shards[i]]
+            head, views = _safetensors_bytes(tensors, {"format": "pt"})
+
+            def body(f):
+                f.write(head)
+                for v in views:
+                    f.write(v)
+
+            _write_durable(export.path(names[i]), body)
+            export.finished(names[i])
+
+        import concurrent.futures  # noqa: PLC0415
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, int(threads))) as pool:
+            for _ in pool.map(write_shard, range(total)):
+                pass
+        files += names
+        if total > 1:
+            weight_map = {n: names[i] for i, shard in enumerate(shards) for n in shard}
+            index = {"metadata": {"total_size": sum(nbytes(n) for n in order)},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            data = (json.dumps(index, indent=2) + "\n").encode()
+            _write_durable(export.path("model.safetensors.index.json"), lambda f: f.write(data))
+            files.append("model.safetensors.index.json")
+        for b in shown["blobs"]:
+            bname = b["name"]
+            if "/" in bname or bname.startswith(".") or bname == STRUCTURE_BLOB or bname in files:
+                continue
+            data = repo.blob(name, bname)
+            _write_durable(export.path(bname), lambda f, d=data: f.write(d))
+            files.append(bname)
+    elif format == "dcp":
+        import io  # noqa: PLC0415
+
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        state: Dict[str, Any] = {n: _read_tensor(reader, n, cast) for n in order}
+        for b in shown["blobs"]:
+            if b["name"] == STRUCTURE_BLOB:
+                continue
+            data = repo.blob(name, b["name"])
+            try:
+                state[b["name"]] = torch.load(io.BytesIO(data), weights_only=True)
+            except Exception:  # noqa: BLE001 - not a pickle: kept as its bytes
+                state[b["name"]] = data
+        for f in os.listdir(export.partial):  # a dcp.save interrupted before: redone whole
+            if f != _PROGRESS_FILE:
+                os.unlink(export.path(f))
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(export.partial, sync_files=True,
+                                                            thread_count=max(1, int(threads))), no_dist=True)
+        files += sorted(f for f in os.listdir(export.partial) if f != _PROGRESS_FILE)
+    else:
+        import io  # noqa: PLC0415
+
+        flat: Dict[str, Any] = {n: _read_tensor(reader, n, cast) for n in order}
+        blobs = {b["name"] for b in shown["blobs"]}
+        if STRUCTURE_BLOB in blobs:
+            def build(node):
+                if "dict" in node:
+                    return {k: build(child) for k, child in node["dict"]}
+                if "tensor" in node:
+                    return flat[node["tensor"]]
+                return torch.load(io.BytesIO(repo.blob(name, node["value"])), weights_only=True)
+
+            state = build(json.loads(repo.blob(name, STRUCTURE_BLOB)))
+        else:
+            state = flat
+            for b in blobs:
+                state[b] = repo.blob(name, b)
+        _write_durable(export.path("model.pt"), lambda f: torch.save(state, f))
+        files.append("model.pt")
+    total_bytes = sum(os.path.getsize(export.path(f)) for f in files)
+    export.commit()
+    return {"out": out, "format": format, "files": files, "bytes": total_bytes, "resumed_files": resumed}
+
+
 def _main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="ckpt import", description="Import a DCP directory or a torch.save file.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -312,7 +623,35 @@ def _main(argv: Sequence[str]) -> int:
     imp.add_argument("--json", action="store_true")
     imp.add_argument("name")
     imp.add_argument("path")
+    exp = sub.add_parser("export")
+    exp.add_argument("--repo", required=True)
+    exp.add_argument("--cache-dir")
+    exp.add_argument("--format", required=True)
+    exp.add_argument("--max-shard-size", default="5GB")
+    exp.add_argument("--dtype")
+    exp.add_argument("--clean", action="store_true")
+    exp.add_argument("--json", action="store_true")
+    exp.add_argument("name")
+    exp.add_argument("out")
     args = parser.parse_args(argv)
+    if args.command == "export":
+        try:
+            repo = ckptfs.open(args.repo, cache_dir=args.cache_dir)
+            done = export_checkpoint(repo, args.name, args.out, format=args.format,
+                                     max_shard_size=args.max_shard_size, dtype=args.dtype, clean=args.clean)
+        except ckptfs.Error as e:
+            print(f"ckpt: error: {e}", file=sys.stderr)
+            return 1
+        except OSError as e:
+            print(f"ckpt: error: {e}", file=sys.stderr)
+            return 1
+        if args.json:
+            print(json.dumps(done, indent=2))
+        else:
+            print(f"{args.name}: exported as {done['format']} to {done['out']}: {len(done['files'])} files, "
+                  f"{done['bytes']} bytes" + (f" ({done['resumed_files']} kept from an interrupted export)"
+                                              if done["resumed_files"] else ""))
+        return 0
     tags = {}
     for t in args.tag:
         key, eq, value = t.partition("=")
