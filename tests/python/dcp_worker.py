@@ -8,6 +8,9 @@ test_dcp (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment):
         and checks every element
     dcp_worker.py async-save REPO NAME thread|process
         (2 ranks) saves with dcp.async_save and waits on its future
+    dcp_worker.py load-files DIR
+        (any world size) loads the DTensors of every placement from DIR with
+        stock dcp.load and FileSystemReader, and checks every element
     dcp_worker.py save-files DIR big|placements
         (any world size) saves with stock dcp.save and FileSystemWriter into
         DIR: BIG() sharded by rows, or the DTensors of every placement
@@ -109,6 +112,10 @@ def main():
     elif action == "load":
         sd = state(world, False, True)
         dcp.load(sd, storage_reader=StorageReader(repo, name))
+        check(sd)
+    elif action == "load-files":
+        sd = state(world, False, True)
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(repo))
         check(sd)
     elif action == "save-files":
         mesh = init_device_mesh("cpu", (world,))

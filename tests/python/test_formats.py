@@ -78,6 +78,10 @@ class DcpDirectories(DcpTestCase):
         four = self.save_files(4, "placements")
         formats.import_checkpoint(self.r, "p", four, step=1234)
         self.assertEqual(self.run_job(3, "load", self.repo, "p"), ["ok"] * 3)
+        # Exported as a DCP directory again, stock dcp.load reads it at 2 ranks.
+        out = self.path("exported")
+        self.ckpt("export", "p", out, "--format", "dcp")
+        self.assertEqual(self.run_job(2, "load-files", out, "p"), ["ok"] * 2)
 
     def test_a_dcp_directory_with_a_missing_or_truncated_file_is_refused_and_nothing_shows(self):
         four = self.save_files(4, "big")
@@ -126,6 +130,18 @@ class Exports(unittest.TestCase):
         if ok:
             self.assertEqual(p.returncode, 0, p.stderr.decode())
         return p
+
+    @unittest.skipIf(HF_REASON, HF_REASON or "")
+    def test_a_model_directory_whose_index_names_a_missing_shard_is_refused(self):
+        src = os.path.join(self.tmp, "hf")
+        tiny_model().save_pretrained(src, max_shard_size="20KB")
+        with open(os.path.join(src, "model.safetensors.index.json")) as f:
+            victim = sorted(set(json.load(f)["weight_map"].values()))[1]
+        os.unlink(os.path.join(src, victim))
+        err = self.ckpt("import", "m", src, ok=False).stderr.decode().strip()
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertIn("model.safetensors.index.json", err)
+        self.assertEqual(self.repo.checkpoints(include_pending=True), [])
 
     @unittest.skipIf(HF_REASON, HF_REASON or "")
     def test_a_model_directory_exports_as_hf_and_loads_with_identical_logits(self):

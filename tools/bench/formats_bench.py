@@ -1,6 +1,10 @@
-"""Importing a DCP checkpoint directory into a repository (durable), against
-copying the same directory with `cp -r` followed by `sync`, in the same run
-on the same bytes.
+"""Checkpoints of other formats in and out of a repository, in the same run
+on the same bytes:
+
+- importing a DCP checkpoint directory (durable), against copying the same
+  directory with `cp -r` followed by `sync`;
+- exporting it as a Hugging Face model directory (`--format hf`, durable),
+  against writing the same files' bytes with `dd bs=4M conv=fsync`.
 
 The DCP directory holds LLM-like state (bf16 weights, fp32 master weights
 and AdamW moments; about --gib GiB) written by stock dcp.save with
@@ -15,7 +19,7 @@ and a second import of the same weights saved at another chunking of the
 first dimension (the directory written again with 2 chunks per tensor
 instead of 1), which shares its chunks with the first: the bytes it stored.
 
-    build/venv/bin/python tools/bench/import_bench.py --dir /tmp --gib 1 --runs 3
+    build/venv/bin/python tools/bench/formats_bench.py --dir /tmp --gib 1 --runs 3
 
 (with the ckptfs package installed in that venv, or PYTHONPATH=build/python
 and CKPT_BIN=build/tools/ckpt).
@@ -129,7 +133,7 @@ def main():
         size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
         print(f"DCP directory: {size / 2**30:.2f} GiB in {len(os.listdir(src))} files; {os.cpu_count()} CPUs; "
               f"page cache dropped: {drop_caches()}")
-        figs = {"cp": [], "api": [], "cli": [], "second": [], "faults": []}
+        figs = {"cp": [], "api": [], "cli": [], "second": [], "faults": [], "export": [], "dd": []}
         for run in range(args.runs):
             copy = os.path.join(work, f"copy{run}")
             t_cp, _ = timed(lambda: subprocess.run(f"cp -r '{src}' '{copy}' && sync", shell=True, check=True))
@@ -143,6 +147,23 @@ def main():
                 t_cli, _ = timed(lambda: subprocess.run([ckpt, "-r", repo_path, "import", "c", src, "--quiet"],
                                                         check=True, stdout=subprocess.DEVNULL,
                                                         env=dict(os.environ, CKPT_PYTHON=sys.executable)))
+            out = os.path.join(work, f"hf{run}")
+            t_export, _ = timed(lambda: formats.export_checkpoint(repo, "a", out, format="hf",
+                                                                  max_shard_size="1GB"))
+            shards = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+            ddir = os.path.join(work, f"dd{run}")
+            os.makedirs(ddir)
+
+            def dd_all():
+                for f in shards:
+                    subprocess.run(["dd", f"if={os.path.join(out, f)}", f"of={os.path.join(ddir, f)}", "bs=4M",
+                                    "conv=fsync", "status=none"], check=True)
+
+            t_dd, _ = timed(dd_all)
+            shutil.rmtree(out)
+            shutil.rmtree(ddir)
+            figs["export"].append(t_export)
+            figs["dd"].append(t_dd)
             del repo
             shutil.rmtree(repo_path)
             figs["cp"].append(t_cp)
@@ -153,6 +174,7 @@ def main():
                 figs["cli"].append(t_cli)
             print(f"run {run}: cp -r + sync {t_cp:.2f} s; import (API) {t_api:.2f} s = {t_cp / t_api:.2f}x"
                   + (f"; ckpt import {t_cli:.2f} s = {t_cp / t_cli:.2f}x" if t_cli else "")
+                  + f"; export hf {t_export:.2f} s, dd conv=fsync {t_dd:.2f} s = {t_dd / t_export:.2f}x"
                   + f"; {faults / (size / 2**30):.0f} minor faults/GiB; the same weights in 2 chunks per tensor "
                     f"stored {second['stored_bytes'] / size:.4f} of the bytes")
         med = {k: statistics.median(v) for k, v in figs.items() if v}
@@ -162,7 +184,9 @@ def main():
               "(target >= 1.0)")
         if "cli" in med:
             print(f"  ckpt import (command)    {size / med['cli'] / 1e6:7.0f} MB/s   {med['cp'] / med['cli']:.2f}x")
-        print(f"  minor page faults / GiB  {med['faults']:7.0f}")
+        print(f"  export --format hf       {med['dd'] / med['export']:.2f}x of dd conv=fsync of the same bytes   "
+              "(target >= 0.9)")
+        print(f"  minor page faults / GiB  {med['faults']:7.0f} (import)")
         print(f"  second import at another chunking stored {med['second']:.4f} of the bytes")
     finally:
         shutil.rmtree(work, ignore_errors=True)
