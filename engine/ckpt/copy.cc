@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <unordered_set>
 
 #include "ckpt/commit.h"
 #include "ckpt/copy.h"
@@ -156,32 +157,78 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
     phase("copying " + rec.name + " (" + std::to_string(info.world_size) + (info.world_size == 1 ? " rank" : " ranks") +
           (done_ranks.empty() ? "" : ", " + std::to_string(done_ranks.size()) + " committed before") + ")");
     CopyCounters counters;
+    // Chunks of this checkpoint sent or counted as present already, so
+    // that a chunk several ranks name is sent and counted once.
+    std::unordered_set<ChunkId, ChunkIdHash> handled;
     uint64_t stored_sent = 0;
+    std::vector<uint32_t> todo;
     for (uint32_t rank = 0; rank < info.world_size; ++rank) {
-      if (done_ranks.count(rank)) continue;
-      WriterOptions wo;
-      wo.rank = rank;
-      wo.world_size = info.world_size;
-      wo.step = info.step;
-      wo.tags = info.tags;
-      CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer, destination.BeginCheckpoint(rec.name, wo));
-      // On an object store, packs an interrupted copy finished are listed
-      // by the sync above; their indexes make their chunks present.
-      CKPT_RETURN_IF_ERROR(dst.protocol->IndexPacks());
-      const RankRecord part = PartOfRank(*reader, rank);
-      CKPT_RETURN_IF_ERROR(
-          PutStoredRank(*writer, part, fetcher, src.IoPool(), std::max<size_t>(1, src.io_threads), counters)
-              .WithContext("copying checkpoint '" + rec.name + "' rank " + std::to_string(rank)));
-      auto committed_rank = writer->Commit().Wait();
-      if (!committed_rank.ok()) {
-        return committed_rank.status().WithContext("committing checkpoint '" + rec.name + "' rank " +
-                                                   std::to_string(rank) + " at the destination");
+      if (!done_ranks.count(rank)) todo.push_back(rank);
+    }
+    // Ranks are put `ranks_at_once` at a time (their packs written side by
+    // side) and committed in rank order. Each chunk the destination lacks
+    // is sent by the first rank of the wave that names it; the others only
+    // reference it, and commit after that rank did. A rank whose put failed
+    // stops the commits there: the ranks before it are kept (resumption).
+    const size_t at_once = std::max<size_t>(1, options.ranks_at_once);
+    for (size_t first = 0; first < todo.size(); first += at_once) {
+      const size_t n = std::min(at_once, todo.size() - first);
+      std::vector<std::unique_ptr<CheckpointWriter>> writers(n);
+      std::vector<RankRecord> parts(n);
+      std::vector<std::vector<ChunkRef>> sends(n);
+      for (size_t i = 0; i < n; ++i) {
+        WriterOptions wo;
+        wo.rank = todo[first + i];
+        wo.world_size = info.world_size;
+        wo.step = info.step;
+        wo.tags = info.tags;
+        CKPT_ASSIGN_OR_RETURN(writers[i], destination.BeginCheckpoint(rec.name, wo));
+        parts[i] = PartOfRank(*reader, wo.rank);
       }
-      stored_sent += committed_rank->stored_bytes;
-      ++out.ranks_copied;
+      // On an object store, packs an interrupted copy finished are listed
+      // by the writers' sync; their indexes make their chunks present.
+      CKPT_RETURN_IF_ERROR(dst.protocol->IndexPacks());
+      for (size_t i = 0; i < n; ++i) {
+        auto consider = [&](const ChunkRef& c) -> Status {
+          if (!handled.insert(c.id).second) return Status::OK();  // sent or counted for an earlier rank
+          auto known = dst.LookupChunk(c.id);
+          if (known.ok()) {
+            counters.chunks_present.fetch_add(1);
+            counters.raw_bytes_present.fetch_add(c.raw_len);
+            return Status::OK();
+          }
+          if (!known.status().IsNotFound()) return known.status();
+          sends[i].push_back(c);
+          return Status::OK();
+        };
+        for (const TensorRecord& t : parts[i].tensors) {
+          for (const ShardRecord& s : t.shards) {
+            for (const ChunkRef& c : s.chunks) CKPT_RETURN_IF_ERROR(consider(c));
+          }
+        }
+        for (const BlobRecord& b : parts[i].blobs) {
+          for (const ChunkRef& c : b.chunks) CKPT_RETURN_IF_ERROR(consider(c));
+        }
+      }
+      std::vector<Status> put(n);
+      const size_t threads = std::max<size_t>(1, src.io_threads / n);
+      ParallelFor(src.IoPool(), n, n, [&](size_t i) {
+        put[i] = PutStoredRank(*writers[i], parts[i], sends[i], fetcher, src.IoPool(), threads, counters)
+                     .WithContext("copying checkpoint '" + rec.name + "' rank " + std::to_string(todo[first + i]));
+      });
+      for (size_t i = 0; i < n; ++i) {
+        CKPT_RETURN_IF_ERROR(put[i]);
+        auto committed_rank = writers[i]->Commit().Wait();
+        if (!committed_rank.ok()) {
+          return committed_rank.status().WithContext("committing checkpoint '" + rec.name + "' rank " +
+                                                     std::to_string(todo[first + i]) + " at the destination");
+        }
+        stored_sent += committed_rank->stored_bytes;
+        ++out.ranks_copied;
+      }
       if (progress) {
-        const uint64_t handled = counters.raw_bytes_sent.load() + counters.raw_bytes_present.load();
-        progress(done_before + std::min(handled, rec.logical_bytes), total);
+        const uint64_t handled_bytes = counters.raw_bytes_sent.load() + counters.raw_bytes_present.load();
+        progress(done_before + std::min(handled_bytes, rec.logical_bytes), total);
       }
     }
     out.chunks_sent = counters.chunks_sent.load();

@@ -4,7 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
-#include <unordered_set>
+#include <span>
 
 #include "ckpt/repository.h"
 #include "core/thread_pool.h"
@@ -16,17 +16,16 @@ namespace ckptfs {
 struct CopyCounters {
   std::atomic<uint64_t> chunks_sent{0}, raw_bytes_sent{0};
   std::atomic<uint64_t> chunks_present{0}, raw_bytes_present{0};
-  // Chunks this copy handled already (sent, or found present), so that a
-  // chunk several ranks hold counts once. The putting thread's only.
-  std::unordered_set<ChunkId, ChunkIdHash> handled;
 };
 
 // Puts `part` (shards and blobs as another repository recorded them, their
-// chunks named by id) as this writer's rank: the chunks the destination
-// lacks are read as stored through `source` on up to `threads` threads of
-// `io` and written to this writer's packs as they are; the rest are only
-// referenced. The writer then commits as after PutShard.
-Status PutStoredRank(CheckpointWriter& writer, const RankRecord& part, DirectFetcher& source, ThreadPool& io,
-                     size_t threads, CopyCounters& counters);
+// chunks named by id) as this writer's rank: the chunks of `send` are read
+// as stored through `source` on up to `threads` threads of `io` and written
+// to this writer's packs as they are; every other chunk the records name is
+// only referenced, and must be at the destination by this rank's commit
+// (there already, or sent by a rank that commits first). The writer then
+// commits as after PutShard.
+Status PutStoredRank(CheckpointWriter& writer, const RankRecord& part, std::span<const ChunkRef> send,
+                     DirectFetcher& source, ThreadPool& io, size_t threads, CopyCounters& counters);
 
 }  // namespace ckptfs

@@ -147,11 +147,6 @@ void SavePipeline::Start() {
   if (!writer_thread_.joinable()) writer_thread_ = std::thread([this] { WriterLoop(); });
 }
 
-bool SavePipeline::Claim(const ChunkId& id) {
-  std::lock_guard lock(mu_);
-  return seen_.insert(id).second;
-}
-
 void SavePipeline::StoreEncoded(const ChunkId& id, Codec codec, uint32_t raw_len, BufferPool::Lease bytes,
                                 size_t size) {
   if (!error().ok()) return;

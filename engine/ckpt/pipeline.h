@@ -80,13 +80,11 @@ class SavePipeline {
   Status Stream(const std::vector<uint64_t>& bounds, DType dtype, ShardSource& source, std::vector<ChunkRef>& chunks);
 
   // Chunks already encoded, as another repository stores them (a copy,
-  // copy.h). Start, then Claim each chunk to learn whether this pipeline
-  // has it already; those it claims go to StoreEncoded, which queues them
-  // for the pack writer as they are (their hashes checked by whoever read
-  // them) and blocks while that queue is full. Claim and StoreEncoded may
-  // be called from several threads at once; not together with Stream.
+  // copy.h): after Start, StoreEncoded queues each for the pack writer as
+  // it is (its hash checked by whoever read it; the caller sends each chunk
+  // once), blocking while that queue is full. StoreEncoded may be called
+  // from several threads at once; not together with Stream.
   void Start();
-  bool Claim(const ChunkId& id);
   void StoreEncoded(const ChunkId& id, Codec codec, uint32_t raw_len, BufferPool::Lease bytes, size_t size);
 
   // The first error of any step (sticky); after one nothing more is written.

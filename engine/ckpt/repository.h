@@ -242,8 +242,8 @@ class CheckpointWriter {
 
  private:
   friend class Repository;
-  friend Status PutStoredRank(CheckpointWriter& writer, const RankRecord& part, DirectFetcher& source,
-                              ThreadPool& io, size_t threads, CopyCounters& counters);
+  friend Status PutStoredRank(CheckpointWriter& writer, const RankRecord& part, std::span<const ChunkRef> send,
+                              DirectFetcher& source, ThreadPool& io, size_t threads, CopyCounters& counters);
   explicit CheckpointWriter(std::shared_ptr<WriterImpl> impl);
   std::shared_ptr<WriterImpl> impl_;  // shared with a commit in flight
 };
@@ -506,6 +506,9 @@ struct CopyOptions {
   // Called as each checkpoint starts ("copying step-100 (4 ranks)") and
   // with its outcome.
   std::function<void(const std::string&)> on_phase;
+  // Ranks of a checkpoint copied side by side (their packs written at
+  // once), at least 1. Each holds its pipeline's buffers.
+  size_t ranks_at_once = 4;
 };
 
 struct CopiedCheckpoint {

@@ -110,8 +110,8 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
 
   Status PutShard(const TensorInfo& info, const Region& region, ShardSource& source);
   Status PutBlob(const std::string& name, std::span<const std::byte> data);
-  Status PutStored(const RankRecord& part, DirectFetcher& source, ThreadPool& io, size_t threads,
-                   CopyCounters& counters);
+  Status PutStored(const RankRecord& part, std::span<const ChunkRef> send, DirectFetcher& source, ThreadPool& io,
+                   size_t threads, CopyCounters& counters);
   CommitHandle Commit();
   const RepositoryImpl& repo() const { return *repo_; }
 
@@ -242,46 +242,26 @@ Status WriterImpl::PutBlob(const std::string& name, std::span<const std::byte> d
   return Status::OK();
 }
 
-Status WriterImpl::PutStored(const RankRecord& part, DirectFetcher& source, ThreadPool& io, size_t threads,
-                             CopyCounters& counters) {
+Status WriterImpl::PutStored(const RankRecord& part, std::span<const ChunkRef> send, DirectFetcher& source,
+                             ThreadPool& io, size_t threads, CopyCounters& counters) {
   BlockTimer timer(&blocking_);
   CKPT_RETURN_IF_ERROR(CheckUsable());
   if (first_put_ == std::chrono::steady_clock::time_point{}) first_put_ = std::chrono::steady_clock::now();
   // The records come from a manifest that validated itself; what a rank may
   // put is checked here as PutShard and PutBlob check it.
-  std::vector<ChunkRef> chunks;
   uint64_t logical = 0;
   for (const TensorRecord& t : part.tensors) {
     CKPT_RETURN_IF_ERROR(ValidateMemberName("tensor name", t.name));
     for (const ShardRecord& shard : t.shards) {
       CKPT_RETURN_IF_ERROR(ValidateRegion(t.shape, shard.region).WithContext("tensor '" + t.name + "'"));
       logical += shard.region.NumElements() * DTypeSize(t.dtype);
-      chunks.insert(chunks.end(), shard.chunks.begin(), shard.chunks.end());
     }
   }
   for (const BlobRecord& b : part.blobs) {
     CKPT_RETURN_IF_ERROR(ValidateMemberName("blob name", b.name));
     logical += b.size;
-    chunks.insert(chunks.end(), b.chunks.begin(), b.chunks.end());
   }
-  // Which chunks the destination lacks: neither this writer nor the
-  // catalog has them.
-  std::vector<ChunkRef> missing;
-  for (const ChunkRef& chunk : chunks) {
-    if (!pipeline_.Claim(chunk.id)) continue;
-    auto known = repo_->LookupChunk(chunk.id);
-    if (!counters.handled.insert(chunk.id).second) {
-      // Sent by an earlier rank of this copy, or counted there.
-      if (known.ok()) continue;
-    }
-    if (known.ok()) {
-      counters.chunks_present.fetch_add(1);
-      counters.raw_bytes_present.fetch_add(chunk.raw_len);
-      continue;
-    }
-    if (!known.status().IsNotFound()) return known.status();
-    missing.push_back(chunk);
-  }
+  const std::span<const ChunkRef> missing = send;
   pipeline_.Start();
   std::atomic<bool> failed{false};
   ParallelFor(io, missing.size(), threads, [&](size_t i) {
@@ -426,11 +406,11 @@ CommitHandle CheckpointWriter::Commit() {
   return impl_->Commit();
 }
 
-Status PutStoredRank(CheckpointWriter& writer, const RankRecord& part, DirectFetcher& source, ThreadPool& io,
-                     size_t threads, CopyCounters& counters) {
+Status PutStoredRank(CheckpointWriter& writer, const RankRecord& part, std::span<const ChunkRef> send,
+                     DirectFetcher& source, ThreadPool& io, size_t threads, CopyCounters& counters) {
   if (!writer.impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
   CKPT_RETURN_IF_ERROR(writer.impl_->repo().CheckProcess());
-  return writer.impl_->PutStored(part, source, io, threads, counters);
+  return writer.impl_->PutStored(part, send, source, io, threads, counters);
 }
 
 void CheckpointWriter::Abort() {
