@@ -194,7 +194,7 @@ class Exports(unittest.TestCase):
         self.assertTrue(torch.equal(bits(target["b"]), bits(state["b"])))
         self.assertTrue(torch.equal(target["n.count"], state["n"]["count"]))
         tout = os.path.join(self.tmp, "torch")
-        self.ckpt("export", "t", tout, "--format", "torch")
+        self.ckpt("export", "t", tout + "/", "--format", "torch")  # a trailing slash names the same directory
         back = torch.load(os.path.join(tout, "model.pt"), weights_only=True)
         self.assertEqual(list(back), ["w", "b", "n", "epoch"])
         self.assertEqual(back["epoch"], 4)

@@ -494,7 +494,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
     Returns {"out", "format", "files", "bytes", "resumed_files"}.
     """
     torch = _torch()
-    out = os.fspath(out)
+    out = os.path.normpath(os.fspath(out))  # "release/" is the directory "release"
     if format not in ("hf", "dcp", "torch"):
         raise InvalidArgumentError(f"unknown export format '{format}' (hf, dcp or torch; ckpt export writes safetensors)")
     cast = None
