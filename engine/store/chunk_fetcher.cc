@@ -12,22 +12,8 @@ Status ChunkFetcher::FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) 
   return Status::OK();
 }
 
-Result<ChunkData> DirectFetcher::Fetch(const ChunkRef& chunk) {
-  CKPT_ASSIGN_OR_RETURN(ChunkLocation loc, lookup_(chunk.id));
-  if (loc.raw_len != chunk.raw_len) {
-    return Status::Corruption("chunk " + chunk.id.ToHex() + " has length " + std::to_string(loc.raw_len) +
-                              " in pack " + loc.pack + ", expected " + std::to_string(chunk.raw_len));
-  }
-  auto data = buffers_ ? std::make_shared<ChunkBuffer>(buffers_->Acquire(loc.raw_len), loc.raw_len)
-                       : std::make_shared<ChunkBuffer>(loc.raw_len);
-  CKPT_RETURN_IF_ERROR(WithRelocation(chunk.id, loc, [&](const ChunkLocation& at) {
-                         return ReadChunk(backend_, chunk.id, at, data->span(), ChunkDestination::kOwnBuffer);
-                       }).status());
-  return ChunkData(std::move(data));
-}
-
-Result<ChunkLocation> DirectFetcher::WithRelocation(const ChunkId& id, ChunkLocation loc,
-                                                    const std::function<Status(const ChunkLocation&)>& read) {
+template <class Read>
+Result<ChunkLocation> DirectFetcher::WithRelocation(const ChunkId& id, ChunkLocation loc, const Read& read) {
   // Garbage collection may move a live chunk to a new pack and delete the
   // old one between our lookup and our read: look it up again and retry.
   bool refreshed = false;
@@ -44,6 +30,20 @@ Result<ChunkLocation> DirectFetcher::WithRelocation(const ChunkId& id, ChunkLoca
     if (again.pack == loc.pack && again.offset == loc.offset) return st;
     loc = again;
   }
+}
+
+Result<ChunkData> DirectFetcher::Fetch(const ChunkRef& chunk) {
+  CKPT_ASSIGN_OR_RETURN(ChunkLocation loc, lookup_(chunk.id));
+  if (loc.raw_len != chunk.raw_len) {
+    return Status::Corruption("chunk " + chunk.id.ToHex() + " has length " + std::to_string(loc.raw_len) +
+                              " in pack " + loc.pack + ", expected " + std::to_string(chunk.raw_len));
+  }
+  auto data = buffers_ ? std::make_shared<ChunkBuffer>(buffers_->Acquire(loc.raw_len), loc.raw_len)
+                       : std::make_shared<ChunkBuffer>(loc.raw_len);
+  CKPT_RETURN_IF_ERROR(WithRelocation(chunk.id, loc, [&](const ChunkLocation& at) {
+                         return ReadChunk(backend_, chunk.id, at, data->span(), ChunkDestination::kOwnBuffer);
+                       }).status());
+  return ChunkData(std::move(data));
 }
 
 Result<ChunkLocation> DirectFetcher::FetchStored(const ChunkRef& chunk, BufferPool& buffers,

@@ -51,10 +51,12 @@ class DirectFetcher : public ChunkFetcher {
   Result<ChunkLocation> FetchStored(const ChunkRef& chunk, BufferPool& buffers, BufferPool::Lease* stored);
 
  private:
-  // Reads the chunk at `loc` with `read`, looking it up again where gc
-  // moved it meanwhile; the location read last.
-  Result<ChunkLocation> WithRelocation(const ChunkId& id, ChunkLocation loc,
-                                       const std::function<Status(const ChunkLocation&)>& read);
+  // Reads the chunk at `loc` with `read(location)`, looking it up again
+  // where gc moved it meanwhile; the location read last. A template, not a
+  // std::function: it runs once per chunk read, and a std::function of a
+  // lambda holding three references allocates.
+  template <class Read>
+  Result<ChunkLocation> WithRelocation(const ChunkId& id, ChunkLocation loc, const Read& read);
   Backend* backend_;
   Lookup lookup_;
   BufferPool* buffers_;

@@ -191,11 +191,27 @@ Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id) {
   return pack;
 }
 
+namespace {
+
+// Names a chunk in messages: its id, pack and offset.
+std::string ChunkWhere(const ChunkId& id, const ChunkLocation& loc) {
+  return "chunk " + id.ToHex() + " in pack " + loc.pack + " at offset " + std::to_string(loc.offset);
+}
+
+// Decodes `stored` into `raw` and checks the result hashes to `id`.
+Status DecodeChecked(const ChunkId& id, const ChunkLocation& loc, std::span<const std::byte> stored,
+                     std::span<std::byte> raw) {
+  Status st = DecodeChunk(loc.codec, stored, raw);
+  if (!st.ok()) return Status::Corruption(ChunkWhere(id, loc) + ": " + st.message());
+  if (ChunkId::Of(raw) != id) return Status::Corruption(ChunkWhere(id, loc) + ": content hash mismatch");
+  return Status::OK();
+}
+
+}  // namespace
+
 Status ReadChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc, std::span<std::byte> raw,
                  ChunkDestination destination) {
-  auto where = [&]() {
-    return "chunk " + id.ToHex() + " in pack " + loc.pack + " at offset " + std::to_string(loc.offset);
-  };
+  auto where = [&]() { return ChunkWhere(id, loc); };
   if (raw.size() != loc.raw_len) return Status::Internal("buffer size does not match " + where());
   // Reused by every chunk this thread reads: no allocation, no zero-fill.
   thread_local ScratchBuffer stored_buffer;
@@ -221,17 +237,14 @@ Status ReadChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc, 
   } else {
     std::span<std::byte> stored(stored_buffer.Reserve(loc.stored_len), loc.stored_len);
     CKPT_RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, stored).WithContext(where()));
-    Status st = DecodeChunk(loc.codec, stored, raw);
-    if (!st.ok()) return Status::Corruption(where() + ": " + st.message());
+    return DecodeChecked(id, loc, stored, raw);
   }
   if (ChunkId::Of(raw) != id) return Status::Corruption(where() + ": content hash mismatch");
   return Status::OK();
 }
 
 Status ReadStoredChunk(Backend* backend, const ChunkId& id, const ChunkLocation& loc, std::span<std::byte> stored) {
-  auto where = [&]() {
-    return "chunk " + id.ToHex() + " in pack " + loc.pack + " at offset " + std::to_string(loc.offset);
-  };
+  auto where = [&]() { return ChunkWhere(id, loc); };
   if (stored.size() != loc.stored_len) return Status::Internal("buffer size does not match " + where());
   CKPT_RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, stored).WithContext(where()));
   if (loc.codec == Codec::kRaw) {
@@ -240,11 +253,7 @@ Status ReadStoredChunk(Backend* backend, const ChunkId& id, const ChunkLocation&
     return Status::OK();
   }
   thread_local ScratchBuffer raw_buffer;
-  std::span<std::byte> raw(raw_buffer.Reserve(loc.raw_len), loc.raw_len);
-  Status st = DecodeChunk(loc.codec, stored, raw);
-  if (!st.ok()) return Status::Corruption(where() + ": " + st.message());
-  if (ChunkId::Of(raw) != id) return Status::Corruption(where() + ": content hash mismatch");
-  return Status::OK();
+  return DecodeChecked(id, loc, stored, std::span<std::byte>(raw_buffer.Reserve(loc.raw_len), loc.raw_len));
 }
 
 }  // namespace ckptfs
