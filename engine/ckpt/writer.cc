@@ -261,21 +261,20 @@ Status WriterImpl::PutStored(const RankRecord& part, std::span<const ChunkRef> s
     CKPT_RETURN_IF_ERROR(ValidateMemberName("blob name", b.name));
     logical += b.size;
   }
-  const std::span<const ChunkRef> missing = send;
   pipeline_.Start();
   std::atomic<bool> failed{false};
-  ParallelFor(io, missing.size(), threads, [&](size_t i) {
+  ParallelFor(io, send.size(), threads, [&](size_t i) {
     if (failed.load() || !pipeline_.error().ok()) return;
     BufferPool::Lease stored;
-    auto loc = source.FetchStored(missing[i], *repo_->buffers, &stored);
+    auto loc = source.FetchStored(send[i], *repo_->buffers, &stored);
     if (!loc.ok()) {
       failed.store(true);
-      pipeline_.Fail(loc.status().WithContext("reading chunk " + missing[i].id.ToHex() + " from the source"));
+      pipeline_.Fail(loc.status().WithContext("reading chunk " + send[i].id.ToHex() + " from the source"));
       return;
     }
-    pipeline_.StoreEncoded(missing[i].id, loc->codec, loc->raw_len, std::move(stored), loc->stored_len);
+    pipeline_.StoreEncoded(send[i].id, loc->codec, loc->raw_len, std::move(stored), loc->stored_len);
     counters.chunks_sent.fetch_add(1);
-    counters.raw_bytes_sent.fetch_add(missing[i].raw_len);
+    counters.raw_bytes_sent.fetch_add(send[i].raw_len);
   });
   CKPT_RETURN_IF_ERROR(pipeline_.error());
   std::lock_guard lock(mu_);

@@ -230,19 +230,29 @@ class FailingReads : public BackendWrapper {
   std::atomic<int> left_;
 };
 
+// A memory store holding "step-1" saved by two ranks, opened with its
+// cache under `dir`, and an empty local repository at DIR/dst.
+struct MemorySourceAndLocalDestination {
+  std::shared_ptr<Backend> memory = NewMemoryBackend();
+  OpenOptions host;
+};
+void SetUpCopy(const testing::TempDir& dir, MemorySourceAndLocalDestination* out) {
+  ASSERT_TRUE(Repository::Init(*out->memory, SmallConfig()).ok());
+  out->host.cache_dir = dir.path() + "/cache";
+  auto src = Repository::Open(out->memory, out->host);
+  ASSERT_TRUE(src.ok()) << src.status().ToString();
+  ASSERT_NO_FATAL_FAILURE(SaveTwoRanks(**src, "step-1", 1, 7));
+  ASSERT_TRUE(Repository::Init(dir.path() + "/dst", SmallConfig()).ok());
+}
+
 // Copies rank by rank (`at_once` ranks side by side) from a source that
 // fails after 0, 2, 4, ... chunk reads, then from a healthy one.
 void InterruptedCopy(size_t at_once) {
   testing::TempDir dir;
-  std::shared_ptr<Backend> memory = NewMemoryBackend();
-  ASSERT_TRUE(Repository::Init(*memory, SmallConfig()).ok());
-  OpenOptions host;
-  host.cache_dir = dir.path() + "/cache";
-  auto src = Repository::Open(memory, host);
-  ASSERT_TRUE(src.ok()) << src.status().ToString();
-  ASSERT_NO_FATAL_FAILURE(SaveTwoRanks(**src, "step-1", 1, 7));
-  src->reset();
-  ASSERT_TRUE(Repository::Init(dir.path() + "/dst", SmallConfig()).ok());
+  MemorySourceAndLocalDestination setup;
+  ASSERT_NO_FATAL_FAILURE(SetUpCopy(dir, &setup));
+  std::shared_ptr<Backend>& memory = setup.memory;
+  const OpenOptions& host = setup.host;
 
   // The source fails after 0, 2, 4, ... chunk reads: each run stops
   // somewhere in rank 0 or rank 1, and leaves nothing visible.
@@ -297,15 +307,10 @@ TEST(CopyCheckpoints, AnInterruptedCopyOfRanksSideBySideResumesAndEndsIdentical)
 
 TEST(CopyCheckpoints, ACorruptSourceChunkIsRefusedAndNothingShows) {
   testing::TempDir dir;
-  std::shared_ptr<Backend> memory = NewMemoryBackend();
-  ASSERT_TRUE(Repository::Init(*memory, SmallConfig()).ok());
-  OpenOptions host;
-  host.cache_dir = dir.path() + "/cache";
-  {
-    auto src = Repository::Open(memory, host);
-    ASSERT_TRUE(src.ok());
-    ASSERT_NO_FATAL_FAILURE(SaveTwoRanks(**src, "step-1", 1, 7));
-  }
+  MemorySourceAndLocalDestination setup;
+  ASSERT_NO_FATAL_FAILURE(SetUpCopy(dir, &setup));
+  std::shared_ptr<Backend>& memory = setup.memory;
+  const OpenOptions& host = setup.host;
   // Flip a byte in the middle of every pack.
   auto keys = memory->List("objects/packs/");
   ASSERT_TRUE(keys.ok());
@@ -319,7 +324,6 @@ TEST(CopyCheckpoints, ACorruptSourceChunkIsRefusedAndNothingShows) {
   }
   auto src = Repository::Open(memory, host);
   ASSERT_TRUE(src.ok());
-  ASSERT_TRUE(Repository::Init(dir.path() + "/dst", SmallConfig()).ok());
   auto dst = Repository::Open(dir.path() + "/dst");
   ASSERT_TRUE(dst.ok());
   CopyOptions o;

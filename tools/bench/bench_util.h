@@ -23,6 +23,7 @@
 
 #include "backend/backend.h"
 #include "backend/store_options.h"
+#include "backend/store_url.h"
 #include "core/status.h"
 
 namespace ckptfs::bench {
@@ -300,6 +301,16 @@ inline void ReadInPieces(Backend& backend, const std::string& key, std::span<std
   for (int t = 1; t < threads; ++t) pool.emplace_back(run, t);
   run(0);
   for (auto& th : pool) th.join();
+}
+
+// Removes every object under s3://BUCKET/PREFIX (the test server keeps its
+// data in memory); errors are ignored.
+inline void RemovePrefix(const ObjectStoreOptions& s3, const std::string& bucket, const std::string& prefix) {
+  auto backend = OpenObjectStore("s3://" + bucket + "/" + prefix, s3);
+  if (!backend.ok()) return;
+  auto keys = (*backend)->List("");
+  if (!keys.ok()) return;
+  for (const auto& k : *keys) (void)(*backend)->Delete(k);
 }
 
 }  // namespace ckptfs::bench

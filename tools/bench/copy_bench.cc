@@ -48,11 +48,7 @@ struct Options {
 };
 
 void RemovePrefix(const ObjectStoreOptions& s3, const std::string& prefix) {
-  auto backend = OpenObjectStore(std::string("s3://") + kBucket + "/" + prefix, s3);
-  if (!backend.ok()) return;
-  auto keys = (*backend)->List("");
-  if (!keys.ok()) return;
-  for (const auto& k : *keys) (void)(*backend)->Delete(k);
+  bench::RemovePrefix(s3, kBucket, prefix);
 }
 
 void SaveStep(Repository& repo, const std::string& name, const std::vector<bench::Tensor>& state) {

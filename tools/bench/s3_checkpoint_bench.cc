@@ -80,13 +80,8 @@ std::vector<int> ParseList(const std::string& s) {
   return out;
 }
 
-// Removes every object under the prefix (the server keeps data in memory).
 void RemovePrefix(const ObjectStoreOptions& s3, const std::string& prefix) {
-  auto backend = OpenObjectStore(std::string("s3://") + kBucket + "/" + prefix, s3);
-  if (!backend.ok()) return;
-  auto keys = (*backend)->List("");
-  if (!keys.ok()) return;
-  for (const auto& k : *keys) (void)(*backend)->Delete(k);
+  bench::RemovePrefix(s3, kBucket, prefix);
 }
 
 // Open options that only name the S3 settings.
