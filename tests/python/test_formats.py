@@ -21,6 +21,16 @@ from helpers import CKPT  # noqa: E402
 from test_dcp import DCP_REASON, DcpTestCase  # noqa: E402
 
 
+def run_ckpt(test, repo, *args, ok=True):
+    """`ckpt ARGS` on `repo`, handing the torch formats to this Python;
+    with `ok`, fails `test` unless it exits 0."""
+    env = dict(os.environ, CKPT_REPO=repo, CKPT_PYTHON=sys.executable)
+    p = subprocess.run([CKPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, timeout=300)
+    if ok:
+        test.assertEqual(p.returncode, 0, p.stderr.decode())
+    return p
+
+
 def bits(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
@@ -40,11 +50,7 @@ class DcpDirectories(DcpTestCase):
         return out
 
     def ckpt(self, *args, ok=True):
-        env = dict(os.environ, CKPT_REPO=self.repo, CKPT_PYTHON=sys.executable)
-        p = subprocess.run([CKPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, timeout=300)
-        if ok:
-            self.assertEqual(p.returncode, 0, p.stderr.decode())
-        return p
+        return run_ckpt(self, self.repo, *args, ok=ok)
 
     def test_dcp_checkpoints_of_4_and_2_ranks_import_as_saved_and_share_their_chunks(self):
         four, two = self.save_files(4, "big"), self.save_files(2, "big")
@@ -82,6 +88,45 @@ class DcpDirectories(DcpTestCase):
         out = self.path("exported")
         self.ckpt("export", "p", out, "--format", "dcp")
         self.assertEqual(self.run_job(2, "load-files", out, "p"), ["ok"] * 2)
+
+    def test_items_read_in_place_and_through_torch_import_alike(self):
+        """FileSystemWriter items of contiguous tensors are put straight
+        from their files; a transposed tensor, an empty one and a 0-d one go
+        through torch's reader. All come back bit-exact."""
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+        from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter  # noqa: PLC0415
+        from torch.distributed.checkpoint.metadata import MetadataIndex  # noqa: PLC0415
+
+        gen = torch.Generator().manual_seed(3)
+        sd = {
+            "plain": torch.randn(300, 70, generator=gen),
+            "half": torch.randn(33, 65, generator=gen).to(torch.bfloat16),
+            "transposed": torch.randn(40, 24, generator=gen).t(),
+            "empty": torch.zeros(0, 5),
+            "scalar": torch.tensor(2.5, dtype=torch.float64),
+        }
+        out = self.path("single")
+        dcp.save(sd, storage_writer=FileSystemWriter(out), no_dist=True)
+        reader = FileSystemReader(out)
+        md = reader.read_metadata()
+        where = {}
+        for fqn in ("plain", "half", "transposed"):
+            info = md.storage_data[MetadataIndex(fqn, md.state_dict_metadata[fqn].chunks[0].offsets, 0)]
+            with open(os.path.join(out, info.relative_path), "rb") as f:
+                where[fqn] = formats._raw_tensor_at(torch, f, info, sd[fqn].dtype, sd[fqn].shape)
+                if where[fqn] is not None:
+                    f.seek(where[fqn])
+                    raw = f.read(sd[fqn].numel() * sd[fqn].element_size())
+                    self.assertEqual(raw, bytes(sd[fqn].contiguous().view(torch.uint8).numpy()), fqn)
+        self.assertIsNotNone(where["plain"])
+        self.assertIsNotNone(where["half"])
+        self.assertIsNone(where["transposed"])  # strides other than row-major: torch reads it
+        formats.import_checkpoint(self.r, "single", out)
+        for key, t in sd.items():
+            got = self.r.tensor("single", key)
+            self.assertEqual(got.dtype, t.dtype, key)
+            self.assertEqual(tuple(got.shape), tuple(t.shape), key)
+            self.assertTrue(torch.equal(bits(got), bits(t.contiguous())), key)
 
     def test_a_dcp_directory_with_a_missing_or_truncated_file_is_refused_and_nothing_shows(self):
         four = self.save_files(4, "big")
@@ -125,11 +170,7 @@ class Exports(unittest.TestCase):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def ckpt(self, *args, ok=True):
-        env = dict(os.environ, CKPT_REPO=self.path, CKPT_PYTHON=sys.executable)
-        p = subprocess.run([CKPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, timeout=300)
-        if ok:
-            self.assertEqual(p.returncode, 0, p.stderr.decode())
-        return p
+        return run_ckpt(self, self.path, *args, ok=ok)
 
     @unittest.skipIf(HF_REASON, HF_REASON or "")
     def test_a_model_directory_whose_index_names_a_missing_shard_is_refused(self):
@@ -158,13 +199,21 @@ class Exports(unittest.TestCase):
         with open(os.path.join(out, "model.safetensors.index.json")) as f:
             ours = json.load(f)
         self.assertEqual(ours["metadata"]["total_size"], theirs["metadata"]["total_size"])
-        self.assertEqual(sorted(ours["weight_map"]), sorted(theirs["weight_map"]))
-        self.assertEqual(len(set(ours["weight_map"].values())), len(set(theirs["weight_map"].values())))
+        # The same split as save_pretrained's: its greedy rule over the
+        # model's state-dict order (from config.json, built on meta).
+        self.assertEqual(ours["weight_map"], theirs["weight_map"])
         for name in set(ours["weight_map"].values()):
             with open(os.path.join(out, name), "rb") as f:
                 header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
             self.assertEqual(header["__metadata__"]["format"], "pt")
         self.assertIn("config.json", done["files"])
+        # At another size too, where the split is not the names' order.
+        model.save_pretrained(os.path.join(self.tmp, "hf7"), max_shard_size="7KB")
+        self.ckpt("export", "m", os.path.join(self.tmp, "out7"), "--format", "hf", "--max-shard-size", "7KB")
+        with open(os.path.join(self.tmp, "hf7", "model.safetensors.index.json")) as f:
+            theirs7 = json.load(f)
+        with open(os.path.join(self.tmp, "out7", "model.safetensors.index.json")) as f:
+            self.assertEqual(json.load(f), theirs7)
         loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
         ids = torch.tensor([[1, 5, 9, 33, 2]])
         with torch.no_grad():

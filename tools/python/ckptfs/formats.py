@@ -24,11 +24,13 @@ for the formats that need torch.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import shutil
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import ckptfs
@@ -76,7 +78,7 @@ def _torch():
         import torch  # noqa: PLC0415
     except ImportError:
         raise UnsupportedError("this format is read with torch, which is not installed here: "
-                               "pip install 'ckptfs[torch]'") from None
+                               "install the torch build your training uses, or pip install 'ckptfs[torch]'") from None
     return torch
 
 
@@ -134,34 +136,174 @@ def _dcp_plan(path: str):
     return reader, metadata, _describe(entries, blobs)
 
 
-def _import_dcp(repo: "ckptfs.Repository", writer, path: str, reader, metadata) -> None:
+class _FileSlice(io.RawIOBase):
+    """Bytes [offset, offset + length) of an open file as a seekable stream
+    of their own (one DCP item), read without copying the rest."""
+
+    def __init__(self, f, offset: int, length: int):
+        super().__init__()
+        self._f, self._start, self._len, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self._len - self._pos))
+        if n == 0:
+            return 0
+        got = os.preadv(self._f.fileno(), [memoryview(b)[:n]], self._start + self._pos)
+        self._pos += got
+        return got
+
+
+def _raw_tensor_at(torch, f, info, dtype, sizes) -> Optional[int]:
+    """Where a DCP tensor item's element bytes lie in its file, or None when
+    they cannot be taken as they are. A FileSystemWriter item is a torch.save
+    archive of one tensor; torch.load with map_location="meta" reads its
+    pickle (torch's reader) but not its data, and gives the record's offset
+    in the archive. Only a contiguous tensor filling its storage, with the
+    dtype and sizes the metadata states, saved without a transform
+    (compression) and in little-endian order, is taken."""
+    if getattr(info, "transform_descriptors", None) or sys.byteorder != "little":
+        return None
+    view = _FileSlice(f, info.offset, info.length)
+    try:
+        archive = torch._C.PyTorchFileReader(view)
+        for record in archive.get_all_records():
+            if record.endswith("byteorder") and archive.get_record(record) != b"little":
+                return None
+        view.seek(0)
+        t = torch.load(view, map_location="meta", weights_only=True)
+    except Exception:  # noqa: BLE001 - not the layout expected: torch's own path reads (and reports) it
+        return None
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != tuple(sizes):
+        return None
+    storage = t.untyped_storage()
+    at = getattr(storage, "_checkpoint_offset", None)
+    nbytes = t.numel() * t.element_size()
+    if (not isinstance(at, int) or not t.is_contiguous() or t.storage_offset() != 0 or storage.nbytes() != nbytes
+            or at < 0 or at + nbytes > info.length):
+        return None
+    return info.offset + at
+
+
+def _import_dcp(writer, path: str, reader, metadata) -> None:
+    """Puts every saved chunk of a DCP directory as a box shard of its
+    tensor, and every non-tensor item as a blob. Chunks whose bytes lie raw
+    in their file (FileSystemWriter's layout) are put straight from a
+    mapping of the file, which the engine's threads hash and encode in
+    parallel; anything else is read through FileSystemReader.read_data."""
+    import mmap  # noqa: PLC0415
+    import warnings  # noqa: PLC0415
+
     torch = _torch()
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex  # noqa: PLC0415
     from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner,  # noqa: PLC0415
                                                       ReadItem)
 
     kept: list = []
+    storage_data = getattr(metadata, "storage_data", None) or {}
+
+    def box(fqn, offsets):
+        m = metadata.state_dict_metadata[fqn]
+        return ckptfs.Box(tuple(int(s) for s in m.size), tuple(int(o) for o in offsets))
+
+    # Chunks put straight from their files, in file order; the rest below.
+    direct, rest = [], []
+    for fqn, m in metadata.state_dict_metadata.items():
+        if isinstance(m, BytesStorageMetadata):
+            rest.append((fqn, None, None))
+            continue
+        for i, chunk in enumerate(m.chunks):
+            idx = MetadataIndex(fqn, chunk.offsets, i)
+            info = storage_data.get(idx)
+            if info is None:
+                rest.append((fqn, i, chunk))
+            else:
+                direct.append((info.relative_path, info.offset, fqn, i, chunk, info))
+    direct.sort(key=lambda d: (d[0], d[1]))
+    files: Dict[str, Any] = {}
+    maps: Dict[str, Any] = {}
+    try:
+        for rel, _off, fqn, _i, _chunk, info in direct:
+            if rel not in files:
+                files[rel] = open(os.path.join(path, rel), "rb")  # noqa: SIM115 - closed below
+                size = os.fstat(files[rel].fileno()).st_size
+                maps[rel] = (mmap.mmap(files[rel].fileno(), size, access=mmap.ACCESS_READ) if size else None, size)
+            if info.offset + info.length > maps[rel][1]:
+                raise ckptfs.CorruptionError(f"{path}: cannot read the DCP data: {rel} ends before the item of "
+                                             f"'{fqn}' at offset {info.offset} ({info.length} bytes); "
+                                             "the file is truncated")
+
+        def numel(chunk):
+            n = 1
+            for s in chunk.sizes:
+                n *= int(s)
+            return n
+
+        def probe(d):
+            rel, _off, fqn, _i, chunk, info = d
+            dtype = metadata.state_dict_metadata[fqn].properties.dtype
+            return _raw_tensor_at(torch, files[rel], info, dtype, chunk.sizes) if numel(chunk) else None
+
+        # Each item's layout is found (torch.load of its pickle, small reads)
+        # one item ahead, while the engine puts the one before.
+        ahead = ThreadPoolExecutor(max_workers=1)
+        try:
+            for d, at in zip(direct, ahead.map(probe, direct)):
+                rel, _off, fqn, i, chunk, _info = d
+                if at is None:
+                    rest.append((fqn, i, chunk))
+                    continue
+                dtype = metadata.state_dict_metadata[fqn].properties.dtype
+                mapped = maps[rel][0]
+                n = numel(chunk)
+                mapped.madvise(mmap.MADV_WILLNEED, at - at % mmap.PAGESIZE,
+                               at % mmap.PAGESIZE + n * torch.empty((), dtype=dtype).element_size())
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # a read-only buffer: the engine only reads it
+                    tensor = torch.frombuffer(mapped, dtype=dtype, count=n, offset=at)
+                _put_value(writer, fqn, tensor.view(tuple(chunk.sizes)), box(fqn, chunk.offsets), True, kept)
+                del tensor
+        finally:
+            ahead.shutdown(wait=True, cancel_futures=True)
+    finally:
+        for f in files.values():
+            f.close()
+    if not rest:
+        return
 
     class ChunkPlanner(LoadPlanner):
-        """Reads every saved chunk whole, as it was saved, and puts it."""
+        """Reads the remaining items whole, as they were saved, and puts
+        them: tensor chunks as box shards, bytes as blobs."""
 
         def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-            self.metadata = metadata
+            pass
 
         def create_local_plan(self):
             items = []
-            for fqn, m in self.metadata.state_dict_metadata.items():
-                if isinstance(m, BytesStorageMetadata):
+            for fqn, i, chunk in rest:
+                if chunk is None:
                     idx = MetadataIndex(fqn)
                     items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=idx, dest_offsets=torch.Size([]),
                                           storage_index=idx, storage_offsets=torch.Size([]),
                                           lengths=torch.Size([])))
                     continue
-                for i, chunk in enumerate(m.chunks):
-                    idx = MetadataIndex(fqn, chunk.offsets, i)
-                    zeros = torch.Size([0] * len(chunk.sizes))
-                    items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=idx, dest_offsets=zeros,
-                                          storage_index=idx, storage_offsets=zeros, lengths=chunk.sizes))
+                idx = MetadataIndex(fqn, chunk.offsets, i)
+                zeros = torch.Size([0] * len(chunk.sizes))
+                items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=idx, dest_offsets=zeros,
+                                      storage_index=idx, storage_offsets=zeros, lengths=chunk.sizes))
             return LoadPlan(items)
 
         def create_global_plan(self, global_plan):
@@ -174,17 +316,14 @@ def _import_dcp(repo: "ckptfs.Repository", writer, path: str, reader, metadata) 
             _put_value(writer, read_item.dest_index.fqn, value.read(), None, False, kept)
 
         def resolve_tensor(self, read_item):
-            m = self.metadata.state_dict_metadata[read_item.dest_index.fqn]
+            m = metadata.state_dict_metadata[read_item.dest_index.fqn]
             return torch.empty(tuple(read_item.lengths), dtype=m.properties.dtype)
 
         def commit_tensor(self, read_item, tensor):
             fqn = read_item.dest_index.fqn
-            m = self.metadata.state_dict_metadata[fqn]
-            shard = ckptfs.Box(tuple(int(s) for s in m.size), tuple(int(o) for o in read_item.dest_index.offset))
-            _put_value(writer, fqn, tensor.contiguous(), shard, True, kept)
+            _put_value(writer, fqn, tensor.contiguous(), box(fqn, read_item.dest_index.offset), True, kept)
 
     planner = ChunkPlanner()
-    planner.set_up_planner({}, metadata, True)
     plan = planner.create_local_plan()
     reader.set_up_storage_reader(metadata, True)
     plan = reader.prepare_local_plan(plan)
@@ -235,7 +374,7 @@ def _torch_plan(path: str):
     entries = [{"name": k, "dtype": _dtype_name(t.dtype), "shape": list(t.shape),
                 "bytes": t.numel() * t.element_size()} for k, t in tensors.items()]
     blobs = [{"name": k, "bytes": 0} for k in others] + [{"name": STRUCTURE_BLOB, "bytes": 0}]
-    return (state, tensors, others, structure), _describe(entries, blobs)
+    return (tensors, others, structure), _describe(entries, blobs)
 
 
 def _is_zip(path: str) -> bool:
@@ -247,7 +386,7 @@ def _import_torch(writer, loaded) -> None:
     torch = _torch()
     import io  # noqa: PLC0415
 
-    _state, tensors, others, structure = loaded
+    tensors, others, structure = loaded
     kept: list = []
     for key, t in tensors.items():
         _put_value(writer, key, t.detach().contiguous(), None, False, kept)
@@ -293,7 +432,7 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
     writer = repo._repo.begin(name, 0, 1, step, sorted(tags.items()))
     try:
         if fmt == "dcp":
-            _import_dcp(repo, writer, path, reader, metadata)
+            _import_dcp(writer, path, reader, metadata)
         else:
             _import_torch(writer, loaded)
         handle = writer.commit(snapshot=False)
@@ -450,11 +589,17 @@ def _read_tensor(reader, name: str, cast=None):
     return out
 
 
-def _tensor_order(repo, name: str, shown) -> List[str]:
+def _structure(repo, name: str, shown) -> Optional[Dict[str, Any]]:
+    """The dict shape a torch.save file had (its STRUCTURE_BLOB), or None."""
+    if STRUCTURE_BLOB not in {b["name"] for b in shown["blobs"]}:
+        return None
+    return json.loads(repo.blob(name, STRUCTURE_BLOB))
+
+
+def _tensor_order(structure: Optional[Dict[str, Any]], names: List[str]) -> List[str]:
     """The checkpoint's tensors in the order their source had, where it
     said (a torch.save file's structure), else by name."""
-    names = [t["name"] for t in shown["tensors"]]
-    if STRUCTURE_BLOB in {b["name"] for b in shown["blobs"]}:
+    if structure is not None:
         order: List[str] = []
 
         def walk(node):
@@ -464,10 +609,49 @@ def _tensor_order(repo, name: str, shown) -> List[str]:
             elif "tensor" in node:
                 order.append(node["tensor"])
 
-        walk(json.loads(repo.blob(name, STRUCTURE_BLOB)))
+        walk(structure)
         if sorted(order) == sorted(names):
             return order
     return names
+
+
+def _model_order(repo, name: str, shown, names: List[str]) -> Optional[List[str]]:
+    """The state-dict order of the model that the checkpoint's config.json
+    blob describes, when transformers is importable and knows its
+    architecture: the model is built on the meta device (no memory, no
+    weights) and its state_dict() keys kept where the checkpoint has them.
+    save_pretrained splits shards in this order; None when it cannot be
+    had or does not cover the checkpoint's tensors."""
+    if "config.json" not in {b["name"] for b in shown["blobs"]}:
+        return None
+    try:
+        import logging  # noqa: PLC0415
+        import warnings  # noqa: PLC0415
+
+        import transformers  # noqa: PLC0415
+
+        torch = _torch()
+        cfg = json.loads(repo.blob(name, "config.json"))
+        archs = cfg.get("architectures") or []
+        cls = getattr(transformers, archs[0], None) if archs and isinstance(archs[0], str) else None
+        if cls is None or not isinstance(cfg.get("model_type"), str):
+            return None
+        quiet = logging.getLogger("transformers")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                config = transformers.AutoConfig.for_model(**cfg)
+                with torch.device("meta"):
+                    keys = list(cls(config).state_dict().keys())
+        finally:
+            quiet.setLevel(level)
+    except Exception:  # noqa: BLE001 - no transformers, an unknown or custom model: the order by name
+        return None
+    present = set(names)
+    order = [k for k in dict.fromkeys(keys) if k in present]
+    return order if len(order) == len(present) else None
 
 
 def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, format: str = "hf",  # noqa: A002
@@ -510,23 +694,28 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
     export = _Export(out, settings, clean)
     resumed = len(export.done)
     reader = repo._repo.open_checkpoint(name)
-    order = _tensor_order(repo, name, shown)
+    structure = _structure(repo, name, shown)
+    order = _tensor_order(structure, [t["name"] for t in shown["tensors"]])
     files: List[str] = []
     if format == "hf":
         ckptfs._torch()
         by_name = {t["name"]: t for t in shown["tensors"]}
 
+        def numel(n):
+            count = 1
+            for d in by_name[n]["shape"]:
+                count *= d
+            return count
+
         def nbytes(n):
             t = by_name[n]
-            count = 1
-            for d in t["shape"]:
-                count *= d
+            count = numel(n)
             dt = ckptfs._name_to_torch[t["dtype"]]
             if cast is not None and dt.is_floating_point:
                 dt = cast
             return count * torch.empty((), dtype=dt).element_size()
 
-        ckptfs._torch()
+        order = _model_order(repo, name, shown, order) or order
         shards = hf_shards([(n, nbytes(n)) for n in order], limit)
         total = len(shards)
         names = ["model.safetensors"] if total == 1 else \
@@ -554,7 +743,9 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
         files += names
         if total > 1:
             weight_map = {n: names[i] for i, shard in enumerate(shards) for n in shard}
-            index = {"metadata": {"total_size": sum(nbytes(n) for n in order)},
+            # As transformers writes it: bytes and parameters of all shards.
+            index = {"metadata": {"total_parameters": sum(numel(n) for n in order),
+                                  "total_size": sum(nbytes(n) for n in order)},
                      "weight_map": dict(sorted(weight_map.items()))}
             data = (json.dumps(index, indent=2) + "\n").encode()
             _write_durable(export.path("model.safetensors.index.json"), lambda f: f.write(data))
@@ -591,7 +782,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
 
         flat: Dict[str, Any] = {n: _read_tensor(reader, n, cast) for n in order}
         blobs = {b["name"] for b in shown["blobs"]}
-        if STRUCTURE_BLOB in blobs:
+        if structure is not None:
             def build(node):
                 if "dict" in node:
                     return {k: build(child) for k, child in node["dict"]}
@@ -599,7 +790,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
                     return flat[node["tensor"]]
                 return torch.load(io.BytesIO(repo.blob(name, node["value"])), weights_only=True)
 
-            state = build(json.loads(repo.blob(name, STRUCTURE_BLOB)))
+            state = build(structure)
         else:
             state = flat
             for b in blobs:
