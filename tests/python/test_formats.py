@@ -60,7 +60,11 @@ class DcpDirectories(DcpTestCase):
         self.assertEqual({t["name"]: t["shards"] for t in dry["tensors"]}, {"layers.0.weight": 4, "embed.weight": 1})
         self.assertEqual([c["name"] for c in self.r.checkpoints()], [])
         # Through the CLI (which hands DCP to the Python package) and the API.
-        self.ckpt("import", "w4", four, "--step", "77")
+        p = self.ckpt("import", "w4", four, "--step", "77", "--progress=json")
+        lines = [json.loads(x) for x in p.stderr.decode().splitlines()]
+        self.assertTrue(lines and lines[-1]["finished"], lines)
+        self.assertEqual(lines[-1]["done_bytes"], lines[-1]["total_bytes"])
+        self.assertEqual(lines[-1]["total_bytes"], dry["tensor_bytes"])
         first = formats.import_checkpoint(self.r, "w2", two, step=77)
         self.assertTrue(first["committed"])
         want = dcp_worker.big()
@@ -193,8 +197,11 @@ class Exports(unittest.TestCase):
             theirs = json.load(f)
         self.ckpt("import", "m", src)
         out = os.path.join(self.tmp, "out")
-        done = json.loads(self.ckpt("export", "m", out, "--format", "hf", "--max-shard-size", "20KB",
-                                    "--json").stdout)
+        p = self.ckpt("export", "m", out, "--format", "hf", "--max-shard-size", "20KB", "--json", "--progress=json")
+        done = json.loads(p.stdout)
+        last = json.loads(p.stderr.decode().splitlines()[-1])
+        self.assertEqual((last["progress"], last["finished"]), ("export m", True))
+        self.assertEqual(last["done_bytes"], last["total_bytes"])
         self.assertFalse(os.path.exists(out + formats.PARTIAL_SUFFIX))
         with open(os.path.join(out, "model.safetensors.index.json")) as f:
             ours = json.load(f)
@@ -299,6 +306,44 @@ class Exports(unittest.TestCase):
         again = formats.export_checkpoint(self.repo, "big", os.path.join(self.tmp, "o2"), format="hf",
                                           max_shard_size="40KB", clean=True)
         self.assertEqual(again["resumed_files"], 0)
+
+    def test_an_interrupted_dcp_export_resumes_and_dcp_load_reads_it(self):
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        gen = torch.Generator().manual_seed(6)
+        state = {f"layer{i}": torch.randn(64, 64, generator=gen) for i in range(6)}
+        state["norm"] = torch.randn(64, generator=gen).to(torch.bfloat16)
+        state["scalar"] = torch.tensor(3, dtype=torch.int64)
+        self.repo.save("big", {**state, "note": b"not a pickle"})
+        out = os.path.join(self.tmp, "out")
+        calls = []
+        real, size = formats._write_durable, formats._DCP_FILE_BYTES
+
+        def dies_on_the_fourth(path, write):
+            calls.append(path)
+            if len(calls) == 4:  # the progress file, two data files, then this one
+                raise OSError("disk went away")
+            real(path, write)
+
+        formats._write_durable, formats._DCP_FILE_BYTES = dies_on_the_fourth, 40 << 10  # 2 layers a file
+        try:
+            with self.assertRaises(OSError):
+                formats.export_checkpoint(self.repo, "big", out, format="dcp", threads=1)
+            self.assertFalse(os.path.exists(out))
+            self.assertFalse(os.path.exists(os.path.join(out + formats.PARTIAL_SUFFIX, ".metadata")))
+            formats._write_durable = real
+            done = formats.export_checkpoint(self.repo, "big", out, format="dcp")
+        finally:
+            formats._write_durable, formats._DCP_FILE_BYTES = real, size
+        self.assertEqual(done["resumed_files"], 2)
+        self.assertEqual(done["files"][-1], ".metadata")
+        self.assertEqual(len(done["files"]), 5)  # 3 files of tensors, the blobs' file, .metadata
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        target["note"] = None
+        dcp.load(target, storage_reader=dcp.FileSystemReader(out), no_dist=True)
+        for k, v in state.items():
+            self.assertTrue(torch.equal(bits(target[k]), bits(v)), k)
+        self.assertEqual(target["note"], b"not a pickle")
 
 
 class TorchSaveFiles(unittest.TestCase):

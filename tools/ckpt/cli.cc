@@ -198,6 +198,7 @@ int64_t NowMs() {
 }  // namespace
 
 void SetProgressMode(ProgressMode mode) { g_progress_mode = mode; }
+ProgressMode GetProgressMode() { return g_progress_mode; }
 
 void Phase(const std::string& operation, const std::string& what) {
   ProgressMode mode = g_progress_mode;

@@ -88,6 +88,7 @@ std::string HumanBytes(uint64_t bytes);
 // object per line for programs; kOff is quiet.
 enum class ProgressMode { kAuto, kOn, kJson, kOff };
 void SetProgressMode(ProgressMode mode);
+ProgressMode GetProgressMode();
 
 // A phase of a long operation starting ("gc: waiting for saves in
 // progress"): a line on stderr when progress is shown (a terminal, or

@@ -93,6 +93,15 @@ int ExecPythonFormats(const std::string& what, const std::vector<std::string>& a
   }
   std::vector<std::string> argv = {python, "-m", "ckptfs.formats"};
   argv.insert(argv.end(), args.begin(), args.end());
+  // The package draws progress as this command does (--progress, --quiet).
+  const char* mode = "auto";
+  switch (GetProgressMode()) {
+    case ProgressMode::kOn: mode = "on"; break;
+    case ProgressMode::kJson: mode = "json"; break;
+    case ProgressMode::kOff: mode = "off"; break;
+    case ProgressMode::kAuto: break;
+  }
+  if (argv.size() > 3) argv.insert(argv.begin() + 4, std::string("--progress=") + mode);
   std::vector<char*> cargv;
   for (auto& a : argv) cargv.push_back(a.data());
   cargv.push_back(nullptr);

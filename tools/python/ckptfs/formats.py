@@ -31,7 +31,7 @@ import shutil
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import ckptfs
 from ckptfs import InvalidArgumentError, UnsupportedError, _put_value
@@ -198,7 +198,7 @@ def _raw_tensor_at(torch, f, info, dtype, sizes) -> Optional[int]:
     return info.offset + at
 
 
-def _import_dcp(writer, path: str, reader, metadata) -> None:
+def _import_dcp(writer, path: str, reader, metadata, advance: Callable[[int], None]) -> None:
     """Puts every saved chunk of a DCP directory as a box shard of its
     tensor, and every non-tensor item as a blob. Chunks whose bytes lie raw
     in their file (FileSystemWriter's layout) are put straight from a
@@ -275,6 +275,7 @@ def _import_dcp(writer, path: str, reader, metadata) -> None:
                     warnings.simplefilter("ignore")  # a read-only buffer: the engine only reads it
                     tensor = torch.frombuffer(mapped, dtype=dtype, count=n, offset=at)
                 _put_value(writer, fqn, tensor.view(tuple(chunk.sizes)), box(fqn, chunk.offsets), True, kept)
+                advance(tensor.nbytes)
                 del tensor
         finally:
             ahead.shutdown(wait=True, cancel_futures=True)
@@ -322,6 +323,7 @@ def _import_dcp(writer, path: str, reader, metadata) -> None:
         def commit_tensor(self, read_item, tensor):
             fqn = read_item.dest_index.fqn
             _put_value(writer, fqn, tensor.contiguous(), box(fqn, read_item.dest_index.offset), True, kept)
+            advance(tensor.nbytes)
 
     planner = ChunkPlanner()
     plan = planner.create_local_plan()
@@ -336,6 +338,67 @@ def _import_dcp(writer, path: str, reader, metadata) -> None:
 
 
 # ---- torch.save ----------------------------------------------------------------------
+
+class _Progress:
+    """Progress lines on stderr, as the ckpt command draws them: on a
+    terminal one line redrawn 5 times a second ("label:  42.0% (1.2 GiB of
+    2.9 GiB, 610.3 MiB/s, 3 s left)"), elsewhere a line a second; "json"
+    gives one object a line; "off" nothing; "auto" is "on" on a terminal."""
+
+    def __init__(self, label: str, mode: str = "auto"):
+        import time  # noqa: PLC0415
+
+        self._time = time.monotonic
+        self.label, self.terminal = label, sys.stderr.isatty()
+        self.mode = ("on" if self.terminal else "off") if mode == "auto" else mode
+        self.start = self.last = self._time()
+        self.done = self.total = 0
+        self.drawn = False
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def human(n: float) -> str:
+        units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
+        u = 0
+        while n >= 1024 and u < len(units) - 1:
+            n /= 1024
+            u += 1
+        return f"{int(n)} B" if u == 0 else f"{n:.1f} {units[u]}"
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.mode == "off":
+            return
+        with self._lock:  # exports finish files on several threads
+            self.done, self.total = done, total
+            now = self._time()
+            if done < total and now - self.last < (0.2 if self.mode == "on" and self.terminal else 1.0):
+                return
+            self.last = now
+            self._draw(False)
+
+    def _draw(self, final: bool) -> None:
+        seconds = self._time() - self.start
+        rate = self.done / seconds if seconds > 0 else 0.0
+        eta = (self.total - self.done) / rate if rate > 0 and self.total > self.done else 0.0
+        if self.mode == "json":
+            print(json.dumps({"progress": self.label, "done_bytes": self.done, "total_bytes": self.total,
+                              "bytes_per_second": round(rate), "eta_seconds": round(eta, 1),
+                              "elapsed_seconds": round(seconds, 1), "finished": final}), file=sys.stderr, flush=True)
+            return
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        tail = f", {eta:.0f} s left" if not final and rate > 0 and self.done < self.total else ""
+        line = (f"{self.label}: {pct:5.1f}% ({self.human(self.done)} of {self.human(self.total)}, "
+                f"{self.human(rate)}/s{tail})")
+        print(("\r" + line + "\033[K") if self.terminal else line, end="" if self.terminal else "\n",
+              file=sys.stderr, flush=True)
+        self.drawn = True
+
+    def finish(self) -> None:
+        if self.mode == "json" and (self.done or self.total):
+            self._draw(True)
+        elif self.mode == "on" and self.terminal and self.drawn:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+
 
 def _flatten(obj, prefix: str, tensors: Dict[str, Any], others: Dict[str, Any], torch) -> Any:
     """The structure of `obj` (JSON), its tensors and other leaves by key."""
@@ -382,7 +445,7 @@ def _is_zip(path: str) -> bool:
         return f.read(4) == _ZIP_MAGIC
 
 
-def _import_torch(writer, loaded) -> None:
+def _import_torch(writer, loaded, advance: Callable[[int], None]) -> None:
     torch = _torch()
     import io  # noqa: PLC0415
 
@@ -390,6 +453,7 @@ def _import_torch(writer, loaded) -> None:
     kept: list = []
     for key, t in tensors.items():
         _put_value(writer, key, t.detach().contiguous(), None, False, kept)
+        advance(t.numel() * t.element_size())
     for key, v in others.items():
         buf = io.BytesIO()
         torch.save(v, buf)
@@ -401,7 +465,8 @@ def _import_torch(writer, loaded) -> None:
 
 def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, step: Optional[int] = None,
                       tags: Optional[Mapping[str, str]] = None, dry_run: bool = False,
-                      format: Optional[str] = None) -> Dict[str, Any]:  # noqa: A002
+                      format: Optional[str] = None,  # noqa: A002
+                      progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
     """Imports the checkpoint at `path` (a DCP directory, a torch.save
     file, a safetensors file or a model directory; `format` to say which
     instead of detecting it) as checkpoint `name` of `repo`.
@@ -410,6 +475,7 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
     "blobs", "tensor_bytes", "blob_bytes", "committed"}; with dry_run,
     what would be imported, and nothing is written. Every input is read and
     checked before the checkpoint becomes visible; on an error nothing is.
+    `progress(done, total)` is called with tensor bytes as they are put.
     """
     path = os.fspath(path)
     fmt = format or detect(path)
@@ -429,12 +495,19 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
     out = {"format": fmt, "name": name, **described, "committed": False}
     if dry_run:
         return out
+    total, done = out["tensor_bytes"], [0]
+
+    def advance(n: int) -> None:
+        done[0] += n
+        if progress is not None:
+            progress(min(done[0], total), total)
+
     writer = repo._repo.begin(name, 0, 1, step, sorted(tags.items()))
     try:
         if fmt == "dcp":
-            _import_dcp(writer, path, reader, metadata)
+            _import_dcp(writer, path, reader, metadata, advance)
         else:
-            _import_torch(writer, loaded)
+            _import_torch(writer, loaded, advance)
         handle = writer.commit(snapshot=False)
     except BaseException:
         writer.abort()
@@ -539,6 +612,7 @@ class _Export:
             shutil.rmtree(self.partial)
         self.progress_file = os.path.join(self.partial, _PROGRESS_FILE)
         self.done: List[str] = []
+        self.items: Dict[str, Any] = {}  # what a finished file holds, where the format needs it
         if os.path.isdir(self.partial):
             try:
                 with open(self.progress_file) as f:
@@ -550,6 +624,7 @@ class _Export:
                     f"{self.partial} holds an interrupted export of something else (another checkpoint, format or "
                     "options); rerun with the same ones to resume it, or with --clean to remove it")
             self.done = list(state.get("done", []))
+            self.items = dict(state.get("items", {}))
         else:
             os.makedirs(self.partial)
         self.settings = settings
@@ -557,15 +632,17 @@ class _Export:
         self._save()
 
     def _save(self) -> None:
-        data = json.dumps({"settings": self.settings, "done": self.done}).encode()
+        data = json.dumps({"settings": self.settings, "done": self.done, "items": self.items}).encode()
         _write_durable(self.progress_file, lambda f: f.write(data))
 
     def path(self, name: str) -> str:
         return os.path.join(self.partial, name)
 
-    def finished(self, name: str) -> None:
+    def finished(self, name: str, items: Any = None) -> None:
         with self._lock:  # files are finished by several threads
             self.done.append(name)
+            if items is not None:
+                self.items[name] = items
             self._save()
 
     def commit(self) -> None:
@@ -654,9 +731,134 @@ def _model_order(repo, name: str, shown, names: List[str]) -> Optional[List[str]
     return order if len(order) == len(present) else None
 
 
+class _ExportTensors:
+    """The checkpoint's tensors as an export writes them: dtype (the cast
+    applied to floating ones), shape, elements and bytes."""
+
+    def __init__(self, shown, cast):
+        ckptfs._torch()  # fills the dtype tables
+        self._by_name = {t["name"]: t for t in shown["tensors"]}
+        self._cast = cast
+
+    def dtype(self, n: str):
+        name = self._by_name[n]["dtype"]
+        dt = ckptfs._name_to_torch.get(name)
+        if dt is None:
+            raise UnsupportedError(f"tensor '{n}' is {name}, which torch {_torch().__version__} lacks")
+        return self._cast if self._cast is not None and dt.is_floating_point else dt
+
+    def shape(self, n: str) -> List[int]:
+        return [int(d) for d in self._by_name[n]["shape"]]
+
+    def numel(self, n: str) -> int:
+        count = 1
+        for d in self.shape(n):
+            count *= d
+        return count
+
+    def nbytes(self, n: str) -> int:
+        return self.numel(n) * _torch().empty((), dtype=self.dtype(n)).element_size()
+
+
+# DCP exports: data files of at most this many bytes, and as many as the
+# threads writing them side by side, none under the minimum.
+_DCP_FILE_BYTES = 1 << 30
+_DCP_MIN_FILE_BYTES = 16 << 20
+
+
+def _export_dcp(export: "_Export", repo, reader, name: str, order: List[str], shown, sizes: "_ExportTensors", cast,
+                threads: int, advance: Callable[[int], None]) -> List[str]:
+    """Writes the checkpoint as a DCP directory in FileSystemWriter's layout:
+    `__0_K.distcp` files of torch.save'd items (each tensor whole, each blob
+    a bytes item) and `.metadata`, a pickle of torch's own Metadata classes
+    naming every item's file, offset and length. Files are written by
+    `threads` threads, one tensor in memory per thread; each finished file
+    is recorded with its items, so a rerun skips it; `.metadata` comes last.
+    Returns the file names."""
+    import io  # noqa: PLC0415
+    import pickle  # noqa: PLC0415
+
+    torch = _torch()
+    try:
+        from torch.distributed.checkpoint import filesystem  # noqa: PLC0415
+        from torch.distributed.checkpoint.filesystem import _StorageInfo  # noqa: PLC0415
+        from torch.distributed.checkpoint.metadata import (BytesStorageMetadata,  # noqa: PLC0415
+                                                           ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                           TensorProperties, TensorStorageMetadata)
+    except ImportError as e:
+        raise UnsupportedError(f"torch {torch.__version__} lacks the DCP classes this export writes: {e}") from None
+    version = getattr(filesystem, "CURRENT_DCP_VERSION", None)
+
+    blobs = [b["name"] for b in shown["blobs"] if b["name"] != STRUCTURE_BLOB]
+    tensor_bytes = sum(sizes.nbytes(n) for n in order)
+    per_file = min(_DCP_FILE_BYTES, max(_DCP_MIN_FILE_BYTES, -(-tensor_bytes // max(1, int(threads)))))
+    groups = hf_shards([(n, sizes.nbytes(n)) for n in order], per_file) if order else []
+    if blobs:
+        groups.append([None])  # the blobs: one file after the tensors
+    names = [f"__0_{k}.distcp" for k in range(len(groups))]
+
+    def blob_item(b):
+        # DCP's bytes items are torch.save'd objects: a blob that is one
+        # (DCP's own non-tensor items, a torch.save file's values) is kept
+        # as it is; other bytes are saved as a bytes object.
+        data = repo.blob(name, b)
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+            return data
+        except Exception:  # noqa: BLE001 - not a pickle torch reads: saved as bytes
+            buf = io.BytesIO()
+            torch.save(data, buf)
+            return buf.getvalue()
+
+    def write_file(k):
+        if names[k] in export.done:
+            advance(sum(sizes.nbytes(n) for n in groups[k] if n is not None))
+            return
+        items = []
+
+        def body(f):
+            for n in groups[k]:
+                for key in (blobs if n is None else [n]):
+                    at = f.tell()
+                    if n is None:
+                        f.write(blob_item(key))
+                    else:
+                        torch.save(_read_tensor(reader, key, cast), f)
+                        advance(sizes.nbytes(key))
+                    items.append([key, at, f.tell() - at])
+
+        _write_durable(export.path(names[k]), body)
+        export.finished(names[k], items)
+
+    import concurrent.futures  # noqa: PLC0415
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, int(threads))) as pool:
+        for _ in pool.map(write_file, range(len(groups))):
+            pass
+    state_md: Dict[str, Any] = {}
+    storage: Dict[Any, Any] = {}
+    tensors = set(order)
+    for fname in names:
+        for key, at, length in export.items[fname]:
+            if key in tensors:
+                shape = torch.Size(sizes.shape(key))
+                zeros = torch.Size([0] * len(shape))
+                state_md[key] = TensorStorageMetadata(properties=TensorProperties(dtype=sizes.dtype(key)), size=shape,
+                                                      chunks=[ChunkStorageMetadata(offsets=zeros, sizes=shape)])
+                index = MetadataIndex(key, zeros)
+            else:
+                state_md[key] = BytesStorageMetadata()
+                index = MetadataIndex(key)
+            storage[index] = _StorageInfo(relative_path=fname, offset=int(at), length=int(length))
+    metadata = Metadata(state_dict_metadata=state_md, planner_data={k: (k,) for k in state_md},
+                        storage_data=storage, version=version)
+    _write_durable(export.path(".metadata"), lambda f: pickle.dump(metadata, f))
+    return names + [".metadata"]
+
+
 def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, format: str = "hf",  # noqa: A002
                       max_shard_size: Union[str, int] = "5GB", dtype: Optional[str] = None, clean: bool = False,
-                      threads: int = 4) -> Dict[str, Any]:
+                      threads: int = 4, progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
     """Writes checkpoint `name` to `out` as `format`:
 
     - "hf": model-0000K-of-0000N.safetensors split at max_shard_size as
@@ -674,8 +876,9 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
     Files are written into out + ".ckpt-export-partial" (hf: `threads` at a
     time), each made durable, and the directory is renamed to `out` only
     when complete; an interrupted export is resumed by the same call
-    (hf: finished files are kept), or removed first with clean=True.
-    Returns {"out", "format", "files", "bytes", "resumed_files"}.
+    (hf and dcp: finished files are kept), or removed first with
+    clean=True. `progress(done, total)` is called with tensor bytes as they
+    are written. Returns {"out", "format", "files", "bytes", "resumed_files"}.
     """
     torch = _torch()
     out = os.path.normpath(os.fspath(out))  # "release/" is the directory "release"
@@ -697,24 +900,17 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
     structure = _structure(repo, name, shown)
     order = _tensor_order(structure, [t["name"] for t in shown["tensors"]])
     files: List[str] = []
+    sizes = _ExportTensors(shown, cast)
+    total_bytes, done_bytes, lock = sum(sizes.nbytes(n) for n in order), [0], threading.Lock()
+
+    def advance(n: int) -> None:
+        with lock:  # files are written on several threads
+            done_bytes[0] += n
+            if progress is not None:
+                progress(min(done_bytes[0], total_bytes), total_bytes)
+
     if format == "hf":
-        ckptfs._torch()
-        by_name = {t["name"]: t for t in shown["tensors"]}
-
-        def numel(n):
-            count = 1
-            for d in by_name[n]["shape"]:
-                count *= d
-            return count
-
-        def nbytes(n):
-            t = by_name[n]
-            count = numel(n)
-            dt = ckptfs._name_to_torch[t["dtype"]]
-            if cast is not None and dt.is_floating_point:
-                dt = cast
-            return count * torch.empty((), dtype=dt).element_size()
-
+        numel, nbytes = sizes.numel, sizes.nbytes
         order = _model_order(repo, name, shown, order) or order
         shards = hf_shards([(n, nbytes(n)) for n in order], limit)
         total = len(shards)
@@ -723,6 +919,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
 
         def write_shard(i):
             if names[i] in export.done:
+                advance(sum(nbytes(n) for n in shards[i]))
                 return
             tensors = [(n, _read_tensor(reader, n, cast)) for n in shards[i]]
             head, views = _safetensors_bytes(tensors, {"format": "pt"})
@@ -734,6 +931,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
 
             _write_durable(export.path(names[i]), body)
             export.finished(names[i])
+            advance(sum(nbytes(n) for n in shards[i]))
 
         import concurrent.futures  # noqa: PLC0415
 
@@ -758,29 +956,14 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
             _write_durable(export.path(bname), lambda f, d=data: f.write(d))
             files.append(bname)
     elif format == "dcp":
-        import io  # noqa: PLC0415
-
-        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
-
-        state: Dict[str, Any] = {n: _read_tensor(reader, n, cast) for n in order}
-        for b in shown["blobs"]:
-            if b["name"] == STRUCTURE_BLOB:
-                continue
-            data = repo.blob(name, b["name"])
-            try:
-                state[b["name"]] = torch.load(io.BytesIO(data), weights_only=True)
-            except Exception:  # noqa: BLE001 - not a pickle: kept as its bytes
-                state[b["name"]] = data
-        for f in os.listdir(export.partial):  # a dcp.save interrupted before: redone whole
-            if f != _PROGRESS_FILE:
-                os.unlink(export.path(f))
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(export.partial, sync_files=True,
-                                                            thread_count=max(1, int(threads))), no_dist=True)
-        files += sorted(f for f in os.listdir(export.partial) if f != _PROGRESS_FILE)
+        files += _export_dcp(export, repo, reader, name, order, shown, sizes, cast, threads, advance)
     else:
         import io  # noqa: PLC0415
 
-        flat: Dict[str, Any] = {n: _read_tensor(reader, n, cast) for n in order}
+        flat: Dict[str, Any] = {}
+        for n in order:
+            flat[n] = _read_tensor(reader, n, cast)
+            advance(sizes.nbytes(n))
         blobs = {b["name"] for b in shown["blobs"]}
         if structure is not None:
             def build(node):
@@ -812,6 +995,7 @@ def _main(argv: Sequence[str]) -> int:
     imp.add_argument("--tag", action="append", default=[])
     imp.add_argument("--dry-run", action="store_true")
     imp.add_argument("--json", action="store_true")
+    imp.add_argument("--progress", choices=("auto", "on", "json", "off"), default="auto")
     imp.add_argument("name")
     imp.add_argument("path")
     exp = sub.add_parser("export")
@@ -822,14 +1006,20 @@ def _main(argv: Sequence[str]) -> int:
     exp.add_argument("--dtype")
     exp.add_argument("--clean", action="store_true")
     exp.add_argument("--json", action="store_true")
+    exp.add_argument("--progress", choices=("auto", "on", "json", "off"), default="auto")
     exp.add_argument("name")
     exp.add_argument("out")
     args = parser.parse_args(argv)
     if args.command == "export":
         try:
             repo = ckptfs.open(args.repo, cache_dir=args.cache_dir)
-            done = export_checkpoint(repo, args.name, args.out, format=args.format,
-                                     max_shard_size=args.max_shard_size, dtype=args.dtype, clean=args.clean)
+            shown = _Progress(f"export {args.name}", args.progress)
+            try:
+                done = export_checkpoint(repo, args.name, args.out, format=args.format,
+                                         max_shard_size=args.max_shard_size, dtype=args.dtype, clean=args.clean,
+                                         progress=shown)
+            finally:
+                shown.finish()
         except ckptfs.Error as e:
             print(f"ckpt: error: {e}", file=sys.stderr)
             return 1
@@ -852,7 +1042,12 @@ def _main(argv: Sequence[str]) -> int:
         tags[key] = value
     try:
         repo = ckptfs.open(args.repo, cache_dir=args.cache_dir)
-        out = import_checkpoint(repo, args.name, args.path, step=args.step, tags=tags, dry_run=args.dry_run)
+        shown = _Progress(f"import {args.name}", args.progress)
+        try:
+            out = import_checkpoint(repo, args.name, args.path, step=args.step, tags=tags, dry_run=args.dry_run,
+                                    progress=shown)
+        finally:
+            shown.finish()
     except ckptfs.Error as e:
         print(f"ckpt: error: {e}", file=sys.stderr)
         return 1
