@@ -146,7 +146,7 @@ Result<ChunkLocation> RepositoryImpl::LookupChunk(const ChunkId& id) const {
 void RepositoryImpl::InitFetcher() {
   fetcher_ = std::make_unique<CachedFetcher>(
       cache.get(), DirectFetcher(backend.get(), [this](const ChunkId& id) { return LookupChunk(id); }, buffers.get(),
-                                 protocol->RelocationRefresh()));
+                                 protocol->RelocationRefresh(), &fetched));
 }
 
 // ---- Repository ----------------------------------------------------------------
@@ -157,6 +157,10 @@ const RepositoryConfig& Repository::config() const { return impl_->config; }
 const std::string& Repository::path() const { return impl_->path; }
 BufferPoolStats Repository::buffer_stats() const { return impl_->buffers->stats(); }
 RequestCounts Repository::store_requests() const { return impl_->backend->Requests(); }
+FetchCounts Repository::fetch_counts() const {
+  return {impl_->fetched.chunks.load(std::memory_order_relaxed),
+          impl_->fetched.stored_bytes.load(std::memory_order_relaxed)};
+}
 
 bool Repository::remote() const { return impl_->remote; }
 

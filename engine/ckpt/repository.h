@@ -112,6 +112,12 @@ Result<OpenOptions> OpenOptionsFromEnvironment(const Environment& env);
 
 // Bytes a source lends to the writer: valid and unchanged while `keep` is
 // held. The writer drops `keep` as soon as it has hashed and encoded them.
+// Chunks read from packs and their stored bytes (Repository::fetch_counts).
+struct FetchCounts {
+  uint64_t chunks = 0;
+  uint64_t stored_bytes = 0;
+};
+
 struct BorrowedBytes {
   std::span<const std::byte> bytes;
   std::shared_ptr<const void> keep;  // empty: nothing was lent
@@ -590,6 +596,10 @@ class Repository {
   // Requests this repository object has sent to its object store (retries
   // included; zero for a local repository).
   RequestCounts store_requests() const;
+  // Chunks this repository object's loads have read from packs (chunks
+  // served by its cache are not counted again), and their stored bytes:
+  // what restores cost the store.
+  FetchCounts fetch_counts() const;
 
   // Starts (or joins) checkpoint `name` as rank `options.rank` of
   // `options.world_size`. AlreadyExists if `name` is committed or this rank

@@ -68,6 +68,7 @@ class RepositoryImpl {
   // destroyed after it.
   std::unique_ptr<BufferPool> buffers;
   std::unique_ptr<ChunkCache> cache;
+  FetchCounters fetched;  // chunks read from packs by fetcher_
   std::unique_ptr<ThreadPool> pool;
   // Threads for blocking store requests made in parallel (ParallelFor, up
   // to io_threads requests at once: the pool's io_threads - 1 and the

@@ -19,7 +19,10 @@ Result<ChunkLocation> DirectFetcher::WithRelocation(const ChunkId& id, ChunkLoca
   bool refreshed = false;
   for (int attempt = 0;; ++attempt) {
     Status st = read(loc);
-    if (st.ok()) return loc;
+    if (st.ok()) {
+      if (counters_) counters_->Add(loc.stored_len);
+      return loc;
+    }
     if (!st.IsNotFound() || attempt >= 3) return st;
     CKPT_ASSIGN_OR_RETURN(ChunkLocation again, lookup_(id));
     if (again.pack == loc.pack && again.offset == loc.offset && refresh_ && !refreshed) {

@@ -4,6 +4,7 @@
 // chunks through a ChunkCache.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -32,6 +33,17 @@ class ChunkFetcher {
   virtual void Consumed(const ChunkRef& /*chunk*/, uint64_t /*bytes*/) {}
 };
 
+// Chunks read from packs and their stored bytes, relaxed counters shared by
+// a repository's fetchers: what a load cost the store.
+struct FetchCounters {
+  std::atomic<uint64_t> chunks{0};
+  std::atomic<uint64_t> stored_bytes{0};
+  void Add(uint64_t bytes) {
+    chunks.fetch_add(1, std::memory_order_relaxed);
+    stored_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  }
+};
+
 // Reads a chunk by location lookup, without caching.
 class DirectFetcher : public ChunkFetcher {
  public:
@@ -40,9 +52,14 @@ class DirectFetcher : public ChunkFetcher {
   // `refresh`, when given, is called once when a chunk's pack is gone and
   // the lookup still names it: an object store's catalog learns there where
   // gc on another host moved the chunk.
+  // `counters`, when given, counts every chunk read from a pack.
   DirectFetcher(Backend* backend, Lookup lookup, BufferPool* buffers = nullptr,
-                std::function<Status()> refresh = {})
-      : backend_(backend), lookup_(std::move(lookup)), buffers_(buffers), refresh_(std::move(refresh)) {}
+                std::function<Status()> refresh = {}, FetchCounters* counters = nullptr)
+      : backend_(backend),
+        lookup_(std::move(lookup)),
+        buffers_(buffers),
+        refresh_(std::move(refresh)),
+        counters_(counters) {}
   Result<ChunkData> Fetch(const ChunkRef& chunk) override;
   Status FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) override;
   // The chunk as it is stored (encoded), checked (ReadStoredChunk), in a
@@ -61,6 +78,7 @@ class DirectFetcher : public ChunkFetcher {
   Lookup lookup_;
   BufferPool* buffers_;
   std::function<Status()> refresh_;
+  FetchCounters* counters_;
 };
 
 // A DirectFetcher behind a shared cache of decoded chunks: Fetch keeps what

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "ckpt/collective_plan.h"
 #include "ckpt/describe.h"
 #include "ckpt/import.h"
 #include "ckpt/repository.h"
@@ -650,9 +651,69 @@ class PyRepository {
     return d;
   }
 
+  py::dict store_counters() const {
+    const FetchCounts f = repo_->fetch_counts();
+    const RequestCounts r = repo_->store_requests();
+    py::dict d;
+    d["chunks_fetched"] = f.chunks;
+    d["stored_bytes_fetched"] = f.stored_bytes;
+    d["get_requests"] = r.get;
+    d["list_requests"] = r.list;
+    d["put_requests"] = r.put;
+    d["requests"] = r.total();
+    return d;
+  }
+
  private:
   std::shared_ptr<Repository> repo_;
 };
+
+// One rank's entries for the collective planner, as the package gathers
+// them: (name, global shape, kind, local shape, offsets, start, bytes),
+// kind "whole", "box", "flat" or "blob".
+using PlanTuple = std::tuple<std::string, Shape, std::string, std::vector<uint64_t>, std::vector<uint64_t>, uint64_t,
+                             uint64_t>;
+
+std::vector<std::vector<PlanEntry>> ToPlanEntries(const std::vector<std::vector<PlanTuple>>& ranks) {
+  std::vector<std::vector<PlanEntry>> out(ranks.size());
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    out[r].reserve(ranks[r].size());
+    for (const auto& [name, shape, kind, local, offsets, start, bytes] : ranks[r]) {
+      PlanEntry e{name, {}, Region::OfFlat(0, 0), bytes};
+      if (kind != "blob") {
+        e.shape = shape;
+        e.region = MakeRegion(shape, kind, local, offsets, start);
+        Check(ValidateRegion(shape, e.region).WithContext("rank " + std::to_string(r) + ", '" + name + "'"));
+      }
+      out[r].push_back(std::move(e));
+    }
+  }
+  return out;
+}
+
+py::tuple PlanSave(const std::vector<std::vector<PlanTuple>>& ranks, size_t rank) {
+  SaveOwners owners;
+  {
+    auto entries = ToPlanEntries(ranks);
+    py::gil_scoped_release nogil;
+    owners = AssignSaveOwners(entries);
+  }
+  if (rank >= owners.put.size()) throw StatusError{Status::InvalidArgument("rank out of range")};
+  std::vector<bool> mine(owners.put[rank].begin(), owners.put[rank].end());
+  return py::make_tuple(mine, owners.unique_bytes, owners.held_bytes, owners.bytes_per_rank);
+}
+
+py::tuple PlanLoad(const std::vector<std::vector<PlanTuple>>& ranks) {
+  LoadRoutes routes;
+  {
+    auto entries = ToPlanEntries(ranks);
+    py::gil_scoped_release nogil;
+    routes = AssignLoadReaders(entries);
+  }
+  py::list out;
+  for (const LoadRoute& r : routes.routes) out.append(py::make_tuple(r.reader, r.bytes, r.needers));
+  return py::make_tuple(out, routes.unique_bytes, routes.needed_bytes, routes.bytes_per_rank);
+}
 
 }  // namespace
 }  // namespace ckptfs::python
@@ -682,6 +743,10 @@ PYBIND11_MODULE(_core, m) {
     }
   });
 
+  m.def("plan_save", &PlanSave, py::arg("ranks"), py::arg("rank"),
+        "Collective save plan: which of `rank`'s entries it puts, unique and held bytes, bytes per rank.");
+  m.def("plan_load", &PlanLoad, py::arg("ranks"),
+        "Collective load plan: routes (reader, bytes, [(rank, entry)]), unique and needed bytes, bytes per rank.");
   m.def("cuda_available", [] {
     std::string why;
     bool ok = gpu::CudaAvailable(&why);
@@ -734,5 +799,6 @@ PYBIND11_MODULE(_core, m) {
       .def("verify", &PyRepository::verify, py::arg("name"))
       .def("copy_to", &PyRepository::copy_to, py::arg("destination"), py::arg("names"), py::arg("all"),
            py::arg("last"), py::arg("on_phase"), py::arg("progress"))
-      .def("buffer_stats", &PyRepository::buffer_stats);
+      .def("buffer_stats", &PyRepository::buffer_stats)
+      .def("store_counters", &PyRepository::store_counters);
 }

@@ -451,7 +451,7 @@ class Repository:
 
     # -- save --
 
-    def _put_all(self, name, state_dict, step, rank, world_size, shards, tags, progress=None):
+    def _put_all(self, name, state_dict, step, rank, world_size, shards, tags, progress=None, skip=(), group=None):
         if not isinstance(state_dict, Mapping):
             raise InvalidArgumentError(f"state_dict must be a mapping of names to values, not {type(state_dict).__name__}")
         shards = dict(shards or {})
@@ -466,26 +466,50 @@ class Repository:
         done = 0
         try:
             for key, value in state_dict.items():
+                if key in skip:
+                    continue  # another rank of the group puts the same region
                 _put_value(writer, key, value, shards.get(key), key in shards, kept)
                 if progress:
                     done += _nbytes(value)
                     progress(done, total)
-        except BaseException:
+        except BaseException as e:
             writer.abort()
+            if group is not None and isinstance(e, Error):
+                group.agree("put", str(e))  # raises on every rank
             raise
+        if group is not None:
+            try:
+                group.agree("put", None)  # no rank commits unless every rank's puts succeeded
+            except BaseException:
+                writer.abort()
+                raise
         return writer, kept
 
-    def _put_and_commit(self, name, state_dict, step, rank, world_size, shards, tags, *, snapshot, progress=None):
-        """Puts everything and starts the commit; the core's save handle.
-        CUDA tensors stay referenced until the commit has copied them."""
-        writer, kept = self._put_all(name, state_dict, step, rank, world_size, shards, tags, progress)
+    def _put_and_commit(self, name, state_dict, step, rank, world_size, shards, tags, *, snapshot, progress=None,
+                        process_group=None, verify_replicas=False, timeout=None):
+        """Puts everything and starts the commit; the core's save handle and
+        the collective plan's figures (None without a process group). CUDA
+        tensors stay referenced until the commit has copied them."""
+        skip, plan, group = (), None, None
+        if process_group is not None:
+            from . import collective  # noqa: PLC0415
+
+            group = collective._Group(process_group, collective.DEFAULT_TIMEOUT if timeout is None else timeout,
+                                      f"collective save of '{name}'")
+            if (rank, world_size) not in ((0, 1), (group.rank, group.size)):
+                raise InvalidArgumentError(f"rank {rank} of {world_size} disagrees with the process group "
+                                           f"(rank {group.rank} of {group.size}); leave them out")
+            rank, world_size = group.rank, group.size
+            skip, plan = collective.plan_save(state_dict, dict(shards or {}), group, verify_replicas)
+        writer, kept = self._put_all(name, state_dict, step, rank, world_size, shards, tags, progress, skip, group)
         _sync_cuda(kept)
-        return writer.commit(snapshot=snapshot)
+        return writer.commit(snapshot=snapshot), plan
 
     def save(self, name: str, state_dict: Mapping[str, Any], *, step: Optional[int] = None, rank: int = 0,
              world_size: int = 1, shards: Optional[Mapping[str, Shard]] = None,
              tags: Optional[Mapping[str, str]] = None,
-             progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
+             progress: Optional[Callable[[int, int], None]] = None, process_group: Any = None,
+             verify_replicas: bool = False, timeout: Optional[float] = None) -> Dict[str, Any]:
         """Saves this rank's part of checkpoint `name` and returns once it is durable.
 
         state_dict maps names to torch tensors (CPU or CUDA), NumPy arrays
@@ -498,32 +522,52 @@ class Repository:
         Raises AlreadyExistsError when `name` is committed, InvalidArgumentError
         for values, shards or ranks that do not fit. `progress(done_bytes,
         total_bytes)`, when given, is called after each value is consumed.
+
+        With `process_group` (a torch.distributed group; rank and world
+        size come from it), the ranks plan together first: a region several
+        ranks hold (replicas) is hashed, encoded and written by one of them
+        only, balanced by bytes; the result's "collective" gives the plan's
+        unique_bytes, held_bytes and bytes_per_rank. `verify_replicas`
+        compares the replicas' bytes first and raises naming the tensor
+        where they differ. A rank that fails or dies makes every rank raise
+        CollectiveError within `timeout` seconds (default 300), naming the
+        step; nothing becomes visible. (docs/PYTHON.md, "Collective saves
+        and restores".)
         """
-        handle = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags, snapshot=False,
-                                      progress=progress)
+        handle, plan = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags, snapshot=False,
+                                            progress=progress, process_group=process_group,
+                                            verify_replicas=verify_replicas, timeout=timeout)
         handle.wait(None)
-        return handle.result()
+        result = handle.result()
+        if plan is not None:
+            result["collective"] = plan
+        return result
 
     def async_save(self, name: str, state_dict: Mapping[str, Any], *, step: Optional[int] = None, rank: int = 0,
                    world_size: int = 1, shards: Optional[Mapping[str, Shard]] = None,
                    tags: Optional[Mapping[str, str]] = None,
-                   progress: Optional[Callable[[int, int], None]] = None) -> SaveHandle:
+                   progress: Optional[Callable[[int, int], None]] = None, process_group: Any = None,
+                   verify_replicas: bool = False, timeout: Optional[float] = None) -> SaveHandle:
         """Like save, but returns as soon as the caller may modify its
         tensors: CPU tensors, arrays and blobs have been hashed and encoded,
         CUDA tensors copied to pinned host memory. The rest (compression
         not yet done, writes, fsync, commit) runs in the background; wait for
         it with the handle's result(). Saves still running when the
-        interpreter exits are finished first.
+        interpreter exits are finished first. `process_group`,
+        `verify_replicas` and `timeout` are as for save: the planning and the
+        puts happen before this returns.
         """
         start = time.perf_counter()
-        handle = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags, snapshot=True,
-                                      progress=progress)
+        handle, _plan = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags, snapshot=True,
+                                             progress=progress, process_group=process_group,
+                                             verify_replicas=verify_replicas, timeout=timeout)
         return SaveHandle(handle, time.perf_counter() - start)
 
     # -- load --
 
     def load(self, name: str, targets: Mapping[str, Any], *, shards: Optional[Mapping[str, Shard]] = None,
-             progress: Optional[Callable[[int, int], None]] = None):
+             progress: Optional[Callable[[int, int], None]] = None, process_group: Any = None,
+             timeout: Optional[float] = None):
         """Fills pre-allocated tensors or arrays from checkpoint `name`.
 
         targets maps tensor names to CPU or CUDA tensors or NumPy arrays. A
@@ -533,6 +577,13 @@ class Repository:
         checkpoint or tensor, InvalidArgumentError when a target's dtype or
         shape does not match. Returns `targets`. `progress(done_bytes,
         total_bytes)`, when given, is called after each target is filled.
+
+        With `process_group`, every rank of the group calls load together
+        (each with its own targets, torch tensors): the union of their
+        needs is planned once, each distinct region is fetched from the
+        store by one rank needing it (balanced by bytes) and sent to the
+        others over the group. Failures raise CollectiveError on every rank
+        within `timeout` seconds, naming the step.
         """
         if not isinstance(targets, Mapping):
             raise InvalidArgumentError(f"targets must be a mapping of names to tensors, not {type(targets).__name__}")
@@ -541,6 +592,13 @@ class Repository:
         unknown = sorted(set(shards) - set(targets))
         if unknown:
             raise InvalidArgumentError(f"shards names {unknown} that are not in targets")
+        if process_group is not None:
+            from . import collective  # noqa: PLC0415
+
+            group = collective._Group(process_group, collective.DEFAULT_TIMEOUT if timeout is None else timeout,
+                                      f"collective load of '{name}'")
+            collective.load(self, name, targets, shards, group, progress)
+            return targets
         reader = self._repo.open_checkpoint(name)
         mappings = _writable_mappings()  # read once per load: targets may be any memory
         total = sum(_nbytes(t) for t in targets.values()) if progress else 0
@@ -567,6 +625,14 @@ class Repository:
         out = torch.empty(tuple(shape), dtype=dtype, device=device)
         _read_value(reader, tensor_name, out, None)
         return out
+
+    def store_counters(self) -> Dict[str, int]:
+        """What this Repository object has cost its store so far:
+        chunks_fetched and stored_bytes_fetched (chunks loads read from
+        packs; the cache's hits are not counted again), and requests to an
+        object store (get_requests, list_requests, put_requests, requests;
+        zero for a local repository)."""
+        return self._repo.store_counters()
 
     def blob(self, name: str, blob_name: str) -> bytes:
         """The bytes of blob `blob_name` of checkpoint `name`."""

@@ -1,0 +1,142 @@
+#include "ckpt/collective_plan.h"
+
+#include <algorithm>
+
+namespace ckptfs {
+
+namespace {
+
+struct Ref {
+  uint32_t rank;
+  uint32_t index;
+};
+
+void AppendNumbers(std::string& out, const std::vector<uint64_t>& v) {
+  for (uint64_t x : v) {
+    out += std::to_string(x);
+    out += ',';
+  }
+  out += ';';
+}
+
+// Equal for entries that name the same tensor and global shape and cover
+// the same elements (a contiguous box and its flat range alike).
+std::string KeyOf(const PlanEntry& e) {
+  std::string key = e.name;
+  key += '\0';
+  AppendNumbers(key, e.shape);
+  const Region r = e.shape.empty() ? e.region : Normalize(e.shape, e.region);
+  if (r.kind == Region::Kind::kFlat) {
+    key += 'F';
+    AppendNumbers(key, {r.flat.start, r.flat.end});
+  } else {
+    key += 'B';
+    AppendNumbers(key, r.box.offsets);
+    AppendNumbers(key, r.box.lengths);
+  }
+  return key;
+}
+
+struct Group {
+  size_t first = 0;  // into the sorted refs
+  size_t count = 0;
+  uint64_t bytes = 0;
+};
+
+// The entries of all ranks sorted so that equal regions are adjacent (each
+// run in rank order), and the runs, largest first (then by key: the same
+// order on every rank).
+void GroupEntries(const std::vector<std::vector<PlanEntry>>& ranks, std::vector<std::pair<std::string, Ref>>* refs,
+                  std::vector<Group>* groups) {
+  size_t n = 0;
+  for (const auto& r : ranks) n += r.size();
+  refs->clear();
+  refs->reserve(n);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    for (size_t i = 0; i < ranks[r].size(); ++i) {
+      refs->emplace_back(KeyOf(ranks[r][i]), Ref{static_cast<uint32_t>(r), static_cast<uint32_t>(i)});
+    }
+  }
+  std::sort(refs->begin(), refs->end(), [](const auto& a, const auto& b) {
+    if (a.first != b.first) return a.first < b.first;
+    if (a.second.rank != b.second.rank) return a.second.rank < b.second.rank;
+    return a.second.index < b.second.index;
+  });
+  groups->clear();
+  for (size_t i = 0; i < refs->size();) {
+    size_t j = i + 1;
+    while (j < refs->size() && (*refs)[j].first == (*refs)[i].first) ++j;
+    const Ref& head = (*refs)[i].second;
+    groups->push_back({i, j - i, ranks[head.rank][head.index].bytes});
+    i = j;
+  }
+  // Largest first; equal sizes keep key order (the sort above), so the
+  // order is the same wherever it is computed.
+  std::stable_sort(groups->begin(), groups->end(), [](const Group& a, const Group& b) { return a.bytes > b.bytes; });
+}
+
+// The holder of a group with the fewest bytes so far, the lowest rank on
+// ties (holders come in rank order).
+uint32_t LeastLoaded(const std::vector<std::pair<std::string, Ref>>& refs, const Group& g,
+                     const std::vector<uint64_t>& load) {
+  uint32_t best = refs[g.first].second.rank;
+  for (size_t k = g.first + 1; k < g.first + g.count; ++k) {
+    const uint32_t r = refs[k].second.rank;
+    if (load[r] < load[best]) best = r;
+  }
+  return best;
+}
+
+}  // namespace
+
+SaveOwners AssignSaveOwners(const std::vector<std::vector<PlanEntry>>& ranks) {
+  SaveOwners out;
+  out.put.resize(ranks.size());
+  for (size_t r = 0; r < ranks.size(); ++r) out.put[r].assign(ranks[r].size(), 0);
+  out.bytes_per_rank.assign(ranks.size(), 0);
+  std::vector<std::pair<std::string, Ref>> refs;
+  std::vector<Group> groups;
+  GroupEntries(ranks, &refs, &groups);
+  for (const Group& g : groups) {
+    const uint32_t owner = LeastLoaded(refs, g, out.bytes_per_rank);
+    // A rank holding the same region twice puts it once.
+    bool put = false;
+    for (size_t k = g.first; k < g.first + g.count; ++k) {
+      const Ref& ref = refs[k].second;
+      out.held_bytes += ranks[ref.rank][ref.index].bytes;
+      if (ref.rank == owner && !put) {
+        out.put[ref.rank][ref.index] = 1;
+        put = true;
+      }
+    }
+    out.bytes_per_rank[owner] += g.bytes;
+    out.unique_bytes += g.bytes;
+  }
+  return out;
+}
+
+LoadRoutes AssignLoadReaders(const std::vector<std::vector<PlanEntry>>& ranks) {
+  LoadRoutes out;
+  out.bytes_per_rank.assign(ranks.size(), 0);
+  std::vector<std::pair<std::string, Ref>> refs;
+  std::vector<Group> groups;
+  GroupEntries(ranks, &refs, &groups);
+  out.routes.reserve(groups.size());
+  for (const Group& g : groups) {
+    LoadRoute route;
+    route.reader = static_cast<int>(LeastLoaded(refs, g, out.bytes_per_rank));
+    route.bytes = g.bytes;
+    route.needers.reserve(g.count);
+    for (size_t k = g.first; k < g.first + g.count; ++k) {
+      const Ref& ref = refs[k].second;
+      route.needers.emplace_back(static_cast<int>(ref.rank), ref.index);
+      out.needed_bytes += ranks[ref.rank][ref.index].bytes;
+    }
+    out.bytes_per_rank[route.reader] += g.bytes;
+    out.unique_bytes += g.bytes;
+    out.routes.push_back(std::move(route));
+  }
+  return out;
+}
+
+}  // namespace ckptfs

@@ -1,0 +1,119 @@
+"""One rank of a collective save or restore (Repository.save/load with
+process_group=), run by test_collective.py, one process per rank over gloo
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment):
+
+    collective_worker.py save REPO NAME LAYOUT [plain|verify|differ]
+        saves this rank's part of LAYOUT; prints {"logical": bytes this rank
+        put, "plan": the plan's figures} as JSON. "plain" saves without a
+        process group (every rank puts everything it holds), "verify" with
+        verify_replicas, "differ" with verify_replicas and rank 1's replica
+        of the norm changed (every rank must raise).
+    collective_worker.py load REPO NAME LAYOUT
+        loads this rank's part of LAYOUT (any world size) through the group,
+        checks every element, prints {"fetched": stored bytes this rank read
+        from the store, "chunks": chunks read} as JSON.
+    collective_worker.py die-save|die-load REPO NAME LAYOUT
+        rank 1 exits in the middle (after the plans are gathered); the other
+        ranks print "raised: MESSAGE".
+
+LAYOUT: "hsdp" (2 replica groups, the rows of every layer split over the
+ranks of a group, a norm on every rank), "dp" (everything whole on every
+rank) or "mixed" (small tensors whole on every rank, a large one split by
+rows over all ranks).
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import ckptfs
+import ckptfs.collective
+from worker_exit import leave
+
+ROWS, COLS = 96, 512
+
+
+def full():
+    """The whole tensors every run agrees on."""
+    gen = torch.Generator().manual_seed(11)
+    out = {f"layers.{i}.w": torch.randn(ROWS, COLS, generator=gen) for i in range(4)}
+    out["embed"] = torch.randn(4 * ROWS, COLS, generator=gen).to(torch.bfloat16)
+    out["norm"] = torch.randn(COLS, generator=gen)
+    out["bias"] = torch.randn(7, generator=gen, dtype=torch.float64)
+    return out
+
+
+def part(layout, rank, world):
+    """(values, shards) of this rank: views of full()."""
+    want = full()
+    values, shards = {}, {}
+
+    def rows(name, pieces, index):
+        t = want[name]
+        step = t.shape[0] // pieces
+        values[name] = t[index * step:(index + 1) * step].clone()
+        shards[name] = ckptfs.Box(tuple(t.shape), (index * step, 0))
+
+    if layout == "dp":
+        return {k: v.clone() for k, v in want.items()}, {}
+    if layout == "hsdp":
+        group = world // 2  # ranks per replica group
+        for i in range(4):
+            rows(f"layers.{i}.w", group, rank % group)
+        rows("embed", group, rank % group)
+        values["norm"], values["bias"] = want["norm"].clone(), want["bias"].clone()
+        return values, shards
+    if layout == "mixed":
+        for i in range(4):
+            values[f"layers.{i}.w"] = want[f"layers.{i}.w"].clone()
+        rows("embed", world, rank)
+        values["norm"], values["bias"] = want["norm"].clone(), want["bias"].clone()
+        return values, shards
+    raise SystemExit(f"unknown layout {layout}")
+
+
+def main():
+    action, repo_path, name, layout = sys.argv[1:5]
+    mode = sys.argv[5] if len(sys.argv) > 5 else ""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    repo = ckptfs.open(repo_path)
+    if action.startswith("die-") and rank == 1:
+        def gone(*_args, **_kwargs):
+            os._exit(3)
+        ckptfs.collective._core = type("Dying", (), {"plan_save": gone, "plan_load": gone})
+    if action in ("save", "die-save"):
+        values, shards = part(layout, rank, world)
+        if mode == "differ" and rank == 1:
+            values["norm"][3] += 1
+        try:
+            if mode == "plain":
+                res = repo.save(name, values, shards=shards, rank=rank, world_size=world, step=5)
+            else:
+                res = repo.save(name, values, shards=shards, step=5, process_group=dist.group.WORLD,
+                                verify_replicas=mode in ("verify", "differ"), timeout=20)
+        except ckptfs.Error as e:
+            print(f"raised: {type(e).__name__}: {e}")
+            leave()
+        print(json.dumps({"logical": res["logical_bytes"], "plan": res.get("collective")}))
+    else:
+        want = full()
+        values, shards = part(layout, rank, world)
+        targets = {k: torch.zeros_like(v) for k, v in values.items()}
+        try:
+            repo.load(name, targets, shards=shards, process_group=dist.group.WORLD, timeout=20)
+        except ckptfs.Error as e:
+            print(f"raised: {type(e).__name__}: {e}")
+            leave()
+        for k, v in values.items():
+            assert torch.equal(targets[k], v), k
+        del want
+        c = repo.store_counters()
+        print(json.dumps({"fetched": c["stored_bytes_fetched"], "chunks": c["chunks_fetched"]}))
+    leave()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""Collective saves and restores over a torch.distributed process group.
+
+Given ``process_group=``, ``Repository.save``/``async_save`` and
+``Repository.load`` plan together before touching a byte:
+
+- save: every rank gathers every rank's list of what it holds (tensor,
+  global shape, region, bytes; not the bytes themselves). Each region held
+  by several ranks (replicas under DDP, HSDP, or a TP rank's layer norms)
+  gets one owner, largest first to the least-loaded holder; only the owner
+  hashes, encodes and writes it. The commit protocol and its tiling check
+  are unchanged: the owners' parts tile every tensor.
+- load: the union of the ranks' load plans is computed once; each distinct
+  region is fetched, verified and decoded by one of the ranks needing it,
+  balanced by bytes, then sent to the others over the group.
+
+The plan itself is computed by the engine (``_core.plan_save``,
+``_core.plan_load``), the same on every rank; the collective steps are
+driven here, by the layer that owns the process group, on a gloo group of
+ckptfs's own with a bounded timeout (so planning holds no NCCL buffers, and
+a dead rank makes every other rank fail within the timeout, naming the
+step, instead of hanging).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from . import _core
+from ._core import Error, InvalidArgumentError, UnsupportedError
+
+# Seconds a collective step may wait for the slowest rank.
+DEFAULT_TIMEOUT = 300.0
+
+_groups: Dict[Tuple[int, float], Any] = {}
+
+
+def _dist():
+    try:
+        import torch.distributed as dist  # noqa: PLC0415
+    except ImportError:
+        raise UnsupportedError("process_group= needs torch.distributed") from None
+    if not dist.is_available() or not dist.is_initialized():
+        raise InvalidArgumentError("process_group= needs an initialized torch.distributed process group")
+    return dist
+
+
+class CollectiveError(Error):
+    """A collective save or load failed on some rank; raised on every rank."""
+
+
+class _Group:
+    """The ranks of the caller's process group, and a gloo group of the same
+    ranks (with the timeout) for ckptfs's own exchanges."""
+
+    def __init__(self, process_group, timeout: float, what: str):
+        dist = _dist()
+        self.dist, self.what = dist, what
+        self.user = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.user)
+        self.size = dist.get_world_size(self.user)
+        if self.rank < 0:
+            raise InvalidArgumentError(f"{what}: this process is not a member of the process group")
+        key = (id(self.user), float(timeout))
+        group = _groups.get(key)
+        if group is None:
+            ranks = dist.get_process_group_ranks(self.user)
+            # Only the members make it (use_local_synchronization), so a
+            # subgroup of a larger job works too.
+            group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout),
+                                   use_local_synchronization=True)
+            _groups[key] = group
+        self.group = group
+        self.globals = dist.get_process_group_ranks(self.user)
+
+    def step(self, name: str, fn):
+        """Runs collective step `name`; a failure (a timeout, a rank gone)
+        becomes a CollectiveError naming the step."""
+        try:
+            return fn()
+        except CollectiveError:
+            raise
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError and others
+            raise CollectiveError(f"{self.what}: the step '{name}' failed on rank {self.rank} of {self.size}: "
+                                  f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+    def all_gather(self, name: str, obj) -> List[Any]:
+        out: List[Any] = [None] * self.size
+        self.step(name, lambda: self.dist.all_gather_object(out, obj, group=self.group))
+        return out
+
+    def agree(self, name: str, error: Optional[str]) -> None:
+        """Every rank says whether its local work failed; if one did, every
+        rank raises, naming the first failing rank and its error."""
+        said = self.all_gather(name, error)
+        for r, e in enumerate(said):
+            if e is not None:
+                raise CollectiveError(f"{self.what}: rank {r} failed in '{name}': {e}")
+
+
+def _entry(key: str, value, shard, sharded: bool) -> tuple:
+    """What the planner needs of one state-dict value or load target."""
+    from . import _region, _source_memory  # noqa: PLC0415
+
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return (key, [], "blob", [], [], 0, value.nbytes if isinstance(value, memoryview) else len(value))
+    memory = _source_memory(value, f"'{key}'")
+    global_shape, kind, offsets, start = _region(shard if sharded else None, memory, f"'{key}'")
+    return (key, [int(d) for d in global_shape], kind, [int(d) for d in memory.shape], [int(o) for o in offsets],
+            int(start), int(memory.nbytes))
+
+
+def _digest(value) -> str:
+    """A digest of a value's bytes in row-major order (the check mode)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return hashlib.blake2b(bytes(value), digest_size=16).hexdigest()
+    if hasattr(value, "detach"):
+        import torch  # noqa: PLC0415
+
+        raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    else:
+        import numpy as np  # noqa: PLC0415
+
+        raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+    return hashlib.blake2b(raw.tobytes(), digest_size=16).hexdigest()
+
+
+def plan_save(state_dict: Mapping[str, Any], shards: Mapping[str, Any], group: _Group,
+              verify_replicas: bool) -> Tuple[set, Dict[str, Any]]:
+    """Which keys of `state_dict` this rank leaves to other ranks (they put
+    the same region), and the plan's figures. With verify_replicas, the
+    holders of each replicated region compare digests of their bytes first,
+    and every rank raises naming the tensor where they differ."""
+    keys = list(state_dict)
+    error = None
+    entries: List[tuple] = []
+    try:
+        entries = [_entry(k, state_dict[k], shards.get(k), k in shards) for k in keys]
+    except Error as e:
+        error = str(e)
+    group.agree("describe the state dict", error)
+    gathered = group.all_gather("gather the save plans", entries)
+    mine, unique, held, per_rank = _core.plan_save(gathered, group.rank)
+    if verify_replicas:
+        digests = [_digest(state_dict[k]) for k in keys]
+        every = group.all_gather("gather the replica digests", digests)
+        seen: Dict[tuple, Tuple[int, str]] = {}
+        for r, (ents, digs) in enumerate(zip(gathered, every)):
+            for e, d in zip(ents, digs):
+                region = (e[0], tuple(e[1]), e[2], tuple(e[3]), tuple(e[4]), e[5])
+                first = seen.setdefault(region, (r, d))
+                if first[1] != d:
+                    raise CollectiveError(f"{group.what}: the replicas of '{e[0]}' differ: rank {first[0]} and rank "
+                                          f"{r} hold different bytes for the same region")
+    skip = {k for k, put in zip(keys, mine) if not put}
+    return skip, {"unique_bytes": unique, "held_bytes": held, "bytes_per_rank": list(per_rank)}
+
+
+def load(repo, name: str, targets: Mapping[str, Any], shards: Mapping[str, Any], group: _Group,
+         progress=None) -> Dict[str, Any]:
+    """Fills `targets` (this rank's) with every distinct region fetched once
+    across the group. Returns the plan's figures."""
+    from . import _nbytes, _read_value, _torch, _writable_mappings  # noqa: PLC0415
+
+    torch = _torch()
+    keys = list(targets)
+    error = None
+    entries: List[tuple] = []
+    try:
+        entries = [_entry(k, targets[k], shards.get(k), k in shards) for k in keys]
+        for k in keys:
+            if not torch.is_tensor(targets[k]):
+                raise InvalidArgumentError(f"target '{k}': a collective load fills torch tensors")
+    except Error as e:
+        error = str(e)
+    group.agree("describe the targets", error)
+    gathered = group.all_gather("gather the load plans", entries)
+    routes, unique, needed, per_rank = _core.plan_load(gathered)
+    me = group.rank
+    # Fetch what this rank reads, into its own targets.
+    reader = None
+    error = None
+    total = sum(_nbytes(t) for t in targets.values()) if progress else 0
+    done = 0
+    try:
+        reader = repo._repo.open_checkpoint(name)
+        mappings = _writable_mappings()
+        for r, _bytes, needers in routes:
+            if r != me:
+                continue
+            idx = next(i for rank, i in needers if rank == me)
+            key = keys[idx]
+            _read_value(reader, key, targets[key], shards.get(key), mappings)
+            if progress:
+                done += _nbytes(targets[key])
+                progress(done, total)
+    except Error as e:
+        error = str(e)
+    group.agree("fetch from the store", error)
+
+    # Deliver: the reader sends each region to every other rank needing it.
+    dist = group.dist
+    works = []
+    staged = []  # (target, buffer) filled by a receive into a staging copy
+
+    def wire(t):
+        """A contiguous CPU byte view of `t`, or a staging copy."""
+        if t.device.type == "cpu" and t.is_contiguous():
+            return t.reshape(-1).view(torch.uint8), None
+        buf = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        return buf, t
+
+    def deliver():
+        for tag, (r, size, needers) in enumerate(routes):
+            ranks = [rank for rank, _ in needers if rank != r]
+            if size == 0 or not ranks or (r != me and me not in ranks):
+                continue
+            if r == me:
+                idx = next(i for rank, i in needers if rank == me)
+                buf, _ = wire(targets[keys[idx]])
+                for rank in ranks:
+                    works.append(dist.isend(buf, dst=group.globals[rank], group=group.group, tag=tag))
+            else:
+                idx = next(i for rank, i in needers if rank == me)
+                buf, back = wire(targets[keys[idx]])
+                works.append(dist.irecv(buf, src=group.globals[r], group=group.group, tag=tag))
+                if back is not None:
+                    staged.append((back, buf))
+        for w in works:
+            w.wait()
+        for target, buf in staged:
+            target.copy_(buf.view(target.dtype).reshape(target.shape))
+
+    group.step("deliver the fetched regions", deliver)
+    if progress:
+        progress(total, total)
+    return {"unique_bytes": unique, "needed_bytes": needed, "bytes_per_rank": list(per_rank)}
