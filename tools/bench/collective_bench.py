@@ -1,0 +1,251 @@
+"""Collective save and restart (process_group=) against the every-rank path,
+in the same run on the same bytes: 8 ranks (processes, gloo), R = 4
+replicas x 2 row shards (HSDP), each rank holding half the rows of every
+layer.
+
+- save into a fresh repository: every rank puts what it holds (today's
+  path, rank=/world_size=) against the collective save; bytes hashed (the
+  ranks' logical_bytes), the ranks' CPU seconds, wall time (first rank in to
+  last commit);
+- restart from the repository on the loopback Ceph RGW (S3; a local
+  directory where no endpoint is configured): every rank loads its part
+  itself against the collective load; stored bytes fetched from the store
+  (the engine's counters, summed over ranks) and wall time;
+- dcp.load with FileSystemReader of the same state saved by dcp.save with
+  FileSystemWriter into a local directory (DTensors, Replicate x Shard(0));
+  and DCP's CooperativeLoadPlanner where the installed torch has one.
+
+    build/venv/bin/python tools/bench/collective_bench.py --mib 256 --runs 3
+
+(with ckptfs importable: the package installed in the venv, or
+PYTHONPATH=build/python). Each rank process is started with this file and
+--worker.
+"""
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+
+WORLD, SHARDS = 8, 2
+COLS = 4096
+
+
+def layers(mib):
+    """(name, rows) of fp32 layers adding up to about `mib` MiB."""
+    per = 8 << 20  # 8 MiB a layer: 512 rows of 4096 fp32
+    return [(f"layers.{i}.w", per // (COLS * 4)) for i in range(max(1, int(mib * (1 << 20)) // per))]
+
+
+def full(name, rows, torch):
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(rows, COLS, generator=gen) * 0.02
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- one rank -----------------------------------------------------------------------
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+
+    import ckptfs
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    shard = rank % SHARDS
+    table = layers(args.mib)
+    values, shards = {}, {}
+    for name, rows in table:
+        n = rows // SHARDS
+        values[name] = full(name, rows, torch)[shard * n:(shard + 1) * n].contiguous()
+        shards[name] = ckptfs.Box((rows, COLS), (shard * n, 0))
+    out = {}
+    if args.action == "save":
+        repo = ckptfs.open(args.url)
+        dist.barrier()
+        t0, r0 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
+        if args.mode == "collective":
+            res = repo.save(args.name, values, shards=shards, process_group=dist.group.WORLD)
+        else:
+            res = repo.save(args.name, values, shards=shards, rank=rank, world_size=WORLD)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        out = {"start": t0, "end": time.monotonic(), "hashed": res["logical_bytes"],
+               "cpu": r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime}
+    elif args.action == "load":
+        repo = ckptfs.open(args.url)
+        targets = {k: torch.empty_like(v) for k, v in values.items()}
+        dist.barrier()
+        t0 = time.monotonic()
+        if args.mode == "collective":
+            repo.load(args.name, targets, shards=shards, process_group=dist.group.WORLD)
+        else:
+            repo.load(args.name, targets, shards=shards)
+        end = time.monotonic()
+        for k, v in values.items():
+            assert torch.equal(targets[k], v), k
+        c = repo.store_counters()
+        out = {"start": t0, "end": end, "fetched": c["stored_bytes_fetched"], "gets": c["get_requests"]}
+    else:  # dcp-save / dcp-load / dcp-coop: DTensors on a (replicas, shards) mesh
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (WORLD // SHARDS, SHARDS))
+        sd = {name: distribute_tensor(full(name, rows, torch), mesh, [Replicate(), Shard(0)]) for name, rows in table}
+        if args.action == "dcp-save":
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(args.url))
+        else:
+            target = {k: torch.zeros_like(v) for k, v in sd.items()}
+            planner = None
+            if args.action == "dcp-coop":
+                planner = dcp.default_planner.CooperativeLoadPlanner()
+            dist.barrier()
+            t0 = time.monotonic()
+            dcp.load(target, storage_reader=dcp.FileSystemReader(args.url), planner=planner)
+            out = {"start": t0, "end": time.monotonic()}
+            for k in sd:
+                assert torch.equal(target[k].to_local(), sd[k].to_local()), k
+    print(json.dumps(out))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# ---- the run ------------------------------------------------------------------------
+
+
+def job(action, url, name, mode, mib, env_extra):
+    port = free_port()
+    procs = []
+    for r in range(WORLD):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   **env_extra)
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", action, url, name, mode, "--mib",
+                                       str(mib)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=1200)
+        if p.returncode != 0:
+            raise SystemExit(f"{action} rank failed: {err.decode()[-2000:]}")
+        outs.append(json.loads(out.decode().strip().splitlines()[-1]))
+    return outs
+
+
+def referenced(url, env_extra):
+    """Stored bytes of the chunks checkpoint "s" references (ckpt du)."""
+    ckpt = os.environ.get("CKPT_BIN") or shutil.which("ckpt")
+    du = json.loads(subprocess.run([ckpt, "-r", url, "du", "--json"], check=True, stdout=subprocess.PIPE,
+                                   env=dict(os.environ, **env_extra)).stdout)
+    return next(c["referenced_bytes"] for c in du["checkpoints"] if c["name"] == "s")
+
+
+def span(outs):
+    return max(o["end"] for o in outs) - min(o["start"] for o in outs)
+
+
+def main():
+    if "--worker" in sys.argv:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--worker", action="store_true")
+        ap.add_argument("action")
+        ap.add_argument("url")
+        ap.add_argument("name")
+        ap.add_argument("mode")
+        ap.add_argument("--mib", type=float)
+        worker(ap.parse_args())
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=float, default=256, help="unique bytes of the state, MiB")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp")
+    args = ap.parse_args()
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import ckptfs
+
+    work = tempfile.mkdtemp(prefix="ckptfs-collective-bench-", dir=args.dir)
+    env_extra = {}  # each repository gets its own host cache directory below
+    s3 = bool(os.environ.get("AWS_ENDPOINT_URL"))
+    coop = hasattr(dcp, "default_planner") and hasattr(dcp.default_planner, "CooperativeLoadPlanner")
+    unique = sum(rows * COLS * 4 for _, rows in layers(args.mib))
+    print(f"{WORLD} ranks, {WORLD // SHARDS} replicas x {SHARDS} shards; {unique / 2**20:.0f} MiB unique "
+          f"({len(layers(args.mib))} fp32 layers); {os.cpu_count()} CPUs; restart from "
+          f"{'the S3 store ' + os.environ['AWS_ENDPOINT_URL'] if s3 else 'a local directory'}; torch "
+          f"{torch.__version__}, CooperativeLoadPlanner {'present' if coop else 'absent'}")
+    figs = {k: [] for k in ("save_wall", "save_cpu", "save_hashed", "csave_wall", "csave_cpu", "csave_hashed",
+                            "load_wall", "load_fetched", "cload_wall", "cload_fetched", "dcp_wall", "coop_wall")}
+    try:
+        dcp_dir = os.path.join(work, "dcp")
+        job("dcp-save", dcp_dir, "-", "-", args.mib, env_extra)
+        for run in range(args.runs):
+            urls = {}
+            for mode in ("plain", "collective"):
+                url = (f"s3://ckptfs-test/collective-bench-{os.getpid()}-{run}-{mode}" if s3
+                       else os.path.join(work, f"repo-{run}-{mode}"))
+                env_extra = {"CKPT_CACHE_DIR": os.path.join(work, f"cache-{run}-{mode}")}
+                os.environ.update(env_extra)
+                ckptfs.init(url)
+                urls[mode] = url
+                saved = job("save", url, "s", mode, args.mib, env_extra)
+                pre = "c" if mode == "collective" else ""
+                figs[pre + "save_wall"].append(span(saved))
+                figs[pre + "save_cpu"].append(sum(o["cpu"] for o in saved))
+                figs[pre + "save_hashed"].append(sum(o["hashed"] for o in saved))
+            # Restarts from the collective save's repository, each with a
+            # fresh host cache (a restarted job's hosts start cold).
+            url = urls["collective"]
+            env_extra = {"CKPT_CACHE_DIR": os.path.join(work, f"cache-{run}-restart-plain")}
+            plain = job("load", url, "s", "plain", args.mib, env_extra)
+            env_extra = {"CKPT_CACHE_DIR": os.path.join(work, f"cache-{run}-restart-collective")}
+            coll = job("load", url, "s", "collective", args.mib, env_extra)
+            figs["load_wall"].append(span(plain))
+            figs["load_fetched"].append(sum(o["fetched"] for o in plain))
+            figs["cload_wall"].append(span(coll))
+            figs["cload_fetched"].append(sum(o["fetched"] for o in coll))
+            figs["dcp_wall"].append(span(job("dcp-load", dcp_dir, "-", "-", args.mib, env_extra)))
+            if coop:
+                figs["coop_wall"].append(span(job("dcp-coop", dcp_dir, "-", "-", args.mib, env_extra)))
+            figs.setdefault("stored", []).append(referenced(url, env_extra))
+            print(f"run {run}: save {figs['save_wall'][-1]:.2f} s / {figs['save_cpu'][-1]:.1f} CPU s, collective "
+                  f"{figs['csave_wall'][-1]:.2f} s / {figs['csave_cpu'][-1]:.1f} CPU s; hashed "
+                  f"{figs['save_hashed'][-1] / 2**20:.0f} vs {figs['csave_hashed'][-1] / 2**20:.0f} MiB; restart "
+                  f"{figs['load_wall'][-1]:.2f} s fetching {figs['load_fetched'][-1] / 2**20:.0f} MiB, collective "
+                  f"{figs['cload_wall'][-1]:.2f} s fetching {figs['cload_fetched'][-1] / 2**20:.0f} MiB; "
+                  f"dcp.load {figs['dcp_wall'][-1]:.2f} s" + (f", cooperative {figs['coop_wall'][-1]:.2f} s"
+                                                               if coop else ""))
+        med = {k: statistics.median(v) for k, v in figs.items() if v}
+        print(f"\nmedians of {args.runs} runs:")
+        print(f"  bytes hashed per save: {med['csave_hashed'] / 2**20:.0f} MiB collective, "
+              f"{med['save_hashed'] / 2**20:.0f} MiB every rank: {med['csave_hashed'] / med['save_hashed']:.3f}x "
+              "(target <= 0.3)")
+        print(f"  save CPU seconds: {med['csave_cpu']:.1f} collective, {med['save_cpu']:.1f} every rank: "
+              f"{med['csave_cpu'] / med['save_cpu']:.2f}x (target <= 0.35); wall {med['csave_wall']:.2f} s vs "
+              f"{med['save_wall']:.2f} s")
+        print(f"  bytes fetched per restart: {med['cload_fetched'] / 2**20:.0f} MiB collective, "
+              f"{med['load_fetched'] / 2**20:.0f} MiB every rank; stored {med['stored'] / 2**20:.0f} MiB: "
+              f"{med['cload_fetched'] / med['stored']:.3f}x and {med['load_fetched'] / med['stored']:.3f}x "
+              "of the stored bytes (target <= 1.05)")
+        print(f"  restart wall: {med['cload_wall']:.2f} s collective, {med['load_wall']:.2f} s every rank: "
+              f"{med['load_wall'] / med['cload_wall']:.2f}x faster (target >= 2); dcp.load (FileSystemReader, local) "
+              f"{med['dcp_wall']:.2f} s" + (f"; CooperativeLoadPlanner {med['coop_wall']:.2f} s" if coop else ""))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
