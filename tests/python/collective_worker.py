@@ -2,12 +2,13 @@
 process_group=), run by test_collective.py, one process per rank over gloo
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment):
 
-    collective_worker.py save REPO NAME LAYOUT [plain|verify|differ]
+    collective_worker.py save REPO NAME LAYOUT [plain|verify|differ|async]
         saves this rank's part of LAYOUT; prints {"logical": bytes this rank
         put, "plan": the plan's figures} as JSON. "plain" saves without a
         process group (every rank puts everything it holds), "verify" with
         verify_replicas, "differ" with verify_replicas and rank 1's replica
-        of the norm changed (every rank must raise).
+        of the norm changed (every rank must raise); "async" with
+        async_save.
     collective_worker.py load REPO NAME LAYOUT
         loads this rank's part of LAYOUT (any world size) through the group,
         checks every element, prints {"fetched": stored bytes this rank read
@@ -91,6 +92,9 @@ def main():
         try:
             if mode == "plain":
                 res = repo.save(name, values, shards=shards, rank=rank, world_size=world, step=5)
+            elif mode == "async":
+                res = repo.async_save(name, values, shards=shards, step=5, process_group=dist.group.WORLD,
+                                      timeout=20).result()
             else:
                 res = repo.save(name, values, shards=shards, step=5, process_group=dist.group.WORLD,
                                 verify_replicas=mode in ("verify", "differ"), timeout=20)

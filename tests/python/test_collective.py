@@ -119,6 +119,13 @@ class Collective(CkptTestCase):
     def test_mixed_replicated_and_sharded(self):
         self.round_trip("mixed")
 
+    def test_async_save_plans_as_save_does(self):
+        saved = [json.loads(x) for x in self.job(WORLD, "save", "a", "dp", "async")]
+        want = collective_worker.full()
+        self.assertEqual(sum(s["logical"] for s in saved), sum(t.numel() * t.element_size() for t in want.values()))
+        got = [json.loads(x) for x in self.job(2, "load", "a", "dp")]
+        self.assertLessEqual(sum(g["fetched"] for g in got), 1.05 * self.stored_bytes("a")["referenced_bytes"])
+
     def test_on_s3(self):
         self.use_s3()
         self.round_trip("hsdp")
