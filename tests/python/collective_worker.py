@@ -13,6 +13,9 @@ process_group=), run by test_collective.py, one process per rank over gloo
         loads this rank's part of LAYOUT (any world size) through the group,
         checks every element, prints {"fetched": stored bytes this rank read
         from the store, "chunks": chunks read} as JSON.
+    collective_worker.py resume REPO - -
+        resume_point("latest") and resume_point("no-such") through the group,
+        with only rank 0 allowed to ask the repository; prints the answers.
     collective_worker.py die-save|die-load REPO NAME LAYOUT
         rank 1 exits in the middle (after the plans are gathered); the other
         ranks print "raised: MESSAGE".
@@ -85,6 +88,20 @@ def main():
         def gone(*_args, **_kwargs):
             os._exit(3)
         ckptfs.collective._core = type("Dying", (), {"plan_save": gone, "plan_load": gone})
+    if action == "resume":
+        if rank != 0:
+            def asks(*_args, **_kwargs):
+                raise AssertionError("only rank 0 asks the repository")
+            repo.checkpoints = asks
+        latest = repo.resume_point("latest", process_group=dist.group.WORLD, timeout=20)
+        try:
+            repo.resume_point("no-such", process_group=dist.group.WORLD, timeout=20)
+            missing = "found"
+        except ckptfs.NotFoundError as e:
+            missing = f"NotFoundError: {e}"
+        print(json.dumps({"latest": latest and latest["name"], "step": latest and latest["step"],
+                          "missing": missing}))
+        leave()
     if action in ("save", "die-save"):
         values, shards = part(layout, rank, world)
         if mode == "differ" and rank == 1:

@@ -130,6 +130,16 @@ class Collective(CkptTestCase):
         self.use_s3()
         self.round_trip("hsdp")
 
+    def test_rank_0_resolves_the_resume_point_for_every_rank(self):
+        self.assertEqual({x for x in self.job(WORLD, "resume", "-", "-")},
+                         {json.dumps({"latest": None, "step": None, "missing": "NotFoundError: no committed "
+                                      "checkpoint named 'no-such'"})})
+        self.job(WORLD, "save", "first", "dp")
+        self.job(WORLD, "save", "second", "hsdp")
+        got = [json.loads(x) for x in self.job(WORLD, "resume", "-", "-")]
+        self.assertEqual([g["latest"] for g in got], ["second"] * WORLD)
+        self.assertEqual([g["step"] for g in got], [5] * WORLD)
+
     def test_replicas_that_differ_fail_on_every_rank_naming_the_tensor(self):
         outs = self.job(WORLD, "save", "bad", "hsdp", "differ")
         for line in outs:

@@ -626,6 +626,22 @@ class Repository:
         _read_value(reader, tensor_name, out, None)
         return out
 
+    def resume_point(self, which: str = "latest", *, process_group: Any = None,
+                     timeout: Optional[float] = None) -> Optional[Dict[str, Any]]:
+        """The committed checkpoint to resume from, as checkpoints() lists
+        it: "latest" (the newest committed; None when there is none) or a
+        name (NotFoundError when it is not committed). With
+        `process_group`, rank 0 alone asks the repository and every rank of
+        the group gets the same answer (or the same error): one resume
+        point for the whole job, however the hosts' catalogs lag."""
+        from . import collective  # noqa: PLC0415
+
+        group = None
+        if process_group is not None:
+            group = collective._Group(process_group, collective.DEFAULT_TIMEOUT if timeout is None else timeout,
+                                      f"resume point '{which}'")
+        return collective.resume_point(self, which, group)
+
     def store_counters(self) -> Dict[str, int]:
         """What this Repository object has cost its store so far:
         chunks_fetched and stored_bytes_fetched (chunks loads read from

@@ -236,3 +236,37 @@ def load(repo, name: str, targets: Mapping[str, Any], shards: Mapping[str, Any],
     if progress:
         progress(total, total)
     return {"unique_bytes": unique, "needed_bytes": needed, "bytes_per_rank": list(per_rank)}
+
+
+def resume_point(repo, which: str, group: Optional[_Group]) -> Optional[Dict[str, Any]]:
+    """The committed checkpoint to resume from: "latest" (the newest
+    committed, None when there is none) or a name (NotFoundError when it is
+    not committed). With a group, rank 0 alone asks the repository and
+    every rank gets its answer (or its error)."""
+
+    def local():
+        done = repo.checkpoints()
+        if which == "latest":
+            return done[-1] if done else None
+        for c in done:
+            if c["name"] == which:
+                return c
+        from ._core import NotFoundError  # noqa: PLC0415
+
+        raise NotFoundError(f"no committed checkpoint named '{which}'")
+
+    if group is None:
+        return local()
+    box: List[Any] = [None, None]
+    if group.rank == 0:
+        try:
+            box[0] = local()
+        except Error as e:
+            box[1] = (type(e).__name__, str(e))
+    group.step("share the resume point",
+               lambda: group.dist.broadcast_object_list(box, src=group.globals[0], group=group.group))
+    if box[1] is not None:
+        import ckptfs  # noqa: PLC0415
+
+        raise getattr(ckptfs, box[1][0], CollectiveError)(box[1][1])
+    return box[0]
