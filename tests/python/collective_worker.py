@@ -13,6 +13,10 @@ process_group=), run by test_collective.py, one process per rank over gloo
         loads this rank's part of LAYOUT (any world size) through the group,
         checks every element, prints {"fetched": stored bytes this rank read
         from the store, "chunks": chunks read} as JSON.
+    collective_worker.py dcp-load REPO NAME - [alone]
+        dcp.load of full() into DTensors (Replicate x Shard(0) on a 2 x N/2
+        mesh) through ckptfs.torch.StorageReader with the process group
+        ("alone": without it); prints the stored bytes it fetched.
     collective_worker.py resume REPO - -
         resume_point("latest") and resume_point("no-such") through the group,
         with only rank 0 allowed to ask the repository; prints the answers.
@@ -101,6 +105,24 @@ def main():
             missing = f"NotFoundError: {e}"
         print(json.dumps({"latest": latest and latest["name"], "step": latest and latest["step"],
                           "missing": missing}))
+        leave()
+    if action == "dcp-load":
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: PLC0415
+
+        from ckptfs.torch import StorageReader  # noqa: PLC0415
+
+        mesh = init_device_mesh("cpu", (2, world // 2))
+        want = full()
+        target = {k: distribute_tensor(torch.zeros_like(v), mesh, [Replicate(), Shard(0)]) for k, v in want.items()}
+        together = mode != "alone"
+        reader = StorageReader(repo_path, name, process_group=dist.group.WORLD if together else None, timeout=20)
+        dcp.load(target, storage_reader=reader)
+        for k, v in want.items():
+            assert torch.equal(target[k].full_tensor(), v), k
+        c = reader._repo.store_counters()
+        print(json.dumps({"fetched": c["stored_bytes_fetched"], "chunks": c["chunks_fetched"]}))
         leave()
     if action in ("save", "die-save"):
         values, shards = part(layout, rank, world)

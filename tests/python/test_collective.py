@@ -130,6 +130,15 @@ class Collective(CkptTestCase):
         self.use_s3()
         self.round_trip("hsdp")
 
+    def test_dcp_load_through_the_storage_reader_fetches_each_region_once(self):
+        self.job(WORLD, "save", "d", "hsdp")
+        stored = self.stored_bytes("d")["referenced_bytes"]
+        together = [json.loads(x) for x in self.job(WORLD, "dcp-load", "d", "-")]
+        alone = [json.loads(x) for x in self.job(WORLD, "dcp-load", "d", "-", "alone")]
+        self.assertLessEqual(sum(g["fetched"] for g in together), 1.05 * stored, together)
+        # Without the group, each of the 2 replica groups fetches it all.
+        self.assertGreater(sum(g["fetched"] for g in alone), 1.9 * stored, alone)
+
     def test_rank_0_resolves_the_resume_point_for_every_rank(self):
         self.assertEqual({x for x in self.job(WORLD, "resume", "-", "-")},
                          {json.dumps({"latest": None, "step": None, "missing": "NotFoundError: no committed "

@@ -161,17 +161,22 @@ def load(repo, name: str, targets: Mapping[str, Any], shards: Mapping[str, Any],
          progress=None) -> Dict[str, Any]:
     """Fills `targets` (this rank's) with every distinct region fetched once
     across the group. Returns the plan's figures."""
+    return load_items(repo, name, [(k, t, shards.get(k)) for k, t in targets.items()], group, progress)
+
+
+def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group, progress=None) -> Dict[str, Any]:
+    """As load, for a list of (tensor name, target tensor, shard or None):
+    one tensor may come several times (DCP's read items)."""
     from . import _nbytes, _read_value, _torch, _writable_mappings  # noqa: PLC0415
 
     torch = _torch()
-    keys = list(targets)
     error = None
     entries: List[tuple] = []
     try:
-        entries = [_entry(k, targets[k], shards.get(k), k in shards) for k in keys]
-        for k in keys:
-            if not torch.is_tensor(targets[k]):
-                raise InvalidArgumentError(f"target '{k}': a collective load fills torch tensors")
+        entries = [_entry(key, target, shard, shard is not None) for key, target, shard in items]
+        for key, target, _shard in items:
+            if not torch.is_tensor(target):
+                raise InvalidArgumentError(f"target '{key}': a collective load fills torch tensors")
     except Error as e:
         error = str(e)
     group.agree("describe the targets", error)
@@ -179,9 +184,8 @@ def load(repo, name: str, targets: Mapping[str, Any], shards: Mapping[str, Any],
     routes, unique, needed, per_rank = _core.plan_load(gathered)
     me = group.rank
     # Fetch what this rank reads, into its own targets.
-    reader = None
     error = None
-    total = sum(_nbytes(t) for t in targets.values()) if progress else 0
+    total = sum(_nbytes(t) for _k, t, _s in items) if progress else 0
     done = 0
     try:
         reader = repo._repo.open_checkpoint(name)
@@ -189,11 +193,10 @@ def load(repo, name: str, targets: Mapping[str, Any], shards: Mapping[str, Any],
         for r, _bytes, needers in routes:
             if r != me:
                 continue
-            idx = next(i for rank, i in needers if rank == me)
-            key = keys[idx]
-            _read_value(reader, key, targets[key], shards.get(key), mappings)
+            key, target, shard = items[next(i for rank, i in needers if rank == me)]
+            _read_value(reader, key, target, shard, mappings)
             if progress:
-                done += _nbytes(targets[key])
+                done += _nbytes(target)
                 progress(done, total)
     except Error as e:
         error = str(e)
@@ -218,12 +221,12 @@ def load(repo, name: str, targets: Mapping[str, Any], shards: Mapping[str, Any],
                 continue
             if r == me:
                 idx = next(i for rank, i in needers if rank == me)
-                buf, _ = wire(targets[keys[idx]])
+                buf, _ = wire(items[idx][1])
                 for rank in ranks:
                     works.append(dist.isend(buf, dst=group.globals[rank], group=group.group, tag=tag))
             else:
                 idx = next(i for rank, i in needers if rank == me)
-                buf, back = wire(targets[keys[idx]])
+                buf, back = wire(items[idx][1])
                 works.append(dist.irecv(buf, src=group.globals[r], group=group.group, tag=tag))
                 if back is not None:
                     staged.append((back, buf))
@@ -231,6 +234,11 @@ def load(repo, name: str, targets: Mapping[str, Any], shards: Mapping[str, Any],
             w.wait()
         for target, buf in staged:
             target.copy_(buf.view(target.dtype).reshape(target.shape))
+        # A region this rank needs twice was filled once: copy it over.
+        for _r, _size, needers in routes:
+            mine = [i for rank, i in needers if rank == me]
+            for i in mine[1:]:
+                items[i][1].copy_(items[mine[0]][1])
 
     group.step("deliver the fetched regions", deliver)
     if progress:

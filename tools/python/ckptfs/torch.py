@@ -234,16 +234,22 @@ class StorageReader(_ReaderBase):
     instead, so one reader serves every step."""
 
     def __init__(self, url: Union[str, os.PathLike], name: Optional[str] = None, *,
-                 cache_dir: Optional[Union[str, os.PathLike]] = None):
+                 cache_dir: Optional[Union[str, os.PathLike]] = None, process_group: Any = None,
+                 timeout: Optional[float] = None):
         if _REASON is not None:
             raise UnsupportedError(_REASON)
         super().__init__()
         self.url = os.fspath(url)
         self.name = name
         self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
+        # With a process group, read_data is collective (ckptfs.collective):
+        # each distinct region is fetched by one rank and sent to the others.
+        self.process_group = process_group
+        self.timeout = timeout
         self._repo = ckptfs.open(self.url, cache_dir=self.cache_dir)
 
     def __getstate__(self):
+        # A process group does not travel: an unpickled reader reads alone.
         return {"url": self.url, "name": self.name, "cache_dir": self.cache_dir}
 
     def __setstate__(self, state):
@@ -288,6 +294,7 @@ class StorageReader(_ReaderBase):
     def read_data(self, plan, planner):
         reader = self._repo._repo.open_checkpoint(self.name)
         mappings = _writable_mappings()
+        together = []  # (item, tensor name, target, box) for a collective read
         for item in plan.items:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
@@ -300,8 +307,21 @@ class StorageReader(_ReaderBase):
             if tuple(target.shape) != tuple(item.lengths):
                 raise ckptfs.InvalidArgumentError(
                     f"DCP asked for {list(item.lengths)} elements of '{fqn}' into a target of shape {list(target.shape)}")
-            _read_value(reader, fqn, target, ckptfs.Box(tuple(shape), offsets), mappings)
+            box = ckptfs.Box(tuple(shape), offsets)
+            if self.process_group is not None:
+                together.append((item, fqn, target, box))
+                continue
+            _read_value(reader, fqn, target, box, mappings)
             planner.commit_tensor(item, target)
+        if self.process_group is not None:
+            from . import collective  # noqa: PLC0415
+
+            group = collective._Group(self.process_group,
+                                      collective.DEFAULT_TIMEOUT if self.timeout is None else self.timeout,
+                                      f"dcp.load of '{self.name}'")
+            collective.load_items(self._repo, self.name, [(fqn, t, box) for _i, fqn, t, box in together], group)
+            for item, _fqn, target, _box in together:
+                planner.commit_tensor(item, target)
         future = Future()
         future.set_result(None)
         return future
