@@ -241,6 +241,17 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
   } else {
     CKPT_RETURN_IF_ERROR(claimed);
   }
+  // A rank that saw every rank in, but claims only after the committer has
+  // published the manifest, tidied the rank objects and let go of its
+  // claim, holds a claim to a checkpoint that is already committed: it is
+  // done, and must not merge rank objects that are gone.
+  const std::string manifest_key = keys::ManifestObject(name);
+  auto published = store.Size(manifest_key);
+  if (published.ok()) {
+    (void)store.Delete(claim_key);
+    return Status::OK();
+  }
+  if (!published.status().IsNotFound()) return published.status();
   // A commit that fails from here on (the ranks' shards disagree, the store
   // fails) takes its rank object and its claim back, as a failed commit
   // of a local repository leaves its rank out: the checkpoint stays
@@ -250,7 +261,6 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
     (void)store.Delete(claim_key);
     return st;
   };
-  const std::string manifest_key = keys::ManifestObject(name);
   auto manifest = MergeStoredRanks(rank);
   if (!manifest.ok()) return fail(manifest.status());
   if (Status held = rank.store_lock->Check(); !held.ok()) return fail(held);
