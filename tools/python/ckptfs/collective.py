@@ -107,8 +107,11 @@ def _entry(key: str, value, shard, sharded: bool) -> tuple:
         return (key, [], "blob", [], [], 0, value.nbytes if isinstance(value, memoryview) else len(value))
     memory = _source_memory(value, f"'{key}'")
     global_shape, kind, offsets, start = _region(shard if sharded else None, memory, f"'{key}'")
-    return (key, [int(d) for d in global_shape], kind, [int(d) for d in memory.shape], [int(o) for o in offsets],
-            int(start), int(memory.nbytes))
+    # The dtype is part of the region's identity: ranks giving one tensor
+    # different dtypes are not replicas (the commit refuses them; a load
+    # fills each from the store).
+    return (f"{key}\0{memory.dtype}", [int(d) for d in global_shape], kind, [int(d) for d in memory.shape],
+            [int(o) for o in offsets], int(start), int(memory.nbytes))
 
 
 def _digest(value) -> str:
@@ -151,7 +154,8 @@ def plan_save(state_dict: Mapping[str, Any], shards: Mapping[str, Any], group: _
                 region = (e[0], tuple(e[1]), e[2], tuple(e[3]), tuple(e[4]), e[5])
                 first = seen.setdefault(region, (r, d))
                 if first[1] != d:
-                    raise CollectiveError(f"{group.what}: the replicas of '{e[0]}' differ: rank {first[0]} and rank "
+                    raise CollectiveError(f"{group.what}: the replicas of '{e[0].split(chr(0))[0]}' differ: rank "
+                                          f"{first[0]} and rank "
                                           f"{r} hold different bytes for the same region")
     skip = {k for k, put in zip(keys, mine) if not put}
     return skip, {"unique_bytes": unique, "held_bytes": held, "bytes_per_rank": list(per_rank)}
