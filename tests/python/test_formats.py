@@ -387,6 +387,23 @@ class TorchSaveFiles(unittest.TestCase):
         self.assertEqual(len(str(e.exception).splitlines()), 1)
         self.assertEqual(self.repo.checkpoints(include_pending=True), [])
 
+    def test_a_python_without_the_package_gets_one_line_saying_what_to_install(self):
+        path = os.path.join(self.tmp, "state.pt")
+        torch.save({"w": torch.zeros(2)}, path)
+        bare = os.path.join(self.tmp, "bare-python")
+        with open(bare, "w") as f:  # a Python that finds no ckptfs
+            f.write("#!/bin/sh\nexec /usr/bin/python3 -I \"$@\"\n")  # Debian's, without ckptfs
+        os.chmod(bare, 0o755)
+        env = dict(os.environ, CKPT_REPO=os.path.join(self.tmp, "repo"), CKPT_PYTHON=bare)
+        p = subprocess.run([CKPT, "import", "t", path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                           timeout=120)
+        err = p.stderr.decode().strip()
+        self.assertEqual(p.returncode, 1, err)
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertIn("cannot import ckptfs", err)
+        self.assertIn("torch build your training uses", err)
+        self.assertEqual(self.repo.checkpoints(include_pending=True), [])
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -47,8 +47,8 @@ const CommandSpec kImport{
     "files, as dcp.save with FileSystemWriter and Megatron-Core's torch_dist write)\n"
     "or a torch.save file is read with torch's own readers through the Python\n"
     "package ckptfs ($CKPT_PYTHON, else the python3 beside ckpt, else python3 on\n"
-    "PATH; it needs torch: pip install\n"
-    "'ckptfs[torch]'): each saved DCP chunk becomes a box shard, non-tensor items\n"
+    "PATH; it needs torch, the build your training uses, installed there): each\n"
+    "saved DCP chunk becomes a box shard, non-tensor items\n"
     "blobs. DCP's .metadata is a pickle, trusted as dcp.load trusts it: look first\n"
     "with --dry-run, which lists what would be imported and writes nothing.",
     {{"step", 0, true, false, "N", "training step of the checkpoint"},

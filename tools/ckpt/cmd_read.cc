@@ -114,9 +114,10 @@ const CommandSpec kExport{
     "--format dcp: OUT is a directory that dcp.load with FileSystemReader loads at any\n"
     "world size. --format torch: OUT is a directory holding model.pt, one torch.save\n"
     "file of the state dict. These three are written by the Python package with torch\n"
-    "($CKPT_PYTHON, else the python3 beside ckpt; pip install 'ckptfs[torch]') into\n"
-    "OUT.ckpt-export-partial, each file durable, and renamed to OUT when complete; run\n"
-    "the same command again to resume an interrupted one, or add --clean to start over.",
+    "($CKPT_PYTHON, else the python3 beside ckpt, with the torch your training uses)\n"
+    "into OUT.ckpt-export-partial, each file durable, and renamed to OUT when complete;\n"
+    "run the same command again to resume an interrupted one, or add --clean to start\n"
+    "over.",
     {{"force", 'f', false, false, "", "overwrite OUT if it exists (safetensors only)"},
      {"format", 0, true, false, "FORMAT", "safetensors (default), hf, dcp or torch"},
      {"max-shard-size", 0, true, false, "SIZE", "hf: largest shard file, as Hugging Face counts (default 5GB)"},

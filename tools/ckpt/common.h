@@ -47,7 +47,7 @@ void PrintJson(const Json& j);
 // formats read or written with torch (DCP, torch.save). The Python is
 // $CKPT_PYTHON, else the python3 beside this ckpt (a virtual environment's
 // bin/), else python3 on PATH; one that cannot import ckptfs gets one line
-// naming `what` and `pip install 'ckptfs[torch]'` (exit 1). The command's
+// naming `what` and what to install (exit 1). The command's
 // progress mode is passed on as --progress=auto|on|json|off after ARGS[0].
 int ExecPythonFormats(const std::string& what, const std::vector<std::string>& args);
 

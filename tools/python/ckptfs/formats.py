@@ -78,7 +78,7 @@ def _torch():
         import torch  # noqa: PLC0415
     except ImportError:
         raise UnsupportedError("this format is read with torch, which is not installed here: "
-                               "install the torch build your training uses, or pip install 'ckptfs[torch]'") from None
+                               "install the torch build your training uses (CPU or its CUDA release) in this environment") from None
     return torch
 
 
