@@ -89,32 +89,6 @@ uint32_t LeastLoaded(const std::vector<std::pair<std::string, Ref>>& refs, const
 
 }  // namespace
 
-SaveOwners AssignSaveOwners(const std::vector<std::vector<PlanEntry>>& ranks) {
-  SaveOwners out;
-  out.put.resize(ranks.size());
-  for (size_t r = 0; r < ranks.size(); ++r) out.put[r].assign(ranks[r].size(), 0);
-  out.bytes_per_rank.assign(ranks.size(), 0);
-  std::vector<std::pair<std::string, Ref>> refs;
-  std::vector<Group> groups;
-  GroupEntries(ranks, &refs, &groups);
-  for (const Group& g : groups) {
-    const uint32_t owner = LeastLoaded(refs, g, out.bytes_per_rank);
-    // A rank holding the same region twice puts it once.
-    bool put = false;
-    for (size_t k = g.first; k < g.first + g.count; ++k) {
-      const Ref& ref = refs[k].second;
-      out.held_bytes += ranks[ref.rank][ref.index].bytes;
-      if (ref.rank == owner && !put) {
-        out.put[ref.rank][ref.index] = 1;
-        put = true;
-      }
-    }
-    out.bytes_per_rank[owner] += g.bytes;
-    out.unique_bytes += g.bytes;
-  }
-  return out;
-}
-
 LoadRoutes AssignLoadReaders(const std::vector<std::vector<PlanEntry>>& ranks) {
   LoadRoutes out;
   out.bytes_per_rank.assign(ranks.size(), 0);
@@ -136,6 +110,27 @@ LoadRoutes AssignLoadReaders(const std::vector<std::vector<PlanEntry>>& ranks) {
     out.unique_bytes += g.bytes;
     out.routes.push_back(std::move(route));
   }
+  return out;
+}
+
+// The same assignment as a load's: each distinct region's reader is its
+// owner, and puts it once (a rank holding it twice puts the first).
+SaveOwners AssignSaveOwners(const std::vector<std::vector<PlanEntry>>& ranks) {
+  LoadRoutes routes = AssignLoadReaders(ranks);
+  SaveOwners out;
+  out.put.resize(ranks.size());
+  for (size_t r = 0; r < ranks.size(); ++r) out.put[r].assign(ranks[r].size(), 0);
+  for (const LoadRoute& route : routes.routes) {
+    for (const auto& [rank, index] : route.needers) {
+      if (rank == route.reader) {
+        out.put[rank][index] = 1;
+        break;
+      }
+    }
+  }
+  out.bytes_per_rank = std::move(routes.bytes_per_rank);
+  out.unique_bytes = routes.unique_bytes;
+  out.held_bytes = routes.needed_bytes;
   return out;
 }
 

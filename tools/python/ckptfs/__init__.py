@@ -494,8 +494,7 @@ class Repository:
         if process_group is not None:
             from . import collective  # noqa: PLC0415
 
-            group = collective._Group(process_group, collective.DEFAULT_TIMEOUT if timeout is None else timeout,
-                                      f"collective save of '{name}'")
+            group = collective._Group(process_group, timeout, f"collective save of '{name}'")
             if (rank, world_size) not in ((0, 1), (group.rank, group.size)):
                 raise InvalidArgumentError(f"rank {rank} of {world_size} disagrees with the process group "
                                            f"(rank {group.rank} of {group.size}); leave them out")
@@ -595,8 +594,7 @@ class Repository:
         if process_group is not None:
             from . import collective  # noqa: PLC0415
 
-            group = collective._Group(process_group, collective.DEFAULT_TIMEOUT if timeout is None else timeout,
-                                      f"collective load of '{name}'")
+            group = collective._Group(process_group, timeout, f"collective load of '{name}'")
             collective.load(self, name, targets, shards, group, progress)
             return targets
         reader = self._repo.open_checkpoint(name)
@@ -638,8 +636,7 @@ class Repository:
 
         group = None
         if process_group is not None:
-            group = collective._Group(process_group, collective.DEFAULT_TIMEOUT if timeout is None else timeout,
-                                      f"resume point '{which}'")
+            group = collective._Group(process_group, timeout, f"resume point '{which}'")
         return collective.resume_point(self, which, group)
 
     def store_counters(self) -> Dict[str, int]:

@@ -54,7 +54,8 @@ class _Group:
     """The ranks of the caller's process group, and a gloo group of the same
     ranks (with the timeout) for ckptfs's own exchanges."""
 
-    def __init__(self, process_group, timeout: float, what: str):
+    def __init__(self, process_group, timeout: Optional[float], what: str):
+        timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         dist = _dist()
         self.dist, self.what = dist, what
         self.user = process_group if process_group is not None else dist.group.WORLD
@@ -64,15 +65,15 @@ class _Group:
             raise InvalidArgumentError(f"{what}: this process is not a member of the process group")
         key = (id(self.user), float(timeout))
         group = _groups.get(key)
+        # Group ranks as global ranks, for point-to-point sends.
+        self.globals = dist.get_process_group_ranks(self.user)
         if group is None:
-            ranks = dist.get_process_group_ranks(self.user)
             # Only the members make it (use_local_synchronization), so a
             # subgroup of a larger job works too.
-            group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout),
+            group = dist.new_group(ranks=self.globals, backend="gloo", timeout=datetime.timedelta(seconds=timeout),
                                    use_local_synchronization=True)
             _groups[key] = group
         self.group = group
-        self.globals = dist.get_process_group_ranks(self.user)
 
     def step(self, name: str, fn):
         """Runs collective step `name`; a failure (a timeout, a rank gone)
@@ -146,17 +147,15 @@ def plan_save(state_dict: Mapping[str, Any], shards: Mapping[str, Any], group: _
     gathered = group.all_gather("gather the save plans", entries)
     mine, unique, held, per_rank = _core.plan_save(gathered, group.rank)
     if verify_replicas:
-        digests = [_digest(state_dict[k]) for k in keys]
-        every = group.all_gather("gather the replica digests", digests)
-        seen: Dict[tuple, Tuple[int, str]] = {}
-        for r, (ents, digs) in enumerate(zip(gathered, every)):
-            for e, d in zip(ents, digs):
-                region = (e[0], tuple(e[1]), e[2], tuple(e[3]), tuple(e[4]), e[5])
-                first = seen.setdefault(region, (r, d))
-                if first[1] != d:
-                    raise CollectiveError(f"{group.what}: the replicas of '{e[0].split(chr(0))[0]}' differ: rank "
-                                          f"{first[0]} and rank "
-                                          f"{r} hold different bytes for the same region")
+        every = group.all_gather("gather the replica digests", [_digest(state_dict[k]) for k in keys])
+        # The engine's grouping of equal regions (a load plan's routes)
+        # says which entries are replicas of each other.
+        for _reader, _size, holders in _core.plan_load(gathered)[0]:
+            (r0, i0), digest = holders[0], every[holders[0][0]][holders[0][1]]
+            for r, i in holders[1:]:
+                if every[r][i] != digest:
+                    raise CollectiveError(f"{group.what}: the replicas of '{gathered[r][i][0].split(chr(0))[0]}' "
+                                          f"differ: rank {r0} and rank {r} hold different bytes for the same region")
     skip = {k for k, put in zip(keys, mine) if not put}
     return skip, {"unique_bytes": unique, "held_bytes": held, "bytes_per_rank": list(per_rank)}
 
@@ -191,13 +190,15 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
     error = None
     total = sum(_nbytes(t) for _k, t, _s in items) if progress else 0
     done = 0
+    # This rank's entries on each route (usually none or one).
+    mine = [[i for rank, i in needers if rank == me] for _r, _size, needers in routes]
     try:
         reader = repo._repo.open_checkpoint(name)
         mappings = _writable_mappings()
-        for r, _bytes, needers in routes:
+        for (r, _size, _needers), entries_here in zip(routes, mine):
             if r != me:
                 continue
-            key, target, shard = items[next(i for rank, i in needers if rank == me)]
+            key, target, shard = items[entries_here[0]]
             _read_value(reader, key, target, shard, mappings)
             if progress:
                 done += _nbytes(target)
@@ -219,18 +220,14 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
         return buf, t
 
     def deliver():
-        for tag, (r, size, needers) in enumerate(routes):
-            ranks = [rank for rank, _ in needers if rank != r]
-            if size == 0 or not ranks or (r != me and me not in ranks):
+        for tag, ((r, size, needers), entries_here) in enumerate(zip(routes, mine)):
+            if size == 0 or not entries_here:
                 continue
+            buf, back = wire(items[entries_here[0]][1])
             if r == me:
-                idx = next(i for rank, i in needers if rank == me)
-                buf, _ = wire(items[idx][1])
-                for rank in ranks:
+                for rank in sorted({rank for rank, _ in needers if rank != me}):
                     works.append(dist.isend(buf, dst=group.globals[rank], group=group.group, tag=tag))
             else:
-                idx = next(i for rank, i in needers if rank == me)
-                buf, back = wire(items[idx][1])
                 works.append(dist.irecv(buf, src=group.globals[r], group=group.group, tag=tag))
                 if back is not None:
                     staged.append((back, buf))
@@ -239,10 +236,9 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
         for target, buf in staged:
             target.copy_(buf.view(target.dtype).reshape(target.shape))
         # A region this rank needs twice was filled once: copy it over.
-        for _r, _size, needers in routes:
-            mine = [i for rank, i in needers if rank == me]
-            for i in mine[1:]:
-                items[i][1].copy_(items[mine[0]][1])
+        for entries_here in mine:
+            for i in entries_here[1:]:
+                items[i][1].copy_(items[entries_here[0]][1])
 
     group.step("deliver the fetched regions", deliver)
     if progress:

@@ -127,7 +127,7 @@ def _dcp_plan(path: str):
             blobs.append({"name": fqn, "bytes": 0})
             continue
         dtype = _dtype_name(m.properties.dtype)
-        item = _torch().empty((), dtype=m.properties.dtype).element_size()
+        item = m.properties.dtype.itemsize
         total = 1
         for s in m.size:
             total *= int(s)
@@ -270,7 +270,7 @@ def _import_dcp(writer, path: str, reader, metadata, advance: Callable[[int], No
                 mapped = maps[rel][0]
                 n = numel(chunk)
                 mapped.madvise(mmap.MADV_WILLNEED, at - at % mmap.PAGESIZE,
-                               at % mmap.PAGESIZE + n * torch.empty((), dtype=dtype).element_size())
+                               at % mmap.PAGESIZE + n * dtype.itemsize)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # a read-only buffer: the engine only reads it
                     tensor = torch.frombuffer(mapped, dtype=dtype, count=n, offset=at)
@@ -757,7 +757,7 @@ class _ExportTensors:
         return count
 
     def nbytes(self, n: str) -> int:
-        return self.numel(n) * _torch().empty((), dtype=self.dtype(n)).element_size()
+        return self.numel(n) * self.dtype(n).itemsize
 
 
 # DCP exports: data files of at most this many bytes, and as many as the
@@ -985,6 +985,21 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
     return {"out": out, "format": format, "files": files, "bytes": total_bytes, "resumed_files": resumed}
 
 
+def _in_repository(args, label: str, work) -> Optional[Dict[str, Any]]:
+    """Opens args.repo and runs work(repo, progress), drawing progress on
+    stderr as the ckpt command does; None after printing the error line."""
+    try:
+        repo = ckptfs.open(args.repo, cache_dir=args.cache_dir)
+        shown = _Progress(label, args.progress)
+        try:
+            return work(repo, shown)
+        finally:
+            shown.finish()
+    except (ckptfs.Error, OSError) as e:
+        print(f"ckpt: error: {e}", file=sys.stderr)
+        return None
+
+
 def _main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="ckpt import", description="Import a DCP directory or a torch.save file.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -1011,20 +1026,10 @@ def _main(argv: Sequence[str]) -> int:
     exp.add_argument("out")
     args = parser.parse_args(argv)
     if args.command == "export":
-        try:
-            repo = ckptfs.open(args.repo, cache_dir=args.cache_dir)
-            shown = _Progress(f"export {args.name}", args.progress)
-            try:
-                done = export_checkpoint(repo, args.name, args.out, format=args.format,
-                                         max_shard_size=args.max_shard_size, dtype=args.dtype, clean=args.clean,
-                                         progress=shown)
-            finally:
-                shown.finish()
-        except ckptfs.Error as e:
-            print(f"ckpt: error: {e}", file=sys.stderr)
-            return 1
-        except OSError as e:
-            print(f"ckpt: error: {e}", file=sys.stderr)
+        done = _in_repository(args, f"export {args.name}", lambda repo, progress: export_checkpoint(
+            repo, args.name, args.out, format=args.format, max_shard_size=args.max_shard_size, dtype=args.dtype,
+            clean=args.clean, progress=progress))
+        if done is None:
             return 1
         if args.json:
             print(json.dumps(done, indent=2))
@@ -1040,16 +1045,9 @@ def _main(argv: Sequence[str]) -> int:
             print(f"ckpt: error: --tag must be KEY=VALUE, not '{t}'", file=sys.stderr)
             return 2
         tags[key] = value
-    try:
-        repo = ckptfs.open(args.repo, cache_dir=args.cache_dir)
-        shown = _Progress(f"import {args.name}", args.progress)
-        try:
-            out = import_checkpoint(repo, args.name, args.path, step=args.step, tags=tags, dry_run=args.dry_run,
-                                    progress=shown)
-        finally:
-            shown.finish()
-    except ckptfs.Error as e:
-        print(f"ckpt: error: {e}", file=sys.stderr)
+    out = _in_repository(args, f"import {args.name}", lambda repo, progress: import_checkpoint(
+        repo, args.name, args.path, step=args.step, tags=tags, dry_run=args.dry_run, progress=progress))
+    if out is None:
         return 1
     if args.json:
         print(json.dumps(out, indent=2))

@@ -316,9 +316,7 @@ class StorageReader(_ReaderBase):
         if self.process_group is not None:
             from . import collective  # noqa: PLC0415
 
-            group = collective._Group(self.process_group,
-                                      collective.DEFAULT_TIMEOUT if self.timeout is None else self.timeout,
-                                      f"dcp.load of '{self.name}'")
+            group = collective._Group(self.process_group, self.timeout, f"dcp.load of '{self.name}'")
             collective.load_items(self._repo, self.name, [(fqn, t, box) for _i, fqn, t, box in together], group)
             for item, _fqn, target, _box in together:
                 planner.commit_tensor(item, target)
