@@ -265,8 +265,13 @@ Status PreparedImport::PutInto(CheckpointWriter& writer, const ProgressFn& progr
       if (stop()) return kCancelled;
       const SafetensorsTensor& t = f.header().tensors[shard.tensor];
       TensorInfo info{t.name, t.dtype, shard.global_shape};
-      HostSource source(f.Data(t));
-      Status st = writer.PutShard(info, shard.region, source);
+      // Lent from the mapping: the writer's threads keep it while they
+      // work, so the next tensor is put without waiting for this one.
+      std::span<const std::byte> data = f.Data(t);
+      auto source = MappedSource::Make(f.mapping(), static_cast<uint64_t>(data.data() - f.mapping()->bytes().data()),
+                                       data.size());
+      if (!source.ok()) return source.status();
+      Status st = writer.PutShard(info, shard.region, *source);
       if (!st.ok()) return st.WithContext(f.path());
       done += t.end - t.begin;
       if (progress) progress(done, total_);

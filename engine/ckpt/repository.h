@@ -50,6 +50,7 @@
 #include "core/fork.h"
 #include "core/region.h"
 #include "core/status.h"
+#include "io/mapped_file.h"
 #include "meta/records.h"
 
 namespace ckptfs {
@@ -155,6 +156,26 @@ class HostSource final : public ShardSource {
   const std::byte* HostData() const override { return data_.data(); }
 
  private:
+  std::span<const std::byte> data_;
+};
+
+// A ShardSource over bytes of a mapped file, which it lends to the writer:
+// the writer's threads keep the mapping while they hash and encode them, so
+// PutShard returns without waiting for them, and a caller putting many
+// shards keeps every thread busy.
+class MappedSource final : public ShardSource {
+ public:
+  // Bytes [offset, offset + size) of `file`; InvalidArgument from Make when
+  // they are not inside it.
+  static Result<MappedSource> Make(std::shared_ptr<const MappedFile> file, uint64_t offset, uint64_t size);
+  uint64_t size() const override { return data_.size(); }
+  Status Read(uint64_t offset, std::span<std::byte> dst) override;
+  Result<BorrowedBytes> Borrow(uint64_t offset, uint64_t n) override;
+
+ private:
+  MappedSource(std::shared_ptr<const MappedFile> file, std::span<const std::byte> data)
+      : file_(std::move(file)), data_(data) {}
+  std::shared_ptr<const MappedFile> file_;
   std::span<const std::byte> data_;
 };
 

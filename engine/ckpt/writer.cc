@@ -31,6 +31,31 @@ Status HostSource::Read(uint64_t offset, std::span<std::byte> dst) {
   return Status::OK();
 }
 
+Result<MappedSource> MappedSource::Make(std::shared_ptr<const MappedFile> file, uint64_t offset, uint64_t size) {
+  if (!file) return Status::InvalidArgument("a mapped source needs a file");
+  if (offset > file->size() || size > file->size() - offset) {
+    return Status::InvalidArgument(file->path() + ": bytes [" + std::to_string(offset) + ", +" + std::to_string(size) +
+                                   ") are past its end (" + std::to_string(file->size()) + " bytes)");
+  }
+  std::span<const std::byte> data = file->bytes().subspan(offset, size);
+  return MappedSource(std::move(file), data);
+}
+
+Status MappedSource::Read(uint64_t offset, std::span<std::byte> dst) {
+  if (offset > data_.size() || dst.size() > data_.size() - offset) {
+    return Status::InvalidArgument("read past the end of a mapped source");
+  }
+  std::memcpy(dst.data(), data_.data() + offset, dst.size());
+  return Status::OK();
+}
+
+Result<BorrowedBytes> MappedSource::Borrow(uint64_t offset, uint64_t n) {
+  if (offset > data_.size() || n > data_.size() - offset) {
+    return Status::InvalidArgument("borrow past the end of a mapped source");
+  }
+  return BorrowedBytes{data_.subspan(offset, n), file_};
+}
+
 void CommitHandle::ReleaseFuture() {
   // In a forked child, the commit thread of the parent does not exist: the
   // future's state would wait for it forever (core/fork.h).

@@ -1,10 +1,5 @@
 #include "io/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 
@@ -147,51 +142,32 @@ Result<std::vector<SafetensorsShard>> ShardsOfSafetensors(const SafetensorsHeade
 }
 
 Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // a FIFO must not block here
-  if (fd < 0) return Status::FromErrno(errno, "opening " + path);
-  struct stat sb;
-  if (::fstat(fd, &sb) != 0) {
-    int err = errno;
-    ::close(fd);
-    return Status::FromErrno(err, "stat of " + path);
-  }
-  if (!S_ISREG(sb.st_mode)) {
-    ::close(fd);
-    return Status::InvalidArgument(path + " is not a regular file");
-  }
-  const uint64_t size = static_cast<uint64_t>(sb.st_size);
-  std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
-  f->path_ = path;
+  CKPT_ASSIGN_OR_RETURN(auto map, MappedFile::Open(path, /*sequential=*/true));
+  const uint64_t size = map->size();
   if (size < 8) {
-    ::close(fd);
     return Status::InvalidArgument(path + ": too short to be a safetensors file (" + std::to_string(size) + " bytes)");
   }
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  int err = errno;
-  ::close(fd);
-  if (map == MAP_FAILED) return Status::FromErrno(err, "mapping " + path);
-  f->map_ = static_cast<const std::byte*>(map);
-  f->map_size_ = size;
-  ::madvise(map, size, MADV_SEQUENTIAL);
+  std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
+  f->path_ = path;
+  f->map_ = std::move(map);
+  const std::byte* data = f->map_->bytes().data();
   uint64_t n;
-  std::memcpy(&n, f->map_, 8);
+  std::memcpy(&n, data, 8);
   if (n > kMaxSafetensorsHeader || n > size - 8) {
     return Status::InvalidArgument(path + ": bad header length " + std::to_string(n) + " (file has " +
                                    std::to_string(size) + " bytes)");
   }
-  auto header = ParseSafetensorsHeader(std::string_view(reinterpret_cast<const char*>(f->map_) + 8, n), size - 8 - n);
+  auto header = ParseSafetensorsHeader(std::string_view(reinterpret_cast<const char*>(data) + 8, n), size - 8 - n);
   if (!header.ok()) return header.status().WithContext(path);
   f->header_ = std::move(header).value();
   f->header_.data_offset = 8 + n;
   return f;
 }
 
-SafetensorsFile::~SafetensorsFile() {
-  if (map_) ::munmap(const_cast<std::byte*>(map_), map_size_);
-}
+SafetensorsFile::~SafetensorsFile() = default;
 
 std::span<const std::byte> SafetensorsFile::Data(const SafetensorsTensor& t) const {
-  return {map_ + header_.data_offset + t.begin, t.end - t.begin};
+  return map_->bytes().subspan(header_.data_offset + t.begin, t.end - t.begin);
 }
 
 namespace {

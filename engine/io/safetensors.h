@@ -16,6 +16,7 @@
 #include "core/dtype.h"
 #include "core/region.h"
 #include "core/status.h"
+#include "io/mapped_file.h"
 
 namespace ckptfs {
 
@@ -74,13 +75,14 @@ class SafetensorsFile {
   const SafetensorsHeader& header() const { return header_; }
   std::span<const std::byte> Data(const SafetensorsTensor& t) const;
   const std::string& path() const { return path_; }
+  // The mapping Data() points into, for sources that lend its bytes.
+  const std::shared_ptr<const MappedFile>& mapping() const { return map_; }
 
  private:
   SafetensorsFile() = default;
   std::string path_;
   SafetensorsHeader header_;
-  const std::byte* map_ = nullptr;
-  size_t map_size_ = 0;
+  std::shared_ptr<const MappedFile> map_;
 };
 
 // The layout of a safetensors file for the given tensors, in order: the

@@ -401,7 +401,23 @@ class TorchSaveFiles(unittest.TestCase):
         self.assertEqual(p.returncode, 1, err)
         self.assertEqual(len(err.splitlines()), 1, err)
         self.assertIn("cannot import ckptfs", err)
-        self.assertIn("torch build your training uses", err)
+        self.assertIn("pip install 'ckptfs[torch]'", err)
+        self.assertEqual(self.repo.checkpoints(include_pending=True), [])
+
+    def test_the_package_without_torch_says_which_extra_to_install(self):
+        path = os.path.join(self.tmp, "state.pt")
+        torch.save({"w": torch.zeros(2)}, path)
+        # The same Python, with torch made unimportable (None in sys.modules).
+        code = ("import sys; sys.modules['torch'] = None\n"
+                "import ckptfs, ckptfs.formats as f\n"
+                "try:\n"
+                "    f.import_checkpoint(ckptfs.open(sys.argv[1]), 't', sys.argv[2])\n"
+                "except ckptfs.UnsupportedError as e:\n"
+                "    print(e); sys.exit(3)\n")
+        p = subprocess.run([sys.executable, "-c", code, os.path.join(self.tmp, "repo"), path],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+        self.assertEqual(p.returncode, 3, p.stderr.decode())
+        self.assertIn("pip install 'ckptfs[torch]'", p.stdout.decode())
         self.assertEqual(self.repo.checkpoints(include_pending=True), [])
 
 

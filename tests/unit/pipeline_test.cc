@@ -2,10 +2,12 @@
 // compute pool, and a map standing in for "already stored"; no catalog, no
 // checkpoint, no commit.
 #include "ckpt/pipeline.h"
+#include "ckpt/repository.h"
 
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <set>
@@ -116,6 +118,69 @@ TEST(SavePipeline, ChunksHashesDeduplicatesEncodesAndPacksWithoutACatalog) {
   uint64_t packed = 0;
   for (const auto& s : *sealed) packed += s.size;
   EXPECT_GE(packed, stats.stored_bytes);
+}
+
+TEST(SavePipeline, BytesLentFromAMappedFileStayMappedUntilTheThreadsAreDone) {
+  Harness h;
+  testing::TempDir dir;
+  const std::string path = dir / "items";
+  const auto bytes = RandomBytes(4 * kChunk, 9);
+  {
+    std::ofstream out(path, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  }
+  const uint64_t at = 100, size = 3 * kChunk + 77;
+  SavePipeline p(h.settings);
+  std::vector<ChunkRef> refs;
+  const auto bounds = p.ChunkBounds(0, size);
+  {
+    auto file = MappedFile::Open(path);
+    ASSERT_OK(file);
+    EXPECT_EQ((*file)->size(), bytes.size());
+    auto src = MappedSource::Make(*file, at, size);
+    ASSERT_OK(src);
+    ASSERT_OK(p.Stream(bounds, DType::kU8, *src, refs));
+    // The caller's references go here, perhaps before the threads are
+    // done: the chunks they still read keep the file mapped.
+  }
+  p.Shutdown();
+  auto sealed = p.Finish();
+  ASSERT_OK(sealed);
+  auto back = ReadBack(*h.store, *sealed);
+  ASSERT_EQ(refs.size(), 4u);
+  for (size_t i = 0; i < refs.size(); ++i) {
+    std::vector<std::byte> want(bytes.begin() + at + bounds[i], bytes.begin() + at + bounds[i + 1]);
+    EXPECT_EQ(back[refs[i].id], want) << i;
+  }
+}
+
+TEST(SavePipeline, AMappedSourceOutsideItsFileOrOfNoRegularFileIsRefused) {
+  testing::TempDir dir;
+  const std::string path = dir / "small";
+  {
+    std::ofstream out(path, std::ios::binary);
+    out << "0123456789";
+  }
+  auto file = MappedFile::Open(path);
+  ASSERT_OK(file);
+  EXPECT_OK(MappedSource::Make(*file, 4, 6));
+  for (auto [at, n] : {std::pair<uint64_t, uint64_t>{4, 7}, {11, 0}, {1, UINT64_MAX}}) {
+    auto bad = MappedSource::Make(*file, at, n);
+    ASSERT_FALSE(bad.ok()) << at << " " << n;
+    EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(bad.status().message().find(path), std::string::npos) << bad.status().ToString();
+  }
+  auto directory = MappedFile::Open(dir.path());
+  ASSERT_FALSE(directory.ok());
+  EXPECT_NE(directory.status().message().find("not a regular file"), std::string::npos);
+  auto missing = MappedFile::Open(dir / "missing");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find(dir / "missing"), std::string::npos);
+  std::ofstream(dir / "empty").flush();
+  auto empty = MappedFile::Open(dir / "empty");
+  ASSERT_OK(empty);
+  EXPECT_EQ((*empty)->size(), 0u);
+  EXPECT_OK(MappedSource::Make(*empty, 0, 0));
 }
 
 TEST(SavePipeline, CompressibleChunksAreEncodedAndDecodeToTheirBytes) {

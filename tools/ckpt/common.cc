@@ -88,8 +88,8 @@ int ExecPythonFormats(const std::string& what, const std::vector<std::string>& a
   const std::string probe = "'" + python + "' -c 'import ckptfs.formats' >/dev/null 2>&1";
   if (python.find('\'') != std::string::npos || std::system(probe.c_str()) != 0) {
     return Fail(Status::Unsupported(what + ": that is done with torch through the Python package, and '" + python +
-                                    "' cannot import ckptfs (install ckptfs and the torch build your training uses there, or set CKPT_PYTHON to a "
-                                    "Python that has ckptfs and torch)"));
+                                    "' cannot import ckptfs (this format needs pip install 'ckptfs[torch]' there, or the torch build your "
+                                    "training uses beside ckptfs; or set CKPT_PYTHON to a Python that has both)"));
   }
   std::vector<std::string> argv = {python, "-m", "ckptfs.formats"};
   argv.insert(argv.end(), args.begin(), args.end());

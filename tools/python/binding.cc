@@ -256,6 +256,23 @@ class Writer {
     Check(Live().PutShard(info, region, source));
   }
 
+  // A shard whose bytes lie in a file, at [file_offset, file_offset +
+  // bytes): put from a read-only mapping that the engine's threads keep
+  // while they hash and encode it, so this returns without waiting for
+  // them and the next put keeps them busy. Each file is mapped once per
+  // writer.
+  void put_file(const std::string& name, const std::string& dtype, const Shape& shape, const std::string& kind,
+                const std::vector<uint64_t>& local_shape, const std::vector<uint64_t>& offsets, uint64_t start,
+                const std::string& path, uint64_t file_offset, uint64_t bytes) {
+    TensorInfo info{name, ParseDTypeOrThrow(dtype), shape};
+    Region region = MakeRegion(shape, kind, local_shape, offsets, start);
+    std::shared_ptr<const MappedFile>& file = mapped_[path];  // under the GIL
+    if (!file) file = Value(MappedFile::Open(path));
+    MappedSource source = Value(MappedSource::Make(file, file_offset, bytes));
+    py::gil_scoped_release nogil;
+    Check(Live().PutShard(info, region, source));
+  }
+
   void put_blob(const std::string& name, py::buffer data) {
     py::buffer_info b = data.request();
     // Any stride, including a 1-D or negative one, is refused: the bytes are
@@ -275,6 +292,7 @@ class Writer {
     const auto start = std::chrono::steady_clock::now();
     if (!writer_) throw StatusError{Status::FailedPrecondition("this save was already committed or aborted")};
     std::unique_ptr<CheckpointWriter> w = std::move(writer_);
+    mapped_.clear();  // jobs still reading a file keep its mapping
     auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
     // The background work keeps the repository open until it is done.
     std::shared_ptr<Repository> repo = repo_;
@@ -307,6 +325,7 @@ class Writer {
     if (writer_) writer_->Abort();
     writer_.reset();
     device_shards_.clear();
+    mapped_.clear();
   }
 
  private:
@@ -317,6 +336,7 @@ class Writer {
   std::shared_ptr<Repository> repo_;
   std::unique_ptr<CheckpointWriter> writer_;
   std::vector<std::pair<int, gpu::DeviceShard>> device_shards_;
+  std::map<std::string, std::shared_ptr<const MappedFile>> mapped_;
 };
 
 // ---- load ------------------------------------------------------------------------
@@ -763,6 +783,9 @@ PYBIND11_MODULE(_core, m) {
       .def("put", &Writer::put, py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("kind"),
            py::arg("local_shape"), py::arg("offsets"), py::arg("start"), py::arg("address"), py::arg("nbytes"),
            py::arg("device"))
+      .def("put_file", &Writer::put_file, py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("kind"),
+           py::arg("local_shape"), py::arg("offsets"), py::arg("start"), py::arg("path"), py::arg("file_offset"),
+           py::arg("bytes"))
       .def("put_blob", &Writer::put_blob, py::arg("name"), py::arg("data"))
       .def("commit", &Writer::commit, py::arg("snapshot"))
       .def("abort", &Writer::abort);

@@ -77,8 +77,9 @@ def _torch():
     try:
         import torch  # noqa: PLC0415
     except ImportError:
-        raise UnsupportedError("this format is read with torch, which is not installed here: "
-                               "install the torch build your training uses (CPU or its CUDA release) in this environment") from None
+        raise UnsupportedError("this format is read with torch, which is not installed here: it needs "
+                               "pip install 'ckptfs[torch]', or the torch build your training uses (CPU or its CUDA "
+                               "release) in this environment") from None
     return torch
 
 
@@ -204,8 +205,6 @@ def _import_dcp(writer, path: str, reader, metadata, advance: Callable[[int], No
     in their file (FileSystemWriter's layout) are put straight from a
     mapping of the file, which the engine's threads hash and encode in
     parallel; anything else is read through FileSystemReader.read_data."""
-    import mmap  # noqa: PLC0415
-    import warnings  # noqa: PLC0415
 
     torch = _torch()
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex  # noqa: PLC0415
@@ -234,14 +233,12 @@ def _import_dcp(writer, path: str, reader, metadata, advance: Callable[[int], No
                 direct.append((info.relative_path, info.offset, fqn, i, chunk, info))
     direct.sort(key=lambda d: (d[0], d[1]))
     files: Dict[str, Any] = {}
-    maps: Dict[str, Any] = {}
     try:
         for rel, _off, fqn, _i, _chunk, info in direct:
             if rel not in files:
                 files[rel] = open(os.path.join(path, rel), "rb")  # noqa: SIM115 - closed below
-                size = os.fstat(files[rel].fileno()).st_size
-                maps[rel] = (mmap.mmap(files[rel].fileno(), size, access=mmap.ACCESS_READ) if size else None, size)
-            if info.offset + info.length > maps[rel][1]:
+            size = os.fstat(files[rel].fileno()).st_size
+            if info.offset + info.length > size:
                 raise ckptfs.CorruptionError(f"{path}: cannot read the DCP data: {rel} ends before the item of "
                                              f"'{fqn}' at offset {info.offset} ({info.length} bytes); "
                                              "the file is truncated")
@@ -258,7 +255,9 @@ def _import_dcp(writer, path: str, reader, metadata, advance: Callable[[int], No
             return _raw_tensor_at(torch, files[rel], info, dtype, chunk.sizes) if numel(chunk) else None
 
         # Each item's layout is found (torch.load of its pickle, small reads)
-        # one item ahead, while the engine puts the one before.
+        # one item ahead. The engine maps each file once and its threads
+        # hash and encode the bytes in place, keeping the mapping while they
+        # work: a put returns at once and the next one keeps them busy.
         ahead = ThreadPoolExecutor(max_workers=1)
         try:
             for d, at in zip(direct, ahead.map(probe, direct)):
@@ -267,16 +266,12 @@ def _import_dcp(writer, path: str, reader, metadata, advance: Callable[[int], No
                     rest.append((fqn, i, chunk))
                     continue
                 dtype = metadata.state_dict_metadata[fqn].properties.dtype
-                mapped = maps[rel][0]
-                n = numel(chunk)
-                mapped.madvise(mmap.MADV_WILLNEED, at - at % mmap.PAGESIZE,
-                               at % mmap.PAGESIZE + n * dtype.itemsize)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # a read-only buffer: the engine only reads it
-                    tensor = torch.frombuffer(mapped, dtype=dtype, count=n, offset=at)
-                _put_value(writer, fqn, tensor.view(tuple(chunk.sizes)), box(fqn, chunk.offsets), True, kept)
-                advance(tensor.nbytes)
-                del tensor
+                nbytes = numel(chunk) * dtype.itemsize
+                b = box(fqn, chunk.offsets)
+                writer.put_file(fqn, _dtype_name(dtype), list(b.global_shape), "box",
+                                [int(s) for s in chunk.sizes], list(b.offsets), 0, os.path.join(path, rel), at,
+                                nbytes)
+                advance(nbytes)
         finally:
             ahead.shutdown(wait=True, cancel_futures=True)
     finally:
