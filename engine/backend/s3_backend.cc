@@ -890,10 +890,16 @@ Result<std::unique_ptr<Backend>> OpenS3Backend(const S3Location& location, const
   if (options.part_size < (5u << 20)) return Status::InvalidArgument("S3 part size must be at least 5 MiB");
   auto client = std::make_shared<S3Client>(location, options);
   // One cheap request, so that a wrong endpoint, bucket or key fails here
-  // with a clear line rather than at the first write.
-  CKPT_RETURN_IF_ERROR(
-      client->Call(MakeRequest("GET", client->BucketPath(), {{"list-type", "2"}, {"max-keys", "1"}}), "bucket")
-          .status());
+  // with a clear line rather than at the first write: a HEAD of the bucket,
+  // which lists nothing (every process of a job opens the store). A HEAD
+  // answer has no body to name the error: on a failure, a one-key listing
+  // asks for it.
+  auto head = client->Perform(MakeRequest("HEAD", client->BucketPath()));
+  if (!head.ok() || head->status < 200 || head->status >= 300) {
+    CKPT_RETURN_IF_ERROR(
+        client->Call(MakeRequest("GET", client->BucketPath(), {{"list-type", "2"}, {"max-keys", "1"}}), "bucket")
+            .status());
+  }
   return std::unique_ptr<Backend>(new S3Backend(std::move(client)));
 }
 

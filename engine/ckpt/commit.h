@@ -21,6 +21,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -96,6 +97,12 @@ class CommitProtocol {
   // `on_phase`, when given, hears what a long sync is doing.
   using PhaseFn = std::function<void(const std::string&)>;
   virtual Result<SyncReport> Sync(SyncScope scope = SyncScope::kCheckpoints, const PhaseFn& on_phase = {}) = 0;
+  // One checkpoints sync for a group of processes: one makes it and gets
+  // what it read, encoded (ShareSync); the others apply that (SyncFrom)
+  // instead of listing the store. Empty and no-op for the catalog's
+  // protocol, which has nothing to bring in.
+  virtual Result<std::string> ShareSync() = 0;
+  virtual Result<SyncReport> SyncFrom(std::string_view shared) = 0;
   // Reads the indexes of the packs the last sync listed but did not read,
   // so every chunk of every synced checkpoint has its location. Readers,
   // verify and du call it; no request when none is left.

@@ -61,6 +61,16 @@ class StoreCommit : public CommitProtocol {
     if (on_phase && scope == SyncScope::kReferences) on_phase("reading every reference from the store");
     return sync_.Sync(scope);
   }
+  Result<std::string> ShareSync() override {
+    StoreListing listing;
+    CKPT_RETURN_IF_ERROR(sync_.Sync(SyncScope::kCheckpoints, &listing).status());
+    return EncodeStoreListing(listing);
+  }
+  Result<SyncReport> SyncFrom(std::string_view shared) override {
+    auto listing = DecodeStoreListing(shared);
+    if (!listing.ok()) return listing.status().WithContext("the shared store listing");
+    return sync_.Sync(SyncScope::kCheckpoints, nullptr, &*listing);
+  }
   Status IndexPacks() override { return sync_.IndexPacks(); }
   // A packs-only sync, after which the catalog knows where gc on another
   // host moved chunks.

@@ -169,6 +169,16 @@ Status Repository::Refresh() {
   return impl_->protocol->Sync(SyncScope::kCheckpoints).status();
 }
 
+Result<std::string> Repository::ShareSync() {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
+  return impl_->protocol->ShareSync();
+}
+
+Status Repository::SyncFrom(std::string_view shared) {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
+  return impl_->protocol->SyncFrom(shared).status();
+}
+
 namespace {
 
 // A repository on an object store: ckptfs.json at the URL's location, the
@@ -429,7 +439,9 @@ Result<std::unique_ptr<Repository>> Repository::FinishOpen(std::unique_ptr<Repos
   impl->InitFetcher();
   impl->leases = std::make_unique<LeaseRegistry>(impl->state_dir, impl->remote ? impl->backend.get() : nullptr,
                                                  impl->lock_options);
-  CKPT_ASSIGN_OR_RETURN(impl->opening_sync, impl->protocol->Sync());
+  if (options.opening_sync) {
+    CKPT_ASSIGN_OR_RETURN(impl->opening_sync, impl->protocol->Sync());
+  }
   return std::unique_ptr<Repository>(new Repository(std::move(impl)));
 }
 

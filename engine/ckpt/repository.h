@@ -41,6 +41,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "backend/backend.h"
@@ -97,6 +98,10 @@ struct OpenOptions {
   // on that pool too. 0 = 16. (Last, as new fields go: code that lists the
   // first fields positionally keeps its meaning.)
   size_t io_threads = 0;
+  // Repositories on an object store: whether Open brings the catalog up to
+  // date with the store. Off for the processes of a job that apply the
+  // listing one of them shares (Repository::ShareSync and SyncFrom).
+  bool opening_sync = true;
 };
 
 // Open options as the command-line tool and the Python package take them
@@ -611,6 +616,15 @@ class Repository {
   // other hosts show. Open does it once; long-lived users (the mount) call
   // it to poll. OK and nothing to do for a local repository.
   Status Refresh();
+  // Refresh once for a group of processes (the ranks of a job): one calls
+  // ShareSync, which refreshes and returns what it listed and fetched
+  // (empty for a local repository), and passes it to the others, whose
+  // SyncFrom brings their catalogs to the same state without listing the
+  // store. A manifest a host's catalog lacks that the sharer already had is
+  // read by that host. Corruption naming the listing when `shared` is not
+  // what ShareSync returned.
+  Result<std::string> ShareSync();
+  Status SyncFrom(std::string_view shared);
   // The chunk-buffer pool's counters (allocations, reuses, bytes held): in
   // steady state reads and saves reuse buffers and allocate none.
   BufferPoolStats buffer_stats() const;

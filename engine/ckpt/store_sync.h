@@ -5,6 +5,8 @@
 
 #include <mutex>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "ckpt/commit.h"
@@ -14,10 +16,29 @@ namespace ckptfs {
 
 class RepositoryImpl;
 
+// What a checkpoints sync read from the store: its three listings and the
+// manifests it fetched. One process of a job makes it (Sync with
+// `capture`) and the others apply it (Sync with `given`): the store is
+// listed once for the job, not once per process.
+struct StoreListing {
+  std::vector<std::string> pending, manifests, packs;               // object keys
+  std::vector<std::pair<std::string, std::string>> manifest_objects;  // checkpoint name, object bytes
+};
+std::string EncodeStoreListing(const StoreListing& listing);
+// Corruption when `data` is not what EncodeStoreListing wrote.
+Result<StoreListing> DecodeStoreListing(std::string_view data);
+
 class StoreSync {
  public:
   explicit StoreSync(RepositoryImpl& repo) : repo_(repo) {}
-  Result<SyncReport> Sync(SyncScope scope);
+  // With `capture` (a checkpoints sync only), what was listed and fetched
+  // is kept there. With `given`, its listings are used instead of LISTs,
+  // and its manifest objects instead of GETs; a manifest the catalog lacks
+  // that `given` does not hold is read from the store. The known state is
+  // read when this runs, after `given` was listed: an object this host
+  // recorded in between looks removed and leaves the catalog until the
+  // next sync of this host lists it again (the store is not touched).
+  Result<SyncReport> Sync(SyncScope scope, StoreListing* capture = nullptr, const StoreListing* given = nullptr);
   Status IndexPacks();
 
  private:

@@ -26,6 +26,7 @@
 
 #include "ckpt/repository_impl.h"
 #include "ckpt/store_sync.h"
+#include "core/encoding.h"
 #include "core/thread_pool.h"
 #include "store/pack.h"
 
@@ -94,11 +95,64 @@ std::vector<Result<T>> FetchAll(RepositoryImpl& repo, size_t n, const std::funct
 
 }  // namespace
 
-Result<Manifest> ReadManifestObject(Backend& backend, const std::string& key, const std::string& name) {
-  CKPT_ASSIGN_OR_RETURN(std::string data, backend.ReadAll(key));
+namespace {
+Result<Manifest> DecodeManifestObject(std::string_view data, const std::string& name) {
   CKPT_ASSIGN_OR_RETURN(Manifest m, DecodeManifest(data));
   if (m.checkpoint.name != name) return Status::Corruption("it names checkpoint '" + m.checkpoint.name + "'");
   return m;
+}
+
+constexpr uint32_t kListingMagic = 0x4c4b4343;  // "CCKL"
+}  // namespace
+
+Result<Manifest> ReadManifestObject(Backend& backend, const std::string& key, const std::string& name) {
+  CKPT_ASSIGN_OR_RETURN(std::string data, backend.ReadAll(key));
+  return DecodeManifestObject(data, name);
+}
+
+std::string EncodeStoreListing(const StoreListing& listing) {
+  Encoder e;
+  e.U32(kListingMagic);
+  for (const auto* keys : {&listing.pending, &listing.manifests, &listing.packs}) {
+    e.Varint(keys->size());
+    for (const auto& k : *keys) e.String(k);
+  }
+  e.Varint(listing.manifest_objects.size());
+  for (const auto& [name, bytes] : listing.manifest_objects) {
+    e.String(name);
+    e.String(bytes);
+  }
+  return e.Take();
+}
+
+Result<StoreListing> DecodeStoreListing(std::string_view data) {
+  Decoder d(data);
+  uint32_t magic = 0;
+  CKPT_RETURN_IF_ERROR(d.U32(&magic));
+  if (magic != kListingMagic) return Status::Corruption("not a store listing");
+  StoreListing out;
+  // Each entry takes at least one byte: a count beyond what is left is
+  // refused before anything is reserved.
+  auto count = [&](uint64_t* n) -> Status {
+    CKPT_RETURN_IF_ERROR(d.Varint(n));
+    if (*n > d.remaining()) return Status::Corruption("a store listing's count exceeds its bytes");
+    return Status::OK();
+  };
+  for (auto* keys : {&out.pending, &out.manifests, &out.packs}) {
+    uint64_t n;
+    CKPT_RETURN_IF_ERROR(count(&n));
+    keys->resize(n);
+    for (auto& k : *keys) CKPT_RETURN_IF_ERROR(d.String(&k));
+  }
+  uint64_t n;
+  CKPT_RETURN_IF_ERROR(count(&n));
+  out.manifest_objects.resize(n);
+  for (auto& [name, bytes] : out.manifest_objects) {
+    CKPT_RETURN_IF_ERROR(d.String(&name));
+    CKPT_RETURN_IF_ERROR(d.String(&bytes));
+  }
+  if (!d.done()) return Status::Corruption("a store listing has trailing bytes");
+  return out;
 }
 
 Result<PendingRank> ReadPendingRank(Backend& backend, const std::string& name, uint32_t rank) {
@@ -123,14 +177,20 @@ std::string EncodePendingRank(const CheckpointRecord& header, const RankRecord& 
   return EncodeManifest(m);
 }
 
-Result<SyncReport> StoreSync::Sync(SyncScope scope) {
+Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const StoreListing* given) {
+  if ((capture || given) && scope != SyncScope::kCheckpoints) {
+    return Status::InvalidArgument("only a checkpoints sync is shared");
+  }
   std::lock_guard lock(mu_);
   LmdbEnv* catalog = repo_.catalog.get();
   Backend* backend = repo_.backend.get();
   const bool checkpoints = scope != SyncScope::kPacks;
   CKPT_ASSIGN_OR_RETURN(KnownState known, ReadKnown(*catalog));
-  std::vector<std::string> pending_keys, manifest_keys, retired_keys;
-  if (checkpoints) {
+  std::vector<std::string> pending_keys, manifest_keys, retired_keys, pack_keys;
+  if (given) {
+    pending_keys = given->pending;
+    manifest_keys = given->manifests;
+  } else if (checkpoints) {
     CKPT_ASSIGN_OR_RETURN(pending_keys, backend->List(keys::kPendingPrefix));
     CKPT_ASSIGN_OR_RETURN(manifest_keys, backend->List(keys::kManifestPrefix));
   }
@@ -139,7 +199,16 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope) {
   if (retired) {
     CKPT_ASSIGN_OR_RETURN(retired_keys, backend->List(keys::kRetiredPrefix));
   }
-  CKPT_ASSIGN_OR_RETURN(auto pack_keys, backend->List(keys::kPackPrefix));
+  if (given) {
+    pack_keys = given->packs;
+  } else {
+    CKPT_ASSIGN_OR_RETURN(pack_keys, backend->List(keys::kPackPrefix));
+  }
+  if (capture) {
+    capture->pending = pending_keys;
+    capture->manifests = manifest_keys;
+    capture->packs = pack_keys;
+  }
   uint64_t objects_read = 0;
 
   // ---- packs ----
@@ -174,10 +243,30 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope) {
   const std::vector<std::string> removed = checkpoints ? Missing(known.committed, listed_committed)
                                                        : std::vector<std::string>{};
   const std::vector<std::string> added = Missing(listed_committed, known.committed);
+  std::map<std::string_view, std::string_view> given_manifests;
+  if (given) {
+    for (const auto& [name, bytes] : given->manifest_objects) given_manifests.emplace(name, bytes);
+  }
+  std::vector<std::string> fetched_bytes(capture ? added.size() : 0);
+  std::atomic<uint64_t> manifest_gets{0};
   auto manifests = FetchAll<Manifest>(repo_, added.size(), [&](size_t i) -> Result<Manifest> {
-    return ReadManifestObject(*backend, keys::ManifestObject(added[i]), added[i]);
+    if (auto it = given_manifests.find(added[i]); it != given_manifests.end()) {
+      auto m = DecodeManifestObject(it->second, added[i]);
+      if (!m.ok()) return m.status().WithContext("the shared manifest of '" + added[i] + "'");
+      return m;
+    }
+    manifest_gets.fetch_add(1, std::memory_order_relaxed);
+    auto data = backend->ReadAll(keys::ManifestObject(added[i]));
+    if (!data.ok()) return data.status();
+    if (capture) fetched_bytes[i] = *data;
+    return DecodeManifestObject(*data, added[i]);
   });
-  objects_read += added.size();
+  objects_read += manifest_gets.load();
+  if (capture) {
+    for (size_t i = 0; i < added.size(); ++i) {
+      if (manifests[i].ok()) capture->manifest_objects.emplace_back(added[i], std::move(fetched_bytes[i]));
+    }
+  }
 
   // ---- removed checkpoints kept for readers ----
   std::set<std::string> listed_retired;
@@ -367,6 +456,39 @@ Status StoreSync::IndexPacks() {
   {
     std::lock_guard lock(mu_);
     if (unindexed_packs_.empty()) return Status::OK();
+    // The indexes of the packs the last sync listed, read without listing
+    // again: a job whose ranks applied one shared listing lists nothing
+    // here either. When one of them is gone (gc on another host collected
+    // it, perhaps moving its chunks to packs written since), the packs
+    // sync below lists and reads every index the catalog lacks.
+    const std::vector<std::string> todo = unindexed_packs_;
+    auto indexes = FetchAll<SealedPack>(repo_, todo.size(),
+                                        [&](size_t i) { return ReadPackIndex(repo_.backend.get(), todo[i]); });
+    const bool gone = std::any_of(indexes.begin(), indexes.end(),
+                                  [](const Result<SealedPack>& r) { return !r.ok() && r.status().IsNotFound(); });
+    if (!gone) {
+      std::vector<std::string> failed;
+      Status first_failure;
+      CKPT_RETURN_IF_ERROR(repo_.catalog->Update([&](WriteTxn& txn) -> Status {
+        failed.clear();
+        for (size_t i = 0; i < todo.size(); ++i) {
+          if (!indexes[i].ok()) {
+            // As in a sync: a damaged index is not read again (its chunks
+            // show as missing in verify); other failures may pass.
+            if (indexes[i].status().IsCorruption()) continue;
+            if (first_failure.ok()) first_failure = indexes[i].status();
+            failed.push_back(todo[i]);
+            continue;
+          }
+          CKPT_RETURN_IF_ERROR(RecordPack(txn, *indexes[i]).status());
+        }
+        return Status::OK();
+      }));
+      unindexed_packs_ = std::move(failed);
+      if (unindexed_packs_.empty()) return Status::OK();
+      return Status::IOError("cannot read the index of " + std::to_string(unindexed_packs_.size()) + " pack(s) in " +
+                             repo_.backend->Describe() + ": " + first_failure.message());
+    }
   }
   // A packs-only sync reads every index the catalog lacks: these, and any
   // pack written since.

@@ -87,6 +87,21 @@ def main():
     mode = sys.argv[5] if len(sys.argv) > 5 else ""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if action == "restart":
+        # A restart on `world` hosts (a catalog each): open, resume point and
+        # load, with the job's process group or each rank alone.
+        os.environ["CKPT_CACHE_DIR"] = os.path.join(os.environ["CKPT_CACHE_DIR"], mode, f"rank{rank}")
+        group = dist.group.WORLD if mode == "together" else None
+        repo = ckptfs.open(repo_path, process_group=group, timeout=20)
+        point = repo.resume_point("latest", process_group=group, timeout=20)
+        values, shards = part(layout, rank, world)
+        targets = {k: torch.zeros_like(v) for k, v in values.items()}
+        repo.load(point["name"], targets, shards=shards, process_group=group, timeout=20)
+        for k, v in values.items():
+            assert torch.equal(targets[k], v), k
+        c = repo.store_counters()
+        print(json.dumps({"name": point["name"], "lists": c["list_requests"], "gets": c["get_requests"]}))
+        leave()
     repo = ckptfs.open(repo_path)
     if action.startswith("die-") and rank == 1:
         def gone(*_args, **_kwargs):

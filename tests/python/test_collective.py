@@ -130,6 +130,24 @@ class Collective(CkptTestCase):
         self.use_s3()
         self.round_trip("hsdp")
 
+    def test_a_restart_lists_the_store_once_for_the_job(self):
+        self.use_s3()
+        self.job(WORLD, "save", "r1", "hsdp")
+        self.job(WORLD, "save", "r2", "mixed")
+        # Four hosts (a catalog each) restart from the latest checkpoint:
+        # each alone, then as one job. The store's LIST requests, counted
+        # by each process's repository, from the open to the loaded state.
+        alone = [json.loads(x) for x in self.job(WORLD, "restart", "r2", "mixed", "alone")]
+        together = [json.loads(x) for x in self.job(WORLD, "restart", "r2", "mixed", "together")]
+        self.assertEqual({r["name"] for r in alone + together}, {"r2"})
+        one = alone[0]["lists"]
+        self.assertGreater(one, 0)
+        self.assertEqual([a["lists"] for a in alone], [one] * WORLD)
+        # One LIST sequence for the job: rank 0's; the others list nothing.
+        self.assertEqual([t["lists"] for t in together], [one] + [0] * (WORLD - 1))
+        # Rank 0 sent the manifests it fetched: the others did not GET them.
+        self.assertLess(sum(t["gets"] for t in together), sum(a["gets"] for a in alone))
+
     def test_dcp_load_through_the_storage_reader_fetches_each_region_once(self):
         self.job(WORLD, "save", "d", "hsdp")
         stored = self.stored_bytes("d")["referenced_bytes"]

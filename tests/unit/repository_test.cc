@@ -636,6 +636,14 @@ TEST_F(LocalRepository, ReindexRebuildsDeletedCatalog) {
   EXPECT_LT(list[0].sequence, list[1].sequence);
 }
 
+TEST_F(LocalRepository, ASharedSyncOfALocalRepositoryIsEmptyAndChangesNothing) {
+  auto shared = repo_->ShareSync();
+  ASSERT_OK(shared);
+  EXPECT_TRUE(shared->empty());
+  EXPECT_OK(repo_->SyncFrom(""));
+  EXPECT_EQ(repo_->SyncFrom("a listing").code(), StatusCode::kInvalidArgument);
+}
+
 TEST(RepositoryOpen, MissingForeignAndNewerRepositoriesAreRefused) {
   TempDir dir;
   auto missing = Repository::Open(dir / "nothing");

@@ -46,11 +46,12 @@ class S3Repository : public ::testing::Test {
   }
 
   // A host: its own cache directory; `endpoint_port` routes through a proxy.
-  std::unique_ptr<Repository> Host(const std::string& name, int endpoint_port = 0) {
+  std::unique_ptr<Repository> Host(const std::string& name, int endpoint_port = 0, bool opening_sync = true) {
     OpenOptions o;
     o.cache_dir = dir_.path() + "/" + name;
     o.threads = 2;
     o.s3 = s3_;
+    o.opening_sync = opening_sync;
     if (endpoint_port) {
       o.s3->endpoint = "http://127.0.0.1:" + std::to_string(endpoint_port);
       o.s3->reuse_connections = false;  // the proxy's plan is per connection
@@ -153,15 +154,15 @@ TEST_F(S3Repository, ASaveReadsNoIndexOfOtherHostsPacksAndAReaderReadsThemOnce) 
   const RequestCounts save = b->store_requests() - before;
   EXPECT_EQ(save.get, 1u) << "only the new manifest";
   EXPECT_LE(save.total(), 16u);
-  // Reading a's checkpoint lists the packs and reads a's pack indexes
-  // once (3 requests each); its read lease is a PUT and a HEAD of the
-  // manifest (lease.h).
+  // Reading a's checkpoint reads the indexes of the packs the last sync
+  // listed, once (3 requests each), listing nothing; its read lease is a
+  // PUT and a HEAD of the manifest (lease.h).
   RequestCounts mark = b->store_requests();
   auto reader = b->OpenCheckpoint("step-1");
   ASSERT_OK(reader);
   const RequestCounts open = b->store_requests() - mark;
-  EXPECT_EQ(open.list, 1u);
-  EXPECT_EQ(open.total(), 1u + 4 * 3 + 2);
+  EXPECT_EQ(open.list, 0u);
+  EXPECT_EQ(open.total(), 4u * 3 + 2);
   std::vector<std::byte> out(w.size());
   ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, out));
   EXPECT_EQ(out, w);
@@ -451,4 +452,88 @@ TEST_F(S3Repository, ASaveWhoseRequestsKeepFailingFailsCleanlyAndStaysInvisible)
 }
 
 }  // namespace
+TEST_F(S3Repository, OneHostListsTheStoreAndTheOthersApplyWhatItShares) {
+  const uint64_t rows = 64, cols = 256;
+  auto a = Host("a");
+  const auto w0 = RandomBytes(rows * cols * 4, 1), w1 = RandomBytes(rows * cols * 4, 2);
+  ASSERT_OK(SaveRows(*a, "s0", 0, 1, w0, rows, cols));
+  ASSERT_OK(SaveRows(*a, "s1", 0, 1, w1, rows, cols));
+  auto names = [](Repository& r) {
+    std::vector<std::string> out;
+    auto all = r.ListCheckpoints();
+    EXPECT_OK(all);
+    if (all.ok()) {
+      for (const auto& c : *all) out.push_back(c.name);
+    }
+    return out;
+  };
+  // A job's processes open without a sync; one lists (pending/, manifests/,
+  // packs/) and reads the manifests, and shares what it read.
+  auto b = Host("b", 0, /*opening_sync=*/false);
+  auto c = Host("c", 0, /*opening_sync=*/false);
+  EXPECT_TRUE(names(*c).empty());
+  RequestCounts mark = b->store_requests();
+  auto shared = b->ShareSync();
+  ASSERT_OK(shared);
+  EXPECT_EQ((b->store_requests() - mark).list, 3u);
+  EXPECT_EQ((b->store_requests() - mark).get, 2u);
+  mark = c->store_requests();
+  ASSERT_OK(c->SyncFrom(*shared));
+  EXPECT_EQ((c->store_requests() - mark).total(), 0u) << "neither a listing nor a manifest read";
+  EXPECT_EQ(names(*c), (std::vector<std::string>{"s0", "s1"}));
+  // Reading reads the indexes of the shared listing's packs, listing nothing.
+  auto reader = c->OpenCheckpoint("s1");
+  ASSERT_OK(reader);
+  std::vector<std::byte> out(w1.size());
+  ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, out));
+  EXPECT_EQ(out, w1);
+  EXPECT_EQ((c->store_requests() - mark).list, 0u);
+
+  // The sharer knew s0 and s1 already: it shares s2's manifest only, and a
+  // host that lacks the others reads them itself, still without a listing.
+  ASSERT_OK(SaveRows(*a, "s2", 0, 1, w0, rows, cols));
+  auto d = Host("d", 0, /*opening_sync=*/false);
+  auto again = b->ShareSync();
+  ASSERT_OK(again);
+  mark = d->store_requests();
+  ASSERT_OK(d->SyncFrom(*again));
+  EXPECT_EQ((d->store_requests() - mark).list, 0u);
+  EXPECT_EQ((d->store_requests() - mark).get, 2u) << "the manifests of s0 and s1";
+  EXPECT_EQ(names(*d), (std::vector<std::string>{"s0", "s1", "s2"}));
+
+  // What is not a shared listing is refused, naming it; nothing changes.
+  for (const std::string& bad : {std::string("garbage"), again->substr(0, again->size() / 2), *again + "x"}) {
+    Status st = d->SyncFrom(bad);
+    EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+    EXPECT_NE(st.message().find("store listing"), std::string::npos) << st.ToString();
+  }
+  EXPECT_EQ(names(*d), (std::vector<std::string>{"s0", "s1", "s2"}));
+}
+
+TEST_F(S3Repository, APackCollectedAfterTheListingIsFoundThroughANewOne) {
+  const uint64_t rows = 512, cols = 256;
+  auto a = Host("a");
+  const auto w0 = RandomBytes(rows * cols * 4, 3), w1 = RandomBytes(rows * cols * 4, 4);
+  ASSERT_OK(SaveRows(*a, "s0", 0, 1, w0, rows, cols));
+  // s1 shares half its rows with s0: gc below deletes s0's other packs.
+  auto mixed = w0;
+  std::copy(w1.begin(), w1.begin() + w1.size() / 2, mixed.begin());
+  ASSERT_OK(SaveRows(*a, "s1", 0, 1, mixed, rows, cols));
+  auto b = Host("b");  // lists the packs, reads no index yet
+  ASSERT_OK(a->RemoveCheckpoints({"s0"}));
+  GcOptions o;
+  o.rewrite_below = 0.99;
+  auto r = a->CollectGarbage(o);
+  ASSERT_OK(r);
+  ASSERT_GT(r->packs_deleted, 0u);
+  // Packs b listed are gone: b lists the packs again and finds the moved chunks.
+  const RequestCounts mark = b->store_requests();
+  auto reader = b->OpenCheckpoint("s1");
+  ASSERT_OK(reader);
+  EXPECT_GE((b->store_requests() - mark).list, 1u);
+  std::vector<std::byte> out(mixed.size());
+  ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, out));
+  EXPECT_EQ(out, mixed);
+}
+
 }  // namespace ckptfs

@@ -474,11 +474,12 @@ class PyRepository {
   }
 
   static PyRepository Open(const std::string& path, size_t threads, uint64_t cache_bytes, const std::string& cache_dir,
-                           size_t io_threads) {
+                           size_t io_threads, bool opening_sync) {
     OpenOptions o = Value(OptionsFromEnvironment(cache_dir));
     o.threads = threads;
     o.io_threads = io_threads;
     o.cache_bytes = cache_bytes;
+    o.opening_sync = opening_sync;
     py::gil_scoped_release nogil;
     return PyRepository(RepositoryCache::Get().Open(path, o));
   }
@@ -671,6 +672,19 @@ class PyRepository {
     return d;
   }
 
+  py::bytes share_sync() {
+    std::string shared;
+    {
+      py::gil_scoped_release nogil;
+      shared = Value(repo_->ShareSync());
+    }
+    return py::bytes(shared);
+  }
+  void sync_from(const std::string& shared) {
+    py::gil_scoped_release nogil;
+    Check(repo_->SyncFrom(shared));
+  }
+
   py::dict store_counters() const {
     const FetchCounts f = repo_->fetch_counts();
     const RequestCounts r = repo_->store_requests();
@@ -804,7 +818,7 @@ PYBIND11_MODULE(_core, m) {
       .def_static("init", &PyRepository::Init, py::arg("path"), py::arg("chunk_size"), py::arg("pack_size"),
                   py::arg("compression"), py::arg("level"), py::arg("adaptive"), py::arg("cache_dir"))
       .def_static("open", &PyRepository::Open, py::arg("path"), py::arg("threads"), py::arg("cache_bytes"),
-                  py::arg("cache_dir"), py::arg("io_threads"))
+                  py::arg("cache_dir"), py::arg("io_threads"), py::arg("opening_sync") = true)
       .def_property_readonly("path", &PyRepository::path)
       .def_property_readonly("config", &PyRepository::config)
       .def("import_safetensors", &PyRepository::import_safetensors, py::arg("name"), py::arg("paths"),
@@ -823,5 +837,7 @@ PYBIND11_MODULE(_core, m) {
       .def("copy_to", &PyRepository::copy_to, py::arg("destination"), py::arg("names"), py::arg("all"),
            py::arg("last"), py::arg("on_phase"), py::arg("progress"))
       .def("buffer_stats", &PyRepository::buffer_stats)
+      .def("share_sync", &PyRepository::share_sync)
+      .def("sync_from", &PyRepository::sync_from, py::arg("shared"))
       .def("store_counters", &PyRepository::store_counters);
 }

@@ -759,7 +759,8 @@ def init(url: str, *, chunk_size: int = 4 << 20, pack_size: int = 256 << 20, com
 
 
 def open(url: str, *, threads: int = 0, cache_bytes: int = 512 << 20,  # noqa: A001
-         cache_dir: Optional[str] = None, io_threads: int = 0) -> Repository:
+         cache_dir: Optional[str] = None, io_threads: int = 0, process_group=None,
+         timeout: Optional[float] = None) -> Repository:
     """Opens the repository at `url`: a local directory, or
     s3://BUCKET/PREFIX on an S3 store (endpoint and credentials from
     AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or the AWS
@@ -772,9 +773,24 @@ def open(url: str, *, threads: int = 0, cache_bytes: int = 512 << 20,  # noqa: A
     ~/.cache/ckptfs); io_threads: requests to an S3 store sent at once by
     one operation, such as reading pack indexes (0: 16). Raises
     NotFoundError when there is no repository there.
+
+    process_group: open it on every rank of this torch.distributed group
+    together (a collective call; every rank calls it). On S3, rank 0 alone
+    lists the store and fetches the new manifests, and the other ranks
+    bring their catalogs to the same state from what it sends, so a job's
+    restart lists the store once, not once per process. An error on any
+    rank raises CollectiveError on every rank, within `timeout` seconds
+    (default 300) when a rank is gone.
     """
-    return Repository(_core.Repository.open(url, int(threads), int(cache_bytes), _path_or_empty(cache_dir),
-                                            int(io_threads)))
+    def open_core(opening_sync: bool = True):
+        return _core.Repository.open(url, int(threads), int(cache_bytes), _path_or_empty(cache_dir),
+                                     int(io_threads), opening_sync)
+
+    if process_group is None:
+        return Repository(open_core())
+    from . import collective  # noqa: PLC0415
+
+    return Repository(collective.open_shared(open_core, collective._Group(process_group, timeout, "open")))
 
 
 def copy(source: Union[str, Repository], destination: Union[str, Repository],

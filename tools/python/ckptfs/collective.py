@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import _core
 from ._core import Error, InvalidArgumentError, UnsupportedError
@@ -244,6 +244,40 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
     if progress:
         progress(total, total)
     return {"unique_bytes": unique, "needed_bytes": needed, "bytes_per_rank": list(per_rank)}
+
+
+def open_shared(open_core: Callable[[bool], Any], group: _Group):
+    """Opens a repository on every rank of `group` with one listing of its
+    store: every rank opens it without the opening sync, rank 0 brings its
+    catalog up to date with the store and shares what it listed and
+    fetched, and the other ranks apply that to their own catalogs. Three
+    collective calls, whatever the ranks; an error on any rank is raised on
+    every rank."""
+    core, error = None, None
+    try:
+        core = open_core(False)
+    except Error as e:
+        error = f"{type(e).__name__}: {e}"
+    # Also orders every rank's catalog reading before rank 0's listing.
+    group.agree("open the repository", error)
+    box: List[Any] = [None, None]
+    if group.rank == 0:
+        try:
+            box[0] = core.share_sync()
+        except Error as e:
+            box[1] = f"{type(e).__name__}: {e}"
+    group.step("share the store listing",
+               lambda: group.dist.broadcast_object_list(box, src=group.globals[0], group=group.group))
+    if box[1] is not None:
+        raise CollectiveError(f"{group.what}: rank 0 failed in 'share the store listing': {box[1]}")
+    error = None
+    if group.rank != 0:
+        try:
+            core.sync_from(box[0])
+        except Error as e:
+            error = f"{type(e).__name__}: {e}"
+    group.agree("apply the store listing", error)
+    return core
 
 
 def resume_point(repo, which: str, group: Optional[_Group]) -> Optional[Dict[str, Any]]:

@@ -242,11 +242,13 @@ class StorageReader(_ReaderBase):
         self.url = os.fspath(url)
         self.name = name
         self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
-        # With a process group, read_data is collective (ckptfs.collective):
-        # each distinct region is fetched by one rank and sent to the others.
+        # With a process group, the repository is opened with one listing of
+        # its store for the group, and read_data is collective
+        # (ckptfs.collective): each distinct region is fetched by one rank
+        # and sent to the others.
         self.process_group = process_group
         self.timeout = timeout
-        self._repo = ckptfs.open(self.url, cache_dir=self.cache_dir)
+        self._repo = ckptfs.open(self.url, cache_dir=self.cache_dir, process_group=process_group, timeout=timeout)
 
     def __getstate__(self):
         # A process group does not travel: an unpickled reader reads alone.
