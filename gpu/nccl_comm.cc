@@ -8,7 +8,9 @@
 
 #include "cuda_util.h"
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 #endif
 
 namespace ckptfs::gpu {
@@ -40,6 +42,7 @@ class NcclCommunicator final : public Communicator {
     if (stream_) cudaStreamSynchronize(stream_);
     if (comm_) ncclCommDestroy(comm_);
     if (scratch_) cudaFree(scratch_);
+    if (gather_) cudaFree(gather_);
     if (stream_) cudaStreamDestroy(stream_);
   }
 
@@ -89,7 +92,68 @@ class NcclCommunicator final : public Communicator {
     return Sync("ncclAllReduce");
   }
 
+  // Host messages through device memory: the lengths first (one u64 a
+  // rank), then every rank's bytes padded to the longest.
+  Result<std::vector<std::string>> AllGather(std::string_view mine) override {
+    DeviceGuard guard(device_);
+    const size_t n = static_cast<size_t>(size_);
+    CKPT_RETURN_IF_ERROR(Reserve(n * sizeof(uint64_t)));
+    uint64_t len = mine.size();
+    cudaError_t e = cudaMemcpyAsync(gather_ + rank_ * sizeof(uint64_t), &len, sizeof(len), cudaMemcpyHostToDevice,
+                                    stream_);
+    if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
+    ncclResult_t r = ncclAllGather(gather_ + rank_ * sizeof(uint64_t), gather_, sizeof(uint64_t), ncclUint8, comm_,
+                                   stream_);
+    if (r != ncclSuccess) return NcclError(r, "ncclAllGather", comm_);
+    std::vector<uint64_t> lens(n);
+    e = cudaMemcpyAsync(lens.data(), gather_, n * sizeof(uint64_t), cudaMemcpyDeviceToHost, stream_);
+    if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
+    CKPT_RETURN_IF_ERROR(Sync("ncclAllGather"));
+    const uint64_t longest = *std::max_element(lens.begin(), lens.end());
+    std::vector<std::string> out(n);
+    if (longest == 0) return out;
+    CKPT_RETURN_IF_ERROR(Reserve(n * longest));
+    e = cudaMemcpyAsync(gather_ + rank_ * longest, mine.data(), mine.size(), cudaMemcpyHostToDevice, stream_);
+    if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
+    r = ncclAllGather(gather_ + rank_ * longest, gather_, longest, ncclUint8, comm_, stream_);
+    if (r != ncclSuccess) return NcclError(r, "ncclAllGather", comm_);
+    std::vector<char> all(n * longest);
+    e = cudaMemcpyAsync(all.data(), gather_, all.size(), cudaMemcpyDeviceToHost, stream_);
+    if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
+    CKPT_RETURN_IF_ERROR(Sync("ncclAllGather"));
+    for (size_t i = 0; i < n; ++i) out[i].assign(all.data() + i * longest, lens[i]);
+    return out;
+  }
+
+  Status Send(std::span<const std::byte> data, int peer) override {
+    if (peer < 0 || peer >= size_ || peer == rank_) return Status::InvalidArgument("send to a bad peer");
+    DeviceGuard guard(device_);
+    ncclResult_t r = ncclSend(data.data(), data.size(), ncclUint8, peer, comm_, stream_);
+    if (r != ncclSuccess) return NcclError(r, "ncclSend", comm_);
+    return Sync("ncclSend");
+  }
+
+  Status Recv(std::span<std::byte> data, int peer) override {
+    if (peer < 0 || peer >= size_ || peer == rank_) return Status::InvalidArgument("receive from a bad peer");
+    DeviceGuard guard(device_);
+    ncclResult_t r = ncclRecv(data.data(), data.size(), ncclUint8, peer, comm_, stream_);
+    if (r != ncclSuccess) return NcclError(r, "ncclRecv", comm_);
+    return Sync("ncclRecv");
+  }
+
  private:
+  // The gather buffer holds at least `bytes`.
+  Status Reserve(size_t bytes) {
+    if (bytes <= gather_bytes_) return Status::OK();
+    if (gather_) cudaFree(gather_);
+    gather_ = nullptr;
+    gather_bytes_ = 0;
+    cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&gather_), bytes);
+    if (e != cudaSuccess) return CudaError(e, "cudaMalloc");
+    gather_bytes_ = bytes;
+    return Status::OK();
+  }
+
   // Waits for the stream; a peer's failure shows up as NCCL's asynchronous error.
   Status Sync(const char* what) {
     cudaError_t e = cudaStreamSynchronize(stream_);
@@ -103,6 +167,8 @@ class NcclCommunicator final : public Communicator {
   const int device_, size_, rank_;
   cudaStream_t stream_ = nullptr;
   uint64_t* scratch_ = nullptr;
+  char* gather_ = nullptr;
+  size_t gather_bytes_ = 0;
   ncclComm_t comm_ = nullptr;
 };
 

@@ -1,9 +1,6 @@
 #include "replicated.h"
 
 #include <algorithm>
-#include <condition_variable>
-#include <cstring>
-#include <mutex>
 
 #include "core/chunk_id.h"
 
@@ -95,88 +92,6 @@ Result<ReplicatedLoadStats> LoadReplicated(const CheckpointReader& reader,
     if (owner[i] != comm.rank()) stats.bytes_received += bytes[i];
   }
   return stats;
-}
-
-// ---- host group ------------------------------------------------------------------
-
-namespace {
-
-struct HostGroupState {
-  explicit HostGroupState(int n) : size(n) {}
-  const int size;
-  std::mutex mu;
-  std::condition_variable cv;
-  uint64_t generation = 0;
-  int arrived = 0;
-  const std::byte* root_buffer = nullptr;
-  std::vector<uint64_t> reduced;
-
-  // Everyone waits until all ranks arrived; `lock` holds mu.
-  void Barrier(std::unique_lock<std::mutex>& lock) {
-    const uint64_t gen = generation;
-    if (++arrived == size) {
-      arrived = 0;
-      ++generation;
-      cv.notify_all();
-    } else {
-      cv.wait(lock, [&] { return generation != gen; });
-    }
-  }
-};
-
-class HostCommunicator final : public Communicator {
- public:
-  HostCommunicator(std::shared_ptr<HostGroupState> group, int rank) : group_(std::move(group)), rank_(rank) {}
-  int rank() const override { return rank_; }
-  int size() const override { return group_->size; }
-  std::string Describe() const override {
-    return "host group rank " + std::to_string(rank_) + " of " + std::to_string(group_->size);
-  }
-
-  Status Broadcast(std::byte* device, size_t bytes, int root) override {
-    if (root < 0 || root >= group_->size) return Status::InvalidArgument("broadcast root out of range");
-    std::unique_lock lock(group_->mu);
-    if (rank_ == root) group_->root_buffer = device;
-    group_->Barrier(lock);
-    if (rank_ != root && bytes > 0) {
-      // Copies run in parallel, outside the lock; the root's buffer stays
-      // untouched until the second barrier.
-      const std::byte* src = group_->root_buffer;
-      lock.unlock();
-      std::memcpy(device, src, bytes);
-      lock.lock();
-    }
-    group_->Barrier(lock);
-    return Status::OK();
-  }
-
-  Status AllReduceMin(std::span<uint64_t> values) override {
-    if (values.size() > kMaxReduceValues) return Status::InvalidArgument("too many values to reduce");
-    std::unique_lock lock(group_->mu);
-    auto& r = group_->reduced;
-    if (group_->arrived == 0) {
-      r.assign(values.begin(), values.end());
-    } else {
-      for (size_t i = 0; i < values.size() && i < r.size(); ++i) r[i] = std::min(r[i], values[i]);
-    }
-    group_->Barrier(lock);
-    std::copy_n(r.begin(), std::min(r.size(), values.size()), values.begin());
-    group_->Barrier(lock);  // nobody starts the next reduction before all have read this one
-    return Status::OK();
-  }
-
- private:
-  std::shared_ptr<HostGroupState> group_;
-  const int rank_;
-};
-
-}  // namespace
-
-std::vector<std::unique_ptr<Communicator>> NewHostGroup(int size) {
-  auto state = std::make_shared<HostGroupState>(size);
-  std::vector<std::unique_ptr<Communicator>> out;
-  for (int r = 0; r < size; ++r) out.push_back(std::make_unique<HostCommunicator>(state, r));
-  return out;
 }
 
 }  // namespace ckptfs::gpu

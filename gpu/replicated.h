@@ -17,27 +17,16 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/communicator.h"
 #include "staging.h"
 
 namespace ckptfs::gpu {
 
-class Communicator {
- public:
-  virtual ~Communicator() = default;
-  virtual int rank() const = 0;
-  virtual int size() const = 0;
-  virtual std::string Describe() const = 0;
-  // `bytes` of device memory at `device` (this rank's buffer): root's bytes
-  // on every rank when it returns.
-  virtual Status Broadcast(std::byte* device, size_t bytes, int root) = 0;
-  // Element-wise minimum over the ranks of small host values (at most
-  // kMaxReduceValues), in place.
-  static constexpr size_t kMaxReduceValues = 16;
-  virtual Status AllReduceMin(std::span<uint64_t> values) = 0;
-};
-
-// `size` communicators forming one group, each to be used by its own thread.
-std::vector<std::unique_ptr<Communicator>> NewHostGroup(int size);
+// The engine's communicator (ckpt/communicator.h); here its memory is
+// device memory: a CUDA device's for NCCL, host memory for the host group,
+// matching the host copy engine.
+using ckptfs::Communicator;
+using ckptfs::NewHostGroup;
 
 // NCCL: one rank makes an id, the launcher shares it with the others (for
 // example with torch.distributed), then every rank makes its communicator on

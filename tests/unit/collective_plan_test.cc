@@ -8,7 +8,10 @@
 #include <chrono>
 #include <cstdio>
 #include <map>
+#include <thread>
 
+#include "ckpt/collective.h"
+#include "test_util.h"
 #include "ckpt/collective_plan.h"
 
 namespace ckptfs {
@@ -140,4 +143,135 @@ TEST(CollectivePlan, PlanningTimeGrowsAsNLogN) {
 }
 
 }  // namespace
+// ---- SaveCollective and LoadCollective over the host group ----------------------
+
+// HSDP on 4 ranks: "w" [8, 64] f32 in 2 row shards, each held by 2 ranks
+// (rank r holds shard r % 2); "norm" [64] and the blob "cfg" on every rank.
+struct HsdpState {
+  static constexpr uint64_t kRows = 8, kCols = 64;
+  std::vector<std::byte> w = testing::RandomBytes(kRows * kCols * 4, 11), norm = testing::RandomBytes(kCols * 4, 12);
+  std::vector<std::byte> cfg = testing::RandomBytes(100, 13);
+  TensorInfo w_info{"w", DType::kF32, {kRows, kCols}}, norm_info{"norm", DType::kF32, {kCols}};
+  Region Rows(int shard, int shards) const {
+    const uint64_t n = kRows / shards;
+    return Region::OfBox(Box{{shard * n, 0}, {n, kCols}});
+  }
+  std::span<const std::byte> RowBytes(int shard, int shards) const {
+    const uint64_t n = kRows / shards;
+    return std::span(w).subspan(shard * n * kCols * 4, n * kCols * 4);
+  }
+};
+
+// Runs fn(rank, comm) on `n` threads of one host group.
+template <typename Fn>
+void OnGroup(int n, Fn fn) {
+  auto comms = NewHostGroup(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) threads.emplace_back([&, r] { fn(r, *comms[r]); });
+  for (auto& t : threads) t.join();
+}
+
+class CollectiveSaveLoad : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    RepositoryConfig config;
+    config.chunk_size = 64 << 10;
+    ASSERT_OK(Repository::Init(dir_ / "repo", config));
+    auto r = Repository::Open(dir_ / "repo");
+    ASSERT_OK(r);
+    repo_ = std::move(r).value();
+  }
+  // Saves the HSDP layout on 4 ranks; each rank's result.
+  std::vector<Result<CollectiveSaveResult>> Save(const std::string& name, int failing_rank = -1) {
+    std::vector<Result<CollectiveSaveResult>> out(4, Status::Internal("not run"));
+    OnGroup(4, [&](int r, Communicator& comm) {
+      std::vector<CollectiveShard> shards = {{h_.w_info, h_.Rows(r % 2, 2), h_.RowBytes(r % 2, 2)},
+                                             {h_.norm_info, Region::OfFlat(0, HsdpState::kCols), h_.norm}};
+      if (r == failing_rank) shards[0].data = shards[0].data.first(8);  // the wrong size
+      std::vector<CollectiveBlob> blobs = {{"cfg", h_.cfg}};
+      out[r] = SaveCollective(*repo_, name, shards, blobs, comm, {.step = 7});
+    });
+    return out;
+  }
+  testing::TempDir dir_;
+  std::unique_ptr<Repository> repo_;
+  HsdpState h_;
+};
+
+TEST_F(CollectiveSaveLoad, EachReplicatedRegionIsPutOnceAndFetchedOnce) {
+  auto saved = Save("s");
+  uint64_t put = 0;
+  for (auto& s : saved) {
+    ASSERT_OK(s);
+    put += s->put_bytes;
+    EXPECT_EQ(s->unique_bytes, h_.w.size() + h_.norm.size() + h_.cfg.size());
+    EXPECT_EQ(s->held_bytes, 2 * h_.w.size() + 4 * (h_.norm.size() + h_.cfg.size()));
+  }
+  EXPECT_EQ(put, h_.w.size() + h_.norm.size() + h_.cfg.size()) << "each region hashed and written once";
+  // The checkpoint is the one the ranks would save alone.
+  auto reader = repo_->OpenCheckpoint("s");
+  ASSERT_OK(reader);
+  EXPECT_EQ((*reader)->info().world_size, 4u);
+  std::vector<std::byte> w(h_.w.size()), norm(h_.norm.size()), cfg(h_.cfg.size());
+  ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, w));
+  ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("norm").value(), 0, norm));
+  ASSERT_OK((*reader)->ReadBlob(*(*reader)->GetBlob("cfg").value(), 0, cfg));
+  EXPECT_EQ(w, h_.w);
+  EXPECT_EQ(norm, h_.norm);
+  EXPECT_EQ(cfg, h_.cfg);
+
+  // Restores at 4 ranks (2 shards, as saved) and at 2 ranks (1 shard,
+  // every rank needs all): each distinct region read by one rank.
+  for (int world : {4, 2}) {
+    const int shards = world / 2;
+    std::vector<std::vector<std::byte>> got_w(world), got_norm(world);
+    std::vector<Result<CollectiveLoadResult>> loaded(world, Status::Internal("not run"));
+    OnGroup(world, [&](int r, Communicator& comm) {
+      got_w[r].resize(h_.w.size() / shards);
+      got_norm[r].resize(h_.norm.size());
+      std::vector<CollectiveTarget> targets = {{h_.w_info, h_.Rows(r % shards, shards), got_w[r]},
+                                               {h_.norm_info, Region::OfBox(FullBox({HsdpState::kCols})), got_norm[r]}};
+      loaded[r] = LoadCollective(*repo_, "s", targets, comm);
+    });
+    uint64_t fetched = 0, received = 0, sent = 0;
+    for (int r = 0; r < world; ++r) {
+      ASSERT_OK(loaded[r]);
+      fetched += loaded[r]->fetched_bytes;
+      received += loaded[r]->received_bytes;
+      sent += loaded[r]->sent_bytes;
+      auto want = h_.RowBytes(r % shards, shards);
+      EXPECT_TRUE(std::equal(want.begin(), want.end(), got_w[r].begin(), got_w[r].end())) << world << " " << r;
+      EXPECT_EQ(got_norm[r], h_.norm) << world << " " << r;
+    }
+    EXPECT_EQ(fetched, h_.w.size() + h_.norm.size()) << world;
+    const uint64_t needed = 2 * h_.w.size() + world * h_.norm.size();
+    EXPECT_EQ(received, needed - fetched) << world;
+    EXPECT_EQ(sent, received) << world;
+  }
+}
+
+TEST_F(CollectiveSaveLoad, AFailingRankFailsEveryRankAndNothingShows) {
+  auto saved = Save("bad", /*failing_rank=*/2);
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_FALSE(saved[r].ok()) << r;
+    EXPECT_NE(saved[r].status().message().find("rank 2"), std::string::npos) << saved[r].status().ToString();
+  }
+  EXPECT_TRUE(repo_->ListCheckpoints(/*include_pending=*/true)->empty());
+
+  ASSERT_TRUE(Save("s")[0].ok());
+  std::vector<Status> loaded(4);
+  OnGroup(4, [&](int r, Communicator& comm) {
+    std::vector<std::byte> out(h_.norm.size());
+    // Rank 3 asks for a tensor the checkpoint lacks.
+    TensorInfo info = r == 3 ? TensorInfo{"missing", DType::kF32, {HsdpState::kCols}} : h_.norm_info;
+    std::vector<CollectiveTarget> targets = {{info, Region::OfFlat(0, HsdpState::kCols), out}};
+    loaded[r] = LoadCollective(*repo_, "s", targets, comm).status();
+  });
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_FALSE(loaded[r].ok()) << r;
+    EXPECT_NE(loaded[r].message().find("rank 3"), std::string::npos) << loaded[r].ToString();
+  }
+  EXPECT_NE(loaded[3].message().find("missing"), std::string::npos) << loaded[3].ToString();
+}
+
 }  // namespace ckptfs

@@ -1,0 +1,249 @@
+// Collective saves and restores (collective.h): each step is an all-gather
+// of every rank's plan or outcome, so that every rank takes the same
+// decisions and fails together.
+#include "ckpt/collective.h"
+
+#include <utility>
+
+#include "ckpt/collective_plan.h"
+#include "core/encoding.h"
+
+namespace ckptfs {
+namespace {
+
+// A rank's message: its entries, or why it has none.
+std::string EncodePlan(const Status& local, const std::vector<PlanEntry>& entries) {
+  Encoder e;
+  e.U8(local.ok() ? 1 : 0);
+  e.String(local.ok() ? "" : local.ToString());
+  e.Varint(entries.size());
+  for (const PlanEntry& p : entries) {
+    e.String(p.name);
+    e.Varint(p.shape.size());
+    for (uint64_t d : p.shape) e.Varint(d);
+    e.U8(static_cast<uint8_t>(p.region.kind));
+    if (p.region.kind == Region::Kind::kBox) {
+      e.Varint(p.region.box.offsets.size());
+      for (size_t i = 0; i < p.region.box.offsets.size(); ++i) {
+        e.Varint(p.region.box.offsets[i]);
+        e.Varint(p.region.box.lengths[i]);
+      }
+    } else {
+      e.Varint(p.region.flat.start);
+      e.Varint(p.region.flat.end);
+    }
+    e.Varint(p.bytes);
+  }
+  return e.Take();
+}
+
+Status DecodePlan(std::string_view data, std::string* error, std::vector<PlanEntry>* entries) {
+  Decoder d(data);
+  uint8_t ok = 0;
+  CKPT_RETURN_IF_ERROR(d.U8(&ok));
+  CKPT_RETURN_IF_ERROR(d.String(error));
+  if (ok) error->clear();
+  auto count = [&](uint64_t* n) -> Status {
+    CKPT_RETURN_IF_ERROR(d.Varint(n));
+    if (*n > d.remaining()) return Status::Corruption("a plan's count exceeds its bytes");
+    return Status::OK();
+  };
+  uint64_t n;
+  CKPT_RETURN_IF_ERROR(count(&n));
+  entries->resize(n);
+  for (PlanEntry& p : *entries) {
+    CKPT_RETURN_IF_ERROR(d.String(&p.name));
+    uint64_t rank;
+    CKPT_RETURN_IF_ERROR(count(&rank));
+    p.shape.resize(rank);
+    for (uint64_t& dim : p.shape) CKPT_RETURN_IF_ERROR(d.Varint(&dim));
+    uint8_t kind;
+    CKPT_RETURN_IF_ERROR(d.U8(&kind));
+    if (kind == static_cast<uint8_t>(Region::Kind::kBox)) {
+      CKPT_RETURN_IF_ERROR(count(&rank));
+      Box box;
+      box.offsets.resize(rank);
+      box.lengths.resize(rank);
+      for (uint64_t i = 0; i < rank; ++i) {
+        CKPT_RETURN_IF_ERROR(d.Varint(&box.offsets[i]));
+        CKPT_RETURN_IF_ERROR(d.Varint(&box.lengths[i]));
+      }
+      p.region = Region::OfBox(std::move(box));
+    } else if (kind == static_cast<uint8_t>(Region::Kind::kFlat)) {
+      uint64_t start, end;
+      CKPT_RETURN_IF_ERROR(d.Varint(&start));
+      CKPT_RETURN_IF_ERROR(d.Varint(&end));
+      p.region = Region::OfFlat(start, end);
+    } else {
+      return Status::Corruption("a plan names region kind " + std::to_string(kind));
+    }
+    CKPT_RETURN_IF_ERROR(d.Varint(&p.bytes));
+  }
+  if (!d.done()) return Status::Corruption("a plan has trailing bytes");
+  return Status::OK();
+}
+
+// Every rank says how its step went; all return OK, or all an error: a
+// failing rank its own, the others one naming the first failing rank.
+Status Agree(Communicator& comm, const std::string& step, const Status& local) {
+  auto said = comm.AllGather(local.ok() ? std::string() : local.ToString());
+  if (!said.ok()) return said.status().WithContext("the step '" + step + "'");
+  if (!local.ok()) return local.WithContext("rank " + std::to_string(comm.rank()) + ", step '" + step + "'");
+  for (size_t r = 0; r < said->size(); ++r) {
+    if (!(*said)[r].empty()) {
+      return Status::IOError("rank " + std::to_string(r) + " of " + std::to_string(comm.size()) + " failed in '" +
+                             step + "': " + (*said)[r]);
+    }
+  }
+  return Status::OK();
+}
+
+// Gathers every rank's plan; the ranks' entry lists, or the agreed error.
+Result<std::vector<std::vector<PlanEntry>>> GatherPlans(Communicator& comm, const std::string& step,
+                                                         const Status& local, const std::vector<PlanEntry>& mine) {
+  auto said = comm.AllGather(EncodePlan(local, local.ok() ? mine : std::vector<PlanEntry>{}));
+  if (!said.ok()) return said.status().WithContext("the step '" + step + "'");
+  if (said->size() != static_cast<size_t>(comm.size())) {
+    return Status::Internal("the communicator gathered " + std::to_string(said->size()) + " plans from " +
+                            std::to_string(comm.size()) + " ranks");
+  }
+  if (!local.ok()) return local.WithContext("rank " + std::to_string(comm.rank()) + ", step '" + step + "'");
+  std::vector<std::vector<PlanEntry>> plans(said->size());
+  for (size_t r = 0; r < said->size(); ++r) {
+    std::string error;
+    Status st = DecodePlan((*said)[r], &error, &plans[r]);
+    if (!st.ok()) return st.WithContext("the plan of rank " + std::to_string(r));
+    if (!error.empty()) {
+      return Status::IOError("rank " + std::to_string(r) + " of " + std::to_string(comm.size()) + " failed in '" +
+                             step + "': " + error);
+    }
+  }
+  return plans;
+}
+
+std::string KeyOf(const TensorInfo& t) { return t.name + '\0' + std::string(DTypeName(t.dtype)); }
+
+Status CheckRegion(const TensorInfo& t, const Region& region, size_t bytes) {
+  CKPT_RETURN_IF_ERROR(ValidateRegion(t.shape, region).WithContext("tensor '" + t.name + "'"));
+  const uint64_t want = region.NumElements() * DTypeSize(t.dtype);
+  if (bytes != want) {
+    return Status::InvalidArgument("tensor '" + t.name + "': region " + region.ToString() + " of " +
+                                   std::string(DTypeName(t.dtype)) + " is " + std::to_string(want) +
+                                   " bytes, the memory given is " + std::to_string(bytes));
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string& name,
+                                            std::span<const CollectiveShard> shards,
+                                            std::span<const CollectiveBlob> blobs, Communicator& comm,
+                                            WriterOptions options) {
+  // 1. What this rank holds, gathered by every rank.
+  std::vector<PlanEntry> mine;
+  Status local = ValidateMemberName("checkpoint name", name);
+  for (const CollectiveShard& s : shards) {
+    if (!local.ok()) break;
+    local = CheckRegion(s.tensor, s.region, s.data.size());
+    mine.push_back({KeyOf(s.tensor), s.tensor.shape, s.region, s.data.size()});
+  }
+  for (const CollectiveBlob& b : blobs) mine.push_back({b.name, {}, Region::OfFlat(0, 0), b.data.size()});
+  CKPT_ASSIGN_OR_RETURN(auto plans, GatherPlans(comm, "describe the values", local, mine));
+  // 2. The same owners on every rank.
+  const SaveOwners owners = AssignSaveOwners(plans);
+  const std::vector<uint8_t>& put = owners.put[static_cast<size_t>(comm.rank())];
+  // 3. Each rank puts what it owns.
+  options.rank = static_cast<uint32_t>(comm.rank());
+  options.world_size = static_cast<uint32_t>(comm.size());
+  CollectiveSaveResult result;
+  result.unique_bytes = owners.unique_bytes;
+  result.held_bytes = owners.held_bytes;
+  auto writer = repo.BeginCheckpoint(name, options);
+  local = writer.status();
+  for (size_t i = 0; local.ok() && i < shards.size(); ++i) {
+    if (!put[i]) continue;
+    HostSource source(shards[i].data);
+    local = (*writer)->PutShard(shards[i].tensor, shards[i].region, source);
+    result.put_bytes += shards[i].data.size();
+  }
+  for (size_t i = 0; local.ok() && i < blobs.size(); ++i) {
+    if (!put[shards.size() + i]) continue;
+    local = (*writer)->PutBlob(blobs[i].name, blobs[i].data);
+    result.put_bytes += blobs[i].data.size();
+  }
+  Status agreed = Agree(comm, "put the values", local);
+  if (!agreed.ok()) {
+    if (writer.ok()) (*writer)->Abort();
+    return agreed;
+  }
+  // 4. Commit: the last rank's makes the checkpoint visible.
+  auto committed = (*writer)->Commit().Wait();
+  CKPT_RETURN_IF_ERROR(Agree(comm, "commit", committed.status()));
+  result.commit = *committed;
+  return result;
+}
+
+Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string& name,
+                                            std::span<const CollectiveTarget> targets, Communicator& comm) {
+  // 1. What each rank needs, gathered by every rank.
+  auto reader = repo.OpenCheckpoint(name);
+  Status local = reader.status();
+  std::vector<const TensorRecord*> records(targets.size(), nullptr);
+  std::vector<PlanEntry> mine;
+  for (size_t i = 0; local.ok() && i < targets.size(); ++i) {
+    const CollectiveTarget& t = targets[i];
+    local = CheckRegion(t.tensor, t.region, t.data.size());
+    if (!local.ok()) break;
+    auto found = (*reader)->FindTarget(t.tensor.name, t.tensor.dtype, t.tensor.shape);
+    local = found.status();
+    if (found.ok()) records[i] = *found;
+    mine.push_back({KeyOf(t.tensor), t.tensor.shape, t.region, t.data.size()});
+  }
+  CKPT_ASSIGN_OR_RETURN(auto plans, GatherPlans(comm, "describe the targets", local, mine));
+  // 2. The same routes on every rank.
+  const LoadRoutes routes = AssignLoadReaders(plans);
+  const int me = comm.rank();
+  CollectiveLoadResult result;
+  result.unique_bytes = routes.unique_bytes;
+  auto my_entry = [&](const LoadRoute& route) -> const CollectiveTarget* {
+    for (const auto& [r, i] : route.needers) {
+      if (r == me) return &targets[i];
+    }
+    return nullptr;
+  };
+  // 3. Each region is read from the store by its reader.
+  local = Status::OK();
+  for (const LoadRoute& route : routes.routes) {
+    if (route.reader != me) continue;
+    for (const auto& [r, i] : route.needers) {
+      if (r != me) continue;
+      local = (*reader)->ReadRegion(*records[i], targets[i].region, targets[i].data);
+      result.fetched_bytes += targets[i].data.size();
+      break;
+    }
+    if (!local.ok()) break;
+  }
+  CKPT_RETURN_IF_ERROR(Agree(comm, "fetch", local));
+  // 4. Then sent to the other ranks needing it, in the routes' order on
+  // every rank (so a blocking transport pairs each send with its receive).
+  for (const LoadRoute& route : routes.routes) {
+    const CollectiveTarget* own = my_entry(route);
+    if (!own || !local.ok()) continue;
+    for (const auto& [r, i] : route.needers) {
+      if (r == route.reader) continue;
+      if (me == route.reader) {
+        local = comm.Send(own->data, r);
+        result.sent_bytes += own->data.size();
+      } else if (me == r) {
+        local = comm.Recv(targets[i].data, route.reader);
+        result.received_bytes += targets[i].data.size();
+      }
+      if (!local.ok()) break;
+    }
+  }
+  CKPT_RETURN_IF_ERROR(Agree(comm, "deliver", local));
+  return result;
+}
+
+}  // namespace ckptfs

@@ -1,0 +1,67 @@
+// Collective saves and restores for C++ callers: the ranks of a
+// Communicator (ckpt/communicator.h) plan together (ckpt/collective_plan.h)
+// so that a region several ranks hold is hashed, encoded and written by one
+// of them, and a region several ranks need is fetched, verified and decoded
+// by one of them and sent to the others. The Python package does the same
+// over torch.distributed (ckptfs/collective.py).
+//
+// Memory is host memory, and the communicator must move host memory (the
+// host group, or a caller's own over MPI, gloo and the like). Errors are
+// agreed: when a step fails on one rank, every rank returns an error naming
+// that rank and the step, and nothing becomes visible.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ckpt/communicator.h"
+#include "ckpt/repository.h"
+
+namespace ckptfs {
+
+// A region of a tensor this rank holds: region.NumElements() elements of
+// tensor.dtype, row-major, at `data`.
+struct CollectiveShard {
+  TensorInfo tensor;
+  Region region;
+  std::span<const std::byte> data;
+};
+struct CollectiveBlob {
+  std::string name;
+  std::span<const std::byte> data;
+};
+struct CollectiveSaveResult {
+  CommitResult commit;         // this rank's
+  uint64_t put_bytes = 0;      // what this rank hashed, encoded and wrote
+  uint64_t unique_bytes = 0;   // each distinct region once, over the group
+  uint64_t held_bytes = 0;     // every region of every rank
+};
+// Every rank of `comm` calls it with its part; the rank and world size are
+// the communicator's (those in `options` are ignored). The checkpoint is the
+// one the ranks would save each alone: the owners' parts tile every tensor.
+Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string& name,
+                                            std::span<const CollectiveShard> shards,
+                                            std::span<const CollectiveBlob> blobs, Communicator& comm,
+                                            WriterOptions options = {});
+
+// A region of a saved tensor this rank needs, to be written at `data`.
+struct CollectiveTarget {
+  TensorInfo tensor;  // the dtype and global shape the caller expects
+  Region region;
+  std::span<std::byte> data;
+};
+struct CollectiveLoadResult {
+  uint64_t fetched_bytes = 0;   // read from the store by this rank (logical)
+  uint64_t received_bytes = 0;  // sent to this rank by others
+  uint64_t sent_bytes = 0;
+  uint64_t unique_bytes = 0;    // each distinct region once, over the group
+};
+// Every rank calls it with the regions it needs (at any world size and
+// replication). Each distinct region is read by one of the ranks needing
+// it, balanced by bytes, and sent to the others point to point.
+Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string& name,
+                                            std::span<const CollectiveTarget> targets, Communicator& comm);
+
+}  // namespace ckptfs

@@ -1,0 +1,53 @@
+// One rank's end of a group of processes (or threads) that save or load a
+// checkpoint together. Its calls are collective: every rank makes the same
+// calls in the same order, with the same sizes and roots; Send and Recv
+// pair up in the order both sides make them.
+//
+// The engine links no transport. Implementations: the host group below
+// (threads of one process, for tests and single-process tools), NCCL for
+// C++ jobs on GPUs (gpu/replicated.h), and, from Python, torch.distributed,
+// which the package drives itself (ckptfs/collective.py) so that no engine
+// thread calls into Python.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/status.h"
+
+namespace ckptfs {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string Describe() const = 0;
+  // `bytes` at `data` (this rank's buffer): root's bytes on every rank when
+  // it returns. Host memory, unless the implementation says otherwise (NCCL:
+  // device memory).
+  virtual Status Broadcast(std::byte* data, size_t bytes, int root) = 0;
+  // Element-wise minimum over the ranks of small host values (at most
+  // kMaxReduceValues), in place.
+  static constexpr size_t kMaxReduceValues = 16;
+  virtual Status AllReduceMin(std::span<uint64_t> values) = 0;
+  // Every rank's `mine`, in rank order: small host messages (plans,
+  // statuses), of any length each.
+  virtual Result<std::vector<std::string>> AllGather(std::string_view mine) = 0;
+  // Point to point, in the memory Broadcast uses: `data` goes to `peer`,
+  // whose matching Recv (same size) receives it. A Send may return before
+  // the peer receives.
+  virtual Status Send(std::span<const std::byte> data, int peer) = 0;
+  virtual Status Recv(std::span<std::byte> data, int peer) = 0;
+};
+
+// `size` communicators forming one group in this process, each to be used
+// by its own thread; "device" memory is host memory.
+std::vector<std::unique_ptr<Communicator>> NewHostGroup(int size);
+
+}  // namespace ckptfs
