@@ -91,6 +91,16 @@ class _Group:
         self.step(name, lambda: self.dist.all_gather_object(out, obj, group=self.group))
         return out
 
+    def gather_plans(self, name: str, error: Optional[str], entries: List[tuple]) -> List[List[tuple]]:
+        """Every rank's plan entries, gathered with each rank's error in
+        describing them (one exchange): if one failed, every rank raises,
+        naming the first failing rank and its error."""
+        said = self.all_gather(name, (error, entries if error is None else []))
+        for r, (e, _entries) in enumerate(said):
+            if e is not None:
+                raise CollectiveError(f"{self.what}: rank {r} failed in '{name}': {e}")
+        return [entries for _e, entries in said]
+
     def agree(self, name: str, error: Optional[str]) -> None:
         """Every rank says whether its local work failed; if one did, every
         rank raises, naming the first failing rank and its error."""
@@ -143,8 +153,7 @@ def plan_save(state_dict: Mapping[str, Any], shards: Mapping[str, Any], group: _
         entries = [_entry(k, state_dict[k], shards.get(k), k in shards) for k in keys]
     except Error as e:
         error = str(e)
-    group.agree("describe the state dict", error)
-    gathered = group.all_gather("gather the save plans", entries)
+    gathered = group.gather_plans("describe the state dict", error, entries)
     mine, unique, held, per_rank = _core.plan_save(gathered, group.rank)
     if verify_replicas:
         every = group.all_gather("gather the replica digests", [_digest(state_dict[k]) for k in keys])
@@ -182,8 +191,7 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
                 raise InvalidArgumentError(f"target '{key}': a collective load fills torch tensors")
     except Error as e:
         error = str(e)
-    group.agree("describe the targets", error)
-    gathered = group.all_gather("gather the load plans", entries)
+    gathered = group.gather_plans("describe the targets", error, entries)
     routes, unique, needed, per_rank = _core.plan_load(gathered)
     me = group.rank
     # Fetch what this rank reads, into its own targets.
