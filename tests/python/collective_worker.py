@@ -87,6 +87,15 @@ def main():
     mode = sys.argv[5] if len(sys.argv) > 5 else ""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if action == "open-fail":
+        # Rank 2 names a repository that is not there.
+        url = repo_path + "-missing" if rank == 2 else repo_path
+        try:
+            ckptfs.open(url, process_group=dist.group.WORLD, timeout=20)
+            print("opened")
+        except ckptfs.Error as e:
+            print(f"raised: {type(e).__name__}: {e}")
+        leave()
     if action == "restart":
         # A restart on `world` hosts (a catalog each): open, resume point and
         # load, with the job's process group or each rank alone.

@@ -148,6 +148,13 @@ class Collective(CkptTestCase):
         # Rank 0 sent the manifests it fetched: the others did not GET them.
         self.assertLess(sum(t["gets"] for t in together), sum(a["gets"] for a in alone))
 
+    def test_a_rank_failing_to_open_fails_every_rank_naming_it(self):
+        out = self.job(WORLD, "open-fail", "-", "dp")
+        for line in out:
+            self.assertTrue(line.startswith("raised: CollectiveError:"), out)
+            self.assertIn("rank 2 failed in 'open the repository'", line)
+        self.assertIn("NotFoundError", out[2])
+
     def test_dcp_load_through_the_storage_reader_fetches_each_region_once(self):
         self.job(WORLD, "save", "d", "hsdp")
         stored = self.stored_bytes("d")["referenced_bytes"]
