@@ -136,6 +136,21 @@ Status CheckRegion(const TensorInfo& t, const Region& region, size_t bytes) {
 
 }  // namespace
 
+Result<std::unique_ptr<Repository>> OpenCollective(const std::string& url, OpenOptions options, Communicator& comm) {
+  options.opening_sync = false;
+  auto repo = Repository::Open(url, options);
+  CKPT_RETURN_IF_ERROR(Agree(comm, "open the repository", repo.status()));
+  Result<std::string> shared = comm.rank() == 0 ? (*repo)->ShareSync() : Result<std::string>(std::string());
+  Status local = shared.status();
+  // Rank 0's listing, or its error, reaches every rank; the others send nothing.
+  auto said = comm.AllGather(comm.rank() == 0 && shared.ok() ? *shared : std::string());
+  if (!said.ok()) return said.status().WithContext("the step 'share the store listing'");
+  CKPT_RETURN_IF_ERROR(Agree(comm, "share the store listing", local));
+  if (comm.rank() != 0) local = (*repo)->SyncFrom((*said)[0]);
+  CKPT_RETURN_IF_ERROR(Agree(comm, "apply the store listing", local));
+  return std::move(repo).value();
+}
+
 Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string& name,
                                             std::span<const CollectiveShard> shards,
                                             std::span<const CollectiveBlob> blobs, Communicator& comm,

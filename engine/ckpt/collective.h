@@ -21,6 +21,12 @@
 
 namespace ckptfs {
 
+// Opens the repository at `url` on every rank of `comm` with one listing of
+// its store: every rank opens it without the opening sync, rank 0 syncs and
+// shares what it listed and fetched (Repository::ShareSync), and the other
+// ranks apply that (SyncFrom). An error on any rank is an error on all.
+Result<std::unique_ptr<Repository>> OpenCollective(const std::string& url, OpenOptions options, Communicator& comm);
+
 // A region of a tensor this rank holds: region.NumElements() elements of
 // tensor.dtype, row-major, at `data`.
 struct CollectiveShard {

@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "backend/s3_backend.h"
+#include "ckpt/collective.h"
 #include "ckpt/lease.h"
 #include "ckpt/repository.h"
 #include "core/random.h"
@@ -534,6 +535,37 @@ TEST_F(S3Repository, APackCollectedAfterTheListingIsFoundThroughANewOne) {
   std::vector<std::byte> out(mixed.size());
   ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, out));
   EXPECT_EQ(out, mixed);
+}
+
+TEST_F(S3Repository, ACollectiveOpenListsTheStoreOnceForTheGroup) {
+  const uint64_t rows = 64, cols = 256;
+  auto a = Host("a");
+  const auto w = RandomBytes(rows * cols * 4, 21);
+  ASSERT_OK(SaveRows(*a, "s0", 0, 1, w, rows, cols));
+  std::vector<std::unique_ptr<Repository>> repos(4);
+  std::vector<Status> opened(4);
+  auto comms = NewHostGroup(4);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 4; ++r) {
+    threads.emplace_back([&, r] {
+      OpenOptions o;
+      o.cache_dir = dir_.path() + "/host" + std::to_string(r);
+      o.threads = 2;
+      o.s3 = s3_;
+      auto repo = OpenCollective(url_, o, *comms[r]);
+      opened[r] = repo.status();
+      if (repo.ok()) repos[r] = std::move(repo).value();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_OK(opened[r]);
+    EXPECT_EQ(repos[r]->store_requests().list, r == 0 ? 3u : 0u) << r;
+    auto all = repos[r]->ListCheckpoints();
+    ASSERT_OK(all);
+    ASSERT_EQ(all->size(), 1u) << r;
+    EXPECT_EQ((*all)[0].name, "s0");
+  }
 }
 
 }  // namespace ckptfs
