@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "ckpt/collective_plan.h"
+#include "core/chunk_id.h"
 #include "core/encoding.h"
 
 namespace ckptfs {
@@ -154,7 +155,7 @@ Result<std::unique_ptr<Repository>> OpenCollective(const std::string& url, OpenO
 Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string& name,
                                             std::span<const CollectiveShard> shards,
                                             std::span<const CollectiveBlob> blobs, Communicator& comm,
-                                            WriterOptions options) {
+                                            WriterOptions options, bool verify_replicas) {
   // 1. What this rank holds, gathered by every rank.
   std::vector<PlanEntry> mine;
   Status local = ValidateMemberName("checkpoint name", name);
@@ -165,6 +166,38 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
   }
   for (const CollectiveBlob& b : blobs) mine.push_back({b.name, {}, Region::OfFlat(0, 0), b.data.size()});
   CKPT_ASSIGN_OR_RETURN(auto plans, GatherPlans(comm, "describe the values", local, mine));
+  if (verify_replicas) {
+    // Each entry's hash, gathered; the load planner's grouping of equal
+    // regions says which entries are replicas of each other.
+    std::string digests;
+    auto add = [&](std::span<const std::byte> bytes) {
+      const ChunkId id = ChunkId::Of(bytes);
+      digests.append(reinterpret_cast<const char*>(id.bytes.data()), id.bytes.size());
+    };
+    for (const CollectiveShard& s : shards) add(s.data);
+    for (const CollectiveBlob& b : blobs) add(b.data);
+    auto every = comm.AllGather(digests);
+    if (!every.ok()) return every.status().WithContext("the step 'compare the replicas'");
+    const size_t w = ChunkId{}.bytes.size();
+    for (size_t r = 0; r < plans.size(); ++r) {
+      if ((*every)[r].size() != plans[r].size() * w) {
+        return Status::Internal("rank " + std::to_string(r) + " sent " + std::to_string((*every)[r].size()) +
+                                " bytes of hashes for " + std::to_string(plans[r].size()) + " values");
+      }
+    }
+    for (const LoadRoute& route : AssignLoadReaders(plans).routes) {
+      const auto [r0, i0] = route.needers.front();
+      const std::string_view first = std::string_view((*every)[r0]).substr(i0 * w, w);
+      for (const auto& [r, i] : route.needers) {
+        if (std::string_view((*every)[r]).substr(i * w, w) != first) {
+          const std::string& key = plans[r][i].name;
+          return Status::InvalidArgument("the replicas of '" + key.substr(0, key.find('\0')) + "' differ: rank " +
+                                         std::to_string(r0) + " and rank " + std::to_string(r) +
+                                         " hold different bytes for the same region");
+        }
+      }
+    }
+  }
   // 2. The same owners on every rank.
   const SaveOwners owners = AssignSaveOwners(plans);
   const std::vector<uint8_t>& put = owners.put[static_cast<size_t>(comm.rank())];

@@ -47,10 +47,14 @@ struct CollectiveSaveResult {
 // Every rank of `comm` calls it with its part; the rank and world size are
 // the communicator's (those in `options` are ignored). The checkpoint is the
 // one the ranks would save each alone: the owners' parts tile every tensor.
+// With `verify_replicas` (tests, debugging: it hashes every replica), the
+// holders of each region several ranks hold first compare hashes of their
+// bytes, and every rank fails, naming the tensor and two ranks, where they
+// differ; nothing is written then.
 Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string& name,
                                             std::span<const CollectiveShard> shards,
                                             std::span<const CollectiveBlob> blobs, Communicator& comm,
-                                            WriterOptions options = {});
+                                            WriterOptions options = {}, bool verify_replicas = false);
 
 // A region of a saved tensor this rank needs, to be written at `data`.
 struct CollectiveTarget {

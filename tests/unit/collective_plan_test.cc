@@ -182,14 +182,19 @@ class CollectiveSaveLoad : public ::testing::Test {
     repo_ = std::move(r).value();
   }
   // Saves the HSDP layout on 4 ranks; each rank's result.
-  std::vector<Result<CollectiveSaveResult>> Save(const std::string& name, int failing_rank = -1) {
+  // `differing_rank` gives "norm" other bytes; with `verify`, the replicas
+  // are compared.
+  std::vector<Result<CollectiveSaveResult>> Save(const std::string& name, int failing_rank = -1, bool verify = false,
+                                                 int differing_rank = -1) {
     std::vector<Result<CollectiveSaveResult>> out(4, Status::Internal("not run"));
+    auto other_norm = testing::RandomBytes(h_.norm.size(), 99);
     OnGroup(4, [&](int r, Communicator& comm) {
-      std::vector<CollectiveShard> shards = {{h_.w_info, h_.Rows(r % 2, 2), h_.RowBytes(r % 2, 2)},
-                                             {h_.norm_info, Region::OfFlat(0, HsdpState::kCols), h_.norm}};
+      std::vector<CollectiveShard> shards = {
+          {h_.w_info, h_.Rows(r % 2, 2), h_.RowBytes(r % 2, 2)},
+          {h_.norm_info, Region::OfFlat(0, HsdpState::kCols), r == differing_rank ? other_norm : h_.norm}};
       if (r == failing_rank) shards[0].data = shards[0].data.first(8);  // the wrong size
       std::vector<CollectiveBlob> blobs = {{"cfg", h_.cfg}};
-      out[r] = SaveCollective(*repo_, name, shards, blobs, comm, {.step = 7});
+      out[r] = SaveCollective(*repo_, name, shards, blobs, comm, {.step = 7}, verify);
     });
     return out;
   }
@@ -248,6 +253,21 @@ TEST_F(CollectiveSaveLoad, EachReplicatedRegionIsPutOnceAndFetchedOnce) {
     EXPECT_EQ(received, needed - fetched) << world;
     EXPECT_EQ(sent, received) << world;
   }
+}
+
+TEST_F(CollectiveSaveLoad, ReplicasThatDifferFailEveryRankNamingTheTensor) {
+  for (auto& s : Save("same", -1, /*verify=*/true)) ASSERT_OK(s);
+  auto saved = Save("differ", -1, /*verify=*/true, /*differing_rank=*/3);
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_FALSE(saved[r].ok()) << r;
+    EXPECT_NE(saved[r].status().message().find("replicas of 'norm' differ"), std::string::npos)
+        << saved[r].status().ToString();
+    EXPECT_NE(saved[r].status().message().find("rank 3"), std::string::npos) << saved[r].status().ToString();
+  }
+  auto all = repo_->ListCheckpoints(/*include_pending=*/true);
+  ASSERT_OK(all);
+  ASSERT_EQ(all->size(), 1u);
+  EXPECT_EQ((*all)[0].name, "same");
 }
 
 TEST_F(CollectiveSaveLoad, AFailingRankFailsEveryRankAndNothingShows) {
