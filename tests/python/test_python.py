@@ -700,6 +700,19 @@ class Wheel(unittest.TestCase):
                             check=True).stdout
         self.assertIn('"s"', ls)
 
+    def test_torch_is_an_extra_and_never_a_plain_dependency(self):
+        code = ("import json, importlib.metadata as m\n"
+                "d = m.metadata('ckptfs')\n"
+                "print(json.dumps({'extras': d.get_all('Provides-Extra') or [], "
+                "'requires': d.get_all('Requires-Dist') or []}))\n")
+        got = json.loads(subprocess.run([sys.executable, "-c", code], env=without_pythonpath(), capture_output=True,
+                                        text=True, timeout=60, check=True).stdout)
+        self.assertIn("torch", got["extras"])
+        torch_reqs = [r for r in got["requires"] if r.split(";")[0].strip().startswith("torch")]
+        self.assertTrue(torch_reqs, got)
+        for r in torch_reqs:
+            self.assertIn('extra == "torch"', r)
+
     def test_type_checkers_see_the_public_api(self):
         for f in ("py.typed", "_core.pyi"):
             self.assertTrue(os.path.exists(os.path.join(self.package, f)), f)
