@@ -712,6 +712,8 @@ class Wheel(unittest.TestCase):
         self.assertTrue(torch_reqs, got)
         for r in torch_reqs:
             self.assertIn('extra == "torch"', r)
+            # Pinned to the tested release: an unpinned torch pulls a CUDA build of several GB.
+            self.assertEqual(r.split(";")[0].replace(" ", ""), "torch==2.13.0", r)
 
     def test_type_checkers_see_the_public_api(self):
         for f in ("py.typed", "_core.pyi"):
