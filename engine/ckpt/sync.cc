@@ -453,51 +453,51 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
 }
 
 Status StoreSync::IndexPacks() {
+  auto unreadable = [&](const std::string& why) {
+    return Status::IOError("cannot read the index of " + std::to_string(unindexed_packs_.size()) + " pack(s) in " +
+                           repo_.backend->Describe() + (why.empty() ? "" : ": " + why));
+  };
+  bool gone = false;
   {
     std::lock_guard lock(mu_);
     if (unindexed_packs_.empty()) return Status::OK();
     // The indexes of the packs the last sync listed, read without listing
     // again: a job whose ranks applied one shared listing lists nothing
-    // here either. When one of them is gone (gc on another host collected
-    // it, perhaps moving its chunks to packs written since), the packs
-    // sync below lists and reads every index the catalog lacks.
+    // here either. What was read is recorded; when one of them is gone (gc
+    // on another host collected it, perhaps moving its chunks to packs
+    // written since), the packs sync below lists and reads the indexes the
+    // catalog still lacks.
     const std::vector<std::string> todo = unindexed_packs_;
     auto indexes = FetchAll<SealedPack>(repo_, todo.size(),
                                         [&](size_t i) { return ReadPackIndex(repo_.backend.get(), todo[i]); });
-    const bool gone = std::any_of(indexes.begin(), indexes.end(),
-                                  [](const Result<SealedPack>& r) { return !r.ok() && r.status().IsNotFound(); });
-    if (!gone) {
-      std::vector<std::string> failed;
-      Status first_failure;
-      CKPT_RETURN_IF_ERROR(repo_.catalog->Update([&](WriteTxn& txn) -> Status {
-        failed.clear();
-        for (size_t i = 0; i < todo.size(); ++i) {
-          if (!indexes[i].ok()) {
-            // As in a sync: a damaged index is not read again (its chunks
-            // show as missing in verify); other failures may pass.
-            if (indexes[i].status().IsCorruption()) continue;
-            if (first_failure.ok()) first_failure = indexes[i].status();
-            failed.push_back(todo[i]);
-            continue;
-          }
-          CKPT_RETURN_IF_ERROR(RecordPack(txn, *indexes[i]).status());
+    std::vector<std::string> failed;
+    std::string first_failure;
+    CKPT_RETURN_IF_ERROR(repo_.catalog->Update([&](WriteTxn& txn) -> Status {
+      failed.clear();
+      first_failure.clear();
+      for (size_t i = 0; i < todo.size(); ++i) {
+        if (!indexes[i].ok()) {
+          // As in a sync: a damaged index is not read again (its chunks
+          // show as missing in verify); other failures may pass.
+          const Status& bad = indexes[i].status();
+          gone = gone || bad.IsNotFound();
+          if (bad.IsCorruption() || bad.IsNotFound()) continue;
+          if (first_failure.empty()) first_failure = bad.message();
+          failed.push_back(todo[i]);
+          continue;
         }
-        return Status::OK();
-      }));
-      unindexed_packs_ = std::move(failed);
-      if (unindexed_packs_.empty()) return Status::OK();
-      return Status::IOError("cannot read the index of " + std::to_string(unindexed_packs_.size()) + " pack(s) in " +
-                             repo_.backend->Describe() + ": " + first_failure.message());
-    }
+        CKPT_RETURN_IF_ERROR(RecordPack(txn, *indexes[i]).status());
+      }
+      return Status::OK();
+    }));
+    unindexed_packs_ = std::move(failed);
+    if (!gone) return unindexed_packs_.empty() ? Status::OK() : unreadable(first_failure);
   }
-  // A packs-only sync reads every index the catalog lacks: these, and any
-  // pack written since.
+  // A packs-only sync reads every index the catalog lacks: those not read
+  // above, and any pack written since.
   CKPT_ASSIGN_OR_RETURN(SyncReport report, Sync(SyncScope::kPacks));
   std::lock_guard lock(mu_);
-  if (!unindexed_packs_.empty()) {
-    return Status::IOError("cannot read the index of " + std::to_string(unindexed_packs_.size()) + " pack(s) in " +
-                           repo_.backend->Describe() + (report.problems.empty() ? "" : ": " + report.problems.front()));
-  }
+  if (!unindexed_packs_.empty()) return unreadable(report.problems.empty() ? "" : report.problems.front());
   return Status::OK();
 }
 
