@@ -3,6 +3,7 @@
 // decisions and fails together.
 #include "ckpt/collective.h"
 
+#include <cstring>
 #include <utility>
 
 #include "ckpt/collective_plan.h"
@@ -254,41 +255,51 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
   const int me = comm.rank();
   CollectiveLoadResult result;
   result.unique_bytes = routes.unique_bytes;
-  auto my_entry = [&](const LoadRoute& route) -> const CollectiveTarget* {
+  // This rank's entries on a route (a rank may ask for one region twice),
+  // and the other ranks needing it, each once.
+  auto entries_of = [&](const LoadRoute& route) {
+    std::vector<size_t> out;
     for (const auto& [r, i] : route.needers) {
-      if (r == me) return &targets[i];
+      if (r == me) out.push_back(i);
     }
-    return nullptr;
+    return out;
+  };
+  auto peers = [](const LoadRoute& route) {
+    std::vector<int> out;
+    for (const auto& [r, i] : route.needers) {
+      if (r != route.reader && (out.empty() || out.back() != r)) out.push_back(r);  // needers are in rank order
+    }
+    return out;
   };
   // 3. Each region is read from the store by its reader.
   local = Status::OK();
   for (const LoadRoute& route : routes.routes) {
     if (route.reader != me) continue;
-    for (const auto& [r, i] : route.needers) {
-      if (r != me) continue;
-      local = (*reader)->ReadRegion(*records[i], targets[i].region, targets[i].data);
-      result.fetched_bytes += targets[i].data.size();
-      break;
-    }
+    const size_t i = entries_of(route).front();  // the reader is one of the needers
+    local = (*reader)->ReadRegion(*records[i], targets[i].region, targets[i].data);
+    result.fetched_bytes += targets[i].data.size();
     if (!local.ok()) break;
   }
   CKPT_RETURN_IF_ERROR(Agree(comm, "fetch", local));
   // 4. Then sent to the other ranks needing it, in the routes' order on
-  // every rank (so a blocking transport pairs each send with its receive).
+  // every rank (so a blocking transport pairs each send with its receive),
+  // and copied to this rank's other entries of the same region.
   for (const LoadRoute& route : routes.routes) {
-    const CollectiveTarget* own = my_entry(route);
-    if (!own || !local.ok()) continue;
-    for (const auto& [r, i] : route.needers) {
-      if (r == route.reader) continue;
-      if (me == route.reader) {
-        local = comm.Send(own->data, r);
-        result.sent_bytes += own->data.size();
-      } else if (me == r) {
-        local = comm.Recv(targets[i].data, route.reader);
-        result.received_bytes += targets[i].data.size();
+    const std::vector<size_t> own = entries_of(route);
+    if (own.empty()) continue;
+    std::span<std::byte> first = targets[own.front()].data;
+    if (me == route.reader) {
+      for (int peer : peers(route)) {
+        local = comm.Send(first, peer);
+        if (!local.ok()) break;
+        result.sent_bytes += first.size();
       }
-      if (!local.ok()) break;
+    } else {
+      local = comm.Recv(first, route.reader);
+      result.received_bytes += first.size();
     }
+    if (!local.ok()) break;
+    for (size_t k = 1; k < own.size(); ++k) std::memcpy(targets[own[k]].data.data(), first.data(), first.size());
   }
   CKPT_RETURN_IF_ERROR(Agree(comm, "deliver", local));
   return result;

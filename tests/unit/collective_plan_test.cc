@@ -255,6 +255,34 @@ TEST_F(CollectiveSaveLoad, EachReplicatedRegionIsPutOnceAndFetchedOnce) {
   }
 }
 
+TEST_F(CollectiveSaveLoad, ARankAskingForARegionTwiceGetsItInBothTargets) {
+  for (auto& s : Save("s")) ASSERT_OK(s);
+  // On 2 ranks, each asks for "norm" twice (so whichever reads it needs it
+  // twice too) and rank 1 for the first row shard as well.
+  std::vector<std::vector<std::vector<std::byte>>> got(2);
+  std::vector<Result<CollectiveLoadResult>> loaded(2, Status::Internal("not run"));
+  OnGroup(2, [&](int r, Communicator& comm) {
+    got[r].assign(3, std::vector<std::byte>(h_.norm.size()));
+    std::vector<CollectiveTarget> targets = {{h_.norm_info, Region::OfFlat(0, HsdpState::kCols), got[r][0]},
+                                             {h_.norm_info, Region::OfBox(FullBox({HsdpState::kCols})), got[r][1]}};
+    if (r == 1) {
+      got[r][2].resize(h_.RowBytes(0, 2).size());
+      targets.push_back({h_.w_info, h_.Rows(0, 2), got[r][2]});
+    }
+    loaded[r] = LoadCollective(*repo_, "s", targets, comm);
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_OK(loaded[r]);
+    EXPECT_EQ(got[r][0], h_.norm) << r;
+    EXPECT_EQ(got[r][1], h_.norm) << r;
+  }
+  auto rows = h_.RowBytes(0, 2);
+  EXPECT_TRUE(std::equal(rows.begin(), rows.end(), got[1][2].begin(), got[1][2].end()));
+  // "norm" went over the group once, to the rank that did not read it.
+  EXPECT_EQ(loaded[0]->sent_bytes + loaded[1]->sent_bytes, h_.norm.size());
+  EXPECT_EQ(loaded[0]->fetched_bytes + loaded[1]->fetched_bytes, h_.norm.size() + rows.size());
+}
+
 TEST_F(CollectiveSaveLoad, ReplicasThatDifferFailEveryRankNamingTheTensor) {
   for (auto& s : Save("same", -1, /*verify=*/true)) ASSERT_OK(s);
   auto saved = Save("differ", -1, /*verify=*/true, /*differing_rank=*/3);

@@ -104,10 +104,7 @@ class _Group:
     def agree(self, name: str, error: Optional[str]) -> None:
         """Every rank says whether its local work failed; if one did, every
         rank raises, naming the first failing rank and its error."""
-        said = self.all_gather(name, error)
-        for r, e in enumerate(said):
-            if e is not None:
-                raise CollectiveError(f"{self.what}: rank {r} failed in '{name}': {e}")
+        self.gather_plans(name, error, [])
 
 
 def _entry(key: str, value, shard, sharded: bool) -> tuple:

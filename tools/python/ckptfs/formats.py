@@ -233,12 +233,13 @@ def _import_dcp(writer, path: str, reader, metadata, advance: Callable[[int], No
                 direct.append((info.relative_path, info.offset, fqn, i, chunk, info))
     direct.sort(key=lambda d: (d[0], d[1]))
     files: Dict[str, Any] = {}
+    sizes: Dict[str, int] = {}
     try:
         for rel, _off, fqn, _i, _chunk, info in direct:
             if rel not in files:
                 files[rel] = open(os.path.join(path, rel), "rb")  # noqa: SIM115 - closed below
-            size = os.fstat(files[rel].fileno()).st_size
-            if info.offset + info.length > size:
+                sizes[rel] = os.fstat(files[rel].fileno()).st_size
+            if info.offset + info.length > sizes[rel]:
                 raise ckptfs.CorruptionError(f"{path}: cannot read the DCP data: {rel} ends before the item of "
                                              f"'{fqn}' at offset {info.offset} ({info.length} bytes); "
                                              "the file is truncated")
