@@ -59,7 +59,7 @@ Status DecodePlan(std::string_view data, std::string* error, std::vector<PlanEnt
     CKPT_RETURN_IF_ERROR(count(&rank));
     p.shape.resize(rank);
     for (uint64_t& dim : p.shape) CKPT_RETURN_IF_ERROR(d.Varint(&dim));
-    uint8_t kind;
+    uint8_t kind = 0;
     CKPT_RETURN_IF_ERROR(d.U8(&kind));
     if (kind == static_cast<uint8_t>(Region::Kind::kBox)) {
       CKPT_RETURN_IF_ERROR(count(&rank));
@@ -137,6 +137,23 @@ Status CheckRegion(const TensorInfo& t, const Region& region, size_t bytes) {
 }
 
 }  // namespace
+
+std::vector<HandoffWindow> PlanChunkHandoffs(const CheckpointReader& reader,
+                                             const std::vector<std::vector<PlanEntry>>& plans,
+                                             const LoadRoutes& routes, int rank, uint64_t window_bytes) {
+  std::vector<std::vector<ChunkRef>> chunks(routes.routes.size());
+  for (size_t k = 0; k < routes.routes.size(); ++k) {
+    const auto [r, i] = routes.routes[k].needers.front();
+    const PlanEntry& e = plans[r][i];
+    const size_t cut = e.name.find('\0');
+    if (cut == std::string::npos) continue;  // a blob
+    const TensorRecord* t = reader.FindTensor(std::string_view(e.name).substr(0, cut));
+    if (t == nullptr) continue;  // its reader's read fails and names it
+    auto listed = reader.ChunksOf(*t, e.region);
+    if (listed.ok()) chunks[k] = std::move(listed).value();
+  }
+  return ScheduleHandoffs(routes, chunks, AssignChunkHandoffs(routes, chunks), rank, window_bytes);
+}
 
 Result<std::unique_ptr<Repository>> OpenCollective(const std::string& url, OpenOptions options, Communicator& comm) {
   options.opening_sync = false;
@@ -271,17 +288,51 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
     }
     return out;
   };
-  // 3. Each region is read from the store by its reader.
-  local = Status::OK();
-  for (const LoadRoute& route : routes.routes) {
-    if (route.reader != me) continue;
-    const size_t i = entries_of(route).front();  // the reader is one of the needers
-    local = (*reader)->ReadRegion(*records[i], targets[i].region, targets[i].data);
-    result.fetched_bytes += targets[i].data.size();
-    if (!local.ok()) break;
+  // 3. Chunks that regions with different readers share are fetched by one
+  // of them and handed over decoded before those regions are read, in
+  // windows that bound what the ranks hold. 4. Each region is read by its
+  // reader. A rank whose read or check fails keeps exchanging, so no peer
+  // waits for it, and says so at the end.
+  const std::vector<HandoffWindow> windows = PlanChunkHandoffs(**reader, plans, routes, me);
+  Status failed;
+  std::vector<std::byte> buffer;
+  size_t begin = 0;
+  for (const HandoffWindow& w : windows) {
+    if (!w.handoffs.empty()) {
+      Status held;
+      for (const ChunkRef& c : w.hold) {
+        held = (*reader)->HoldChunk(c);
+        if (!held.ok()) break;
+      }
+      CKPT_RETURN_IF_ERROR(Agree(comm, "fetch the shared chunks", held));
+      // In the hand-offs' order on every rank, as the delivery below.
+      for (const ChunkHandoff& h : w.handoffs) {
+        if (h.from != me && h.to != me) continue;
+        buffer.resize(h.chunk.raw_len);
+        if (h.from == me) {
+          Status copied = (*reader)->CopyHeldChunk(h.chunk, buffer);
+          if (!copied.ok() && failed.ok()) failed = copied;  // sent anyway: the receiver's check fails, none waits
+          CKPT_RETURN_IF_ERROR(comm.Send(buffer, h.to).WithContext("the step 'hand over the shared chunks'"));
+          result.handoff_sent_bytes += buffer.size();
+        } else {
+          CKPT_RETURN_IF_ERROR(comm.Recv(buffer, h.from).WithContext("the step 'hand over the shared chunks'"));
+          result.handoff_received_bytes += buffer.size();
+          if (failed.ok()) failed = (*reader)->LendChunk(h.chunk, buffer);
+        }
+      }
+    }
+    for (size_t k = begin; failed.ok() && k < w.routes_end; ++k) {
+      const LoadRoute& route = routes.routes[k];
+      if (route.reader != me) continue;
+      const size_t i = entries_of(route).front();  // the reader is one of the needers
+      failed = (*reader)->ReadRegion(*records[i], targets[i].region, targets[i].data);
+      result.fetched_bytes += targets[i].data.size();
+    }
+    (*reader)->ReleaseChunks(w.release);
+    begin = w.routes_end;
   }
-  CKPT_RETURN_IF_ERROR(Agree(comm, "fetch", local));
-  // 4. Then sent to the other ranks needing it, in the routes' order on
+  CKPT_RETURN_IF_ERROR(Agree(comm, "fetch", failed));
+  // 5. Then sent to the other ranks needing it, in the routes' order on
   // every rank (so a blocking transport pairs each send with its receive),
   // and copied to this rank's other entries of the same region.
   for (const LoadRoute& route : routes.routes) {

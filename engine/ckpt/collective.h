@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/collective_plan.h"
 #include "ckpt/communicator.h"
 #include "ckpt/repository.h"
 
@@ -67,11 +68,33 @@ struct CollectiveLoadResult {
   uint64_t received_bytes = 0;  // sent to this rank by others
   uint64_t sent_bytes = 0;
   uint64_t unique_bytes = 0;    // each distinct region once, over the group
+  // Decoded chunks that regions read by different ranks share, handed over
+  // by the rank that fetched them (PlanChunkHandoffs).
+  uint64_t handoff_sent_bytes = 0;
+  uint64_t handoff_received_bytes = 0;
 };
 // Every rank calls it with the regions it needs (at any world size and
 // replication). Each distinct region is read by one of the ranks needing
-// it, balanced by bytes, and sent to the others point to point.
+// it, balanced by bytes, and sent to the others point to point. Each
+// stored chunk is fetched from the store once over the group: a chunk that
+// regions of different readers cut (a restore at another world size) is
+// fetched by one of them and handed to the others decoded.
 Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string& name,
                                             std::span<const CollectiveTarget> targets, Communicator& comm);
+
+// Hand-offs of decoded chunks are exchanged in windows of about this many
+// bytes over the group, so what the ranks hold for each other stays bounded.
+inline constexpr uint64_t kHandoffWindowBytes = 256ull << 20;
+
+// The chunk hand-offs of a collective load, as `rank` takes part in them
+// (AssignChunkHandoffs, ScheduleHandoffs): every rank lists the chunks of
+// every route's region from its own reader of the checkpoint (the same
+// manifest on every host), so every rank reaches the same windows without
+// an exchange. Blobs and tensors the checkpoint lacks are left out (their
+// reads fail and name them).
+std::vector<HandoffWindow> PlanChunkHandoffs(const CheckpointReader& reader,
+                                             const std::vector<std::vector<PlanEntry>>& plans,
+                                             const LoadRoutes& routes, int rank,
+                                             uint64_t window_bytes = kHandoffWindowBytes);
 
 }  // namespace ckptfs

@@ -1,6 +1,8 @@
 #include "ckpt/collective_plan.h"
 
 #include <algorithm>
+#include <unordered_map>
+#include <unordered_set>
 
 namespace ckptfs {
 
@@ -131,6 +133,95 @@ SaveOwners AssignSaveOwners(const std::vector<std::vector<PlanEntry>>& ranks) {
   out.bytes_per_rank = std::move(routes.bytes_per_rank);
   out.unique_bytes = routes.unique_bytes;
   out.held_bytes = routes.needed_bytes;
+  return out;
+}
+
+std::vector<ChunkHandoff> AssignChunkHandoffs(const LoadRoutes& routes,
+                                              const std::vector<std::vector<ChunkRef>>& route_chunks) {
+  std::vector<ChunkHandoff> out;
+  struct Owner {
+    int reader;
+    size_t route;
+  };
+  std::unordered_map<ChunkId, Owner, ChunkIdHash> owner;
+  struct Given {
+    ChunkId id;
+    int to;
+    bool operator==(const Given&) const = default;
+  };
+  struct GivenHash {
+    size_t operator()(const Given& g) const {
+      return ChunkIdHash()(g.id) ^ (static_cast<size_t>(g.to) * 0x9e3779b97f4a7c15ull);
+    }
+  };
+  std::unordered_set<Given, GivenHash> given;
+  for (size_t k = 0; k < routes.routes.size() && k < route_chunks.size(); ++k) {
+    const int reader = routes.routes[k].reader;
+    for (const ChunkRef& c : route_chunks[k]) {
+      auto [it, first] = owner.try_emplace(c.id, Owner{reader, k});
+      if (first || it->second.reader == reader) continue;
+      if (given.insert({c.id, reader}).second) out.push_back({c, it->second.reader, reader, it->second.route, k});
+    }
+  }
+  return out;
+}
+
+std::vector<HandoffWindow> ScheduleHandoffs(const LoadRoutes& routes,
+                                            const std::vector<std::vector<ChunkRef>>& route_chunks,
+                                            const std::vector<ChunkHandoff>& handoffs, int rank,
+                                            uint64_t window_bytes) {
+  const size_t n = routes.routes.size();
+  // The window of each route: a window closes after the route whose
+  // hand-offs bring it to window_bytes.
+  std::vector<uint64_t> given_at(n, 0);
+  for (const ChunkHandoff& h : handoffs) given_at[h.route] += h.chunk.raw_len;
+  std::vector<size_t> window_of(n, 0);
+  std::vector<HandoffWindow> out(1);
+  uint64_t in_window = 0;
+  for (size_t k = 0; k < n; ++k) {
+    window_of[k] = out.size() - 1;
+    in_window += given_at[k];
+    if (in_window >= window_bytes && k + 1 < n) {
+      out.back().routes_end = k + 1;
+      out.emplace_back();
+      in_window = 0;
+    }
+  }
+  out.back().routes_end = n;
+  for (const ChunkHandoff& h : handoffs) out[window_of[h.route]].handoffs.push_back(h);
+  // What this rank holds, from when, and until its last use: a chunk it
+  // owns from its first route needing it (so the store is read once), one
+  // handed to it from the window it arrives in.
+  struct Held {
+    ChunkRef chunk;
+    size_t last = 0;
+  };
+  std::unordered_map<ChunkId, Held, ChunkIdHash> held;
+  for (const ChunkHandoff& h : handoffs) {
+    if (h.from == rank) {
+      auto [it, first] = held.try_emplace(h.chunk.id, Held{h.chunk, window_of[h.route]});
+      if (first) out[window_of[h.owner_route]].hold.push_back(h.chunk);
+      it->second.last = std::max(it->second.last, window_of[h.route]);
+    } else if (h.to == rank) {
+      held.try_emplace(h.chunk.id, Held{h.chunk, window_of[h.route]});
+    }
+  }
+  if (held.empty()) return out;
+  for (size_t k = 0; k < n && k < route_chunks.size(); ++k) {
+    if (routes.routes[k].reader != rank) continue;
+    for (const ChunkRef& c : route_chunks[k]) {
+      auto it = held.find(c.id);
+      if (it != held.end()) it->second.last = std::max(it->second.last, window_of[k]);
+    }
+  }
+  // Released in a fixed order (the hand-offs'), so every run is the same.
+  std::unordered_set<ChunkId, ChunkIdHash> released;
+  for (const ChunkHandoff& h : handoffs) {
+    if ((h.from == rank || h.to == rank) && released.insert(h.chunk.id).second) {
+      const Held& x = held.at(h.chunk.id);
+      out[x.last].release.push_back(x.chunk);
+    }
+  }
   return out;
 }
 

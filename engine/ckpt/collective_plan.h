@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "core/region.h"
+#include "store/chunk_ref.h"
 
 namespace ckptfs {
 
@@ -67,5 +68,45 @@ struct LoadRoutes {
 // by one of the ranks needing it (balanced by bytes as above) and then
 // delivered to the others. O(N log N).
 LoadRoutes AssignLoadReaders(const std::vector<std::vector<PlanEntry>>& ranks);
+
+// A chunk that the readers of two routes both need: distinct regions that
+// cut one stored chunk (a restore at another world size), or equal bytes
+// stored once. `from`, the reader of the first route needing it (`owner_route`),
+// fetches, verifies and decodes it and hands the decoded bytes to `to`, the
+// reader of route `route`, which then reads its regions without fetching it.
+struct ChunkHandoff {
+  ChunkRef chunk;
+  int from = 0;
+  int to = 0;
+  size_t owner_route = 0;
+  size_t route = 0;  // the first route of `to` that needs the chunk
+};
+
+// route_chunks[k] lists the chunks route k's region needs (in routes
+// order). Each chunk is fetched by one rank, the reader of the first route
+// needing it; every other reader needing it gets one hand-off. In route
+// then chunk order, the same on every rank. O(C) in the chunks listed.
+std::vector<ChunkHandoff> AssignChunkHandoffs(const LoadRoutes& routes,
+                                              const std::vector<std::vector<ChunkRef>>& route_chunks);
+
+// What one rank does in one window of a collective load. Routes are read in
+// windows so that the decoded chunks ranks hold for each other stay
+// bounded: before reading routes [previous routes_end, routes_end), the
+// rank fetches and holds `hold`, the ranks exchange `handoffs` (every
+// rank's, in the same order everywhere), and after the reads the rank lets
+// `release` go.
+struct HandoffWindow {
+  size_t routes_end = 0;
+  std::vector<ChunkRef> hold;
+  std::vector<ChunkHandoff> handoffs;
+  std::vector<ChunkRef> release;
+};
+
+// Cuts the routes into windows of about `window_bytes` of hand-offs each
+// (one window when there are none) and gives `rank` its part of each.
+std::vector<HandoffWindow> ScheduleHandoffs(const LoadRoutes& routes,
+                                            const std::vector<std::vector<ChunkRef>>& route_chunks,
+                                            const std::vector<ChunkHandoff>& handoffs, int rank,
+                                            uint64_t window_bytes);
 
 }  // namespace ckptfs

@@ -215,21 +215,39 @@ Result<bool> SliceTensorBytes(const TensorRecord& tensor, uint64_t offset, uint6
   return true;
 }
 
-Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length) {
-  const uint64_t w = DTypeSize(tensor.dtype);
-  const uint64_t total = tensor.ByteSize();
+namespace {
+// The chunks the planned groups read, each once, in plan order.
+std::vector<ChunkRef> DistinctChunks(const std::vector<ChunkGroup>& groups) {
   std::vector<ChunkRef> out;
-  if (offset >= total || length == 0) return out;
-  length = std::min(length, total - offset);
-  const uint64_t first = offset / w, end = (offset + length + w - 1) / w;
-  std::vector<ChunkGroup> groups;
-  CKPT_RETURN_IF_ERROR(PlanElements(tensor, first, end, groups));
   std::unordered_set<ChunkId, ChunkIdHash> seen;
   for (const auto& g : groups) {
     const ChunkRef& c = g.shard->chunks[g.chunk];
     if (seen.insert(c.id).second) out.push_back(c);
   }
   return out;
+}
+}  // namespace
+
+Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length) {
+  const uint64_t w = DTypeSize(tensor.dtype);
+  const uint64_t total = tensor.ByteSize();
+  if (offset >= total || length == 0) return std::vector<ChunkRef>();
+  length = std::min(length, total - offset);
+  const uint64_t first = offset / w, end = (offset + length + w - 1) / w;
+  std::vector<ChunkGroup> groups;
+  CKPT_RETURN_IF_ERROR(PlanElements(tensor, first, end, groups));
+  return DistinctChunks(groups);
+}
+
+Result<std::vector<ChunkRef>> ChunksForRegion(const TensorRecord& tensor, const Region& region) {
+  CKPT_RETURN_IF_ERROR(ValidateRegion(tensor.shape, region).WithContext("tensor '" + tensor.name + "'"));
+  std::vector<ChunkGroup> groups;
+  if (region.kind == Region::Kind::kFlat) {
+    CKPT_RETURN_IF_ERROR(PlanElements(tensor, region.flat.start, region.flat.end, groups));
+  } else if (!region.box.Empty()) {
+    CKPT_RETURN_IF_ERROR(PlanBox(tensor, region.box, groups));
+  }
+  return DistinctChunks(groups);
 }
 
 Status ReadBlobBytes(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst,

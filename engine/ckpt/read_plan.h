@@ -52,6 +52,11 @@ Result<bool> SliceTensorBytes(const TensorRecord& tensor, uint64_t offset, uint6
 // once, in the order a read would use them.
 Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length);
 
+// The chunks that a read of `region` (a box or a flat element range) needs,
+// each once, in the order the read would use them. InvalidArgument when the
+// region does not lie inside the tensor.
+Result<std::vector<ChunkRef>> ChunksForRegion(const TensorRecord& tensor, const Region& region);
+
 // Copies bytes [offset, offset + dst.size()) of a blob.
 Status ReadBlobBytes(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst,
                      ChunkFetcher& fetcher);

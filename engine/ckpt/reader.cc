@@ -1,4 +1,8 @@
 #include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "ckpt/repository.h"
@@ -6,10 +10,55 @@
 
 namespace ckptfs {
 
+// Decoded chunks a reader holds for a collective load (HoldChunk,
+// LendChunk): its reads take them from here before the cache and the store,
+// and no cache eviction can make a read fetch them again.
+class HeldChunks : public ChunkFetcher {
+ public:
+  explicit HeldChunks(ChunkFetcher* next) : next_(next) {}
+  bool empty() const { return empty_.load(std::memory_order_acquire); }
+  void Hold(const ChunkRef& chunk, ChunkData data) {
+    std::lock_guard lock(mu_);
+    held_.insert_or_assign(chunk.id, std::move(data));
+    empty_.store(false, std::memory_order_release);
+  }
+  void Release(std::span<const ChunkRef> chunks) {
+    std::lock_guard lock(mu_);
+    for (const ChunkRef& c : chunks) held_.erase(c.id);
+    if (held_.empty()) empty_.store(true, std::memory_order_release);
+  }
+  ChunkData Find(const ChunkId& id) const {
+    std::lock_guard lock(mu_);
+    auto it = held_.find(id);
+    return it == held_.end() ? nullptr : it->second;
+  }
+  Result<ChunkData> Fetch(const ChunkRef& chunk) override {
+    if (ChunkData data = Find(chunk.id)) return data;
+    return next_->Fetch(chunk);
+  }
+  Status FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) override {
+    ChunkData data = Find(chunk.id);
+    if (!data) return next_->FetchInto(chunk, dst);
+    if (data->size() != dst.size()) return Status::Internal("held chunk size does not match its destination");
+    std::memcpy(dst.data(), data->data(), dst.size());
+    return Status::OK();
+  }
+  void Consumed(const ChunkRef& chunk, uint64_t bytes) override { next_->Consumed(chunk, bytes); }
+
+ private:
+  ChunkFetcher* next_;
+  std::atomic<bool> empty_{true};
+  mutable std::mutex mu_;
+  std::unordered_map<ChunkId, ChunkData, ChunkIdHash> held_;
+};
+
 class ReaderImpl {
  public:
   std::shared_ptr<RepositoryImpl> repo;  // a reader may outlive its Repository
   Manifest manifest;  // tensors and blobs sorted by name (catalog key order)
+  std::unique_ptr<HeldChunks> held;  // set when the reader opens
+  // What reads go through: the held chunks when there are any.
+  ChunkFetcher* fetcher() const { return held->empty() ? repo->fetcher() : held.get(); }
   CheckpointLease lease;  // declared last: released before the rest goes
 };
 
@@ -92,7 +141,7 @@ Status CheckpointReader::ReadBox(const TensorRecord& tensor, const Box& box, std
     const Region normal = Normalize(tensor.shape, Region::OfBox(box));
     if (normal.kind == Region::Kind::kFlat) return ReadFlat(tensor, normal.flat, dst);
   }
-  return ReadTensorBox(tensor, box, dst, *impl_->repo->fetcher(), impl_->repo->pool.get());
+  return ReadTensorBox(tensor, box, dst, *impl_->fetcher(), impl_->repo->pool.get());
 }
 
 Status CheckpointReader::ReadFlat(const TensorRecord& tensor, FlatRange range, std::span<std::byte> dst) const {
@@ -107,12 +156,51 @@ Status CheckpointReader::ReadFlat(const TensorRecord& tensor, FlatRange range, s
 
 Status CheckpointReader::ReadBytes(const TensorRecord& tensor, uint64_t offset, std::span<std::byte> dst) const {
   CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
-  return ReadTensorBytes(tensor, offset, dst, *impl_->repo->fetcher(), impl_->repo->pool.get());
+  return ReadTensorBytes(tensor, offset, dst, *impl_->fetcher(), impl_->repo->pool.get());
 }
 
 Status CheckpointReader::ReadBlob(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst) const {
   CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
-  return ReadBlobBytes(blob, offset, dst, *impl_->repo->fetcher());
+  return ReadBlobBytes(blob, offset, dst, *impl_->fetcher());
+}
+
+Result<std::vector<ChunkRef>> CheckpointReader::ChunksOf(const TensorRecord& tensor, const Region& region) const {
+  return ChunksForRegion(tensor, region);
+}
+
+Status CheckpointReader::HoldChunk(const ChunkRef& chunk) const {
+  CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
+  HeldChunks& held = *impl_->held;
+  if (held.Find(chunk.id)) return Status::OK();
+  CKPT_ASSIGN_OR_RETURN(ChunkData data, impl_->repo->fetcher()->Fetch(chunk));
+  held.Hold(chunk, std::move(data));
+  return Status::OK();
+}
+
+Status CheckpointReader::CopyHeldChunk(const ChunkRef& chunk, std::span<std::byte> dst) const {
+  ChunkData data = impl_->held->Find(chunk.id);
+  if (!data) return Status::FailedPrecondition("chunk " + chunk.id.ToHex() + " is not held");
+  if (data->size() != dst.size()) {
+    return Status::InvalidArgument("chunk " + chunk.id.ToHex() + " is " + std::to_string(data->size()) +
+                                   " bytes, the buffer " + std::to_string(dst.size()));
+  }
+  std::memcpy(dst.data(), data->data(), dst.size());
+  return Status::OK();
+}
+
+void CheckpointReader::ReleaseChunks(std::span<const ChunkRef> chunks) const {
+  impl_->held->Release(chunks);
+}
+
+Status CheckpointReader::LendChunk(const ChunkRef& chunk, std::span<const std::byte> data) const {
+  if (data.size() != chunk.raw_len || ChunkId::Of(data) != chunk.id) {
+    return Status::Corruption("chunk " + chunk.id.ToHex() + " handed over by another rank does not match its id (" +
+                              std::to_string(data.size()) + " bytes)");
+  }
+  auto buffer = std::make_shared<ChunkBuffer>(data.size());
+  if (!data.empty()) std::memcpy(buffer->data(), data.data(), data.size());
+  impl_->held->Hold(chunk, std::move(buffer));
+  return Status::OK();
 }
 
 void CheckpointReader::Prefetch(const TensorRecord& tensor, uint64_t offset, uint64_t length) const {
@@ -138,12 +226,12 @@ size_t CheckpointReader::ChunksCached(const TensorRecord& tensor, uint64_t offse
 Result<bool> CheckpointReader::SliceBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length,
                                           size_t max_slices, std::vector<ChunkSlice>& out) const {
   CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
-  return SliceTensorBytes(tensor, offset, length, *impl_->repo->fetcher(), max_slices, out);
+  return SliceTensorBytes(tensor, offset, length, *impl_->fetcher(), max_slices, out);
 }
 
 void CheckpointReader::Consumed(std::span<const ChunkSlice> slices) const {
   if (impl_->repo->Forked()) return;
-  for (const ChunkSlice& s : slices) impl_->repo->fetcher()->Consumed(s.chunk, s.length);
+  for (const ChunkSlice& s : slices) impl_->fetcher()->Consumed(s.chunk, s.length);
 }
 
 void CheckpointReader::DropCached(std::span<const ChunkRef> chunks) const {
@@ -255,6 +343,7 @@ Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::
   CKPT_RETURN_IF_ERROR(impl_->protocol->IndexPacks());
   auto impl = std::make_unique<ReaderImpl>();
   impl->repo = impl_;
+  impl->held = std::make_unique<HeldChunks>(impl_->fetcher());
   // The lease comes first: what the catalog says afterwards stays readable
   // (a local gc collects a name only while holding its lease file).
   bool first = false;

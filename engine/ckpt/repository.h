@@ -351,6 +351,21 @@ class CheckpointReader {
   // Bytes of the tensor's row-major image.
   Status ReadBytes(const TensorRecord& tensor, uint64_t offset, std::span<std::byte> dst) const;
   Status ReadBlob(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst) const;
+  // The chunks a read of `region` needs, each once, in read order (a
+  // collective load plans its fetches by them).
+  Result<std::vector<ChunkRef>> ChunksOf(const TensorRecord& tensor, const Region& region) const;
+  // Decoded chunks held for a collective load (ckpt/collective.h): this
+  // reader's reads take a held chunk before the cache and the store.
+  // HoldChunk fetches it from the store (verified, decoded) unless held
+  // already; CopyHeldChunk copies a held chunk out (chunk.raw_len bytes) to
+  // send it to another rank; ReleaseChunks lets held chunks go.
+  Status HoldChunk(const ChunkRef& chunk) const;
+  Status CopyHeldChunk(const ChunkRef& chunk, std::span<std::byte> dst) const;
+  void ReleaseChunks(std::span<const ChunkRef> chunks) const;
+  // A decoded chunk another rank fetched: checked against its id
+  // (Corruption when it differs), then held so this reader's reads use it
+  // and never fetch it from the store.
+  Status LendChunk(const ChunkRef& chunk, std::span<const std::byte> data) const;
   // Starts loading, in the background, the chunks that bytes
   // [offset, offset + length) of the tensor need into the chunk cache, so a
   // sequential reader finds them decoded. Returns at once.

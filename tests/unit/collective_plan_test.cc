@@ -142,6 +142,87 @@ TEST(CollectivePlan, PlanningTimeGrowsAsNLogN) {
   }
 }
 
+// Three routes read by ranks 0, 1 and 2 needing chunks [A, B], [B, C] and
+// [C, D, A] (a restore whose cuts split B and C, and A stored once for two
+// tensors), each chunk 100 bytes.
+struct SharedChunks {
+  ChunkRef Chunk(char c) const {
+    std::byte b[1] = {static_cast<std::byte>(c)};
+    return ChunkRef{ChunkId::Of(b), 100};
+  }
+  ChunkRef a = Chunk('A'), b = Chunk('B'), c = Chunk('C'), d = Chunk('D');
+  LoadRoutes routes;
+  std::vector<std::vector<ChunkRef>> chunks = {{a, b}, {b, c}, {c, d, a}};
+  SharedChunks() {
+    for (int r = 0; r < 3; ++r) routes.routes.push_back(LoadRoute{r, 1000, {{r, 0}}});
+  }
+};
+
+TEST(CollectivePlan, EachSharedChunkIsFetchedByTheFirstReaderAndHandedToTheOthersOnce) {
+  SharedChunks s;
+  auto given = AssignChunkHandoffs(s.routes, s.chunks);
+  ASSERT_EQ(given.size(), 3u);
+  auto is = [](const ChunkHandoff& h, const ChunkRef& c, int from, int to, size_t owner_route, size_t route) {
+    return h.chunk == c && h.from == from && h.to == to && h.owner_route == owner_route && h.route == route;
+  };
+  EXPECT_TRUE(is(given[0], s.b, 0, 1, 0, 1));
+  EXPECT_TRUE(is(given[1], s.c, 1, 2, 1, 2));
+  EXPECT_TRUE(is(given[2], s.a, 0, 2, 0, 2));
+  // A reader needing a chunk for two routes gets it once; chunks one reader
+  // alone needs are not handed anywhere.
+  s.chunks[2].push_back(s.b);
+  s.routes.routes[1].reader = 2;
+  given = AssignChunkHandoffs(s.routes, s.chunks);
+  ASSERT_EQ(given.size(), 2u);
+  EXPECT_TRUE(is(given[0], s.b, 0, 2, 0, 1));
+  EXPECT_TRUE(is(given[1], s.a, 0, 2, 0, 2));
+}
+
+TEST(CollectivePlan, HandOffsRunInWindowsAndHeldChunksGoAfterTheirLastUse) {
+  SharedChunks s;
+  const auto given = AssignChunkHandoffs(s.routes, s.chunks);
+  auto list = [](const std::vector<ChunkRef>& v) {
+    std::string out;
+    for (const ChunkRef& c : v) out += c == SharedChunks().a ? 'A' : c == SharedChunks().b ? 'B' : c == SharedChunks().c ? 'C' : 'D';
+    return out;
+  };
+  // Windows of large budget: one.
+  auto one = ScheduleHandoffs(s.routes, s.chunks, given, 0, 1 << 20);
+  ASSERT_EQ(one.size(), 1u);
+  EXPECT_EQ(one[0].routes_end, 3u);
+  EXPECT_EQ(one[0].handoffs.size(), 3u);
+  EXPECT_EQ(list(one[0].hold), "BA");
+  EXPECT_EQ(list(one[0].release), "BA");
+  // A budget of one chunk: route 1's hand-off closes the first window.
+  std::vector<std::vector<HandoffWindow>> w;
+  for (int r = 0; r < 3; ++r) w.push_back(ScheduleHandoffs(s.routes, s.chunks, given, r, 100));
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_EQ(w[r].size(), 2u) << r;
+    EXPECT_EQ(w[r][0].routes_end, 2u);
+    EXPECT_EQ(w[r][1].routes_end, 3u);
+    EXPECT_EQ(w[r][0].handoffs.size(), 1u);  // B to rank 1
+    EXPECT_EQ(w[r][1].handoffs.size(), 2u);  // C and A to rank 2
+  }
+  // Rank 0 holds A from its first route on (so the store is read once),
+  // until it hands A over in the second window.
+  EXPECT_EQ(list(w[0][0].hold), "BA");
+  EXPECT_EQ(list(w[0][0].release), "B");
+  EXPECT_EQ(list(w[0][1].hold), "");
+  EXPECT_EQ(list(w[0][1].release), "A");
+  // Rank 1 holds C for rank 2 and lets go of B once it read its route.
+  EXPECT_EQ(list(w[1][0].hold), "C");
+  EXPECT_EQ(list(w[1][0].release), "B");
+  EXPECT_EQ(list(w[1][1].release), "C");
+  // Rank 2 only receives.
+  EXPECT_EQ(list(w[2][0].hold) + list(w[2][1].hold), "");
+  EXPECT_EQ(list(w[2][0].release), "");
+  EXPECT_EQ(list(w[2][1].release), "CA");
+  // Without hand-offs: one window and nothing held.
+  auto none = ScheduleHandoffs(s.routes, s.chunks, {}, 0, 100);
+  ASSERT_EQ(none.size(), 1u);
+  EXPECT_TRUE(none[0].hold.empty() && none[0].release.empty() && none[0].handoffs.empty());
+}
+
 }  // namespace
 // ---- SaveCollective and LoadCollective over the host group ----------------------
 
@@ -253,6 +334,73 @@ TEST_F(CollectiveSaveLoad, EachReplicatedRegionIsPutOnceAndFetchedOnce) {
     EXPECT_EQ(received, needed - fetched) << world;
     EXPECT_EQ(sent, received) << world;
   }
+}
+
+TEST_F(CollectiveSaveLoad, ARestoreWhoseCutsSplitChunksFetchesEachChunkOnce) {
+  // "big" [96, 1000] f32 saved in 2 row shards of 192000 bytes (chunks on
+  // the tensor's 64 KiB grid) and restored on 3 ranks: rows 32 and 64
+  // (bytes 128000 and 256000) fall inside chunks, which two readers need.
+  constexpr uint64_t kRows = 96, kCols = 1000;
+  const TensorInfo info{"big", DType::kF32, {kRows, kCols}};
+  const auto big = testing::RandomBytes(kRows * kCols * 4, 21);
+  auto rows = [&](uint64_t first, uint64_t n) {
+    return std::pair(Region::OfBox(Box{{first, 0}, {n, kCols}}),
+                     std::span(big).subspan(first * kCols * 4, n * kCols * 4));
+  };
+  OnGroup(2, [&](int r, Communicator& comm) {
+    auto [region, bytes] = rows(r * 48, 48);
+    std::vector<CollectiveShard> shards = {{info, region, bytes}};
+    ASSERT_OK(SaveCollective(*repo_, "big", shards, {}, comm));
+  });
+  auto reader = repo_->OpenCheckpoint("big");
+  ASSERT_OK(reader);
+  const TensorRecord* t = (*reader)->FindTensor("big");
+  ASSERT_NE(t, nullptr);
+  auto all = (*reader)->ChunksOf(*t, Region::OfFlat(0, kRows * kCols));
+  ASSERT_OK(all);
+  ASSERT_GE(all->size(), 6u);
+  const uint64_t chunks_before = repo_->fetch_counts().chunks;
+  std::vector<std::vector<std::byte>> got(3, std::vector<std::byte>(32 * kCols * 4));
+  std::vector<Result<CollectiveLoadResult>> loaded(3, Status::Internal("not run"));
+  OnGroup(3, [&](int r, Communicator& comm) {
+    std::vector<CollectiveTarget> targets = {{info, rows(r * 32, 32).first, got[r]}};
+    loaded[r] = LoadCollective(*repo_, "big", targets, comm);
+  });
+  uint64_t sent = 0, received = 0;
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_OK(loaded[r]);
+    auto want = rows(r * 32, 32).second;
+    EXPECT_TRUE(std::equal(want.begin(), want.end(), got[r].begin(), got[r].end())) << r;
+    sent += loaded[r]->handoff_sent_bytes;
+    received += loaded[r]->handoff_received_bytes;
+  }
+  // The chunks holding rows 32 and 64 went once each to the other reader.
+  EXPECT_EQ(sent, 2u * (64u << 10));
+  EXPECT_EQ(received, sent);
+  EXPECT_EQ(repo_->fetch_counts().chunks - chunks_before, all->size()) << "each stored chunk fetched once";
+}
+
+TEST_F(CollectiveSaveLoad, AChunkHandedOverThatDoesNotMatchItsIdIsRefused) {
+  for (auto& s : Save("s")) ASSERT_OK(s);
+  auto reader = repo_->OpenCheckpoint("s");
+  ASSERT_OK(reader);
+  const TensorRecord* t = (*reader)->FindTensor("w");
+  auto chunks = (*reader)->ChunksOf(*t, Region::OfFlat(0, HsdpState::kRows * HsdpState::kCols));
+  ASSERT_OK(chunks);
+  ASSERT_FALSE(chunks->empty());
+  const ChunkRef c = chunks->front();
+  std::vector<std::byte> bytes(c.raw_len);
+  EXPECT_EQ((*reader)->CopyHeldChunk(c, bytes).code(), StatusCode::kFailedPrecondition);
+  ASSERT_OK((*reader)->HoldChunk(c));
+  ASSERT_OK((*reader)->CopyHeldChunk(c, bytes));
+  bytes[0] ^= std::byte{1};
+  Status st = (*reader)->LendChunk(c, bytes);
+  EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+  EXPECT_NE(st.message().find("does not match its id"), std::string::npos);
+  bytes[0] ^= std::byte{1};
+  ASSERT_OK((*reader)->LendChunk(c, bytes));
+  (*reader)->ReleaseChunks(std::span(&c, 1));
+  EXPECT_EQ((*reader)->CopyHeldChunk(c, bytes).code(), StatusCode::kFailedPrecondition);
 }
 
 TEST_F(CollectiveSaveLoad, ARankAskingForARegionTwiceGetsItInBothTargets) {

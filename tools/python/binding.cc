@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "ckpt/collective.h"
 #include "ckpt/collective_plan.h"
 #include "ckpt/describe.h"
 #include "ckpt/import.h"
@@ -396,7 +397,44 @@ class Reader {
     return JsonToPython(j);
   }
 
+  // A collective load's shared chunks (id, length), as plan_load names
+  // them: fetched and held for this reader's reads (unless held), copied
+  // out to send, released (CheckpointReader::HoldChunk and the rest).
+  void hold_chunk(const std::tuple<py::bytes, uint32_t>& chunk) const {
+    const ChunkRef ref = ToChunkRef(chunk);
+    py::gil_scoped_release nogil;
+    Check(reader_->HoldChunk(ref));
+  }
+  void copy_held_chunk(const std::tuple<py::bytes, uint32_t>& chunk, uintptr_t address, uint64_t bytes) const {
+    const ChunkRef ref = ToChunkRef(chunk);
+    std::span<std::byte> dst = HostSpan(address, bytes);
+    py::gil_scoped_release nogil;
+    Check(reader_->CopyHeldChunk(ref, dst));
+  }
+  void release_chunks(const std::vector<std::tuple<py::bytes, uint32_t>>& chunks) const {
+    std::vector<ChunkRef> refs;
+    refs.reserve(chunks.size());
+    for (const auto& c : chunks) refs.push_back(ToChunkRef(c));
+    reader_->ReleaseChunks(refs);
+  }
+  // The decoded chunk another rank handed over, checked and held.
+  void lend_chunk(const std::tuple<py::bytes, uint32_t>& chunk, uintptr_t address, uint64_t bytes) const {
+    const ChunkRef ref = ToChunkRef(chunk);
+    std::span<const std::byte> src = HostSpan(address, bytes);
+    py::gil_scoped_release nogil;
+    Check(reader_->LendChunk(ref, src));
+  }
+  const CheckpointReader& core() const { return *reader_; }
+
  private:
+  static ChunkRef ToChunkRef(const std::tuple<py::bytes, uint32_t>& chunk) {
+    const std::string id = std::get<0>(chunk);
+    ChunkRef ref;
+    if (id.size() != ref.id.bytes.size()) throw StatusError{Status::InvalidArgument("a chunk id is 16 bytes")};
+    std::memcpy(ref.id.bytes.data(), id.data(), id.size());
+    ref.raw_len = std::get<1>(chunk);
+    return ref;
+  }
   std::shared_ptr<Repository> repo_;  // outlives the reader
   std::unique_ptr<CheckpointReader> reader_;
 };
@@ -737,16 +775,37 @@ py::tuple PlanSave(const std::vector<std::vector<PlanTuple>>& ranks, size_t rank
   return py::make_tuple(mine, owners.unique_bytes, owners.held_bytes, owners.bytes_per_rank);
 }
 
-py::tuple PlanLoad(const std::vector<std::vector<PlanTuple>>& ranks) {
+py::tuple ChunkTuple(const ChunkRef& c) {
+  return py::make_tuple(py::bytes(reinterpret_cast<const char*>(c.id.bytes.data()), c.id.bytes.size()), c.raw_len);
+}
+
+// With a reader of the checkpoint and this rank, the windows of chunk
+// hand-offs too (else one window of none): [(routes_end, hold, handoffs,
+// release)], handoffs as [(from, to, chunk)], chunks as (id, length).
+py::tuple PlanLoad(const std::vector<std::vector<PlanTuple>>& ranks, const Reader* reader, int rank) {
   LoadRoutes routes;
+  std::vector<HandoffWindow> windows;
   {
     auto entries = ToPlanEntries(ranks);
     py::gil_scoped_release nogil;
     routes = AssignLoadReaders(entries);
+    if (reader != nullptr) {
+      windows = PlanChunkHandoffs(reader->core(), entries, routes, rank);
+    } else {
+      windows.push_back({routes.routes.size(), {}, {}, {}});
+    }
   }
   py::list out;
   for (const LoadRoute& r : routes.routes) out.append(py::make_tuple(r.reader, r.bytes, r.needers));
-  return py::make_tuple(out, routes.unique_bytes, routes.needed_bytes, routes.bytes_per_rank);
+  py::list plan;
+  for (const HandoffWindow& w : windows) {
+    py::list hold, given, release;
+    for (const ChunkRef& c : w.hold) hold.append(ChunkTuple(c));
+    for (const ChunkHandoff& h : w.handoffs) given.append(py::make_tuple(h.from, h.to, ChunkTuple(h.chunk)));
+    for (const ChunkRef& c : w.release) release.append(ChunkTuple(c));
+    plan.append(py::make_tuple(w.routes_end, hold, given, release));
+  }
+  return py::make_tuple(out, routes.unique_bytes, routes.needed_bytes, routes.bytes_per_rank, plan);
 }
 
 }  // namespace
@@ -779,8 +838,10 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("plan_save", &PlanSave, py::arg("ranks"), py::arg("rank"),
         "Collective save plan: which of `rank`'s entries it puts, unique and held bytes, bytes per rank.");
-  m.def("plan_load", &PlanLoad, py::arg("ranks"),
-        "Collective load plan: routes (reader, bytes, [(rank, entry)]), unique and needed bytes, bytes per rank.");
+  m.def("plan_load", &PlanLoad, py::arg("ranks"), py::arg("reader") = nullptr, py::arg("rank") = 0,
+        "Collective load plan: routes (reader, bytes, [(rank, entry)]), unique and needed bytes, bytes per rank, "
+        "and windows [(routes_end, hold, [(from, to, chunk)], release)] of chunk hand-offs for `rank` (with a "
+        "checkpoint reader; else one window of none).");
   m.def("cuda_available", [] {
     std::string why;
     bool ok = gpu::CudaAvailable(&why);
@@ -812,7 +873,11 @@ PYBIND11_MODULE(_core, m) {
            py::arg("local_shape"), py::arg("offsets"), py::arg("start"), py::arg("address"), py::arg("nbytes"),
            py::arg("device"))
       .def("blob", &Reader::blob, py::arg("name"))
-      .def("show", &Reader::show);
+      .def("show", &Reader::show)
+      .def("hold_chunk", &Reader::hold_chunk, py::arg("chunk"))
+      .def("copy_held_chunk", &Reader::copy_held_chunk, py::arg("chunk"), py::arg("address"), py::arg("nbytes"))
+      .def("lend_chunk", &Reader::lend_chunk, py::arg("chunk"), py::arg("address"), py::arg("nbytes"))
+      .def("release_chunks", &Reader::release_chunks, py::arg("chunks"));
 
   py::class_<PyRepository>(m, "Repository")
       .def_static("init", &PyRepository::Init, py::arg("path"), py::arg("chunk_size"), py::arg("pack_size"),

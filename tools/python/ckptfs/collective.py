@@ -181,35 +181,45 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
     torch = _torch()
     error = None
     entries: List[tuple] = []
+    reader = None
     try:
         entries = [_entry(key, target, shard, shard is not None) for key, target, shard in items]
         for key, target, _shard in items:
             if not torch.is_tensor(target):
                 raise InvalidArgumentError(f"target '{key}': a collective load fills torch tensors")
+        reader = repo._repo.open_checkpoint(name)
     except Error as e:
         error = str(e)
     gathered = group.gather_plans("describe the targets", error, entries)
-    routes, unique, needed, per_rank = _core.plan_load(gathered)
+    routes, unique, needed, per_rank, windows = _core.plan_load(gathered, reader, group.rank)
     me = group.rank
-    # Fetch what this rank reads, into its own targets.
+    # Fetch what this rank reads, into its own targets, window by window
+    # after the chunk hand-offs each needs. A rank whose read fails keeps
+    # taking part in the hand-offs, so no peer waits for it.
     error = None
     total = sum(_nbytes(t) for _k, t, _s in items) if progress else 0
     done = 0
     # This rank's entries on each route (usually none or one).
     mine = [[i for rank, i in needers if rank == me] for _r, _size, needers in routes]
-    try:
-        reader = repo._repo.open_checkpoint(name)
-        mappings = _writable_mappings()
-        for (r, _size, _needers), entries_here in zip(routes, mine):
-            if r != me:
-                continue
-            key, target, shard = items[entries_here[0]]
-            _read_value(reader, key, target, shard, mappings)
-            if progress:
-                done += _nbytes(target)
-                progress(done, total)
-    except Error as e:
-        error = str(e)
+    mappings = _writable_mappings()
+    begin = 0
+    for routes_end, hold, handoffs, release in windows:
+        if handoffs:
+            failed = _hand_over_chunks(reader, hold, handoffs, group)
+            error = error or failed
+        try:
+            for k in range(begin, routes_end):
+                if routes[k][0] != me or error is not None:
+                    continue
+                key, target, shard = items[mine[k][0]]
+                _read_value(reader, key, target, shard, mappings)
+                if progress:
+                    done += _nbytes(target)
+                    progress(done, total)
+        except Error as e:
+            error = str(e)
+        reader.release_chunks(release)
+        begin = routes_end
     group.agree("fetch from the store", error)
 
     # Deliver: the reader sends each region to every other rank needing it.
@@ -248,7 +258,56 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
     group.step("deliver the fetched regions", deliver)
     if progress:
         progress(total, total)
-    return {"unique_bytes": unique, "needed_bytes": needed, "bytes_per_rank": list(per_rank)}
+    return {"unique_bytes": unique, "needed_bytes": needed, "bytes_per_rank": list(per_rank),
+            "handed_over_bytes": sum(chunk[1] for _e, _h, given, _r in windows for _s, _d, chunk in given)}
+
+
+def _hand_over_chunks(reader, hold: List[tuple], handoffs: List[tuple], group: _Group) -> Optional[str]:
+    """One window of chunk hand-offs. Chunks that regions of different
+    readers share (a restore at another world size cuts stored chunks) are
+    fetched once: the rank the plan names fetches, verifies, decodes and
+    holds each, and sends the decoded bytes to the other readers, whose
+    reads then take them instead of the store. Returns this rank's error in
+    sending or checking (agreed on with the reads)."""
+    from . import _torch  # noqa: PLC0415
+
+    torch = _torch()
+    me = group.rank
+    error = None
+    try:
+        for chunk in hold:
+            reader.hold_chunk(chunk)
+    except Error as e:
+        error = str(e)
+    group.agree("fetch the shared chunks", error)
+
+    def exchange():
+        failed = None
+        works, incoming = [], []
+        for tag, (src, dst, chunk) in enumerate(handoffs):
+            if me not in (src, dst):
+                continue
+            buf = torch.empty(chunk[1], dtype=torch.uint8)
+            if src == me:
+                try:
+                    reader.copy_held_chunk(chunk, buf.data_ptr(), chunk[1])
+                except Error as e:  # sent anyway: the receiver's check fails, and nobody waits
+                    failed = failed or str(e)
+                works.append(group.dist.isend(buf, dst=group.globals[dst], group=group.group, tag=tag))
+            else:
+                works.append(group.dist.irecv(buf, src=group.globals[src], group=group.group, tag=tag))
+                incoming.append((chunk, buf))
+        for w in works:
+            w.wait()
+        return failed, incoming
+
+    failed, incoming = group.step("hand over the shared chunks", exchange)
+    try:
+        for chunk, buf in incoming:
+            reader.lend_chunk(chunk, buf.data_ptr(), chunk[1])
+    except Error as e:
+        failed = failed or str(e)
+    return failed
 
 
 def open_shared(open_core: Callable[[bool], Any], group: _Group):
