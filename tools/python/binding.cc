@@ -455,17 +455,36 @@ class RepositoryCache {
     if (ec) key = path;
     // Another cache directory is another catalog: another Repository.
     key += '\0' + options.cache_dir;
-    std::lock_guard lock(mu_);
-    if (generation_ != ForkGeneration()) {
-      // Repositories of the parent refuse to work in a forked child: forget
-      // them (without destroying them) and open anew.
-      open_.clear();
-      generation_ = ForkGeneration();
+    // A catalog this process had open and let go may still be closing on
+    // another thread (the last task of a save releases the engine there):
+    // opening it again waits for that, a few seconds at most, rather than
+    // fail. The wait holds neither the lock nor the GIL.
+    for (int attempt = 0;; ++attempt) {
+      {
+        std::lock_guard lock(mu_);
+        if (generation_ != ForkGeneration()) {
+          // Repositories of the parent refuse to work in a forked child:
+          // forget them (without destroying them) and open anew.
+          open_.clear();
+          generation_ = ForkGeneration();
+        }
+        auto it = open_.find(key);
+        if (it != open_.end()) {
+          if (auto live = it->second.lock()) return live;
+        }
+        auto repo = Repository::Open(path, options);
+        const bool closing = it != open_.end() && !repo.ok() &&
+                             repo.status().code() == StatusCode::kFailedPrecondition &&
+                             repo.status().message().find("already open in this process") != std::string::npos;
+        if (!closing || attempt >= 300) {
+          std::shared_ptr<Repository> out = Value(std::move(repo));
+          open_[key] = out;
+          return out;
+        }
+      }
+      py::gil_scoped_release nogil;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
-    if (auto live = open_[key].lock()) return live;
-    std::shared_ptr<Repository> repo = Value(Repository::Open(path, options));
-    open_[key] = repo;
-    return repo;
   }
 
  private:
