@@ -558,22 +558,6 @@ def _write_durable(path: str, write) -> None:
     os.replace(tmp, path)
 
 
-def _safetensors_bytes(tensors: Sequence[Tuple[str, Any]], metadata: Mapping[str, str]):
-    """The header of a safetensors file of `tensors` (name, torch tensor),
-    in that order, and the tensors' bytes as memoryviews."""
-    header: Dict[str, Any] = {"__metadata__": dict(metadata)}
-    offset = 0
-    views = []
-    for key, t in tensors:
-        n = t.numel() * t.element_size()
-        header[key] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-        views.append(memoryview(t.contiguous().view(-1).view(_torch().uint8).numpy()) if n else memoryview(b""))
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, views
-
-
 def hf_shards(sizes: Sequence[Tuple[str, int]], max_shard_size: int) -> List[List[str]]:
     """Tensors (name, bytes), in order, split as Hugging Face splits a state
     dict (huggingface_hub's split_torch_state_dict_into_shards): a tensor
@@ -646,6 +630,73 @@ class _Export:
         _fsync_dir(self.partial)
         os.rename(self.partial, self.out)
         _fsync_dir(os.path.dirname(os.path.abspath(self.out)))
+
+
+# Exports write a tensor this many bytes at a time, through two buffers they
+# reuse: one read from the repository while the other is written.
+_EXPORT_PIECE = 16 << 20
+
+
+class _TensorStream:
+    """Writes whole tensors of a checkpoint to a file piece by piece, the
+    next piece read on a helper thread while this one is written: memory
+    stays two pieces whatever the tensor, and no buffer is allocated per
+    tensor (a first touch of fresh pages is what costs on a busy host)."""
+
+    def __init__(self, reader):
+        import concurrent.futures  # noqa: PLC0415
+
+        torch = _torch()
+        self.reader = reader
+        self.buffers = [torch.empty(_EXPORT_PIECE, dtype=torch.uint8) for _ in range(2)]
+        self.ahead = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    def close(self) -> None:
+        self.ahead.shutdown(wait=True)
+
+    def _read(self, name: str, dtype, shape, start: int, count: int, buf):
+        ckptfs._read_value(self.reader, name, buf[:count * dtype.itemsize].view(dtype), ckptfs.Flat(shape, start))
+
+    def write(self, f, name: str, dtype, shape, cast=None) -> None:
+        """Writes tensor `name` (of `dtype` and `shape` in the checkpoint)
+        to `f` row-major, floating elements cast to `cast` where given."""
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        if numel == 0:
+            return
+        out_dtype = cast if cast is not None and dtype.is_floating_point and cast != dtype else None
+        # Elements a piece: the wider of the two element sizes fits a buffer.
+        per = max(1, _EXPORT_PIECE // max(dtype.itemsize, out_dtype.itemsize if out_dtype is not None else 0))
+        pieces = [(start, min(per, numel - start)) for start in range(0, numel, per)]
+        pending = self.ahead.submit(self._read, name, dtype, tuple(shape), *pieces[0], self.buffers[0])
+        for k, (_start, count) in enumerate(pieces):
+            pending.result()
+            buf = self.buffers[k % 2]
+            if k + 1 < len(pieces):
+                pending = self.ahead.submit(self._read, name, dtype, tuple(shape), *pieces[k + 1],
+                                            self.buffers[(k + 1) % 2])
+            data = buf[:count * dtype.itemsize]
+            if out_dtype is not None:
+                data = data.view(dtype).to(out_dtype).view(_torch().uint8)
+            f.write(memoryview(data.numpy()))
+
+
+def _safetensors_header(tensors: Sequence[Tuple[str, Any, Sequence[int]]], metadata: Mapping[str, str]) -> bytes:
+    """The header of a safetensors file of `tensors` (name, torch dtype,
+    shape), in that order."""
+    header: Dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for key, dtype, shape in tensors:
+        n = dtype.itemsize
+        for d in shape:
+            n *= int(d)
+        header[key] = {"dtype": _dtype_name(dtype), "shape": [int(d) for d in shape],
+                       "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
 
 
 def _read_tensor(reader, name: str, cast=None):
@@ -742,6 +793,9 @@ class _ExportTensors:
         if dt is None:
             raise UnsupportedError(f"tensor '{n}' is {name}, which torch {_torch().__version__} lacks")
         return self._cast if self._cast is not None and dt.is_floating_point else dt
+
+    def stored_dtype(self, n: str) -> str:
+        return self._by_name[n]["dtype"]
 
     def shape(self, n: str) -> List[int]:
         return [int(d) for d in self._by_name[n]["shape"]]
@@ -917,17 +971,21 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
             if names[i] in export.done:
                 advance(sum(nbytes(n) for n in shards[i]))
                 return
-            tensors = [(n, _read_tensor(reader, n, cast)) for n in shards[i]]
-            head, views = _safetensors_bytes(tensors, {"format": "pt"})
+            head = _safetensors_header([(n, sizes.dtype(n), sizes.shape(n)) for n in shards[i]], {"format": "pt"})
+            stream = _TensorStream(reader)
 
             def body(f):
                 f.write(head)
-                for v in views:
-                    f.write(v)
+                for n in shards[i]:
+                    stored = ckptfs._name_to_torch[sizes.stored_dtype(n)]
+                    stream.write(f, n, stored, sizes.shape(n), cast)
+                    advance(nbytes(n))
 
-            _write_durable(export.path(names[i]), body)
+            try:
+                _write_durable(export.path(names[i]), body)
+            finally:
+                stream.close()
             export.finished(names[i])
-            advance(sum(nbytes(n) for n in shards[i]))
 
         import concurrent.futures  # noqa: PLC0415
 
