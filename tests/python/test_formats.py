@@ -261,6 +261,35 @@ class Exports(unittest.TestCase):
         self.assertIn("exists", err)
         self.assertEqual(len(err.splitlines()), 1)
 
+    def test_hf_export_streams_tensors_in_pieces_bit_exact_and_cast(self):
+        # Pieces of 4 KiB: every tensor but the empty and 0-d ones takes
+        # several, read ahead while the last is written.
+        from safetensors.torch import load_file  # noqa: PLC0415
+
+        gen = torch.Generator().manual_seed(9)
+        state = {"w": torch.randn(100, 37, generator=gen), "h": torch.randn(3001, generator=gen).to(torch.bfloat16),
+                 "i": torch.arange(5000, dtype=torch.int64), "e": torch.zeros(0, 4), "s": torch.tensor(2.5)}
+        self.repo.save("m", state)
+        piece = formats._EXPORT_PIECE
+        formats._EXPORT_PIECE = 4096
+        try:
+            out = formats.export_checkpoint(self.repo, "m", os.path.join(self.tmp, "plain"), format="hf")
+            cast = formats.export_checkpoint(self.repo, "m", os.path.join(self.tmp, "bf16"), format="hf",
+                                             dtype="bfloat16")
+        finally:
+            formats._EXPORT_PIECE = piece
+        self.assertEqual(out["files"], ["model.safetensors"])
+        got = load_file(os.path.join(self.tmp, "plain", "model.safetensors"))
+        self.assertEqual(set(got), set(state))
+        for k, v in state.items():
+            self.assertEqual(got[k].dtype, v.dtype, k)
+            self.assertTrue(torch.equal(bits(got[k]), bits(v)), k)
+        got = load_file(os.path.join(self.tmp, "bf16", cast["files"][0]))
+        for k, v in state.items():
+            want = v.to(torch.bfloat16) if v.is_floating_point() else v
+            self.assertEqual(got[k].dtype, want.dtype, k)
+            self.assertTrue(torch.equal(bits(got[k]), bits(want)), k)
+
     def test_an_interrupted_hf_export_resumes_without_redoing_finished_files(self):
         gen = torch.Generator().manual_seed(4)
         self.repo.save("big", {f"layer{i}": torch.randn(64, 64, generator=gen) for i in range(8)})
