@@ -640,8 +640,9 @@ _EXPORT_PIECE = 16 << 20
 class _TensorStream:
     """Writes whole tensors of a checkpoint to a file piece by piece, the
     next piece read on a helper thread while this one is written: memory
-    stays two pieces whatever the tensor, and no buffer is allocated per
-    tensor (a first touch of fresh pages is what costs on a busy host)."""
+    stays two pieces (and a third to cast into) whatever the tensor, and no
+    buffer is allocated per tensor or piece (a first touch of fresh pages is
+    what costs on a busy host)."""
 
     def __init__(self, reader):
         import concurrent.futures  # noqa: PLC0415
@@ -649,6 +650,7 @@ class _TensorStream:
         torch = _torch()
         self.reader = reader
         self.buffers = [torch.empty(_EXPORT_PIECE, dtype=torch.uint8) for _ in range(2)]
+        self.cast_buffer = None  # made by the first cast
         self.ahead = concurrent.futures.ThreadPoolExecutor(max_workers=1)
 
     def close(self) -> None:
@@ -657,28 +659,31 @@ class _TensorStream:
     def _read(self, name: str, dtype, shape, start: int, count: int, buf):
         ckptfs._read_value(self.reader, name, buf[:count * dtype.itemsize].view(dtype), ckptfs.Flat(shape, start))
 
-    def write(self, f, name: str, dtype, shape, cast=None) -> None:
-        """Writes tensor `name` (of `dtype` and `shape` in the checkpoint)
-        to `f` row-major, floating elements cast to `cast` where given."""
+    def write(self, f, name: str, stored, out, shape) -> None:
+        """Writes tensor `name` (held as dtype `stored`, of `shape`) to `f`
+        row-major as dtype `out`."""
+        torch = _torch()
         numel = 1
         for d in shape:
             numel *= int(d)
         if numel == 0:
             return
-        out_dtype = cast if cast is not None and dtype.is_floating_point and cast != dtype else None
+        if out != stored and self.cast_buffer is None:
+            self.cast_buffer = torch.empty(_EXPORT_PIECE, dtype=torch.uint8)
         # Elements a piece: the wider of the two element sizes fits a buffer.
-        per = max(1, _EXPORT_PIECE // max(dtype.itemsize, out_dtype.itemsize if out_dtype is not None else 0))
+        per = max(1, _EXPORT_PIECE // max(stored.itemsize, out.itemsize))
         pieces = [(start, min(per, numel - start)) for start in range(0, numel, per)]
-        pending = self.ahead.submit(self._read, name, dtype, tuple(shape), *pieces[0], self.buffers[0])
+        pending = self.ahead.submit(self._read, name, stored, tuple(shape), *pieces[0], self.buffers[0])
         for k, (_start, count) in enumerate(pieces):
             pending.result()
-            buf = self.buffers[k % 2]
+            data = self.buffers[k % 2][:count * stored.itemsize]
             if k + 1 < len(pieces):
-                pending = self.ahead.submit(self._read, name, dtype, tuple(shape), *pieces[k + 1],
+                pending = self.ahead.submit(self._read, name, stored, tuple(shape), *pieces[k + 1],
                                             self.buffers[(k + 1) % 2])
-            data = buf[:count * dtype.itemsize]
-            if out_dtype is not None:
-                data = data.view(dtype).to(out_dtype).view(_torch().uint8)
+            if out != stored:
+                cast = self.cast_buffer[:count * out.itemsize]
+                cast.view(out).copy_(data.view(stored))
+                data = cast
             f.write(memoryview(data.numpy()))
 
 
@@ -787,15 +792,17 @@ class _ExportTensors:
         self._by_name = {t["name"]: t for t in shown["tensors"]}
         self._cast = cast
 
-    def dtype(self, n: str):
+    def stored(self, n: str):
+        """The torch dtype the checkpoint holds the tensor in."""
         name = self._by_name[n]["dtype"]
         dt = ckptfs._name_to_torch.get(name)
         if dt is None:
             raise UnsupportedError(f"tensor '{n}' is {name}, which torch {_torch().__version__} lacks")
-        return self._cast if self._cast is not None and dt.is_floating_point else dt
+        return dt
 
-    def stored_dtype(self, n: str) -> str:
-        return self._by_name[n]["dtype"]
+    def dtype(self, n: str):
+        dt = self.stored(n)
+        return self._cast if self._cast is not None and dt.is_floating_point else dt
 
     def shape(self, n: str) -> List[int]:
         return [int(d) for d in self._by_name[n]["shape"]]
@@ -977,8 +984,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
             def body(f):
                 f.write(head)
                 for n in shards[i]:
-                    stored = ckptfs._name_to_torch[sizes.stored_dtype(n)]
-                    stream.write(f, n, stored, sizes.shape(n), cast)
+                    stream.write(f, n, sizes.stored(n), sizes.dtype(n), sizes.shape(n))
                     advance(nbytes(n))
 
             try:
