@@ -258,8 +258,7 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
     group.step("deliver the fetched regions", deliver)
     if progress:
         progress(total, total)
-    return {"unique_bytes": unique, "needed_bytes": needed, "bytes_per_rank": list(per_rank),
-            "handed_over_bytes": sum(chunk[1] for _e, _h, given, _r in windows for _s, _d, chunk in given)}
+    return {"unique_bytes": unique, "needed_bytes": needed, "bytes_per_rank": list(per_rank)}
 
 
 def _hand_over_chunks(reader, hold: List[tuple], handoffs: List[tuple], group: _Group) -> Optional[str]:
@@ -281,13 +280,18 @@ def _hand_over_chunks(reader, hold: List[tuple], handoffs: List[tuple], group: _
         error = str(e)
     group.agree("fetch the shared chunks", error)
 
+    # One buffer for this rank's part of the window (about 256 MiB over the
+    # group at most), not one per chunk.
+    mine = [(tag, h) for tag, h in enumerate(handoffs) if me in (h[0], h[1])]
+    space = torch.empty(sum(h[2][1] for _tag, h in mine), dtype=torch.uint8)
+
     def exchange():
         failed = None
         works, incoming = [], []
-        for tag, (src, dst, chunk) in enumerate(handoffs):
-            if me not in (src, dst):
-                continue
-            buf = torch.empty(chunk[1], dtype=torch.uint8)
+        at = 0
+        for tag, (src, dst, chunk) in mine:
+            buf = space[at:at + chunk[1]]
+            at += chunk[1]
             if src == me:
                 try:
                     reader.copy_held_chunk(chunk, buf.data_ptr(), chunk[1])
