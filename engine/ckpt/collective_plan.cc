@@ -215,12 +215,11 @@ std::vector<HandoffWindow> ScheduleHandoffs(const LoadRoutes& routes,
     }
   }
   // Released in a fixed order (the hand-offs'), so every run is the same.
-  std::unordered_set<ChunkId, ChunkIdHash> released;
   for (const ChunkHandoff& h : handoffs) {
-    if ((h.from == rank || h.to == rank) && released.insert(h.chunk.id).second) {
-      const Held& x = held.at(h.chunk.id);
-      out[x.last].release.push_back(x.chunk);
-    }
+    auto it = held.find(h.chunk.id);
+    if (it == held.end()) continue;  // not this rank's, or released already
+    out[it->second.last].release.push_back(it->second.chunk);
+    held.erase(it);
   }
   return out;
 }
