@@ -455,10 +455,12 @@ class RepositoryCache {
     if (ec) key = path;
     // Another cache directory is another catalog: another Repository.
     key += '\0' + options.cache_dir;
-    // A catalog this process had open and let go may still be closing on
-    // another thread (the last task of a save releases the engine there):
-    // opening it again waits for that, a few seconds at most, rather than
-    // fail. The wait holds neither the lock nor the GIL.
+    // A catalog this process had open and let go may still be closing: the
+    // last reference to its Repository can be dropped on another thread
+    // (a garbage-collected object, a framework's worker), whose destructor
+    // is still shutting the engine down. Opening it again waits for that, a
+    // few seconds at most, rather than fail. The wait holds neither the
+    // lock nor the GIL.
     for (int attempt = 0;; ++attempt) {
       {
         std::lock_guard lock(mu_);
