@@ -141,17 +141,8 @@ Status CheckRegion(const TensorInfo& t, const Region& region, size_t bytes) {
 std::vector<HandoffWindow> PlanChunkHandoffs(const CheckpointReader& reader,
                                              const std::vector<std::vector<PlanEntry>>& plans,
                                              const LoadRoutes& routes, int rank, uint64_t window_bytes) {
-  std::vector<std::vector<ChunkRef>> chunks(routes.routes.size());
-  for (size_t k = 0; k < routes.routes.size(); ++k) {
-    const auto [r, i] = routes.routes[k].needers.front();
-    const PlanEntry& e = plans[r][i];
-    const size_t cut = e.name.find('\0');
-    if (cut == std::string::npos) continue;  // a blob
-    const TensorRecord* t = reader.FindTensor(std::string_view(e.name).substr(0, cut));
-    if (t == nullptr) continue;  // its reader's read fails and names it
-    auto listed = reader.ChunksOf(*t, e.region);
-    if (listed.ok()) chunks[k] = std::move(listed).value();
-  }
+  const auto chunks =
+      ChunksOfRoutes(routes, plans, [&](std::string_view name) { return reader.FindTensor(name); });
   return ScheduleHandoffs(routes, chunks, AssignChunkHandoffs(routes, chunks), rank, window_bytes);
 }
 

@@ -1,6 +1,9 @@
 #include "ckpt/collective_plan.h"
 
+#include "ckpt/read_plan.h"
+
 #include <algorithm>
+#include <memory>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -134,6 +137,27 @@ SaveOwners AssignSaveOwners(const std::vector<std::vector<PlanEntry>>& ranks) {
   out.unique_bytes = routes.unique_bytes;
   out.held_bytes = routes.needed_bytes;
   return out;
+}
+
+std::vector<std::vector<ChunkRef>> ChunksOfRoutes(
+    const LoadRoutes& routes, const std::vector<std::vector<PlanEntry>>& plans,
+    const std::function<const TensorRecord*(std::string_view)>& find) {
+  std::vector<std::vector<ChunkRef>> chunks(routes.routes.size());
+  std::unordered_map<const TensorRecord*, std::unique_ptr<ShardIndex>> indexes;
+  for (size_t k = 0; k < routes.routes.size(); ++k) {
+    if (routes.routes[k].needers.empty()) continue;
+    const auto [r, i] = routes.routes[k].needers.front();
+    const PlanEntry& e = plans[r][i];
+    const size_t cut = e.name.find('\0');
+    if (cut == std::string::npos) continue;  // a blob
+    const TensorRecord* t = find(std::string_view(e.name).substr(0, cut));
+    if (t == nullptr) continue;
+    auto& index = indexes[t];
+    if (index == nullptr) index = std::make_unique<ShardIndex>(*t);
+    auto listed = ChunksForRegion(*t, e.region, index.get());
+    if (listed.ok()) chunks[k] = std::move(listed).value();
+  }
+  return chunks;
 }
 
 std::vector<ChunkHandoff> AssignChunkHandoffs(const LoadRoutes& routes,

@@ -16,11 +16,14 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "core/region.h"
+#include "meta/records.h"
 #include "store/chunk_ref.h"
 
 namespace ckptfs {
@@ -81,6 +84,16 @@ struct ChunkHandoff {
   size_t owner_route = 0;
   size_t route = 0;  // the first route of `to` that needs the chunk
 };
+
+// The chunks each route's region needs, in routes order (route_chunks
+// below): `find` gives the stored tensor that an entry's name (tensor name,
+// NUL, dtype) names, or nullptr, and such a route, or a blob's, lists none
+// (its reader's read fails and names it). Each tensor's shards are indexed
+// once (ShardIndex), so listing every rank's regions of a tensor saved in
+// N shards costs O(N log N), not N regions times N shards.
+std::vector<std::vector<ChunkRef>> ChunksOfRoutes(
+    const LoadRoutes& routes, const std::vector<std::vector<PlanEntry>>& plans,
+    const std::function<const TensorRecord*(std::string_view)>& find);
 
 // route_chunks[k] lists the chunks route k's region needs (in routes
 // order). Each chunk is fetched by one rank, the reader of the first route

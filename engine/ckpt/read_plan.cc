@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -64,16 +65,21 @@ Status RunGroup(const ChunkGroup& g, std::span<std::byte> dst, ChunkFetcher& fet
 namespace {
 
 // Plans the copies that fill `request` (row-major, starting `dst_base`
-// bytes into the destination) from the tensor's shards.
+// bytes into the destination) from the tensor's shards: every shard, or
+// those `index` says the request can meet.
 Status PlanBox(const TensorRecord& tensor, const Box& request, std::vector<ChunkGroup>& groups,
-               uint64_t dst_base = 0) {
+               uint64_t dst_base = 0, const ShardIndex* index = nullptr) {
   const uint64_t w = DTypeSize(tensor.dtype);
   std::unordered_map<uint64_t, size_t> group_of;
   const LinearSpace dst_space = SpaceOfBox(request);
+  std::vector<size_t> candidates;
+  if (index != nullptr) index->Candidates(request, candidates);
+  const size_t n = index != nullptr ? candidates.size() : tensor.shards.size();
   // Parts of the request not yet planned; each element is copied once even
-  // where shards overlap.
+  // where shards overlap (the first shard in shard order wins).
   std::vector<Box> remaining = {request};
-  for (size_t si = 0; si < tensor.shards.size() && !remaining.empty(); ++si) {
+  for (size_t at = 0; at < n && !remaining.empty(); ++at) {
+    const size_t si = index != nullptr ? candidates[at] : at;
     const ShardRecord& shard = tensor.shards[si];
     const LinearSpace src_space = SpaceOfRegion(tensor.shape, shard.region);
     for (const Box& sb : RegionToBoxes(tensor.shape, shard.region)) {
@@ -101,10 +107,11 @@ Status PlanBox(const TensorRecord& tensor, const Box& request, std::vector<Chunk
 
 // Plans elements [first, end) of the tensor's row-major image, the
 // destination starting at element `first`.
-Status PlanElements(const TensorRecord& tensor, uint64_t first, uint64_t end, std::vector<ChunkGroup>& groups) {
+Status PlanElements(const TensorRecord& tensor, uint64_t first, uint64_t end, std::vector<ChunkGroup>& groups,
+                    const ShardIndex* index = nullptr) {
   const uint64_t w = DTypeSize(tensor.dtype);
   for (const Box& box : FlatRangeToBoxes(tensor.shape, {first, end})) {
-    CKPT_RETURN_IF_ERROR(PlanBox(tensor, box, groups, (FlatIndexOf(tensor.shape, box.offsets) - first) * w));
+    CKPT_RETURN_IF_ERROR(PlanBox(tensor, box, groups, (FlatIndexOf(tensor.shape, box.offsets) - first) * w, index));
   }
   return Status::OK();
 }
@@ -239,15 +246,81 @@ Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_
   return DistinctChunks(groups);
 }
 
-Result<std::vector<ChunkRef>> ChunksForRegion(const TensorRecord& tensor, const Region& region) {
+Result<std::vector<ChunkRef>> ChunksForRegion(const TensorRecord& tensor, const Region& region,
+                                              const ShardIndex* index) {
   CKPT_RETURN_IF_ERROR(ValidateRegion(tensor.shape, region).WithContext("tensor '" + tensor.name + "'"));
   std::vector<ChunkGroup> groups;
   if (region.kind == Region::Kind::kFlat) {
-    CKPT_RETURN_IF_ERROR(PlanElements(tensor, region.flat.start, region.flat.end, groups));
+    CKPT_RETURN_IF_ERROR(PlanElements(tensor, region.flat.start, region.flat.end, groups, index));
   } else if (!region.box.Empty()) {
-    CKPT_RETURN_IF_ERROR(PlanBox(tensor, region.box, groups));
+    CKPT_RETURN_IF_ERROR(PlanBox(tensor, region.box, groups, 0, index));
   }
   return DistinctChunks(groups);
+}
+
+ShardIndex::ShardIndex(const TensorRecord& tensor) : shards_(tensor.shards.size()) {
+  const size_t rank = tensor.shape.size();
+  if (rank == 0) {
+    every_shard_ = true;
+    return;
+  }
+  // Each shard's extent along every dimension (a flat range spans the
+  // union of its boxes); a shard that is empty or does not fit the tensor
+  // meets nothing and is left out, as a read would skip it.
+  std::vector<std::vector<Extent>> extents(rank);
+  for (size_t si = 0; si < tensor.shards.size(); ++si) {
+    const Region& region = tensor.shards[si].region;
+    if (region.NumElements() == 0 || !ValidateRegion(tensor.shape, region).ok()) continue;
+    std::vector<uint64_t> lo(rank, std::numeric_limits<uint64_t>::max()), hi(rank, 0);
+    for (const Box& b : RegionToBoxes(tensor.shape, region)) {
+      for (size_t d = 0; d < rank; ++d) {
+        lo[d] = std::min(lo[d], b.offsets[d]);
+        hi[d] = std::max(hi[d], b.offsets[d] + b.lengths[d]);
+      }
+    }
+    for (size_t d = 0; d < rank; ++d) extents[d].push_back({lo[d], hi[d], si});
+  }
+  // The dimension whose sorted starts take the most distinct values.
+  size_t best = 0;
+  for (size_t d = 0; d < rank; ++d) {
+    std::sort(extents[d].begin(), extents[d].end(), [](const Extent& a, const Extent& b) {
+      return a.start != b.start ? a.start < b.start : a.shard < b.shard;
+    });
+    size_t distinct = 0;
+    for (size_t i = 0; i < extents[d].size(); ++i) {
+      if (i == 0 || extents[d][i].start != extents[d][i - 1].start) ++distinct;
+    }
+    if (d == 0 || distinct > best) {
+      best = distinct;
+      dim_ = d;
+    }
+  }
+  by_start_ = std::move(extents[dim_]);
+  reach_.resize(by_start_.size());
+  for (size_t i = 0; i < by_start_.size(); ++i) {
+    reach_[i] = std::max(by_start_[i].end, i == 0 ? 0 : reach_[i - 1]);
+  }
+}
+
+void ShardIndex::Candidates(const Box& box, std::vector<size_t>& out) const {
+  out.clear();
+  if (every_shard_) {
+    for (size_t si = 0; si < shards_; ++si) out.push_back(si);
+    return;
+  }
+  if (box.rank() <= dim_ || box.Empty()) return;
+  const uint64_t start = box.offsets[dim_], end = start + box.lengths[dim_];
+  // Shards starting before the box ends; of those, walk back while some
+  // shard at or before the position still reaches past the box's start.
+  size_t i = static_cast<size_t>(
+      std::lower_bound(by_start_.begin(), by_start_.end(), end,
+                       [](const Extent& e, uint64_t v) { return e.start < v; }) -
+      by_start_.begin());
+  while (i > 0 && reach_[i - 1] > start) {
+    --i;
+    if (by_start_[i].end > start) out.push_back(by_start_[i].shard);
+  }
+  std::sort(out.begin(), out.end());
 }
 
 Status ReadBlobBytes(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst,

@@ -52,10 +52,42 @@ Result<bool> SliceTensorBytes(const TensorRecord& tensor, uint64_t offset, uint6
 // once, in the order a read would use them.
 Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length);
 
+// Which of a tensor's shards a box can meet, found without looking at
+// every shard. The shards' extents along one dimension (the one along which
+// their starts differ most: rows for Shard(0), columns for Shard(1), the
+// rows a flat range spans) are sorted by start, each with the largest end
+// among it and the shards before it; a query walks back from the last shard
+// starting before the box's end while that largest end reaches into the
+// box. Built once, O(S log S) in the S shards; a query of a box that meets
+// k of them costs O(log S + k) when the shards tile that dimension.
+// A single read scans the shards instead; a caller that plans many regions
+// of one tensor (a collective load plans every rank's) builds one.
+class ShardIndex {
+ public:
+  explicit ShardIndex(const TensorRecord& tensor);
+  // Replaces `out` with the shards whose extent meets the box's along the
+  // indexed dimension, in shard order (the order a read takes them in).
+  void Candidates(const Box& box, std::vector<size_t>& out) const;
+
+ private:
+  struct Extent {
+    uint64_t start;
+    uint64_t end;
+    size_t shard;
+  };
+  size_t dim_ = 0;
+  size_t shards_ = 0;
+  bool every_shard_ = false;   // a 0-d tensor
+  std::vector<Extent> by_start_;
+  std::vector<uint64_t> reach_;  // reach_[i]: the largest end of by_start_[0..i]
+};
+
 // The chunks that a read of `region` (a box or a flat element range) needs,
 // each once, in the order the read would use them. InvalidArgument when the
-// region does not lie inside the tensor.
-Result<std::vector<ChunkRef>> ChunksForRegion(const TensorRecord& tensor, const Region& region);
+// region does not lie inside the tensor. `index`, when given, is the
+// tensor's ShardIndex.
+Result<std::vector<ChunkRef>> ChunksForRegion(const TensorRecord& tensor, const Region& region,
+                                              const ShardIndex* index = nullptr);
 
 // Copies bytes [offset, offset + dst.size()) of a blob.
 Status ReadBlobBytes(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst,
