@@ -3,6 +3,13 @@ in the same run on the same bytes: 8 ranks (processes, gloo), R = 4
 replicas x 2 row shards (HSDP), each rank holding half the rows of every
 layer.
 
+The ranks run on simulated hosts (--hosts, default 4): each host has its
+own catalog and chunk cache, as separate machines do, and holds one
+replica's two ranks, so the replicas are on different hosts as HSDP places
+them. With --hosts 1 all ranks share one host's catalog, so the every-rank
+save finds many of the other replicas' chunks already stored and skips
+encoding them.
+
 - save into a fresh repository: every rank puts what it holds (today's
   path, rank=/world_size=) against the collective save; bytes hashed (the
   ranks' logical_bytes), the ranks' CPU seconds, wall time (first rank in to
@@ -18,7 +25,7 @@ layer.
   FileSystemWriter into a local directory (DTensors, Replicate x Shard(0));
   and DCP's CooperativeLoadPlanner where the installed torch has one.
 
-    build/venv/bin/python tools/bench/collective_bench.py --mib 256 --runs 3
+    build/venv/bin/python tools/bench/collective_bench.py --mib 256 --runs 5 [--hosts 1]
 
 (with ckptfs importable: the package installed in the venv, or
 PYTHONPATH=build/python). Each rank process is started with this file and
@@ -138,12 +145,18 @@ def worker(args):
 # ---- the run ------------------------------------------------------------------------
 
 
-def job(action, url, name, mode, mib, env_extra):
+def job(action, url, name, mode, mib, env_extra, hosts=1):
+    """Runs the WORLD ranks of one job. With `hosts` > 1 the ranks are
+    spread over that many simulated hosts, consecutive ranks together, each
+    host with its own cache directory under env_extra's CKPT_CACHE_DIR
+    (its own catalog and chunk cache, as separate machines have)."""
     port = free_port()
     procs = []
     for r in range(WORLD):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    **env_extra)
+        if hosts > 1 and "CKPT_CACHE_DIR" in env_extra:
+            env["CKPT_CACHE_DIR"] = os.path.join(env_extra["CKPT_CACHE_DIR"], f"host{r // (WORLD // hosts)}")
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", action, url, name, mode, "--mib",
                                        str(mib)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     outs = []
@@ -161,6 +174,15 @@ def referenced(url, env_extra):
     du = json.loads(subprocess.run([ckpt, "-r", url, "du", "--json"], check=True, stdout=subprocess.PIPE,
                                    env=dict(os.environ, **env_extra)).stdout)
     return next(c["referenced_bytes"] for c in du["checkpoints"] if c["name"] == "s")
+
+
+def drop(url, cache_dir):
+    """Removes a run's checkpoints and reclaims their packs, so that the
+    store (in RAM for the loopback gateway) does not grow run after run."""
+    ckpt = os.environ.get("CKPT_BIN") or shutil.which("ckpt")
+    env = dict(os.environ, CKPT_CACHE_DIR=cache_dir)
+    subprocess.run([ckpt, "-r", url, "--quiet", "rm", "s", "warm-up"], check=True, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run([ckpt, "-r", url, "--quiet", "gc"], check=True, env=env, stdout=subprocess.DEVNULL)
 
 
 def span(outs):
@@ -182,6 +204,10 @@ def main():
     ap.add_argument("--mib", type=float, default=256, help="unique bytes of the state, MiB")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", default="/tmp")
+    ap.add_argument("--hosts", type=int, default=4, choices=(1, 2, 4, 8),
+                    help="simulated hosts, each with its own catalog and chunk cache; the default 4 puts each "
+                         "replica's 2 ranks on one host and the replicas on different hosts, as HSDP places them "
+                         "(1: all ranks share one host's catalog)")
     args = ap.parse_args()
     import torch
     import torch.distributed.checkpoint as dcp
@@ -193,7 +219,8 @@ def main():
     s3 = bool(os.environ.get("AWS_ENDPOINT_URL"))
     coop = hasattr(dcp, "default_planner") and hasattr(dcp.default_planner, "CooperativeLoadPlanner")
     unique = sum(rows * COLS * 4 for _, rows in layers(args.mib))
-    print(f"{WORLD} ranks, {WORLD // SHARDS} replicas x {SHARDS} shards; {unique / 2**20:.0f} MiB unique "
+    print(f"{WORLD} ranks on {args.hosts} simulated host{'s' if args.hosts > 1 else ''} (a catalog and chunk cache "
+          f"each), {WORLD // SHARDS} replicas x {SHARDS} shards; {unique / 2**20:.0f} MiB unique "
           f"({len(layers(args.mib))} fp32 layers); {os.cpu_count()} CPUs; restart from "
           f"{'the S3 store ' + os.environ['AWS_ENDPOINT_URL'] if s3 else 'a local directory'}; torch "
           f"{torch.__version__}, CooperativeLoadPlanner {'present' if coop else 'absent'}")
@@ -211,7 +238,7 @@ def main():
                 os.environ.update(env_extra)
                 ckptfs.init(url)
                 urls[mode] = url
-                saved = job("save", url, "s", mode, args.mib, env_extra)
+                saved = job("save", url, "s", mode, args.mib, env_extra, args.hosts)
                 pre = "c" if mode == "collective" else ""
                 figs[pre + "save_wall"].append(span(saved))
                 figs[pre + "save_cpu"].append(sum(o["cpu"] for o in saved))
@@ -220,9 +247,9 @@ def main():
             # fresh host cache (a restarted job's hosts start cold).
             url = urls["collective"]
             env_extra = {"CKPT_CACHE_DIR": os.path.join(work, f"cache-{run}-restart-plain")}
-            plain = job("load", url, "s", "plain", args.mib, env_extra)
+            plain = job("load", url, "s", "plain", args.mib, env_extra, args.hosts)
             env_extra = {"CKPT_CACHE_DIR": os.path.join(work, f"cache-{run}-restart-collective")}
-            coll = job("load", url, "s", "collective", args.mib, env_extra)
+            coll = job("load", url, "s", "collective", args.mib, env_extra, args.hosts)
             figs["load_wall"].append(span(plain))
             figs["load_fetched"].append(sum(o["fetched"] for o in plain))
             figs["cload_wall"].append(span(coll))
@@ -233,8 +260,11 @@ def main():
             if coop:
                 figs["coop_wall"].append(span(job("dcp-coop", dcp_dir, "-", "-", args.mib, env_extra)))
             figs.setdefault("stored", []).append(referenced(url, env_extra))
-            print(f"run {run}: save {figs['save_wall'][-1]:.2f} s / {figs['save_cpu'][-1]:.1f} CPU s, collective "
-                  f"{figs['csave_wall'][-1]:.2f} s / {figs['csave_cpu'][-1]:.1f} CPU s; hashed "
+            if s3:
+                for mode, u in urls.items():
+                    drop(u, os.path.join(work, f"cache-{run}-drop-{mode}"))
+            print(f"run {run}: save {figs['save_wall'][-1]:.2f} s / {figs['save_cpu'][-1]:.2f} CPU s, collective "
+                  f"{figs['csave_wall'][-1]:.2f} s / {figs['csave_cpu'][-1]:.2f} CPU s; hashed "
                   f"{figs['save_hashed'][-1] / 2**20:.0f} vs {figs['csave_hashed'][-1] / 2**20:.0f} MiB; restart "
                   f"{figs['load_wall'][-1]:.2f} s fetching {figs['load_fetched'][-1] / 2**20:.0f} MiB, collective "
                   f"{figs['cload_wall'][-1]:.2f} s fetching {figs['cload_fetched'][-1] / 2**20:.0f} MiB; "
@@ -245,7 +275,7 @@ def main():
         print(f"  bytes hashed per save: {med['csave_hashed'] / 2**20:.0f} MiB collective, "
               f"{med['save_hashed'] / 2**20:.0f} MiB every rank: {med['csave_hashed'] / med['save_hashed']:.3f}x "
               "(target <= 0.3)")
-        print(f"  save CPU seconds: {med['csave_cpu']:.1f} collective, {med['save_cpu']:.1f} every rank: "
+        print(f"  save CPU seconds: {med['csave_cpu']:.2f} collective, {med['save_cpu']:.2f} every rank: "
               f"{med['csave_cpu'] / med['save_cpu']:.2f}x (target <= 0.35); wall {med['csave_wall']:.2f} s vs "
               f"{med['save_wall']:.2f} s")
         print(f"  bytes fetched per restart: {med['cload_fetched'] / 2**20:.0f} MiB collective, "
