@@ -17,6 +17,7 @@
 #include <set>
 #include <vector>
 
+#include "core/buffer_pool.h"
 #include "core/crash_point.h"
 #include "backend/s3_xml.h"
 #include "core/text.h"
@@ -224,6 +225,12 @@ class S3Client {
 
   const S3Location& location() const { return loc_; }
   const ObjectStoreOptions& options() const { return opt_; }
+  // A buffer for one multipart part (options().part_size bytes). Object
+  // writers take one when they first append and give it back when they
+  // finish, so that a save does not touch a part's worth of fresh pages
+  // (16 MiB, about 4,000 page faults) for every object it writes.
+  BufferPool::Lease AcquirePart() { return parts_.Acquire(static_cast<size_t>(opt_.part_size)); }
+  BufferPoolStats PartStats() const { return parts_.stats(); }
   std::string Where() const { return loc_.ToString() + " at " + shown_; }
 
   std::string ObjectPath(std::string_view key) const {
@@ -434,6 +441,10 @@ class S3Client {
 
   S3Location loc_;
   ObjectStoreOptions opt_;
+  // Idle part buffers kept for the next writers: two, which covers a
+  // writer's pack and the small objects of its commit; more writers at
+  // once get buffers of their own, freed when they finish.
+  BufferPool parts_{static_cast<size_t>(opt_.part_size), 2};
   std::string shown_;  // the endpoint as messages show it: no password
   mutable std::mutex credentials_mu_;
   ObjectStoreCredentials credentials_;  // guarded by credentials_mu_ (opt_'s may be stale)
@@ -458,9 +469,7 @@ Request WithBody(Request r, std::span<const std::byte> body) {
 
 class S3Writer final : public ObjectWriter {
  public:
-  S3Writer(std::shared_ptr<S3Client> client, std::string key) : client_(std::move(client)), key_(std::move(key)) {
-    part_.reserve(static_cast<size_t>(client_->options().part_size));
-  }
+  S3Writer(std::shared_ptr<S3Client> client, std::string key) : client_(std::move(client)), key_(std::move(key)) {}
   ~S3Writer() override {
     if (!finished_) Abort();
   }
@@ -469,11 +478,13 @@ class S3Writer final : public ObjectWriter {
     if (finished_) return Status::FailedPrecondition("object writer for '" + key_ + "' already finished");
     const size_t part_size = static_cast<size_t>(client_->options().part_size);
     while (!data.empty()) {
-      const size_t n = std::min(data.size(), part_size - part_.size());
-      part_.insert(part_.end(), data.begin(), data.begin() + n);
+      if (!part_) part_ = client_->AcquirePart();
+      const size_t n = std::min(data.size(), part_size - part_len_);
+      std::memcpy(part_.data() + part_len_, data.data(), n);
+      part_len_ += n;
       data = data.subspan(n);
       size_ += n;
-      if (part_.size() == part_size) {
+      if (part_len_ == part_size) {
         Status st = UploadPart();
         if (!st.ok()) {
           Abort();
@@ -488,6 +499,8 @@ class S3Writer final : public ObjectWriter {
     if (finished_) return Status::FailedPrecondition("object writer for '" + key_ + "' already finished");
     Status st = Finish();
     if (!st.ok()) Abort();
+    part_.Reset();
+    part_len_ = 0;
     finished_ = true;
     return st;
   }
@@ -499,8 +512,8 @@ class S3Writer final : public ObjectWriter {
                           "upload of '" + key_ + "'");
       upload_id_.clear();
     }
-    part_.clear();
-    part_.shrink_to_fit();
+    part_.Reset();
+    part_len_ = 0;
     finished_ = true;
   }
 
@@ -510,9 +523,9 @@ class S3Writer final : public ObjectWriter {
   Status Finish() {
     const std::string path = client_->ObjectPath(key_);
     if (upload_id_.empty()) {  // small: one PUT
-      return client_->Call(WithBody(MakeRequest("PUT", path), part_), "object '" + key_ + "'").status();
+      return client_->Call(WithBody(MakeRequest("PUT", path), Part()), "object '" + key_ + "'").status();
     }
-    if (!part_.empty()) CKPT_RETURN_IF_ERROR(UploadPart());
+    if (part_len_ > 0) CKPT_RETURN_IF_ERROR(UploadPart());
     std::string xml = "<CompleteMultipartUpload>";
     for (size_t i = 0; i < etags_.size(); ++i) {
       xml += "<Part><PartNumber>" + std::to_string(i + 1) + "</PartNumber><ETag>" + etags_[i] + "</ETag></Part>";
@@ -537,17 +550,23 @@ class S3Writer final : public ObjectWriter {
     const std::string number = std::to_string(etags_.size() + 1);
     CKPT_ASSIGN_OR_RETURN(
         Response r, client_->Call(WithBody(MakeRequest("PUT", path, {{"partNumber", number}, {"uploadId", upload_id_}}),
-                                           part_),
+                                           Part()),
                                   "part " + number + " of '" + key_ + "'"));
     if (r.etag.empty()) return Status::IOError("S3 gave no ETag for part " + number + " of '" + key_ + "'");
     etags_.push_back(r.etag);
-    part_.clear();
+    part_len_ = 0;
     return Status::OK();
+  }
+
+  // The bytes appended since the last part was sent.
+  std::span<const std::byte> Part() const {
+    return part_ ? std::span<const std::byte>(part_.data(), part_len_) : std::span<const std::byte>();
   }
 
   std::shared_ptr<S3Client> client_;
   std::string key_;
-  std::vector<std::byte> part_;
+  BufferPool::Lease part_;  // from the client's pool once something is appended
+  size_t part_len_ = 0;
   std::string upload_id_;
   std::vector<std::string> etags_;
   uint64_t size_ = 0;
@@ -724,6 +743,7 @@ class S3Backend final : public Backend {
 
   std::string Describe() const override { return client_->Where(); }
   RequestCounts Requests() const override { return client_->Counts(); }
+  BufferPoolStats PartStats() const { return client_->PartStats(); }
 
  private:
   static std::string Quoted(std::string_view key) { return "object '" + std::string(key) + "'"; }
@@ -884,6 +904,11 @@ Result<ObjectStoreOptions> ObjectStoreOptions::FromEnvironment(const Environment
     o.request_deadline_s = static_cast<int>(seconds);
   }
   return o;
+}
+
+BufferPoolStats S3PartBufferStats(const Backend& backend) {
+  const auto* s3 = dynamic_cast<const S3Backend*>(&backend);
+  return s3 != nullptr ? s3->PartStats() : BufferPoolStats{};
 }
 
 Result<std::unique_ptr<Backend>> OpenS3Backend(const S3Location& location, const ObjectStoreOptions& options) {

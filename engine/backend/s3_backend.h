@@ -34,6 +34,7 @@
 
 #include "backend/backend.h"
 #include "backend/store_options.h"
+#include "core/buffer_pool.h"
 #include "core/status.h"
 
 namespace ckptfs {
@@ -51,6 +52,11 @@ bool IsS3Url(std::string_view url);
 Result<S3Location> ParseS3Url(std::string_view url);
 
 Result<std::unique_ptr<Backend>> OpenS3Backend(const S3Location& location, const ObjectStoreOptions& options);
+
+// The multipart part buffers an S3 backend's object writers have been given
+// (allocated, and reused from the writers before them); all zero for a
+// backend that is not S3.
+BufferPoolStats S3PartBufferStats(const Backend& backend);
 
 // Creates the bucket; OK when it already exists and belongs to these
 // credentials.
