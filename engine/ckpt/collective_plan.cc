@@ -3,7 +3,6 @@
 #include "ckpt/read_plan.h"
 
 #include <algorithm>
-#include <memory>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -143,7 +142,7 @@ std::vector<std::vector<ChunkRef>> ChunksOfRoutes(
     const LoadRoutes& routes, const std::vector<std::vector<PlanEntry>>& plans,
     const std::function<const TensorRecord*(std::string_view)>& find) {
   std::vector<std::vector<ChunkRef>> chunks(routes.routes.size());
-  std::unordered_map<const TensorRecord*, std::unique_ptr<ShardIndex>> indexes;
+  std::unordered_map<const TensorRecord*, ShardIndex> indexes;
   for (size_t k = 0; k < routes.routes.size(); ++k) {
     if (routes.routes[k].needers.empty()) continue;
     const auto [r, i] = routes.routes[k].needers.front();
@@ -152,9 +151,8 @@ std::vector<std::vector<ChunkRef>> ChunksOfRoutes(
     if (cut == std::string::npos) continue;  // a blob
     const TensorRecord* t = find(std::string_view(e.name).substr(0, cut));
     if (t == nullptr) continue;
-    auto& index = indexes[t];
-    if (index == nullptr) index = std::make_unique<ShardIndex>(*t);
-    auto listed = ChunksForRegion(*t, e.region, index.get());
+    const ShardIndex& index = indexes.try_emplace(t, *t).first->second;
+    auto listed = ChunksForRegion(*t, e.region, &index);
     if (listed.ok()) chunks[k] = std::move(listed).value();
   }
   return chunks;

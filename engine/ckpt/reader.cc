@@ -164,10 +164,6 @@ Status CheckpointReader::ReadBlob(const BlobRecord& blob, uint64_t offset, std::
   return ReadBlobBytes(blob, offset, dst, *impl_->fetcher());
 }
 
-Result<std::vector<ChunkRef>> CheckpointReader::ChunksOf(const TensorRecord& tensor, const Region& region) const {
-  return ChunksForRegion(tensor, region);
-}
-
 Status CheckpointReader::HoldChunk(const ChunkRef& chunk) const {
   CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
   HeldChunks& held = *impl_->held;

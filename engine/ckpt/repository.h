@@ -351,9 +351,6 @@ class CheckpointReader {
   // Bytes of the tensor's row-major image.
   Status ReadBytes(const TensorRecord& tensor, uint64_t offset, std::span<std::byte> dst) const;
   Status ReadBlob(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst) const;
-  // The chunks a read of `region` needs, each once, in read order (a
-  // collective load plans its fetches by them).
-  Result<std::vector<ChunkRef>> ChunksOf(const TensorRecord& tensor, const Region& region) const;
   // Decoded chunks held for a collective load (ckpt/collective.h): this
   // reader's reads take a held chunk before the cache and the store.
   // HoldChunk fetches it from the store (verified, decoded) unless held

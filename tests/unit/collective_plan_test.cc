@@ -501,7 +501,7 @@ TEST_F(CollectiveSaveLoad, ARestoreWhoseCutsSplitChunksFetchesEachChunkOnce) {
   ASSERT_OK(reader);
   const TensorRecord* t = (*reader)->FindTensor("big");
   ASSERT_NE(t, nullptr);
-  auto all = (*reader)->ChunksOf(*t, Region::OfFlat(0, kRows * kCols));
+  auto all = ChunksForRegion(*t, Region::OfFlat(0, kRows * kCols));
   ASSERT_OK(all);
   ASSERT_GE(all->size(), 6u);
   const uint64_t chunks_before = repo_->fetch_counts().chunks;
@@ -530,7 +530,7 @@ TEST_F(CollectiveSaveLoad, AChunkHandedOverThatDoesNotMatchItsIdIsRefused) {
   auto reader = repo_->OpenCheckpoint("s");
   ASSERT_OK(reader);
   const TensorRecord* t = (*reader)->FindTensor("w");
-  auto chunks = (*reader)->ChunksOf(*t, Region::OfFlat(0, HsdpState::kRows * HsdpState::kCols));
+  auto chunks = ChunksForRegion(*t, Region::OfFlat(0, HsdpState::kRows * HsdpState::kCols));
   ASSERT_OK(chunks);
   ASSERT_FALSE(chunks->empty());
   const ChunkRef c = chunks->front();
