@@ -6,9 +6,7 @@ layer.
 The ranks run on simulated hosts (--hosts, default 4): each host has its
 own catalog and chunk cache, as separate machines do, and holds one
 replica's two ranks, so the replicas are on different hosts as HSDP places
-them. With --hosts 1 all ranks share one host's catalog, so the every-rank
-save finds many of the other replicas' chunks already stored and skips
-encoding them.
+them. With --hosts 1 all ranks share one host's catalog and chunk cache.
 
 - save into a fresh repository: every rank puts what it holds (today's
   path, rank=/world_size=) against the collective save; bytes hashed (the
