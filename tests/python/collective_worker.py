@@ -24,6 +24,13 @@ process_group=), run by test_collective.py, one process per rank over gloo
         rank 1 exits in the middle (after the plans are gathered); the other
         ranks print "raised: MESSAGE".
 
+With CKPT_TEST_CUDA=1 in the environment, save and load hold their tensors
+in CUDA memory (every rank on GPU 0) and the job's default process group
+is NCCL for CUDA tensors and gloo for CPU ones, as a GPU job's is. NCCL
+refuses two ranks on one GPU at its first collective, so a run with
+several ranks on one GPU also proves that ckptfs's exchanges never touch
+the job's NCCL group.
+
 LAYOUT: "hsdp" (2 replica groups, the rows of every layer split over the
 ranks of a group, a norm on every rank), "dp" (everything whole on every
 rank) or "mixed" (small tensors whole on every rank, a large one split by
@@ -87,7 +94,10 @@ def part(layout, rank, world):
 def main():
     action, repo_path, name, layout = sys.argv[1:5]
     mode = sys.argv[5] if len(sys.argv) > 5 else ""
-    dist.init_process_group("gloo")
+    cuda = os.environ.get("CKPT_TEST_CUDA") == "1"
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if action == "open-fail":
         # Rank 2 names a repository that is not there.
@@ -152,6 +162,8 @@ def main():
         leave()
     if action in ("save", "die-save"):
         values, shards = part(layout, rank, world)
+        if cuda:
+            values = {k: v.cuda() for k, v in values.items()}
         if mode == "differ" and rank == 1:
             values["norm"][3] += 1
         try:
@@ -170,6 +182,8 @@ def main():
     else:
         want = full()
         values, shards = part(layout, rank, world)
+        if cuda:
+            values = {k: v.cuda() for k, v in values.items()}
         targets = {k: torch.zeros_like(v) for k, v in values.items()}
         try:
             repo.load(name, targets, shards=shards, process_group=dist.group.WORLD, timeout=20)
