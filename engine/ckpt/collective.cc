@@ -123,6 +123,31 @@ Result<std::vector<std::vector<PlanEntry>>> GatherPlans(Communicator& comm, cons
   return plans;
 }
 
+// Rank 0's `shared` on every rank, in one all-gather, when rank 0's step
+// went well (`local`: rank 0's outcome; the other ranks' is not asked);
+// otherwise its error on every rank, with its code, naming rank 0 and the
+// step on the others.
+Result<std::string> FromRankZero(Communicator& comm, const std::string& step, const Status& local,
+                                 std::string_view shared) {
+  std::string mine;
+  if (comm.rank() == 0) {
+    mine.push_back(static_cast<char>(local.code()));
+    mine.append(local.ok() ? shared : std::string_view(local.message()));
+  }
+  auto said = comm.AllGather(mine);
+  if (!said.ok()) return said.status().WithContext("the step '" + step + "'");
+  if (comm.rank() == 0 && !local.ok()) return local.WithContext("rank 0, step '" + step + "'");
+  if (said->empty() || (*said)[0].empty()) return Status::Internal("rank 0 sent nothing in the step '" + step + "'");
+  std::string_view first = (*said)[0];
+  const auto code = static_cast<StatusCode>(static_cast<unsigned char>(first[0]));
+  first.remove_prefix(1);
+  if (code != StatusCode::kOk) {
+    return Status(code, "rank 0 of " + std::to_string(comm.size()) + " failed in '" + step + "': " +
+                            std::string(first));
+  }
+  return std::string(first);
+}
+
 std::string KeyOf(const TensorInfo& t) { return t.name + '\0' + std::string(DTypeName(t.dtype)); }
 
 Status CheckRegion(const TensorInfo& t, const Region& region, size_t bytes) {
@@ -150,13 +175,11 @@ Result<std::unique_ptr<Repository>> OpenCollective(const std::string& url, OpenO
   options.opening_sync = false;
   auto repo = Repository::Open(url, options);
   CKPT_RETURN_IF_ERROR(Agree(comm, "open the repository", repo.status()));
-  Result<std::string> shared = comm.rank() == 0 ? (*repo)->ShareSync() : Result<std::string>(std::string());
-  Status local = shared.status();
-  // Rank 0's listing, or its error, reaches every rank; the others send nothing.
-  auto said = comm.AllGather(comm.rank() == 0 && shared.ok() ? *shared : std::string());
-  if (!said.ok()) return said.status().WithContext("the step 'share the store listing'");
-  CKPT_RETURN_IF_ERROR(Agree(comm, "share the store listing", local));
-  if (comm.rank() != 0) local = (*repo)->SyncFrom((*said)[0]);
+  Result<std::string> listing = comm.rank() == 0 ? (*repo)->ShareSync() : Result<std::string>(std::string());
+  CKPT_ASSIGN_OR_RETURN(std::string shared,
+                        FromRankZero(comm, "share the store listing", listing.status(),
+                                     listing.ok() ? std::string_view(*listing) : std::string_view()));
+  Status local = comm.rank() != 0 ? (*repo)->SyncFrom(shared) : Status::OK();
   CKPT_RETURN_IF_ERROR(Agree(comm, "apply the store listing", local));
   return std::move(repo).value();
 }
@@ -216,7 +239,24 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
   CollectiveSaveResult result;
   result.unique_bytes = owners.unique_bytes;
   result.held_bytes = owners.held_bytes;
-  auto writer = repo.BeginCheckpoint(name, options);
+  // One store sync for the group: rank 0 begins, listing the store under
+  // its shared store lock, and sends what it listed; the others apply
+  // that. Rank 0's writer, and so its lock, stays open until the commit,
+  // which follows every rank's begin (the step 'put the values').
+  Result<std::unique_ptr<CheckpointWriter>> writer = Status::Internal("no writer begun");
+  std::string listing;
+  if (comm.rank() == 0) {
+    WriterOptions first = options;
+    first.share_sync = &listing;
+    writer = repo.BeginCheckpoint(name, first);
+  }
+  CKPT_ASSIGN_OR_RETURN(std::string shared,
+                        FromRankZero(comm, "begin and share the store listing", writer.status(), listing));
+  if (comm.rank() != 0) {
+    WriterOptions rest = options;
+    rest.shared_sync = &shared;
+    writer = repo.BeginCheckpoint(name, rest);
+  }
   local = writer.status();
   for (size_t i = 0; local.ok() && i < shards.size(); ++i) {
     if (!put[i]) continue;

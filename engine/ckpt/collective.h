@@ -46,7 +46,9 @@ struct CollectiveSaveResult {
   uint64_t held_bytes = 0;     // every region of every rank
 };
 // Every rank of `comm` calls it with its part; the rank and world size are
-// the communicator's (those in `options` are ignored). The checkpoint is the
+// the communicator's (those in `options` are ignored). Rank 0's writer alone
+// lists the store when it begins; the others apply its listing
+// (WriterOptions::share_sync, shared_sync). The checkpoint is the
 // one the ranks would save each alone: the owners' parts tile every tensor.
 // With `verify_replicas` (tests, debugging: it hashes every replica), the
 // holders of each region several ranks hold first compare hashes of their

@@ -195,6 +195,17 @@ struct WriterOptions {
   uint32_t world_size = 1;
   std::optional<int64_t> step;
   std::vector<std::pair<std::string, std::string>> tags;
+  // One store sync for the ranks of a job that begin together, instead of
+  // a listing of the store by each (object stores; nothing to sync on a
+  // local repository). Begin lists the store under its shared store lock,
+  // as always, and with `share_sync` also returns what it listed and
+  // fetched there (ShareSync's encoding); a rank given that in
+  // `shared_sync` applies it (SyncFrom) instead of listing. The sharing
+  // rank must keep its writer open until every rank given its listing has
+  // begun: its lock keeps gc away in between (SaveCollective does so).
+  // Neither is owned.
+  std::string* share_sync = nullptr;
+  const std::string* shared_sync = nullptr;
 };
 
 struct CommitResult {

@@ -470,7 +470,13 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
   // On an object store, the same across hosts; then the catalog catches up
   // with the store (chunks to deduplicate against, ranks already in).
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<ObjectLock> store_lock, impl_->protocol->LockHosts(ObjectLock::Mode::kShared));
-  CKPT_RETURN_IF_ERROR(impl_->protocol->Sync().status());
+  if (options.shared_sync != nullptr) {
+    CKPT_RETURN_IF_ERROR(impl_->protocol->SyncFrom(*options.shared_sync).status());
+  } else if (options.share_sync != nullptr) {
+    CKPT_ASSIGN_OR_RETURN(*options.share_sync, impl_->protocol->ShareSync());
+  } else {
+    CKPT_RETURN_IF_ERROR(impl_->protocol->Sync().status());
+  }
   // Nothing is written here: the checkpoint's record appears with the first
   // rank's commit, so an aborted or killed writer leaves no trace.
   CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
@@ -479,7 +485,10 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
     CKPT_ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*raw));
     return CheckJoin(rec, options);
   }));
-  auto impl = std::make_shared<WriterImpl>(impl_, name, options, std::move(lock), std::move(store_lock));
+  WriterOptions kept = options;
+  kept.share_sync = nullptr;  // the caller's, used above only
+  kept.shared_sync = nullptr;
+  auto impl = std::make_shared<WriterImpl>(impl_, name, std::move(kept), std::move(lock), std::move(store_lock));
   impl_->protocol->Begin(name, options.rank);
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
 }

@@ -4,7 +4,8 @@ process_group=), run by test_collective.py, one process per rank over gloo
 
     collective_worker.py save REPO NAME LAYOUT [plain|verify|differ|async]
         saves this rank's part of LAYOUT; prints {"logical": bytes this rank
-        put, "plan": the plan's figures} as JSON. "plain" saves without a
+        put, "plan": the plan's figures, "lists": the LIST requests the save
+        sent} as JSON. "plain" saves without a
         process group (every rank puts everything it holds), "verify" with
         verify_replicas, "differ" with verify_replicas and rank 1's replica
         of the norm changed (every rank must raise); "async" with
@@ -166,6 +167,7 @@ def main():
             values = {k: v.cuda() for k, v in values.items()}
         if mode == "differ" and rank == 1:
             values["norm"][3] += 1
+        lists = repo.store_counters()["list_requests"]
         try:
             if mode == "plain":
                 res = repo.save(name, values, shards=shards, rank=rank, world_size=world, step=5)
@@ -178,7 +180,8 @@ def main():
         except ckptfs.Error as e:
             print(f"raised: {type(e).__name__}: {e}")
             leave()
-        print(json.dumps({"logical": res["logical_bytes"], "plan": res.get("collective")}))
+        print(json.dumps({"logical": res["logical_bytes"], "plan": res.get("collective"),
+                          "lists": repo.store_counters()["list_requests"] - lists}))
     else:
         want = full()
         values, shards = part(layout, rank, world)

@@ -156,6 +156,19 @@ class Collective(CkptTestCase):
         # Rank 0 sent the manifests it fetched: the others did not GET them.
         self.assertLess(sum(t["gets"] for t in together), sum(a["gets"] for a in alone))
 
+    def test_a_collective_save_lists_the_store_once_for_the_job(self):
+        # Every rank saving alone lists the store when it begins (pending
+        # ranks, manifests, packs); with the group only rank 0 does, and
+        # the others apply its listing. The commits list as before.
+        self.use_s3()
+        alone = [json.loads(x) for x in self.job(WORLD, "save", "alone", "hsdp", "plain")]
+        together = [json.loads(x) for x in self.job(WORLD, "save", "together", "hsdp")]
+        self.assertEqual(sum(a["lists"] for a in alone) - sum(t["lists"] for t in together), 3 * (WORLD - 1),
+                         (alone, together))
+        # A name taken: rank 0's error, as its own type, on every rank.
+        for line in self.job(WORLD, "save", "together", "hsdp"):
+            self.assertTrue(line.startswith("raised: AlreadyExistsError: "), line)
+
     def test_a_rank_failing_to_open_fails_every_rank_naming_it(self):
         out = self.job(WORLD, "open-fail", "-", "dp")
         for line in out:

@@ -568,4 +568,57 @@ TEST_F(S3Repository, ACollectiveOpenListsTheStoreOnceForTheGroup) {
   }
 }
 
+TEST_F(S3Repository, ACollectiveSaveListsTheStoreOnceForTheGroup) {
+  const uint64_t rows = 64, cols = 256;
+  const auto w = RandomBytes(rows * cols * 4, 23);
+  std::vector<std::unique_ptr<Repository>> repos;
+  for (int r = 0; r < 4; ++r) repos.push_back(Host("host" + std::to_string(r)));
+  // Committed by another host after the ranks' hosts opened: only the
+  // store knows it.
+  auto other = Host("other");
+  ASSERT_OK(SaveRows(*other, "late", 0, 1, w, rows, cols));
+  auto lists = [&] {
+    uint64_t n = 0;
+    for (auto& r : repos) n += r->store_requests().list;
+    return n;
+  };
+  auto save = [&](const std::string& name) {
+    std::vector<Result<CollectiveSaveResult>> out(4, Status::Internal("not run"));
+    auto comms = NewHostGroup(4);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 4; ++r) {
+      threads.emplace_back([&, r] {
+        const uint64_t begin = r * rows / 4, n = rows / 4;
+        std::vector<CollectiveShard> shards = {{{"w", DType::kF32, {rows, cols}},
+                                                Region::OfBox(Box{{begin, 0}, {n, cols}}),
+                                                std::span<const std::byte>(w).subspan(begin * cols * 4, n * cols * 4)}};
+        out[r] = SaveCollective(*repos[r], name, shards, {}, *comms[r]);
+      });
+    }
+    for (auto& t : threads) t.join();
+    return out;
+  };
+  uint64_t mark = lists();
+  for (auto& s : save("shared")) ASSERT_OK(s);
+  const uint64_t shared = lists() - mark;
+  // Every rank's catalog learnt of "late" from rank 0's listing.
+  for (auto& repo : repos) {
+    auto all = repo->ListCheckpoints();
+    ASSERT_OK(all);
+    EXPECT_TRUE(std::any_of(all->begin(), all->end(), [](const auto& c) { return c.name == "late"; }));
+  }
+  // The same save by each rank alone lists the store at each begin.
+  mark = lists();
+  for (uint32_t r = 0; r < 4; ++r) ASSERT_OK(SaveRows(*repos[r], "alone", r, 4, w, rows, cols));
+  const uint64_t alone = lists() - mark;
+  // Ranks 1-3 skip the begin's three LISTs (pending ranks, manifests,
+  // packs); the commits list as before.
+  EXPECT_EQ(alone - shared, 3u * 3) << "alone " << alone << ", shared " << shared;
+  // A name taken: rank 0's error, with its code, on every rank.
+  for (auto& s : save("late")) {
+    ASSERT_FALSE(s.ok());
+    EXPECT_TRUE(s.status().IsAlreadyExists()) << s.status().ToString();
+  }
+}
+
 }  // namespace ckptfs

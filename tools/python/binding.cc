@@ -513,6 +513,16 @@ std::function<void(Args...)> FromEngineThread(const py::object& fn, std::optiona
   };
 }
 
+WriterOptions WriterOptionsOf(uint32_t rank, uint32_t world_size, std::optional<int64_t> step,
+                              const std::vector<std::pair<std::string, std::string>>& tags) {
+  WriterOptions o;
+  o.rank = rank;
+  o.world_size = world_size;
+  o.step = step;
+  o.tags = tags;
+  return o;
+}
+
 class PyRepository {
  public:
   explicit PyRepository(std::shared_ptr<Repository> repo) : repo_(std::move(repo)) {}
@@ -565,15 +575,28 @@ class PyRepository {
     return d;
   }
 
+  // `shared_sync`: another rank's listing (begin_sharing's), applied
+  // instead of listing the store.
   Writer begin(const std::string& name, uint32_t rank, uint32_t world_size, std::optional<int64_t> step,
-               const std::vector<std::pair<std::string, std::string>>& tags) {
-    WriterOptions o;
-    o.rank = rank;
-    o.world_size = world_size;
-    o.step = step;
-    o.tags = tags;
+               const std::vector<std::pair<std::string, std::string>>& tags,
+               const std::optional<std::string>& shared_sync) {
+    WriterOptions o = WriterOptionsOf(rank, world_size, step, tags);
+    if (shared_sync) o.shared_sync = &*shared_sync;
     py::gil_scoped_release nogil;
     return Writer(repo_, Value(repo_->BeginCheckpoint(name, o)));
+  }
+  // As begin, and what its store sync listed and fetched, for the others.
+  py::tuple begin_sharing(const std::string& name, uint32_t rank, uint32_t world_size, std::optional<int64_t> step,
+                          const std::vector<std::pair<std::string, std::string>>& tags) {
+    WriterOptions o = WriterOptionsOf(rank, world_size, step, tags);
+    std::string listing;
+    o.share_sync = &listing;
+    std::unique_ptr<CheckpointWriter> writer;
+    {
+      py::gil_scoped_release nogil;
+      writer = Value(repo_->BeginCheckpoint(name, o));
+    }
+    return py::make_tuple(Writer(repo_, std::move(writer)), py::bytes(listing));
   }
 
   // What `ckpt import` does (ckpt/import.h): every input checked first, then
@@ -910,7 +933,9 @@ PYBIND11_MODULE(_core, m) {
       .def("import_safetensors", &PyRepository::import_safetensors, py::arg("name"), py::arg("paths"),
            py::arg("blob_files"), py::arg("rank"), py::arg("world_size"), py::arg("step"), py::arg("tags"))
       .def("begin", &PyRepository::begin, py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("step"),
-           py::arg("tags"))
+           py::arg("tags"), py::arg("shared_sync") = py::none())
+      .def("begin_sharing", &PyRepository::begin_sharing, py::arg("name"), py::arg("rank"), py::arg("world_size"),
+           py::arg("step"), py::arg("tags"))
       .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"))
       .def("checkpoints", &PyRepository::checkpoints, py::arg("include_pending"))
       .def("pending_ranks", &PyRepository::pending_ranks, py::arg("name"))

@@ -459,8 +459,16 @@ class Repository:
         unknown = sorted(set(shards) - set(state_dict))
         if unknown:
             raise InvalidArgumentError(f"shards names {unknown} that are not in the state dict")
-        writer = self._repo.begin(name, int(rank), int(world_size), None if step is None else int(step),
-                                  [(str(k), str(v)) for k, v in (tags or {}).items()])
+        begin = (name, int(rank), int(world_size), None if step is None else int(step),
+                 [(str(k), str(v)) for k, v in (tags or {}).items()])
+        if group is None:
+            writer = self._repo.begin(*begin)
+        else:
+            from . import collective  # noqa: PLC0415
+
+            writer, error = collective.begin(self._repo, begin, group)
+            if writer is None:
+                group.agree("put", error)  # raises on every rank
         kept = []  # device memory must stay alive until the commit has copied it
         total = sum(_nbytes(v) for v in state_dict.values()) if progress else 0
         done = 0

@@ -166,6 +166,38 @@ def plan_save(state_dict: Mapping[str, Any], shards: Mapping[str, Any], group: _
     return skip, {"unique_bytes": unique, "held_bytes": held, "bytes_per_rank": list(per_rank)}
 
 
+def begin(core, args: tuple, group: _Group):
+    """Begins this rank's writer of a collective save (`args`: the core's
+    begin arguments) with one store sync for the group: rank 0 begins,
+    listing the store under its shared store lock, and sends what it
+    listed; the others apply that instead of listing. Rank 0's writer, and
+    so its lock (which keeps gc away), stays open until the commit, after
+    every rank's puts. Returns (writer, None), or (None, this rank's error)
+    for the put step to agree on. Rank 0's error (a name already taken,
+    say) is raised on every rank, as its own type."""
+    box: List[Any] = [None, None]
+    writer, failed = None, None
+    if group.rank == 0:
+        try:
+            writer, box[0] = core.begin_sharing(*args)
+        except Error as e:
+            failed, box[1] = e, (type(e).__name__, str(e))
+    group.step("begin and share the store listing",
+               lambda: group.dist.broadcast_object_list(box, src=group.globals[0], group=group.group))
+    if failed is not None:
+        raise failed
+    if box[1] is not None:
+        import ckptfs  # noqa: PLC0415
+
+        raise getattr(ckptfs, box[1][0], CollectiveError)(box[1][1])
+    if group.rank == 0:
+        return writer, None
+    try:
+        return core.begin(*args, shared_sync=box[0]), None
+    except Error as e:
+        return None, str(e)
+
+
 def load(repo, name: str, targets: Mapping[str, Any], shards: Mapping[str, Any], group: _Group,
          progress=None) -> Dict[str, Any]:
     """Fills `targets` (this rank's) with every distinct region fetched once
