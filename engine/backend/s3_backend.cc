@@ -9,7 +9,6 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <thread>
 #include <utility>
 #include <fstream>
@@ -19,6 +18,7 @@
 
 #include "core/buffer_pool.h"
 #include "core/crash_point.h"
+#include "core/random.h"
 #include "backend/s3_xml.h"
 #include "core/text.h"
 
@@ -247,7 +247,6 @@ class S3Client {
   // other HTTP status is returned for the caller to judge.
   // Every attempt together ends within opt_.request_deadline_s.
   Result<Response> Perform(const Request& req) {
-    std::mt19937_64 jitter(std::random_device{}());
     std::string last_error;
     using Clock = std::chrono::steady_clock;
     const auto deadline = Clock::now() + std::chrono::seconds(std::max(1, opt_.request_deadline_s));
@@ -299,7 +298,7 @@ class S3Client {
                                std::to_string(attempt + 1) + " attempts: " + last_error);
       }
       const int64_t base_ms = std::min<int64_t>(100ll << attempt, 5000);
-      const auto pause = std::chrono::milliseconds(base_ms / 2 + int64_t(jitter() % uint64_t(base_ms / 2 + 1)));
+      const auto pause = std::chrono::milliseconds(base_ms / 2 + int64_t(RandomU64() % uint64_t(base_ms / 2 + 1)));
       if (Clock::now() + pause >= deadline) return past_deadline();
       std::this_thread::sleep_for(pause);
     }

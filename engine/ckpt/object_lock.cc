@@ -3,7 +3,6 @@
 
 #include <unistd.h>
 
-#include <random>
 
 #include "core/json.h"
 #include "core/random.h"
@@ -129,7 +128,6 @@ Result<size_t> RemoveStaleObjectLocks(Backend& backend, const ObjectLockOptions&
 Result<std::unique_ptr<ObjectLock>> ObjectLock::Acquire(Backend& backend, Mode mode, const ObjectLockOptions& options_in) {
   const ObjectLockOptions options = WithDefaults(options_in);
   const auto deadline = std::chrono::steady_clock::now() + options.wait;
-  std::mt19937_64 jitter(std::random_device{}());
   for (int attempt = 0;; ++attempt) {
     const std::string key = std::string(kLockPrefix) + ModeName(mode) + "-" + RandomHex(16);
     const uint64_t now = options.now_unix_ms();
@@ -157,7 +155,7 @@ Result<std::unique_ptr<ObjectLock>> ObjectLock::Acquire(Backend& backend, Mode m
     }
     // Both sides of a race back off; random waits let one of them win.
     const int64_t base_ms = std::min<int64_t>(50ll << std::min(attempt, 6), 3000);
-    const auto pause = std::chrono::milliseconds(base_ms / 2 + int64_t(jitter() % uint64_t(base_ms / 2 + 1)));
+    const auto pause = std::chrono::milliseconds(base_ms / 2 + int64_t(RandomU64() % uint64_t(base_ms / 2 + 1)));
     std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
         pause, std::max<std::chrono::steady_clock::duration>(deadline - std::chrono::steady_clock::now(),
                                                              std::chrono::milliseconds(1))));

@@ -103,8 +103,46 @@ class _Group:
 
     def agree(self, name: str, error: Optional[str]) -> None:
         """Every rank says whether its local work failed; if one did, every
-        rank raises, naming the first failing rank and its error."""
-        self.gather_plans(name, error, [])
+        rank raises, naming the first failing rank and its error. One
+        all-reduce of a flag when all went well (an object all-gather,
+        which pickles, costs several times its CPU); the errors are
+        gathered only when some rank failed."""
+        import torch  # noqa: PLC0415
+
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+        self.step(name, lambda: self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group))
+        if int(flag[0]) != 0:
+            self.gather_plans(name, error, [])  # raises on every rank
+
+    def from_rank_0(self, name: str, data: Optional[bytes], error: Optional[Exception]) -> bytes:
+        """Rank 0's `data` on every rank (two broadcasts of raw bytes, no
+        pickling); when rank 0 gives an `error` instead, every rank raises
+        it: rank 0 the exception itself, the others one of the same type
+        and message."""
+        import torch  # noqa: PLC0415
+
+        message = b""
+        if self.rank == 0:
+            message = b"\0" + data if error is None else \
+                b"\1" + f"{type(error).__name__}\0{error}".encode("utf-8", "replace")
+        size = torch.tensor([len(message)], dtype=torch.int64)
+        src = self.globals[0]
+        self.step(name, lambda: self.dist.broadcast(size, src=src, group=self.group))
+        buf = torch.frombuffer(bytearray(message), dtype=torch.uint8) if self.rank == 0 and message else \
+            torch.empty(int(size[0]), dtype=torch.uint8)
+        if int(size[0]) > 0:
+            self.step(name, lambda: self.dist.broadcast(buf, src=src, group=self.group))
+        got = buf.numpy().tobytes()
+        if not got:
+            raise CollectiveError(f"{self.what}: rank 0 sent nothing in '{name}'")
+        if got[:1] == b"\0":
+            return got[1:]
+        if error is not None:
+            raise error
+        kind, _, text = got[1:].decode("utf-8", "replace").partition("\0")
+        import ckptfs  # noqa: PLC0415
+
+        raise getattr(ckptfs, kind, CollectiveError)(text)
 
 
 def _entry(key: str, value, shard, sharded: bool) -> tuple:
@@ -175,25 +213,17 @@ def begin(core, args: tuple, group: _Group):
     every rank's puts. Returns (writer, None), or (None, this rank's error)
     for the put step to agree on. Rank 0's error (a name already taken,
     say) is raised on every rank, as its own type."""
-    box: List[Any] = [None, None]
-    writer, failed = None, None
+    writer, listing, failed = None, b"", None
     if group.rank == 0:
         try:
-            writer, box[0] = core.begin_sharing(*args)
+            writer, listing = core.begin_sharing(*args)
         except Error as e:
-            failed, box[1] = e, (type(e).__name__, str(e))
-    group.step("begin and share the store listing",
-               lambda: group.dist.broadcast_object_list(box, src=group.globals[0], group=group.group))
-    if failed is not None:
-        raise failed
-    if box[1] is not None:
-        import ckptfs  # noqa: PLC0415
-
-        raise getattr(ckptfs, box[1][0], CollectiveError)(box[1][1])
+            failed = e
+    listing = group.from_rank_0("begin and share the store listing", listing, failed)
     if group.rank == 0:
         return writer, None
     try:
-        return core.begin(*args, shared_sync=box[0]), None
+        return core.begin(*args, shared_sync=listing), None
     except Error as e:
         return None, str(e)
 
