@@ -10,7 +10,9 @@ them. With --hosts 1 all ranks share one host's catalog and chunk cache.
 
 - save into a fresh repository: every rank puts what it holds (today's
   path, rank=/world_size=) against the collective save; bytes hashed (the
-  ranks' logical_bytes), the ranks' CPU seconds, wall time (first rank in to
+  ranks' logical_bytes), bytes written to packs (stored_bytes: the
+  adaptive codec compresses a chunk only while the store keeps up, so
+  this says how much of the CPU went to zstd), the ranks' CPU seconds, wall time (first rank in to
   last commit). Each job first saves a small checkpoint the same way, so
   what a training job pays once (ckptfs's gloo group, the engine's
   threads, lazy imports) is not counted in the save measured: a job saves
@@ -96,7 +98,7 @@ def worker(args):
         else:
             res = repo.save(args.name, values, shards=shards, rank=rank, world_size=WORLD)
         r1 = resource.getrusage(resource.RUSAGE_SELF)
-        out = {"start": t0, "end": time.monotonic(), "hashed": res["logical_bytes"],
+        out = {"start": t0, "end": time.monotonic(), "hashed": res["logical_bytes"], "stored": res["stored_bytes"],
                "cpu": r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime}
     elif args.action == "load":
         # The collective restart opens with the group: one listing of the store.
@@ -222,7 +224,8 @@ def main():
           f"({len(layers(args.mib))} fp32 layers); {os.cpu_count()} CPUs; restart from "
           f"{'the S3 store ' + os.environ['AWS_ENDPOINT_URL'] if s3 else 'a local directory'}; torch "
           f"{torch.__version__}, CooperativeLoadPlanner {'present' if coop else 'absent'}")
-    figs = {k: [] for k in ("save_wall", "save_cpu", "save_hashed", "csave_wall", "csave_cpu", "csave_hashed",
+    figs = {k: [] for k in ("save_wall", "save_cpu", "save_hashed", "save_stored", "csave_wall", "csave_cpu",
+                            "csave_hashed", "csave_stored",
                             "load_wall", "load_fetched", "cload_wall", "cload_fetched", "dcp_wall", "coop_wall")}
     try:
         dcp_dir = os.path.join(work, "dcp")
@@ -241,6 +244,7 @@ def main():
                 figs[pre + "save_wall"].append(span(saved))
                 figs[pre + "save_cpu"].append(sum(o["cpu"] for o in saved))
                 figs[pre + "save_hashed"].append(sum(o["hashed"] for o in saved))
+                figs[pre + "save_stored"].append(sum(o["stored"] for o in saved))
             # Restarts from the collective save's repository, each with a
             # fresh host cache (a restarted job's hosts start cold).
             url = urls["collective"]
@@ -263,7 +267,8 @@ def main():
                     drop(u, os.path.join(work, f"cache-{run}-drop-{mode}"))
             print(f"run {run}: save {figs['save_wall'][-1]:.2f} s / {figs['save_cpu'][-1]:.2f} CPU s, collective "
                   f"{figs['csave_wall'][-1]:.2f} s / {figs['csave_cpu'][-1]:.2f} CPU s; hashed "
-                  f"{figs['save_hashed'][-1] / 2**20:.0f} vs {figs['csave_hashed'][-1] / 2**20:.0f} MiB; restart "
+                  f"{figs['save_hashed'][-1] / 2**20:.0f} vs {figs['csave_hashed'][-1] / 2**20:.0f} MiB, written to packs "
+                  f"{figs['save_stored'][-1] / 2**20:.0f} vs {figs['csave_stored'][-1] / 2**20:.0f} MiB; restart "
                   f"{figs['load_wall'][-1]:.2f} s fetching {figs['load_fetched'][-1] / 2**20:.0f} MiB, collective "
                   f"{figs['cload_wall'][-1]:.2f} s fetching {figs['cload_fetched'][-1] / 2**20:.0f} MiB; "
                   f"dcp.load {figs['dcp_wall'][-1]:.2f} s" + (f", cooperative {figs['coop_wall'][-1]:.2f} s"
