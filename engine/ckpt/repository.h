@@ -643,9 +643,10 @@ class Repository {
   // ShareSync, which refreshes and returns what it listed and fetched
   // (empty for a local repository), and passes it to the others, whose
   // SyncFrom brings their catalogs to the same state without listing the
-  // store. A manifest a host's catalog lacks that the sharer already had is
-  // read by that host. Corruption naming the listing when `shared` is not
-  // what ShareSync returned.
+  // store; what a host's catalog recorded after the listing was taken stays
+  // (a HEAD confirms it). A manifest a host's catalog lacks that the sharer
+  // already had is read by that host. Corruption naming the listing when
+  // `shared` is not what ShareSync returned.
   Result<std::string> ShareSync();
   Status SyncFrom(std::string_view shared);
   // The chunk-buffer pool's counters (allocations, reuses, bytes held): in

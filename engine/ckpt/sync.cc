@@ -210,12 +210,38 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
     capture->packs = pack_keys;
   }
   uint64_t objects_read = 0;
+  // A listing taken elsewhere (SyncFrom) may predate what this host's
+  // catalog recorded since: a commit of this host that finished after the
+  // listing was taken (an asynchronous save's, or another rank's of the
+  // same save). What the catalog knows and such a listing lacks is asked of
+  // the store, one HEAD each (none in the usual case), and only what is
+  // really gone counts as removed. A listing this process takes itself is
+  // read after the catalog, so it needs no such check.
+  // Of `names`, those whose object (key_of(name)) the store still has;
+  // asked in parallel.
+  auto still_there = [&](const std::vector<std::string>& names,
+                         const std::function<std::string(const std::string&)>& key_of) -> Result<std::vector<std::string>> {
+    auto sizes = FetchAll<uint64_t>(repo_, names.size(), [&](size_t i) { return backend->Size(key_of(names[i])); });
+    std::vector<std::string> there;
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (sizes[i].ok()) {
+        there.push_back(names[i]);
+      } else if (!sizes[i].status().IsNotFound()) {
+        return sizes[i].status().WithContext("checking " + key_of(names[i]) + " against a shared store listing");
+      }
+    }
+    return there;
+  };
 
   // ---- packs ----
   std::set<std::string> listed_packs;
   for (const auto& key : pack_keys) {
     std::string id;
     if (ParsePackKey(key, &id)) listed_packs.insert(id);
+  }
+  if (given) {
+    CKPT_ASSIGN_OR_RETURN(auto there, still_there(Missing(known.packs, listed_packs), PackKey));
+    listed_packs.insert(there.begin(), there.end());
   }
   const std::vector<std::string> gone_packs = Missing(known.packs, listed_packs);
   // Chunks of a removed pack may live on in others (gc moved them, or two
@@ -239,6 +265,11 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
   for (const auto& key : manifest_keys) {
     std::string name;
     if (keys::ParseManifestObject(key, &name)) listed_committed.insert(name);
+  }
+  if (given && checkpoints) {
+    CKPT_ASSIGN_OR_RETURN(auto there, still_there(Missing(known.committed, listed_committed),
+                                                  [](const std::string& name) { return keys::ManifestObject(name); }));
+    listed_committed.insert(there.begin(), there.end());
   }
   const std::vector<std::string> removed = checkpoints ? Missing(known.committed, listed_committed)
                                                        : std::vector<std::string>{};
@@ -292,6 +323,24 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
     uint32_t rank;
     if (keys::ParsePendingRankObject(key, &name, &rank) && !listed_committed.count(name)) {
       listed_pending[name].insert(rank);
+    }
+  }
+  if (given) {
+    std::vector<std::string> unlisted;  // pending rank objects, by key
+    for (const auto& [name, ranks] : known.pending) {
+      if (listed_committed.count(name)) continue;
+      const auto now = listed_pending.find(name);
+      for (uint32_t rank : ranks) {
+        if (now == listed_pending.end() || !now->second.count(rank)) {
+          unlisted.push_back(keys::PendingRankObject(name, rank));
+        }
+      }
+    }
+    CKPT_ASSIGN_OR_RETURN(auto there, still_there(unlisted, [](const std::string& key) { return key; }));
+    for (const auto& key : there) {
+      std::string name;
+      uint32_t rank;
+      if (keys::ParsePendingRankObject(key, &name, &rank)) listed_pending[name].insert(rank);
     }
   }
   // Rank objects to read: every rank whose records the catalog lacks (for

@@ -621,4 +621,39 @@ TEST_F(S3Repository, ACollectiveSaveListsTheStoreOnceForTheGroup) {
   }
 }
 
+TEST_F(S3Repository, AListingSharedFromBeforeThisHostsOwnCommitsTakesNothingAwayButWhatIsGone) {
+  const uint64_t rows = 32, cols = 256;
+  auto a = Host("a");
+  auto b = Host("b");
+  ASSERT_OK(SaveRows(*a, "gone", 0, 1, RandomBytes(rows * cols * 4, 31), rows, cols));
+  ASSERT_OK(b->Refresh());
+  ASSERT_OK(a->RemoveCheckpoints({"gone"}));
+  ASSERT_OK(a->CollectGarbage({}).status());
+  auto listing = a->ShareSync();  // taken now: "gone" is gone, nothing else is there yet
+  ASSERT_OK(listing);
+  // Host b commits after the listing was taken: a checkpoint, and one rank
+  // of another (pending).
+  ASSERT_OK(SaveRows(*b, "late", 0, 1, RandomBytes(rows * cols * 4, 32), rows, cols));
+  ASSERT_OK(SaveRows(*b, "half", 0, 2, RandomBytes(rows * cols * 4, 33), rows, cols));
+  ASSERT_OK(b->Refresh());  // now b's catalog has "half" pending too
+  auto names = [&](bool pending) {
+    std::vector<std::string> out;
+    auto all = b->ListCheckpoints(pending);
+    EXPECT_OK(all);
+    for (const auto& c : *all) out.push_back(c.name);
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  ASSERT_EQ(names(true), (std::vector<std::string>{"half", "late"}));
+  ASSERT_OK(b->SyncFrom(*listing));
+  EXPECT_EQ(names(false), std::vector<std::string>{"late"});
+  EXPECT_EQ(names(true), (std::vector<std::string>{"half", "late"}));
+  // What b wrote is still in its catalog: its chunks are found, no index read again.
+  auto reader = b->OpenCheckpoint("late");
+  ASSERT_OK(reader);
+  std::vector<std::byte> out(rows * cols * 4);
+  ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, out));
+  EXPECT_EQ(out, RandomBytes(rows * cols * 4, 32));
+}
+
 }  // namespace ckptfs
