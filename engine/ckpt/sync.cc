@@ -216,9 +216,9 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
   // same save). What the catalog knows and such a listing lacks is asked of
   // the store, one HEAD each (none in the usual case), and only what is
   // really gone counts as removed. A listing this process takes itself is
-  // read after the catalog, so it needs no such check.
-  // Of `names`, those whose object (key_of(name)) the store still has;
-  // asked in parallel.
+  // read after the catalog, so it needs no such check. `still_there`: of
+  // `names`, those whose object (key_of(name)) the store still has, asked
+  // in parallel.
   auto still_there = [&](const std::vector<std::string>& names,
                          const std::function<std::string(const std::string&)>& key_of) -> Result<std::vector<std::string>> {
     auto sizes = FetchAll<uint64_t>(repo_, names.size(), [&](size_t i) { return backend->Size(key_of(names[i])); });

@@ -166,10 +166,6 @@ void JoinPlanes(const uint8_t* const* p, size_t n, uint32_t width, uint8_t* dst,
   }
 }
 
-}  // namespace
-
-namespace {
-
 // Adds `whole` records of W bytes at `p` to the per-position histograms:
 // no division per byte (this runs on every chunk an adaptive save sees).
 template <uint32_t W>
