@@ -359,10 +359,12 @@ TEST(CollectivePlan, HandOffPlanningGrowsAsNLogN) {
     EXPECT_EQ(handoffs.size(), static_cast<size_t>(world - 1) * tensors);
     EXPECT_FALSE(windows.empty());
     if (world == 8) per_route_8 = per_route;
-    if (world == 512) {
+    if (world == 512 && !testing::kAddressSanitizer && !testing::kThreadSanitizer) {
       // Scanning every shard for every region costs about 12 times as much
       // per region at 512 ranks as at 8 here (0.25 s in all); the index
-      // keeps it even (0.011 s).
+      // keeps it even (0.011 s). Not under a sanitizer: its shadow memory
+      // makes a larger plan slower per region by itself (4.2 times under
+      // TSan on a busy machine, once in 20 runs).
       EXPECT_LT(per_route, std::max(per_route_8, 1e-7) * 4) << "per-region planning time grew with the shards";
     }
   }

@@ -1036,21 +1036,8 @@ int RunForkedChild(const std::function<int()>& child) {
 // in its first allocation (glibc's malloc takes its locks across fork, so
 // a normal build has no such hang); so under ASan the parent forks only
 // once its threads are idle.
-#if defined(__has_feature)
-#define CKPT_HAS_FEATURE(x) __has_feature(x)
-#else
-#define CKPT_HAS_FEATURE(x) 0
-#endif
-#if defined(__SANITIZE_ADDRESS__) || CKPT_HAS_FEATURE(address_sanitizer)
-constexpr bool kAddressSanitizer = true;
-#else
-constexpr bool kAddressSanitizer = false;
-#endif
-#if defined(__SANITIZE_THREAD__) || CKPT_HAS_FEATURE(thread_sanitizer)
-constexpr bool kThreadSanitizer = true;
-#else
-constexpr bool kThreadSanitizer = false;
-#endif
+using testing::kAddressSanitizer;
+using testing::kThreadSanitizer;
 constexpr bool kChildMayStartThreads = !kThreadSanitizer && !kAddressSanitizer;
 
 TEST_F(LocalRepository, AForkedChildRefusesInheritedHandlesAndOpensTheRepositoryAgain) {

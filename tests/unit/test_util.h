@@ -9,7 +9,26 @@
 #include <string>
 #include <vector>
 
+#if defined(__has_feature)
+#define CKPT_HAS_FEATURE(x) __has_feature(x)
+#else
+#define CKPT_HAS_FEATURE(x) 0
+#endif
+
 namespace ckptfs::testing {
+
+// Whether this build runs under a sanitizer: what a test may do around
+// fork() differs there, and timings say nothing of the code's speed.
+#if defined(__SANITIZE_ADDRESS__) || CKPT_HAS_FEATURE(address_sanitizer)
+inline constexpr bool kAddressSanitizer = true;
+#else
+inline constexpr bool kAddressSanitizer = false;
+#endif
+#if defined(__SANITIZE_THREAD__) || CKPT_HAS_FEATURE(thread_sanitizer)
+inline constexpr bool kThreadSanitizer = true;
+#else
+inline constexpr bool kThreadSanitizer = false;
+#endif
 
 // A fresh directory removed at the end of the test.
 class TempDir {
