@@ -452,7 +452,6 @@ TEST_F(S3Repository, ASaveWhoseRequestsKeepFailingFailsCleanlyAndStaysInvisible)
   }
 }
 
-}  // namespace
 TEST_F(S3Repository, OneHostListsTheStoreAndTheOthersApplyWhatItShares) {
   const uint64_t rows = 64, cols = 256;
   auto a = Host("a");
@@ -656,4 +655,5 @@ TEST_F(S3Repository, AListingSharedFromBeforeThisHostsOwnCommitsTakesNothingAway
   EXPECT_EQ(out, RandomBytes(rows * cols * 4, 32));
 }
 
+}  // namespace
 }  // namespace ckptfs
