@@ -375,6 +375,41 @@ class Exports(unittest.TestCase):
         self.assertEqual(target["note"], b"not a pickle")
 
 
+    def test_an_export_interrupted_after_its_torch_file_keeps_that_file(self):
+        gen = torch.Generator().manual_seed(8)
+        state = {f"layer{i}": torch.randn(32, 32, generator=gen) for i in range(3)}
+        self.repo.save("small", state)
+        out = os.path.join(self.tmp, "out")
+        real_commit, written = formats._Export.commit, []
+        real_write = formats._write_durable
+
+        def dies(self_):
+            raise OSError("the machine went down before the rename")
+
+        def counts(path, write):
+            written.append(os.path.basename(path))
+            real_write(path, write)
+
+        formats._Export.commit, formats._write_durable = dies, counts
+        try:
+            with self.assertRaises(OSError):
+                formats.export_checkpoint(self.repo, "small", out, format="torch")
+        finally:
+            formats._Export.commit = real_commit
+        try:
+            self.assertFalse(os.path.exists(out))
+            self.assertIn("model.pt", written)
+            written.clear()
+            done = formats.export_checkpoint(self.repo, "small", out, format="torch")
+        finally:
+            formats._write_durable = real_write
+        self.assertEqual(done["resumed_files"], 1)
+        self.assertNotIn("model.pt", written)  # the finished file was kept, not written again
+        got = torch.load(os.path.join(out, "model.pt"), weights_only=True)
+        self.assertEqual(sorted(got), sorted(state))
+        for k, v in state.items():
+            self.assertTrue(torch.equal(bits(got[k]), bits(v)), k)
+
 class TorchSaveFiles(unittest.TestCase):
     def setUp(self):
         import tempfile  # noqa: PLC0415

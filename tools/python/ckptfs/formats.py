@@ -933,7 +933,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
     Files are written into out + ".ckpt-export-partial" (hf: `threads` at a
     time), each made durable, and the directory is renamed to `out` only
     when complete; an interrupted export is resumed by the same call
-    (hf and dcp: finished files are kept), or removed first with
+    (finished files are kept), or removed first with
     clean=True. `progress(done, total)` is called with tensor bytes as they
     are written. Returns {"out", "format", "files", "bytes", "resumed_files"}.
     """
@@ -1017,6 +1017,9 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
             files.append(bname)
     elif format == "dcp":
         files += _export_dcp(export, repo, reader, name, order, shown, sizes, cast, threads, advance)
+    elif "model.pt" in export.done:  # finished before an interruption: kept as it is
+        advance(total_bytes)
+        files.append("model.pt")
     else:
         import io  # noqa: PLC0415
 
@@ -1039,6 +1042,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
             for b in blobs:
                 state[b] = repo.blob(name, b)
         _write_durable(export.path("model.pt"), lambda f: torch.save(state, f))
+        export.finished("model.pt")
         files.append("model.pt")
     total_bytes = sum(os.path.getsize(export.path(f)) for f in files)
     export.commit()
