@@ -648,7 +648,15 @@ class S3Backend final : public Backend {
     Request req = MakeRequest("HEAD", client_->ObjectPath(key));
     CKPT_ASSIGN_OR_RETURN(Response r, client_->Perform(req));
     if (r.status < 200 || r.status >= 300) {
-      // A HEAD answer has no body to name the error: ask for the body.
+      // A HEAD answer has no body to say whether the object or the bucket
+      // is missing. A HEAD of the bucket tells which, without a listing:
+      // listings are what object stores throttle first, and every rank's
+      // commit looks for objects that are not there yet.
+      if (r.status == 404) {
+        auto bucket = client_->Perform(MakeRequest("HEAD", client_->BucketPath()));
+        if (bucket.ok() && bucket->status >= 200 && bucket->status < 300) return client_->ErrorOf(req, r, Quoted(key));
+      }
+      // Otherwise a one-key listing asks for a body naming the error.
       if (r.status == 404 || r.status == 403) {
         Request get = MakeRequest("GET", client_->BucketPath(), {{"list-type", "2"}, {"max-keys", "1"}});
         auto probe = client_->Perform(get);
@@ -936,6 +944,17 @@ Status CreateS3Bucket(const S3Location& location, const ObjectStoreOptions& opti
   if (XmlFirst(r.body, "Code") == "BucketAlreadyOwnedByYou") return Status::OK();
   if (XmlFirst(r.body, "Code") == "BucketAlreadyExists") {
     return Status::AlreadyExists("bucket '" + location.bucket + "' exists and belongs to someone else");
+  }
+  return client.ErrorOf(req, r, "bucket '" + location.bucket + "'");
+}
+
+Status DeleteS3Bucket(const S3Location& location, const ObjectStoreOptions& options) {
+  S3Client client(location, options);
+  Request req = MakeRequest("DELETE", client.BucketPath());
+  CKPT_ASSIGN_OR_RETURN(Response r, client.Perform(req));
+  if (r.status >= 200 && r.status < 300) return Status::OK();
+  if (XmlFirst(r.body, "Code") == "BucketNotEmpty") {
+    return Status::FailedPrecondition("bucket '" + location.bucket + "' is not empty");
   }
   return client.ErrorOf(req, r, "bucket '" + location.bucket + "'");
 }

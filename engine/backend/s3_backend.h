@@ -62,4 +62,7 @@ BufferPoolStats S3PartBufferStats(const Backend& backend);
 // credentials.
 Status CreateS3Bucket(const S3Location& location, const ObjectStoreOptions& options);
 
+// Deletes the bucket, which must be empty (FailedPrecondition otherwise).
+Status DeleteS3Bucket(const S3Location& location, const ObjectStoreOptions& options);
+
 }  // namespace ckptfs

@@ -65,18 +65,19 @@ std::string Describe(const ObjectLockInfo& l, uint64_t now_ms) {
 
 namespace {
 
-// The locks under locks/; with `exclusive_only`, the bodies of shared locks
-// (named locks/shared-*) are not read and those locks are left out: a
-// shared lock conflicts with none of them, and reading them would make
-// every save's requests grow with the number of saves in flight.
+// The locks under locks/; with `exclusive_only`, only the exclusive ones
+// (named locks/exclusive-*): a shared lock conflicts with no shared lock,
+// and listing or reading those would make every save's requests and
+// answers grow with the number of saves in flight (every rank of a job
+// takes one at once).
 Result<std::vector<ObjectLockInfo>> ReadObjectLocks(Backend& backend, const ObjectLockOptions& options,
                                                     bool exclusive_only) {
-  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> keys, backend.List(kLockPrefix));
+  const std::string prefix =
+      exclusive_only ? std::string(kLockPrefix) + ModeName(ObjectLock::Mode::kExclusive) + "-" : std::string(kLockPrefix);
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> keys, backend.List(prefix));
   const uint64_t now = options.now_unix_ms();
-  const std::string shared_prefix = std::string(kLockPrefix) + ModeName(ObjectLock::Mode::kShared) + "-";
   std::vector<ObjectLockInfo> out;
   for (const std::string& key : keys) {
-    if (exclusive_only && key.starts_with(shared_prefix)) continue;
     auto body = backend.ReadAll(key, kMaxSmallObject);
     if (!body.ok()) {
       if (body.status().IsNotFound()) continue;  // released meanwhile

@@ -178,6 +178,34 @@ TEST_F(S3Backend, BadCredentialsAMissingBucketAndAnUnreachableEndpointEachGiveOn
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
 }
 
+// Commits look for objects that are not there yet (the manifest, a rank's
+// object) on every rank: telling a missing object from a missing bucket
+// must not cost a listing, which stores throttle first.
+TEST_F(S3Backend, AMissingObjectIsToldFromAMissingBucketWithoutAListing) {
+  const RequestCounts before = backend_->Requests();
+  auto missing = backend_->Size("manifests/none.manifest");
+  EXPECT_TRUE(missing.status().IsNotFound()) << missing.status().ToString();
+  EXPECT_NE(missing.status().message().find("manifests/none.manifest"), std::string::npos)
+      << missing.status().message();
+  const RequestCounts sent = backend_->Requests() - before;
+  EXPECT_EQ(sent.list, 0u);
+  EXPECT_EQ(sent.head, 2u);  // the object's, then the bucket's
+
+  // A bucket deleted under an open backend: the error names the bucket.
+  const S3Location gone{"ckptfs-gone-" + RandomHex(8), ""};
+  ASSERT_OK(CreateS3Bucket(gone, options_));
+  auto b = OpenS3Backend(gone, options_);
+  ASSERT_OK(b);
+  ASSERT_OK(DeleteS3Bucket(gone, options_));
+  auto size = (*b)->Size("manifests/none.manifest");
+  EXPECT_TRUE(size.status().IsNotFound()) << size.status().ToString();
+  EXPECT_NE(size.status().message().find("bucket '" + gone.bucket + "' does not exist"), std::string::npos)
+      << size.status().message();
+  // Only an empty bucket is deleted.
+  ASSERT_OK(backend_->Put("x", testing::AsBytes("x")));
+  EXPECT_EQ(DeleteS3Bucket({location_.bucket, ""}, options_).code(), StatusCode::kFailedPrecondition);
+}
+
 TEST_F(S3Backend, ListingFollowsPagination) {
   // More keys than one ListObjectsV2 page (1000).
   std::vector<std::string> keys;
