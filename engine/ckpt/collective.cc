@@ -241,8 +241,11 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
   result.held_bytes = owners.held_bytes;
   // One store sync for the group: rank 0 begins, listing the store under
   // its shared store lock, and sends what it listed; the others apply
-  // that. Rank 0's writer, and so its lock, stays open until the commit,
-  // which follows every rank's begin (the step 'put the values').
+  // that. And one lock and one completion: the others take no store lock
+  // and their commits only put their parts; rank 0's commit waits for
+  // every part, then completes the checkpoint, so its lock covers every
+  // rank from before any began (WriterOptions::await_ranks).
+  if (options.await_ranks.count() <= 0) options.await_ranks = kDefaultAwaitRanks;
   Result<std::unique_ptr<CheckpointWriter>> writer = Status::Internal("no writer begun");
   std::string listing;
   if (comm.rank() == 0) {
@@ -274,7 +277,8 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
     if (writer.ok()) (*writer)->Abort();
     return agreed;
   }
-  // 4. Commit: the last rank's makes the checkpoint visible.
+  // 4. Commit: rank 0's, once every rank's part is in, makes the
+  // checkpoint visible.
   auto committed = (*writer)->Commit().Wait();
   CKPT_RETURN_IF_ERROR(Agree(comm, "commit", committed.status()));
   result.commit = *committed;

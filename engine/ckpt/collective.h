@@ -11,6 +11,7 @@
 // that rank and the step, and nothing becomes visible.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -45,10 +46,17 @@ struct CollectiveSaveResult {
   uint64_t unique_bytes = 0;   // each distinct region once, over the group
   uint64_t held_bytes = 0;     // every region of every rank
 };
+// How long rank 0's commit of a collective save waits for the other
+// ranks' parts unless WriterOptions::await_ranks says otherwise.
+inline constexpr std::chrono::milliseconds kDefaultAwaitRanks = std::chrono::minutes(5);
+
 // Every rank of `comm` calls it with its part; the rank and world size are
-// the communicator's (those in `options` are ignored). Rank 0's writer alone
-// lists the store when it begins; the others apply its listing
-// (WriterOptions::share_sync, shared_sync). The checkpoint is the
+// the communicator's (those in `options` are ignored). On an object store
+// the save costs one rank's listings and lock: rank 0's writer alone lists
+// the store when it begins, the others apply its listing, take no store
+// lock, and commit their parts without listing; rank 0's commit waits for
+// every part and completes the checkpoint (WriterOptions::share_sync,
+// shared_sync, await_ranks). The checkpoint is the
 // one the ranks would save each alone: the owners' parts tile every tensor.
 // With `verify_replicas` (tests, debugging: it hashes every replica), the
 // holders of each region several ranks hold first compare hashes of their

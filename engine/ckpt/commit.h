@@ -73,7 +73,12 @@ struct RankCommit {
   // Chunks this rank stored: not in the catalog until the commit records
   // its packs, and needed before that where a merge compares replicas.
   const std::unordered_map<ChunkId, ChunkLocation, ChunkIdHash>& stored;
-  ObjectLock* store_lock;                   // object stores: held since the save began
+  // Object stores: held since the save began; null for a collective
+  // save's rank covered by the sharing rank's lock (WriterOptions::await_ranks).
+  ObjectLock* store_lock;
+  // WriterOptions::await_ranks's split: a part only (no listing), or the
+  // sharing rank's commit, which waits for every part.
+  enum class Role { kAny, kPartOnly, kCompleter } role = Role::kAny;
 };
 
 class CommitProtocol {

@@ -20,9 +20,16 @@
 // Ranks finishing together may all see every rank and all merge; the
 // manifest is written with a conditional PUT (If-None-Match), so exactly one
 // of them commits and the others stand down.
+// A group's split commit (WriterOptions::await_ranks) changes who does
+// step 3, not the objects: the ranks given the sharing rank's listing stop
+// after step 2, and the sharing rank repeats its listing, with backoff,
+// until every rank is in (or its wait runs out), then goes on as above.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <set>
+#include <thread>
 
 #include "ckpt/commit.h"
 #include "ckpt/lease.h"
@@ -201,8 +208,10 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
   const WriterOptions& options = rank.options;
   Backend& store = *repo_.backend;
   // Were the lock's refreshes failing, a gc elsewhere may have taken it for
-  // stale and removed chunks this save deduplicated against.
-  CKPT_RETURN_IF_ERROR(rank.store_lock->Check());
+  // stale and removed chunks this save deduplicated against. (A rank of a
+  // split commit has none: the sharing rank's lock covers it, and that
+  // rank checks it before completing.)
+  if (rank.store_lock != nullptr) CKPT_RETURN_IF_ERROR(rank.store_lock->Check());
   const std::string own_key = keys::PendingRankObject(name, options.rank);
   auto committed = store.Size(keys::ManifestObject(name));
   if (committed.ok()) return Status::AlreadyExists("checkpoint '" + name + "' already exists");
@@ -228,20 +237,51 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
     return Status::OK();
   }));
 
-  CKPT_ASSIGN_OR_RETURN(auto present, store.List(keys::PendingPrefix(name)));
+  if (rank.role == RankCommit::Role::kPartOnly) return Status::OK();  // the sharing rank completes
+
+  // A failure from the claim on takes this rank's object (and its claim)
+  // back: see `fail` below.
+  const std::string claim_key = keys::CommitClaimObject(name);
   std::set<uint32_t> ranks;
-  for (const auto& key : present) {
-    std::string n;
-    uint32_t r;
-    if (keys::ParsePendingRankObject(key, &n, &r) && n == name && r < options.world_size) ranks.insert(r);
+  const auto deadline = std::chrono::steady_clock::now() + options.await_ranks;
+  for (int attempt = 0;; ++attempt) {
+    CKPT_ASSIGN_OR_RETURN(auto present, store.List(keys::PendingPrefix(name)));
+    ranks.clear();
+    for (const auto& key : present) {
+      std::string n;
+      uint32_t r;
+      if (keys::ParsePendingRankObject(key, &n, &r) && n == name && r < options.world_size) ranks.insert(r);
+    }
+    if (ranks.size() >= options.world_size) break;
+    if (rank.role != RankCommit::Role::kCompleter) return Status::OK();  // another rank completes later
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      (void)store.Delete(own_key);  // as a failed commit leaves its rank out
+      std::string missing;
+      size_t shown = 0;
+      for (uint32_t r = 0; r < options.world_size && shown < 8; ++r) {
+        if (ranks.count(r)) continue;
+        missing += (shown++ ? ", " : "") + std::to_string(r);
+      }
+      const size_t absent = options.world_size - ranks.size();
+      if (absent > shown) missing += " and " + std::to_string(absent - shown) + " more";
+      char waited[32];
+      std::snprintf(waited, sizeof waited, "%.1f s", static_cast<double>(options.await_ranks.count()) / 1000.0);
+      return Status::IOError("checkpoint '" + name + "': rank" + (absent > 1 ? "s " : " ") + missing + " of " +
+                             std::to_string(options.world_size) + " did not commit " +
+                             (absent > 1 ? "their parts" : "its part") + " within " +
+                             waited + "; it stays invisible");
+    }
+    // 10 ms, doubling to a second: parts committing together are seen
+    // within a few listings, a slow one costs one listing a second.
+    const auto pause = std::chrono::milliseconds(std::min<int64_t>(10ll << std::min(attempt, 7), 1000));
+    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(pause, deadline - now));
   }
-  if (ranks.size() < options.world_size) return Status::OK();
 
   // Ranks finishing together may all see every rank in: the one whose
   // claim lands first (a conditional PUT) commits, the others are done.
   // The claim names this attempt, so an answer lost on the way and a retry
   // that finds the object still tell whose claim it is.
-  const std::string claim_key = keys::CommitClaimObject(name);
   const std::string claim = "rank " + std::to_string(options.rank) + " " + RandomHex(16);
   Status claimed = store.PutIfAbsent(claim_key, std::as_bytes(std::span(claim)));
   if (claimed.IsAlreadyExists()) {
@@ -273,7 +313,9 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
   };
   auto manifest = MergeStoredRanks(rank);
   if (!manifest.ok()) return fail(manifest.status());
-  if (Status held = rank.store_lock->Check(); !held.ok()) return fail(held);
+  if (rank.store_lock != nullptr) {
+    if (Status held = rank.store_lock->Check(); !held.ok()) return fail(held);
+  }
   const std::string manifest_bytes = EncodeManifest(*manifest);
   Status put = store.PutIfAbsent(manifest_key, std::as_bytes(std::span(manifest_bytes)));
   // Exists: this PUT's own, its answer lost and retried.

@@ -206,6 +206,19 @@ struct WriterOptions {
   // Neither is owned.
   std::string* share_sync = nullptr;
   const std::string* shared_sync = nullptr;
+  // With either of the above, not zero: the group's commit is split too,
+  // so that a save costs the store requests of one rank, not of every
+  // rank. A rank given `shared_sync` takes no store lock of its own, and
+  // its commit makes its part durable without listing the store to see
+  // whether every rank is in. The sharing rank's commit waits up to this
+  // long for every rank's part (listing the rank objects with backoff),
+  // then completes the checkpoint; its store lock, held from before any
+  // rank began until then, keeps gc away from every rank's chunks. A part
+  // missing after that fails the sharing rank's commit, naming the ranks,
+  // and the checkpoint stays invisible. Zero: every rank takes its own
+  // lock and the last rank in completes, as in a save without a group.
+  // Local repositories need neither (their commits list nothing).
+  std::chrono::milliseconds await_ranks{0};
 };
 
 struct CommitResult {

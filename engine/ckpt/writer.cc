@@ -110,10 +110,11 @@ std::chrono::nanoseconds CommitHandle::total_time() const {
 class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
  public:
   WriterImpl(std::shared_ptr<RepositoryImpl> repo, std::string name, WriterOptions options, RepoLock lock,
-             std::unique_ptr<ObjectLock> store_lock)
+             std::unique_ptr<ObjectLock> store_lock, RankCommit::Role role)
       : repo_(std::move(repo)),
         lock_(std::in_place, std::move(lock)),
         store_lock_(std::move(store_lock)),
+        role_(role),
         name_(std::move(name)),
         options_(std::move(options)),
         pipeline_(PipelineSettingsOf(*repo_)) {
@@ -173,6 +174,7 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   std::optional<RepoLock> lock_;
   // The same, across hosts, for a repository on an object store.
   std::unique_ptr<ObjectLock> store_lock_;
+  const RankCommit::Role role_;  // in a group's split commit (WriterOptions::await_ranks)
   const std::string name_;
   const WriterOptions options_;
   // Chunks, dedup, encoding and packs; uses repo_'s store, pools and
@@ -389,7 +391,8 @@ Status WriterImpl::CommitRank(const std::vector<SealedPack>& sealed, CommitResul
     result->logical_bytes = logical_bytes_;
   }
   result->checkpoint_visible = false;
-  const RankCommit rank{name_, options_, created_unix_ms_, record_, sealed, pipeline_.stored(), store_lock_.get()};
+  const RankCommit rank{name_, options_, created_unix_ms_, record_, sealed, pipeline_.stored(), store_lock_.get(),
+                        role_};
   return repo_->protocol->Commit(rank, result);
 }
 
@@ -464,12 +467,24 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
     return Status::InvalidArgument("rank " + std::to_string(options.rank) + " is out of range for world size " +
                                    std::to_string(options.world_size));
   }
+  if (options.share_sync != nullptr && options.shared_sync != nullptr) {
+    return Status::InvalidArgument("a writer either shares its store listing or is given one, not both");
+  }
+  if (options.await_ranks.count() < 0 ||
+      (options.await_ranks.count() > 0 && options.share_sync == nullptr && options.shared_sync == nullptr)) {
+    return Status::InvalidArgument("await_ranks splits a group's commit: it needs share_sync or shared_sync");
+  }
+  const bool split = options.await_ranks.count() > 0;
   // Taken before the catalog is consulted, so gc cannot remove a chunk
   // between our dedup lookups and our commit.
   CKPT_ASSIGN_OR_RETURN(RepoLock lock, RepoLock::Acquire(impl_->state_dir, RepoLock::Mode::kShared));
-  // On an object store, the same across hosts; then the catalog catches up
-  // with the store (chunks to deduplicate against, ranks already in).
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<ObjectLock> store_lock, impl_->protocol->LockHosts(ObjectLock::Mode::kShared));
+  // On an object store, the same across hosts (but for a rank covered by
+  // the sharing rank's lock); then the catalog catches up with the store
+  // (chunks to deduplicate against, ranks already in).
+  std::unique_ptr<ObjectLock> store_lock;
+  if (!(split && options.shared_sync != nullptr)) {
+    CKPT_ASSIGN_OR_RETURN(store_lock, impl_->protocol->LockHosts(ObjectLock::Mode::kShared));
+  }
   if (options.shared_sync != nullptr) {
     CKPT_RETURN_IF_ERROR(impl_->protocol->SyncFrom(*options.shared_sync).status());
   } else if (options.share_sync != nullptr) {
@@ -488,7 +503,11 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
   WriterOptions kept = options;
   kept.share_sync = nullptr;  // the caller's, used above only
   kept.shared_sync = nullptr;
-  auto impl = std::make_shared<WriterImpl>(impl_, name, std::move(kept), std::move(lock), std::move(store_lock));
+  const RankCommit::Role role = !split                          ? RankCommit::Role::kAny
+                                : options.share_sync != nullptr ? RankCommit::Role::kCompleter
+                                                                : RankCommit::Role::kPartOnly;
+  auto impl =
+      std::make_shared<WriterImpl>(impl_, name, std::move(kept), std::move(lock), std::move(store_lock), role);
   impl_->protocol->Begin(name, options.rank);
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
 }

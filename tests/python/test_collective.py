@@ -157,14 +157,25 @@ class Collective(CkptTestCase):
         self.assertLess(sum(t["gets"] for t in together), sum(a["gets"] for a in alone))
 
     def test_a_collective_save_lists_the_store_once_for_the_job(self):
-        # Every rank saving alone lists the store when it begins (pending
-        # ranks, manifests, packs); with the group only rank 0 does, and
-        # the others apply its listing. The commits list as before.
+        # Every rank saving alone takes a store lock (a listing of the
+        # exclusive locks), lists the store when it begins (pending ranks,
+        # manifests, packs) and looks for the other ranks at its commit.
+        # With the group only rank 0 does any of it: the others apply its
+        # listing, take no lock and put their parts, and rank 0's commit
+        # waits for every part and completes the checkpoint. Async saves,
+        # whose commits run in the background, do the same.
         self.use_s3()
         alone = [json.loads(x) for x in self.job(WORLD, "save", "alone", "hsdp", "plain")]
         together = [json.loads(x) for x in self.job(WORLD, "save", "together", "hsdp")]
-        self.assertEqual(sum(a["lists"] for a in alone) - sum(t["lists"] for t in together), 3 * (WORLD - 1),
-                         (alone, together))
+        background = [json.loads(x) for x in self.job(WORLD, "save", "background", "hsdp", "async")]
+        self.assertTrue(all(a["lists"] >= 5 for a in alone), alone)
+        for saved in (together, background):
+            self.assertEqual([t["lists"] for t in saved[1:]], [0] * (WORLD - 1), saved)
+            self.assertGreater(saved[0]["lists"], 0, saved)
+        self.assertLess(sum(t["lists"] for t in together), sum(a["lists"] for a in alone) / 2, (alone, together))
+        # Both are whole: restored bit-exact (checked by the workers).
+        for name in ("together", "background"):
+            self.job(WORLD, "load", name, "hsdp")
         # A name taken: rank 0's error, as its own type, on every rank.
         for line in self.job(WORLD, "save", "together", "hsdp"):
             self.assertTrue(line.startswith("raised: AlreadyExistsError: "), line)

@@ -597,27 +597,150 @@ TEST_F(S3Repository, ACollectiveSaveListsTheStoreOnceForTheGroup) {
     for (auto& t : threads) t.join();
     return out;
   };
+  auto requests = [&] {
+    std::vector<RequestCounts> out;
+    for (auto& r : repos) out.push_back(r->store_requests());
+    return out;
+  };
   uint64_t mark = lists();
-  for (auto& s : save("shared")) ASSERT_OK(s);
+  auto before = requests();
+  auto saved = save("shared");
+  auto after = requests();
+  for (auto& s : saved) ASSERT_OK(s);
   const uint64_t shared = lists() - mark;
+  // Rank 0 completed the checkpoint, once every part was in.
+  EXPECT_TRUE(saved[0]->commit.checkpoint_visible);
+  // Ranks 1-3 neither listed the store (rank 0's listing at the begin,
+  // rank 0's at the commit) nor took a store lock (nothing of theirs to
+  // delete when they finished): the save costs one rank's listings.
+  for (int r = 1; r < 4; ++r) {
+    const RequestCounts sent = after[r] - before[r];
+    EXPECT_EQ(sent.list, 0u) << "rank " << r;
+    EXPECT_EQ(sent.del, 0u) << "rank " << r;
+  }
+  // Its lock (1), its begin's sync (3), its commit's look for the parts
+  // (at least 1) and the committer's sync (3).
+  EXPECT_GE(shared, 8u);
   // Every rank's catalog learnt of "late" from rank 0's listing.
   for (auto& repo : repos) {
     auto all = repo->ListCheckpoints();
     ASSERT_OK(all);
     EXPECT_TRUE(std::any_of(all->begin(), all->end(), [](const auto& c) { return c.name == "late"; }));
   }
-  // The same save by each rank alone lists the store at each begin.
+  auto reader = repos[0]->OpenCheckpoint("shared");
+  ASSERT_OK(reader);
+  std::vector<std::byte> got(w.size());
+  ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, got));
+  EXPECT_EQ(got, w);
+  // The same save by each rank alone: each takes a lock, lists the store
+  // at its begin and looks for the other ranks at its commit.
   mark = lists();
   for (uint32_t r = 0; r < 4; ++r) ASSERT_OK(SaveRows(*repos[r], "alone", r, 4, w, rows, cols));
   const uint64_t alone = lists() - mark;
-  // Ranks 1-3 skip the begin's three LISTs (pending ranks, manifests,
-  // packs); the commits list as before.
-  EXPECT_EQ(alone - shared, 3u * 3) << "alone " << alone << ", shared " << shared;
+  EXPECT_GE(alone, 4u * 5 + 3) << "alone " << alone << ", shared " << shared;
+  EXPECT_LT(shared, alone);
   // A name taken: rank 0's error, with its code, on every rank.
   for (auto& s : save("late")) {
     ASSERT_FALSE(s.ok());
     EXPECT_TRUE(s.status().IsAlreadyExists()) << s.status().ToString();
   }
+}
+
+// A group's split commit (WriterOptions::await_ranks), driven by hand as
+// an asynchronous save would: rank 0 commits before rank 1's part is in,
+// waits for it, and completes; meanwhile rank 0's lock, the only one the
+// group holds, keeps a gc on another host away from rank 1's chunks too.
+TEST_F(S3Repository, TheSharingRanksCommitWaitsForEveryPartAndItsLockCoversTheGroup) {
+  const uint64_t rows = 32, cols = 256;
+  const auto w = RandomBytes(rows * cols * 4, 41);
+  auto a = Host("a");
+  auto b = Host("b");
+  std::string listing;
+  WriterOptions first{.rank = 0, .world_size = 2};
+  first.share_sync = &listing;
+  first.await_ranks = std::chrono::seconds(30);
+  auto w0 = a->BeginCheckpoint("split", first);
+  ASSERT_OK(w0);
+  WriterOptions second{.rank = 1, .world_size = 2};
+  second.shared_sync = &listing;
+  second.await_ranks = first.await_ranks;
+  auto w1 = b->BeginCheckpoint("split", second);
+  ASSERT_OK(w1);
+  auto put = [&](CheckpointWriter& writer, uint64_t r) {
+    HostSource src(std::span<const std::byte>(w).subspan(r * rows / 2 * cols * 4, rows / 2 * cols * 4));
+    return writer.PutShard({"w", DType::kF32, {rows, cols}}, Region::OfBox(Box{{r * rows / 2, 0}, {rows / 2, cols}}),
+                           src);
+  };
+  ASSERT_OK(put(**w0, 0));
+  ASSERT_OK(put(**w1, 1));
+  // Rank 0 commits first: its commit waits.
+  CommitHandle first_commit = (*w0)->Commit();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_FALSE(first_commit.Ready());
+  // A gc elsewhere cannot start: rank 0 still holds the group's lock.
+  OpenOptions o;
+  o.cache_dir = dir_.path() + "/gc-host";
+  o.s3 = s3_;
+  o.lock_wait = std::chrono::milliseconds(200);
+  auto gc_host = Repository::Open(url_, o);
+  ASSERT_OK(gc_host);
+  auto gc = (*gc_host)->CollectGarbage({});
+  ASSERT_FALSE(gc.ok());
+  EXPECT_EQ(gc.status().code(), StatusCode::kFailedPrecondition) << gc.status().ToString();
+  const RequestCounts before = b->store_requests();
+  auto second_commit = (*w1)->Commit().Wait();
+  ASSERT_OK(second_commit);
+  EXPECT_FALSE(second_commit->checkpoint_visible);
+  EXPECT_EQ((b->store_requests() - before).list, 0u);  // its part only: rank 0 looks
+  auto done = first_commit.Wait();
+  ASSERT_OK(done);
+  EXPECT_TRUE(done->checkpoint_visible);
+  ASSERT_OK(b->Refresh());
+  auto reader = b->OpenCheckpoint("split");
+  ASSERT_OK(reader);
+  std::vector<std::byte> got(w.size());
+  ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, got));
+  EXPECT_EQ(got, w);
+}
+
+TEST_F(S3Repository, APartThatNeverArrivesFailsTheSharingRanksCommitNamingTheRankAndNothingShows) {
+  const uint64_t rows = 32, cols = 256;
+  const auto w = RandomBytes(rows * cols * 4, 43);
+  auto a = Host("a");
+  auto b = Host("b");
+  std::string listing;
+  WriterOptions first{.rank = 0, .world_size = 3};
+  first.share_sync = &listing;
+  first.await_ranks = std::chrono::milliseconds(400);
+  auto w0 = a->BeginCheckpoint("half", first);
+  ASSERT_OK(w0);
+  WriterOptions second{.rank = 1, .world_size = 3};
+  second.shared_sync = &listing;
+  second.await_ranks = first.await_ranks;
+  auto w1 = b->BeginCheckpoint("half", second);
+  ASSERT_OK(w1);
+  HostSource src{std::span<const std::byte>(w)};
+  ASSERT_OK((*w0)->PutShard({"w", DType::kF32, {rows, cols}}, Region::OfBox(Box{{0, 0}, {rows, cols}}), src));
+  ASSERT_OK((*w1)->Commit().Wait().status());  // a part only, however early
+  const auto t0 = std::chrono::steady_clock::now();
+  auto failed = (*w0)->Commit().Wait();  // rank 2 never commits
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().code(), StatusCode::kIOError);
+  EXPECT_NE(failed.status().message().find("rank 2 of 3 did not commit its part within 0.4 s"), std::string::npos)
+      << failed.status().message();
+  EXPECT_GE(waited, std::chrono::milliseconds(400));
+  EXPECT_LT(waited, std::chrono::seconds(5));
+  ASSERT_OK(a->Refresh());
+  auto all = a->ListCheckpoints(/*include_pending=*/true);
+  ASSERT_OK(all);
+  for (const auto& c : *all) {
+    EXPECT_FALSE(c.name == "half" && c.state == CheckpointState::kCommitted) << "nothing becomes visible";
+  }
+  // The split needs a listing shared or given.
+  WriterOptions alone{.rank = 0, .world_size = 1};
+  alone.await_ranks = std::chrono::seconds(1);
+  EXPECT_EQ(a->BeginCheckpoint("alone", alone).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST_F(S3Repository, AListingSharedFromBeforeThisHostsOwnCommitsTakesNothingAwayButWhatIsGone) {

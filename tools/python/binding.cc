@@ -523,6 +523,11 @@ WriterOptions WriterOptionsOf(uint32_t rank, uint32_t world_size, std::optional<
   return o;
 }
 
+std::chrono::milliseconds AwaitRanks(double seconds) {
+  if (!(seconds >= 0) || seconds > 1e7) throw StatusError{Status::InvalidArgument("await_ranks must be 0 to 1e7 seconds")};
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
 class PyRepository {
  public:
   explicit PyRepository(std::shared_ptr<Repository> repo) : repo_(std::move(repo)) {}
@@ -577,20 +582,26 @@ class PyRepository {
 
   // `shared_sync`: another rank's listing (begin_sharing's), applied
   // instead of listing the store.
+  // `await_ranks` (seconds, with shared_sync): a part of a split commit
+  // (WriterOptions::await_ranks).
   Writer begin(const std::string& name, uint32_t rank, uint32_t world_size, std::optional<int64_t> step,
                const std::vector<std::pair<std::string, std::string>>& tags,
-               const std::optional<std::string>& shared_sync) {
+               const std::optional<std::string>& shared_sync, double await_ranks) {
     WriterOptions o = WriterOptionsOf(rank, world_size, step, tags);
     if (shared_sync) o.shared_sync = &*shared_sync;
+    o.await_ranks = AwaitRanks(await_ranks);
     py::gil_scoped_release nogil;
     return Writer(repo_, Value(repo_->BeginCheckpoint(name, o)));
   }
   // As begin, and what its store sync listed and fetched, for the others.
+  // With `await_ranks` (seconds), the commit waits that long for the
+  // other ranks' parts and completes the checkpoint.
   py::tuple begin_sharing(const std::string& name, uint32_t rank, uint32_t world_size, std::optional<int64_t> step,
-                          const std::vector<std::pair<std::string, std::string>>& tags) {
+                          const std::vector<std::pair<std::string, std::string>>& tags, double await_ranks) {
     WriterOptions o = WriterOptionsOf(rank, world_size, step, tags);
     std::string listing;
     o.share_sync = &listing;
+    o.await_ranks = AwaitRanks(await_ranks);
     std::unique_ptr<CheckpointWriter> writer;
     {
       py::gil_scoped_release nogil;
@@ -933,9 +944,9 @@ PYBIND11_MODULE(_core, m) {
       .def("import_safetensors", &PyRepository::import_safetensors, py::arg("name"), py::arg("paths"),
            py::arg("blob_files"), py::arg("rank"), py::arg("world_size"), py::arg("step"), py::arg("tags"))
       .def("begin", &PyRepository::begin, py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("step"),
-           py::arg("tags"), py::arg("shared_sync") = py::none())
+           py::arg("tags"), py::arg("shared_sync") = py::none(), py::arg("await_ranks") = 0.0)
       .def("begin_sharing", &PyRepository::begin_sharing, py::arg("name"), py::arg("rank"), py::arg("world_size"),
-           py::arg("step"), py::arg("tags"))
+           py::arg("step"), py::arg("tags"), py::arg("await_ranks") = 0.0)
       .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"))
       .def("checkpoints", &PyRepository::checkpoints, py::arg("include_pending"))
       .def("pending_ranks", &PyRepository::pending_ranks, py::arg("name"))

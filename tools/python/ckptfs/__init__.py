@@ -495,9 +495,10 @@ class Repository:
 
     def _put_and_commit(self, name, state_dict, step, rank, world_size, shards, tags, *, snapshot, progress=None,
                         process_group=None, verify_replicas=False, timeout=None):
-        """Puts everything and starts the commit; the core's save handle and
-        the collective plan's figures (None without a process group). CUDA
-        tensors stay referenced until the commit has copied them."""
+        """Puts everything and starts the commit; the core's save handle,
+        the collective plan's figures and the group (both None without a
+        process group). CUDA tensors stay referenced until the commit has
+        copied them."""
         skip, plan, group = (), None, None
         if process_group is not None:
             from . import collective  # noqa: PLC0415
@@ -510,7 +511,7 @@ class Repository:
             skip, plan = collective.plan_save(state_dict, dict(shards or {}), group, verify_replicas)
         writer, kept = self._put_all(name, state_dict, step, rank, world_size, shards, tags, progress, skip, group)
         _sync_cuda(kept)
-        return writer.commit(snapshot=snapshot), plan
+        return writer.commit(snapshot=snapshot), plan, group
 
     def save(self, name: str, state_dict: Mapping[str, Any], *, step: Optional[int] = None, rank: int = 0,
              world_size: int = 1, shards: Optional[Mapping[str, Shard]] = None,
@@ -541,12 +542,19 @@ class Repository:
         step; nothing becomes visible. (docs/PYTHON.md, "Collective saves
         and restores".)
         """
-        handle, plan = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags, snapshot=False,
-                                            progress=progress, process_group=process_group,
-                                            verify_replicas=verify_replicas, timeout=timeout)
+        handle, plan, group = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags,
+                                                   snapshot=False, progress=progress, process_group=process_group,
+                                                   verify_replicas=verify_replicas, timeout=timeout)
         handle.wait(None)
-        result = handle.result()
-        if plan is not None:
+        try:
+            result = handle.result()
+        except Error as e:
+            if group is None:
+                raise
+            group.agree("commit", str(e))  # raises on every rank
+            raise
+        if group is not None:
+            group.agree("commit", None)  # rank 0's commit completes the checkpoint: every rank hears how it went
             result["collective"] = plan
         return result
 
@@ -565,9 +573,9 @@ class Repository:
         puts happen before this returns.
         """
         start = time.perf_counter()
-        handle, _plan = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags, snapshot=True,
-                                             progress=progress, process_group=process_group,
-                                             verify_replicas=verify_replicas, timeout=timeout)
+        handle, _plan, _group = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags,
+                                                     snapshot=True, progress=progress, process_group=process_group,
+                                                     verify_replicas=verify_replicas, timeout=timeout)
         return SaveHandle(handle, time.perf_counter() - start)
 
     # -- load --

@@ -57,7 +57,7 @@ class _Group:
     def __init__(self, process_group, timeout: Optional[float], what: str):
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         dist = _dist()
-        self.dist, self.what = dist, what
+        self.dist, self.what, self.timeout = dist, what, timeout
         self.user = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.user)
         self.size = dist.get_world_size(self.user)
@@ -206,24 +206,28 @@ def plan_save(state_dict: Mapping[str, Any], shards: Mapping[str, Any], group: _
 
 def begin(core, args: tuple, group: _Group):
     """Begins this rank's writer of a collective save (`args`: the core's
-    begin arguments) with one store sync for the group: rank 0 begins,
-    listing the store under its shared store lock, and sends what it
-    listed; the others apply that instead of listing. Rank 0's writer, and
-    so its lock (which keeps gc away), stays open until the commit, after
-    every rank's puts. Returns (writer, None), or (None, this rank's error)
-    for the put step to agree on. Rank 0's error (a name already taken,
-    say) is raised on every rank, as its own type."""
+    begin arguments) so that the save costs the store one rank's listings
+    and lock: rank 0 begins, listing the store under its shared store
+    lock, and sends what it listed; the others apply that instead of
+    listing, take no store lock, and their commits put their parts without
+    looking for the others'. Rank 0's commit waits (up to the group's
+    timeout) for every rank's part and completes the checkpoint, so its
+    lock (which keeps gc away) covers every rank from before any began
+    until the checkpoint is whole; this holds for async saves too, whose
+    commits run in the background. Returns (writer, None), or (None, this
+    rank's error) for the put step to agree on. Rank 0's error (a name
+    already taken, say) is raised on every rank, as its own type."""
     writer, listing, failed = None, b"", None
     if group.rank == 0:
         try:
-            writer, listing = core.begin_sharing(*args)
+            writer, listing = core.begin_sharing(*args, await_ranks=group.timeout)
         except Error as e:
             failed = e
     listing = group.from_rank_0("begin and share the store listing", listing, failed)
     if group.rank == 0:
         return writer, None
     try:
-        return core.begin(*args, shared_sync=listing), None
+        return core.begin(*args, shared_sync=listing, await_ranks=group.timeout), None
     except Error as e:
         return None, str(e)
 
