@@ -239,9 +239,6 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
 
   if (rank.role == RankCommit::Role::kPartOnly) return Status::OK();  // the sharing rank completes
 
-  // A failure from the claim on takes this rank's object (and its claim)
-  // back: see `fail` below.
-  const std::string claim_key = keys::CommitClaimObject(name);
   std::set<uint32_t> ranks;
   const auto deadline = std::chrono::steady_clock::now() + options.await_ranks;
   for (int attempt = 0;; ++attempt) {
@@ -282,6 +279,7 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
   // claim lands first (a conditional PUT) commits, the others are done.
   // The claim names this attempt, so an answer lost on the way and a retry
   // that finds the object still tell whose claim it is.
+  const std::string claim_key = keys::CommitClaimObject(name);
   const std::string claim = "rank " + std::to_string(options.rank) + " " + RandomHex(16);
   Status claimed = store.PutIfAbsent(claim_key, std::as_bytes(std::span(claim)));
   if (claimed.IsAlreadyExists()) {

@@ -13,7 +13,8 @@ them. With --hosts 1 all ranks share one host's catalog and chunk cache.
   ranks' logical_bytes), bytes written to packs (stored_bytes: the
   adaptive codec compresses a chunk only while the store keeps up, so
   this says how much of the CPU went to zstd), the ranks' CPU seconds, wall time (first rank in to
-  last commit). Each job first saves a small checkpoint the same way, so
+  last commit), and on S3 the store requests the ranks sent (LISTs
+  apart). Each job first saves a small checkpoint the same way, so
   what a training job pays once (ckptfs's gloo group, the engine's
   threads, lazy imports) is not counted in the save measured: a job saves
   many times;
@@ -92,14 +93,17 @@ def worker(args):
         else:
             repo.save("warm-up", warm, rank=rank, world_size=WORLD)
         dist.barrier()
+        c0 = repo.store_counters()
         t0, r0 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
         if args.mode == "collective":
             res = repo.save(args.name, values, shards=shards, process_group=dist.group.WORLD)
         else:
             res = repo.save(args.name, values, shards=shards, rank=rank, world_size=WORLD)
         r1 = resource.getrusage(resource.RUSAGE_SELF)
+        c1 = repo.store_counters()
         out = {"start": t0, "end": time.monotonic(), "hashed": res["logical_bytes"], "stored": res["stored_bytes"],
-               "cpu": r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime}
+               "cpu": r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime,
+               "lists": c1["list_requests"] - c0["list_requests"], "requests": c1["requests"] - c0["requests"]}
     elif args.action == "load":
         # The collective restart opens with the group: one listing of the store.
         repo = ckptfs.open(args.url, process_group=dist.group.WORLD if args.mode == "collective" else None)
@@ -245,6 +249,8 @@ def main():
                 figs[pre + "save_cpu"].append(sum(o["cpu"] for o in saved))
                 figs[pre + "save_hashed"].append(sum(o["hashed"] for o in saved))
                 figs[pre + "save_stored"].append(sum(o["stored"] for o in saved))
+                figs.setdefault(pre + "save_lists", []).append(sum(o["lists"] for o in saved))
+                figs.setdefault(pre + "save_requests", []).append(sum(o["requests"] for o in saved))
             # Restarts from the collective save's repository, each with a
             # fresh host cache (a restarted job's hosts start cold).
             url = urls["collective"]
@@ -281,6 +287,10 @@ def main():
         print(f"  save CPU seconds: {med['csave_cpu']:.2f} collective, {med['save_cpu']:.2f} every rank: "
               f"{med['csave_cpu'] / med['save_cpu']:.2f}x (target <= 0.35); wall {med['csave_wall']:.2f} s vs "
               f"{med['save_wall']:.2f} s")
+        if s3:
+            print(f"  store requests per save (all ranks): {med['csave_requests']:.0f} collective, "
+                  f"{med['save_requests']:.0f} every rank; of them LISTs {med['csave_lists']:.0f} and "
+                  f"{med['save_lists']:.0f}")
         print(f"  bytes fetched per restart: {med['cload_fetched'] / 2**20:.0f} MiB collective, "
               f"{med['load_fetched'] / 2**20:.0f} MiB every rank; stored {med['stored'] / 2**20:.0f} MiB: "
               f"{med['cload_fetched'] / med['stored']:.3f}x and {med['load_fetched'] / med['stored']:.3f}x "
