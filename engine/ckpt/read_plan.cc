@@ -119,7 +119,7 @@ Status PlanElements(const TensorRecord& tensor, uint64_t first, uint64_t end, st
 }  // namespace
 
 Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<std::byte> dst,
-                     ChunkFetcher& fetcher, ThreadPool* pool) {
+                     ChunkFetcher& fetcher, ThreadPool* pool, const ShardIndex* index) {
   const uint64_t w = DTypeSize(tensor.dtype);
   CKPT_RETURN_IF_ERROR(ValidateRegion(tensor.shape, Region::OfBox(request)));
   if (dst.size() != request.NumElements() * w) {
@@ -128,7 +128,7 @@ Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<s
   }
   if (request.Empty()) return Status::OK();
   std::vector<ChunkGroup> groups;
-  CKPT_RETURN_IF_ERROR(PlanBox(tensor, request, groups));
+  CKPT_RETURN_IF_ERROR(PlanBox(tensor, request, groups, 0, index));
 
   // Small reads (a FUSE request) run inline: their callers are already
   // concurrent, and prefetching has usually decoded their chunks.
@@ -156,7 +156,7 @@ Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<s
 }
 
 Status ReadTensorBytes(const TensorRecord& tensor, uint64_t offset, std::span<std::byte> dst,
-                       ChunkFetcher& fetcher, ThreadPool* pool) {
+                       ChunkFetcher& fetcher, ThreadPool* pool, const ShardIndex* index) {
   const uint64_t w = DTypeSize(tensor.dtype);
   const uint64_t total = tensor.ByteSize();
   if (offset > total || dst.size() > total - offset) {
@@ -174,14 +174,14 @@ Status ReadTensorBytes(const TensorRecord& tensor, uint64_t offset, std::span<st
   }
   for (const Box& box : FlatRangeToBoxes(tensor.shape, {first, end})) {
     uint64_t at = (FlatIndexOf(tensor.shape, box.offsets) - first) * w;
-    CKPT_RETURN_IF_ERROR(ReadTensorBox(tensor, box, out.subspan(at, box.NumElements() * w), fetcher, pool));
+    CKPT_RETURN_IF_ERROR(ReadTensorBox(tensor, box, out.subspan(at, box.NumElements() * w), fetcher, pool, index));
   }
   if (!aligned) std::memcpy(dst.data(), staging.data() + (offset - first * w), dst.size());
   return Status::OK();
 }
 
 Result<bool> SliceTensorBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length, ChunkFetcher& fetcher,
-                              size_t max_slices, std::vector<ChunkSlice>& out) {
+                              size_t max_slices, std::vector<ChunkSlice>& out, const ShardIndex* index) {
   const uint64_t w = DTypeSize(tensor.dtype);
   const uint64_t total = tensor.ByteSize();
   if (offset > total || length > total - offset) {
@@ -196,7 +196,7 @@ Result<bool> SliceTensorBytes(const TensorRecord& tensor, uint64_t offset, uint6
     uint64_t length;
   };
   std::vector<ChunkGroup> groups;
-  CKPT_RETURN_IF_ERROR(PlanElements(tensor, offset / w, (offset + length) / w, groups));
+  CKPT_RETURN_IF_ERROR(PlanElements(tensor, offset / w, (offset + length) / w, groups, index));
   std::vector<Run> runs;
   for (size_t g = 0; g < groups.size(); ++g) {
     for (const CopyOp& op : groups[g].ops) {
@@ -235,14 +235,15 @@ std::vector<ChunkRef> DistinctChunks(const std::vector<ChunkGroup>& groups) {
 }
 }  // namespace
 
-Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length) {
+Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length,
+                                             const ShardIndex* index) {
   const uint64_t w = DTypeSize(tensor.dtype);
   const uint64_t total = tensor.ByteSize();
   if (offset >= total || length == 0) return std::vector<ChunkRef>();
   length = std::min(length, total - offset);
   const uint64_t first = offset / w, end = (offset + length + w - 1) / w;
   std::vector<ChunkGroup> groups;
-  CKPT_RETURN_IF_ERROR(PlanElements(tensor, first, end, groups));
+  CKPT_RETURN_IF_ERROR(PlanElements(tensor, first, end, groups, index));
   return DistinctChunks(groups);
 }
 

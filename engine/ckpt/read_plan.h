@@ -16,6 +16,11 @@
 
 namespace ckptfs {
 
+class ShardIndex;
+
+// Every read below plans from the tensor's shards: all of them, or those
+// `index` (the tensor's ShardIndex, when given) says a region can meet.
+
 // Copies the elements of `request` (a box in the tensor's index space) into
 // `dst`, laid out row-major over the box. dst.size() must be
 // request.NumElements() * element size. Chunks are loaded in parallel on
@@ -23,12 +28,12 @@ namespace ckptfs {
 // Corruption if a chunk fails verification or the shards leave part of the
 // request uncovered.
 Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<std::byte> dst,
-                     ChunkFetcher& fetcher, ThreadPool* pool);
+                     ChunkFetcher& fetcher, ThreadPool* pool, const ShardIndex* index = nullptr);
 
 // Copies bytes [offset, offset + dst.size()) of the tensor's row-major
 // little-endian byte image.
 Status ReadTensorBytes(const TensorRecord& tensor, uint64_t offset, std::span<std::byte> dst,
-                       ChunkFetcher& fetcher, ThreadPool* pool);
+                       ChunkFetcher& fetcher, ThreadPool* pool, const ShardIndex* index = nullptr);
 
 // Bytes of a decoded chunk that a read uses in place: data->data() + offset,
 // `length` bytes. `data` keeps them alive.
@@ -46,11 +51,12 @@ struct ChunkSlice {
 // `max_slices` slices or the range does not start and end on an element:
 // the caller copies with ReadTensorBytes instead.
 Result<bool> SliceTensorBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length, ChunkFetcher& fetcher,
-                              size_t max_slices, std::vector<ChunkSlice>& out);
+                              size_t max_slices, std::vector<ChunkSlice>& out, const ShardIndex* index = nullptr);
 
 // The chunks that bytes [offset, offset + length) of the tensor need, each
 // once, in the order a read would use them.
-Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length);
+Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length,
+                                             const ShardIndex* index = nullptr);
 
 // Which of a tensor's shards a box can meet, found without looking at
 // every shard. The shards' extents along one dimension (the one along which
@@ -60,8 +66,9 @@ Result<std::vector<ChunkRef>> ChunksForBytes(const TensorRecord& tensor, uint64_
 // starting before the box's end while that largest end reaches into the
 // box. Built once, O(S log S) in the S shards; a query of a box that meets
 // k of them costs O(log S + k) when the shards tile that dimension.
-// A single read scans the shards instead; a caller that plans many regions
-// of one tensor (a collective load plans every rank's) builds one.
+// A caller that plans many regions of one tensor builds one: a collective
+// load (every rank's regions), a CheckpointReader (every read of a tensor
+// with many shards, such as the mount's requests).
 class ShardIndex {
  public:
   explicit ShardIndex(const TensorRecord& tensor);

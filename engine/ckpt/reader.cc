@@ -1,6 +1,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -52,6 +54,10 @@ class HeldChunks : public ChunkFetcher {
   std::unordered_map<ChunkId, ChunkData, ChunkIdHash> held_;
 };
 
+// Reads of a tensor stored in at least this many shards find the shards a
+// region meets through the tensor's ShardIndex; fewer are scanned.
+constexpr size_t kIndexedShards = 16;
+
 class ReaderImpl {
  public:
   std::shared_ptr<RepositoryImpl> repo;  // a reader may outlive its Repository
@@ -59,7 +65,33 @@ class ReaderImpl {
   std::unique_ptr<HeldChunks> held;  // set when the reader opens
   // What reads go through: the held chunks when there are any.
   ChunkFetcher* fetcher() const { return held->empty() ? repo->fetcher() : held.get(); }
+  // The ShardIndex of one of this checkpoint's tensors with many shards,
+  // built at its first read (by one thread; the others wait for it), or
+  // null: few shards, or a record that is not this reader's (a caller's
+  // copy), whose shards are then scanned. A tensor saved by 512 ranks in
+  // row shards would otherwise have all 512 looked at for every read of
+  // it, and the mount reads in requests of 128 KiB.
+  const ShardIndex* IndexOf(const TensorRecord& tensor) {
+    const std::vector<TensorRecord>& all = manifest.tensors;
+    std::less<const TensorRecord*> before;
+    if (tensor.shards.size() < kIndexedShards || all.empty() || before(&tensor, all.data()) ||
+        !before(&tensor, all.data() + all.size())) {
+      return nullptr;
+    }
+    std::call_once(slots_made_, [&] { slots_ = std::make_unique<IndexSlot[]>(all.size()); });
+    IndexSlot& slot = slots_[static_cast<size_t>(&tensor - all.data())];
+    std::call_once(slot.built, [&] { slot.index = std::make_unique<ShardIndex>(tensor); });
+    return slot.index.get();
+  }
   CheckpointLease lease;  // declared last: released before the rest goes
+
+ private:
+  struct IndexSlot {
+    std::once_flag built;
+    std::unique_ptr<ShardIndex> index;
+  };
+  std::once_flag slots_made_;
+  std::unique_ptr<IndexSlot[]> slots_;  // one a tensor, made at the first indexed read
 };
 
 namespace {
@@ -141,7 +173,7 @@ Status CheckpointReader::ReadBox(const TensorRecord& tensor, const Box& box, std
     const Region normal = Normalize(tensor.shape, Region::OfBox(box));
     if (normal.kind == Region::Kind::kFlat) return ReadFlat(tensor, normal.flat, dst);
   }
-  return ReadTensorBox(tensor, box, dst, *impl_->fetcher(), impl_->repo->pool.get());
+  return ReadTensorBox(tensor, box, dst, *impl_->fetcher(), impl_->repo->pool.get(), impl_->IndexOf(tensor));
 }
 
 Status CheckpointReader::ReadFlat(const TensorRecord& tensor, FlatRange range, std::span<std::byte> dst) const {
@@ -156,7 +188,7 @@ Status CheckpointReader::ReadFlat(const TensorRecord& tensor, FlatRange range, s
 
 Status CheckpointReader::ReadBytes(const TensorRecord& tensor, uint64_t offset, std::span<std::byte> dst) const {
   CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
-  return ReadTensorBytes(tensor, offset, dst, *impl_->fetcher(), impl_->repo->pool.get());
+  return ReadTensorBytes(tensor, offset, dst, *impl_->fetcher(), impl_->repo->pool.get(), impl_->IndexOf(tensor));
 }
 
 Status CheckpointReader::ReadBlob(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst) const {
@@ -201,7 +233,7 @@ Status CheckpointReader::LendChunk(const ChunkRef& chunk, std::span<const std::b
 
 void CheckpointReader::Prefetch(const TensorRecord& tensor, uint64_t offset, uint64_t length) const {
   if (impl_->repo->Forked()) return;
-  auto chunks = ChunksForBytes(tensor, offset, length);
+  auto chunks = ChunksForBytes(tensor, offset, length, impl_->IndexOf(tensor));
   if (!chunks.ok()) return;
   RepositoryImpl* repo = impl_->repo.get();
   for (const ChunkRef& c : *chunks) {
@@ -213,7 +245,7 @@ void CheckpointReader::Prefetch(const TensorRecord& tensor, uint64_t offset, uin
 
 size_t CheckpointReader::ChunksCached(const TensorRecord& tensor, uint64_t offset, uint64_t length) const {
   if (impl_->repo->Forked()) return 0;
-  auto chunks = ChunksForBytes(tensor, offset, length);
+  auto chunks = ChunksForBytes(tensor, offset, length, impl_->IndexOf(tensor));
   if (!chunks.ok()) return 0;
   return static_cast<size_t>(std::count_if(chunks->begin(), chunks->end(),
                                            [&](const ChunkRef& c) { return impl_->repo->cache->Contains(c.id); }));
@@ -222,7 +254,7 @@ size_t CheckpointReader::ChunksCached(const TensorRecord& tensor, uint64_t offse
 Result<bool> CheckpointReader::SliceBytes(const TensorRecord& tensor, uint64_t offset, uint64_t length,
                                           size_t max_slices, std::vector<ChunkSlice>& out) const {
   CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
-  return SliceTensorBytes(tensor, offset, length, *impl_->fetcher(), max_slices, out);
+  return SliceTensorBytes(tensor, offset, length, *impl_->fetcher(), max_slices, out, impl_->IndexOf(tensor));
 }
 
 void CheckpointReader::Consumed(std::span<const ChunkSlice> slices) const {

@@ -211,6 +211,78 @@ TEST_P(SaveAndLoad, LoadTargetsAreCheckedAgainstTheRecordAndAnyRegionReads) {
             StatusCode::kInvalidArgument);
 }
 
+// Reads of a tensor in many shards go through the reader's index of them
+// (built at the first read); a copy of the record, which is not the
+// reader's, is read by scanning every shard. Both give the saved bytes.
+TEST_P(SaveAndLoad, ATensorInManyShardsReadsTheSameThroughItsIndexAndByAScan) {
+  Ref rows = MakeRef("rows", DType::kF32, {96, 40}, 31);   // 48 row shards over 4 ranks
+  Ref cols = MakeRef("cols", DType::kBF16, {32, 80}, 32);  // 20 column shards, the first 4 twice
+  const uint32_t world = 4;
+  for (uint32_t r = 0; r < world; ++r) {
+    auto w = Begin("many", r, world);
+    for (uint64_t s = r; s < 48; s += world) PutBox(*w, rows, Box{{2 * s, 0}, {2, 40}});
+    for (uint64_t s = r; s < 20; s += world) PutBox(*w, cols, Box{{0, 4 * s}, {32, 4}});
+    if (r == 1) {
+      for (uint64_t s = 0; s < 4; ++s) PutBox(*w, cols, Box{{0, 4 * s}, {32, 4}});  // replicas
+    }
+    ASSERT_OK(w->Commit().Wait());
+  }
+  {
+    // Readers racing on a tensor's first read: one builds its index, the
+    // others wait for it.
+    auto fresh = std::move(repo_->OpenCheckpoint("many")).value();
+    const TensorRecord* t = fresh->FindTensor("rows");
+    ASSERT_NE(t, nullptr);
+    std::vector<std::vector<std::byte>> got(4, std::vector<std::byte>(rows.bytes.size()));
+    std::vector<Status> st(got.size());
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < got.size(); ++i) threads.emplace_back([&, i] { st[i] = fresh->ReadBytes(*t, 0, got[i]); });
+    for (auto& th : threads) th.join();
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_OK(st[i]);
+      EXPECT_TRUE(got[i] == rows.bytes) << "reader " << i;
+    }
+  }
+  auto reader = std::move(repo_->OpenCheckpoint("many")).value();
+  std::mt19937_64 rng(11);
+  for (const Ref* ref : {&rows, &cols}) {
+    const TensorRecord* t = reader->FindTensor(ref->info.name);
+    ASSERT_NE(t, nullptr);
+    ASSERT_GE(t->shards.size(), 20u);
+    const TensorRecord copy = *t;
+    const uint64_t total = ref->bytes.size();
+    for (int q = 0; q < 60; ++q) {
+      const uint64_t off = q == 0 ? 0 : rng() % total;
+      const uint64_t len = q == 0 ? total : 1 + rng() % (total - off);
+      const std::vector<std::byte> want(ref->bytes.begin() + off, ref->bytes.begin() + off + len);
+      std::vector<std::byte> indexed(len), scanned(len);
+      ASSERT_OK(reader->ReadBytes(*t, off, indexed));
+      ASSERT_OK(reader->ReadBytes(copy, off, scanned));
+      ASSERT_TRUE(indexed == want) << ref->info.name << " bytes " << off << "+" << len;
+      ASSERT_TRUE(scanned == want) << ref->info.name << " bytes " << off << "+" << len;
+      // The mount's path: slices of the decoded chunks.
+      const uint64_t w = ref->w();
+      const uint64_t a = off / w * w, alen = std::max<uint64_t>(w, len / w * w);
+      if (a + alen <= total) {
+        std::vector<ChunkSlice> slices;
+        auto sliced = reader->SliceBytes(*t, a, alen, 1 << 20, slices);
+        ASSERT_OK(sliced);
+        ASSERT_TRUE(*sliced);
+        std::vector<std::byte> joined;
+        for (const ChunkSlice& sl : slices) {
+          joined.insert(joined.end(), sl.data->data() + sl.offset, sl.data->data() + sl.offset + sl.length);
+        }
+        ASSERT_TRUE(joined == std::vector<std::byte>(ref->bytes.begin() + a, ref->bytes.begin() + a + alen));
+      }
+      const uint64_t r0 = rng() % ref->info.shape[0], c0 = rng() % ref->info.shape[1];
+      const Box box{{r0, c0}, {1 + rng() % (ref->info.shape[0] - r0), 1 + rng() % (ref->info.shape[1] - c0)}};
+      std::vector<std::byte> got(box.NumElements() * w);
+      ASSERT_OK(reader->ReadBox(*t, box, got));
+      ASSERT_TRUE(got == ref->Box(box)) << ref->info.name << " " << box.ToString();
+    }
+  }
+}
+
 TEST_P(SaveAndLoad, RanksCommittingAtOnceMakeOneVisibleCheckpoint) {
   // Commits read the catalog, merge outside the write transaction and
   // publish only if nothing changed meanwhile: ranks racing each other must
