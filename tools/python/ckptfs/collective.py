@@ -394,20 +394,23 @@ def open_shared(open_core: Callable[[bool], Any], group: _Group):
         error = f"{type(e).__name__}: {e}"
     # Also orders every rank's catalog reading before rank 0's listing.
     group.agree("open the repository", error)
-    box: List[Any] = [None, None]
+    listing, failed = b"", None
     if group.rank == 0:
         try:
-            box[0] = core.share_sync()
+            listing = core.share_sync()
         except Error as e:
-            box[1] = f"{type(e).__name__}: {e}"
-    group.step("share the store listing",
-               lambda: group.dist.broadcast_object_list(box, src=group.globals[0], group=group.group))
-    if box[1] is not None:
-        raise CollectiveError(f"{group.what}: rank 0 failed in 'share the store listing': {box[1]}")
+            failed = e
+    try:
+        listing = group.from_rank_0("share the store listing", listing, failed)
+    except CollectiveError:
+        raise
+    except Error as e:  # rank 0's, on every rank
+        raise CollectiveError(f"{group.what}: rank 0 failed in 'share the store listing': "
+                              f"{type(e).__name__}: {e}") from None
     error = None
     if group.rank != 0:
         try:
-            core.sync_from(box[0])
+            core.sync_from(listing)
         except Error as e:
             error = f"{type(e).__name__}: {e}"
     group.agree("apply the store listing", error)
@@ -433,16 +436,12 @@ def resume_point(repo, which: str, group: Optional[_Group]) -> Optional[Dict[str
 
     if group is None:
         return local()
-    box: List[Any] = [None, None]
+    import json  # noqa: PLC0415
+
+    answer, failed = b"", None
     if group.rank == 0:
         try:
-            box[0] = local()
+            answer = json.dumps(local()).encode()
         except Error as e:
-            box[1] = (type(e).__name__, str(e))
-    group.step("share the resume point",
-               lambda: group.dist.broadcast_object_list(box, src=group.globals[0], group=group.group))
-    if box[1] is not None:
-        import ckptfs  # noqa: PLC0415
-
-        raise getattr(ckptfs, box[1][0], CollectiveError)(box[1][1])
-    return box[0]
+            failed = e
+    return json.loads(group.from_rank_0("share the resume point", answer, failed))
