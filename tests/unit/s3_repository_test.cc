@@ -63,6 +63,23 @@ class S3Repository : public ::testing::Test {
     return r.ok() ? std::move(r).value() : nullptr;
   }
 
+  // Ranks 0 (on `zero`, sharing its store listing) and 1 (on `one`) of a
+  // `world`-rank save whose commit is split (WriterOptions::await_ranks).
+  using Begun = Result<std::unique_ptr<CheckpointWriter>>;
+  std::pair<Begun, Begun> BeginSplit(Repository& zero, Repository& one, const std::string& name, uint32_t world,
+                                     std::chrono::milliseconds await) {
+    std::string listing;
+    WriterOptions first{.rank = 0, .world_size = world};
+    first.share_sync = &listing;
+    first.await_ranks = await;
+    Begun w0 = zero.BeginCheckpoint(name, first);
+    WriterOptions second{.rank = 1, .world_size = world};
+    second.shared_sync = &listing;
+    second.await_ranks = await;
+    Begun w1 = w0.ok() ? one.BeginCheckpoint(name, second) : Begun(w0.status());
+    return {std::move(w0), std::move(w1)};
+  }
+
   int UpstreamPort() const { return std::atoi(s3_.endpoint.substr(s3_.endpoint.rfind(':') + 1).c_str()); }
 
   // Rank r of `world` saves rows [r*rows/world, (r+1)*rows/world) of `w`.
@@ -655,16 +672,8 @@ TEST_F(S3Repository, TheSharingRanksCommitWaitsForEveryPartAndItsLockCoversTheGr
   const auto w = RandomBytes(rows * cols * 4, 41);
   auto a = Host("a");
   auto b = Host("b");
-  std::string listing;
-  WriterOptions first{.rank = 0, .world_size = 2};
-  first.share_sync = &listing;
-  first.await_ranks = std::chrono::seconds(30);
-  auto w0 = a->BeginCheckpoint("split", first);
+  auto [w0, w1] = BeginSplit(*a, *b, "split", 2, std::chrono::seconds(30));
   ASSERT_OK(w0);
-  WriterOptions second{.rank = 1, .world_size = 2};
-  second.shared_sync = &listing;
-  second.await_ranks = first.await_ranks;
-  auto w1 = b->BeginCheckpoint("split", second);
   ASSERT_OK(w1);
   auto put = [&](CheckpointWriter& writer, uint64_t r) {
     HostSource src(std::span<const std::byte>(w).subspan(r * rows / 2 * cols * 4, rows / 2 * cols * 4));
@@ -708,16 +717,8 @@ TEST_F(S3Repository, APartThatNeverArrivesFailsTheSharingRanksCommitNamingTheRan
   const auto w = RandomBytes(rows * cols * 4, 43);
   auto a = Host("a");
   auto b = Host("b");
-  std::string listing;
-  WriterOptions first{.rank = 0, .world_size = 3};
-  first.share_sync = &listing;
-  first.await_ranks = std::chrono::milliseconds(400);
-  auto w0 = a->BeginCheckpoint("half", first);
+  auto [w0, w1] = BeginSplit(*a, *b, "half", 3, std::chrono::milliseconds(400));
   ASSERT_OK(w0);
-  WriterOptions second{.rank = 1, .world_size = 3};
-  second.shared_sync = &listing;
-  second.await_ranks = first.await_ranks;
-  auto w1 = b->BeginCheckpoint("half", second);
   ASSERT_OK(w1);
   HostSource src{std::span<const std::byte>(w)};
   ASSERT_OK((*w0)->PutShard({"w", DType::kF32, {rows, cols}}, Region::OfBox(Box{{0, 0}, {rows, cols}}), src));
