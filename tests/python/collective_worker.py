@@ -24,6 +24,9 @@ process_group=), run by test_collective.py, one process per rank over gloo
     collective_worker.py die-save|die-load REPO NAME LAYOUT
         rank 1 exits in the middle (after the plans are gathered); the other
         ranks print "raised: MESSAGE".
+    collective_worker.py die-commit REPO NAME LAYOUT
+        rank 1 exits after the puts, before it commits its part; the other
+        ranks print "raised: MESSAGE" (the timeout is 8 s).
 
 With CKPT_TEST_CUDA=1 in the environment, save and load hold their tensors
 in CUDA memory (every rank on GPU 0) and the job's default process group
@@ -128,7 +131,10 @@ def main():
     if action.startswith("die-") and rank == 1:
         def gone(*_args, **_kwargs):
             os._exit(3)
-        ckptfs.collective._core = type("Dying", (), {"plan_save": gone, "plan_load": gone})
+        if action == "die-commit":
+            ckptfs._core.Writer.commit = gone
+        else:
+            ckptfs.collective._core = type("Dying", (), {"plan_save": gone, "plan_load": gone})
     if action == "resume":
         if rank != 0:
             def asks(*_args, **_kwargs):
@@ -161,7 +167,7 @@ def main():
         c = reader._repo.store_counters()
         print(json.dumps({"fetched": c["stored_bytes_fetched"], "chunks": c["chunks_fetched"]}))
         leave()
-    if action in ("save", "die-save"):
+    if action in ("save", "die-save", "die-commit"):
         values, shards = part(layout, rank, world)
         if cuda:
             values = {k: v.cuda() for k, v in values.items()}
@@ -176,7 +182,8 @@ def main():
                                       timeout=20).result()
             else:
                 res = repo.save(name, values, shards=shards, step=5, process_group=dist.group.WORLD,
-                                verify_replicas=mode in ("verify", "differ"), timeout=20)
+                                verify_replicas=mode in ("verify", "differ"),
+                                timeout=8 if action == "die-commit" else 20)
         except ckptfs.Error as e:
             print(f"raised: {type(e).__name__}: {e}")
             leave()

@@ -229,6 +229,27 @@ class Collective(CkptTestCase):
         for r in (0, 2, 3):
             self.assertIn("raised: CollectiveError", got[r][1])
 
+    def test_a_rank_dying_before_it_commits_its_part_fails_every_other_rank_and_nothing_is_committed(self):
+        # On S3 the commit is split: ranks 2 and 3 put their parts and
+        # wait at the commit's agreement; rank 0's commit waits for every
+        # part, gives up on rank 1's within the timeout (8 s here) and
+        # says so; every live rank raises.
+        self.use_s3()
+        start = time.monotonic()
+        got = self.job(WORLD, "die-commit", "half", "hsdp", ok=False)
+        self.assertEqual(got[1][0], 3)
+        for r in (0, 2, 3):
+            code, out = got[r]
+            self.assertEqual(code, 0, out)
+            self.assertIn("raised: CollectiveError", out)
+        self.assertIn("rank 1 of 4 did not commit its part", got[0][1])
+        self.assertLess(time.monotonic() - start, 60)
+        os.environ["CKPT_CACHE_DIR"] = self.env["CKPT_CACHE_DIR"]
+        try:
+            self.assertEqual(ckptfs.open(self.url).checkpoints(), [])
+        finally:
+            del os.environ["CKPT_CACHE_DIR"]
+
 
 if __name__ == "__main__":
     unittest.main()

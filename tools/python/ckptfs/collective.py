@@ -110,9 +110,20 @@ class _Group:
         import torch  # noqa: PLC0415
 
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-        self.step(name, lambda: self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group))
-        if int(flag[0]) != 0:
-            self.gather_plans(name, error, [])  # raises on every rank
+        said = None
+        try:
+            self.step(name, lambda: self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group))
+            if int(flag[0]) != 0:
+                said = self.all_gather(name, error)
+        except CollectiveError:
+            if error is None:
+                raise
+            # The exchange failed too (a peer gone): this rank's own error
+            # is what its caller needs to hear.
+            raise CollectiveError(f"{self.what}: rank {self.rank} failed in '{name}': {error}") from None
+        for r, e in enumerate(said or []):
+            if e is not None:
+                raise CollectiveError(f"{self.what}: rank {r} failed in '{name}': {e}")
 
     def from_rank_0(self, name: str, data: Optional[bytes], error: Optional[Exception]) -> bytes:
         """Rank 0's `data` on every rank (two broadcasts of raw bytes, no
@@ -218,16 +229,19 @@ def begin(core, args: tuple, group: _Group):
     rank's error) for the put step to agree on. Rank 0's error (a name
     already taken, say) is raised on every rank, as its own type."""
     writer, listing, failed = None, b"", None
+    # Rank 0 stops waiting for the parts a little before the other ranks'
+    # wait for it at the commit's agreement runs out, so they hear why.
+    await_ranks = 0.9 * group.timeout
     if group.rank == 0:
         try:
-            writer, listing = core.begin_sharing(*args, await_ranks=group.timeout)
+            writer, listing = core.begin_sharing(*args, await_ranks=await_ranks)
         except Error as e:
             failed = e
     listing = group.from_rank_0("begin and share the store listing", listing, failed)
     if group.rank == 0:
         return writer, None
     try:
-        return core.begin(*args, shared_sync=listing, await_ranks=group.timeout), None
+        return core.begin(*args, shared_sync=listing, await_ranks=await_ranks), None
     except Error as e:
         return None, str(e)
 
