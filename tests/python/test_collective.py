@@ -213,14 +213,19 @@ class Collective(CkptTestCase):
             self.assertIn("'norm' differ", line)
         self.assertEqual(ckptfs.open(self.repo).checkpoints(include_pending=True), [])
 
-    def test_a_rank_dying_mid_save_or_restore_fails_every_other_rank_and_nothing_shows(self):
-        start = time.monotonic()
-        got = self.job(WORLD, "die-save", "dead", "hsdp", ok=False)
+    def assert_rank_1_died_and_the_others_raised(self, got):
+        """A job's (exit status, output) by rank: rank 1 exited (3), the
+        others finished and raised CollectiveError."""
         self.assertEqual(got[1][0], 3)
         for r in (0, 2, 3):
             code, out = got[r]
             self.assertEqual(code, 0, out)
             self.assertIn("raised: CollectiveError", out)
+
+    def test_a_rank_dying_mid_save_or_restore_fails_every_other_rank_and_nothing_shows(self):
+        start = time.monotonic()
+        got = self.job(WORLD, "die-save", "dead", "hsdp", ok=False)
+        self.assert_rank_1_died_and_the_others_raised(got)
         self.assertLess(time.monotonic() - start, 120)
         self.assertEqual(ckptfs.open(self.repo).checkpoints(include_pending=True), [])
         self.job(WORLD, "save", "alive", "hsdp")
@@ -237,11 +242,7 @@ class Collective(CkptTestCase):
         self.use_s3()
         start = time.monotonic()
         got = self.job(WORLD, "die-commit", "half", "hsdp", ok=False)
-        self.assertEqual(got[1][0], 3)
-        for r in (0, 2, 3):
-            code, out = got[r]
-            self.assertEqual(code, 0, out)
-            self.assertIn("raised: CollectiveError", out)
+        self.assert_rank_1_died_and_the_others_raised(got)
         self.assertIn("rank 1 of 4 did not commit its part", got[0][1])
         self.assertLess(time.monotonic() - start, 60)
         os.environ["CKPT_CACHE_DIR"] = self.env["CKPT_CACHE_DIR"]
