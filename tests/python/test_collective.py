@@ -177,8 +177,11 @@ class Collective(CkptTestCase):
         for name in ("together", "background"):
             self.job(WORLD, "load", name, "hsdp")
         # A name taken: rank 0's error, as its own type, on every rank.
-        for line in self.job(WORLD, "save", "together", "hsdp"):
+        out = self.job(WORLD, "save", "together", "hsdp")
+        for line in out:
             self.assertTrue(line.startswith("raised: AlreadyExistsError: "), line)
+        for line in out[1:]:
+            self.assertIn(f"(rank 0 of {WORLD}, in 'begin and share the store listing')", line)
 
     def test_a_rank_failing_to_open_fails_every_rank_naming_it(self):
         out = self.job(WORLD, "open-fail", "-", "dp")
@@ -197,9 +200,13 @@ class Collective(CkptTestCase):
         self.assertGreater(sum(g["fetched"] for g in alone), 1.9 * stored, alone)
 
     def test_rank_0_resolves_the_resume_point_for_every_rank(self):
-        self.assertEqual({x for x in self.job(WORLD, "resume", "-", "-")},
-                         {json.dumps({"latest": None, "step": None, "missing": "NotFoundError: no committed "
-                                      "checkpoint named 'no-such'"})})
+        # Rank 0's error on every rank; the others say whose it was.
+        missing = "NotFoundError: no committed checkpoint named 'no-such'"
+        got = [json.loads(x) for x in self.job(WORLD, "resume", "-", "-")]
+        self.assertEqual(got[0], {"latest": None, "step": None, "missing": missing})
+        for g in got[1:]:
+            self.assertEqual(g, {"latest": None, "step": None, "missing": f"{missing} (rank 0 of {WORLD}, in 'share "
+                                 "the resume point')"})
         self.job(WORLD, "save", "first", "dp")
         self.job(WORLD, "save", "second", "hsdp")
         got = [json.loads(x) for x in self.job(WORLD, "resume", "-", "-")]

@@ -172,9 +172,16 @@ def job(action, url, name, mode, mib, env_extra, hosts=1):
     return outs
 
 
+def ckpt_command():
+    ckpt = os.environ.get("CKPT_BIN") or shutil.which("ckpt")
+    if not ckpt:
+        raise SystemExit("collective_bench: the ckpt command is needed (on PATH, or CKPT_BIN=build/tools/ckpt)")
+    return ckpt
+
+
 def referenced(url, env_extra):
     """Stored bytes of the chunks checkpoint "s" references (ckpt du)."""
-    ckpt = os.environ.get("CKPT_BIN") or shutil.which("ckpt")
+    ckpt = ckpt_command()
     du = json.loads(subprocess.run([ckpt, "-r", url, "du", "--json"], check=True, stdout=subprocess.PIPE,
                                    env=dict(os.environ, **env_extra)).stdout)
     return next(c["referenced_bytes"] for c in du["checkpoints"] if c["name"] == "s")
@@ -183,7 +190,7 @@ def referenced(url, env_extra):
 def drop(url, cache_dir):
     """Removes a run's checkpoints and reclaims their packs, so that the
     store (in RAM for the loopback gateway) does not grow run after run."""
-    ckpt = os.environ.get("CKPT_BIN") or shutil.which("ckpt")
+    ckpt = ckpt_command()
     env = dict(os.environ, CKPT_CACHE_DIR=cache_dir)
     subprocess.run([ckpt, "-r", url, "--quiet", "rm", "s", "warm-up"], check=True, env=env, stdout=subprocess.DEVNULL)
     subprocess.run([ckpt, "-r", url, "--quiet", "gc"], check=True, env=env, stdout=subprocess.DEVNULL)
@@ -213,6 +220,7 @@ def main():
                          "replica's 2 ranks on one host and the replicas on different hosts, as HSDP places them "
                          "(1: all ranks share one host's catalog)")
     args = ap.parse_args()
+    ckpt_command()  # before any run, not after the first
     import torch
     import torch.distributed.checkpoint as dcp
 

@@ -129,7 +129,7 @@ class _Group:
         """Rank 0's `data` on every rank (two broadcasts of raw bytes, no
         pickling); when rank 0 gives an `error` instead, every rank raises
         it: rank 0 the exception itself, the others one of the same type
-        and message."""
+        and message, which says it was rank 0's."""
         import torch  # noqa: PLC0415
 
         message = b""
@@ -153,7 +153,7 @@ class _Group:
         kind, _, text = got[1:].decode("utf-8", "replace").partition("\0")
         import ckptfs  # noqa: PLC0415
 
-        raise getattr(ckptfs, kind, CollectiveError)(text)
+        raise getattr(ckptfs, kind, CollectiveError)(f"{text} (rank 0 of {self.size}, in '{name}')")
 
 
 def _entry(key: str, value, shard, sharded: bool) -> tuple:
@@ -227,7 +227,8 @@ def begin(core, args: tuple, group: _Group):
     until the checkpoint is whole; this holds for async saves too, whose
     commits run in the background. Returns (writer, None), or (None, this
     rank's error) for the put step to agree on. Rank 0's error (a name
-    already taken, say) is raised on every rank, as its own type."""
+    already taken, say) is raised on every rank, as its own type (the
+    others' message naming rank 0)."""
     writer, listing, failed = None, b"", None
     # Rank 0 stops waiting for the parts a little before the other ranks'
     # wait for it at the commit's agreement runs out, so they hear why.
