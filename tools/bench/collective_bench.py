@@ -84,7 +84,7 @@ def worker(args):
         n = rows // SHARDS
         values[name] = full(name, rows, torch)[shard * n:(shard + 1) * n].contiguous()
         shards[name] = ckptfs.Box((rows, COLS), (shard * n, 0))
-    out = {}
+    out, repo = {}, None
     if args.action == "save":
         repo = ckptfs.open(args.url)
         warm = {"warm-up": torch.ones(16)}
@@ -140,6 +140,9 @@ def worker(args):
             out = {"start": t0, "end": time.monotonic()}
             for k in sd:
                 assert torch.equal(target[k].to_local(), sd[k].to_local()), k
+    # Closed before os._exit: an open repository's read leases would stay
+    # on the store until taken for stale and keep the runs' data from gc.
+    del repo
     print(json.dumps(out))
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -192,7 +195,9 @@ def drop(url, cache_dir):
     store (in RAM for the loopback gateway) does not grow run after run."""
     ckpt = ckpt_command()
     env = dict(os.environ, CKPT_CACHE_DIR=cache_dir)
-    subprocess.run([ckpt, "-r", url, "--quiet", "rm", "s", "warm-up"], check=True, env=env, stdout=subprocess.DEVNULL)
+    for name in ("s", "warm-up"):  # either may be missing after a failed run
+        subprocess.run([ckpt, "-r", url, "--quiet", "rm", name], env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
     subprocess.run([ckpt, "-r", url, "--quiet", "gc"], check=True, env=env, stdout=subprocess.DEVNULL)
 
 
@@ -239,6 +244,7 @@ def main():
     figs = {k: [] for k in ("save_wall", "save_cpu", "save_hashed", "save_stored", "csave_wall", "csave_cpu",
                             "csave_hashed", "csave_stored",
                             "load_wall", "load_fetched", "cload_wall", "cload_fetched", "dcp_wall", "coop_wall")}
+    undropped = {}  # the S3 repositories not yet emptied: url -> cache directory
     try:
         dcp_dir = os.path.join(work, "dcp")
         job("dcp-save", dcp_dir, "-", "-", args.mib, env_extra)
@@ -251,6 +257,8 @@ def main():
                 os.environ.update(env_extra)
                 ckptfs.init(url)
                 urls[mode] = url
+                if s3:
+                    undropped[url] = os.path.join(work, f"cache-{run}-drop-{mode}")
                 saved = job("save", url, "s", mode, args.mib, env_extra, args.hosts)
                 pre = "c" if mode == "collective" else ""
                 figs[pre + "save_wall"].append(span(saved))
@@ -276,9 +284,9 @@ def main():
             if coop:
                 figs["coop_wall"].append(span(job("dcp-coop", dcp_dir, "-", "-", args.mib, env_extra)))
             figs.setdefault("stored", []).append(referenced(url, env_extra))
-            if s3:
-                for mode, u in urls.items():
-                    drop(u, os.path.join(work, f"cache-{run}-drop-{mode}"))
+            for u in urls.values():
+                if u in undropped:
+                    drop(u, undropped.pop(u))
             print(f"run {run}: save {figs['save_wall'][-1]:.2f} s / {figs['save_cpu'][-1]:.2f} CPU s, collective "
                   f"{figs['csave_wall'][-1]:.2f} s / {figs['csave_cpu'][-1]:.2f} CPU s; hashed "
                   f"{figs['save_hashed'][-1] / 2**20:.0f} vs {figs['csave_hashed'][-1] / 2**20:.0f} MiB, written to packs "
@@ -309,6 +317,13 @@ def main():
               f"{med['load_wall'] / med['cload_wall']:.2f}x faster (target >= 2); dcp.load (FileSystemReader, local) "
               f"{med['dcp_wall']:.2f} s" + (f"; CooperativeLoadPlanner {med['coop_wall']:.2f} s" if coop else ""))
     finally:
+        # A failed run's checkpoints would stay on the gateway (in its RAM)
+        # and fill it for the next.
+        for u, cache in undropped.items():
+            try:
+                drop(u, cache)
+            except (subprocess.CalledProcessError, OSError) as e:
+                print(f"collective_bench: could not empty {u}: {e}", file=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)
 
 
