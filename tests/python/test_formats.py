@@ -297,18 +297,21 @@ class Exports(unittest.TestCase):
         calls = []
         real = formats._write_durable
 
-        def dies_on_the_third(path, write):
-            calls.append(path)
-            if len(calls) == 4:  # the progress file, two shards, then this one
+        def dies_on_the_second_shard(path, write):
+            calls.append(os.path.basename(path))
+            if len(calls) == 4:  # the progress file, a shard, the progress file, then this one
                 raise OSError("disk went away")
             real(path, write)
 
-        formats._write_durable = dies_on_the_third
+        formats._write_durable = dies_on_the_second_shard
         try:
             with self.assertRaises(OSError):
                 formats.export_checkpoint(self.repo, "big", out, format="hf", max_shard_size="20KB", threads=1)
         finally:
             formats._write_durable = real
+        # The export stopped at the failure: no shard after it was started.
+        self.assertEqual(calls, [formats._PROGRESS_FILE, "model-00001-of-00008.safetensors",
+                                 formats._PROGRESS_FILE, "model-00002-of-00008.safetensors"])
         self.assertFalse(os.path.exists(out))
         self.assertTrue(os.path.isdir(out + formats.PARTIAL_SUFFIX))
         # Other options: refused, naming the partial directory.
@@ -316,7 +319,7 @@ class Exports(unittest.TestCase):
             formats.export_checkpoint(self.repo, "big", out, format="hf", max_shard_size="40KB")
         self.assertIn(formats.PARTIAL_SUFFIX, str(e.exception))
         done = formats.export_checkpoint(self.repo, "big", out, format="hf", max_shard_size="20KB")
-        self.assertGreaterEqual(done["resumed_files"], 1)
+        self.assertEqual(done["resumed_files"], 1)
         self.assertEqual(len(done["files"]), 9)  # 8 shards and the index
         fresh = formats.export_checkpoint(self.repo, "big", os.path.join(self.tmp, "fresh"), format="hf",
                                           max_shard_size="20KB")
@@ -324,7 +327,7 @@ class Exports(unittest.TestCase):
             with open(os.path.join(out, f), "rb") as a, open(os.path.join(self.tmp, "fresh", f), "rb") as b:
                 self.assertEqual(a.read(), b.read(), f)
         # --clean starts over.
-        formats._write_durable = dies_on_the_third
+        formats._write_durable = dies_on_the_second_shard
         calls.clear()
         try:
             with self.assertRaises(OSError):
@@ -348,23 +351,25 @@ class Exports(unittest.TestCase):
         calls = []
         real, size = formats._write_durable, formats._DCP_FILE_BYTES
 
-        def dies_on_the_fourth(path, write):
-            calls.append(path)
-            if len(calls) == 4:  # the progress file, two data files, then this one
+        def dies_on_the_second_file(path, write):
+            calls.append(os.path.basename(path))
+            if len(calls) == 4:  # the progress file, a data file, the progress file, then this one
                 raise OSError("disk went away")
             real(path, write)
 
-        formats._write_durable, formats._DCP_FILE_BYTES = dies_on_the_fourth, 40 << 10  # 2 layers a file
+        formats._write_durable, formats._DCP_FILE_BYTES = dies_on_the_second_file, 40 << 10  # 2 layers a file
         try:
             with self.assertRaises(OSError):
                 formats.export_checkpoint(self.repo, "big", out, format="dcp", threads=1)
+            # It stopped at the failure: no file after it was started.
+            self.assertEqual(calls, [formats._PROGRESS_FILE, "__0_0.distcp", formats._PROGRESS_FILE, "__0_1.distcp"])
             self.assertFalse(os.path.exists(out))
             self.assertFalse(os.path.exists(os.path.join(out + formats.PARTIAL_SUFFIX, ".metadata")))
             formats._write_durable = real
             done = formats.export_checkpoint(self.repo, "big", out, format="dcp")
         finally:
             formats._write_durable, formats._DCP_FILE_BYTES = real, size
-        self.assertEqual(done["resumed_files"], 2)
+        self.assertEqual(done["resumed_files"], 1)
         self.assertEqual(done["files"][-1], ".metadata")
         self.assertEqual(len(done["files"]), 5)  # 3 files of tensors, the blobs' file, .metadata
         target = {k: torch.zeros_like(v) for k, v in state.items()}

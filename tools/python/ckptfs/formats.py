@@ -539,6 +539,27 @@ def parse_size(text: Union[str, int]) -> int:
     return int(value)
 
 
+def _write_files(write: Callable[[int], None], count: int, threads: int) -> None:
+    """Runs write(i) for i in range(count) on `threads` threads. Once one
+    fails no further file is started (those being written finish) and the
+    first error is raised: an interrupted export stops where it failed,
+    and a rerun resumes from the files it finished."""
+    failed = threading.Event()
+
+    def one(i: int) -> None:
+        if failed.is_set():
+            return
+        try:
+            write(i)
+        except BaseException:
+            failed.set()
+            raise
+
+    with ThreadPoolExecutor(max(1, int(threads))) as pool:
+        for _ in pool.map(one, range(count)):
+            pass
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -887,11 +908,7 @@ def _export_dcp(export: "_Export", repo, reader, name: str, order: List[str], sh
         _write_durable(export.path(names[k]), body)
         export.finished(names[k], items)
 
-    import concurrent.futures  # noqa: PLC0415
-
-    with concurrent.futures.ThreadPoolExecutor(max(1, int(threads))) as pool:
-        for _ in pool.map(write_file, range(len(groups))):
-            pass
+    _write_files(write_file, len(groups), threads)
     state_md: Dict[str, Any] = {}
     storage: Dict[Any, Any] = {}
     tensors = set(order)
@@ -993,11 +1010,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
                 stream.close()
             export.finished(names[i])
 
-        import concurrent.futures  # noqa: PLC0415
-
-        with concurrent.futures.ThreadPoolExecutor(max(1, int(threads))) as pool:
-            for _ in pool.map(write_shard, range(total)):
-                pass
+        _write_files(write_shard, total, threads)
         files += names
         if total > 1:
             weight_map = {n: names[i] for i, shard in enumerate(shards) for n in shard}
