@@ -219,6 +219,13 @@ struct WriterOptions {
   // lock and the last rank in completes, as in a save without a group.
   // Local repositories need neither (their commits list nothing).
   std::chrono::milliseconds await_ranks{0};
+  // Compress every chunk, as with the adaptive codec off
+  // (RepositoryConfig::adaptive). For imports whose source is read from
+  // the repository's own disk: the reads take bandwidth that the pack
+  // writers' queue does not show, so the codec would take the disk for idle
+  // and store low-yield chunks raw, writing more to a disk that is the
+  // bottleneck (docs/PERFORMANCE.md).
+  bool compress_every_chunk = false;
 };
 
 struct CommitResult {

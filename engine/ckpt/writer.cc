@@ -117,7 +117,7 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
         role_(role),
         name_(std::move(name)),
         options_(std::move(options)),
-        pipeline_(PipelineSettingsOf(*repo_)) {
+        pipeline_(PipelineSettingsOf(*repo_, options_)) {
     record_.rank = options_.rank;
   }
 
@@ -151,7 +151,7 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   }
   // Hands the finished rank to the repository's commit protocol.
   Status CommitRank(const std::vector<SealedPack>& sealed, CommitResult* result);
-  static PipelineSettings PipelineSettingsOf(RepositoryImpl& repo) {
+  static PipelineSettings PipelineSettingsOf(RepositoryImpl& repo, const WriterOptions& options) {
     PipelineSettings s;
     s.store = repo.backend.get();
     s.pool = repo.pool.get();
@@ -159,7 +159,7 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
     s.chunk_size = repo.config.chunk_size;
     s.pack_size = repo.config.pack_size;
     s.codec = repo.config.codec;
-    s.adaptive = repo.config.adaptive;
+    s.adaptive = repo.config.adaptive && !options.compress_every_chunk;
     s.queued_chunks = &repo.queued_chunks;
     s.lookup = [r = &repo](const ChunkId& id) { return r->LookupChunk(id); };
     return s;

@@ -583,13 +583,15 @@ class PyRepository {
   // `shared_sync`: another rank's listing (begin_sharing's), applied
   // instead of listing the store.
   // `await_ranks` (seconds, with shared_sync): a part of a split commit
-  // (WriterOptions::await_ranks).
+  // (WriterOptions::await_ranks). `compress_every_chunk`: as
+  // WriterOptions's.
   Writer begin(const std::string& name, uint32_t rank, uint32_t world_size, std::optional<int64_t> step,
                const std::vector<std::pair<std::string, std::string>>& tags,
-               const std::optional<std::string>& shared_sync, double await_ranks) {
+               const std::optional<std::string>& shared_sync, double await_ranks, bool compress_every_chunk) {
     WriterOptions o = WriterOptionsOf(rank, world_size, step, tags);
     if (shared_sync) o.shared_sync = &*shared_sync;
     o.await_ranks = AwaitRanks(await_ranks);
+    o.compress_every_chunk = compress_every_chunk;
     py::gil_scoped_release nogil;
     return Writer(repo_, Value(repo_->BeginCheckpoint(name, o)));
   }
@@ -944,7 +946,8 @@ PYBIND11_MODULE(_core, m) {
       .def("import_safetensors", &PyRepository::import_safetensors, py::arg("name"), py::arg("paths"),
            py::arg("blob_files"), py::arg("rank"), py::arg("world_size"), py::arg("step"), py::arg("tags"))
       .def("begin", &PyRepository::begin, py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("step"),
-           py::arg("tags"), py::arg("shared_sync") = py::none(), py::arg("await_ranks") = 0.0)
+           py::arg("tags"), py::arg("shared_sync") = py::none(), py::arg("await_ranks") = 0.0,
+           py::arg("compress_every_chunk") = false)
       .def("begin_sharing", &PyRepository::begin_sharing, py::arg("name"), py::arg("rank"), py::arg("world_size"),
            py::arg("step"), py::arg("tags"), py::arg("await_ranks") = 0.0)
       .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"))

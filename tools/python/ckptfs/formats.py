@@ -498,7 +498,10 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
         if progress is not None:
             progress(min(done[0], total), total)
 
-    writer = repo._repo.begin(name, 0, 1, step, sorted(tags.items()))
+    # A DCP directory is read while the chunks are written: on the
+    # repository's own disk every chunk is compressed (WriterOptions).
+    writer = repo._repo.begin(name, 0, 1, step, sorted(tags.items()),
+                              compress_every_chunk=fmt == "dcp" and _on_the_repositorys_disk(repo, path))
     try:
         if fmt == "dcp":
             _import_dcp(writer, path, reader, metadata, advance)
@@ -513,6 +516,17 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
     out["committed"] = True
     out["stored_bytes"] = result["stored_bytes"]
     return out
+
+
+def _on_the_repositorys_disk(repo: "ckptfs.Repository", path: PathLike) -> bool:
+    """Whether `path` is on the file system of `repo`, a local repository."""
+    root = repo.path
+    if "://" in root:
+        return False
+    try:
+        return os.stat(path).st_dev == os.stat(root).st_dev
+    except OSError:
+        return False
 
 
 # ---- export ------------------------------------------------------------------------
