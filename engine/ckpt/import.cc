@@ -28,11 +28,25 @@ bool EndsWith(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
 
+// The names of a directory, sorted.
+Result<std::vector<std::string>> ListDir(const std::string& path) {
+  DIR* d = ::opendir(path.c_str());
+  if (!d) return Status::FromErrno(errno, "listing " + path);
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(d)) {
+    if (std::string_view n = e->d_name; n != "." && n != "..") names.emplace_back(n);
+  }
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 // A directory (a Hugging Face model directory written by save_pretrained)
 // gives its *.safetensors files as tensors, its *.safetensors.index.json as a
 // check, and every other regular file as a blob of the same name.
-// Subdirectories and hidden files are left out, and said so through
-// `left_out`.
+// Subdirectories, hidden files and torch.save weight files beside the
+// safetensors ones are left out, and said so through `left_out`; a
+// directory whose weights are torch.save files only is refused.
 Status AddImportPath(const std::string& path, Found* in, const std::function<void(const std::string&)>& left_out) {
   struct stat st;
   if (::stat(path.c_str(), &st) != 0) return Status::FromErrno(errno, "reading " + path);
@@ -40,15 +54,11 @@ Status AddImportPath(const std::string& path, Found* in, const std::function<voi
     in->safetensors.push_back(path);
     return Status::OK();
   }
-  DIR* d = ::opendir(path.c_str());
-  if (!d) return Status::FromErrno(errno, "listing " + path);
-  std::vector<std::string> names;
-  while (const dirent* e = ::readdir(d)) names.emplace_back(e->d_name);
-  ::closedir(d);
-  std::sort(names.begin(), names.end());
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, ListDir(path));
   const size_t before = in->safetensors.size() + in->blob_files.size();
+  const size_t safetensors_before = in->safetensors.size();
+  std::vector<std::string> torch_weights;
   for (const auto& n : names) {
-    if (n == "." || n == "..") continue;
     const std::string full = path + "/" + n;
     if (::stat(full.c_str(), &st) != 0) return Status::FromErrno(errno, "reading " + full);
     if (n[0] == '.' || !S_ISREG(st.st_mode)) {
@@ -62,8 +72,22 @@ Status AddImportPath(const std::string& path, Found* in, const std::function<voi
       in->safetensors.push_back(full);
     } else if (EndsWith(n, ".safetensors.index.json")) {
       in->indexes.push_back(full);
+    } else if (IsTorchWeightsFileName(n)) {
+      torch_weights.push_back(full);
     } else {
       in->blob_files.emplace_back(n, full);
+    }
+  }
+  if (!torch_weights.empty()) {
+    if (in->safetensors.size() == safetensors_before) {
+      return Status::Unsupported(path + " holds its weights as torch.save files (" +
+                                 torch_weights.front().substr(path.size() + 1) +
+                                 (torch_weights.size() > 1 ? " and more" : "") +
+                                 "), which are read with torch: import it with 'ckpt import' or "
+                                 "ckptfs.formats.import_checkpoint, with torch installed");
+    }
+    for (const auto& w : torch_weights) {
+      if (left_out) left_out(w + " (torch.save weights; the directory's safetensors files are imported)");
     }
   }
   if (in->safetensors.size() + in->blob_files.size() == before) {
@@ -142,6 +166,21 @@ Status CheckSafetensorsIndex(const std::string& index_path,
 }
 
 }  // namespace
+
+bool IsTorchWeightsFileName(std::string_view name) {
+  return name.starts_with("pytorch_model") && (EndsWith(name, ".bin") || name == "pytorch_model.bin.index.json");
+}
+
+bool HoldsTorchWeightsOnly(const std::string& dir) {
+  auto names = ListDir(dir);
+  if (!names.ok()) return false;
+  bool torch_weights = false;
+  for (const auto& n : *names) {
+    if (EndsWith(n, ".safetensors")) return false;
+    torch_weights = torch_weights || IsTorchWeightsFileName(n);
+  }
+  return torch_weights;
+}
 
 PreparedImport::PreparedImport() = default;
 PreparedImport::PreparedImport(PreparedImport&&) noexcept = default;

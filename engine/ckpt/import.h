@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -26,12 +27,24 @@ struct SafetensorsShard;
 // Blobs are held in memory whole while a checkpoint is imported.
 inline constexpr uint64_t kMaxImportBlobBytes = uint64_t{1} << 30;
 
+// The weight files of a model directory that transformers wrote as
+// torch.save files before safetensors: pytorch_model.bin, its shards
+// pytorch_model-0000K-of-0000N.bin and pytorch_model.bin.index.json.
+bool IsTorchWeightsFileName(std::string_view name);
+
+// Whether directory `dir` holds such weight files and no *.safetensors: its
+// weights are read with torch (the Python package), not by the engine.
+bool HoldsTorchWeightsOnly(const std::string& dir);
+
 struct ImportInputs {
   // Safetensors files, or model directories (as save_pretrained writes
   // them): a directory gives its *.safetensors files as tensors, checks them
   // against its *.safetensors.index.json, and gives every other regular
   // file as a blob of the same name; subdirectories and hidden files are
-  // left out and passed to `left_out` ("PATH (a directory)").
+  // left out and passed to `left_out` ("PATH (a directory)"), and so are
+  // torch.save weight files (IsTorchWeightsFileName) beside safetensors
+  // ones. A directory whose weights are torch.save files only is refused
+  // (Unsupported): the Python package imports it with torch.
   std::vector<std::string> paths;
   // More blobs: (name, file).
   std::vector<std::pair<std::string, std::string>> blob_files;

@@ -207,6 +207,90 @@ class Exports(unittest.TestCase):
         self.assertIn("model.safetensors.index.json", err)
         self.assertEqual(self.repo.checkpoints(include_pending=True), [])
 
+    def torch_weights_directory(self, model, name="bin"):
+        """`model` as transformers wrote models before safetensors: its
+        weights in two torch.save shards named by pytorch_model.bin.index.json,
+        beside config.json (and a subdirectory, which is left out)."""
+        src = os.path.join(self.tmp, name)
+        model.config.save_pretrained(src)
+        os.makedirs(os.path.join(src, "runs"))
+        sd = model.state_dict()
+        keys = list(sd)
+        parts = [keys[:len(keys) // 2], keys[len(keys) // 2:]]
+        weight_map = {}
+        for i, part in enumerate(parts):
+            fname = f"pytorch_model-{i + 1:05d}-of-{len(parts):05d}.bin"
+            torch.save({k: sd[k].clone() for k in part}, os.path.join(src, fname))
+            weight_map.update({k: fname for k in part})
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sd.values())},
+                 "weight_map": weight_map}
+        with open(os.path.join(src, "pytorch_model.bin.index.json"), "w") as f:
+            json.dump(index, f)
+        return src, weight_map
+
+    @unittest.skipIf(HF_REASON, HF_REASON or "")
+    def test_a_model_directory_of_torch_weights_imports_and_exports_with_identical_logits(self):
+        model = tiny_model()
+        src, weight_map = self.torch_weights_directory(model)
+        p = self.ckpt("import", "m", src)
+        self.assertIn(f"leaving out {os.path.join(src, 'runs')} (a directory)", p.stderr.decode())
+        shown = self.repo.show("m")
+        self.assertEqual(sorted(t["name"] for t in shown["tensors"]), sorted(weight_map))
+        self.assertEqual([b["name"] for b in shown["blobs"]], ["config.json"])
+        out = os.path.join(self.tmp, "out")
+        self.ckpt("export", "m", out, "--format", "hf")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        ids = torch.tensor([[1, 5, 9, 33, 2]])
+        with torch.no_grad():
+            self.assertTrue(torch.equal(model(ids).logits, loaded(ids).logits))
+        # The same model saved with safetensors shares every tensor's chunk
+        # (each tensor is one); only its config files are new.
+        model.save_pretrained(os.path.join(self.tmp, "st"))
+        summary = self.repo.import_safetensors("st", [os.path.join(self.tmp, "st")])
+        self.assertEqual(summary["chunks_deduplicated"], len(weight_map), summary)
+        self.assertLessEqual(summary["chunks_written"], 2, summary)
+
+    @unittest.skipIf(HF_REASON, HF_REASON or "")
+    def test_a_model_directory_of_torch_weights_with_a_bad_part_is_refused(self):
+        model = tiny_model()
+        src, weight_map = self.torch_weights_directory(model)
+        index_path = os.path.join(src, "pytorch_model.bin.index.json")
+        with open(index_path) as f:
+            index = json.load(f)
+        first, second = sorted(set(weight_map.values()))
+        moved = dict(index, weight_map=dict(weight_map, **{next(iter(weight_map)): second}))
+        with open(index_path, "w") as f:
+            json.dump(moved, f)
+        self.refused(src, f"places tensor '{next(iter(weight_map))}' in {second}")
+        with open(index_path, "w") as f:
+            json.dump(index, f)
+        torch.save({"w": torch.ones(2), "step": 3}, os.path.join(src, first))
+        self.refused(src, "entry 'step' is a int, not a tensor")
+        os.unlink(os.path.join(src, first))
+        self.refused(src, f"names shard {first}, which is missing")
+        # The engine's own importer refuses it, saying what reads it.
+        with self.assertRaisesRegex(ckptfs.UnsupportedError, "torch.save files"):
+            self.repo.import_safetensors("m", [src])
+
+    def refused(self, src, message):
+        err = self.ckpt("import", "m", src, ok=False).stderr.decode().strip()
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertIn(message, err)
+        self.assertEqual(self.repo.checkpoints(include_pending=True), [])
+
+    @unittest.skipIf(HF_REASON, HF_REASON or "")
+    def test_torch_weights_beside_safetensors_ones_are_left_out(self):
+        model = tiny_model()
+        src = os.path.join(self.tmp, "both")
+        model.save_pretrained(src)
+        torch.save(model.state_dict(), os.path.join(src, "pytorch_model.bin"))
+        p = self.ckpt("import", "m", src)
+        self.assertIn("pytorch_model.bin (torch.save weights; the directory's safetensors files are imported)",
+                      p.stderr.decode())
+        shown = self.repo.show("m")
+        self.assertNotIn("pytorch_model.bin", [b["name"] for b in shown["blobs"]])
+        self.assertEqual(len(shown["tensors"]), len(model.state_dict()))
+
     @unittest.skipIf(HF_REASON, HF_REASON or "")
     def test_a_model_directory_exports_as_hf_and_loads_with_identical_logits(self):
         model = tiny_model()

@@ -30,13 +30,15 @@ namespace ckptfs::cli {
 namespace {
 
 const CommandSpec kImport{
-    "import", "NAME PATH...", "Import safetensors files, or model directories, as checkpoint NAME.",
+    "import", "NAME PATH...",
+    "Import a checkpoint (safetensors, a model directory, DCP or torch.save) as NAME.",
     "All PATHs together form one checkpoint. A PATH that is a directory (a Hugging\n"
     "Face model directory, as save_pretrained writes it) gives its *.safetensors\n"
     "files as tensors, checks them against its *.safetensors.index.json, and stores\n"
     "every other file (config.json, generation_config.json, tokenizer files) as a\n"
-    "blob of the same name; subdirectories and hidden files are left out, and said\n"
-    "so. Every input is read and checked before anything is written.\n"
+    "blob of the same name; subdirectories, hidden files and pytorch_model*.bin\n"
+    "beside safetensors weights are left out, and said so. Every input is read and\n"
+    "checked before anything is written.\n"
     "A file may hold one rank's part of a\n"
     "sharded checkpoint: its __metadata__ key \"ckptfs.shards\" maps tensor names to\n"
     "{\"global_shape\": [..], \"offsets\": [..]} (a box shard) or\n"
@@ -44,8 +46,10 @@ const CommandSpec kImport{
     "With --rank R --world-size N only rank R's part is contributed; the checkpoint\n"
     "becomes visible when all N ranks have committed.\n"
     "A PATH that is a DCP checkpoint directory (a .metadata file beside __R_K.distcp\n"
-    "files, as dcp.save with FileSystemWriter and Megatron-Core's torch_dist write)\n"
-    "or a torch.save file is read with torch's own readers through the Python\n"
+    "files, as dcp.save with FileSystemWriter and Megatron-Core's torch_dist write),\n"
+    "a torch.save file, or a model directory whose weights are torch.save files\n"
+    "(pytorch_model.bin, or shards named by pytorch_model.bin.index.json, as older\n"
+    "transformers wrote them) is read with torch's own readers through the Python\n"
     "package ckptfs ($CKPT_PYTHON, else the python3 beside ckpt, else python3 on\n"
     "PATH; it needs torch, the build your training uses, installed there): each\n"
     "saved DCP chunk becomes a box shard, non-tensor items\n"
@@ -62,13 +66,14 @@ const CommandSpec kImport{
 
 // Formats the engine reads itself, and those read with torch through the
 // Python package (ckptfs/formats.py).
-enum class InputKind { kNative, kDcp, kTorch };
+enum class InputKind { kNative, kDcp, kTorch, kTorchModelDir };
 
 InputKind KindOf(const std::string& path) {
   struct stat sb;
   if (::stat(path.c_str(), &sb) != 0) return InputKind::kNative;  // the native reader names what is wrong
   if (S_ISDIR(sb.st_mode)) {
-    return ::access((path + "/.metadata").c_str(), F_OK) == 0 ? InputKind::kDcp : InputKind::kNative;
+    if (::access((path + "/.metadata").c_str(), F_OK) == 0) return InputKind::kDcp;
+    return HoldsTorchWeightsOnly(path) ? InputKind::kTorchModelDir : InputKind::kNative;
   }
   if (!S_ISREG(sb.st_mode) || path.ends_with(".safetensors")) return InputKind::kNative;
   unsigned char head[4] = {};
@@ -84,8 +89,11 @@ InputKind KindOf(const std::string& path) {
 // Runs `python -m ckptfs.formats import ...` in place of this process.
 int DelegateToPython(const GlobalOptions& global, const Args& args, InputKind kind) {
   const std::string& path = args.positional[1];
-  const std::string what = kind == InputKind::kDcp ? "'" + path + "' is a DCP checkpoint directory"
-                                                   : "'" + path + "' is a torch.save file";
+  const std::string what =
+      "'" + path + "' is " +
+      (kind == InputKind::kDcp      ? "a DCP checkpoint directory"
+       : kind == InputKind::kTorch ? "a torch.save file"
+                                   : "a model directory whose weights are torch.save files (pytorch_model*.bin)");
   if (args.positional.size() != 2 || args.Has("rank") || args.Has("blob")) {
     return UsageError(Status::InvalidArgument(what + ": it is imported alone, without --rank or --blob"));
   }

@@ -14,8 +14,15 @@ own readers (ckptfs parses no pickle):
   plain containers and numbers: tensors are stored under their keys joined
   with ``.``, other leaves as blobs, and the dict's shape as the blob
   ``ckptfs.torch.structure``.
-- safetensors files and Hugging Face model directories go to the engine's
-  own importer (``Repository.import_safetensors``).
+- a Hugging Face model directory whose weights are ``torch.save`` files
+  (``pytorch_model.bin``, or the shards ``pytorch_model.bin.index.json``
+  names, as transformers wrote them before safetensors), read with
+  ``torch.load(weights_only=True)``: each tensor under its name, checked
+  against the index, and the directory's other files (config, tokenizer)
+  as blobs of the same names, as for safetensors model directories.
+- safetensors files and Hugging Face model directories with safetensors
+  weights go to the engine's own importer
+  (``Repository.import_safetensors``).
 
 ``python -m ckptfs.formats import NAME PATH`` is what ``ckpt import`` runs
 for the formats that need torch.
@@ -436,6 +443,122 @@ def _torch_plan(path: str):
     return (tensors, others, structure), _describe(entries, blobs)
 
 
+# A model directory's weights as torch.save files (transformers before
+# safetensors); the engine's IsTorchWeightsFileName names the same files.
+_TORCH_WEIGHTS_INDEX = "pytorch_model.bin.index.json"
+# Blobs are held in memory whole while a checkpoint is imported, as the
+# engine's importer holds them (kMaxImportBlobBytes).
+_MAX_BLOB_BYTES = 1 << 30
+
+
+def _is_torch_weights_name(name: str) -> bool:
+    return name.startswith("pytorch_model") and (name.endswith(".bin") or name == _TORCH_WEIGHTS_INDEX)
+
+
+def _holds_torch_weights_only(path: str) -> bool:
+    """Whether directory `path` holds torch.save weight files and no
+    *.safetensors (with safetensors, those are imported and these left out)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return not any(n.endswith(".safetensors") for n in names) and any(_is_torch_weights_name(n) for n in names)
+
+
+def _load_weights_file(torch, path: str, where: Dict[str, str], tensors: Dict[str, Any]) -> None:
+    """The tensors of one torch.save weights file of a model directory."""
+    name = os.path.basename(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=_is_zip(path))
+    except Exception as e:  # noqa: BLE001 - torch's refusal (weights_only) or a damaged file
+        raise ckptfs.CorruptionError(f"{path}: torch.load(weights_only=True) cannot read it: "
+                                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if not isinstance(state, Mapping):
+        raise InvalidArgumentError(f"{path}: holds a {type(state).__name__}, not a dict of weights")
+    for key, value in state.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise InvalidArgumentError(f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor; a model's "
+                                       "weights file holds tensors only (import other torch.save files alone)")
+        if key in where:
+            raise InvalidArgumentError(f"{os.path.dirname(path)}: tensor '{key}' is in both {where[key]} and {name}")
+        where[key] = name
+        tensors[key] = value
+
+
+def _hf_torch_plan(path: str):
+    """A model directory whose weights are torch.save files: its tensors,
+    checked against pytorch_model.bin.index.json when there is one, and its
+    other regular files as blobs (subdirectories and hidden files left out)."""
+    torch = _torch()
+    names = sorted(os.listdir(path))
+    weight_map = None
+    index_path = os.path.join(path, _TORCH_WEIGHTS_INDEX)
+    if _TORCH_WEIGHTS_INDEX in names:
+        try:
+            with open(index_path, "rb") as f:
+                index = json.loads(f.read(64 << 20))
+        except (OSError, ValueError) as e:
+            raise ckptfs.CorruptionError(f"{index_path}: cannot read the weights index: {e}") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ckptfs.CorruptionError(f"{index_path}: no \"weight_map\" object of file names")
+        for f in sorted(set(weight_map.values())):
+            if f != os.path.basename(f) or f.startswith(".") or not os.path.isfile(os.path.join(path, f)):
+                raise ckptfs.CorruptionError(f"{index_path} names shard {f}, which is missing")
+    files, blob_files, left_out = [], [], []
+    for n in names:
+        full = os.path.join(path, n)
+        if n.startswith(".") or not os.path.isfile(full):
+            why = ("a hidden file" if n.startswith(".") else "a directory" if os.path.isdir(full)
+                   else "not a regular file")
+            left_out.append(f"{full} ({why})")
+        elif n.endswith(".bin") and _is_torch_weights_name(n):
+            files.append(full)
+        elif n != _TORCH_WEIGHTS_INDEX:
+            blob_files.append((n, full))
+    if not files:
+        raise ckptfs.CorruptionError(f"{path}: holds {_TORCH_WEIGHTS_INDEX} but no pytorch_model*.bin weights file")
+    where: Dict[str, str] = {}
+    tensors: Dict[str, Any] = {}
+    for f in files:
+        _load_weights_file(torch, f, where, tensors)
+    if weight_map is not None:
+        for key, f in weight_map.items():
+            if key not in where:
+                raise ckptfs.CorruptionError(f"{index_path} names tensor '{key}' (in {f}), which no weights file holds")
+            if where[key] != f:
+                raise ckptfs.CorruptionError(f"{index_path} places tensor '{key}' in {f}, but it is in {where[key]}")
+        for key, f in where.items():
+            if key not in weight_map:
+                raise ckptfs.CorruptionError(f"{index_path} does not name tensor '{key}' of {f}")
+    blobs = []
+    for n, full in blob_files:
+        size = os.path.getsize(full)
+        if size > _MAX_BLOB_BYTES:
+            raise InvalidArgumentError(f"{full} has {size} bytes, more than the {_MAX_BLOB_BYTES} such a file may "
+                                       "have")
+        blobs.append({"name": n, "bytes": size})
+    entries = [{"name": k, "dtype": _dtype_name(t.dtype), "shape": list(t.shape),
+                "bytes": t.numel() * t.element_size()} for k, t in tensors.items()]
+    described = _describe(entries, blobs)
+    described["left_out"] = left_out
+    return (tensors, blob_files), described
+
+
+def _import_hf_torch(writer, loaded, advance: Callable[[int], None]) -> None:
+    tensors, blob_files = loaded
+    kept: list = []
+    for key, t in tensors.items():
+        _put_value(writer, key, t.detach().contiguous(), None, False, kept)
+        advance(t.numel() * t.element_size())
+    for n, full in blob_files:
+        with open(full, "rb") as f:
+            data = f.read(_MAX_BLOB_BYTES + 1)
+        if len(data) > _MAX_BLOB_BYTES:
+            raise InvalidArgumentError(f"{full} grew past {_MAX_BLOB_BYTES} bytes while it was imported")
+        _put_value(writer, n, data, None, False, kept)
+
+
 def _is_zip(path: str) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == _ZIP_MAGIC
@@ -476,7 +599,8 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
     path = os.fspath(path)
     fmt = format or detect(path)
     tags = {str(k): str(v) for k, v in (tags or {}).items()}
-    if fmt in ("safetensors", "hf"):
+    torch_weights = fmt == "hf" and os.path.isdir(path) and _holds_torch_weights_only(path)
+    if fmt in ("safetensors", "hf") and not torch_weights:
         if dry_run:
             raise UnsupportedError("--dry-run of safetensors files and model directories: use 'ckpt import' itself, "
                                    "which checks every input before writing")
@@ -484,6 +608,8 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
         return {"format": fmt, "name": name, "committed": True, "summary": summary}
     if fmt == "dcp":
         reader, metadata, described = _dcp_plan(path)
+    elif torch_weights:
+        loaded, described = _hf_torch_plan(path)
     elif fmt == "torch":
         loaded, described = _torch_plan(path)
     else:
@@ -505,6 +631,8 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
     try:
         if fmt == "dcp":
             _import_dcp(writer, path, reader, metadata, advance)
+        elif torch_weights:
+            _import_hf_torch(writer, loaded, advance)
         else:
             _import_torch(writer, loaded, advance)
         handle = writer.commit(snapshot=False)
@@ -1092,7 +1220,8 @@ def _in_repository(args, label: str, work) -> Optional[Dict[str, Any]]:
 
 
 def _main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ckpt import", description="Import a DCP directory or a torch.save file.")
+    parser = argparse.ArgumentParser(prog="ckpt import", description="Import a DCP directory, a torch.save file "
+                                     "or a model directory of torch.save weights.")
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import")
     imp.add_argument("--repo", required=True)
@@ -1140,6 +1269,8 @@ def _main(argv: Sequence[str]) -> int:
         repo, args.name, args.path, step=args.step, tags=tags, dry_run=args.dry_run, progress=progress))
     if out is None:
         return 1
+    for what in out.get("left_out", []):
+        print(f"ckpt import: leaving out {what}", file=sys.stderr)
     if args.json:
         print(json.dumps(out, indent=2))
     elif args.dry_run:
