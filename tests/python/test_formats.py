@@ -169,6 +169,13 @@ class DcpDirectories(DcpTestCase):
 
 
 try:
+    import lightning as L  # noqa: E402, N812
+
+    LIGHTNING_REASON = None
+except ImportError as e:
+    LIGHTNING_REASON = f"lightning is not importable: {e}"
+
+try:
     import transformers  # noqa: E402
 
     from test_huggingface import tiny_model  # noqa: E402
@@ -533,8 +540,8 @@ class TorchSaveFiles(unittest.TestCase):
     def test_a_nested_state_dict_imports_with_its_shape_and_values(self):
         gen = torch.Generator().manual_seed(3)
         state = {"model": {"w": torch.randn(300, 200, generator=gen), "b": torch.randn(200).to(torch.bfloat16)},
-                 "optimizer": {"state": {"0": {"exp_avg": torch.randn(300, 200, generator=gen)}},
-                               "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}]},
+                 "optimizer": {"state": {0: {"exp_avg": torch.randn(300, 200, generator=gen)}},
+                               "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0]}]},
                  "epoch": 3}
         path = os.path.join(self.tmp, "state.pt")
         torch.save(state, path)
@@ -549,6 +556,92 @@ class TorchSaveFiles(unittest.TestCase):
         self.assertEqual([k for k, _ in structure["dict"]], ["model", "optimizer", "epoch"])
         groups = torch.load(__import__("io").BytesIO(self.repo.blob("t", "optimizer.param_groups")), weights_only=True)
         self.assertEqual(groups, state["optimizer"]["param_groups"])
+
+    def test_a_training_checkpoint_round_trips_and_its_optimizer_steps_on_alike(self):
+        # What training loops save: an optimizer's state keyed by parameter
+        # index, param_groups (lists, tuples), a scheduler, tensors in lists.
+        torch.manual_seed(4)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+        for _ in range(3):
+            model(torch.randn(4, 16)).pow(2).sum().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                 "rng": [torch.get_rng_state()], "step": 3}
+        path = os.path.join(self.tmp, "train.pt")
+        torch.save(state, path)
+        formats.import_checkpoint(self.repo, "t", path)
+        names = {t["name"] for t in self.repo.show("t")["tensors"]}
+        self.assertIn("optimizer.state.0.exp_avg", names)
+        self.assertIn("rng.0", names)
+        out = os.path.join(self.tmp, "out")
+        formats.export_checkpoint(self.repo, "t", out, format="torch")
+        back = torch.load(os.path.join(out, "model.pt"), weights_only=True)
+
+        def same(a, b):
+            if isinstance(a, torch.Tensor):
+                return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+            if isinstance(a, dict):
+                return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+            if isinstance(a, (list, tuple)):
+                return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+            return a == b
+
+        self.assertTrue(same(state, back))
+        self.assertEqual(list(back["optimizer"]["state"]), [0, 1, 2, 3])
+        # The optimizer restored from the export steps on as the original.
+        twin = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        twin.load_state_dict(back["model"])
+        twin_opt = torch.optim.AdamW(twin.parameters())
+        twin_opt.load_state_dict(back["optimizer"])
+        x = torch.randn(4, 16)
+        for m, o in ((model, opt), (twin, twin_opt)):
+            m(x).pow(2).sum().backward()
+            o.step()
+        for a, b in zip(model.parameters(), twin.parameters()):
+            self.assertTrue(torch.equal(a, b))
+
+    def test_a_dict_key_neither_str_nor_int_is_refused_naming_it(self):
+        path = os.path.join(self.tmp, "keys.pt")
+        torch.save({"w": {1.5: torch.zeros(2)}}, path)
+        with self.assertRaisesRegex(ckptfs.InvalidArgumentError, "key 1.5 under 'w' is a float"):
+            formats.import_checkpoint(self.repo, "k", path)
+        torch.save({"w": {0: torch.zeros(2), "0": torch.ones(2)}}, path)
+        with self.assertRaisesRegex(ckptfs.InvalidArgumentError, "two entries flatten to the name 'w.0'"):
+            formats.import_checkpoint(self.repo, "k", path)
+        self.assertEqual(self.repo.checkpoints(include_pending=True), [])
+
+    @unittest.skipIf(LIGHTNING_REASON, LIGHTNING_REASON or "")
+    def test_a_lightning_checkpoint_imports_and_its_export_resumes_training(self):
+        from test_lightning import TinyModule, data  # noqa: PLC0415
+
+        def trainer(steps, root):
+            return L.Trainer(max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, accelerator="cpu", default_root_dir=root)
+
+        torch.manual_seed(0)
+        t = trainer(3, self.tmp)
+        t.fit(TinyModule(), data())
+        ckpt = os.path.join(self.tmp, "run.ckpt")
+        t.save_checkpoint(ckpt)
+        run_ckpt(self, os.path.join(self.tmp, "repo"), "import", "l", ckpt)
+        names = {x["name"] for x in self.repo.show("l")["tensors"]}
+        self.assertIn("state_dict.layer.weight", names)
+        self.assertIn("optimizer_states.0.state.0.exp_avg", names)
+        out = os.path.join(self.tmp, "out")
+        run_ckpt(self, os.path.join(self.tmp, "repo"), "export", "l", out, "--format", "torch")
+        resumed = {}
+        for label, path in (("original", ckpt), ("exported", os.path.join(out, "model.pt"))):
+            module = TinyModule()
+            t = trainer(6, self.tmp)
+            t.fit(module, data(), ckpt_path=path)
+            self.assertEqual(t.global_step, 6)
+            resumed[label] = module.state_dict()
+        for k, v in resumed["original"].items():
+            self.assertTrue(torch.equal(v, resumed["exported"][k]), k)
 
     def test_a_pickle_weights_only_refuses_is_refused_with_one_line(self):
         path = os.path.join(self.tmp, "evil.pt")

@@ -11,9 +11,10 @@ own readers (ckptfs parses no pickle):
   as ``dcp.load`` does. Look first with ``dry_run=True``.
 - a ``torch.save`` file of a (possibly nested) state dict, read with
   ``torch.load(weights_only=True)``, which refuses anything but tensors and
-  plain containers and numbers: tensors are stored under their keys joined
-  with ``.``, other leaves as blobs, and the dict's shape as the blob
-  ``ckptfs.torch.structure``.
+  plain containers and numbers: tensors are stored under their keys and
+  indexes joined with ``.`` (dicts with str or int keys, lists and tuples
+  holding tensors are walked), other parts as blobs, and the whole shape
+  as the blob ``ckptfs.torch.structure``.
 - a Hugging Face model directory whose weights are ``torch.save`` files
   (``pytorch_model.bin``, or the shards ``pytorch_model.bin.index.json``
   names, as transformers wrote them before safetensors), read with
@@ -403,21 +404,58 @@ class _Progress:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
 
 
-def _flatten(obj, prefix: str, tensors: Dict[str, Any], others: Dict[str, Any], torch) -> Any:
-    """The structure of `obj` (JSON), its tensors and other leaves by key."""
+def _holds_tensor(obj, torch) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
     if isinstance(obj, Mapping):
+        return any(_holds_tensor(v, torch) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensor(v, torch) for v in obj)
+    return False
+
+
+def _flatten(obj, prefix: str, tensors: Dict[str, Any], others: Dict[str, Any], torch) -> Any:
+    """The structure of `obj` (JSON), its tensors and other leaves by key.
+    Dicts (str or int keys: an optimizer's state is keyed by parameter
+    index), lists and tuples that hold tensors are walked, their entries
+    named by key or index joined with "."; anything else, such as an
+    optimizer's param_groups, is one leaf."""
+    def leaf(into: Dict[str, Any]) -> None:
+        if prefix in tensors or prefix in others or prefix == STRUCTURE_BLOB:
+            raise InvalidArgumentError(f"two entries flatten to the name '{prefix}'")
+        into[prefix] = obj
+
+    if isinstance(obj, torch.Tensor):
+        leaf(tensors)
+        return {"tensor": prefix}
+    walk = not prefix or _holds_tensor(obj, torch)
+    if walk and isinstance(obj, Mapping):
         node = {"dict": []}
         for k, v in obj.items():
-            if not isinstance(k, str):
-                raise InvalidArgumentError(f"key {k!r} under '{prefix}' is not a string; only string keys are kept")
-            key = f"{prefix}.{k}" if prefix else k
+            if isinstance(k, bool) or not isinstance(k, (str, int)):
+                raise InvalidArgumentError(f"key {k!r} under '{prefix}' is a {type(k).__name__}; only str and int "
+                                           "keys are kept")
+            key = f"{prefix}.{k}" if prefix else str(k)
             node["dict"].append([k, _flatten(v, key, tensors, others, torch)])
         return node
-    if isinstance(obj, torch.Tensor):
-        tensors[prefix] = obj
-        return {"tensor": prefix}
-    others[prefix] = obj
+    if walk and isinstance(obj, (list, tuple)) and prefix:
+        kind = "list" if isinstance(obj, list) else "tuple"
+        return {kind: [_flatten(v, f"{prefix}.{i}", tensors, others, torch) for i, v in enumerate(obj)]}
+    leaf(others)
     return {"value": prefix}
+
+
+def _unflatten(node, tensor: Callable[[str], Any], value: Callable[[str], Any]) -> Any:
+    """The object _flatten described, its leaves given by `tensor` and `value`."""
+    if "dict" in node:
+        return {k: _unflatten(child, tensor, value) for k, child in node["dict"]}
+    if "list" in node:
+        return [_unflatten(child, tensor, value) for child in node["list"]]
+    if "tuple" in node:
+        return tuple(_unflatten(child, tensor, value) for child in node["tuple"])
+    if "tensor" in node:
+        return tensor(node["tensor"])
+    return value(node["value"])
 
 
 def _torch_plan(path: str):
@@ -431,12 +469,10 @@ def _torch_plan(path: str):
         raise InvalidArgumentError(f"{path}: holds a {type(state).__name__}, not a state dict")
     tensors: Dict[str, Any] = {}
     others: Dict[str, Any] = {}
-    structure = _flatten(state, "", tensors, others, torch)
-    seen = set()
-    for key in list(tensors) + list(others):
-        if key in seen or key == STRUCTURE_BLOB:
-            raise InvalidArgumentError(f"{path}: two entries flatten to the name '{key}'")
-        seen.add(key)
+    try:
+        structure = _flatten(state, "", tensors, others, torch)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{path}: {e}") from None
     entries = [{"name": k, "dtype": _dtype_name(t.dtype), "shape": list(t.shape),
                 "bytes": t.numel() * t.element_size()} for k, t in tensors.items()]
     blobs = [{"name": k, "bytes": 0} for k in others] + [{"name": STRUCTURE_BLOB, "bytes": 0}]
@@ -893,15 +929,7 @@ def _tensor_order(structure: Optional[Dict[str, Any]], names: List[str]) -> List
     said (a torch.save file's structure), else by name."""
     if structure is not None:
         order: List[str] = []
-
-        def walk(node):
-            if "dict" in node:
-                for _, child in node["dict"]:
-                    walk(child)
-            elif "tensor" in node:
-                order.append(node["tensor"])
-
-        walk(structure)
+        _unflatten(structure, order.append, lambda _name: None)
         if sorted(order) == sorted(names):
             return order
     return names
@@ -1184,14 +1212,8 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
             advance(sizes.nbytes(n))
         blobs = {b["name"] for b in shown["blobs"]}
         if structure is not None:
-            def build(node):
-                if "dict" in node:
-                    return {k: build(child) for k, child in node["dict"]}
-                if "tensor" in node:
-                    return flat[node["tensor"]]
-                return torch.load(io.BytesIO(repo.blob(name, node["value"])), weights_only=True)
-
-            state = build(structure)
+            state = _unflatten(structure, flat.__getitem__, lambda b: torch.load(io.BytesIO(repo.blob(name, b)),
+                                                                                  weights_only=True))
         else:
             state = flat
             for b in blobs:
