@@ -31,6 +31,13 @@ def run_ckpt(test, repo, *args, ok=True):
     return p
 
 
+def dcp_worker_items(path):
+    """The items a DCP directory's .metadata names."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    return list(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
 def bits(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
@@ -150,6 +157,46 @@ class DcpDirectories(DcpTestCase):
             self.assertEqual(got.dtype, t.dtype, key)
             self.assertEqual(tuple(got.shape), tuple(t.shape), key)
             self.assertTrue(torch.equal(bits(got), bits(t.contiguous())), key)
+
+    def test_files_beside_a_dcp_checkpoint_import_as_blobs_and_export_as_files(self):
+        # Megatron-Core's torch_dist directories hold common.pt and
+        # metadata.json beside DCP's files; Megatron reads both back.
+        src = self.save_files(2, "big")
+        common = {"iteration": 100, "args": {"tensor_model_parallel_size": 2}}
+        torch.save(common, os.path.join(src, "common.pt"))
+        with open(os.path.join(src, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
+        os.makedirs(os.path.join(src, "extra"))
+        with open(os.path.join(src, "__7_0.distcp"), "wb") as f:
+            f.write(b"not named by .metadata")
+        p = self.ckpt("import", "meg", src)
+        err = p.stderr.decode()
+        self.assertIn(f"leaving out {os.path.join(src, 'extra')} (a directory)", err)
+        self.assertIn("__7_0.distcp (a .distcp file the .metadata does not name)", err)
+        items = set(dcp_worker_items(src))  # DCP's own items: tensors and a step
+        self.assertEqual({b["name"] for b in self.r.show("meg")["blobs"]},
+                         {"common.pt", "metadata.json", formats.DCP_FILES_BLOB} | (items - set(dcp_worker.big())))
+        out = self.path("meg-out")
+        self.ckpt("export", "meg", out, "--format", "dcp")
+        self.assertEqual(sorted(n for n in os.listdir(out) if not n.endswith(".distcp")),
+                         [".metadata", "common.pt", "metadata.json"])
+        for n in ("common.pt", "metadata.json"):
+            with open(os.path.join(src, n), "rb") as a, open(os.path.join(out, n), "rb") as b:
+                self.assertEqual(a.read(), b.read(), n)
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        want = dcp_worker.big()
+        got = {k: torch.zeros_like(v) for k, v in want.items()}
+        dcp.load(got, storage_reader=dcp.FileSystemReader(out), no_dist=True)
+        for k, v in want.items():
+            self.assertTrue(torch.equal(bits(got[k]), bits(v)), k)
+        self.assertEqual(set(dcp_worker_items(out)), items)
+        self.assertEqual(torch.load(os.path.join(out, "common.pt"), weights_only=True), common)
+        # Other exports leave the list of those files out.
+        hf = self.path("meg-hf")
+        self.ckpt("export", "meg", hf, "--format", "hf")
+        self.assertNotIn(formats.DCP_FILES_BLOB, os.listdir(hf))
+        self.assertIn("common.pt", os.listdir(hf))
 
     def test_a_dcp_directory_with_a_missing_or_truncated_file_is_refused_and_nothing_shows(self):
         four = self.save_files(4, "big")

@@ -44,7 +44,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import ckptfs
 from ckptfs import InvalidArgumentError, UnsupportedError, _put_value
 
-__all__ = ["detect", "import_checkpoint", "export_checkpoint", "parse_size", "STRUCTURE_BLOB", "PARTIAL_SUFFIX"]
+__all__ = ["detect", "import_checkpoint", "export_checkpoint", "parse_size", "STRUCTURE_BLOB", "DCP_FILES_BLOB",
+           "PARTIAL_SUFFIX"]
 
 # An export in progress writes into OUT + PARTIAL_SUFFIX, renamed to OUT
 # once complete and durable; a rerun resumes it.
@@ -53,6 +54,11 @@ _PROGRESS_FILE = ".ckptfs-export.json"
 
 # The blob holding a torch.save file's dict shape (import_torch).
 STRUCTURE_BLOB = "ckptfs.torch.structure"
+# The blob naming the blobs that were files beside a DCP directory's data
+# (Megatron-Core's common.pt and metadata.json): a DCP export writes them
+# back as files.
+DCP_FILES_BLOB = "ckptfs.dcp.files"
+_INTERNAL_BLOBS = (STRUCTURE_BLOB, DCP_FILES_BLOB)
 
 _PICKLE_MAGIC = b"\x80"
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -121,9 +127,36 @@ def _dcp_reader(path: str):
     return reader, metadata, BytesStorageMetadata
 
 
+def _other_files(path: str, taken) -> Tuple[List[Tuple[str, str]], List[str]]:
+    """The regular files of directory `path` other than the names in
+    `taken`, as (name, path), at most _MAX_BLOB_BYTES each; and what is left
+    out: subdirectories, hidden files, and the files `taken(name)` claims
+    (returning why, or None to keep the file)."""
+    files, left_out = [], []
+    for n in sorted(os.listdir(path)):
+        full = os.path.join(path, n)
+        why = taken(n)
+        if why == "":
+            continue
+        if why is None:
+            why = ("a hidden file" if n.startswith(".") else "a directory" if os.path.isdir(full)
+                   else "not a regular file" if not os.path.isfile(full) else None)
+        if why is not None:
+            left_out.append(f"{full} ({why})")
+            continue
+        size = os.path.getsize(full)
+        if size > _MAX_BLOB_BYTES:
+            raise InvalidArgumentError(f"{full} has {size} bytes, more than the {_MAX_BLOB_BYTES} such a file may "
+                                       "have")
+        files.append((n, full))
+    return files, left_out
+
+
 def _dcp_plan(path: str):
     """What a DCP directory holds, checked against its files: the entries
-    of a dry run and the reader."""
+    of a dry run, the reader, and the other files beside the data (as
+    Megatron-Core's common.pt and metadata.json), which become blobs of the
+    same names."""
     reader, metadata, bytes_type = _dcp_reader(path)
     entries, blobs = [], []
     storage = getattr(metadata, "storage_data", None) or {}
@@ -131,6 +164,19 @@ def _dcp_plan(path: str):
     for f in sorted(x for x in files if x):
         if not os.path.isfile(os.path.join(path, f)):
             raise ckptfs.CorruptionError(f"{path}: the DCP metadata names {f}, which is missing")
+
+    def taken(n):
+        if n == ".metadata" or n in files:
+            return ""  # the checkpoint itself, silently
+        if n.endswith(".distcp"):
+            return "a .distcp file the .metadata does not name"
+        return None
+
+    beside, left_out = _other_files(path, taken)
+    for n, full in beside:
+        if n in metadata.state_dict_metadata or n in _INTERNAL_BLOBS:
+            raise InvalidArgumentError(f"{path}: the file {n} has the name of an item of the checkpoint")
+        blobs.append({"name": n, "bytes": os.path.getsize(full)})
     for fqn, m in metadata.state_dict_metadata.items():
         if isinstance(m, bytes_type):
             blobs.append({"name": fqn, "bytes": 0})
@@ -142,7 +188,11 @@ def _dcp_plan(path: str):
             total *= int(s)
         entries.append({"name": fqn, "dtype": dtype, "shape": [int(s) for s in m.size], "bytes": total * item,
                         "shards": len(m.chunks)})
-    return reader, metadata, _describe(entries, blobs)
+    if beside:
+        blobs.append({"name": DCP_FILES_BLOB, "bytes": 0})
+    described = _describe(entries, blobs)
+    described["left_out"] = left_out
+    return reader, metadata, described, beside
 
 
 class _FileSlice(io.RawIOBase):
@@ -541,17 +591,9 @@ def _hf_torch_plan(path: str):
         for f in sorted(set(weight_map.values())):
             if f != os.path.basename(f) or f.startswith(".") or not os.path.isfile(os.path.join(path, f)):
                 raise ckptfs.CorruptionError(f"{index_path} names shard {f}, which is missing")
-    files, blob_files, left_out = [], [], []
-    for n in names:
-        full = os.path.join(path, n)
-        if n.startswith(".") or not os.path.isfile(full):
-            why = ("a hidden file" if n.startswith(".") else "a directory" if os.path.isdir(full)
-                   else "not a regular file")
-            left_out.append(f"{full} ({why})")
-        elif n.endswith(".bin") and _is_torch_weights_name(n):
-            files.append(full)
-        elif n != _TORCH_WEIGHTS_INDEX:
-            blob_files.append((n, full))
+    files = [os.path.join(path, n) for n in names if n.endswith(".bin") and _is_torch_weights_name(n)
+             and os.path.isfile(os.path.join(path, n))]
+    blob_files, left_out = _other_files(path, lambda n: "" if _is_torch_weights_name(n) else None)
     if not files:
         raise ckptfs.CorruptionError(f"{path}: holds {_TORCH_WEIGHTS_INDEX} but no pytorch_model*.bin weights file")
     where: Dict[str, str] = {}
@@ -567,18 +609,22 @@ def _hf_torch_plan(path: str):
         for key, f in where.items():
             if key not in weight_map:
                 raise ckptfs.CorruptionError(f"{index_path} does not name tensor '{key}' of {f}")
-    blobs = []
-    for n, full in blob_files:
-        size = os.path.getsize(full)
-        if size > _MAX_BLOB_BYTES:
-            raise InvalidArgumentError(f"{full} has {size} bytes, more than the {_MAX_BLOB_BYTES} such a file may "
-                                       "have")
-        blobs.append({"name": n, "bytes": size})
+    blobs = [{"name": n, "bytes": os.path.getsize(full)} for n, full in blob_files]
     entries = [{"name": k, "dtype": _dtype_name(t.dtype), "shape": list(t.shape),
                 "bytes": t.numel() * t.element_size()} for k, t in tensors.items()]
     described = _describe(entries, blobs)
     described["left_out"] = left_out
     return (tensors, blob_files), described
+
+
+def _put_files(writer, files: List[Tuple[str, str]]) -> None:
+    """Puts each (name, path) file whole as a blob of that name."""
+    for n, full in files:
+        with open(full, "rb") as f:
+            data = f.read(_MAX_BLOB_BYTES + 1)
+        if len(data) > _MAX_BLOB_BYTES:
+            raise InvalidArgumentError(f"{full} grew past {_MAX_BLOB_BYTES} bytes while it was imported")
+        writer.put_blob(n, data)
 
 
 def _import_hf_torch(writer, loaded, advance: Callable[[int], None]) -> None:
@@ -587,12 +633,7 @@ def _import_hf_torch(writer, loaded, advance: Callable[[int], None]) -> None:
     for key, t in tensors.items():
         _put_value(writer, key, t.detach().contiguous(), None, False, kept)
         advance(t.numel() * t.element_size())
-    for n, full in blob_files:
-        with open(full, "rb") as f:
-            data = f.read(_MAX_BLOB_BYTES + 1)
-        if len(data) > _MAX_BLOB_BYTES:
-            raise InvalidArgumentError(f"{full} grew past {_MAX_BLOB_BYTES} bytes while it was imported")
-        _put_value(writer, n, data, None, False, kept)
+    _put_files(writer, blob_files)
 
 
 def _is_zip(path: str) -> bool:
@@ -643,7 +684,7 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
         summary = repo.import_safetensors(name, [path], step=step, tags=tags)
         return {"format": fmt, "name": name, "committed": True, "summary": summary}
     if fmt == "dcp":
-        reader, metadata, described = _dcp_plan(path)
+        reader, metadata, described, beside = _dcp_plan(path)
     elif torch_weights:
         loaded, described = _hf_torch_plan(path)
     elif fmt == "torch":
@@ -667,6 +708,9 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
     try:
         if fmt == "dcp":
             _import_dcp(writer, path, reader, metadata, advance)
+            if beside:
+                _put_files(writer, beside)
+                writer.put_blob(DCP_FILES_BLOB, json.dumps([n for n, _ in beside]).encode())
         elif torch_weights:
             _import_hf_torch(writer, loaded, advance)
         else:
@@ -1037,7 +1081,8 @@ def _export_dcp(export: "_Export", repo, reader, name: str, order: List[str], sh
         raise UnsupportedError(f"torch {torch.__version__} lacks the DCP classes this export writes: {e}") from None
     version = getattr(filesystem, "CURRENT_DCP_VERSION", None)
 
-    blobs = [b["name"] for b in shown["blobs"] if b["name"] != STRUCTURE_BLOB]
+    beside = _files_beside(repo, name, shown)
+    blobs = [b["name"] for b in shown["blobs"] if b["name"] not in _INTERNAL_BLOBS and b["name"] not in beside]
     tensor_bytes = sum(sizes.nbytes(n) for n in order)
     per_file = min(_DCP_FILE_BYTES, max(_DCP_MIN_FILE_BYTES, -(-tensor_bytes // max(1, int(threads)))))
     groups = hf_shards([(n, sizes.nbytes(n)) for n in order], per_file) if order else []
@@ -1079,6 +1124,11 @@ def _export_dcp(export: "_Export", repo, reader, name: str, order: List[str], sh
         export.finished(names[k], items)
 
     _write_files(write_file, len(groups), threads)
+    for b in beside:  # the files that were beside the data, as they were
+        if b not in export.done:
+            data = repo.blob(name, b)
+            _write_durable(export.path(b), lambda f, d=data: f.write(d))
+            export.finished(b)
     state_md: Dict[str, Any] = {}
     storage: Dict[Any, Any] = {}
     tensors = set(order)
@@ -1097,7 +1147,25 @@ def _export_dcp(export: "_Export", repo, reader, name: str, order: List[str], sh
     metadata = Metadata(state_dict_metadata=state_md, planner_data={k: (k,) for k in state_md},
                         storage_data=storage, version=version)
     _write_durable(export.path(".metadata"), lambda f: pickle.dump(metadata, f))
-    return names + [".metadata"]
+    return names + beside + [".metadata"]
+
+
+def _files_beside(repo, name: str, shown) -> List[str]:
+    """The blobs of checkpoint `name` that were files beside a DCP
+    directory's data (its DCP_FILES_BLOB), each a plain file name."""
+    have = {b["name"] for b in shown["blobs"]}
+    if DCP_FILES_BLOB not in have:
+        return []
+    try:
+        names = json.loads(repo.blob(name, DCP_FILES_BLOB))
+    except ValueError as e:
+        raise ckptfs.CorruptionError(f"checkpoint '{name}': blob {DCP_FILES_BLOB} is not JSON: {e}") from None
+    for n in names if isinstance(names, list) else [names]:
+        if (not isinstance(n, str) or not n or n != os.path.basename(n) or n.startswith(".")
+                or n.endswith(".distcp") or n not in have):
+            raise ckptfs.CorruptionError(f"checkpoint '{name}': blob {DCP_FILES_BLOB} names {n!r}, which is not a "
+                                         "blob of a plain file name")
+    return names
 
 
 def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, format: str = "hf",  # noqa: A002
@@ -1193,7 +1261,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
             files.append("model.safetensors.index.json")
         for b in shown["blobs"]:
             bname = b["name"]
-            if "/" in bname or bname.startswith(".") or bname == STRUCTURE_BLOB or bname in files:
+            if "/" in bname or bname.startswith(".") or bname in _INTERNAL_BLOBS or bname in files:
                 continue
             data = repo.blob(name, bname)
             _write_durable(export.path(bname), lambda f, d=data: f.write(d))
@@ -1216,7 +1284,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
                                                                                   weights_only=True))
         else:
             state = flat
-            for b in blobs:
+            for b in blobs - set(_INTERNAL_BLOBS):
                 state[b] = repo.blob(name, b)
         _write_durable(export.path("model.pt"), lambda f: torch.save(state, f))
         export.finished("model.pt")
