@@ -11,6 +11,7 @@
 
 #include "core/json.h"
 #include "core/region.h"
+#include "io/mapped_file.h"
 #include "io/safetensors.h"
 
 namespace ckptfs {
@@ -227,19 +228,21 @@ Result<PreparedImport> PreparedImport::Prepare(const ImportInputs& inputs) {
     }
   }
   for (const auto& index : found.indexes) CKPT_RETURN_IF_ERROR(CheckSafetensorsIndex(index, p.files_));
+  // Blob files are mapped, not read into memory: a model directory may hold
+  // files of many GB beside its weights (a trainer's optimizer.pt). Each
+  // must be a regular file after symbolic links (not a FIFO, a device such
+  // as /dev/zero, or a directory).
   for (const auto& [blob_name, path] : found.blob_files) {
-    CKPT_ASSIGN_OR_RETURN(std::string data, ReadRegularFile(path, kMaxImportBlobBytes));
-    p.total_ += data.size();
-    p.blobs_.push_back({blob_name, std::move(data)});
+    CKPT_ASSIGN_OR_RETURN(auto file, MappedFile::Open(path, /*sequential=*/true));
+    p.total_ += file->size();
+    p.blobs_.push_back({blob_name, std::move(file)});
   }
   for (const auto& [blob_name, path] : inputs.blob_files) {
     CKPT_RETURN_IF_ERROR(ValidateMemberName("blob name", blob_name));
-    // A regular file after symbolic links (not a FIFO, a device such as
-    // /dev/zero, or a directory), read whole with every error checked.
-    auto data = ReadRegularFile(path, kMaxImportBlobBytes);
-    if (!data.ok()) return data.status().WithContext("blob " + blob_name);
-    p.total_ += data->size();
-    p.blobs_.push_back({blob_name, std::move(data).value()});
+    auto file = MappedFile::Open(path, /*sequential=*/true);
+    if (!file.ok()) return file.status().WithContext("blob " + blob_name);
+    p.total_ += (*file)->size();
+    p.blobs_.push_back({blob_name, std::move(file).value()});
   }
   return p;
 }
@@ -281,8 +284,8 @@ Json PreparedImport::Describe() const {
   for (const Blob& b : blobs_) {
     Json j = Json::MakeObject();
     j.Set("name", b.name);
-    j.Set("bytes", static_cast<uint64_t>(b.data.size()));
-    blob_bytes += b.data.size();
+    j.Set("bytes", b.file->size());
+    blob_bytes += b.file->size();
     blobs.Push(std::move(j));
   }
   Json out = Json::MakeObject();
@@ -318,8 +321,8 @@ Status PreparedImport::PutInto(CheckpointWriter& writer, const ProgressFn& progr
   }
   for (const auto& b : blobs_) {
     if (stop()) return kCancelled;
-    CKPT_RETURN_IF_ERROR(writer.PutBlob(b.name, std::as_bytes(std::span(b.data))));
-    done += b.data.size();
+    CKPT_RETURN_IF_ERROR(writer.PutBlob(b.name, b.file->bytes()));
+    done += b.file->size();
     if (progress) progress(done, total_);
   }
   if (stop()) return kCancelled;

@@ -21,11 +21,9 @@
 
 namespace ckptfs {
 
+class MappedFile;
 class SafetensorsFile;
 struct SafetensorsShard;
-
-// Blobs are held in memory whole while a checkpoint is imported.
-inline constexpr uint64_t kMaxImportBlobBytes = uint64_t{1} << 30;
 
 // The weight files of a model directory that transformers wrote as
 // torch.save files before safetensors: pytorch_model.bin, its shards
@@ -80,7 +78,7 @@ class PreparedImport {
   PreparedImport();
   struct Blob {
     std::string name;
-    std::string data;
+    std::shared_ptr<const MappedFile> file;
   };
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::vector<std::vector<SafetensorsShard>> shards_;

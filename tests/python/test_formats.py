@@ -346,6 +346,38 @@ class Exports(unittest.TestCase):
         self.assertEqual(len(shown["tensors"]), len(model.state_dict()))
 
     @unittest.skipIf(HF_REASON, HF_REASON or "")
+    def test_a_file_of_over_a_gib_beside_the_weights_is_a_blob_streamed_both_ways(self):
+        # A trainer's checkpoint directory: the model's safetensors beside
+        # an optimizer.pt of many GB, here a sparse file of 1 GiB + 1 MiB
+        # with marks at both ends.
+        src = os.path.join(self.tmp, "trainer")
+        tiny_model().save_pretrained(src)
+        big = os.path.join(src, "optimizer.pt")
+        size = (1 << 30) + (1 << 20)
+        with open(big, "wb") as f:
+            f.write(b"head")
+            f.seek(size - 4)
+            f.write(b"tail")
+        self.ckpt("import", "t", src)
+        self.assertIn({"name": "optimizer.pt", "bytes": size}, self.repo.show("t")["blobs"])
+        out = os.path.join(self.tmp, "out")
+        # The export, in a process of its own: it writes the blob in pieces
+        # through one buffer, so its peak memory stays far below the blob.
+        code = ("import resource, sys, ckptfs, ckptfs.formats as f; "
+                "f.export_checkpoint(ckptfs.open(sys.argv[1]), 't', sys.argv[2], format='hf'); "
+                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+        p = subprocess.run([sys.executable, "-c", code, self.path, out], stdout=subprocess.PIPE, check=True,
+                           timeout=300)
+        peak_kib = int(p.stdout.decode().split()[-1])
+        self.assertLess(peak_kib << 10, 900 << 20)
+        self.assertEqual(os.path.getsize(os.path.join(out, "optimizer.pt")), size)
+        with open(os.path.join(out, "optimizer.pt"), "rb") as f:
+            self.assertEqual(f.read(4), b"head")
+            f.seek(size - 4)
+            self.assertEqual(f.read(4), b"tail")
+        os.unlink(big)
+
+    @unittest.skipIf(HF_REASON, HF_REASON or "")
     def test_a_model_directory_exports_as_hf_and_loads_with_identical_logits(self):
         model = tiny_model()
         src = os.path.join(self.tmp, "hf")

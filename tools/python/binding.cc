@@ -392,6 +392,19 @@ class Reader {
     return py::bytes(out);
   }
 
+  // Bytes [offset, offset + len(out)) of blob `name` into the writable,
+  // contiguous buffer `out`: a large blob read in pieces.
+  void read_blob(const std::string& name, uint64_t offset, py::buffer out) const {
+    py::buffer_info b = out.request(/*writable=*/true);
+    if (!PyBuffer_IsContiguous(b.view(), 'C')) {
+      throw StatusError{Status::InvalidArgument("read_blob: the buffer is not contiguous memory")};
+    }
+    const BlobRecord* rec = Value(reader_->GetBlob(name));
+    std::span<std::byte> dst(static_cast<std::byte*>(b.ptr), static_cast<size_t>(b.size * b.itemsize));
+    py::gil_scoped_release nogil;
+    Check(reader_->ReadBlob(*rec, offset, dst));
+  }
+
   py::object show() const {
     Json j = Value(DescribeCheckpoint(*reader_));
     return JsonToPython(j);
@@ -930,6 +943,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("local_shape"), py::arg("offsets"), py::arg("start"), py::arg("address"), py::arg("nbytes"),
            py::arg("device"))
       .def("blob", &Reader::blob, py::arg("name"))
+      .def("read_blob", &Reader::read_blob, py::arg("name"), py::arg("offset"), py::arg("out"))
       .def("show", &Reader::show)
       .def("hold_chunk", &Reader::hold_chunk, py::arg("chunk"))
       .def("copy_held_chunk", &Reader::copy_held_chunk, py::arg("chunk"), py::arg("address"), py::arg("nbytes"))

@@ -129,9 +129,9 @@ def _dcp_reader(path: str):
 
 def _other_files(path: str, taken) -> Tuple[List[Tuple[str, str]], List[str]]:
     """The regular files of directory `path` other than the names in
-    `taken`, as (name, path), at most _MAX_BLOB_BYTES each; and what is left
-    out: subdirectories, hidden files, and the files `taken(name)` claims
-    (returning why, or None to keep the file)."""
+    `taken`, as (name, path); and what is left out: subdirectories, hidden
+    files, and the files `taken(name)` claims (returning why, or None to
+    keep the file)."""
     files, left_out = [], []
     for n in sorted(os.listdir(path)):
         full = os.path.join(path, n)
@@ -144,10 +144,6 @@ def _other_files(path: str, taken) -> Tuple[List[Tuple[str, str]], List[str]]:
         if why is not None:
             left_out.append(f"{full} ({why})")
             continue
-        size = os.path.getsize(full)
-        if size > _MAX_BLOB_BYTES:
-            raise InvalidArgumentError(f"{full} has {size} bytes, more than the {_MAX_BLOB_BYTES} such a file may "
-                                       "have")
         files.append((n, full))
     return files, left_out
 
@@ -508,15 +504,22 @@ def _unflatten(node, tensor: Callable[[str], Any], value: Callable[[str], Any]) 
     return value(node["value"])
 
 
-def _torch_plan(path: str):
-    torch = _torch()
+def _load_dict(torch, path: str, what: str) -> Mapping:
+    """torch.load(weights_only=True) of the file at `path`, mapped where it
+    is a zip archive, which must hold a dict (`what` names one)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=_is_zip(path))
     except Exception as e:  # noqa: BLE001 - torch's refusal (weights_only) or a damaged file
         raise ckptfs.CorruptionError(f"{path}: torch.load(weights_only=True) cannot read it: "
                                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     if not isinstance(state, Mapping):
-        raise InvalidArgumentError(f"{path}: holds a {type(state).__name__}, not a state dict")
+        raise InvalidArgumentError(f"{path}: holds a {type(state).__name__}, not {what}")
+    return state
+
+
+def _torch_plan(path: str):
+    torch = _torch()
+    state = _load_dict(torch, path, "a state dict")
     tensors: Dict[str, Any] = {}
     others: Dict[str, Any] = {}
     try:
@@ -532,9 +535,8 @@ def _torch_plan(path: str):
 # A model directory's weights as torch.save files (transformers before
 # safetensors); the engine's IsTorchWeightsFileName names the same files.
 _TORCH_WEIGHTS_INDEX = "pytorch_model.bin.index.json"
-# Blobs are held in memory whole while a checkpoint is imported, as the
-# engine's importer holds them (kMaxImportBlobBytes).
-_MAX_BLOB_BYTES = 1 << 30
+# Blobs are written out in pieces of this size (export).
+_BLOB_PIECE = 64 << 20
 
 
 def _is_torch_weights_name(name: str) -> bool:
@@ -554,13 +556,7 @@ def _holds_torch_weights_only(path: str) -> bool:
 def _load_weights_file(torch, path: str, where: Dict[str, str], tensors: Dict[str, Any]) -> None:
     """The tensors of one torch.save weights file of a model directory."""
     name = os.path.basename(path)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=_is_zip(path))
-    except Exception as e:  # noqa: BLE001 - torch's refusal (weights_only) or a damaged file
-        raise ckptfs.CorruptionError(f"{path}: torch.load(weights_only=True) cannot read it: "
-                                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-    if not isinstance(state, Mapping):
-        raise InvalidArgumentError(f"{path}: holds a {type(state).__name__}, not a dict of weights")
+    state = _load_dict(torch, path, "a dict of weights")
     for key, value in state.items():
         if not isinstance(key, str) or not isinstance(value, torch.Tensor):
             raise InvalidArgumentError(f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor; a model's "
@@ -618,13 +614,32 @@ def _hf_torch_plan(path: str):
 
 
 def _put_files(writer, files: List[Tuple[str, str]]) -> None:
-    """Puts each (name, path) file whole as a blob of that name."""
+    """Puts each (name, path) file whole as a blob of that name, from a
+    mapping of the file (a trainer's optimizer.pt may be many GB), which the
+    put consumes before it returns."""
+    import mmap  # noqa: PLC0415
+
     for n, full in files:
         with open(full, "rb") as f:
-            data = f.read(_MAX_BLOB_BYTES + 1)
-        if len(data) > _MAX_BLOB_BYTES:
-            raise InvalidArgumentError(f"{full} grew past {_MAX_BLOB_BYTES} bytes while it was imported")
-        writer.put_blob(n, data)
+            if os.fstat(f.fileno()).st_size == 0:
+                writer.put_blob(n, b"")
+                continue
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                m.madvise(mmap.MADV_SEQUENTIAL)
+                writer.put_blob(n, m)
+
+
+def _write_blob(reader, blob: str, size: int, f) -> None:
+    """Writes blob `blob` (`size` bytes) to file `f` in pieces, through one
+    buffer: a blob may be larger than memory would like."""
+    buf = bytearray(min(size, _BLOB_PIECE))
+    view = memoryview(buf)
+    at = 0
+    while at < size:
+        n = min(len(buf), size - at)
+        reader.read_blob(blob, at, view[:n])
+        f.write(view[:n])
+        at += n
 
 
 def _import_hf_torch(writer, loaded, advance: Callable[[int], None]) -> None:
@@ -1124,10 +1139,10 @@ def _export_dcp(export: "_Export", repo, reader, name: str, order: List[str], sh
         export.finished(names[k], items)
 
     _write_files(write_file, len(groups), threads)
+    blob_bytes = {b["name"]: b["bytes"] for b in shown["blobs"]}
     for b in beside:  # the files that were beside the data, as they were
         if b not in export.done:
-            data = repo.blob(name, b)
-            _write_durable(export.path(b), lambda f, d=data: f.write(d))
+            _write_durable(export.path(b), lambda f, b=b: _write_blob(reader, b, blob_bytes[b], f))
             export.finished(b)
     state_md: Dict[str, Any] = {}
     storage: Dict[Any, Any] = {}
@@ -1263,8 +1278,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
             bname = b["name"]
             if "/" in bname or bname.startswith(".") or bname in _INTERNAL_BLOBS or bname in files:
                 continue
-            data = repo.blob(name, bname)
-            _write_durable(export.path(bname), lambda f, d=data: f.write(d))
+            _write_durable(export.path(bname), lambda f, b=b: _write_blob(reader, b["name"], b["bytes"], f))
             files.append(bname)
     elif format == "dcp":
         files += _export_dcp(export, repo, reader, name, order, shown, sizes, cast, threads, advance)
