@@ -346,6 +346,40 @@ class Exports(unittest.TestCase):
         self.assertEqual(len(shown["tensors"]), len(model.state_dict()))
 
     @unittest.skipIf(HF_REASON, HF_REASON or "")
+    def test_a_trainer_checkpoint_round_trips_and_training_resumes_from_the_export_alike(self):
+        class Tokens(torch.utils.data.Dataset):
+            def __len__(self):
+                return 32
+
+            def __getitem__(self, i):
+                ids = torch.randint(0, 96, (8,), generator=torch.Generator().manual_seed(i))
+                return {"input_ids": ids, "labels": ids}
+
+        def trainer(out, steps):
+            args = transformers.TrainingArguments(out, max_steps=steps, per_device_train_batch_size=4, save_steps=2,
+                                                  report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+            return transformers.Trainer(model=tiny_model(), args=args, train_dataset=Tokens())
+
+        trainer(os.path.join(self.tmp, "run"), 2).train()
+        src = os.path.join(self.tmp, "run", "checkpoint-2")
+        self.ckpt("import", "c2", src)
+        out = os.path.join(self.tmp, "exported")
+        self.ckpt("export", "c2", out, "--format", "hf")
+        self.assertEqual(sorted(os.listdir(out)), sorted(os.listdir(src)))
+        for n in os.listdir(src):  # the trainer's files come back as they were
+            if n != "model.safetensors":
+                with open(os.path.join(src, n), "rb") as a, open(os.path.join(out, n), "rb") as b:
+                    self.assertEqual(a.read(), b.read(), n)
+        resumed = []
+        for ckpt in (src, out):
+            t = trainer(os.path.join(self.tmp, "resumed"), 4)
+            t.train(resume_from_checkpoint=ckpt)
+            self.assertEqual(t.state.global_step, 4)
+            resumed.append(t.model.state_dict())
+        for k, v in resumed[0].items():
+            self.assertTrue(torch.equal(v, resumed[1][k]), k)
+
+    @unittest.skipIf(HF_REASON, HF_REASON or "")
     def test_a_file_of_over_a_gib_beside_the_weights_is_a_blob_streamed_both_ways(self):
         # A trainer's checkpoint directory: the model's safetensors beside
         # an optimizer.pt of many GB, here a sparse file of 1 GiB + 1 MiB
