@@ -31,6 +31,18 @@ def run_ckpt(test, repo, *args, ok=True):
     return p
 
 
+def same(a, b):
+    """Whether two objects of tensors, dicts (keys in order, of the same
+    types), lists, tuples and plain values are equal, bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def dcp_worker_items(path):
     """The items a DCP directory's .metadata names."""
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
@@ -158,6 +170,35 @@ class DcpDirectories(DcpTestCase):
             self.assertEqual(tuple(got.shape), tuple(t.shape), key)
             self.assertTrue(torch.equal(bits(got), bits(t.contiguous())), key)
 
+    def test_a_nested_dcp_state_comes_back_nested_from_dcp_and_torch_exports(self):
+        # dcp.save flattens a nested state (model, optimizer, param_groups,
+        # plain values) and records each item's object path; the exports
+        # give the same object back: through dcp_to_torch_save of a DCP
+        # export, and as a torch export.
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: PLC0415
+
+        gen = torch.Generator().manual_seed(2)
+        state = {"model": {"w": torch.randn(64, 32, generator=gen), "b": torch.randn(32).to(torch.bfloat16)},
+                 "optim": {"state": {"w": {"exp_avg": torch.randn(64, 32, generator=gen), "step": torch.tensor(3.0)}},
+                           "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["w"]}]},
+                 "step": 7}
+        src = self.path("nested")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(src), no_dist=True)
+        self.ckpt("import", "n", src)
+        self.assertIn(formats.STRUCTURE_BLOB, {b["name"] for b in self.r.show("n")["blobs"]})
+        want = self.path("want.pt")
+        dcp_to_torch_save(src, want)
+        out = self.path("nested-dcp")
+        self.ckpt("export", "n", out, "--format", "dcp")
+        got = self.path("got.pt")
+        dcp_to_torch_save(out, got)
+        self.assertTrue(same(torch.load(want, weights_only=False), torch.load(got, weights_only=False)))
+        tout = self.path("nested-torch")
+        self.ckpt("export", "n", tout, "--format", "torch")
+        self.assertTrue(same(torch.load(want, weights_only=False),
+                             torch.load(os.path.join(tout, "model.pt"), weights_only=True)))
+
     def test_files_beside_a_dcp_checkpoint_import_as_blobs_and_export_as_files(self):
         # Megatron-Core's torch_dist directories hold common.pt and
         # metadata.json beside DCP's files; Megatron reads both back.
@@ -175,7 +216,8 @@ class DcpDirectories(DcpTestCase):
         self.assertIn("__7_0.distcp (a .distcp file the .metadata does not name)", err)
         items = set(dcp_worker_items(src))  # DCP's own items: tensors and a step
         self.assertEqual({b["name"] for b in self.r.show("meg")["blobs"]},
-                         {"common.pt", "metadata.json", formats.DCP_FILES_BLOB} | (items - set(dcp_worker.big())))
+                         {"common.pt", "metadata.json", formats.DCP_FILES_BLOB, formats.STRUCTURE_BLOB}
+                         | (items - set(dcp_worker.big())))
         out = self.path("meg-out")
         self.ckpt("export", "meg", out, "--format", "dcp")
         self.assertEqual(sorted(n for n in os.listdir(out) if not n.endswith(".distcp")),
@@ -693,16 +735,6 @@ class TorchSaveFiles(unittest.TestCase):
         out = os.path.join(self.tmp, "out")
         formats.export_checkpoint(self.repo, "t", out, format="torch")
         back = torch.load(os.path.join(out, "model.pt"), weights_only=True)
-
-        def same(a, b):
-            if isinstance(a, torch.Tensor):
-                return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-            if isinstance(a, dict):
-                return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-            if isinstance(a, (list, tuple)):
-                return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-            return a == b
-
         self.assertTrue(same(state, back))
         self.assertEqual(list(back["optimizer"]["state"]), [0, 1, 2, 3])
         # The optimizer restored from the export steps on as the original.

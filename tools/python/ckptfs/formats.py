@@ -173,6 +173,16 @@ def _dcp_plan(path: str):
         if n in metadata.state_dict_metadata or n in _INTERNAL_BLOBS:
             raise InvalidArgumentError(f"{path}: the file {n} has the name of an item of the checkpoint")
         blobs.append({"name": n, "bytes": os.path.getsize(full)})
+    for n in _INTERNAL_BLOBS:
+        if n in metadata.state_dict_metadata:
+            raise InvalidArgumentError(f"{path}: the checkpoint has an item named {n}, which ckptfs keeps for itself")
+    # The nested object DCP flattened (its planner_data), so that exports
+    # give it back: dcp_to_torch_save of a DCP export, or a torch export.
+    structure = None
+    paths = getattr(metadata, "planner_data", None)
+    if isinstance(paths, Mapping) and set(paths) == set(metadata.state_dict_metadata):
+        structure = _structure_of_paths(paths, {k for k, m in metadata.state_dict_metadata.items()
+                                                if not isinstance(m, bytes_type)})
     for fqn, m in metadata.state_dict_metadata.items():
         if isinstance(m, bytes_type):
             blobs.append({"name": fqn, "bytes": 0})
@@ -186,9 +196,11 @@ def _dcp_plan(path: str):
                         "shards": len(m.chunks)})
     if beside:
         blobs.append({"name": DCP_FILES_BLOB, "bytes": 0})
+    if structure is not None:
+        blobs.append({"name": STRUCTURE_BLOB, "bytes": 0})
     described = _describe(entries, blobs)
     described["left_out"] = left_out
-    return reader, metadata, described, beside
+    return reader, metadata, described, (beside, structure)
 
 
 class _FileSlice(io.RawIOBase):
@@ -504,6 +516,68 @@ def _unflatten(node, tensor: Callable[[str], Any], value: Callable[[str], Any]) 
     return value(node["value"])
 
 
+def _structure_of_paths(paths: Any, tensors: set) -> Optional[Dict[str, Any]]:
+    """The structure (as _flatten describes one) of items at these object
+    paths: a DCP checkpoint's planner_data, {fqn: (key or index, ...)},
+    where an integer indexes a list as DCP's unflatten_state_dict builds
+    it. None where the paths are missing or do not form one object."""
+    if not isinstance(paths, Mapping) or not paths:
+        return None
+    root: Dict[Any, Any] = {}
+    for fqn, path in paths.items():
+        if (not isinstance(path, tuple) or not path or not isinstance(path[0], str)
+                or not all(isinstance(c, (str, int)) and not isinstance(c, bool) for c in path)):
+            return None
+        node = root
+        for i, c in enumerate(path):
+            last = i == len(path) - 1
+            if not isinstance(node, dict) or ("kind" in node and node["kind"] != type(c)):
+                return None
+            node["kind"] = type(c)
+            children = node.setdefault("children", {})
+            if last:
+                if c in children:
+                    return None
+                children[c] = {"leaf": fqn}
+            else:
+                child = children.setdefault(c, {})
+                if "leaf" in child:
+                    return None
+                node = child
+
+    def build(node):
+        if "leaf" in node:
+            return {"tensor" if node["leaf"] in tensors else "value": node["leaf"]}
+        children = node["children"]
+        if node["kind"] is int:
+            if sorted(children) != list(range(len(children))):
+                return None
+            items = [build(children[i]) for i in range(len(children))]
+            return None if any(x is None for x in items) else {"list": items}
+        items = [[k, build(v)] for k, v in children.items()]
+        return None if any(x is None for _, x in items) else {"dict": items}
+
+    return build(root)
+
+
+def _paths_of_structure(structure: Dict[str, Any]) -> Dict[str, tuple]:
+    """{name: object path} of the tensors and values a structure holds."""
+    out: Dict[str, tuple] = {}
+
+    def walk(node, path):
+        if "dict" in node:
+            for k, child in node["dict"]:
+                walk(child, path + (k,))
+        elif "list" in node or "tuple" in node:
+            for i, child in enumerate(node.get("list", node.get("tuple"))):
+                walk(child, path + (i,))
+        else:
+            out[node.get("tensor", node.get("value"))] = path
+
+    walk(structure, ())
+    return out
+
+
 def _load_dict(torch, path: str, what: str) -> Mapping:
     """torch.load(weights_only=True) of the file at `path`, mapped where it
     is a zip archive, which must hold a dict (`what` names one)."""
@@ -699,7 +773,7 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
         summary = repo.import_safetensors(name, [path], step=step, tags=tags)
         return {"format": fmt, "name": name, "committed": True, "summary": summary}
     if fmt == "dcp":
-        reader, metadata, described, beside = _dcp_plan(path)
+        reader, metadata, described, (beside, structure) = _dcp_plan(path)
     elif torch_weights:
         loaded, described = _hf_torch_plan(path)
     elif fmt == "torch":
@@ -726,6 +800,8 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
             if beside:
                 _put_files(writer, beside)
                 writer.put_blob(DCP_FILES_BLOB, json.dumps([n for n, _ in beside]).encode())
+            if structure is not None:
+                writer.put_blob(STRUCTURE_BLOB, json.dumps(structure).encode())
         elif torch_weights:
             _import_hf_torch(writer, loaded, advance)
         else:
@@ -1159,7 +1235,14 @@ def _export_dcp(export: "_Export", repo, reader, name: str, order: List[str], sh
                 state_md[key] = BytesStorageMetadata()
                 index = MetadataIndex(key)
             storage[index] = _StorageInfo(relative_path=fname, offset=int(at), length=int(length))
-    metadata = Metadata(state_dict_metadata=state_md, planner_data={k: (k,) for k in state_md},
+    # Each item's object path, as dcp.save's planner records it: from the
+    # checkpoint's structure where it has one (a DCP or torch.save import).
+    structure = _structure(repo, name, shown)
+    paths = _paths_of_structure(structure) if structure is not None else {}
+    if paths:  # and in its order, which is the order of each dict's keys when unflattened
+        at = {k: i for i, k in enumerate(paths)}
+        state_md = {k: state_md[k] for k in sorted(state_md, key=lambda k: at.get(k, len(at)))}
+    metadata = Metadata(state_dict_metadata=state_md, planner_data={k: paths.get(k, (k,)) for k in state_md},
                         storage_data=storage, version=version)
     _write_durable(export.path(".metadata"), lambda f: pickle.dump(metadata, f))
     return names + beside + [".metadata"]
