@@ -56,7 +56,6 @@ Status AddImportPath(const std::string& path, Found* in, const std::function<voi
     return Status::OK();
   }
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, ListDir(path));
-  const size_t before = in->safetensors.size() + in->blob_files.size();
   const size_t safetensors_before = in->safetensors.size();
   std::vector<std::string> torch_weights;
   for (const auto& n : names) {
@@ -91,8 +90,27 @@ Status AddImportPath(const std::string& path, Found* in, const std::function<voi
       if (left_out) left_out(w + " (torch.save weights; the directory's safetensors files are imported)");
     }
   }
-  if (in->safetensors.size() + in->blob_files.size() == before) {
-    return Status::InvalidArgument(path + " holds no files to import");
+  if (in->safetensors.size() == safetensors_before) {
+    // Not a model directory: perhaps a training run's directory, with a
+    // checkpoint in each subdirectory.
+    std::vector<std::string> inside;
+    for (const auto& n : names) {
+      const std::string full = path + "/" + n;
+      if (n[0] == '.' || ::stat(full.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) continue;
+      auto sub = ListDir(full);
+      if (!sub.ok()) continue;
+      for (const auto& m : *sub) {
+        if (m == ".metadata" || EndsWith(m, ".safetensors") || IsTorchWeightsFileName(m)) {
+          inside.push_back(n);
+          break;
+        }
+      }
+    }
+    std::string hint;
+    for (size_t i = 0; i < inside.size() && i < 3; ++i) hint += (i ? ", " : "") + inside[i];
+    if (inside.size() > 3) hint += " and " + std::to_string(inside.size() - 3) + " more";
+    if (!hint.empty()) hint = "; checkpoints are in its subdirectories (" + hint + "): import each by its own path";
+    return Status::InvalidArgument(path + " holds no weights to import (no *.safetensors, no DCP .metadata)" + hint);
   }
   return Status::OK();
 }

@@ -513,6 +513,27 @@ class BadInput(CkptTestCase):
         self.assertEqual(sorted(os.listdir(os.path.join(self.repo, "objects", "packs"))), before)
         self.assert_intact()
 
+    def test_a_directory_without_weights_is_refused_naming_the_checkpoints_inside(self):
+        # A training run's directory, a checkpoint in each subdirectory: not a
+        # model directory whose one text file would be the whole checkpoint.
+        run = self.path("run")
+        for step in (100, 200, 300, 400):
+            os.makedirs(os.path.join(run, f"iter_{step:07d}"))
+            st.write(os.path.join(run, f"iter_{step:07d}", "model.safetensors"),
+                     [("x", "F32", np.zeros(3, np.float32))])
+        with open(os.path.join(run, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("400\n")
+        err = self.error_of("import", "run", run).strip().splitlines()[-1]
+        self.assertIn(f"{run} holds no weights to import", err)
+        self.assertIn("checkpoints are in its subdirectories (iter_0000100, iter_0000200, iter_0000300 and 1 more)",
+                      err)
+        os.makedirs(self.path("notes"))
+        with open(self.path("notes/readme.txt"), "w") as f:
+            f.write("hello\n")
+        self.assertIn("holds no weights to import (no *.safetensors, no DCP .metadata)\n",
+                      self.error_of("import", "notes", self.path("notes")))
+        self.assert_intact()
+
     def test_malformed_safetensors(self):
         good = pathlib.Path(self.path("good.safetensors")).read_bytes()
         cases = {
