@@ -325,6 +325,21 @@ class Exports(unittest.TestCase):
         return src, weight_map
 
     @unittest.skipIf(HF_REASON, HF_REASON or "")
+    def test_a_dry_run_of_a_model_directory_lists_its_tensors_and_writes_nothing(self):
+        model = tiny_model()
+        src = os.path.join(self.tmp, "hf")
+        model.save_pretrained(src)
+        os.makedirs(os.path.join(src, "runs"))
+        dry = formats.import_checkpoint(self.repo, "m", src, dry_run=True)
+        self.assertEqual((dry["format"], dry["committed"]), ("hf", False))
+        sd = model.state_dict()
+        self.assertEqual({t["name"]: t["shape"] for t in dry["tensors"]}, {k: list(v.shape) for k, v in sd.items()})
+        self.assertEqual(dry["tensor_bytes"], sum(v.numel() * v.element_size() for v in sd.values()))
+        self.assertIn("config.json", [b["name"] for b in dry["blobs"]])
+        self.assertEqual(dry["left_out"], [f"{os.path.join(src, 'runs')} (a directory)"])
+        self.assertEqual(self.repo.checkpoints(include_pending=True), [])
+
+    @unittest.skipIf(HF_REASON, HF_REASON or "")
     def test_a_model_directory_of_torch_weights_imports_and_exports_with_identical_logits(self):
         model = tiny_model()
         src, weight_map = self.torch_weights_directory(model)

@@ -658,6 +658,26 @@ class PyRepository {
     return d;
   }
 
+  // What import_safetensors would put (`ckpt import --dry-run`): every
+  // input read and checked, nothing written.
+  py::object describe_import(const std::vector<std::string>& paths,
+                             const std::vector<std::pair<std::string, std::string>>& blob_files) {
+    std::vector<std::string> left_out;
+    Result<Json> r = [&]() -> Result<Json> {
+      py::gil_scoped_release nogil;
+      ImportInputs in;
+      in.paths = paths;
+      in.blob_files = blob_files;
+      in.left_out = [&](const std::string& what) { left_out.push_back(what); };
+      CKPT_ASSIGN_OR_RETURN(PreparedImport prepared, PreparedImport::Prepare(in));
+      return prepared.Describe();
+    }();
+    if (!r.ok()) throw StatusError{r.status()};
+    py::dict d = JsonToPython(*r).cast<py::dict>();
+    d["left_out"] = left_out;
+    return d;
+  }
+
   Reader open_checkpoint(const std::string& name) {
     py::gil_scoped_release nogil;
     return Reader(repo_, Value(repo_->OpenCheckpoint(name)));
@@ -957,6 +977,7 @@ PYBIND11_MODULE(_core, m) {
                   py::arg("cache_dir"), py::arg("io_threads"), py::arg("opening_sync") = true)
       .def_property_readonly("path", &PyRepository::path)
       .def_property_readonly("config", &PyRepository::config)
+      .def("describe_import", &PyRepository::describe_import, py::arg("paths"), py::arg("blob_files"))
       .def("import_safetensors", &PyRepository::import_safetensors, py::arg("name"), py::arg("paths"),
            py::arg("blob_files"), py::arg("rank"), py::arg("world_size"), py::arg("step"), py::arg("tags"))
       .def("begin", &PyRepository::begin, py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("step"),

@@ -768,8 +768,8 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
     torch_weights = fmt == "hf" and os.path.isdir(path) and _holds_torch_weights_only(path)
     if fmt in ("safetensors", "hf") and not torch_weights:
         if dry_run:
-            raise UnsupportedError("--dry-run of safetensors files and model directories: use 'ckpt import' itself, "
-                                   "which checks every input before writing")
+            described = repo._repo.describe_import([path], [])
+            return {"format": fmt, "name": name, **described, "committed": False}
         summary = repo.import_safetensors(name, [path], step=step, tags=tags)
         return {"format": fmt, "name": name, "committed": True, "summary": summary}
     if fmt == "dcp":
