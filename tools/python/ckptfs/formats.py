@@ -813,7 +813,8 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
     handle.wait(None)
     result = handle.result()
     out["committed"] = True
-    out["stored_bytes"] = result["stored_bytes"]
+    for k in ("logical_bytes", "stored_bytes", "chunks_written", "chunks_deduplicated"):
+        out[k] = result[k]
     return out
 
 
@@ -1467,9 +1468,11 @@ def _main(argv: Sequence[str]) -> int:
         for b in out["blobs"]:
             print(f"  {b['name']}  (blob)")
         print(f"{len(out['tensors'])} tensors, {out['tensor_bytes']} bytes; {len(out['blobs'])} blobs")
-    else:
-        print(f"{out['name']}: imported {len(out['tensors'])} tensors ({out['tensor_bytes']} bytes) and "
-              f"{len(out['blobs'])} blobs from {out['format']} {args.path}; checkpoint committed")
+    else:  # as the engine's own import says it
+        human = _Progress.human
+        print(f"{out['name']}: {len(out['tensors'])} tensors and {len(out['blobs'])} blobs from {out['format']} "
+              f"{args.path}: {human(out['logical_bytes'])} imported, {human(out['stored_bytes'])} stored "
+              f"({out['chunks_written']} new chunks, {out['chunks_deduplicated']} deduplicated); checkpoint committed")
     return 0
 
 
