@@ -254,6 +254,23 @@ class DcpDirectories(DcpTestCase):
         err = self.ckpt("import", "bad", four, ok=False).stderr.decode().strip()
         self.assertEqual(len(err.splitlines()), 1, err)
         self.assertIn("__1_0.distcp, which is missing", err)
+        # A .metadata naming a file outside its directory (which exists).
+        with open(victim, "wb") as f:
+            f.write(data)
+        import dataclasses  # noqa: PLC0415
+        import pickle  # noqa: PLC0415
+
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        md = dcp.FileSystemReader(four).read_metadata()
+        os.replace(os.path.join(four, "__0_0.distcp"), self.path("outside.distcp"))
+        md.storage_data = {k: (dataclasses.replace(v, relative_path="../outside.distcp")
+                               if v.relative_path == "__0_0.distcp" else v) for k, v in md.storage_data.items()}
+        with open(os.path.join(four, ".metadata"), "wb") as f:
+            pickle.dump(md, f)
+        err = self.ckpt("import", "bad", four, ok=False).stderr.decode().strip()
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertIn("names '../outside.distcp', which is outside the directory", err)
         self.assertEqual(self.r.checkpoints(include_pending=True), [])
 
 

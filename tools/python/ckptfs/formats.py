@@ -158,6 +158,9 @@ def _dcp_plan(path: str):
     storage = getattr(metadata, "storage_data", None) or {}
     files = {getattr(v, "relative_path", None) for v in storage.values()}
     for f in sorted(x for x in files if x):
+        norm = os.path.normpath(f)
+        if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep):
+            raise ckptfs.CorruptionError(f"{path}: the DCP metadata names {f!r}, which is outside the directory")
         if not os.path.isfile(os.path.join(path, f)):
             raise ckptfs.CorruptionError(f"{path}: the DCP metadata names {f}, which is missing")
 
