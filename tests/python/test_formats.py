@@ -194,6 +194,15 @@ class DcpDirectories(DcpTestCase):
         got = self.path("got.pt")
         dcp_to_torch_save(out, got)
         self.assertTrue(same(torch.load(want, weights_only=False), torch.load(got, weights_only=False)))
+        # A model directory gets the tensors, not the state's other values.
+        hf = self.path("nested-hf")
+        p = self.ckpt("export", "n", hf, "--format", "hf", "--json")
+        self.assertEqual(sorted(os.listdir(hf)), ["model.safetensors"])
+        left = json.loads(p.stdout)["left_out"]
+        self.assertEqual(sorted(x.split()[1] for x in left),
+                         ["optim.param_groups.0.betas", "optim.param_groups.0.lr", "optim.param_groups.0.params",
+                          "step"])
+        self.assertIn("ckpt export: leaving out blob step (a non-tensor value of the state", p.stderr.decode())
         tout = self.path("nested-torch")
         self.ckpt("export", "n", tout, "--format", "torch")
         self.assertTrue(same(torch.load(want, weights_only=False),

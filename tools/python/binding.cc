@@ -625,6 +625,18 @@ class PyRepository {
     return py::make_tuple(Writer(repo_, std::move(writer)), py::bytes(listing));
   }
 
+  // An import of `paths` and `blob_files`; what a directory leaves out is
+  // appended to `left_out`.
+  static ImportInputs ImportInputsOf(const std::vector<std::string>& paths,
+                                     const std::vector<std::pair<std::string, std::string>>& blob_files,
+                                     std::vector<std::string>* left_out) {
+    ImportInputs in;
+    in.paths = paths;
+    in.blob_files = blob_files;
+    in.left_out = [left_out](const std::string& what) { left_out->push_back(what); };
+    return in;
+  }
+
   // What `ckpt import` does (ckpt/import.h): every input checked first, then
   // written and committed as one rank's part.
   py::dict import_safetensors(const std::string& name, const std::vector<std::string>& paths,
@@ -634,11 +646,8 @@ class PyRepository {
     std::vector<std::string> left_out;
     Result<CommitResult> r = [&]() -> Result<CommitResult> {
       py::gil_scoped_release nogil;
-      ImportInputs in;
-      in.paths = paths;
-      in.blob_files = blob_files;
+      ImportInputs in = ImportInputsOf(paths, blob_files, &left_out);
       in.partial = world_size > 1;
-      in.left_out = [&](const std::string& what) { left_out.push_back(what); };
       CKPT_ASSIGN_OR_RETURN(PreparedImport prepared, PreparedImport::Prepare(in));
       WriterOptions o;
       o.rank = rank;
@@ -665,11 +674,8 @@ class PyRepository {
     std::vector<std::string> left_out;
     Result<Json> r = [&]() -> Result<Json> {
       py::gil_scoped_release nogil;
-      ImportInputs in;
-      in.paths = paths;
-      in.blob_files = blob_files;
-      in.left_out = [&](const std::string& what) { left_out.push_back(what); };
-      CKPT_ASSIGN_OR_RETURN(PreparedImport prepared, PreparedImport::Prepare(in));
+      CKPT_ASSIGN_OR_RETURN(PreparedImport prepared, PreparedImport::Prepare(ImportInputsOf(paths, blob_files,
+                                                                                            &left_out)));
       return prepared.Describe();
     }();
     if (!r.ok()) throw StatusError{r.status()};

@@ -1292,7 +1292,8 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
     when complete; an interrupted export is resumed by the same call
     (finished files are kept), or removed first with
     clean=True. `progress(done, total)` is called with tensor bytes as they
-    are written. Returns {"out", "format", "files", "bytes", "resumed_files"}.
+    are written. Returns {"out", "format", "files", "bytes", "resumed_files",
+    "left_out"} (hf: the blobs not written, and why).
     """
     torch = _torch()
     out = os.path.normpath(os.fspath(out))  # "release/" is the directory "release"
@@ -1314,6 +1315,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
     structure = _structure(repo, name, shown)
     order = _tensor_order(structure, [t["name"] for t in shown["tensors"]])
     files: List[str] = []
+    left_out: List[str] = []
     sizes = _ExportTensors(shown, cast)
     total_bytes, done_bytes, lock = sum(sizes.nbytes(n) for n in order), [0], threading.Lock()
 
@@ -1361,9 +1363,20 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
             data = (json.dumps(index, indent=2) + "\n").encode()
             _write_durable(export.path("model.safetensors.index.json"), lambda f: f.write(data))
             files.append("model.safetensors.index.json")
+        # Blobs named like files (config, tokenizer, a trainer's files) go
+        # beside the shards; the state's non-tensor values (a DCP item, a
+        # torch.save file's number) are not files of a model directory.
+        paths = _paths_of_structure(structure) if structure is not None else {}
+        values = set(paths) - set(order)
         for b in shown["blobs"]:
             bname = b["name"]
-            if "/" in bname or bname.startswith(".") or bname in _INTERNAL_BLOBS or bname in files:
+            if bname in _INTERNAL_BLOBS or bname in files:
+                continue
+            if "/" in bname or bname.startswith("."):
+                left_out.append(f"blob {bname} (not a plain file name)")
+                continue
+            if bname in values:
+                left_out.append(f"blob {bname} (a non-tensor value of the state; --format dcp or torch keeps it)")
                 continue
             _write_durable(export.path(bname), lambda f, b=b: _write_blob(reader, b["name"], b["bytes"], f))
             files.append(bname)
@@ -1392,7 +1405,8 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
         files.append("model.pt")
     total_bytes = sum(os.path.getsize(export.path(f)) for f in files)
     export.commit()
-    return {"out": out, "format": format, "files": files, "bytes": total_bytes, "resumed_files": resumed}
+    return {"out": out, "format": format, "files": files, "bytes": total_bytes, "resumed_files": resumed,
+            "left_out": left_out}
 
 
 def _in_repository(args, label: str, work) -> Optional[Dict[str, Any]]:
@@ -1442,6 +1456,8 @@ def _main(argv: Sequence[str]) -> int:
             clean=args.clean, progress=progress))
         if done is None:
             return 1
+        for what in done["left_out"]:
+            print(f"ckpt export: leaving out {what}", file=sys.stderr)
         if args.json:
             print(json.dumps(done, indent=2))
         else:
