@@ -649,10 +649,9 @@ def _hf_torch_plan(path: str):
     checked against pytorch_model.bin.index.json when there is one, and its
     other regular files as blobs (subdirectories and hidden files left out)."""
     torch = _torch()
-    names = sorted(os.listdir(path))
     weight_map = None
     index_path = os.path.join(path, _TORCH_WEIGHTS_INDEX)
-    if _TORCH_WEIGHTS_INDEX in names:
+    if os.path.isfile(index_path):
         try:
             with open(index_path, "rb") as f:
                 index = json.loads(f.read(64 << 20))
@@ -664,9 +663,16 @@ def _hf_torch_plan(path: str):
         for f in sorted(set(weight_map.values())):
             if f != os.path.basename(f) or f.startswith(".") or not os.path.isfile(os.path.join(path, f)):
                 raise ckptfs.CorruptionError(f"{index_path} names shard {f}, which is missing")
-    files = [os.path.join(path, n) for n in names if n.endswith(".bin") and _is_torch_weights_name(n)
-             and os.path.isfile(os.path.join(path, n))]
-    blob_files, left_out = _other_files(path, lambda n: "" if _is_torch_weights_name(n) else None)
+    files: List[str] = []  # the weights files, in name order
+
+    def weights(n):
+        if not _is_torch_weights_name(n):
+            return None
+        if n.endswith(".bin") and os.path.isfile(os.path.join(path, n)):
+            files.append(os.path.join(path, n))
+        return ""  # neither a blob nor left out
+
+    blob_files, left_out = _other_files(path, weights)
     if not files:
         raise ckptfs.CorruptionError(f"{path}: holds {_TORCH_WEIGHTS_INDEX} but no pytorch_model*.bin weights file")
     where: Dict[str, str] = {}
@@ -1154,7 +1160,7 @@ _DCP_MIN_FILE_BYTES = 16 << 20
 
 
 def _export_dcp(export: "_Export", repo, reader, name: str, order: List[str], shown, sizes: "_ExportTensors", cast,
-                threads: int, advance: Callable[[int], None]) -> List[str]:
+                threads: int, advance: Callable[[int], None], paths: Dict[str, tuple]) -> List[str]:
     """Writes the checkpoint as a DCP directory in FileSystemWriter's layout:
     `__0_K.distcp` files of torch.save'd items (each tensor whole, each blob
     a bytes item) and `.metadata`, a pickle of torch's own Metadata classes
@@ -1239,10 +1245,9 @@ def _export_dcp(export: "_Export", repo, reader, name: str, order: List[str], sh
                 state_md[key] = BytesStorageMetadata()
                 index = MetadataIndex(key)
             storage[index] = _StorageInfo(relative_path=fname, offset=int(at), length=int(length))
-    # Each item's object path, as dcp.save's planner records it: from the
-    # checkpoint's structure where it has one (a DCP or torch.save import).
-    structure = _structure(repo, name, shown)
-    paths = _paths_of_structure(structure) if structure is not None else {}
+    # Each item's object path (`paths`), as dcp.save's planner records it:
+    # from the checkpoint's structure where it has one (a DCP or torch.save
+    # import).
     if paths:  # and in its order, which is the order of each dict's keys when unflattened
         at = {k: i for i, k in enumerate(paths)}
         state_md = {k: state_md[k] for k in sorted(state_md, key=lambda k: at.get(k, len(at)))}
@@ -1313,6 +1318,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
     resumed = len(export.done)
     reader = repo._repo.open_checkpoint(name)
     structure = _structure(repo, name, shown)
+    paths = _paths_of_structure(structure) if structure is not None else {}  # item -> object path
     order = _tensor_order(structure, [t["name"] for t in shown["tensors"]])
     files: List[str] = []
     left_out: List[str] = []
@@ -1366,7 +1372,6 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
         # Blobs named like files (config, tokenizer, a trainer's files) go
         # beside the shards; the state's non-tensor values (a DCP item, a
         # torch.save file's number) are not files of a model directory.
-        paths = _paths_of_structure(structure) if structure is not None else {}
         values = set(paths) - set(order)
         for b in shown["blobs"]:
             bname = b["name"]
@@ -1381,7 +1386,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
             _write_durable(export.path(bname), lambda f, b=b: _write_blob(reader, b["name"], b["bytes"], f))
             files.append(bname)
     elif format == "dcp":
-        files += _export_dcp(export, repo, reader, name, order, shown, sizes, cast, threads, advance)
+        files += _export_dcp(export, repo, reader, name, order, shown, sizes, cast, threads, advance, paths)
     elif "model.pt" in export.done:  # finished before an interruption: kept as it is
         advance(total_bytes)
         files.append("model.pt")
