@@ -10,6 +10,7 @@
 
 #include "cuda_util.h"
 
+#include <algorithm>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -64,6 +65,20 @@ class CudaCopyEngine final : public CopyEngine {
   }
   Result<uint64_t> HostToDevice(std::byte* device, const std::byte* host, size_t n) override {
     return Submit(device, host, n, cudaMemcpyHostToDevice);
+  }
+  Result<uint64_t> DeviceToDevice(std::byte* dst, const std::byte* src, size_t n) override {
+    return Submit(dst, src, n, cudaMemcpyDeviceToDevice);
+  }
+  Result<std::byte*> AllocateDevice(size_t bytes) override {
+    DeviceGuard guard(device_);
+    void* p = nullptr;
+    cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 1));
+    if (e != cudaSuccess) return CudaError(e, "cudaMalloc");
+    return static_cast<std::byte*>(p);
+  }
+  void FreeDevice(std::byte* p) override {
+    DeviceGuard guard(device_);
+    cudaFree(p);
   }
   Status Wait(uint64_t ticket) override {
     std::shared_ptr<Event> ev;

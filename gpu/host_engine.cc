@@ -1,4 +1,5 @@
 // The host copy engine: CUDA-stream semantics on a worker thread.
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <thread>
@@ -91,6 +92,14 @@ Result<uint64_t> HostCopyEngine::DeviceToHost(std::byte* host, const std::byte* 
 Result<uint64_t> HostCopyEngine::HostToDevice(std::byte* device, const std::byte* host, size_t n) {
   return impl_->Submit(device, host, n);
 }
+
+Result<uint64_t> HostCopyEngine::DeviceToDevice(std::byte* dst, const std::byte* src, size_t n) {
+  return impl_->Submit(dst, src, n);
+}
+
+Result<std::byte*> HostCopyEngine::AllocateDevice(size_t bytes) { return new std::byte[std::max<size_t>(bytes, 1)]; }
+
+void HostCopyEngine::FreeDevice(std::byte* p) { delete[] p; }
 
 Status HostCopyEngine::Wait(uint64_t ticket) {
   std::unique_lock lock(impl_->mu);

@@ -42,6 +42,11 @@ class CopyEngine {
   // in submission order.
   virtual Result<uint64_t> DeviceToHost(std::byte* host, const std::byte* device, size_t n) = 0;
   virtual Result<uint64_t> HostToDevice(std::byte* device, const std::byte* host, size_t n) = 0;
+  virtual Result<uint64_t> DeviceToDevice(std::byte* dst, const std::byte* src, size_t n) = 0;
+  // Memory on the engine's device (host memory for the host engine), for
+  // what the staging layer itself keeps there (a collective's hand-offs).
+  virtual Result<std::byte*> AllocateDevice(size_t bytes) = 0;
+  virtual void FreeDevice(std::byte* p) = 0;
   // Blocks until the copy of `ticket` (and all before it) finished; its
   // error, if any.
   virtual Status Wait(uint64_t ticket) = 0;
@@ -57,6 +62,9 @@ class HostCopyEngine final : public CopyEngine {
   void FreePinned(std::byte* p) override;
   Result<uint64_t> DeviceToHost(std::byte* host, const std::byte* device, size_t n) override;
   Result<uint64_t> HostToDevice(std::byte* device, const std::byte* host, size_t n) override;
+  Result<uint64_t> DeviceToDevice(std::byte* dst, const std::byte* src, size_t n) override;
+  Result<std::byte*> AllocateDevice(size_t bytes) override;
+  void FreeDevice(std::byte* p) override;
   Status Wait(uint64_t ticket) override;
 
   // Test hooks: the copy after `n` more succeed fails, as a device error would.

@@ -3,7 +3,9 @@
 // decisions and fails together.
 #include "ckpt/collective.h"
 
+#include <algorithm>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "ckpt/collective_plan.h"
@@ -161,7 +163,32 @@ Status CheckRegion(const TensorInfo& t, const Region& region, size_t bytes) {
   return Status::OK();
 }
 
+class HostMemory final : public CollectiveMemory {
+ public:
+  std::unique_ptr<ShardSource> Source(std::span<const std::byte> data) override {
+    return std::make_unique<HostSource>(data);
+  }
+  Result<ChunkId> Digest(std::span<const std::byte> data) override { return ChunkId::Of(data); }
+  Status Read(const CheckpointReader& reader, const TensorRecord& tensor, const Region& region,
+              std::span<std::byte> target) override {
+    return reader.ReadRegion(tensor, region, target);
+  }
+  Status Copy(std::span<std::byte> dst, std::span<const std::byte> src) override {
+    if (!src.empty()) std::memcpy(dst.data(), src.data(), src.size());
+    return Status::OK();
+  }
+  Status SendHost(Communicator& comm, std::span<const std::byte> host, int peer) override {
+    return comm.Send(host, peer);
+  }
+  Status RecvHost(Communicator& comm, std::span<std::byte> host, int peer) override { return comm.Recv(host, peer); }
+};
+
 }  // namespace
+
+CollectiveMemory& HostCollectiveMemory() {
+  static HostMemory memory;
+  return memory;
+}
 
 std::vector<HandoffWindow> PlanChunkHandoffs(const CheckpointReader& reader,
                                              const std::vector<std::vector<PlanEntry>>& plans,
@@ -188,6 +215,13 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
                                             std::span<const CollectiveShard> shards,
                                             std::span<const CollectiveBlob> blobs, Communicator& comm,
                                             WriterOptions options, bool verify_replicas) {
+  return SaveCollective(repo, name, shards, blobs, comm, HostCollectiveMemory(), std::move(options), verify_replicas);
+}
+
+Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string& name,
+                                            std::span<const CollectiveShard> shards,
+                                            std::span<const CollectiveBlob> blobs, Communicator& comm,
+                                            CollectiveMemory& memory, WriterOptions options, bool verify_replicas) {
   // 1. What this rank holds, gathered by every rank.
   std::vector<PlanEntry> mine;
   Status local = ValidateMemberName("checkpoint name", name);
@@ -201,15 +235,23 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
   if (verify_replicas) {
     // Each entry's hash, gathered; the load planner's grouping of equal
     // regions says which entries are replicas of each other.
+    // A rank whose digest fails sends none, and every rank fails below.
     std::string digests;
-    auto add = [&](std::span<const std::byte> bytes) {
-      const ChunkId id = ChunkId::Of(bytes);
-      digests.append(reinterpret_cast<const char*>(id.bytes.data()), id.bytes.size());
-    };
-    for (const CollectiveShard& s : shards) add(s.data);
-    for (const CollectiveBlob& b : blobs) add(b.data);
+    auto add = [&](const ChunkId& id) { digests.append(reinterpret_cast<const char*>(id.bytes.data()), id.bytes.size()); };
+    Status hashed;
+    for (const CollectiveShard& s : shards) {
+      auto id = memory.Digest(s.data);
+      if (!id.ok()) {
+        hashed = id.status().WithContext("hashing '" + s.tensor.name + "'");
+        break;
+      }
+      add(*id);
+    }
+    for (const CollectiveBlob& b : blobs) add(ChunkId::Of(b.data));
+    if (!hashed.ok()) digests.clear();
     auto every = comm.AllGather(digests);
     if (!every.ok()) return every.status().WithContext("the step 'compare the replicas'");
+    if (!hashed.ok()) return hashed.WithContext("rank " + std::to_string(comm.rank()) + ", step 'compare the replicas'");
     const size_t w = ChunkId{}.bytes.size();
     for (size_t r = 0; r < plans.size(); ++r) {
       if ((*every)[r].size() != plans[r].size() * w) {
@@ -263,8 +305,8 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
   local = writer.status();
   for (size_t i = 0; local.ok() && i < shards.size(); ++i) {
     if (!put[i]) continue;
-    HostSource source(shards[i].data);
-    local = (*writer)->PutShard(shards[i].tensor, shards[i].region, source);
+    const std::unique_ptr<ShardSource> source = memory.Source(shards[i].data);
+    local = (*writer)->PutShard(shards[i].tensor, shards[i].region, *source);
     result.put_bytes += shards[i].data.size();
   }
   for (size_t i = 0; local.ok() && i < blobs.size(); ++i) {
@@ -287,6 +329,12 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
 
 Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string& name,
                                             std::span<const CollectiveTarget> targets, Communicator& comm) {
+  return LoadCollective(repo, name, targets, comm, HostCollectiveMemory());
+}
+
+Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string& name,
+                                            std::span<const CollectiveTarget> targets, Communicator& comm,
+                                            CollectiveMemory& memory) {
   // 1. What each rank needs, gathered by every rank.
   auto reader = repo.OpenCheckpoint(name);
   Status local = reader.status();
@@ -329,6 +377,17 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
   // reader. A rank whose read or check fails keeps exchanging, so no peer
   // waits for it, and says so at the end.
   const std::vector<HandoffWindow> windows = PlanChunkHandoffs(**reader, plans, routes, me);
+  // The windows' hand-offs are the same on every rank, so either all
+  // prepare or none.
+  size_t largest = 0;
+  bool any_handoff = false;
+  for (const HandoffWindow& w : windows) {
+    for (const ChunkHandoff& h : w.handoffs) {
+      any_handoff = true;
+      if (h.from == me || h.to == me) largest = std::max<size_t>(largest, h.chunk.raw_len);
+    }
+  }
+  if (any_handoff) CKPT_RETURN_IF_ERROR(Agree(comm, "prepare the hand-offs", memory.PrepareHandoffs(largest)));
   Status failed;
   std::vector<std::byte> buffer;
   size_t begin = 0;
@@ -347,10 +406,12 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
         if (h.from == me) {
           Status copied = (*reader)->CopyHeldChunk(h.chunk, buffer);
           if (!copied.ok() && failed.ok()) failed = copied;  // sent anyway: the receiver's check fails, none waits
-          CKPT_RETURN_IF_ERROR(comm.Send(buffer, h.to).WithContext("the step 'hand over the shared chunks'"));
+          Status sent = memory.SendHost(comm, buffer, h.to);
+          if (!sent.ok() && failed.ok()) failed = sent.WithContext("the step 'hand over the shared chunks'");
           result.handoff_sent_bytes += buffer.size();
         } else {
-          CKPT_RETURN_IF_ERROR(comm.Recv(buffer, h.from).WithContext("the step 'hand over the shared chunks'"));
+          Status got = memory.RecvHost(comm, buffer, h.from);
+          if (!got.ok() && failed.ok()) failed = got.WithContext("the step 'hand over the shared chunks'");
           result.handoff_received_bytes += buffer.size();
           if (failed.ok()) failed = (*reader)->LendChunk(h.chunk, buffer);
         }
@@ -360,7 +421,7 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
       const LoadRoute& route = routes.routes[k];
       if (route.reader != me) continue;
       const size_t i = entries_of(route).front();  // the reader is one of the needers
-      failed = (*reader)->ReadRegion(*records[i], targets[i].region, targets[i].data);
+      failed = memory.Read(**reader, *records[i], targets[i].region, targets[i].data);
       result.fetched_bytes += targets[i].data.size();
     }
     (*reader)->ReleaseChunks(w.release);
@@ -370,6 +431,7 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
   // 5. Then sent to the other ranks needing it, in the routes' order on
   // every rank (so a blocking transport pairs each send with its receive),
   // and copied to this rank's other entries of the same region.
+  Status copied;
   for (const LoadRoute& route : routes.routes) {
     const std::vector<size_t> own = entries_of(route);
     if (own.empty()) continue;
@@ -385,9 +447,11 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
       result.received_bytes += first.size();
     }
     if (!local.ok()) break;
-    for (size_t k = 1; k < own.size(); ++k) std::memcpy(targets[own[k]].data.data(), first.data(), first.size());
+    // A failed copy is said at the end: this rank keeps sending, so no
+    // peer waits for it.
+    for (size_t k = 1; copied.ok() && k < own.size(); ++k) copied = memory.Copy(targets[own[k]].data, first);
   }
-  CKPT_RETURN_IF_ERROR(Agree(comm, "deliver", local));
+  CKPT_RETURN_IF_ERROR(Agree(comm, "deliver", local.ok() ? copied : local));
   return result;
 }
 

@@ -5,9 +5,11 @@
 // by one of them and sent to the others. The Python package does the same
 // over torch.distributed (ckptfs/collective.py).
 //
-// Memory is host memory, and the communicator must move host memory (the
-// host group, or a caller's own over MPI, gloo and the like). Errors are
-// agreed: when a step fails on one rank, every rank returns an error naming
+// The tensors' memory is host memory, moved by a communicator that moves
+// host memory (the host group, or a caller's own over MPI, gloo and the
+// like), unless the caller passes a CollectiveMemory saying otherwise:
+// gpu/collective_device.h gives one for device memory and a communicator
+// that moves device memory (NCCL). Errors are agreed: when a step fails on one rank, every rank returns an error naming
 // that rank and the step, and nothing becomes visible.
 #pragma once
 
@@ -22,6 +24,37 @@
 #include "ckpt/repository.h"
 
 namespace ckptfs {
+
+// Where a collective's tensor bytes live, and how they are read, written,
+// copied and handed over. Blobs are host memory whatever it is. The
+// engine's own calls on one rank come from that rank's thread, in order.
+class CollectiveMemory {
+ public:
+  virtual ~CollectiveMemory() = default;
+  // What a writer reads to put `data`.
+  virtual std::unique_ptr<ShardSource> Source(std::span<const std::byte> data) = 0;
+  // ChunkId::Of the bytes at `data` (replica checks).
+  virtual Result<ChunkId> Digest(std::span<const std::byte> data) = 0;
+  // `region` of `tensor` from the checkpoint into `target`.
+  virtual Status Read(const CheckpointReader& reader, const TensorRecord& tensor, const Region& region,
+                      std::span<std::byte> target) = 0;
+  // Between two targets of one rank.
+  virtual Status Copy(std::span<std::byte> dst, std::span<const std::byte> src) = 0;
+  // Called on every rank before chunks are handed over, with the largest
+  // this rank sends or receives; what SendHost and RecvHost need is got
+  // here.
+  virtual Status PrepareHandoffs(size_t largest) {
+    (void)largest;
+    return Status::OK();
+  }
+  // Host bytes (decoded chunks) over a communicator that moves this memory.
+  // SendHost sends host.size() bytes even when staging them failed (then
+  // returning that error), so that the peer never waits for them.
+  virtual Status SendHost(Communicator& comm, std::span<const std::byte> host, int peer) = 0;
+  virtual Status RecvHost(Communicator& comm, std::span<std::byte> host, int peer) = 0;
+};
+// Host memory, moved as it is.
+CollectiveMemory& HostCollectiveMemory();
 
 // Opens the repository at `url` on every rank of `comm` with one listing of
 // its store: every rank opens it without the opening sync, rank 0 syncs and
@@ -66,6 +99,12 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
                                             std::span<const CollectiveShard> shards,
                                             std::span<const CollectiveBlob> blobs, Communicator& comm,
                                             WriterOptions options = {}, bool verify_replicas = false);
+// The same with the shards' bytes in `memory` (Source, Digest).
+Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string& name,
+                                            std::span<const CollectiveShard> shards,
+                                            std::span<const CollectiveBlob> blobs, Communicator& comm,
+                                            CollectiveMemory& memory, WriterOptions options = {},
+                                            bool verify_replicas = false);
 
 // A region of a saved tensor this rank needs, to be written at `data`.
 struct CollectiveTarget {
@@ -91,6 +130,11 @@ struct CollectiveLoadResult {
 // fetched by one of them and handed to the others decoded.
 Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string& name,
                                             std::span<const CollectiveTarget> targets, Communicator& comm);
+// The same with the targets in `memory` (Read, Copy, and the hand-offs
+// through SendHost and RecvHost).
+Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string& name,
+                                            std::span<const CollectiveTarget> targets, Communicator& comm,
+                                            CollectiveMemory& memory);
 
 // Hand-offs of decoded chunks are exchanged in windows of about this many
 // bytes over the group, so what the ranks hold for each other stays bounded.
