@@ -97,25 +97,14 @@ class NcclCommunicator final : public Communicator {
   Result<std::vector<std::string>> AllGather(std::string_view mine) override {
     DeviceGuard guard(device_);
     const size_t n = static_cast<size_t>(size_);
-    CKPT_RETURN_IF_ERROR(Reserve(n * sizeof(uint64_t)));
-    uint64_t len = mine.size();
-    cudaError_t e = cudaMemcpyAsync(gather_ + rank_ * sizeof(uint64_t), &len, sizeof(len), cudaMemcpyHostToDevice,
-                                    stream_);
-    if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
-    ncclResult_t r = ncclAllGather(gather_ + rank_ * sizeof(uint64_t), gather_, sizeof(uint64_t), ncclUint8, comm_,
-                                   stream_);
-    if (r != ncclSuccess) return NcclError(r, "ncclAllGather", comm_);
-    std::vector<uint64_t> lens(n);
-    e = cudaMemcpyAsync(lens.data(), gather_, n * sizeof(uint64_t), cudaMemcpyDeviceToHost, stream_);
-    if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
-    CKPT_RETURN_IF_ERROR(Sync("ncclAllGather"));
+    CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> lens, GatherLengths(mine.size()));
     const uint64_t longest = *std::max_element(lens.begin(), lens.end());
     std::vector<std::string> out(n);
     if (longest == 0) return out;
     CKPT_RETURN_IF_ERROR(Reserve(n * longest));
-    e = cudaMemcpyAsync(gather_ + rank_ * longest, mine.data(), mine.size(), cudaMemcpyHostToDevice, stream_);
+    cudaError_t e = cudaMemcpyAsync(gather_ + rank_ * longest, mine.data(), mine.size(), cudaMemcpyHostToDevice, stream_);
     if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
-    r = ncclAllGather(gather_ + rank_ * longest, gather_, longest, ncclUint8, comm_, stream_);
+    ncclResult_t r = ncclAllGather(gather_ + rank_ * longest, gather_, longest, ncclUint8, comm_, stream_);
     if (r != ncclSuccess) return NcclError(r, "ncclAllGather", comm_);
     std::vector<char> all(n * longest);
     e = cudaMemcpyAsync(all.data(), gather_, all.size(), cudaMemcpyDeviceToHost, stream_);
@@ -123,6 +112,106 @@ class NcclCommunicator final : public Communicator {
     CKPT_RETURN_IF_ERROR(Sync("ncclAllGather"));
     for (size_t i = 0; i < n; ++i) out[i].assign(all.data() + i * longest, lens[i]);
     return out;
+  }
+
+  // The lengths go to every rank (one u64 a rank); the bytes only to the
+  // root, each rank's sent on its own.
+  Result<std::vector<std::string>> Gather(std::string_view mine, int root) override {
+    if (root < 0 || root >= size_) return Status::InvalidArgument("gather root out of range");
+    DeviceGuard guard(device_);
+    CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> lens, GatherLengths(mine.size()));
+    std::vector<std::string> out;
+    if (rank_ != root) {
+      if (!mine.empty()) {
+        CKPT_RETURN_IF_ERROR(Reserve(mine.size()));
+        cudaError_t e = cudaMemcpyAsync(gather_, mine.data(), mine.size(), cudaMemcpyHostToDevice, stream_);
+        if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
+        ncclResult_t r = ncclSend(gather_, mine.size(), ncclUint8, root, comm_, stream_);
+        if (r != ncclSuccess) return NcclError(r, "ncclSend", comm_);
+        CKPT_RETURN_IF_ERROR(Sync("a gather's send"));
+      }
+      return out;
+    }
+    std::vector<size_t> at(lens.size() + 1, 0);
+    for (size_t i = 0; i < lens.size(); ++i) at[i + 1] = at[i] + (static_cast<int>(i) == rank_ ? 0 : lens[i]);
+    CKPT_RETURN_IF_ERROR(Reserve(at.back()));
+    ncclGroupStart();
+    for (int i = 0; i < size_; ++i) {
+      if (i == rank_ || lens[i] == 0) continue;
+      ncclResult_t r = ncclRecv(gather_ + at[i], lens[i], ncclUint8, i, comm_, stream_);
+      if (r != ncclSuccess) {
+        ncclGroupEnd();
+        return NcclError(r, "ncclRecv", comm_);
+      }
+    }
+    ncclResult_t r = ncclGroupEnd();
+    if (r != ncclSuccess) return NcclError(r, "ncclGroupEnd", comm_);
+    std::vector<char> all(at.back());
+    cudaError_t e = cudaMemcpyAsync(all.data(), gather_, all.size(), cudaMemcpyDeviceToHost, stream_);
+    if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
+    CKPT_RETURN_IF_ERROR(Sync("a gather's receives"));
+    out.resize(lens.size());
+    for (size_t i = 0; i < lens.size(); ++i) {
+      if (static_cast<int>(i) == rank_) out[i] = std::string(mine);
+      else out[i].assign(all.data() + at[i], lens[i]);
+    }
+    return out;
+  }
+
+  // The root broadcasts the lengths, then sends each rank its part.
+  Result<std::string> Scatter(const std::vector<std::string>& parts, int root) override {
+    if (root < 0 || root >= size_) return Status::InvalidArgument("scatter root out of range");
+    DeviceGuard guard(device_);
+    const size_t n = static_cast<size_t>(size_);
+    const bool fits = parts.size() == n;
+    std::vector<uint64_t> lens(n, 0);
+    if (rank_ == root && fits) {
+      for (size_t i = 0; i < n; ++i) lens[i] = static_cast<int>(i) == root ? 0 : parts[i].size();
+    }
+    CKPT_RETURN_IF_ERROR(Reserve(n * sizeof(uint64_t)));
+    cudaError_t e = cudaMemcpyAsync(gather_, lens.data(), n * sizeof(uint64_t), cudaMemcpyHostToDevice, stream_);
+    if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
+    ncclResult_t r = ncclBroadcast(gather_, gather_, n * sizeof(uint64_t), ncclUint8, root, comm_, stream_);
+    if (r != ncclSuccess) return NcclError(r, "ncclBroadcast", comm_);
+    e = cudaMemcpyAsync(lens.data(), gather_, n * sizeof(uint64_t), cudaMemcpyDeviceToHost, stream_);
+    if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
+    CKPT_RETURN_IF_ERROR(Sync("a scatter's lengths"));
+    if (rank_ != root) {
+      std::string out(lens[rank_], '\0');
+      if (out.empty()) return out;
+      CKPT_RETURN_IF_ERROR(Reserve(out.size()));
+      r = ncclRecv(gather_, out.size(), ncclUint8, root, comm_, stream_);
+      if (r != ncclSuccess) return NcclError(r, "ncclRecv", comm_);
+      e = cudaMemcpyAsync(out.data(), gather_, out.size(), cudaMemcpyDeviceToHost, stream_);
+      if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
+      CKPT_RETURN_IF_ERROR(Sync("a scatter's receive"));
+      return out;
+    }
+    std::vector<size_t> at(n + 1, 0);
+    for (size_t i = 0; i < n; ++i) at[i + 1] = at[i] + lens[i];
+    CKPT_RETURN_IF_ERROR(Reserve(std::max<size_t>(at.back(), 1)));
+    for (size_t i = 0; i < n; ++i) {
+      if (lens[i] == 0) continue;
+      e = cudaMemcpyAsync(gather_ + at[i], parts[i].data(), lens[i], cudaMemcpyHostToDevice, stream_);
+      if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
+    }
+    ncclGroupStart();
+    for (int i = 0; i < size_; ++i) {
+      if (lens[i] == 0) continue;
+      r = ncclSend(gather_ + at[i], lens[i], ncclUint8, i, comm_, stream_);
+      if (r != ncclSuccess) {
+        ncclGroupEnd();
+        return NcclError(r, "ncclSend", comm_);
+      }
+    }
+    r = ncclGroupEnd();
+    if (r != ncclSuccess) return NcclError(r, "ncclGroupEnd", comm_);
+    CKPT_RETURN_IF_ERROR(Sync("a scatter's sends"));
+    if (!fits) {
+      return Status::InvalidArgument("scatter given " + std::to_string(parts.size()) + " parts for " +
+                                     std::to_string(size_) + " ranks");
+    }
+    return parts[root];
   }
 
   Status Send(std::span<const std::byte> data, int peer) override {
@@ -152,6 +241,23 @@ class NcclCommunicator final : public Communicator {
     if (e != cudaSuccess) return CudaError(e, "cudaMalloc");
     gather_bytes_ = bytes;
     return Status::OK();
+  }
+
+  // Every rank's `len`, through the gather buffer.
+  Result<std::vector<uint64_t>> GatherLengths(uint64_t len) {
+    const size_t n = static_cast<size_t>(size_);
+    CKPT_RETURN_IF_ERROR(Reserve(n * sizeof(uint64_t)));
+    cudaError_t e = cudaMemcpyAsync(gather_ + rank_ * sizeof(uint64_t), &len, sizeof(len), cudaMemcpyHostToDevice,
+                                    stream_);
+    if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
+    ncclResult_t r = ncclAllGather(gather_ + rank_ * sizeof(uint64_t), gather_, sizeof(uint64_t), ncclUint8, comm_,
+                                   stream_);
+    if (r != ncclSuccess) return NcclError(r, "ncclAllGather", comm_);
+    std::vector<uint64_t> lens(n);
+    e = cudaMemcpyAsync(lens.data(), gather_, n * sizeof(uint64_t), cudaMemcpyDeviceToHost, stream_);
+    if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
+    CKPT_RETURN_IF_ERROR(Sync("ncclAllGather"));
+    return lens;
   }
 
   // Waits for the stream; a peer's failure shows up as NCCL's asynchronous error.

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <utility>
 
@@ -15,8 +16,9 @@
 namespace ckptfs {
 namespace {
 
-// A rank's message: its entries, or why it has none.
-std::string EncodePlan(const Status& local, const std::vector<PlanEntry>& entries) {
+// A rank's message: its entries (and, for a save whose replicas are
+// compared, the hash of each), or why it has none.
+std::string EncodePlan(const Status& local, const std::vector<PlanEntry>& entries, std::string_view digests) {
   Encoder e;
   e.U8(local.ok() ? 1 : 0);
   e.String(local.ok() ? "" : local.ToString());
@@ -38,10 +40,11 @@ std::string EncodePlan(const Status& local, const std::vector<PlanEntry>& entrie
     }
     e.Varint(p.bytes);
   }
+  e.String(digests);
   return e.Take();
 }
 
-Status DecodePlan(std::string_view data, std::string* error, std::vector<PlanEntry>* entries) {
+Status DecodePlan(std::string_view data, std::string* error, std::vector<PlanEntry>* entries, std::string* digests) {
   Decoder d(data);
   uint8_t ok = 0;
   CKPT_RETURN_IF_ERROR(d.U8(&ok));
@@ -83,6 +86,7 @@ Status DecodePlan(std::string_view data, std::string* error, std::vector<PlanEnt
     }
     CKPT_RETURN_IF_ERROR(d.Varint(&p.bytes));
   }
+  CKPT_RETURN_IF_ERROR(d.String(digests));
   if (!d.done()) return Status::Corruption("a plan has trailing bytes");
   return Status::OK();
 }
@@ -102,27 +106,201 @@ Status Agree(Communicator& comm, const std::string& step, const Status& local) {
   return Status::OK();
 }
 
-// Gathers every rank's plan; the ranks' entry lists, or the agreed error.
-Result<std::vector<std::vector<PlanEntry>>> GatherPlans(Communicator& comm, const std::string& step,
-                                                         const Status& local, const std::vector<PlanEntry>& mine) {
-  auto said = comm.AllGather(EncodePlan(local, local.ok() ? mine : std::vector<PlanEntry>{}));
-  if (!said.ok()) return said.status().WithContext("the step '" + step + "'");
-  if (said->size() != static_cast<size_t>(comm.size())) {
-    return Status::Internal("the communicator gathered " + std::to_string(said->size()) + " plans from " +
-                            std::to_string(comm.size()) + " ranks");
+// One rank's part of a load plan, as rank 0 sends it.
+void EncodeChunk(Encoder& e, const ChunkRef& c) {
+  e.Bytes(c.id.bytes.data(), c.id.bytes.size());
+  e.Varint(c.raw_len);
+}
+
+std::string EncodeLoadPlan(const RankLoadPlan& p) {
+  Encoder e;
+  e.Varint(p.unique_bytes);
+  e.Varint(p.needed_bytes);
+  e.Varint(p.fetch_bytes);
+  e.Varint(p.routes.size());
+  for (const RankRoute& r : p.routes) {
+    e.Varint(r.route);
+    e.Varint(static_cast<uint64_t>(r.reader));
+    e.Varint(r.bytes);
+    e.Varint(r.entries.size());
+    for (size_t i : r.entries) e.Varint(i);
+    e.Varint(r.peers.size());
+    for (int peer : r.peers) e.Varint(static_cast<uint64_t>(peer));
   }
-  if (!local.ok()) return local.WithContext("rank " + std::to_string(comm.rank()) + ", step '" + step + "'");
-  std::vector<std::vector<PlanEntry>> plans(said->size());
-  for (size_t r = 0; r < said->size(); ++r) {
-    std::string error;
-    Status st = DecodePlan((*said)[r], &error, &plans[r]);
-    if (!st.ok()) return st.WithContext("the plan of rank " + std::to_string(r));
-    if (!error.empty()) {
-      return Status::IOError("rank " + std::to_string(r) + " of " + std::to_string(comm.size()) + " failed in '" +
-                             step + "': " + error);
+  e.Varint(p.windows.size());
+  for (const HandoffWindow& w : p.windows) {
+    e.Varint(w.routes_end);
+    e.U8(w.exchange ? 1 : 0);
+    e.Varint(w.hold.size());
+    for (const ChunkRef& c : w.hold) EncodeChunk(e, c);
+    e.Varint(w.handoffs.size());
+    for (const ChunkHandoff& h : w.handoffs) {
+      EncodeChunk(e, h.chunk);
+      e.Varint(static_cast<uint64_t>(h.from));
+      e.Varint(static_cast<uint64_t>(h.to));
+      e.Varint(h.owner_route);
+      e.Varint(h.route);
+      e.Varint(h.index);
+    }
+    e.Varint(w.release.size());
+    for (const ChunkRef& c : w.release) EncodeChunk(e, c);
+  }
+  return e.Take();
+}
+
+// Checked against this rank's `entries` and the group's `ranks`, so that a
+// malformed plan is an error rather than a read out of range.
+Status DecodeLoadPlan(std::string_view data, size_t entries, int ranks, RankLoadPlan* p) {
+  Decoder d(data);
+  auto count = [&](uint64_t* n) -> Status {
+    CKPT_RETURN_IF_ERROR(d.Varint(n));
+    if (*n > d.remaining()) return Status::Corruption("a load plan's count exceeds its bytes");
+    return Status::OK();
+  };
+  auto rank = [&](int* r) -> Status {
+    uint64_t v;
+    CKPT_RETURN_IF_ERROR(d.Varint(&v));
+    if (v >= static_cast<uint64_t>(ranks)) return Status::Corruption("a load plan names rank " + std::to_string(v));
+    *r = static_cast<int>(v);
+    return Status::OK();
+  };
+  auto chunk = [&](ChunkRef* c) -> Status {
+    CKPT_RETURN_IF_ERROR(d.Bytes(c->id.bytes.data(), c->id.bytes.size()));
+    uint64_t len;
+    CKPT_RETURN_IF_ERROR(d.Varint(&len));
+    if (len > UINT32_MAX) return Status::Corruption("a load plan's chunk is too long");
+    c->raw_len = static_cast<uint32_t>(len);
+    return Status::OK();
+  };
+  auto chunks = [&](std::vector<ChunkRef>* out) -> Status {
+    uint64_t n;
+    CKPT_RETURN_IF_ERROR(count(&n));
+    out->resize(n);
+    for (ChunkRef& c : *out) CKPT_RETURN_IF_ERROR(chunk(&c));
+    return Status::OK();
+  };
+  CKPT_RETURN_IF_ERROR(d.Varint(&p->unique_bytes));
+  CKPT_RETURN_IF_ERROR(d.Varint(&p->needed_bytes));
+  CKPT_RETURN_IF_ERROR(d.Varint(&p->fetch_bytes));
+  uint64_t n;
+  CKPT_RETURN_IF_ERROR(count(&n));
+  p->routes.resize(n);
+  for (RankRoute& r : p->routes) {
+    uint64_t v;
+    CKPT_RETURN_IF_ERROR(d.Varint(&v));
+    r.route = v;
+    CKPT_RETURN_IF_ERROR(rank(&r.reader));
+    CKPT_RETURN_IF_ERROR(d.Varint(&r.bytes));
+    CKPT_RETURN_IF_ERROR(count(&n));
+    if (n == 0) return Status::Corruption("a load plan's route names none of this rank's entries");
+    r.entries.resize(n);
+    for (size_t& i : r.entries) {
+      CKPT_RETURN_IF_ERROR(d.Varint(&v));
+      if (v >= entries) return Status::Corruption("a load plan names entry " + std::to_string(v));
+      i = v;
+    }
+    CKPT_RETURN_IF_ERROR(count(&n));
+    r.peers.resize(n);
+    for (int& peer : r.peers) CKPT_RETURN_IF_ERROR(rank(&peer));
+  }
+  CKPT_RETURN_IF_ERROR(count(&n));
+  p->windows.resize(n);
+  size_t end = 0;
+  for (HandoffWindow& w : p->windows) {
+    uint64_t v;
+    CKPT_RETURN_IF_ERROR(d.Varint(&v));
+    if (v < end || v > p->routes.size()) return Status::Corruption("a load plan's windows are out of order");
+    w.routes_end = end = v;
+    uint8_t exchange = 0;
+    CKPT_RETURN_IF_ERROR(d.U8(&exchange));
+    w.exchange = exchange != 0;
+    CKPT_RETURN_IF_ERROR(chunks(&w.hold));
+    CKPT_RETURN_IF_ERROR(count(&n));
+    w.handoffs.resize(n);
+    for (ChunkHandoff& h : w.handoffs) {
+      CKPT_RETURN_IF_ERROR(chunk(&h.chunk));
+      CKPT_RETURN_IF_ERROR(rank(&h.from));
+      CKPT_RETURN_IF_ERROR(rank(&h.to));
+      CKPT_RETURN_IF_ERROR(d.Varint(&v));
+      h.owner_route = v;
+      CKPT_RETURN_IF_ERROR(d.Varint(&v));
+      h.route = v;
+      CKPT_RETURN_IF_ERROR(d.Varint(&v));
+      h.index = v;
+    }
+    CKPT_RETURN_IF_ERROR(chunks(&w.release));
+  }
+  if (!p->windows.empty() && end != p->routes.size()) return Status::Corruption("a load plan's windows miss routes");
+  if (!d.done()) return Status::Corruption("a load plan has trailing bytes");
+  return Status::OK();
+}
+
+// What rank 0 computes from every rank's entries (and digests): each
+// rank's part of the plan, or why it cannot.
+using PlanParts =
+    std::function<Result<std::vector<std::string>>(const std::vector<std::vector<PlanEntry>>& plans,
+                                                    const std::vector<std::string>& digests)>;
+
+// A part of the plan as sent: a status code, then the part or the error.
+std::string PartMessage(const Status& st, std::string_view part) {
+  std::string m(1, static_cast<char>(st.code()));
+  m.append(st.ok() ? part : std::string_view(st.message()));
+  return m;
+}
+
+// The plan is made once, at rank 0: every rank's entries are gathered
+// there, rank 0 computes every rank's part (`compute`) and sends each its
+// own. Returns this rank's part and how many bytes of plan it received, or
+// the agreed error: a failing rank its own, the others one naming the
+// first failing rank (or rank 0, when computing the plan failed).
+Result<std::string> PlanAtRankZero(Communicator& comm, const std::string& step, const Status& local,
+                                   const std::vector<PlanEntry>& mine, std::string_view digests,
+                                   const PlanParts& compute, uint64_t* received) {
+  const std::string n = std::to_string(comm.size());
+  auto said = comm.Gather(EncodePlan(local, local.ok() ? mine : std::vector<PlanEntry>{}, digests), 0);
+  if (!said.ok()) return said.status().WithContext("the step '" + step + "'");
+  std::vector<std::string> parts;
+  if (comm.rank() == 0) {
+    Status failed;
+    std::vector<std::vector<PlanEntry>> plans(said->size());
+    std::vector<std::string> all_digests(said->size());
+    if (said->size() != static_cast<size_t>(comm.size())) {
+      failed = Status::Internal("the communicator gathered " + std::to_string(said->size()) + " plans from " + n +
+                                " ranks");
+    }
+    for (size_t r = 0; failed.ok() && r < said->size(); ++r) {
+      std::string error;
+      Status st = DecodePlan((*said)[r], &error, &plans[r], &all_digests[r]);
+      if (!st.ok()) failed = st.WithContext("the plan of rank " + std::to_string(r));
+      else if (!error.empty()) failed = Status::IOError("rank " + std::to_string(r) + " of " + n + " failed in '" + step + "': " + error);
+    }
+    Result<std::vector<std::string>> computed = failed.ok() ? compute(plans, all_digests) : Result<std::vector<std::string>>(failed);
+    if (computed.ok() && computed->size() != static_cast<size_t>(comm.size())) {
+      computed = Status::Internal("the plan has " + std::to_string(computed->size()) + " parts for " + n + " ranks");
+    }
+    parts.resize(static_cast<size_t>(comm.size()));
+    for (size_t r = 0; r < parts.size(); ++r) {
+      if (computed.ok()) {
+        parts[r] = PartMessage(Status::OK(), (*computed)[r]);
+      } else if (!failed.ok()) {
+        parts[r] = PartMessage(failed, "");
+      } else {
+        parts[r] = PartMessage(computed.status().WithContext("the step '" + step + "'"), "");
+      }
     }
   }
-  return plans;
+  auto part = comm.Scatter(parts, 0);
+  if (!part.ok()) return part.status().WithContext("the step '" + step + "'");
+  if (!local.ok()) return local.WithContext("rank " + std::to_string(comm.rank()) + ", step '" + step + "'");
+  if (part->empty()) return Status::Internal("rank 0 sent no plan in the step '" + step + "'");
+  *received = part->size() + (comm.rank() == 0 ? [&] {
+    uint64_t all = 0;
+    for (const std::string& m : *said) all += m.size();
+    return all;
+  }() : 0);
+  const auto code = static_cast<StatusCode>(static_cast<unsigned char>((*part)[0]));
+  if (code != StatusCode::kOk) return Status(code, part->substr(1));
+  return part->substr(1);
 }
 
 // Rank 0's `shared` on every rank, in one all-gather, when rank 0's step
@@ -190,14 +368,6 @@ CollectiveMemory& HostCollectiveMemory() {
   return memory;
 }
 
-std::vector<HandoffWindow> PlanChunkHandoffs(const CheckpointReader& reader,
-                                             const std::vector<std::vector<PlanEntry>>& plans,
-                                             const LoadRoutes& routes, int rank, uint64_t window_bytes) {
-  const auto chunks =
-      ChunksOfRoutes(routes, plans, [&](std::string_view name) { return reader.FindTensor(name); });
-  return ScheduleHandoffs(routes, chunks, AssignChunkHandoffs(routes, chunks), rank, window_bytes);
-}
-
 Result<std::unique_ptr<Repository>> OpenCollective(const std::string& url, OpenOptions options, Communicator& comm) {
   options.opening_sync = false;
   auto repo = Repository::Open(url, options);
@@ -222,7 +392,9 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
                                             std::span<const CollectiveShard> shards,
                                             std::span<const CollectiveBlob> blobs, Communicator& comm,
                                             CollectiveMemory& memory, WriterOptions options, bool verify_replicas) {
-  // 1. What this rank holds, gathered by every rank.
+  // 1. What this rank holds (and, to compare replicas, a hash of each),
+  // gathered at rank 0, which assigns the owners and sends each rank
+  // which of its values it puts.
   std::vector<PlanEntry> mine;
   Status local = ValidateMemberName("checkpoint name", name);
   for (const CollectiveShard& s : shards) {
@@ -231,56 +403,70 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
     mine.push_back({KeyOf(s.tensor), s.tensor.shape, s.region, s.data.size()});
   }
   for (const CollectiveBlob& b : blobs) mine.push_back({b.name, {}, Region::OfFlat(0, 0), b.data.size()});
-  CKPT_ASSIGN_OR_RETURN(auto plans, GatherPlans(comm, "describe the values", local, mine));
-  if (verify_replicas) {
-    // Each entry's hash, gathered; the load planner's grouping of equal
-    // regions says which entries are replicas of each other.
-    // A rank whose digest fails sends none, and every rank fails below.
-    std::string digests;
-    auto add = [&](const ChunkId& id) { digests.append(reinterpret_cast<const char*>(id.bytes.data()), id.bytes.size()); };
-    Status hashed;
-    for (const CollectiveShard& s : shards) {
-      auto id = memory.Digest(s.data);
-      if (!id.ok()) {
-        hashed = id.status().WithContext("hashing '" + s.tensor.name + "'");
-        break;
+  std::string digests;
+  auto add = [&](const ChunkId& id) { digests.append(reinterpret_cast<const char*>(id.bytes.data()), id.bytes.size()); };
+  for (size_t i = 0; verify_replicas && local.ok() && i < shards.size(); ++i) {
+    auto id = memory.Digest(shards[i].data);
+    if (id.ok()) add(*id);
+    else local = id.status().WithContext("hashing '" + shards[i].tensor.name + "'");
+  }
+  for (size_t i = 0; verify_replicas && local.ok() && i < blobs.size(); ++i) add(ChunkId::Of(blobs[i].data));
+  auto plan = [&](const std::vector<std::vector<PlanEntry>>& plans,
+                  const std::vector<std::string>& every) -> Result<std::vector<std::string>> {
+    if (verify_replicas) {
+      // The load planner's grouping of equal regions says which entries
+      // are replicas of each other.
+      const size_t w = ChunkId{}.bytes.size();
+      for (size_t r = 0; r < plans.size(); ++r) {
+        if (every[r].size() != plans[r].size() * w) {
+          return Status::Internal("rank " + std::to_string(r) + " sent " + std::to_string(every[r].size()) +
+                                  " bytes of hashes for " + std::to_string(plans[r].size()) + " values");
+        }
       }
-      add(*id);
-    }
-    for (const CollectiveBlob& b : blobs) add(ChunkId::Of(b.data));
-    if (!hashed.ok()) digests.clear();
-    auto every = comm.AllGather(digests);
-    if (!every.ok()) return every.status().WithContext("the step 'compare the replicas'");
-    if (!hashed.ok()) return hashed.WithContext("rank " + std::to_string(comm.rank()) + ", step 'compare the replicas'");
-    const size_t w = ChunkId{}.bytes.size();
-    for (size_t r = 0; r < plans.size(); ++r) {
-      if ((*every)[r].size() != plans[r].size() * w) {
-        return Status::Internal("rank " + std::to_string(r) + " sent " + std::to_string((*every)[r].size()) +
-                                " bytes of hashes for " + std::to_string(plans[r].size()) + " values");
-      }
-    }
-    for (const LoadRoute& route : AssignLoadReaders(plans).routes) {
-      const auto [r0, i0] = route.needers.front();
-      const std::string_view first = std::string_view((*every)[r0]).substr(i0 * w, w);
-      for (const auto& [r, i] : route.needers) {
-        if (std::string_view((*every)[r]).substr(i * w, w) != first) {
-          const std::string& key = plans[r][i].name;
-          return Status::InvalidArgument("the replicas of '" + key.substr(0, key.find('\0')) + "' differ: rank " +
-                                         std::to_string(r0) + " and rank " + std::to_string(r) +
-                                         " hold different bytes for the same region");
+      for (const LoadRoute& route : AssignLoadReaders(plans).routes) {
+        const auto [r0, i0] = route.needers.front();
+        const std::string_view first = std::string_view(every[r0]).substr(i0 * w, w);
+        for (const auto& [r, i] : route.needers) {
+          if (std::string_view(every[r]).substr(i * w, w) != first) {
+            const std::string& key = plans[r][i].name;
+            return Status::InvalidArgument("the replicas of '" + key.substr(0, key.find('\0')) + "' differ: rank " +
+                                           std::to_string(r0) + " and rank " + std::to_string(r) +
+                                           " hold different bytes for the same region");
+          }
         }
       }
     }
+    const SaveOwners owners = AssignSaveOwners(plans);
+    std::vector<std::string> parts;
+    parts.reserve(plans.size());
+    for (const std::vector<uint8_t>& put : owners.put) {
+      Encoder e;
+      e.Varint(owners.unique_bytes);
+      e.Varint(owners.held_bytes);
+      e.String(std::string_view(reinterpret_cast<const char*>(put.data()), put.size()));
+      parts.push_back(e.Take());
+    }
+    return parts;
+  };
+  uint64_t plan_bytes = 0;
+  CKPT_ASSIGN_OR_RETURN(std::string part,
+                        PlanAtRankZero(comm, "describe the values", local, mine, digests, plan, &plan_bytes));
+  // 2. This rank's owners.
+  CollectiveSaveResult result;
+  result.plan_bytes_received = plan_bytes;
+  std::string put_bytes;
+  {
+    Decoder d(part);
+    Status st = d.Varint(&result.unique_bytes);
+    if (st.ok()) st = d.Varint(&result.held_bytes);
+    if (st.ok()) st = d.String(&put_bytes);
+    if (st.ok() && (!d.done() || put_bytes.size() != mine.size())) st = Status::Corruption("a malformed save plan");
+    CKPT_RETURN_IF_ERROR(st.WithContext("the save plan from rank 0"));
   }
-  // 2. The same owners on every rank.
-  const SaveOwners owners = AssignSaveOwners(plans);
-  const std::vector<uint8_t>& put = owners.put[static_cast<size_t>(comm.rank())];
+  auto put = [&](size_t i) { return put_bytes[i] != 0; };
   // 3. Each rank puts what it owns.
   options.rank = static_cast<uint32_t>(comm.rank());
   options.world_size = static_cast<uint32_t>(comm.size());
-  CollectiveSaveResult result;
-  result.unique_bytes = owners.unique_bytes;
-  result.held_bytes = owners.held_bytes;
   // One store sync for the group: rank 0 begins, listing the store under
   // its shared store lock, and sends what it listed; the others apply
   // that. And one lock and one completion: the others take no store lock
@@ -304,13 +490,13 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
   }
   local = writer.status();
   for (size_t i = 0; local.ok() && i < shards.size(); ++i) {
-    if (!put[i]) continue;
+    if (!put(i)) continue;
     const std::unique_ptr<ShardSource> source = memory.Source(shards[i].data);
     local = (*writer)->PutShard(shards[i].tensor, shards[i].region, *source);
     result.put_bytes += shards[i].data.size();
   }
   for (size_t i = 0; local.ok() && i < blobs.size(); ++i) {
-    if (!put[shards.size() + i]) continue;
+    if (!put(shards.size() + i)) continue;
     local = (*writer)->PutBlob(blobs[i].name, blobs[i].data);
     result.put_bytes += blobs[i].data.size();
   }
@@ -349,59 +535,54 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
     if (found.ok()) records[i] = *found;
     mine.push_back({KeyOf(t.tensor), t.tensor.shape, t.region, t.data.size()});
   }
-  CKPT_ASSIGN_OR_RETURN(auto plans, GatherPlans(comm, "describe the targets", local, mine));
-  // 2. The same routes on every rank.
-  const LoadRoutes routes = AssignLoadReaders(plans);
+  // 2. Rank 0 makes the plan once, its reader listing the chunks of
+  // every rank's regions, and sends each rank its part.
+  auto plan = [&](const std::vector<std::vector<PlanEntry>>& plans,
+                  const std::vector<std::string>&) -> Result<std::vector<std::string>> {
+    const CheckpointReader& r = **reader;  // rank 0's, open: its failure stops the plan before this
+    std::vector<std::string> parts;
+    for (const RankLoadPlan& p : PlanLoadForRanks(
+             plans, [&](std::string_view tensor) { return r.FindTensor(tensor); }, kHandoffWindowBytes)) {
+      parts.push_back(EncodeLoadPlan(p));
+    }
+    return parts;
+  };
+  uint64_t plan_bytes = 0;
+  CKPT_ASSIGN_OR_RETURN(std::string part, PlanAtRankZero(comm, "describe the targets", local, mine, {}, plan, &plan_bytes));
+  RankLoadPlan routes;
+  CKPT_RETURN_IF_ERROR(DecodeLoadPlan(part, mine.size(), comm.size(), &routes).WithContext("the load plan from rank 0"));
   const int me = comm.rank();
   CollectiveLoadResult result;
   result.unique_bytes = routes.unique_bytes;
-  // This rank's entries on a route (a rank may ask for one region twice),
-  // and the other ranks needing it, each once.
-  auto entries_of = [&](const LoadRoute& route) {
-    std::vector<size_t> out;
-    for (const auto& [r, i] : route.needers) {
-      if (r == me) out.push_back(i);
-    }
-    return out;
-  };
-  auto peers = [](const LoadRoute& route) {
-    std::vector<int> out;
-    for (const auto& [r, i] : route.needers) {
-      if (r != route.reader && (out.empty() || out.back() != r)) out.push_back(r);  // needers are in rank order
-    }
-    return out;
-  };
+  result.plan_bytes_received = plan_bytes;
+  const std::vector<HandoffWindow>& windows = routes.windows;
   // 3. Chunks that regions with different readers share are fetched by one
   // of them and handed over decoded before those regions are read, in
   // windows that bound what the ranks hold. 4. Each region is read by its
   // reader. A rank whose read or check fails keeps exchanging, so no peer
-  // waits for it, and says so at the end.
-  const std::vector<HandoffWindow> windows = PlanChunkHandoffs(**reader, plans, routes, me);
-  // The windows' hand-offs are the same on every rank, so either all
-  // prepare or none.
+  // waits for it, and says so at the end. Either every rank takes part in
+  // a window's exchange or none does; so with the preparing of the
+  // hand-off buffer.
   size_t largest = 0;
   bool any_handoff = false;
   for (const HandoffWindow& w : windows) {
-    for (const ChunkHandoff& h : w.handoffs) {
-      any_handoff = true;
-      if (h.from == me || h.to == me) largest = std::max<size_t>(largest, h.chunk.raw_len);
-    }
+    any_handoff = any_handoff || w.exchange;
+    for (const ChunkHandoff& h : w.handoffs) largest = std::max<size_t>(largest, h.chunk.raw_len);
   }
   if (any_handoff) CKPT_RETURN_IF_ERROR(Agree(comm, "prepare the hand-offs", memory.PrepareHandoffs(largest)));
   Status failed;
   std::vector<std::byte> buffer;
   size_t begin = 0;
   for (const HandoffWindow& w : windows) {
-    if (!w.handoffs.empty()) {
+    if (w.exchange) {
       Status held;
       for (const ChunkRef& c : w.hold) {
         held = (*reader)->HoldChunk(c);
         if (!held.ok()) break;
       }
       CKPT_RETURN_IF_ERROR(Agree(comm, "fetch the shared chunks", held));
-      // In the hand-offs' order on every rank, as the delivery below.
+      // This rank's, in the plan's order, as its peers make them.
       for (const ChunkHandoff& h : w.handoffs) {
-        if (h.from != me && h.to != me) continue;
         buffer.resize(h.chunk.raw_len);
         if (h.from == me) {
           Status copied = (*reader)->CopyHeldChunk(h.chunk, buffer);
@@ -418,9 +599,9 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
       }
     }
     for (size_t k = begin; failed.ok() && k < w.routes_end; ++k) {
-      const LoadRoute& route = routes.routes[k];
+      const RankRoute& route = routes.routes[k];
       if (route.reader != me) continue;
-      const size_t i = entries_of(route).front();  // the reader is one of the needers
+      const size_t i = route.entries.front();
       failed = memory.Read(**reader, *records[i], targets[i].region, targets[i].data);
       result.fetched_bytes += targets[i].data.size();
     }
@@ -432,12 +613,11 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
   // every rank (so a blocking transport pairs each send with its receive),
   // and copied to this rank's other entries of the same region.
   Status copied;
-  for (const LoadRoute& route : routes.routes) {
-    const std::vector<size_t> own = entries_of(route);
-    if (own.empty()) continue;
+  for (const RankRoute& route : routes.routes) {
+    const std::vector<size_t>& own = route.entries;
     std::span<std::byte> first = targets[own.front()].data;
     if (me == route.reader) {
-      for (int peer : peers(route)) {
+      for (int peer : route.peers) {
         local = comm.Send(first, peer);
         if (!local.ok()) break;
         result.sent_bytes += first.size();

@@ -78,6 +78,9 @@ struct CollectiveSaveResult {
   uint64_t put_bytes = 0;      // what this rank hashed, encoded and wrote
   uint64_t unique_bytes = 0;   // each distinct region once, over the group
   uint64_t held_bytes = 0;     // every region of every rank
+  // What this rank received of the plan: its own part (rank 0: also every
+  // rank's entries, which it gathers to make the plan).
+  uint64_t plan_bytes_received = 0;
 };
 // How long rank 0's commit of a collective save waits for the other
 // ranks' parts unless WriterOptions::await_ranks says otherwise.
@@ -118,9 +121,10 @@ struct CollectiveLoadResult {
   uint64_t sent_bytes = 0;
   uint64_t unique_bytes = 0;    // each distinct region once, over the group
   // Decoded chunks that regions read by different ranks share, handed over
-  // by the rank that fetched them (PlanChunkHandoffs).
+  // by the rank that fetched them (PlanLoadForRanks).
   uint64_t handoff_sent_bytes = 0;
   uint64_t handoff_received_bytes = 0;
+  uint64_t plan_bytes_received = 0;  // as CollectiveSaveResult's
 };
 // Every rank calls it with the regions it needs (at any world size and
 // replication). Each distinct region is read by one of the ranks needing
@@ -139,16 +143,5 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
 // Hand-offs of decoded chunks are exchanged in windows of about this many
 // bytes over the group, so what the ranks hold for each other stays bounded.
 inline constexpr uint64_t kHandoffWindowBytes = 256ull << 20;
-
-// The chunk hand-offs of a collective load, as `rank` takes part in them
-// (AssignChunkHandoffs, ScheduleHandoffs): every rank lists the chunks of
-// every route's region from its own reader of the checkpoint (the same
-// manifest on every host), so every rank reaches the same windows without
-// an exchange. Blobs and tensors the checkpoint lacks are left out (their
-// reads fail and name them).
-std::vector<HandoffWindow> PlanChunkHandoffs(const CheckpointReader& reader,
-                                             const std::vector<std::vector<PlanEntry>>& plans,
-                                             const LoadRoutes& routes, int rank,
-                                             uint64_t window_bytes = kHandoffWindowBytes);
 
 }  // namespace ckptfs

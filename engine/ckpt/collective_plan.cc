@@ -182,66 +182,124 @@ std::vector<ChunkHandoff> AssignChunkHandoffs(const LoadRoutes& routes,
     for (const ChunkRef& c : route_chunks[k]) {
       auto [it, first] = owner.try_emplace(c.id, Owner{reader, k});
       if (first || it->second.reader == reader) continue;
-      if (given.insert({c.id, reader}).second) out.push_back({c, it->second.reader, reader, it->second.route, k});
+      if (given.insert({c.id, reader}).second) {
+        out.push_back({c, it->second.reader, reader, it->second.route, k, out.size()});
+      }
     }
   }
   return out;
 }
 
-std::vector<HandoffWindow> ScheduleHandoffs(const LoadRoutes& routes,
-                                            const std::vector<std::vector<ChunkRef>>& route_chunks,
-                                            const std::vector<ChunkHandoff>& handoffs, int rank,
-                                            uint64_t window_bytes) {
+std::vector<std::vector<HandoffWindow>> ScheduleHandoffs(const LoadRoutes& routes,
+                                                         const std::vector<std::vector<ChunkRef>>& route_chunks,
+                                                         const std::vector<ChunkHandoff>& handoffs, int ranks,
+                                                         uint64_t window_bytes) {
   const size_t n = routes.routes.size();
   // The window of each route: a window closes after the route whose
   // hand-offs bring it to window_bytes.
   std::vector<uint64_t> given_at(n, 0);
   for (const ChunkHandoff& h : handoffs) given_at[h.route] += h.chunk.raw_len;
   std::vector<size_t> window_of(n, 0);
-  std::vector<HandoffWindow> out(1);
+  std::vector<HandoffWindow> shape(1);  // routes_end and exchange, the same for every rank
   uint64_t in_window = 0;
   for (size_t k = 0; k < n; ++k) {
-    window_of[k] = out.size() - 1;
+    window_of[k] = shape.size() - 1;
     in_window += given_at[k];
     if (in_window >= window_bytes && k + 1 < n) {
-      out.back().routes_end = k + 1;
-      out.emplace_back();
+      shape.back().routes_end = k + 1;
+      shape.emplace_back();
       in_window = 0;
     }
   }
-  out.back().routes_end = n;
-  for (const ChunkHandoff& h : handoffs) out[window_of[h.route]].handoffs.push_back(h);
-  // What this rank holds, from when, and until its last use: a chunk it
+  shape.back().routes_end = n;
+  for (const ChunkHandoff& h : handoffs) shape[window_of[h.route]].exchange = true;
+  std::vector<std::vector<HandoffWindow>> out(static_cast<size_t>(std::max(ranks, 0)), shape);
+  auto valid = [&](int r) { return r >= 0 && r < ranks; };
+  for (const ChunkHandoff& h : handoffs) {
+    const size_t w = window_of[h.route];
+    if (valid(h.from)) out[h.from][w].handoffs.push_back(h);
+    if (valid(h.to) && h.to != h.from) out[h.to][w].handoffs.push_back(h);
+  }
+  // What each rank holds, from when, and until its last use: a chunk it
   // owns from its first route needing it (so the store is read once), one
   // handed to it from the window it arrives in.
   struct Held {
     ChunkRef chunk;
     size_t last = 0;
   };
-  std::unordered_map<ChunkId, Held, ChunkIdHash> held;
+  using HeldMap = std::unordered_map<ChunkId, Held, ChunkIdHash>;
+  std::vector<HeldMap> held(out.size());
   for (const ChunkHandoff& h : handoffs) {
-    if (h.from == rank) {
-      auto [it, first] = held.try_emplace(h.chunk.id, Held{h.chunk, window_of[h.route]});
-      if (first) out[window_of[h.owner_route]].hold.push_back(h.chunk);
+    if (valid(h.from)) {
+      auto [it, first] = held[h.from].try_emplace(h.chunk.id, Held{h.chunk, window_of[h.route]});
+      if (first) out[h.from][window_of[h.owner_route]].hold.push_back(h.chunk);
       it->second.last = std::max(it->second.last, window_of[h.route]);
-    } else if (h.to == rank) {
-      held.try_emplace(h.chunk.id, Held{h.chunk, window_of[h.route]});
     }
+    if (valid(h.to)) held[h.to].try_emplace(h.chunk.id, Held{h.chunk, window_of[h.route]});
   }
-  if (held.empty()) return out;
   for (size_t k = 0; k < n && k < route_chunks.size(); ++k) {
-    if (routes.routes[k].reader != rank) continue;
+    const int reader = routes.routes[k].reader;
+    if (!valid(reader) || held[reader].empty()) continue;
     for (const ChunkRef& c : route_chunks[k]) {
-      auto it = held.find(c.id);
-      if (it != held.end()) it->second.last = std::max(it->second.last, window_of[k]);
+      auto it = held[reader].find(c.id);
+      if (it != held[reader].end()) it->second.last = std::max(it->second.last, window_of[k]);
     }
   }
   // Released in a fixed order (the hand-offs'), so every run is the same.
   for (const ChunkHandoff& h : handoffs) {
-    auto it = held.find(h.chunk.id);
-    if (it == held.end()) continue;  // not this rank's, or released already
-    out[it->second.last].release.push_back(it->second.chunk);
-    held.erase(it);
+    for (int r : {h.from, h.to}) {
+      if (!valid(r)) continue;
+      auto it = held[r].find(h.chunk.id);
+      if (it == held[r].end()) continue;  // released already
+      out[r][it->second.last].release.push_back(it->second.chunk);
+      held[r].erase(it);
+    }
+  }
+  return out;
+}
+
+std::vector<RankLoadPlan> PlanLoadForRanks(const std::vector<std::vector<PlanEntry>>& plans,
+                                           const std::function<const TensorRecord*(std::string_view)>& find,
+                                           uint64_t window_bytes) {
+  const LoadRoutes routes = AssignLoadReaders(plans);
+  const int ranks = static_cast<int>(plans.size());
+  std::vector<std::vector<HandoffWindow>> windows;
+  if (find) {
+    const auto chunks = ChunksOfRoutes(routes, plans, find);
+    windows = ScheduleHandoffs(routes, chunks, AssignChunkHandoffs(routes, chunks), ranks, window_bytes);
+  } else {
+    windows.assign(plans.size(), std::vector<HandoffWindow>{HandoffWindow{routes.routes.size()}});
+  }
+  std::vector<RankLoadPlan> out(plans.size());
+  for (size_t r = 0; r < out.size(); ++r) {
+    out[r].unique_bytes = routes.unique_bytes;
+    out[r].needed_bytes = routes.needed_bytes;
+    out[r].fetch_bytes = routes.bytes_per_rank[r];
+  }
+  // Each route to the ranks needing it (needers come in rank order, so
+  // each rank's entries on a route are adjacent).
+  for (size_t k = 0; k < routes.routes.size(); ++k) {
+    const LoadRoute& route = routes.routes[k];
+    std::vector<int> peers;
+    for (const auto& [r, i] : route.needers) {
+      if (r != route.reader && (peers.empty() || peers.back() != r)) peers.push_back(r);
+    }
+    for (const auto& [r, i] : route.needers) {
+      std::vector<RankRoute>& mine = out[r].routes;
+      if (mine.empty() || mine.back().route != k) {
+        mine.push_back({k, route.reader, route.bytes, {}, r == route.reader ? peers : std::vector<int>{}});
+      }
+      mine.back().entries.push_back(i);
+    }
+  }
+  // Each window's end, counted in the rank's own routes.
+  for (size_t r = 0; r < out.size(); ++r) {
+    out[r].windows = std::move(windows[r]);
+    size_t at = 0;
+    for (HandoffWindow& w : out[r].windows) {
+      while (at < out[r].routes.size() && out[r].routes[at].route < w.routes_end) ++at;
+      w.routes_end = at;
+    }
   }
   return out;
 }

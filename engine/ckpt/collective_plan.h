@@ -2,10 +2,11 @@
 // encodes and writes each region that several ranks hold, and which rank
 // fetches each region that several ranks need.
 //
-// Every rank gathers every rank's list (all-gather, driven by the layer
-// that owns the process group: Python for torch.distributed) and calls the
-// same function on the same input, so all ranks reach the same answer
-// without another exchange. The functions are pure and deterministic.
+// Rank 0 gathers every rank's list (driven by the layer that owns the
+// process group: Python for torch.distributed), computes the plan once for
+// the group, and sends each rank its own part (PlanLoadForRanks), so what
+// moves over the group and what each rank holds grows with the entries,
+// not with their square. The functions are pure and deterministic.
 //
 // Regions are the same when they name the same tensor (and global shape)
 // and cover the same elements: a box that is contiguous in row-major order
@@ -83,6 +84,7 @@ struct ChunkHandoff {
   int to = 0;
   size_t owner_route = 0;
   size_t route = 0;  // the first route of `to` that needs the chunk
+  size_t index = 0;  // its place among the plan's hand-offs (a transport's tag)
 };
 
 // The chunks each route's region needs, in routes order (route_chunks
@@ -105,21 +107,53 @@ std::vector<ChunkHandoff> AssignChunkHandoffs(const LoadRoutes& routes,
 // What one rank does in one window of a collective load. Routes are read in
 // windows so that the decoded chunks ranks hold for each other stay
 // bounded: before reading routes [previous routes_end, routes_end), the
-// rank fetches and holds `hold`, the ranks exchange `handoffs` (every
-// rank's, in the same order everywhere), and after the reads the rank lets
-// `release` go.
+// rank fetches and holds `hold`, every rank takes part in an exchange of
+// hand-offs when any rank has one in the window (`exchange`), in which
+// this rank sends and receives `handoffs` (its own, in the plan's order),
+// and after the reads the rank lets `release` go.
 struct HandoffWindow {
   size_t routes_end = 0;
+  bool exchange = false;
   std::vector<ChunkRef> hold;
   std::vector<ChunkHandoff> handoffs;
   std::vector<ChunkRef> release;
 };
 
 // Cuts the routes into windows of about `window_bytes` of hand-offs each
-// (one window when there are none) and gives `rank` its part of each.
-std::vector<HandoffWindow> ScheduleHandoffs(const LoadRoutes& routes,
-                                            const std::vector<std::vector<ChunkRef>>& route_chunks,
-                                            const std::vector<ChunkHandoff>& handoffs, int rank,
-                                            uint64_t window_bytes);
+// (one window when there are none) and gives each of `ranks` ranks its
+// part of each, in one pass: out[rank][window], routes_end counting all
+// routes. O(R + C + N·W) in routes, chunks listed, ranks and windows.
+std::vector<std::vector<HandoffWindow>> ScheduleHandoffs(const LoadRoutes& routes,
+                                                         const std::vector<std::vector<ChunkRef>>& route_chunks,
+                                                         const std::vector<ChunkHandoff>& handoffs, int ranks,
+                                                         uint64_t window_bytes);
+
+// A route as one rank takes part in it.
+struct RankRoute {
+  size_t route = 0;             // its index among the plan's routes (a transport's tag)
+  int reader = 0;
+  uint64_t bytes = 0;           // of the region
+  std::vector<size_t> entries;  // this rank's entries on it, in order
+  std::vector<int> peers;       // for its reader: the other ranks needing it, ascending
+  bool operator==(const RankRoute&) const = default;
+};
+
+// One rank's part of a collective load's plan.
+struct RankLoadPlan {
+  std::vector<RankRoute> routes;       // those this rank needs, in the plan's order
+  std::vector<HandoffWindow> windows;  // routes_end counts `routes` above
+  uint64_t unique_bytes = 0;           // over the group
+  uint64_t needed_bytes = 0;
+  uint64_t fetch_bytes = 0;            // what this rank fetches
+};
+
+// The group's load plan, computed once (AssignLoadReaders, ChunksOfRoutes,
+// AssignChunkHandoffs, ScheduleHandoffs) and cut into every rank's part.
+// Without `find` (no reader of the checkpoint) there are no hand-offs.
+// O(N log N) in the entries over all ranks plus the chunks listed; each
+// rank's part is the size of its own entries and hand-offs.
+std::vector<RankLoadPlan> PlanLoadForRanks(const std::vector<std::vector<PlanEntry>>& plans,
+                                           const std::function<const TensorRecord*(std::string_view)>& find,
+                                           uint64_t window_bytes);
 
 }  // namespace ckptfs

@@ -87,6 +87,32 @@ class HostCommunicator final : public Communicator {
     return out;
   }
 
+  Result<std::vector<std::string>> Gather(std::string_view mine, int root) override {
+    if (root < 0 || root >= group_->size) return Status::InvalidArgument("gather root out of range");
+    std::unique_lock lock(group_->mu);
+    group_->gathered[static_cast<size_t>(rank_)] = std::string(mine);
+    group_->Barrier(lock);
+    std::vector<std::string> out;
+    if (rank_ == root) out = group_->gathered;
+    group_->Barrier(lock);
+    return out;
+  }
+
+  Result<std::string> Scatter(const std::vector<std::string>& parts, int root) override {
+    if (root < 0 || root >= group_->size) return Status::InvalidArgument("scatter root out of range");
+    const bool fits = parts.size() == static_cast<size_t>(group_->size);
+    std::unique_lock lock(group_->mu);
+    if (rank_ == root) {
+      for (size_t r = 0; r < group_->gathered.size(); ++r) group_->gathered[r] = fits ? parts[r] : std::string();
+    }
+    group_->Barrier(lock);
+    std::string out = std::move(group_->gathered[static_cast<size_t>(rank_)]);
+    group_->Barrier(lock);
+    if (rank_ == root && !fits) return Status::InvalidArgument("scatter given " + std::to_string(parts.size()) +
+                                                               " parts for " + std::to_string(group_->size) + " ranks");
+    return out;
+  }
+
   Status Send(std::span<const std::byte> data, int peer) override {
     if (peer < 0 || peer >= group_->size || peer == rank_) return Status::InvalidArgument("send to a bad peer");
     std::vector<std::byte> copy(data.begin(), data.end());

@@ -39,6 +39,13 @@ class Communicator {
   // Every rank's `mine`, in rank order: small host messages (plans,
   // statuses), of any length each.
   virtual Result<std::vector<std::string>> AllGather(std::string_view mine) = 0;
+  // Every rank's `mine` at `root`, in rank order; the other ranks get an
+  // empty list. Small host messages.
+  virtual Result<std::vector<std::string>> Gather(std::string_view mine, int root) = 0;
+  // parts[r], given at `root` (one per rank; ignored elsewhere), on rank r.
+  // A root given the wrong number of parts sends every rank an empty
+  // message and returns InvalidArgument. Small host messages.
+  virtual Result<std::string> Scatter(const std::vector<std::string>& parts, int root) = 0;
   // Point to point, in the memory Broadcast uses: `data` goes to `peer`,
   // whose matching Recv (same size) receives it. A Send may return before
   // the peer receives.

@@ -134,7 +134,13 @@ def main():
         if action == "die-commit":
             ckptfs._core.Writer.commit = gone
         else:
-            ckptfs.collective._core = type("Dying", (), {"plan_save": gone, "plan_load": gone})
+            # Once it has its part of the plan.
+            planned = ckptfs.collective._Group.plan_at_rank_0
+
+            def dies_after(*args, **kwargs):
+                planned(*args, **kwargs)
+                gone()
+            ckptfs.collective._Group.plan_at_rank_0 = dies_after
     if action == "resume":
         if rank != 0:
             def asks(*_args, **_kwargs):

@@ -144,6 +144,63 @@ TEST(CollectivePlan, PlanningTimeGrowsAsNLogN) {
   }
 }
 
+// Rank 0 makes the plan once and sends each rank its part: the routes it
+// needs, in the plan's order, with its entries and (as reader) its peers.
+// A rank's part is the size of its own entries, whatever the world size;
+// only a reader's list of peers grows with the ranks needing its region.
+TEST(CollectivePlan, EachRankGetsItsOwnPartOfThePlanMadeOnce) {
+  double per_entry_8 = 0;
+  for (int world : {8, 64, 512}) {
+    const auto ranks = Hsdp(world / 8, 8, 200);
+    const auto start = std::chrono::steady_clock::now();
+    const auto parts = PlanLoadForRanks(ranks, nullptr, 256 << 20);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double entries = static_cast<double>(world) * 201;
+    std::printf("load plan for every rank at %d ranks (%.0f entries): %.3f s\n", world, entries, s);
+    const LoadRoutes routes = AssignLoadReaders(ranks);
+    ASSERT_EQ(parts.size(), static_cast<size_t>(world));
+    std::vector<size_t> listed(routes.routes.size(), 0);
+    size_t peers = 0;
+    for (int r = 0; r < world; ++r) {
+      const RankLoadPlan& p = parts[r];
+      ASSERT_EQ(p.routes.size(), 201u) << r;
+      ASSERT_EQ(p.windows.size(), 1u);
+      EXPECT_EQ(p.windows[0].routes_end, 201u);
+      EXPECT_FALSE(p.windows[0].exchange);
+      EXPECT_EQ(p.unique_bytes, routes.unique_bytes);
+      EXPECT_EQ(p.fetch_bytes, routes.bytes_per_rank[r]);
+      for (size_t k = 0; k < p.routes.size(); ++k) {
+        const RankRoute& mine = p.routes[k];
+        if (k > 0) {
+          EXPECT_LT(p.routes[k - 1].route, mine.route);
+        }
+        const LoadRoute& route = routes.routes[mine.route];
+        ++listed[mine.route];
+        EXPECT_EQ(mine.reader, route.reader);
+        std::vector<size_t> entries;
+        std::vector<int> others;
+        for (const auto& [rank, i] : route.needers) {
+          if (rank == r) entries.push_back(i);
+          if (rank != route.reader && (others.empty() || others.back() != rank)) others.push_back(rank);
+        }
+        EXPECT_EQ(mine.entries, entries);
+        EXPECT_EQ(mine.peers, r == route.reader ? others : std::vector<int>{});
+        peers += mine.peers.size();
+      }
+    }
+    // Every route reaches each rank needing it once; every other needer is
+    // some reader's peer once.
+    for (size_t k = 0; k < routes.routes.size(); ++k) {
+      EXPECT_EQ(listed[k], routes.routes[k].needers.size()) << k;
+    }
+    EXPECT_EQ(peers, static_cast<size_t>(world) * 201 - routes.routes.size());
+    if (world == 8) per_entry_8 = s / entries;
+    if (world == 512) {
+      EXPECT_LT(s / entries, std::max(per_entry_8, 1e-7) * 40) << "per-entry planning time grew too fast";
+    }
+  }
+}
+
 // Three routes read by ranks 0, 1 and 2 needing chunks [A, B], [B, C] and
 // [C, D, A] (a restore whose cuts split B and C, and A stored once for two
 // tensors), each chunk 100 bytes.
@@ -188,23 +245,35 @@ TEST(CollectivePlan, HandOffsRunInWindowsAndHeldChunksGoAfterTheirLastUse) {
     for (const ChunkRef& c : v) out += c == SharedChunks().a ? 'A' : c == SharedChunks().b ? 'B' : c == SharedChunks().c ? 'C' : 'D';
     return out;
   };
-  // Windows of large budget: one.
-  auto one = ScheduleHandoffs(s.routes, s.chunks, given, 0, 1 << 20);
-  ASSERT_EQ(one.size(), 1u);
-  EXPECT_EQ(one[0].routes_end, 3u);
-  EXPECT_EQ(one[0].handoffs.size(), 3u);
-  EXPECT_EQ(list(one[0].hold), "BA");
-  EXPECT_EQ(list(one[0].release), "BA");
+  for (size_t i = 0; i < given.size(); ++i) EXPECT_EQ(given[i].index, i);
+  // Windows of large budget: one. Each rank gets its own hand-offs.
+  auto one = ScheduleHandoffs(s.routes, s.chunks, given, 3, 1 << 20);
+  ASSERT_EQ(one.size(), 3u);
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_EQ(one[r].size(), 1u) << r;
+    EXPECT_EQ(one[r][0].routes_end, 3u);
+    EXPECT_TRUE(one[r][0].exchange);
+    EXPECT_EQ(one[r][0].handoffs.size(), 2u) << r;  // rank 0: B and A out; 1: B in, C out; 2: C and A in
+  }
+  EXPECT_EQ(list(one[0][0].hold), "BA");
+  EXPECT_EQ(list(one[0][0].release), "BA");
   // A budget of one chunk: route 1's hand-off closes the first window.
-  std::vector<std::vector<HandoffWindow>> w;
-  for (int r = 0; r < 3; ++r) w.push_back(ScheduleHandoffs(s.routes, s.chunks, given, r, 100));
+  auto w = ScheduleHandoffs(s.routes, s.chunks, given, 3, 100);
+  ASSERT_EQ(w.size(), 3u);
   for (int r = 0; r < 3; ++r) {
     ASSERT_EQ(w[r].size(), 2u) << r;
     EXPECT_EQ(w[r][0].routes_end, 2u);
     EXPECT_EQ(w[r][1].routes_end, 3u);
-    EXPECT_EQ(w[r][0].handoffs.size(), 1u);  // B to rank 1
-    EXPECT_EQ(w[r][1].handoffs.size(), 2u);  // C and A to rank 2
+    EXPECT_TRUE(w[r][0].exchange && w[r][1].exchange) << r;
   }
+  // B goes from rank 0 to rank 1 in the first window; C (1 to 2) and A
+  // (0 to 2) in the second; a rank sees only its own.
+  EXPECT_EQ(w[0][0].handoffs.size(), 1u);
+  EXPECT_EQ(w[1][0].handoffs.size(), 1u);
+  EXPECT_EQ(w[2][0].handoffs.size(), 0u);
+  EXPECT_EQ(w[0][1].handoffs.size(), 1u);
+  EXPECT_EQ(w[1][1].handoffs.size(), 1u);
+  EXPECT_EQ(w[2][1].handoffs.size(), 2u);
   // Rank 0 holds A from its first route on (so the store is read once),
   // until it hands A over in the second window.
   EXPECT_EQ(list(w[0][0].hold), "BA");
@@ -219,10 +288,12 @@ TEST(CollectivePlan, HandOffsRunInWindowsAndHeldChunksGoAfterTheirLastUse) {
   EXPECT_EQ(list(w[2][0].hold) + list(w[2][1].hold), "");
   EXPECT_EQ(list(w[2][0].release), "");
   EXPECT_EQ(list(w[2][1].release), "CA");
-  // Without hand-offs: one window and nothing held.
-  auto none = ScheduleHandoffs(s.routes, s.chunks, {}, 0, 100);
-  ASSERT_EQ(none.size(), 1u);
-  EXPECT_TRUE(none[0].hold.empty() && none[0].release.empty() && none[0].handoffs.empty());
+  // Without hand-offs: one window, no exchange, nothing held.
+  auto none = ScheduleHandoffs(s.routes, s.chunks, {}, 3, 100);
+  ASSERT_EQ(none.size(), 3u);
+  ASSERT_EQ(none[0].size(), 1u);
+  EXPECT_FALSE(none[0][0].exchange);
+  EXPECT_TRUE(none[0][0].hold.empty() && none[0][0].release.empty() && none[0][0].handoffs.empty());
 }
 
 // ---- Listing the chunks of many regions: ShardIndex and ChunksOfRoutes ----
@@ -338,16 +409,17 @@ TEST(CollectivePlan, HandOffPlanningGrowsAsNLogN) {
     double s = 1e9;
     LoadRoutes routes;
     std::vector<ChunkHandoff> handoffs;
-    std::vector<HandoffWindow> windows;
+    std::vector<std::vector<HandoffWindow>> windows;
+    auto find = [&](std::string_view n) {
+      auto it = stored.find(std::string(n));
+      return it == stored.end() ? nullptr : &it->second;
+    };
     for (int attempt = 0; attempt < 3; ++attempt) {
       const auto start = std::chrono::steady_clock::now();
       routes = AssignLoadReaders(plans);
-      const auto chunks = ChunksOfRoutes(routes, plans, [&](std::string_view n) {
-        auto it = stored.find(std::string(n));
-        return it == stored.end() ? nullptr : &it->second;
-      });
+      const auto chunks = ChunksOfRoutes(routes, plans, find);
       handoffs = AssignChunkHandoffs(routes, chunks);
-      windows = ScheduleHandoffs(routes, chunks, handoffs, 0, 256 << 20);
+      windows = ScheduleHandoffs(routes, chunks, handoffs, world, 256 << 20);
       s = std::min(s, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
     const double per_route = s / static_cast<double>(routes.routes.size());
@@ -576,6 +648,42 @@ TEST_F(CollectiveSaveLoad, ARankAskingForARegionTwiceGetsItInBothTargets) {
   // "norm" went over the group once, to the rank that did not read it.
   EXPECT_EQ(loaded[0]->sent_bytes + loaded[1]->sent_bytes, h_.norm.size());
   EXPECT_EQ(loaded[0]->fetched_bytes + loaded[1]->fetched_bytes, h_.norm.size() + rows.size());
+}
+
+TEST_F(CollectiveSaveLoad, ARanksPartOfThePlanDoesNotGrowWithTheGroup) {
+  for (auto& s : Save("s")) ASSERT_OK(s);
+  // "w" in its 2 saved row shards, on 4, 8 and 16 ranks (2, 4 and 8
+  // replicas): a rank that does not read receives one route whatever the
+  // world size (an all-gather of the plans would bring it every rank's);
+  // a reader's part grows by its peers only, and rank 0 gathers every
+  // rank's entries.
+  std::map<int, std::vector<Result<CollectiveLoadResult>>> loaded;
+  for (int world : {4, 8, 16}) {
+    loaded[world].assign(world, Status::Internal("not run"));
+    std::vector<std::vector<std::byte>> got(world, std::vector<std::byte>(h_.w.size() / 2));
+    OnGroup(world, [&](int r, Communicator& comm) {
+      std::vector<CollectiveTarget> targets = {{h_.w_info, h_.Rows(r % 2, 2), got[r]}};
+      loaded[world][r] = LoadCollective(*repo_, "s", targets, comm);
+    });
+    for (int r = 0; r < world; ++r) {
+      ASSERT_OK(loaded[world][r]);
+      auto want = h_.RowBytes(r % 2, 2);
+      EXPECT_TRUE(std::equal(want.begin(), want.end(), got[r].begin(), got[r].end())) << world << " " << r;
+    }
+  }
+  auto part = [&](int world, int r) { return loaded[world][r]->plan_bytes_received; };
+  const uint64_t non_reader = part(4, 3);  // ranks 0 and 1 read the two shards
+  ASSERT_EQ(loaded[4][3]->fetched_bytes, 0u);
+  for (int world : {8, 16}) {
+    for (int r = 1; r < world; ++r) {
+      if (loaded[world][r]->fetched_bytes == 0) {
+        EXPECT_LE(part(world, r), non_reader + 2) << world << " " << r;  // the group's totals take a byte more
+      } else {
+        EXPECT_LE(part(world, r), non_reader + static_cast<uint64_t>(world)) << world << " " << r;
+      }
+    }
+  }
+  EXPECT_GT(part(16, 0), 3 * part(4, 0)) << "rank 0 gathers every rank's entries";
 }
 
 TEST_F(CollectiveSaveLoad, ReplicasThatDifferFailEveryRankNamingTheTensor) {

@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -859,49 +860,75 @@ std::vector<std::vector<PlanEntry>> ToPlanEntries(const std::vector<std::vector<
   return out;
 }
 
-py::tuple PlanSave(const std::vector<std::vector<PlanTuple>>& ranks, size_t rank) {
+// Every rank's part of a save plan, made once: [(puts, unique, held,
+// bytes per rank)], puts saying which of that rank's entries it puts.
+py::list PlanSave(const std::vector<std::vector<PlanTuple>>& ranks) {
   SaveOwners owners;
   {
     auto entries = ToPlanEntries(ranks);
     py::gil_scoped_release nogil;
     owners = AssignSaveOwners(entries);
   }
-  if (rank >= owners.put.size()) throw StatusError{Status::InvalidArgument("rank out of range")};
-  std::vector<bool> mine(owners.put[rank].begin(), owners.put[rank].end());
-  return py::make_tuple(mine, owners.unique_bytes, owners.held_bytes, owners.bytes_per_rank);
+  py::list parts;
+  py::list per_rank = py::cast(owners.bytes_per_rank);
+  for (const std::vector<uint8_t>& put : owners.put) {
+    parts.append(py::make_tuple(std::vector<bool>(put.begin(), put.end()), owners.unique_bytes, owners.held_bytes,
+                                per_rank));
+  }
+  return parts;
+}
+
+// The load planner's grouping of equal regions: [(reader, bytes, [(rank,
+// entry)])], the routes of a load plan.
+py::list PlanRoutes(const std::vector<std::vector<PlanTuple>>& ranks) {
+  LoadRoutes routes;
+  {
+    auto entries = ToPlanEntries(ranks);
+    py::gil_scoped_release nogil;
+    routes = AssignLoadReaders(entries);
+  }
+  py::list out;
+  for (const LoadRoute& r : routes.routes) out.append(py::make_tuple(r.reader, r.bytes, r.needers));
+  return out;
 }
 
 py::tuple ChunkTuple(const ChunkRef& c) {
   return py::make_tuple(py::bytes(reinterpret_cast<const char*>(c.id.bytes.data()), c.id.bytes.size()), c.raw_len);
 }
 
-// With a reader of the checkpoint and this rank, the windows of chunk
-// hand-offs too (else one window of none): [(routes_end, hold, handoffs,
-// release)], handoffs as [(from, to, chunk)], chunks as (id, length).
-py::tuple PlanLoad(const std::vector<std::vector<PlanTuple>>& ranks, const Reader* reader, int rank) {
-  LoadRoutes routes;
-  std::vector<HandoffWindow> windows;
+// Every rank's part of a load plan, made once (PlanLoadForRanks; with a
+// reader of the checkpoint, the windows of chunk hand-offs too, else one
+// window of none): [(routes, windows, unique, needed, bytes per rank)],
+// routes as [(route, reader, bytes, [entry], [peer])], windows as
+// [(routes_end, exchange, hold, [(index, from, to, chunk)], release)],
+// chunks as (id, length).
+py::list PlanLoad(const std::vector<std::vector<PlanTuple>>& ranks, const Reader* reader) {
+  std::vector<RankLoadPlan> plans;
   {
     auto entries = ToPlanEntries(ranks);
     py::gil_scoped_release nogil;
-    routes = AssignLoadReaders(entries);
-    if (reader != nullptr) {
-      windows = PlanChunkHandoffs(reader->core(), entries, routes, rank);
-    } else {
-      windows.push_back({routes.routes.size(), {}, {}, {}});
+    std::function<const TensorRecord*(std::string_view)> find;
+    if (reader != nullptr) find = [&](std::string_view name) { return reader->core().FindTensor(name); };
+    plans = PlanLoadForRanks(entries, find, kHandoffWindowBytes);
+  }
+  std::vector<uint64_t> per_rank_bytes;
+  for (const RankLoadPlan& p : plans) per_rank_bytes.push_back(p.fetch_bytes);
+  py::list per_rank = py::cast(per_rank_bytes);
+  py::list parts;
+  for (const RankLoadPlan& p : plans) {
+    py::list routes;
+    for (const RankRoute& r : p.routes) routes.append(py::make_tuple(r.route, r.reader, r.bytes, r.entries, r.peers));
+    py::list windows;
+    for (const HandoffWindow& w : p.windows) {
+      py::list hold, given, release;
+      for (const ChunkRef& c : w.hold) hold.append(ChunkTuple(c));
+      for (const ChunkHandoff& h : w.handoffs) given.append(py::make_tuple(h.index, h.from, h.to, ChunkTuple(h.chunk)));
+      for (const ChunkRef& c : w.release) release.append(ChunkTuple(c));
+      windows.append(py::make_tuple(w.routes_end, w.exchange, hold, given, release));
     }
+    parts.append(py::make_tuple(routes, windows, p.unique_bytes, p.needed_bytes, per_rank));
   }
-  py::list out;
-  for (const LoadRoute& r : routes.routes) out.append(py::make_tuple(r.reader, r.bytes, r.needers));
-  py::list plan;
-  for (const HandoffWindow& w : windows) {
-    py::list hold, given, release;
-    for (const ChunkRef& c : w.hold) hold.append(ChunkTuple(c));
-    for (const ChunkHandoff& h : w.handoffs) given.append(py::make_tuple(h.from, h.to, ChunkTuple(h.chunk)));
-    for (const ChunkRef& c : w.release) release.append(ChunkTuple(c));
-    plan.append(py::make_tuple(w.routes_end, hold, given, release));
-  }
-  return py::make_tuple(out, routes.unique_bytes, routes.needed_bytes, routes.bytes_per_rank, plan);
+  return parts;
 }
 
 }  // namespace
@@ -932,12 +959,15 @@ PYBIND11_MODULE(_core, m) {
     }
   });
 
-  m.def("plan_save", &PlanSave, py::arg("ranks"), py::arg("rank"),
-        "Collective save plan: which of `rank`'s entries it puts, unique and held bytes, bytes per rank.");
-  m.def("plan_load", &PlanLoad, py::arg("ranks"), py::arg("reader") = nullptr, py::arg("rank") = 0,
-        "Collective load plan: routes (reader, bytes, [(rank, entry)]), unique and needed bytes, bytes per rank, "
-        "and windows [(routes_end, hold, [(from, to, chunk)], release)] of chunk hand-offs for `rank` (with a "
-        "checkpoint reader; else one window of none).");
+  m.def("plan_save", &PlanSave, py::arg("ranks"),
+        "Collective save plan, made once for the group: for each rank (puts, unique bytes, held bytes, bytes per "
+        "rank), puts saying which of its entries it writes.");
+  m.def("plan_routes", &PlanRoutes, py::arg("ranks"),
+        "The distinct regions of the ranks' entries: [(reader, bytes, [(rank, entry)])].");
+  m.def("plan_load", &PlanLoad, py::arg("ranks"), py::arg("reader") = nullptr,
+        "Collective load plan, made once for the group: for each rank (routes [(route, reader, bytes, [entry], "
+        "[peer])], windows [(routes_end, exchange, hold, [(index, from, to, chunk)], release)], unique bytes, "
+        "needed bytes, bytes per rank); the hand-offs need a checkpoint reader (else one window of none).");
   m.def("cuda_available", [] {
     std::string why;
     bool ok = gpu::CudaAvailable(&why);

@@ -3,7 +3,7 @@
 Given ``process_group=``, ``Repository.save``/``async_save`` and
 ``Repository.load`` plan together before touching a byte:
 
-- save: every rank gathers every rank's list of what it holds (tensor,
+- save: rank 0 gathers every rank's list of what it holds (tensor,
   global shape, region, bytes; not the bytes themselves). Each region held
   by several ranks (replicas under DDP, HSDP, or a TP rank's layer norms)
   gets one owner, largest first to the least-loaded holder; only the owner
@@ -13,8 +13,10 @@ Given ``process_group=``, ``Repository.save``/``async_save`` and
   region is fetched, verified and decoded by one of the ranks needing it,
   balanced by bytes, then sent to the others over the group.
 
-The plan itself is computed by the engine (``_core.plan_save``,
-``_core.plan_load``), the same on every rank; the collective steps are
+The plan is made once, on rank 0, by the engine (``_core.plan_save``,
+``_core.plan_load``): every rank's list is gathered there and each rank is
+sent its own part, so no rank receives every rank's list. The collective
+steps are
 driven here, by the layer that owns the process group, on a gloo group of
 ckptfs's own with a bounded timeout (so planning holds no NCCL buffers, and
 a dead rank makes every other rank fail within the timeout, naming the
@@ -91,15 +93,35 @@ class _Group:
         self.step(name, lambda: self.dist.all_gather_object(out, obj, group=self.group))
         return out
 
-    def gather_plans(self, name: str, error: Optional[str], entries: List[tuple]) -> List[List[tuple]]:
-        """Every rank's plan entries, gathered with each rank's error in
-        describing them (one exchange): if one failed, every rank raises,
-        naming the first failing rank and its error."""
-        said = self.all_gather(name, (error, entries if error is None else []))
-        for r, (e, _entries) in enumerate(said):
-            if e is not None:
-                raise CollectiveError(f"{self.what}: rank {r} failed in '{name}': {e}")
-        return [entries for _e, entries in said]
+    def plan_at_rank_0(self, name: str, error: Optional[str], entries: List[tuple], extra,
+                       compute: Callable[[List[List[tuple]], List[Any]], List[Any]]):
+        """This rank's part of a plan made once: every rank's entries (and
+        `extra`) are gathered at rank 0 with each rank's error in describing
+        them, rank 0 makes every rank's part with `compute(entries, extras)`
+        and sends each its own. If a rank failed, or the plan could not be
+        made, every rank raises, naming the first failing rank and its
+        error (or the plan's)."""
+        src = self.globals[0]
+        gathered: Optional[List[Any]] = [None] * self.size if self.rank == 0 else None
+        mine = (error, entries if error is None else [], extra if error is None else None)
+        self.step(name, lambda: self.dist.gather_object(mine, gathered, dst=src, group=self.group))
+        parts: Optional[List[Any]] = None
+        if self.rank == 0:
+            failed = next((f"rank {r} failed in '{name}': {e}" for r, (e, _en, _x) in enumerate(gathered) if e), None)
+            if failed is None:
+                try:
+                    parts = [(None, part) for part in compute([en for _e, en, _x in gathered],
+                                                              [x for _e, _en, x in gathered])]
+                except (Error, CollectiveError) as e:
+                    failed = f"in '{name}': {e}"
+            if failed is not None:
+                parts = [(failed, None)] * self.size
+        out: List[Any] = [None]
+        self.step(name, lambda: self.dist.scatter_object_list(out, parts, src=src, group=self.group))
+        failed, part = out[0]
+        if failed is not None:
+            raise CollectiveError(f"{self.what}: {failed}")
+        return part
 
     def agree(self, name: str, error: Optional[str]) -> None:
         """Every rank says whether its local work failed; if one did, every
@@ -199,18 +221,23 @@ def plan_save(state_dict: Mapping[str, Any], shards: Mapping[str, Any], group: _
         entries = [_entry(k, state_dict[k], shards.get(k), k in shards) for k in keys]
     except Error as e:
         error = str(e)
-    gathered = group.gather_plans("describe the state dict", error, entries)
-    mine, unique, held, per_rank = _core.plan_save(gathered, group.rank)
-    if verify_replicas:
-        every = group.all_gather("gather the replica digests", [_digest(state_dict[k]) for k in keys])
-        # The engine's grouping of equal regions (a load plan's routes)
-        # says which entries are replicas of each other.
-        for _reader, _size, holders in _core.plan_load(gathered)[0]:
-            (r0, i0), digest = holders[0], every[holders[0][0]][holders[0][1]]
-            for r, i in holders[1:]:
-                if every[r][i] != digest:
-                    raise CollectiveError(f"{group.what}: the replicas of '{gathered[r][i][0].split(chr(0))[0]}' "
-                                          f"differ: rank {r0} and rank {r} hold different bytes for the same region")
+    digests = None
+    if verify_replicas and error is None:
+        digests = [_digest(state_dict[k]) for k in keys]
+
+    def compute(plans, every):
+        if verify_replicas:
+            # The engine's grouping of equal regions (a load plan's routes)
+            # says which entries are replicas of each other.
+            for _reader, _size, holders in _core.plan_routes(plans):
+                (r0, i0), digest = holders[0], every[holders[0][0]][holders[0][1]]
+                for r, i in holders[1:]:
+                    if every[r][i] != digest:
+                        raise CollectiveError(f"the replicas of '{plans[r][i][0].split(chr(0))[0]}' differ: "
+                                              f"rank {r0} and rank {r} hold different bytes for the same region")
+        return _core.plan_save(plans)
+
+    mine, unique, held, per_rank = group.plan_at_rank_0("describe the state dict", error, entries, digests, compute)
     skip = {k for k, put in zip(keys, mine) if not put}
     return skip, {"unique_bytes": unique, "held_bytes": held, "bytes_per_rank": list(per_rank)}
 
@@ -271,8 +298,10 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
         reader = repo._repo.open_checkpoint(name)
     except Error as e:
         error = str(e)
-    gathered = group.gather_plans("describe the targets", error, entries)
-    routes, unique, needed, per_rank, windows = _core.plan_load(gathered, reader, group.rank)
+    # Rank 0's reader lists the chunks of every rank's regions (the
+    # manifest is the same on every host).
+    routes, windows, unique, needed, per_rank = group.plan_at_rank_0(
+        "describe the targets", error, entries, None, lambda plans, _extras: _core.plan_load(plans, reader))
     me = group.rank
     # Fetch what this rank reads, into its own targets, window by window
     # after the chunk hand-offs each needs. A rank whose read fails keeps
@@ -280,19 +309,20 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
     error = None
     total = sum(_nbytes(t) for _k, t, _s in items) if progress else 0
     done = 0
-    # This rank's entries on each route (usually none or one).
-    mine = [[i for rank, i in needers if rank == me] for _r, _size, needers in routes]
+    # The routes this rank needs: (index, reader, bytes, its entries, and
+    # as reader the other ranks needing it).
     mappings = _writable_mappings()
     begin = 0
-    for routes_end, hold, handoffs, release in windows:
-        if handoffs:
+    for routes_end, exchange, hold, handoffs, release in windows:
+        if exchange:
             failed = _hand_over_chunks(reader, hold, handoffs, group)
             error = error or failed
         try:
             for k in range(begin, routes_end):
-                if routes[k][0] != me or error is not None:
+                _index, r, _size, entries_here, _peers = routes[k]
+                if r != me or error is not None:
                     continue
-                key, target, shard = items[mine[k][0]]
+                key, target, shard = items[entries_here[0]]
                 _read_value(reader, key, target, shard, mappings)
                 if progress:
                     done += _nbytes(target)
@@ -316,12 +346,12 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
         return buf, t
 
     def deliver():
-        for tag, ((r, size, needers), entries_here) in enumerate(zip(routes, mine)):
-            if size == 0 or not entries_here:
+        for tag, r, size, entries_here, peers in routes:
+            if size == 0:
                 continue
             buf, back = wire(items[entries_here[0]][1])
             if r == me:
-                for rank in sorted({rank for rank, _ in needers if rank != me}):
+                for rank in peers:
                     works.append(dist.isend(buf, dst=group.globals[rank], group=group.group, tag=tag))
             else:
                 works.append(dist.irecv(buf, src=group.globals[r], group=group.group, tag=tag))
@@ -332,7 +362,7 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
         for target, buf in staged:
             target.copy_(buf.view(target.dtype).reshape(target.shape))
         # A region this rank needs twice was filled once: copy it over.
-        for entries_here in mine:
+        for _tag, _r, _size, entries_here, _peers in routes:
             for i in entries_here[1:]:
                 items[i][1].copy_(items[entries_here[0]][1])
 
@@ -362,15 +392,15 @@ def _hand_over_chunks(reader, hold: List[tuple], handoffs: List[tuple], group: _
     group.agree("fetch the shared chunks", error)
 
     # One buffer for this rank's part of the window (about 256 MiB over the
-    # group at most), not one per chunk.
-    mine = [(tag, h) for tag, h in enumerate(handoffs) if me in (h[0], h[1])]
-    space = torch.empty(sum(h[2][1] for _tag, h in mine), dtype=torch.uint8)
+    # group at most), not one per chunk. `handoffs` are this rank's own,
+    # each tagged with its place in the plan.
+    space = torch.empty(sum(chunk[1] for _tag, _src, _dst, chunk in handoffs), dtype=torch.uint8)
 
     def exchange():
         failed = None
         works, incoming = [], []
         at = 0
-        for tag, (src, dst, chunk) in mine:
+        for tag, src, dst, chunk in handoffs:
             buf = space[at:at + chunk[1]]
             at += chunk[1]
             if src == me:
