@@ -471,6 +471,37 @@ void OnGroup(int n, Fn fn) {
   for (auto& t : threads) t.join();
 }
 
+TEST(HostGroup, GatherReachesTheRootAndScatterEachRank) {
+  constexpr int kRanks = 5;
+  std::vector<Result<std::vector<std::string>>> gathered(kRanks, Status::Internal("not run"));
+  std::vector<Result<std::string>> scattered(kRanks, Status::Internal("not run")), wrong = scattered;
+  OnGroup(kRanks, [&](int r, Communicator& comm) {
+    gathered[r] = comm.Gather(std::string(static_cast<size_t>(r), 'a' + static_cast<char>(r)), 2);
+    std::vector<std::string> parts;
+    for (int k = 0; r == 2 && k < kRanks; ++k) parts.push_back("part " + std::to_string(k));
+    scattered[r] = comm.Scatter(parts, 2);
+    // A root with too few parts: every rank hears nothing, the root why.
+    wrong[r] = comm.Scatter(r == 2 ? std::vector<std::string>{"one"} : std::vector<std::string>{}, 2);
+  });
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_OK(gathered[r]);
+    if (r == 2) {
+      ASSERT_EQ(gathered[r]->size(), static_cast<size_t>(kRanks));
+      for (int k = 0; k < kRanks; ++k) EXPECT_EQ((*gathered[r])[k], std::string(k, 'a' + static_cast<char>(k)));
+    } else {
+      EXPECT_TRUE(gathered[r]->empty()) << r;
+    }
+    ASSERT_OK(scattered[r]);
+    EXPECT_EQ(*scattered[r], "part " + std::to_string(r));
+    if (r == 2) {
+      EXPECT_EQ(wrong[r].status().code(), StatusCode::kInvalidArgument);
+    } else {
+      ASSERT_OK(wrong[r]);
+      EXPECT_EQ(*wrong[r], "");
+    }
+  }
+}
+
 class CollectiveSaveLoad : public ::testing::Test {
  protected:
   void SetUp() override {
