@@ -102,7 +102,8 @@ class NcclCommunicator final : public Communicator {
     std::vector<std::string> out(n);
     if (longest == 0) return out;
     CKPT_RETURN_IF_ERROR(Reserve(n * longest));
-    cudaError_t e = cudaMemcpyAsync(gather_ + rank_ * longest, mine.data(), mine.size(), cudaMemcpyHostToDevice, stream_);
+    cudaError_t e =
+        cudaMemcpyAsync(gather_ + rank_ * longest, mine.data(), mine.size(), cudaMemcpyHostToDevice, stream_);
     if (e != cudaSuccess) return CudaError(e, "cudaMemcpyAsync");
     ncclResult_t r = ncclAllGather(gather_ + rank_ * longest, gather_, longest, ncclUint8, comm_, stream_);
     if (r != ncclSuccess) return NcclError(r, "ncclAllGather", comm_);

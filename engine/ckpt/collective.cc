@@ -271,10 +271,14 @@ Result<std::string> PlanAtRankZero(Communicator& comm, const std::string& step, 
     for (size_t r = 0; failed.ok() && r < said->size(); ++r) {
       std::string error;
       Status st = DecodePlan((*said)[r], &error, &plans[r], &all_digests[r]);
-      if (!st.ok()) failed = st.WithContext("the plan of rank " + std::to_string(r));
-      else if (!error.empty()) failed = Status::IOError("rank " + std::to_string(r) + " of " + n + " failed in '" + step + "': " + error);
+      if (!st.ok()) {
+        failed = st.WithContext("the plan of rank " + std::to_string(r));
+      } else if (!error.empty()) {
+        failed = Status::IOError("rank " + std::to_string(r) + " of " + n + " failed in '" + step + "': " + error);
+      }
     }
-    Result<std::vector<std::string>> computed = failed.ok() ? compute(plans, all_digests) : Result<std::vector<std::string>>(failed);
+    Result<std::vector<std::string>> computed = failed;
+    if (failed.ok()) computed = compute(plans, all_digests);
     if (computed.ok() && computed->size() != static_cast<size_t>(comm.size())) {
       computed = Status::Internal("the plan has " + std::to_string(computed->size()) + " parts for " + n + " ranks");
     }
@@ -293,11 +297,10 @@ Result<std::string> PlanAtRankZero(Communicator& comm, const std::string& step, 
   if (!part.ok()) return part.status().WithContext("the step '" + step + "'");
   if (!local.ok()) return local.WithContext("rank " + std::to_string(comm.rank()) + ", step '" + step + "'");
   if (part->empty()) return Status::Internal("rank 0 sent no plan in the step '" + step + "'");
-  *received = part->size() + (comm.rank() == 0 ? [&] {
-    uint64_t all = 0;
-    for (const std::string& m : *said) all += m.size();
-    return all;
-  }() : 0);
+  *received = part->size();
+  if (comm.rank() == 0) {
+    for (const std::string& m : *said) *received += m.size();
+  }
   const auto code = static_cast<StatusCode>(static_cast<unsigned char>((*part)[0]));
   if (code != StatusCode::kOk) return Status(code, part->substr(1));
   return part->substr(1);
@@ -404,7 +407,9 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
   }
   for (const CollectiveBlob& b : blobs) mine.push_back({b.name, {}, Region::OfFlat(0, 0), b.data.size()});
   std::string digests;
-  auto add = [&](const ChunkId& id) { digests.append(reinterpret_cast<const char*>(id.bytes.data()), id.bytes.size()); };
+  auto add = [&](const ChunkId& id) {
+    digests.append(reinterpret_cast<const char*>(id.bytes.data()), id.bytes.size());
+  };
   for (size_t i = 0; verify_replicas && local.ok() && i < shards.size(); ++i) {
     auto id = memory.Digest(shards[i].data);
     if (id.ok()) add(*id);
@@ -548,9 +553,11 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
     return parts;
   };
   uint64_t plan_bytes = 0;
-  CKPT_ASSIGN_OR_RETURN(std::string part, PlanAtRankZero(comm, "describe the targets", local, mine, {}, plan, &plan_bytes));
+  CKPT_ASSIGN_OR_RETURN(std::string part,
+                        PlanAtRankZero(comm, "describe the targets", local, mine, {}, plan, &plan_bytes));
   RankLoadPlan routes;
-  CKPT_RETURN_IF_ERROR(DecodeLoadPlan(part, mine.size(), comm.size(), &routes).WithContext("the load plan from rank 0"));
+  CKPT_RETURN_IF_ERROR(
+      DecodeLoadPlan(part, mine.size(), comm.size(), &routes).WithContext("the load plan from rank 0"));
   const int me = comm.rank();
   CollectiveLoadResult result;
   result.unique_bytes = routes.unique_bytes;

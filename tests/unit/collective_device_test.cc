@@ -259,8 +259,12 @@ class ManagedEngine final : public CopyEngine {
   std::string Describe() const override { return cuda_->Describe() + ", managed memory"; }
   Result<std::byte*> AllocatePinned(size_t n) override { return cuda_->AllocatePinned(n); }
   void FreePinned(std::byte* p) override { cuda_->FreePinned(p); }
-  Result<uint64_t> DeviceToHost(std::byte* h, const std::byte* d, size_t n) override { return cuda_->DeviceToHost(h, d, n); }
-  Result<uint64_t> HostToDevice(std::byte* d, const std::byte* h, size_t n) override { return cuda_->HostToDevice(d, h, n); }
+  Result<uint64_t> DeviceToHost(std::byte* h, const std::byte* d, size_t n) override {
+    return cuda_->DeviceToHost(h, d, n);
+  }
+  Result<uint64_t> HostToDevice(std::byte* d, const std::byte* h, size_t n) override {
+    return cuda_->HostToDevice(d, h, n);
+  }
   Result<uint64_t> DeviceToDevice(std::byte* d, const std::byte* s, size_t n) override {
     return cuda_->DeviceToDevice(d, s, n);
   }
