@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import unittest
+import warnings
 
 import torch
 
@@ -537,6 +538,52 @@ class Exports(unittest.TestCase):
         self.assertTrue(os.path.exists(os.path.join(half, "model.safetensors")))
         w = transformers.AutoModelForCausalLM.from_pretrained(half, dtype=torch.bfloat16)
         self.assertEqual(next(w.parameters()).dtype, torch.bfloat16)
+
+    @unittest.skipIf(HF_REASON or DCP_REASON, HF_REASON or DCP_REASON or "")
+    def test_a_training_states_model_exports_as_hf_under_a_prefix_with_identical_logits(self):
+        # A training job's DCP checkpoint: {"model": ..., "optim": ...},
+        # with the model's config.json beside it.
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        model = tiny_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.tensor([[1, 5, 9, 33, 2]])
+        model.train()
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        model.eval()
+        src = os.path.join(self.tmp, "step-1")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no process group: one process
+            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=src)
+        model.config.to_json_file(os.path.join(src, "config.json"))
+        self.ckpt("import", "step-1", src)
+        out = os.path.join(self.tmp, "release")
+        p = self.ckpt("export", "step-1", out, "--format", "hf", "--prefix", "model.", "--dtype", "float32", "--json")
+        done = json.loads(p.stdout)
+        optim = [t["name"] for t in self.repo.show("step-1")["tensors"] if t["name"].startswith("optim.")]
+        self.assertTrue(optim)
+        self.assertEqual(done["left_out"][0], f"{len(optim)} tensors not named under 'model.'")
+        self.assertIn(f"leaving out {len(optim)} tensors not named under 'model.'", p.stderr.decode())
+        with open(os.path.join(out, "model.safetensors"), "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        self.assertEqual(set(header) - {"__metadata__"}, set(model.state_dict()))
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        with torch.no_grad():
+            self.assertTrue(torch.equal(model(ids).logits, loaded(ids).logits))
+        # A prefix naming no tensor says which names there are, and writes
+        # nothing; --prefix belongs to --format hf.
+        p = self.ckpt("export", "step-1", os.path.join(self.tmp, "none"), "--format", "hf", "--prefix", "modle.",
+                      ok=False)
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("no tensor of 'step-1' is named under 'modle.'; its tensors' names begin with model., optim.",
+                      p.stderr.decode())
+        self.assertEqual(sorted(os.listdir(self.tmp)), ["release", "repo", "step-1"])
+        for fmt in ("dcp", "safetensors"):
+            p = self.ckpt("export", "step-1", os.path.join(self.tmp, "x"), "--format", fmt, "--prefix", "model.",
+                          ok=False)
+            self.assertEqual(p.returncode, 2)
+            self.assertIn("--prefix is for --format hf", p.stderr.decode())
 
     def test_dcp_and_torch_exports_load_with_torch_bit_exact(self):
         import torch.distributed.checkpoint as dcp  # noqa: PLC0415

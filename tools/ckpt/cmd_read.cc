@@ -110,7 +110,8 @@ const CommandSpec kExport{
     "blobs are not part of it (read them with 'ckpt cat --blob').\n"
     "--format hf: OUT is a model directory: model-0000K-of-0000N.safetensors split at\n"
     "--max-shard-size as Hugging Face splits, model.safetensors.index.json, and the\n"
-    "blobs named like files (config.json, tokenizer files).\n"
+    "blobs named like files (config.json, tokenizer files); --prefix model. writes\n"
+    "only the tensors named under model. (a training state's model), without it.\n"
     "--format dcp: OUT is a directory that dcp.load with FileSystemReader loads at any\n"
     "world size. --format torch: OUT is a directory holding model.pt, one torch.save\n"
     "file of the state dict. These three are written by the Python package with torch\n"
@@ -122,6 +123,7 @@ const CommandSpec kExport{
      {"format", 0, true, false, "FORMAT", "safetensors (default), hf, dcp or torch"},
      {"max-shard-size", 0, true, false, "SIZE", "hf: largest shard file, as Hugging Face counts (default 5GB)"},
      {"dtype", 0, true, false, "DTYPE", "hf, dcp, torch: cast floating tensors (bfloat16, float16, float32)"},
+     {"prefix", 0, true, false, "PREFIX", "hf: only the tensors whose names start with PREFIX, written without it"},
      {"clean", 0, false, false, "", "remove an interrupted export's OUT.ckpt-export-partial first"},
      kJsonOpt},
     2,
@@ -179,17 +181,22 @@ int CmdExport(const GlobalOptions& global, const Args& args) {
       return UsageError(Status::InvalidArgument("--format must be safetensors, hf, dcp or torch, not '" + format + "'"));
     }
     if (args.Has("force")) return UsageError(Status::InvalidArgument("--force is for --format safetensors only"));
+    if (args.Has("prefix") && format != "hf") {
+      return UsageError(Status::InvalidArgument("--prefix is for --format hf"));
+    }
     auto path = global.RepoPath();
     if (!path.ok()) return UsageError(path.status());
     std::vector<std::string> argv = {"export", "--repo", *path, "--format", format};
     if (auto dir = args.Get("cache-dir")) argv.insert(argv.end(), {"--cache-dir", *dir});
     if (auto size = args.Get("max-shard-size")) argv.insert(argv.end(), {"--max-shard-size", *size});
     if (auto dtype = args.Get("dtype")) argv.insert(argv.end(), {"--dtype", *dtype});
+    if (auto prefix = args.Get("prefix")) argv.insert(argv.end(), {"--prefix", *prefix});
     if (args.Has("clean")) argv.push_back("--clean");
     if (args.Has("json")) argv.push_back("--json");
     argv.insert(argv.end(), {"--", args.positional[0], args.positional[1]});
     return ExecPythonFormats("--format " + format, argv);
   }
+  if (args.Has("prefix")) return UsageError(Status::InvalidArgument("--prefix is for --format hf"));
   for (const char* option : {"max-shard-size", "dtype", "clean", "json"}) {
     if (args.Has(option)) {
       return UsageError(Status::InvalidArgument(std::string("--") + option + " is for --format hf, dcp or torch"));

@@ -1277,7 +1277,8 @@ def _files_beside(repo, name: str, shown) -> List[str]:
 
 def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, format: str = "hf",  # noqa: A002
                       max_shard_size: Union[str, int] = "5GB", dtype: Optional[str] = None, clean: bool = False,
-                      threads: int = 4, progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
+                      threads: int = 4, progress: Optional[Callable[[int, int], None]] = None,
+                      prefix: Optional[str] = None) -> Dict[str, Any]:
     """Writes checkpoint `name` to `out` as `format`:
 
     - "hf": model-0000K-of-0000N.safetensors split at max_shard_size as
@@ -1292,6 +1293,9 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
       checkpoint came from a torch.save file).
 
     `dtype` ("bfloat16", "float16", "float32") casts floating tensors.
+    `prefix` (hf): only the tensors whose names start with it, written
+    without it: "model." takes the model out of a training state saved as
+    {"model": ..., "optim": ...}.
     Files are written into out + ".ckpt-export-partial" (hf: `threads` at a
     time), each made durable, and the directory is renamed to `out` only
     when complete; an interrupted export is resumed by the same call
@@ -1310,18 +1314,34 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
                 "float32": torch.float32, "fp32": torch.float32}.get(str(dtype).lower())
         if cast is None:
             raise InvalidArgumentError(f"dtype '{dtype}': use bfloat16, float16 or float32")
+    if prefix is not None and (format != "hf" or not prefix):
+        raise InvalidArgumentError("a prefix is for --format hf, and not empty" if prefix else "the prefix is empty")
     limit = parse_size(max_shard_size)
     shown = repo.show(name)  # NotFoundError for an unknown checkpoint
     settings = {"checkpoint": name, "committed": shown.get("committed"), "format": format, "max_shard_size": limit,
                 "dtype": None if cast is None else str(cast)}
+    if prefix:
+        settings["prefix"] = prefix
+    left_out: List[str] = []
+    if prefix:
+        # Checked before anything is written.
+        names = [t["name"] for t in shown["tensors"]]
+        chosen = [n for n in names if n.startswith(prefix) and len(n) > len(prefix)]
+        if not chosen:
+            heads = sorted({n.split(".")[0] + ("." if "." in n else "") for n in names})
+            raise InvalidArgumentError(f"no tensor of '{name}' is named under '{prefix}'; its tensors' names begin "
+                                       f"with {', '.join(heads[:10]) or 'nothing (it has none)'}")
+        if len(chosen) < len(names):
+            left_out.append(f"{len(names) - len(chosen)} tensors not named under '{prefix}'")
     export = _Export(out, settings, clean)
     resumed = len(export.done)
     reader = repo._repo.open_checkpoint(name)
     structure = _structure(repo, name, shown)
     paths = _paths_of_structure(structure) if structure is not None else {}  # item -> object path
     order = _tensor_order(structure, [t["name"] for t in shown["tensors"]])
+    if prefix:
+        order = [n for n in order if n.startswith(prefix) and len(n) > len(prefix)]
     files: List[str] = []
-    left_out: List[str] = []
     sizes = _ExportTensors(shown, cast)
     total_bytes, done_bytes, lock = sum(sizes.nbytes(n) for n in order), [0], threading.Lock()
 
@@ -1333,7 +1353,9 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
 
     if format == "hf":
         numel, nbytes = sizes.numel, sizes.nbytes
-        order = _model_order(repo, name, shown, order) or order
+        cut = len(prefix) if prefix else 0  # tensors are written under their names without the prefix
+        by_key = {n[cut:]: n for n in order}
+        order = [by_key[k] for k in _model_order(repo, name, shown, list(by_key)) or by_key]
         shards = hf_shards([(n, nbytes(n)) for n in order], limit)
         total = len(shards)
         names = ["model.safetensors"] if total == 1 else \
@@ -1343,7 +1365,8 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
             if names[i] in export.done:
                 advance(sum(nbytes(n) for n in shards[i]))
                 return
-            head = _safetensors_header([(n, sizes.dtype(n), sizes.shape(n)) for n in shards[i]], {"format": "pt"})
+            head = _safetensors_header([(n[cut:], sizes.dtype(n), sizes.shape(n)) for n in shards[i]],
+                                       {"format": "pt"})
             stream = _TensorStream(reader)
 
             def body(f):
@@ -1361,7 +1384,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
         _write_files(write_shard, total, threads)
         files += names
         if total > 1:
-            weight_map = {n: names[i] for i, shard in enumerate(shards) for n in shard}
+            weight_map = {n[cut:]: names[i] for i, shard in enumerate(shards) for n in shard}
             # As transformers writes it: bytes and parameters of all shards.
             index = {"metadata": {"total_parameters": sum(numel(n) for n in order),
                                   "total_size": sum(nbytes(n) for n in order)},
@@ -1449,6 +1472,7 @@ def _main(argv: Sequence[str]) -> int:
     exp.add_argument("--format", required=True)
     exp.add_argument("--max-shard-size", default="5GB")
     exp.add_argument("--dtype")
+    exp.add_argument("--prefix")
     exp.add_argument("--clean", action="store_true")
     exp.add_argument("--json", action="store_true")
     exp.add_argument("--progress", choices=("auto", "on", "json", "off"), default="auto")
@@ -1458,7 +1482,7 @@ def _main(argv: Sequence[str]) -> int:
     if args.command == "export":
         done = _in_repository(args, f"export {args.name}", lambda repo, progress: export_checkpoint(
             repo, args.name, args.out, format=args.format, max_shard_size=args.max_shard_size, dtype=args.dtype,
-            clean=args.clean, progress=progress))
+            clean=args.clean, progress=progress, prefix=args.prefix))
         if done is None:
             return 1
         for what in done["left_out"]:
