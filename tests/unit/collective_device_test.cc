@@ -280,30 +280,6 @@ class ManagedEngine final : public CopyEngine {
   std::unique_ptr<CopyEngine> cuda_;
 };
 
-class ManagedMemory final : public DeviceMemory {
- public:
-  ~ManagedMemory() override {
-    for (void* p : blocks_) cudaFree(p);
-  }
-  std::byte* Alloc(size_t n) override {
-    void* p = nullptr;
-    EXPECT_EQ(cudaMallocManaged(&p, std::max<size_t>(n, 1)), cudaSuccess);
-    blocks_.push_back(p);
-    return static_cast<std::byte*>(p);
-  }
-  void Upload(std::byte* dev, const std::vector<std::byte>& host) override {
-    EXPECT_EQ(cudaMemcpy(dev, host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  std::vector<std::byte> Download(const std::byte* dev, size_t n) override {
-    std::vector<std::byte> out(n);
-    EXPECT_EQ(cudaMemcpy(out.data(), dev, n, cudaMemcpyDeviceToHost), cudaSuccess);
-    return out;
-  }
-
- private:
-  std::vector<void*> blocks_;
-};
-
 class CollectiveDeviceGpu : public CollectiveDevice {};
 
 TEST_F(CollectiveDeviceGpu, HostGroupOfCudaEnginesOverManagedMemory) {
@@ -313,7 +289,7 @@ TEST_F(CollectiveDeviceGpu, HostGroupOfCudaEnginesOverManagedMemory) {
                  [](int) {
                    RankDevice d;
                    d.engine = std::make_unique<ManagedEngine>(std::move(NewCudaCopyEngine(0)).value());
-                   d.memory = std::make_unique<ManagedMemory>();
+                   d.memory = std::make_unique<testing::CudaMemory>(/*managed=*/true);
                    d.pool = std::move(PinnedPool::Create(*d.engine, 3, 24 << 10)).value();
                    return d;
                  });

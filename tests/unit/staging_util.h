@@ -56,14 +56,17 @@ class HostMemory : public DeviceMemory {
 };
 
 #ifdef CKPTFS_HAVE_CUDA
+// `managed`: managed memory (cudaMallocManaged), which the CPU reaches too.
 class CudaMemory : public DeviceMemory {
  public:
+  explicit CudaMemory(bool managed = false) : managed_(managed) {}
   ~CudaMemory() override {
     for (void* p : blocks_) cudaFree(p);
   }
   std::byte* Alloc(size_t n) override {
     void* p = nullptr;
-    EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(n, 1)), cudaSuccess);
+    const size_t bytes = std::max<size_t>(n, 1);
+    EXPECT_EQ(managed_ ? cudaMallocManaged(&p, bytes) : cudaMalloc(&p, bytes), cudaSuccess);
     blocks_.push_back(p);
     return static_cast<std::byte*>(p);
   }
@@ -77,6 +80,7 @@ class CudaMemory : public DeviceMemory {
   }
 
  private:
+  bool managed_;
   std::vector<void*> blocks_;
 };
 #endif
