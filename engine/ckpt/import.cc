@@ -222,6 +222,13 @@ Result<PreparedImport> PreparedImport::Prepare(const ImportInputs& inputs) {
     p.files_.push_back(std::move(f));
     p.shards_.push_back(std::move(shards).value());
   }
+  // The per-rank files of torch's HuggingFaceStorageWriter give offsets
+  // only: a tensor's global shape is the extent of all of its shards.
+  {
+    std::vector<const SafetensorsHeader*> headers;
+    for (const auto& f : p.files_) headers.push_back(&f->header());
+    CKPT_RETURN_IF_ERROR(WidenToExtents(headers, p.shards_));
+  }
   // A whole checkpoint's files must hold every element of each tensor. Too
   // few is a rank's part of a sharded checkpoint given alone: refused now,
   // rather than at the commit after every byte was written. (Gaps between

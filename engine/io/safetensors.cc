@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 
 #include "core/json.h"
 
@@ -72,6 +73,96 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t
   return h;
 }
 
+namespace {
+
+// Tensors by name, for O(log n) matching: a file may hold 10^5 entries.
+std::vector<std::pair<std::string_view, size_t>> ByName(const SafetensorsHeader& header) {
+  std::vector<std::pair<std::string_view, size_t>> by_name;
+  by_name.reserve(header.tensors.size());
+  for (size_t i = 0; i < header.tensors.size(); ++i) by_name.emplace_back(header.tensors[i].name, i);
+  std::sort(by_name.begin(), by_name.end());
+  return by_name;
+}
+
+// DCP_SHARDING_INFO: each named tensor a box at its saved offsets, its
+// global shape for now its own extent.
+Result<std::vector<SafetensorsShard>> DcpShardsOf(const SafetensorsHeader& header, const std::string& text,
+                                                  std::vector<SafetensorsShard> out) {
+  auto bad = [](const std::string& what) {
+    return Status::InvalidArgument(std::string("__metadata__ \"") + kDcpShardingMetadataKey + "\": " + what);
+  };
+  auto j = Json::Parse(text, text.size() / 4 + 64);
+  if (!j.ok()) return bad(j.status().message());
+  if (!j->is_object()) return bad("is not a JSON object");
+  const auto by_name = ByName(header);
+  for (const auto& [name, spec] : j->as_object()) {
+    auto bad_tensor = [&](const std::string& what) { return bad("tensor '" + name + "': " + what); };
+    auto it = std::lower_bound(by_name.begin(), by_name.end(), std::pair<std::string_view, size_t>(name, 0));
+    if (it == by_name.end() || it->first != name) {
+      return bad("names tensor '" + name + "', which the file does not hold");
+    }
+    const SafetensorsTensor& stored = header.tensors[it->second];
+    const Json* offsets = spec.is_object() ? spec.Find("saved_offsets") : nullptr;
+    if (offsets == nullptr || !offsets->is_array()) return bad_tensor("needs saved_offsets, an array");
+    std::vector<uint64_t> o;
+    for (const Json& d : offsets->as_array()) {
+      if (!d.is_uint()) return bad_tensor("saved_offsets must be non-negative integers");
+      o.push_back(d.as_uint());
+    }
+    if (o.size() != stored.shape.size()) {
+      return bad_tensor("saved_offsets " + ShapeToString(o) + " and the stored shape " + ShapeToString(stored.shape) +
+                        " differ in rank");
+    }
+    Shape extent(o.size());
+    for (size_t d = 0; d < o.size(); ++d) {
+      if (stored.shape[d] > UINT64_MAX - o[d]) return bad_tensor("saved_offsets + shape overflows");
+      extent[d] = o[d] + stored.shape[d];
+    }
+    SafetensorsShard& shard = out[it->second];
+    shard.global_shape = std::move(extent);
+    shard.region = Region::OfBox(Box{std::move(o), stored.shape});
+    shard.extent_only = true;
+  }
+  return out;
+}
+
+}  // namespace
+
+Status WidenToExtents(const std::vector<const SafetensorsHeader*>& headers,
+                      std::vector<std::vector<SafetensorsShard>>& files) {
+  struct Extent {
+    Shape shape;
+    bool by_offsets = false;
+    bool plain = false;
+  };
+  std::map<std::string_view, Extent> extents;
+  for (size_t f = 0; f < files.size(); ++f) {
+    for (const SafetensorsShard& s : files[f]) {
+      const std::string& name = headers[f]->tensors[s.tensor].name;
+      Extent& e = extents[name];
+      (s.extent_only ? e.by_offsets : e.plain) = true;
+      if (!s.extent_only) continue;
+      if (e.shape.empty()) e.shape.assign(s.global_shape.size(), 0);
+      if (e.shape.size() != s.global_shape.size()) {
+        return Status::InvalidArgument("tensor '" + name + "': its shards' saved_offsets differ in rank");
+      }
+      for (size_t d = 0; d < e.shape.size(); ++d) e.shape[d] = std::max(e.shape[d], s.global_shape[d]);
+    }
+  }
+  for (const auto& [name, e] : extents) {
+    if (e.by_offsets && e.plain) {
+      return Status::InvalidArgument("tensor '" + std::string(name) + "': some files place it by " +
+                                     kDcpShardingMetadataKey + " and others hold it whole");
+    }
+  }
+  for (size_t f = 0; f < files.size(); ++f) {
+    for (SafetensorsShard& s : files[f]) {
+      if (s.extent_only) s.global_shape = extents[headers[f]->tensors[s.tensor].name].shape;
+    }
+  }
+  return Status::OK();
+}
+
 Result<std::vector<SafetensorsShard>> ShardsOfSafetensors(const SafetensorsHeader& header) {
   std::vector<SafetensorsShard> out;
   out.reserve(header.tensors.size());
@@ -80,9 +171,12 @@ Result<std::vector<SafetensorsShard>> ShardsOfSafetensors(const SafetensorsHeade
     out.push_back({i, t.shape, Region::OfBox(FullBox(t.shape))});
   }
   const std::string* map_text = nullptr;
+  const std::string* dcp_text = nullptr;
   for (const auto& [k, v] : header.metadata) {
     if (k == kShardsMetadataKey) map_text = &v;
+    if (k == kDcpShardingMetadataKey) dcp_text = &v;
   }
+  if (map_text == nullptr && dcp_text != nullptr) return DcpShardsOf(header, *dcp_text, std::move(out));
   if (map_text == nullptr) return out;
   auto bad = [](const std::string& what) {
     return Status::InvalidArgument(std::string("__metadata__ \"") + kShardsMetadataKey + "\": " + what);
@@ -98,11 +192,7 @@ Result<std::vector<SafetensorsShard>> ShardsOfSafetensors(const SafetensorsHeade
     }
     return true;
   };
-  // Tensors by name, for O(log n) matching: a file may hold 10^5 entries.
-  std::vector<std::pair<std::string_view, size_t>> by_name;
-  by_name.reserve(header.tensors.size());
-  for (size_t i = 0; i < header.tensors.size(); ++i) by_name.emplace_back(header.tensors[i].name, i);
-  std::sort(by_name.begin(), by_name.end());
+  const auto by_name = ByName(header);
   for (const auto& [name, spec] : j->as_object()) {
     auto bad_tensor = [&](const std::string& what) { return bad("tensor '" + name + "': " + what); };
     auto it = std::lower_bound(by_name.begin(), by_name.end(), std::pair<std::string_view, size_t>(name, 0));

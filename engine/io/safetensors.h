@@ -54,18 +54,37 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t
 //                                             as a 1-D tensor of len elements.
 inline constexpr const char* kShardsMetadataKey = "ckptfs.shards";
 
+// The files torch's HuggingFaceStorageWriter writes per rank
+// (save_distributed=True: shard-0000R-model-0000K-of-0000N.safetensors)
+// say where each stored tensor lies in its global tensor under this key:
+//   {"NAME": {"saved_offsets": [..]}, ...}
+// but not the global shape, which is the extent of all the ranks' shards.
+inline constexpr const char* kDcpShardingMetadataKey = "DCP_SHARDING_INFO";
+
 // What one stored tensor of a file contributes to a checkpoint.
 struct SafetensorsShard {
   size_t tensor = 0;  // index into SafetensorsHeader::tensors
   Shape global_shape;
   Region region;      // inside global_shape (validated)
+  // From DCP_SHARDING_INFO: global_shape is this shard's own extent
+  // (offsets + stored shape), to be widened to the extent of every shard of
+  // the tensor (WidenToExtents) once all files are read.
+  bool extent_only = false;
 };
 
 // One entry per tensor of `header`, in its order: the whole tensor when the
-// shard map does not name it. InvalidArgument (naming the tensor) when the
-// map is malformed, names a tensor the header lacks, or describes a region
-// that does not fit its global shape or the stored shape.
+// shard map (ckptfs.shards, else DCP_SHARDING_INFO) does not name it.
+// InvalidArgument (naming the tensor) when the map is malformed, names a
+// tensor the header lacks, or describes a region that does not fit its
+// global shape or the stored shape.
 Result<std::vector<SafetensorsShard>> ShardsOfSafetensors(const SafetensorsHeader& header);
+
+// Sets the global shape of every extent_only shard to the extent of all
+// shards of its tensor, over `files` (each file's header and its shards):
+// the element-wise maximum of offset + length. InvalidArgument when shards
+// of one tensor differ in rank, or one named by offsets meets one without.
+Status WidenToExtents(const std::vector<const SafetensorsHeader*>& headers,
+                      std::vector<std::vector<SafetensorsShard>>& files);
 
 // A safetensors file mapped read-only into memory.
 class SafetensorsFile {

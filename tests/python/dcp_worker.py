@@ -14,6 +14,10 @@ test_dcp (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment):
     dcp_worker.py save-files DIR big|placements
         (any world size) saves with stock dcp.save and FileSystemWriter into
         DIR: BIG() sharded by rows, or the DTensors of every placement
+    dcp_worker.py save-hf DIR
+        (any world size) saves the DTensors of every placement with stock
+        dcp.save and torch's HuggingFaceStorageWriter, one safetensors file
+        per rank (save_distributed=True), into DIR (tensors only)
 
 Prints "ok" when its checks pass; FULL() is the state every run agrees on.
 """
@@ -103,7 +107,8 @@ def check(sd):
 
 
 def main():
-    action, repo, name = sys.argv[1], sys.argv[2], sys.argv[3]
+    action, repo = sys.argv[1], sys.argv[2]
+    name = sys.argv[3] if len(sys.argv) > 3 else ""
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     outcome = "ok"
@@ -126,6 +131,13 @@ def main():
         else:
             sd = state(world, True, False)
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(repo))
+    elif action == "save-hf":
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter  # noqa: PLC0415
+
+        # Tensors only: this writer stores each rank's items as one
+        # safetensors file and has no place for the others.
+        sd = {k: v for k, v in state(world, True, False).items() if isinstance(v, torch.Tensor)}
+        dcp.save(sd, storage_writer=HuggingFaceStorageWriter(path=repo, save_distributed=True))
     elif action == "async-save":
         kind = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}[sys.argv[4]]
         sd = {"w": distribute_tensor(full()["rows"], init_device_mesh("cpu", (world,)), [Shard(0)]), "step": 5}

@@ -104,6 +104,33 @@ class DcpDirectories(DcpTestCase):
         du = {c["name"]: c for c in json.loads(self.ckpt("du", "--json").stdout)["checkpoints"]}
         self.assertLess(du["w2"]["exclusive_bytes"], logical * 0.01, du)
 
+    def test_the_per_rank_files_of_torchs_huggingface_writer_import_as_whole_tensors(self):
+        # HuggingFaceStorageWriter(save_distributed=True): one safetensors
+        # file per rank, each tensor placed by DCP_SHARDING_INFO's offsets,
+        # no global shapes; the engine reads them without torch.
+        src = self.path("hf-per-rank")
+        self.assertEqual(self.run_job(4, "save-hf", src), ["ok"] * 4)
+        self.assertEqual(len([n for n in os.listdir(src) if n.endswith(".safetensors")]), 4)
+        dry = json.loads(self.ckpt("import", "hfw", src, "--dry-run", "--json").stdout)
+        want = {k: v for k, v in dcp_worker.full().items()}
+        self.assertEqual({t["name"]: t["shape"] for t in dry["tensors"]}, {k: list(v.shape) for k, v in want.items()})
+        self.ckpt("import", "hfw", src)
+        for key, t in want.items():
+            got = self.r.tensor("hfw", key)
+            self.assertEqual(got.dtype, t.dtype, key)
+            self.assertTrue(torch.equal(bits(got), bits(t)), key)
+        self.assertEqual(len(next(x for x in self.r.show("hfw")["tensors"] if x["name"] == "rows")["shards"]), 4)
+        # Without the last rank's file the shards left do not tile the
+        # tensors they name: refused, and nothing shows.
+        part = self.path("hf-three")
+        os.makedirs(part)
+        for n in sorted(os.listdir(src))[:3]:
+            os.link(os.path.join(src, n), os.path.join(part, n))
+        p = self.ckpt("import", "three", part, ok=False)
+        self.assertEqual(p.returncode, 1)
+        self.assertEqual(len(p.stderr.decode().strip().splitlines()), 1, p.stderr.decode())
+        self.assertNotIn("three", [c["name"] for c in self.r.checkpoints(include_pending=True)])
+
     def test_a_dcp_directory_on_the_repositorys_disk_is_imported_with_every_chunk_compressed(self):
         import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 

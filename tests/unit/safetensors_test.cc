@@ -105,6 +105,50 @@ TEST(Safetensors, LayoutIsParseableAndAligned) {
   EXPECT_EQ(layout.offsets[1], layout.header.size() + 24);
 }
 
+// torch's HuggingFaceStorageWriter writes one file per rank whose
+// DCP_SHARDING_INFO gives each tensor's offsets and no global shape: the
+// shape is the extent of all of the tensor's shards.
+TEST(Safetensors, DcpShardingInfoPlacesShardsAndTheirExtentIsTheShape) {
+  auto rank_file = [](const std::string& offsets_w, uint64_t rows_w, const std::string& extra) {
+    const std::string info = "{\\\"w\\\": {\\\"saved_offsets\\\": " + offsets_w + "}" + extra + "}";
+    return R"({"__metadata__": {"DCP_SHARDING_INFO": ")" + info + R"(", "format": "pt"}, )" +
+           R"("w": {"dtype": "F32", "shape": [)" + std::to_string(rows_w) + R"(, 6], "data_offsets": [0, )" +
+           std::to_string(rows_w * 24) + "]}}";
+  };
+  auto a = ParseSafetensorsHeader(rank_file("[0, 0]", 3, ""), 72);
+  auto b = ParseSafetensorsHeader(rank_file("[3, 0]", 2, ""), 48);
+  ASSERT_OK(a);
+  ASSERT_OK(b);
+  auto sa = ShardsOfSafetensors(*a), sb = ShardsOfSafetensors(*b);
+  ASSERT_OK(sa);
+  ASSERT_OK(sb);
+  ASSERT_TRUE((*sa)[0].extent_only);
+  EXPECT_EQ((*sb)[0].region.ToString(), Region::OfBox(Box{{3, 0}, {2, 6}}).ToString());
+  std::vector<std::vector<SafetensorsShard>> files = {*sa, *sb};
+  ASSERT_OK(WidenToExtents({&*a, &*b}, files));
+  EXPECT_EQ(files[0][0].global_shape, (Shape{5, 6}));
+  EXPECT_EQ(files[1][0].global_shape, (Shape{5, 6}));
+  // Malformed: offsets of another rank than the stored shape, a name the
+  // file lacks, no saved_offsets.
+  const std::string other = ", \\\"v\\\": {\\\"saved_offsets\\\": [0]}";
+  for (const std::string& bad : {rank_file("[0]", 3, ""), rank_file("[0, 0]", 3, other), rank_file("{}", 3, "")}) {
+    auto h = ParseSafetensorsHeader(bad, 72);
+    ASSERT_OK(h);
+    auto shards = ShardsOfSafetensors(*h);
+    EXPECT_EQ(shards.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(shards.status().message().find("DCP_SHARDING_INFO"), std::string::npos) << shards.status().ToString();
+  }
+  // A tensor placed by offsets in one file and whole in another is refused.
+  auto whole = ParseSafetensorsHeader(R"({"w": {"dtype": "F32", "shape": [5, 6], "data_offsets": [0, 120]}})", 120);
+  ASSERT_OK(whole);
+  auto sw = ShardsOfSafetensors(*whole);
+  ASSERT_OK(sw);
+  std::vector<std::vector<SafetensorsShard>> mixed = {*sa, *sw};
+  Status st = WidenToExtents({&*a, &*whole}, mixed);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("others hold it whole"), std::string::npos) << st.ToString();
+}
+
 TEST(Npy, HeaderFollowsTheFormat) {
   std::string h = NpyHeader(DType::kBF16, {3});
   EXPECT_EQ(h.size() % 64, 0u);
