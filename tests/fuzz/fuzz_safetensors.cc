@@ -1,6 +1,7 @@
-// The safetensors header and the ckptfs.shards map inside it. The input is
-// a header's JSON; the data section is taken to be as long as the largest
-// offset the first 8 bytes allow, so offsets are checked against a size too.
+// The safetensors header and the ckptfs.shards (or DCP_SHARDING_INFO) map
+// inside it. The input is a header's JSON; the data section is taken to be
+// as long as the largest offset the first 8 bytes allow, so offsets are
+// checked against a size too.
 #include "fuzz_util.h"
 #include "io/safetensors.h"
 
@@ -26,6 +27,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(ValidateRegion(s.global_shape, s.region).ok());
     // The stored tensor holds exactly the region's elements.
     FUZZ_CHECK(s.region.NumElements() == NumElements(header->tensors[s.tensor].shape), s.region.ToString());
+  }
+  // Widened to the extent of its shards (here one file's), every region
+  // still lies inside its global shape.
+  std::vector<std::vector<SafetensorsShard>> files = {*shards};
+  if (WidenToExtents({&*header}, files).ok()) {
+    for (const auto& s : files[0]) FUZZ_CHECK(ValidateRegion(s.global_shape, s.region).ok());
   }
   // The layout written back for these tensors parses to the same tensors.
   if (header->tensors.size() <= 64) {

@@ -70,9 +70,14 @@ int main(int argc, char** argv) {
   flat.Set("global_shape", Json::Parse("[2, 5]").value());
   flat.Set("flat_start", uint64_t{4});
   shards.Set("b", flat);
+  // And as torch's HuggingFaceStorageWriter places a rank's tensors.
+  Json dcp = Json::MakeObject();
+  Json at = Json::MakeObject();
+  at.Set("saved_offsets", Json::Parse("[2, 0]").value());
+  dcp.Set("w", at);
   int n = 0;
   for (const auto& meta : std::vector<std::vector<std::pair<std::string, std::string>>>{
-           {}, {{"format", "pt"}}, {{kShardsMetadataKey, shards.Dump()}}}) {
+           {}, {{"format", "pt"}}, {{kShardsMetadataKey, shards.Dump()}}, {{kDcpShardingMetadataKey, dcp.Dump()}}}) {
     SafetensorsLayout layout = LayoutSafetensors(metas, meta);
     std::string header = layout.header.substr(8);
     Write("fuzz_json", "header" + std::to_string(n), header);
