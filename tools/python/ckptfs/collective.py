@@ -114,6 +114,8 @@ class _Group:
                                                               [x for _e, _en, x in gathered])]
                 except (Error, CollectiveError) as e:
                     failed = f"in '{name}': {e}"
+                except Exception as e:  # noqa: BLE001 - a bug must not leave the other ranks waiting
+                    failed = f"in '{name}': {type(e).__name__}: {e}"
             if failed is not None:
                 parts = [(failed, None)] * self.size
         out: List[Any] = [None]
