@@ -702,6 +702,21 @@ TEST_F(CollectiveSaveLoad, ARanksPartOfThePlanDoesNotGrowWithTheGroup) {
       EXPECT_TRUE(std::equal(want.begin(), want.end(), got[r].begin(), got[r].end())) << world << " " << r;
     }
   }
+  // A rank that needs nothing gets an empty part and takes part in the
+  // steps all the same.
+  std::vector<Result<CollectiveLoadResult>> idle(3, Status::Internal("not run"));
+  std::vector<std::vector<std::byte>> rows(3, std::vector<std::byte>(h_.w.size() / 2));
+  OnGroup(3, [&](int r, Communicator& comm) {
+    std::vector<CollectiveTarget> targets;
+    if (r < 2) targets.push_back({h_.w_info, h_.Rows(r, 2), rows[r]});
+    idle[r] = LoadCollective(*repo_, "s", targets, comm);
+  });
+  for (int r = 0; r < 3; ++r) ASSERT_OK(idle[r]);
+  EXPECT_EQ(idle[2]->fetched_bytes + idle[2]->received_bytes, 0u);
+  for (int r = 0; r < 2; ++r) {
+    auto want = h_.RowBytes(r, 2);
+    EXPECT_TRUE(std::equal(want.begin(), want.end(), rows[r].begin(), rows[r].end())) << r;
+  }
   auto part = [&](int world, int r) { return loaded[world][r]->plan_bytes_received; };
   const uint64_t non_reader = part(4, 3);  // ranks 0 and 1 read the two shards
   ASSERT_EQ(loaded[4][3]->fetched_bytes, 0u);
