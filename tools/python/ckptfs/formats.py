@@ -1314,8 +1314,14 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
                 "float32": torch.float32, "fp32": torch.float32}.get(str(dtype).lower())
         if cast is None:
             raise InvalidArgumentError(f"dtype '{dtype}': use bfloat16, float16 or float32")
-    if prefix is not None and (format != "hf" or not prefix):
-        raise InvalidArgumentError("a prefix is for --format hf, and not empty" if prefix else "the prefix is empty")
+    if prefix is not None and format != "hf":
+        raise InvalidArgumentError("a prefix is for --format hf")
+    if prefix is not None and not prefix:
+        raise InvalidArgumentError("the prefix is empty")
+
+    def under(n: str) -> bool:
+        return not prefix or (n.startswith(prefix) and len(n) > len(prefix))
+
     limit = parse_size(max_shard_size)
     shown = repo.show(name)  # NotFoundError for an unknown checkpoint
     settings = {"checkpoint": name, "committed": shown.get("committed"), "format": format, "max_shard_size": limit,
@@ -1326,7 +1332,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
     if prefix:
         # Checked before anything is written.
         names = [t["name"] for t in shown["tensors"]]
-        chosen = [n for n in names if n.startswith(prefix) and len(n) > len(prefix)]
+        chosen = [n for n in names if under(n)]
         if not chosen:
             heads = sorted({n.split(".")[0] + ("." if "." in n else "") for n in names})
             raise InvalidArgumentError(f"no tensor of '{name}' is named under '{prefix}'; its tensors' names begin "
@@ -1338,9 +1344,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
     reader = repo._repo.open_checkpoint(name)
     structure = _structure(repo, name, shown)
     paths = _paths_of_structure(structure) if structure is not None else {}  # item -> object path
-    order = _tensor_order(structure, [t["name"] for t in shown["tensors"]])
-    if prefix:
-        order = [n for n in order if n.startswith(prefix) and len(n) > len(prefix)]
+    order = [n for n in _tensor_order(structure, [t["name"] for t in shown["tensors"]]) if under(n)]
     files: List[str] = []
     sizes = _ExportTensors(shown, cast)
     total_bytes, done_bytes, lock = sum(sizes.nbytes(n) for n in order), [0], threading.Lock()
