@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <optional>
 
 #include "core/json.h"
 
@@ -84,6 +85,23 @@ std::vector<std::pair<std::string_view, size_t>> ByName(const SafetensorsHeader&
   return by_name;
 }
 
+// The index of tensor `name` in the header ByName listed, if it holds one.
+std::optional<size_t> Lookup(const std::vector<std::pair<std::string_view, size_t>>& by_name, std::string_view name) {
+  auto it = std::lower_bound(by_name.begin(), by_name.end(), std::pair<std::string_view, size_t>(name, 0));
+  if (it == by_name.end() || it->first != name) return std::nullopt;
+  return it->second;
+}
+
+// A JSON array of non-negative integers, appended to `v`; false otherwise.
+bool Uints(const Json& array, std::vector<uint64_t>* v) {
+  if (!array.is_array()) return false;
+  for (const Json& d : array.as_array()) {
+    if (!d.is_uint()) return false;
+    v->push_back(d.as_uint());
+  }
+  return true;
+}
+
 // DCP_SHARDING_INFO: each named tensor a box at its saved offsets, its
 // global shape for now its own extent.
 Result<std::vector<SafetensorsShard>> DcpShardsOf(const SafetensorsHeader& header, const std::string& text,
@@ -97,17 +115,13 @@ Result<std::vector<SafetensorsShard>> DcpShardsOf(const SafetensorsHeader& heade
   const auto by_name = ByName(header);
   for (const auto& [name, spec] : j->as_object()) {
     auto bad_tensor = [&](const std::string& what) { return bad("tensor '" + name + "': " + what); };
-    auto it = std::lower_bound(by_name.begin(), by_name.end(), std::pair<std::string_view, size_t>(name, 0));
-    if (it == by_name.end() || it->first != name) {
-      return bad("names tensor '" + name + "', which the file does not hold");
-    }
-    const SafetensorsTensor& stored = header.tensors[it->second];
+    const std::optional<size_t> index = Lookup(by_name, name);
+    if (!index) return bad("names tensor '" + name + "', which the file does not hold");
+    const SafetensorsTensor& stored = header.tensors[*index];
     const Json* offsets = spec.is_object() ? spec.Find("saved_offsets") : nullptr;
-    if (offsets == nullptr || !offsets->is_array()) return bad_tensor("needs saved_offsets, an array");
     std::vector<uint64_t> o;
-    for (const Json& d : offsets->as_array()) {
-      if (!d.is_uint()) return bad_tensor("saved_offsets must be non-negative integers");
-      o.push_back(d.as_uint());
+    if (offsets == nullptr || !Uints(*offsets, &o)) {
+      return bad_tensor("needs saved_offsets, an array of non-negative integers");
     }
     if (o.size() != stored.shape.size()) {
       return bad_tensor("saved_offsets " + ShapeToString(o) + " and the stored shape " + ShapeToString(stored.shape) +
@@ -118,7 +132,7 @@ Result<std::vector<SafetensorsShard>> DcpShardsOf(const SafetensorsHeader& heade
       if (stored.shape[d] > UINT64_MAX - o[d]) return bad_tensor("saved_offsets + shape overflows");
       extent[d] = o[d] + stored.shape[d];
     }
-    SafetensorsShard& shard = out[it->second];
+    SafetensorsShard& shard = out[*index];
     shard.global_shape = std::move(extent);
     shard.region = Region::OfBox(Box{std::move(o), stored.shape});
     shard.extent_only = true;
@@ -184,33 +198,23 @@ Result<std::vector<SafetensorsShard>> ShardsOfSafetensors(const SafetensorsHeade
   auto j = Json::Parse(*map_text, map_text->size() / 4 + 64);
   if (!j.ok()) return bad(j.status().message());
   if (!j->is_object()) return bad("is not a JSON object");
-  auto uints = [](const Json& array, std::vector<uint64_t>* v) {
-    if (!array.is_array()) return false;
-    for (const Json& d : array.as_array()) {
-      if (!d.is_uint()) return false;
-      v->push_back(d.as_uint());
-    }
-    return true;
-  };
   const auto by_name = ByName(header);
   for (const auto& [name, spec] : j->as_object()) {
     auto bad_tensor = [&](const std::string& what) { return bad("tensor '" + name + "': " + what); };
-    auto it = std::lower_bound(by_name.begin(), by_name.end(), std::pair<std::string_view, size_t>(name, 0));
-    if (it == by_name.end() || it->first != name) {
-      return bad("names tensor '" + name + "', which the file does not hold");
-    }
-    const SafetensorsTensor& stored = header.tensors[it->second];
-    SafetensorsShard& shard = out[it->second];
+    const std::optional<size_t> index = Lookup(by_name, name);
+    if (!index) return bad("names tensor '" + name + "', which the file does not hold");
+    const SafetensorsTensor& stored = header.tensors[*index];
+    SafetensorsShard& shard = out[*index];
     if (!spec.is_object()) return bad_tensor("entry is not an object");
     const Json* gs = spec.Find("global_shape");
     const Json* offsets = spec.Find("offsets");
     const Json* flat = spec.Find("flat_start");
     shard.global_shape.clear();
-    if (!gs || !uints(*gs, &shard.global_shape)) return bad_tensor("global_shape must be an array of non-negative integers");
+    if (!gs || !Uints(*gs, &shard.global_shape)) return bad_tensor("global_shape must be an array of non-negative integers");
     if ((offsets != nullptr) == (flat != nullptr)) return bad_tensor("needs exactly one of offsets and flat_start");
     if (offsets) {
       std::vector<uint64_t> o;
-      if (!uints(*offsets, &o)) return bad_tensor("offsets must be an array of non-negative integers");
+      if (!Uints(*offsets, &o)) return bad_tensor("offsets must be an array of non-negative integers");
       if (o.size() != shard.global_shape.size() || stored.shape.size() != shard.global_shape.size()) {
         return bad_tensor("offsets, global_shape and the stored shape " + ShapeToString(stored.shape) +
                           " must have the same rank");
