@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <optional>
 
@@ -102,42 +103,83 @@ bool Uints(const Json& array, std::vector<uint64_t>* v) {
   return true;
 }
 
-// DCP_SHARDING_INFO: each named tensor a box at its saved offsets, its
-// global shape for now its own extent.
-Result<std::vector<SafetensorsShard>> DcpShardsOf(const SafetensorsHeader& header, const std::string& text,
-                                                  std::vector<SafetensorsShard> out) {
-  auto bad = [](const std::string& what) {
-    return Status::InvalidArgument(std::string("__metadata__ \"") + kDcpShardingMetadataKey + "\": " + what);
+// Why an entry of a shard map is refused.
+using Refuse = std::function<Status(const std::string& what)>;
+
+// Walks the shard map `text` (metadata key `key`): a JSON object of tensor
+// names, each placed by place(spec, stored tensor, its shard, refuse).
+Status PlaceShards(const SafetensorsHeader& header, const char* key, const std::string& text,
+                   std::vector<SafetensorsShard>& out,
+                   const std::function<Status(const Json&, const SafetensorsTensor&, SafetensorsShard&,
+                                              const Refuse&)>& place) {
+  auto bad = [key](const std::string& what) {
+    return Status::InvalidArgument(std::string("__metadata__ \"") + key + "\": " + what);
   };
   auto j = Json::Parse(text, text.size() / 4 + 64);
   if (!j.ok()) return bad(j.status().message());
   if (!j->is_object()) return bad("is not a JSON object");
   const auto by_name = ByName(header);
   for (const auto& [name, spec] : j->as_object()) {
-    auto bad_tensor = [&](const std::string& what) { return bad("tensor '" + name + "': " + what); };
     const std::optional<size_t> index = Lookup(by_name, name);
     if (!index) return bad("names tensor '" + name + "', which the file does not hold");
-    const SafetensorsTensor& stored = header.tensors[*index];
-    const Json* offsets = spec.is_object() ? spec.Find("saved_offsets") : nullptr;
-    std::vector<uint64_t> o;
-    if (offsets == nullptr || !Uints(*offsets, &o)) {
-      return bad_tensor("needs saved_offsets, an array of non-negative integers");
-    }
-    if (o.size() != stored.shape.size()) {
-      return bad_tensor("saved_offsets " + ShapeToString(o) + " and the stored shape " + ShapeToString(stored.shape) +
-                        " differ in rank");
-    }
-    Shape extent(o.size());
-    for (size_t d = 0; d < o.size(); ++d) {
-      if (stored.shape[d] > UINT64_MAX - o[d]) return bad_tensor("saved_offsets + shape overflows");
-      extent[d] = o[d] + stored.shape[d];
-    }
-    SafetensorsShard& shard = out[*index];
-    shard.global_shape = std::move(extent);
-    shard.region = Region::OfBox(Box{std::move(o), stored.shape});
-    shard.extent_only = true;
+    CKPT_RETURN_IF_ERROR(place(spec, header.tensors[*index], out[*index],
+                               [&](const std::string& what) { return bad("tensor '" + name + "': " + what); }));
   }
-  return out;
+  return Status::OK();
+}
+
+// ckptfs.shards: a box at offsets, or a flat range, of a stated global shape.
+Status PlaceByShardMap(const Json& spec, const SafetensorsTensor& stored, SafetensorsShard& shard,
+                       const Refuse& bad) {
+  if (!spec.is_object()) return bad("entry is not an object");
+  const Json* gs = spec.Find("global_shape");
+  const Json* offsets = spec.Find("offsets");
+  const Json* flat = spec.Find("flat_start");
+  shard.global_shape.clear();
+  if (!gs || !Uints(*gs, &shard.global_shape)) return bad("global_shape must be an array of non-negative integers");
+  if ((offsets != nullptr) == (flat != nullptr)) return bad("needs exactly one of offsets and flat_start");
+  if (offsets) {
+    std::vector<uint64_t> o;
+    if (!Uints(*offsets, &o)) return bad("offsets must be an array of non-negative integers");
+    if (o.size() != shard.global_shape.size() || stored.shape.size() != shard.global_shape.size()) {
+      return bad("offsets, global_shape and the stored shape " + ShapeToString(stored.shape) +
+                 " must have the same rank");
+    }
+    shard.region = Region::OfBox(Box{std::move(o), stored.shape});
+  } else {
+    if (!flat->is_uint()) return bad("flat_start must be a non-negative integer");
+    if (stored.shape.size() != 1) {
+      return bad("is a flat shard but is stored with shape " + ShapeToString(stored.shape) + " (it must be 1-D)");
+    }
+    const uint64_t start = flat->as_uint();
+    if (stored.shape[0] > UINT64_MAX - start) return bad("flat_start + length overflows");
+    shard.region = Region::OfFlat(start, start + stored.shape[0]);
+  }
+  Status fits = ValidateRegion(shard.global_shape, shard.region);
+  if (!fits.ok()) return bad(fits.message());
+  return Status::OK();
+}
+
+// DCP_SHARDING_INFO: a box at its saved offsets, its global shape for now
+// its own extent.
+Status PlaceBySavedOffsets(const Json& spec, const SafetensorsTensor& stored, SafetensorsShard& shard,
+                           const Refuse& bad) {
+  const Json* offsets = spec.is_object() ? spec.Find("saved_offsets") : nullptr;
+  std::vector<uint64_t> o;
+  if (offsets == nullptr || !Uints(*offsets, &o)) return bad("needs saved_offsets, an array of non-negative integers");
+  if (o.size() != stored.shape.size()) {
+    return bad("saved_offsets " + ShapeToString(o) + " and the stored shape " + ShapeToString(stored.shape) +
+               " differ in rank");
+  }
+  Shape extent(o.size());
+  for (size_t d = 0; d < o.size(); ++d) {
+    if (stored.shape[d] > UINT64_MAX - o[d]) return bad("saved_offsets + shape overflows");
+    extent[d] = o[d] + stored.shape[d];
+  }
+  shard.global_shape = std::move(extent);
+  shard.region = Region::OfBox(Box{std::move(o), stored.shape});
+  shard.extent_only = true;
+  return Status::OK();
 }
 
 }  // namespace
@@ -190,47 +232,10 @@ Result<std::vector<SafetensorsShard>> ShardsOfSafetensors(const SafetensorsHeade
     if (k == kShardsMetadataKey) map_text = &v;
     if (k == kDcpShardingMetadataKey) dcp_text = &v;
   }
-  if (map_text == nullptr && dcp_text != nullptr) return DcpShardsOf(header, *dcp_text, std::move(out));
-  if (map_text == nullptr) return out;
-  auto bad = [](const std::string& what) {
-    return Status::InvalidArgument(std::string("__metadata__ \"") + kShardsMetadataKey + "\": " + what);
-  };
-  auto j = Json::Parse(*map_text, map_text->size() / 4 + 64);
-  if (!j.ok()) return bad(j.status().message());
-  if (!j->is_object()) return bad("is not a JSON object");
-  const auto by_name = ByName(header);
-  for (const auto& [name, spec] : j->as_object()) {
-    auto bad_tensor = [&](const std::string& what) { return bad("tensor '" + name + "': " + what); };
-    const std::optional<size_t> index = Lookup(by_name, name);
-    if (!index) return bad("names tensor '" + name + "', which the file does not hold");
-    const SafetensorsTensor& stored = header.tensors[*index];
-    SafetensorsShard& shard = out[*index];
-    if (!spec.is_object()) return bad_tensor("entry is not an object");
-    const Json* gs = spec.Find("global_shape");
-    const Json* offsets = spec.Find("offsets");
-    const Json* flat = spec.Find("flat_start");
-    shard.global_shape.clear();
-    if (!gs || !Uints(*gs, &shard.global_shape)) return bad_tensor("global_shape must be an array of non-negative integers");
-    if ((offsets != nullptr) == (flat != nullptr)) return bad_tensor("needs exactly one of offsets and flat_start");
-    if (offsets) {
-      std::vector<uint64_t> o;
-      if (!Uints(*offsets, &o)) return bad_tensor("offsets must be an array of non-negative integers");
-      if (o.size() != shard.global_shape.size() || stored.shape.size() != shard.global_shape.size()) {
-        return bad_tensor("offsets, global_shape and the stored shape " + ShapeToString(stored.shape) +
-                          " must have the same rank");
-      }
-      shard.region = Region::OfBox(Box{std::move(o), stored.shape});
-    } else {
-      if (!flat->is_uint()) return bad_tensor("flat_start must be a non-negative integer");
-      if (stored.shape.size() != 1) {
-        return bad_tensor("is a flat shard but is stored with shape " + ShapeToString(stored.shape) + " (it must be 1-D)");
-      }
-      const uint64_t start = flat->as_uint();
-      if (stored.shape[0] > UINT64_MAX - start) return bad_tensor("flat_start + length overflows");
-      shard.region = Region::OfFlat(start, start + stored.shape[0]);
-    }
-    Status fits = ValidateRegion(shard.global_shape, shard.region);
-    if (!fits.ok()) return bad_tensor(fits.message());
+  if (map_text != nullptr) {
+    CKPT_RETURN_IF_ERROR(PlaceShards(header, kShardsMetadataKey, *map_text, out, PlaceByShardMap));
+  } else if (dcp_text != nullptr) {
+    CKPT_RETURN_IF_ERROR(PlaceShards(header, kDcpShardingMetadataKey, *dcp_text, out, PlaceBySavedOffsets));
   }
   return out;
 }
