@@ -106,11 +106,12 @@ Status Agree(Communicator& comm, const std::string& step, const Status& local) {
   return Status::OK();
 }
 
-// One rank's part of a load plan, as rank 0 sends it.
 void EncodeChunk(Encoder& e, const ChunkRef& c) {
   e.Bytes(c.id.bytes.data(), c.id.bytes.size());
   e.Varint(c.raw_len);
 }
+
+}  // namespace
 
 std::string EncodeLoadPlan(const RankLoadPlan& p) {
   Encoder e;
@@ -148,8 +149,6 @@ std::string EncodeLoadPlan(const RankLoadPlan& p) {
   return e.Take();
 }
 
-// Checked against this rank's `entries` and the group's `ranks`, so that a
-// malformed plan is an error rather than a read out of range.
 Status DecodeLoadPlan(std::string_view data, size_t entries, int ranks, RankLoadPlan* p) {
   Decoder d(data);
   auto count = [&](uint64_t* n) -> Status {
@@ -234,6 +233,8 @@ Status DecodeLoadPlan(std::string_view data, size_t entries, int ranks, RankLoad
   if (!d.done()) return Status::Corruption("a load plan has trailing bytes");
   return Status::OK();
 }
+
+namespace {
 
 // What rank 0 computes from every rank's entries (and digests): each
 // rank's part of the plan, or why it cannot.

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ckpt/collective_plan.h"
@@ -139,6 +140,13 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
 Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string& name,
                                             std::span<const CollectiveTarget> targets, Communicator& comm,
                                             CollectiveMemory& memory);
+
+// One rank's part of a load plan as rank 0 sends it (C++ and the Python
+// package alike), and read back on that rank: checked against the rank's
+// count of `entries` and the group's `ranks`, so that a malformed part is
+// Corruption rather than a read out of range.
+std::string EncodeLoadPlan(const RankLoadPlan& part);
+Status DecodeLoadPlan(std::string_view data, size_t entries, int ranks, RankLoadPlan* part);
 
 // Hand-offs of decoded chunks are exchanged in windows of about this many
 // bytes over the group, so what the ranks hold for each other stays bounded.

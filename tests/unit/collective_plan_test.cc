@@ -296,6 +296,48 @@ TEST(CollectivePlan, HandOffsRunInWindowsAndHeldChunksGoAfterTheirLastUse) {
   EXPECT_TRUE(none[0][0].hold.empty() && none[0][0].release.empty() && none[0][0].handoffs.empty());
 }
 
+// A part as rank 0 sends it reads back the same, and a part that does not
+// fit the rank reading it (entries or ranks out of range, cut short,
+// trailing bytes) is Corruption, not a read out of range.
+TEST(CollectivePlan, APartOfTheLoadPlanReadsBackAndAMalformedOneIsRefused) {
+  const auto ranks = Hsdp(2, 2, 3);
+  SharedChunks s;
+  const auto parts = PlanLoadForRanks(ranks, nullptr, 256 << 20);
+  for (size_t r = 0; r < parts.size(); ++r) {
+    const std::string data = EncodeLoadPlan(parts[r]);
+    RankLoadPlan back;
+    ASSERT_OK(DecodeLoadPlan(data, ranks[r].size(), 4, &back));
+    EXPECT_EQ(back.routes, parts[r].routes);
+    EXPECT_EQ(back.windows.size(), parts[r].windows.size());
+    EXPECT_EQ(back.unique_bytes, parts[r].unique_bytes);
+    EXPECT_EQ(back.fetch_bytes, parts[r].fetch_bytes);
+    EXPECT_EQ(DecodeLoadPlan(data, 1, 4, &back).code(), StatusCode::kCorruption) << "an entry out of range";
+    EXPECT_EQ(DecodeLoadPlan(data, ranks[r].size(), 1, &back).code(), StatusCode::kCorruption) << "a rank out of range";
+    EXPECT_EQ(DecodeLoadPlan(data.substr(0, data.size() - 1), ranks[r].size(), 4, &back).code(),
+              StatusCode::kCorruption);
+    EXPECT_EQ(DecodeLoadPlan(data + "x", ranks[r].size(), 4, &back).code(), StatusCode::kCorruption);
+  }
+  // With hand-offs: chunks, tags and the exchange flag come through.
+  RankLoadPlan with;
+  with.routes = {{0, 0, 1000, {0}, {}}, {1, 1, 1000, {0}, {}}};
+  with.windows = ScheduleHandoffs(s.routes, s.chunks, AssignChunkHandoffs(s.routes, s.chunks), 3, 100)[0];
+  for (HandoffWindow& w : with.windows) w.routes_end = std::min<size_t>(w.routes_end, 2);
+  RankLoadPlan back;
+  ASSERT_OK(DecodeLoadPlan(EncodeLoadPlan(with), 1, 3, &back));
+  ASSERT_EQ(back.windows.size(), with.windows.size());
+  for (size_t w = 0; w < back.windows.size(); ++w) {
+    EXPECT_EQ(back.windows[w].exchange, with.windows[w].exchange);
+    EXPECT_EQ(back.windows[w].hold, with.windows[w].hold);
+    EXPECT_EQ(back.windows[w].release, with.windows[w].release);
+    ASSERT_EQ(back.windows[w].handoffs.size(), with.windows[w].handoffs.size());
+    for (size_t h = 0; h < back.windows[w].handoffs.size(); ++h) {
+      EXPECT_EQ(back.windows[w].handoffs[h].chunk, with.windows[w].handoffs[h].chunk);
+      EXPECT_EQ(back.windows[w].handoffs[h].index, with.windows[w].handoffs[h].index);
+      EXPECT_EQ(back.windows[w].handoffs[h].to, with.windows[w].handoffs[h].to);
+    }
+  }
+}
+
 // ---- Listing the chunks of many regions: ShardIndex and ChunksOfRoutes ----
 
 // A stored f32 tensor whose shards are `regions`, in that order, each cut

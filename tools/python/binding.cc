@@ -898,37 +898,46 @@ py::tuple ChunkTuple(const ChunkRef& c) {
 
 // Every rank's part of a load plan, made once (PlanLoadForRanks; with a
 // reader of the checkpoint, the windows of chunk hand-offs too, else one
-// window of none): [(routes, windows, unique, needed, bytes per rank)],
-// routes as [(route, reader, bytes, [entry], [peer])], windows as
-// [(routes_end, exchange, hold, [(index, from, to, chunk)], release)],
-// chunks as (id, length).
-py::list PlanLoad(const std::vector<std::vector<PlanTuple>>& ranks, const Reader* reader) {
-  std::vector<RankLoadPlan> plans;
+// window of none): ([part], bytes per rank), each part the engine's
+// encoding (EncodeLoadPlan), which its rank reads with load_plan_part.
+// Encoded rather than made into Python objects here, so rank 0 does not
+// build every rank's tuples.
+py::tuple PlanLoad(const std::vector<std::vector<PlanTuple>>& ranks, const Reader* reader) {
+  std::vector<std::string> parts;
+  std::vector<uint64_t> per_rank;
   {
     auto entries = ToPlanEntries(ranks);
     py::gil_scoped_release nogil;
     std::function<const TensorRecord*(std::string_view)> find;
     if (reader != nullptr) find = [&](std::string_view name) { return reader->core().FindTensor(name); };
-    plans = PlanLoadForRanks(entries, find, kHandoffWindowBytes);
-  }
-  std::vector<uint64_t> per_rank_bytes;
-  for (const RankLoadPlan& p : plans) per_rank_bytes.push_back(p.fetch_bytes);
-  py::list per_rank = py::cast(per_rank_bytes);
-  py::list parts;
-  for (const RankLoadPlan& p : plans) {
-    py::list routes;
-    for (const RankRoute& r : p.routes) routes.append(py::make_tuple(r.route, r.reader, r.bytes, r.entries, r.peers));
-    py::list windows;
-    for (const HandoffWindow& w : p.windows) {
-      py::list hold, given, release;
-      for (const ChunkRef& c : w.hold) hold.append(ChunkTuple(c));
-      for (const ChunkHandoff& h : w.handoffs) given.append(py::make_tuple(h.index, h.from, h.to, ChunkTuple(h.chunk)));
-      for (const ChunkRef& c : w.release) release.append(ChunkTuple(c));
-      windows.append(py::make_tuple(w.routes_end, w.exchange, hold, given, release));
+    for (const RankLoadPlan& p : PlanLoadForRanks(entries, find, kHandoffWindowBytes)) {
+      parts.push_back(EncodeLoadPlan(p));
+      per_rank.push_back(p.fetch_bytes);
     }
-    parts.append(py::make_tuple(routes, windows, p.unique_bytes, p.needed_bytes, per_rank));
   }
-  return parts;
+  py::list out;
+  for (const std::string& p : parts) out.append(py::bytes(p));
+  return py::make_tuple(out, per_rank);
+}
+
+// A rank's part of a load plan (from plan_load), for a rank of `entries`
+// entries in a group of `world`: (routes [(route, reader, bytes, [entry],
+// [peer])], windows [(routes_end, exchange, hold, [(index, from, to,
+// chunk)], release)], unique bytes, needed bytes), chunks as (id, length).
+py::tuple LoadPlanPart(const py::bytes& data, size_t entries, int world) {
+  RankLoadPlan p;
+  Check(DecodeLoadPlan(std::string_view(data), entries, world, &p).WithContext("a load plan's part"));
+  py::list routes;
+  for (const RankRoute& r : p.routes) routes.append(py::make_tuple(r.route, r.reader, r.bytes, r.entries, r.peers));
+  py::list windows;
+  for (const HandoffWindow& w : p.windows) {
+    py::list hold, given, release;
+    for (const ChunkRef& c : w.hold) hold.append(ChunkTuple(c));
+    for (const ChunkHandoff& h : w.handoffs) given.append(py::make_tuple(h.index, h.from, h.to, ChunkTuple(h.chunk)));
+    for (const ChunkRef& c : w.release) release.append(ChunkTuple(c));
+    windows.append(py::make_tuple(w.routes_end, w.exchange, hold, given, release));
+  }
+  return py::make_tuple(routes, windows, p.unique_bytes, p.needed_bytes);
 }
 
 }  // namespace
@@ -965,9 +974,11 @@ PYBIND11_MODULE(_core, m) {
   m.def("plan_routes", &PlanRoutes, py::arg("ranks"),
         "The distinct regions of the ranks' entries: [(reader, bytes, [(rank, entry)])].");
   m.def("plan_load", &PlanLoad, py::arg("ranks"), py::arg("reader") = nullptr,
-        "Collective load plan, made once for the group: for each rank (routes [(route, reader, bytes, [entry], "
-        "[peer])], windows [(routes_end, exchange, hold, [(index, from, to, chunk)], release)], unique bytes, "
-        "needed bytes, bytes per rank); the hand-offs need a checkpoint reader (else one window of none).");
+        "Collective load plan, made once for the group: ([each rank's part, encoded], bytes per rank); the "
+        "hand-offs need a checkpoint reader (else one window of none). Read a part with load_plan_part.");
+  m.def("load_plan_part", &LoadPlanPart, py::arg("data"), py::arg("entries"), py::arg("world"),
+        "A rank's part of a load plan: (routes [(route, reader, bytes, [entry], [peer])], windows [(routes_end, "
+        "exchange, hold, [(index, from, to, chunk)], release)], unique bytes, needed bytes).");
   m.def("cuda_available", [] {
     std::string why;
     bool ok = gpu::CudaAvailable(&why);

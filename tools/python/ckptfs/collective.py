@@ -301,9 +301,16 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
     except Error as e:
         error = str(e)
     # Rank 0's reader lists the chunks of every rank's regions (the
-    # manifest is the same on every host).
-    routes, windows, unique, needed, per_rank = group.plan_at_rank_0(
-        "describe the targets", error, entries, None, lambda plans, _extras: _core.plan_load(plans, reader))
+    # manifest is the same on every host); each rank reads its own part.
+    def compute(plans, _extras):
+        parts, per_rank = _core.plan_load(plans, reader)
+        return [(part, per_rank) for part in parts]
+
+    part, per_rank = group.plan_at_rank_0("describe the targets", error, entries, None, compute)
+    try:
+        routes, windows, unique, needed = _core.load_plan_part(part, len(entries), group.size)
+    except Error as e:  # a part rank 0 made and this rank cannot read (the others fail at their next step)
+        raise CollectiveError(f"{group.what}: rank {group.rank} failed in 'describe the targets': {e}") from None
     me = group.rank
     # Fetch what this rank reads, into its own targets, window by window
     # after the chunk hand-offs each needs. A rank whose read fails keeps
