@@ -419,6 +419,7 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
   for (size_t i = 0; verify_replicas && local.ok() && i < blobs.size(); ++i) add(ChunkId::Of(blobs[i].data));
   auto plan = [&](const std::vector<std::vector<PlanEntry>>& plans,
                   const std::vector<std::string>& every) -> Result<std::vector<std::string>> {
+    const LoadRoutes routes = AssignLoadReaders(plans);
     if (verify_replicas) {
       // The load planner's grouping of equal regions says which entries
       // are replicas of each other.
@@ -429,7 +430,7 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
                                   " bytes of hashes for " + std::to_string(plans[r].size()) + " values");
         }
       }
-      for (const LoadRoute& route : AssignLoadReaders(plans).routes) {
+      for (const LoadRoute& route : routes.routes) {
         const auto [r0, i0] = route.needers.front();
         const std::string_view first = std::string_view(every[r0]).substr(i0 * w, w);
         for (const auto& [r, i] : route.needers) {
@@ -442,7 +443,7 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
         }
       }
     }
-    const SaveOwners owners = AssignSaveOwners(plans);
+    const SaveOwners owners = OwnersOfRoutes(routes, plans);
     std::vector<std::string> parts;
     parts.reserve(plans.size());
     for (const std::vector<uint8_t>& put : owners.put) {

@@ -117,10 +117,13 @@ LoadRoutes AssignLoadReaders(const std::vector<std::vector<PlanEntry>>& ranks) {
   return out;
 }
 
+SaveOwners AssignSaveOwners(const std::vector<std::vector<PlanEntry>>& ranks) {
+  return OwnersOfRoutes(AssignLoadReaders(ranks), ranks);
+}
+
 // The same assignment as a load's: each distinct region's reader is its
 // owner, and puts it once (a rank holding it twice puts the first).
-SaveOwners AssignSaveOwners(const std::vector<std::vector<PlanEntry>>& ranks) {
-  LoadRoutes routes = AssignLoadReaders(ranks);
+SaveOwners OwnersOfRoutes(const LoadRoutes& routes, const std::vector<std::vector<PlanEntry>>& ranks) {
   SaveOwners out;
   out.put.resize(ranks.size());
   for (size_t r = 0; r < ranks.size(); ++r) out.put[r].assign(ranks[r].size(), 0);
@@ -132,7 +135,7 @@ SaveOwners AssignSaveOwners(const std::vector<std::vector<PlanEntry>>& ranks) {
       }
     }
   }
-  out.bytes_per_rank = std::move(routes.bytes_per_rank);
+  out.bytes_per_rank = routes.bytes_per_rank;
   out.unique_bytes = routes.unique_bytes;
   out.held_bytes = routes.needed_bytes;
   return out;

@@ -73,6 +73,10 @@ struct LoadRoutes {
 // delivered to the others. O(N log N).
 LoadRoutes AssignLoadReaders(const std::vector<std::vector<PlanEntry>>& ranks);
 
+// AssignSaveOwners from the routes AssignLoadReaders gave for `ranks`, for
+// a caller that also needs the routes (a replica check groups by them).
+SaveOwners OwnersOfRoutes(const LoadRoutes& routes, const std::vector<std::vector<PlanEntry>>& ranks);
+
 // A chunk that the readers of two routes both need: distinct regions that
 // cut one stored chunk (a restore at another world size), or equal bytes
 // stored once. `from`, the reader of the first route needing it (`owner_route`),

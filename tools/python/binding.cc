@@ -860,14 +860,19 @@ std::vector<std::vector<PlanEntry>> ToPlanEntries(const std::vector<std::vector<
   return out;
 }
 
-// Every rank's part of a save plan, made once: [(puts, unique, held,
-// bytes per rank)], puts saying which of that rank's entries it puts.
-py::list PlanSave(const std::vector<std::vector<PlanTuple>>& ranks) {
+// Every rank's part of a save plan, made once: ([(puts, unique, held,
+// bytes per rank)], routes), puts saying which of that rank's entries it
+// puts; with `routes`, also the grouping of equal regions the owners come
+// from, [(reader, bytes, [(rank, entry)])], for a replica check (else
+// None).
+py::tuple PlanSave(const std::vector<std::vector<PlanTuple>>& ranks, bool want_routes) {
+  LoadRoutes routes;
   SaveOwners owners;
   {
     auto entries = ToPlanEntries(ranks);
     py::gil_scoped_release nogil;
-    owners = AssignSaveOwners(entries);
+    routes = AssignLoadReaders(entries);
+    owners = OwnersOfRoutes(routes, entries);
   }
   py::list parts;
   py::list per_rank = py::cast(owners.bytes_per_rank);
@@ -875,21 +880,13 @@ py::list PlanSave(const std::vector<std::vector<PlanTuple>>& ranks) {
     parts.append(py::make_tuple(std::vector<bool>(put.begin(), put.end()), owners.unique_bytes, owners.held_bytes,
                                 per_rank));
   }
-  return parts;
-}
-
-// The load planner's grouping of equal regions: [(reader, bytes, [(rank,
-// entry)])], the routes of a load plan.
-py::list PlanRoutes(const std::vector<std::vector<PlanTuple>>& ranks) {
-  LoadRoutes routes;
-  {
-    auto entries = ToPlanEntries(ranks);
-    py::gil_scoped_release nogil;
-    routes = AssignLoadReaders(entries);
+  py::object grouped = py::none();
+  if (want_routes) {
+    py::list out;
+    for (const LoadRoute& r : routes.routes) out.append(py::make_tuple(r.reader, r.bytes, r.needers));
+    grouped = out;
   }
-  py::list out;
-  for (const LoadRoute& r : routes.routes) out.append(py::make_tuple(r.reader, r.bytes, r.needers));
-  return out;
+  return py::make_tuple(parts, grouped);
 }
 
 py::tuple ChunkTuple(const ChunkRef& c) {
@@ -968,11 +965,10 @@ PYBIND11_MODULE(_core, m) {
     }
   });
 
-  m.def("plan_save", &PlanSave, py::arg("ranks"),
-        "Collective save plan, made once for the group: for each rank (puts, unique bytes, held bytes, bytes per "
-        "rank), puts saying which of its entries it writes.");
-  m.def("plan_routes", &PlanRoutes, py::arg("ranks"),
-        "The distinct regions of the ranks' entries: [(reader, bytes, [(rank, entry)])].");
+  m.def("plan_save", &PlanSave, py::arg("ranks"), py::arg("routes") = false,
+        "Collective save plan, made once for the group: ([for each rank (puts, unique bytes, held bytes, bytes per "
+        "rank)], routes), puts saying which of its entries it writes; with routes=True also the distinct regions "
+        "[(reader, bytes, [(rank, entry)])] (else None).");
   m.def("plan_load", &PlanLoad, py::arg("ranks"), py::arg("reader") = nullptr,
         "Collective load plan, made once for the group: ([each rank's part, encoded], bytes per rank); the "
         "hand-offs need a checkpoint reader (else one window of none). Read a part with load_plan_part.");

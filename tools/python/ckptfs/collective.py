@@ -228,16 +228,16 @@ def plan_save(state_dict: Mapping[str, Any], shards: Mapping[str, Any], group: _
         digests = [_digest(state_dict[k]) for k in keys]
 
     def compute(plans, every):
-        if verify_replicas:
-            # The engine's grouping of equal regions (a load plan's routes)
-            # says which entries are replicas of each other.
-            for _reader, _size, holders in _core.plan_routes(plans):
-                (r0, i0), digest = holders[0], every[holders[0][0]][holders[0][1]]
-                for r, i in holders[1:]:
-                    if every[r][i] != digest:
-                        raise CollectiveError(f"the replicas of '{plans[r][i][0].split(chr(0))[0]}' differ: "
-                                              f"rank {r0} and rank {r} hold different bytes for the same region")
-        return _core.plan_save(plans)
+        parts, routes = _core.plan_save(plans, routes=verify_replicas)
+        # The engine's grouping of equal regions (the owners come from it)
+        # says which entries are replicas of each other.
+        for _reader, _size, holders in routes or []:
+            (r0, i0), digest = holders[0], every[holders[0][0]][holders[0][1]]
+            for r, i in holders[1:]:
+                if every[r][i] != digest:
+                    raise CollectiveError(f"the replicas of '{plans[r][i][0].split(chr(0))[0]}' differ: "
+                                          f"rank {r0} and rank {r} hold different bytes for the same region")
+        return parts
 
     mine, unique, held, per_rank = group.plan_at_rank_0("describe the state dict", error, entries, digests, compute)
     skip = {k for k, put in zip(keys, mine) if not put}
