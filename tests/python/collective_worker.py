@@ -29,11 +29,13 @@ process_group=), run by test_collective.py, one process per rank over gloo
         ranks print "raised: MESSAGE" (the timeout is 8 s).
 
 With CKPT_TEST_CUDA=1 in the environment, save and load hold their tensors
-in CUDA memory (every rank on GPU 0) and the job's default process group
-is NCCL for CUDA tensors and gloo for CPU ones, as a GPU job's is. NCCL
-refuses two ranks on one GPU at its first collective, so a run with
-several ranks on one GPU also proves that ckptfs's exchanges never touch
-the job's NCCL group.
+in CUDA memory (rank r on GPU r modulo the GPUs there are) and the job's
+default process group is NCCL for CUDA tensors and gloo for CPU ones, as
+a GPU job's is. NCCL refuses two ranks on one GPU at its first
+collective, so a run with several ranks on one GPU also proves that
+ckptfs then keeps off the job's NCCL group. A load prints, as
+"delivered", the transports that carried regions between ranks ("gloo",
+"nccl").
 
 LAYOUT: "hsdp" (2 replica groups, the rows of every layer split over the
 ranks of a group, a norm on every rank), "dp" (everything whole on every
@@ -100,8 +102,18 @@ def main():
     mode = sys.argv[5] if len(sys.argv) > 5 else ""
     cuda = os.environ.get("CKPT_TEST_CUDA") == "1"
     if cuda:
-        torch.cuda.set_device(0)
+        # A GPU per rank where there are enough, else several on one.
+        torch.cuda.set_device(int(os.environ["RANK"]) % torch.cuda.device_count())
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+    # Which transport carried the fetched regions to the ranks needing them.
+    delivered = set()
+    batch = dist.batch_isend_irecv
+
+    def watched(ops):
+        on_nccl = ops[0].tensor.is_cuda and "cuda:nccl" in dist.get_backend_config(ops[0].group)
+        delivered.add("nccl" if on_nccl else "gloo")
+        return batch(ops)
+    dist.batch_isend_irecv = watched
     rank, world = dist.get_rank(), dist.get_world_size()
     if action == "open-fail":
         # Rank 2 names a repository that is not there.
@@ -210,7 +222,8 @@ def main():
             assert torch.equal(targets[k], v), k
         del want
         c = repo.store_counters()
-        print(json.dumps({"fetched": c["stored_bytes_fetched"], "chunks": c["chunks_fetched"]}))
+        print(json.dumps({"fetched": c["stored_bytes_fetched"], "chunks": c["chunks_fetched"],
+                          "delivered": sorted(delivered)}))
     leave()
 
 

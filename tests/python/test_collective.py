@@ -33,6 +33,17 @@ WORKER = os.path.join(HERE, "collective_worker.py")
 WORLD = 4
 
 
+class Transport(unittest.TestCase):
+    def test_regions_take_the_callers_nccl_group_only_when_every_rank_loads_into_its_own_gpu(self):
+        over_nccl = ckptfs.collective._over_nccl
+        self.assertTrue(over_nccl(["GPU-a", "GPU-b", "GPU-c"]))
+        self.assertTrue(over_nccl(["GPU-a"]))
+        # Two ranks on one GPU: NCCL would refuse them.
+        self.assertFalse(over_nccl(["GPU-a", "GPU-b", "GPU-a"]))
+        # A rank loading (some targets) into host memory.
+        self.assertFalse(over_nccl(["GPU-a", None]))
+
+
 @unittest.skipIf(REASON, REASON or "")
 class Collective(CkptTestCase):
     def setUp(self):
@@ -101,6 +112,8 @@ class Collective(CkptTestCase):
                 # Every tensor is restored, so each stored chunk once is
                 # exactly the checkpoint's referenced bytes.
                 self.assertEqual(sum(g["fetched"] for g in got), stored["referenced_bytes"], (got, stored))
+                # Host memory travels over ckptfs's gloo group.
+                self.assertEqual({tuple(g["delivered"]) for g in got}, {("gloo",)}, got)
         return plan
 
     def test_hsdp_saves_each_replica_once_and_restores_fetching_each_chunk_once(self):

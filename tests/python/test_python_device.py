@@ -220,11 +220,12 @@ class DistributedCheckpoint(CkptTestCase):
 
 @unittest.skipIf(CUDA_REASON, CUDA_REASON or "")
 class CollectiveOnCuda(CkptTestCase):
-    """Collective saves and restores (process_group=) of CUDA tensors: 4
-    ranks on GPU 0, each job's default group NCCL for CUDA tensors and gloo
-    for CPU ones. NCCL refuses two ranks on one GPU at its first
-    collective, so these passing also shows that ckptfs's exchanges run on
-    its own gloo group and never on the job's NCCL one."""
+    """Collective saves and restores (process_group=) of CUDA tensors, rank
+    r on GPU r modulo the GPUs there are, each job's default group NCCL
+    for CUDA tensors and gloo for CPU ones. With a GPU per rank the fetched
+    regions travel over the job's NCCL group; with several ranks on one
+    GPU, which NCCL refuses at its first collective, these passing also
+    shows that ckptfs then keeps to its own gloo group."""
 
     def job(self, world, action, name, layout, mode="", parse=True):
         worker = os.path.join(HERE, "collective_worker.py")
@@ -254,6 +255,8 @@ class CollectiveOnCuda(CkptTestCase):
             with self.subTest(world=world):
                 got = self.job(world, "load", "hsdp", "hsdp" if world != 3 else "mixed")
                 self.assertEqual(sum(g["fetched"] for g in got), self.referenced_bytes("hsdp"), got)
+                over = "nccl" if torch.cuda.device_count() >= world else "gloo"
+                self.assertEqual({tuple(g["delivered"]) for g in got}, {(over,)}, got)
 
     def test_replicas_on_the_gpu_that_differ_fail_on_every_rank_and_nothing_shows(self):
         ckptfs.init(self.repo, chunk_size=64 << 10, pack_size=1 << 20)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
+import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import _core
@@ -87,6 +89,35 @@ class _Group:
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError and others
             raise CollectiveError(f"{self.what}: the step '{name}' failed on rank {self.rank} of {self.size}: "
                                   f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+    def user_has_nccl(self) -> bool:
+        """Whether the caller's group moves CUDA tensors with NCCL (and
+        CKPTFS_COLLECTIVE_NCCL=0 does not keep them off it)."""
+        if os.environ.get("CKPTFS_COLLECTIVE_NCCL", "1") == "0":
+            return False
+        try:
+            return "cuda:nccl" in self.dist.get_backend_config(self.user)
+        except (ValueError, RuntimeError, KeyError):
+            return False
+
+    def wait(self, works: List[Any], on_device: bool) -> None:
+        """Waits for point-to-point works. Host works (ckptfs's gloo group)
+        carry the group's timeout. A device work's wait only orders the
+        current CUDA stream after it, so those are polled until done, for
+        at most the timeout: a peer that never sends fails this rank
+        instead of hanging it (the caller's group may then need to be torn
+        down, as after any failed NCCL operation)."""
+        if not on_device:
+            for w in works:
+                w.wait()
+            return
+        deadline = time.monotonic() + self.timeout
+        while not all(w.is_completed() for w in works):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the device transfers did not complete within {self.timeout:g} s")
+            time.sleep(0.001)
+        for w in works:
+            w.wait()
 
     def all_gather(self, name: str, obj) -> List[Any]:
         out: List[Any] = [None] * self.size
@@ -302,11 +333,17 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
         error = str(e)
     # Rank 0's reader lists the chunks of every rank's regions (the
     # manifest is the same on every host); each rank reads its own part.
-    def compute(plans, _extras):
-        parts, per_rank = _core.plan_load(plans, reader)
-        return [(part, per_rank) for part in parts]
+    # It also decides, for the whole group, whether the fetched regions
+    # travel over the caller's NCCL group (see _over_nccl).
+    user_nccl = group.user_has_nccl()
 
-    part, per_rank = group.plan_at_rank_0("describe the targets", error, entries, None, compute)
+    def compute(plans, devices):
+        parts, per_rank = _core.plan_load(plans, reader)
+        nccl = user_nccl and _over_nccl(devices)
+        return [(part, per_rank, nccl) for part in parts]
+
+    device = _cuda_device_of(torch, [t for _k, t, _s in items]) if error is None and user_nccl else None
+    part, per_rank, over_nccl = group.plan_at_rank_0("describe the targets", error, entries, device, compute)
     try:
         routes, windows, unique, needed = _core.load_plan_part(part, len(entries), group.size)
     except Error as e:  # a part rank 0 made and this rank cannot read (the others fail at their next step)
@@ -342,32 +379,40 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
         begin = routes_end
     group.agree("fetch from the store", error)
 
-    # Deliver: the reader sends each region to every other rank needing it.
+    # Deliver: the reader sends each region to every other rank needing it,
+    # over ckptfs's gloo group from host memory, or over the caller's NCCL
+    # group from device memory when the plan says so.
     dist = group.dist
-    works = []
+    data_group = group.user if over_nccl else group.group
     staged = []  # (target, buffer) filled by a receive into a staging copy
 
     def wire(t):
-        """A contiguous CPU byte view of `t`, or a staging copy."""
-        if t.device.type == "cpu" and t.is_contiguous():
+        """A contiguous byte view of `t` on the device its transport
+        moves (the GPU for NCCL, host memory for gloo), or a staging copy."""
+        device = t.device if over_nccl else torch.device("cpu")
+        if t.device == device and t.is_contiguous():
             return t.reshape(-1).view(torch.uint8), None
-        buf = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        return buf, t
+        return t.detach().to(device).contiguous().reshape(-1).view(torch.uint8), t
 
     def deliver():
+        ops = []
         for tag, r, size, entries_here, peers in routes:
             if size == 0:
                 continue
             buf, back = wire(items[entries_here[0]][1])
             if r == me:
-                for rank in peers:
-                    works.append(dist.isend(buf, dst=group.globals[rank], group=group.group, tag=tag))
+                ops += [dist.P2POp(dist.isend, buf, group.globals[rank], group=data_group, tag=tag) for rank in peers]
             else:
-                works.append(dist.irecv(buf, src=group.globals[r], group=group.group, tag=tag))
+                ops.append(dist.P2POp(dist.irecv, buf, group.globals[r], group=data_group, tag=tag))
                 if back is not None:
                     staged.append((back, buf))
-        for w in works:
-            w.wait()
+        if over_nccl:
+            # Every rank joins one small collective on the caller's group
+            # first, so its communicator exists (a batch of point-to-point
+            # operations that is the group's first call needs every rank).
+            torch_device = torch.device("cuda", torch.cuda.current_device())
+            dist.all_reduce(torch.zeros(1, device=torch_device), group=data_group)
+        group.wait(dist.batch_isend_irecv(ops) if ops else [], over_nccl)
         for target, buf in staged:
             target.copy_(buf.view(target.dtype).reshape(target.shape))
         # A region this rank needs twice was filled once: copy it over.
@@ -379,6 +424,25 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
     if progress:
         progress(total, total)
     return {"unique_bytes": unique, "needed_bytes": needed, "bytes_per_rank": list(per_rank)}
+
+
+def _cuda_device_of(torch, targets: List[Any]) -> Optional[str]:
+    """This rank's CUDA device (its UUID) when every target of its load is
+    a CUDA tensor on it (a rank with no targets counts too), else None."""
+    if not torch.cuda.is_available():
+        return None
+    here = torch.cuda.current_device()
+    if any(t.device.type != "cuda" or t.device.index != here for t in targets):
+        return None
+    return str(torch.cuda.get_device_properties(here).uuid)
+
+
+def _over_nccl(devices: List[Optional[str]]) -> bool:
+    """Whether the fetched regions travel over the caller's NCCL group:
+    only when every rank loads into its own device's memory (NCCL moves
+    device memory and refuses two ranks on one GPU). Otherwise they travel
+    over ckptfs's gloo group, staged through host memory."""
+    return all(d is not None for d in devices) and len(set(devices)) == len(devices)
 
 
 def _hand_over_chunks(reader, hold: List[tuple], handoffs: List[tuple], group: _Group) -> Optional[str]:
