@@ -1418,27 +1418,92 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
         advance(total_bytes)
         files.append("model.pt")
     else:
-        import io  # noqa: PLC0415
-
-        flat: Dict[str, Any] = {}
-        for n in order:
-            flat[n] = _read_tensor(reader, n, cast)
-            advance(sizes.nbytes(n))
-        blobs = {b["name"] for b in shown["blobs"]}
-        if structure is not None:
-            state = _unflatten(structure, flat.__getitem__, lambda b: torch.load(io.BytesIO(repo.blob(name, b)),
-                                                                                  weights_only=True))
-        else:
-            state = flat
-            for b in blobs - set(_INTERNAL_BLOBS):
-                state[b] = repo.blob(name, b)
-        _write_durable(export.path("model.pt"), lambda f: torch.save(state, f))
+        _export_torch(export.path("model.pt"), repo, reader, name, order, shown, sizes, cast, structure, advance)
         export.finished("model.pt")
         files.append("model.pt")
     total_bytes = sum(os.path.getsize(export.path(f)) for f in files)
     export.commit()
     return {"out": out, "format": format, "files": files, "bytes": total_bytes, "resumed_files": resumed,
             "left_out": left_out}
+
+
+def _export_torch(path: str, repo, reader, name: str, order: List[str], shown, sizes: "_ExportTensors", cast,
+                  structure, advance: Callable[[int], None]) -> None:
+    """Writes the checkpoint as one torch.save file at `path` with no more
+    than one tensor in memory: torch.save writes the file's structure with
+    every tensor's bytes left as empty space (torch.serialization.skip_data;
+    the tensors it is given are allocated, never touched), torch.load maps
+    the file back shared (so a write to a tensor is a write to the file),
+    and each tensor is read from the repository straight into its place.
+    Then the file is made durable and renamed into place, as every export
+    file is."""
+    import io  # noqa: PLC0415
+    import mmap  # noqa: PLC0415
+
+    torch = _torch()
+    skip_data = getattr(torch.serialization, "skip_data", None)
+    if skip_data is None:
+        raise UnsupportedError(f"--format torch needs torch.serialization.skip_data (torch >= 2.5), not torch "
+                               f"{torch.__version__}")
+    empty = {n: torch.empty(sizes.shape(n), dtype=sizes.dtype(n)) for n in order}
+    if structure is not None:
+        state = _unflatten(structure, empty.__getitem__,
+                           lambda b: torch.load(io.BytesIO(repo.blob(name, b)), weights_only=True))
+    else:
+        state = dict(empty)
+        for b in sorted({b["name"] for b in shown["blobs"]} - set(_INTERNAL_BLOBS)):
+            state[b] = repo.blob(name, b)
+    tmp = path + ".tmp"
+    with skip_data():
+        torch.save(state, tmp)
+    del state, empty
+    with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+        mapped = torch.load(tmp, mmap=True, weights_only=True)
+    targets: Dict[str, Any] = {}
+    if structure is not None:
+        _tensors_at(structure, mapped, targets)
+    else:
+        targets = {n: mapped[n] for n in order}
+    for n in order:
+        target = targets[n]
+        if target.dtype == sizes.stored(n):
+            ckptfs._read_value(reader, n, target, None)
+        else:
+            target.copy_(_read_tensor(reader, n))
+        _let_go(target.data_ptr(), target.numel() * target.element_size())
+        advance(sizes.nbytes(n))
+    del mapped, targets, target
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _let_go(address: int, nbytes: int) -> None:
+    """Drops this process's pages of a shared file mapping's range once
+    written: the data stays in the page cache (dirty, written back by the
+    kernel or the fsync), so the export's memory stays one tensor's."""
+    if nbytes <= 0:
+        return
+    import ctypes  # noqa: PLC0415
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = address - address % page
+    end = -(-(address + nbytes) // page) * page
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED; advice only
+
+
+def _tensors_at(node, obj, out: Dict[str, Any]) -> None:
+    """The tensors of `obj`, an object _unflatten(node, ...) built (or a
+    copy of one), by name."""
+    if "dict" in node:
+        for k, child in node["dict"]:
+            _tensors_at(child, obj[k], out)
+    elif "list" in node or "tuple" in node:
+        for i, child in enumerate(node.get("list", node.get("tuple"))):
+            _tensors_at(child, obj[i], out)
+    elif "tensor" in node:
+        out[node["tensor"]] = obj
 
 
 def _in_repository(args, label: str, work) -> Optional[Dict[str, Any]]:
