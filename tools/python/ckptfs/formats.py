@@ -1427,12 +1427,17 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
             "left_out": left_out}
 
 
+# mmap's MAP_NORESERVE (Python 3.13 names it; Linux's value on x86-64 and
+# arm64 before that).
+_MAP_NORESERVE = getattr(__import__("mmap"), "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
+
 def _export_torch(path: str, repo, reader, name: str, order: List[str], shown, sizes: "_ExportTensors", cast,
                   structure, advance: Callable[[int], None]) -> None:
     """Writes the checkpoint as one torch.save file at `path` with no more
     than one tensor in memory: torch.save writes the file's structure with
     every tensor's bytes left as empty space (torch.serialization.skip_data;
-    the tensors it is given are allocated, never touched), torch.load maps
+    the tensors it is given are mapped, never touched), torch.load maps
     the file back shared (so a write to a tensor is a write to the file),
     and each tensor is read from the repository straight into its place.
     Then the file is made durable and renamed into place, as every export
@@ -1445,7 +1450,16 @@ def _export_torch(path: str, repo, reader, name: str, order: List[str], shown, s
     if skip_data is None:
         raise UnsupportedError(f"--format torch needs torch.serialization.skip_data (torch >= 2.5), not torch "
                                f"{torch.__version__}")
-    empty = {n: torch.empty(sizes.shape(n), dtype=sizes.dtype(n)) for n in order}
+    def untouched(n: str):
+        # Address space only, and not counted against the machine's memory
+        # (MAP_NORESERVE), so a tensor larger than the memory is no problem.
+        nbytes = sizes.nbytes(n)
+        if nbytes == 0:
+            return torch.empty(sizes.shape(n), dtype=sizes.dtype(n))
+        space = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        return torch.frombuffer(space, dtype=sizes.dtype(n)).reshape(sizes.shape(n))
+
+    empty = {n: untouched(n) for n in order}
     if structure is not None:
         state = _unflatten(structure, empty.__getitem__,
                            lambda b: torch.load(io.BytesIO(repo.blob(name, b)), weights_only=True))
