@@ -4,7 +4,10 @@ on the same bytes:
 - importing a DCP checkpoint directory (durable), against copying the same
   directory with `cp -r` followed by `sync`;
 - exporting it as a Hugging Face model directory (`--format hf`, durable),
-  against writing the same files' bytes with `dd bs=4M conv=fsync`.
+  against writing the same files' bytes with `dd bs=4M conv=fsync`;
+- exporting it as one torch.save file (`--format torch`, durable, one
+  tensor in memory), against torch.save of the same state dict already in
+  memory, then fsync.
 
 The DCP directory holds LLM-like state (bf16 weights, fp32 master weights
 and AdamW moments; about --gib GiB) written by stock dcp.save with
@@ -129,11 +132,11 @@ def main():
         src2 = os.path.join(work, "dcp2")
         write_dcp(src, sd, 1)
         write_dcp(src2, sd, 2)
-        del sd
         size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
         print(f"DCP directory: {size / 2**30:.2f} GiB in {len(os.listdir(src))} files; {os.cpu_count()} CPUs; "
               f"page cache dropped: {drop_caches()}")
-        figs = {"cp": [], "api": [], "cli": [], "second": [], "faults": [], "export": [], "dd": []}
+        figs = {"cp": [], "api": [], "cli": [], "second": [], "faults": [], "export": [], "dd": [], "torch": [],
+                "torch_save": []}
         for run in range(args.runs):
             copy = os.path.join(work, f"copy{run}")
             t_cp, _ = timed(lambda: subprocess.run(f"cp -r '{src}' '{copy}' && sync", shell=True, check=True))
@@ -162,6 +165,20 @@ def main():
             t_dd, _ = timed(dd_all)
             shutil.rmtree(out)
             shutil.rmtree(ddir)
+            tout = os.path.join(work, f"torch{run}")
+            t_torch, _ = timed(lambda: formats.export_checkpoint(repo, "a", tout, format="torch"))
+            shutil.rmtree(tout)
+
+            def torch_save():
+                with open(os.path.join(work, "saved.pt"), "wb") as f:
+                    torch.save(sd, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+
+            t_save, _ = timed(torch_save)
+            os.unlink(os.path.join(work, "saved.pt"))
+            figs["torch"].append(t_torch)
+            figs["torch_save"].append(t_save)
             figs["export"].append(t_export)
             figs["dd"].append(t_dd)
             del repo
@@ -175,6 +192,8 @@ def main():
             print(f"run {run}: cp -r + sync {t_cp:.2f} s; import (API) {t_api:.2f} s = {t_cp / t_api:.2f}x"
                   + (f"; ckpt import {t_cli:.2f} s = {t_cp / t_cli:.2f}x" if t_cli else "")
                   + f"; export hf {t_export:.2f} s, dd conv=fsync {t_dd:.2f} s = {t_dd / t_export:.2f}x"
+                  + f"; export torch {t_torch:.2f} s, torch.save from memory {t_save:.2f} s = "
+                    f"{t_save / t_torch:.2f}x"
                   + f"; {faults / (size / 2**30):.0f} minor faults/GiB; the same weights in 2 chunks per tensor "
                     f"stored {second['stored_bytes'] / size:.4f} of the bytes")
         med = {k: statistics.median(v) for k, v in figs.items() if v}
@@ -186,6 +205,8 @@ def main():
             print(f"  ckpt import (command)    {size / med['cli'] / 1e6:7.0f} MB/s   {med['cp'] / med['cli']:.2f}x")
         print(f"  export --format hf       {med['dd'] / med['export']:.2f}x of dd conv=fsync of the same bytes   "
               "(target >= 0.9)")
+        print(f"  export --format torch    {med['torch_save'] / med['torch']:.2f}x of torch.save + fsync of the "
+              "state in memory")
         print(f"  minor page faults / GiB  {med['faults']:7.0f} (import)")
         print(f"  second import at another chunking stored {med['second']:.4f} of the bytes")
     finally:
