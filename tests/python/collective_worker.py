@@ -10,10 +10,16 @@ process_group=), run by test_collective.py, one process per rank over gloo
         verify_replicas, "differ" with verify_replicas and rank 1's replica
         of the norm changed (every rank must raise); "async" with
         async_save.
-    collective_worker.py load REPO NAME LAYOUT
+    collective_worker.py load REPO NAME LAYOUT [as-nccl]
         loads this rank's part of LAYOUT (any world size) through the group,
         checks every element, prints {"fetched": stored bytes this rank read
-        from the store, "chunks": chunks read} as JSON.
+        from the store, "chunks": chunks read, "delivered": how regions
+        went between ranks} as JSON; "delivered" lists "GROUP:DEVICE" for
+        the point-to-point batches sent: GROUP "ckptfs" (ckptfs's own gloo
+        group) or "caller" (the job's group), DEVICE "cpu" or "cuda".
+        "as-nccl" takes the path of ranks loading into GPUs of their own
+        under a job's NCCL group, the job's gloo group standing in for
+        NCCL and host memory for the GPUs'.
     collective_worker.py dcp-load REPO NAME - [alone]
         dcp.load of full() into DTensors (Replicate x Shard(0) on a 2 x N/2
         mesh) through ckptfs.torch.StorageReader with the process group
@@ -24,6 +30,9 @@ process_group=), run by test_collective.py, one process per rank over gloo
     collective_worker.py die-save|die-load REPO NAME LAYOUT
         rank 1 exits in the middle (after the plans are gathered); the other
         ranks print "raised: MESSAGE".
+    collective_worker.py die-deliver REPO NAME LAYOUT [as-nccl]
+        rank 1 exits as it begins sending fetched regions; the other ranks
+        print "raised: MESSAGE".
     collective_worker.py die-commit REPO NAME LAYOUT
         rank 1 exits after the puts, before it commits its part; the other
         ranks print "raised: MESSAGE" (the timeout is 8 s).
@@ -33,9 +42,7 @@ in CUDA memory (rank r on GPU r modulo the GPUs there are) and the job's
 default process group is NCCL for CUDA tensors and gloo for CPU ones, as
 a GPU job's is. NCCL refuses two ranks on one GPU at its first
 collective, so a run with several ranks on one GPU also proves that
-ckptfs then keeps off the job's NCCL group. A load prints, as
-"delivered", the transports that carried regions between ranks ("gloo",
-"nccl").
+ckptfs then keeps off the job's NCCL group.
 
 LAYOUT: "hsdp" (2 replica groups, the rows of every layer split over the
 ranks of a group, a norm on every rank), "dp" (everything whole on every
@@ -110,11 +117,21 @@ def main():
     batch = dist.batch_isend_irecv
 
     def watched(ops):
-        on_nccl = ops[0].tensor.is_cuda and "cuda:nccl" in dist.get_backend_config(ops[0].group)
-        delivered.add("nccl" if on_nccl else "gloo")
+        group = "caller" if ops[0].group in (None, dist.group.WORLD) else "ckptfs"
+        delivered.add(f"{group}:{ops[0].tensor.device.type}")
+        if action == "die-deliver" and rank == 1:
+            gone()
         return batch(ops)
     dist.batch_isend_irecv = watched
+    if mode == "as-nccl":
+        # The caller's NCCL path, with the job's gloo group standing in for
+        # NCCL and host memory for the GPU's: ranks "on GPUs of their own".
+        ckptfs.collective._Group.user_has_nccl = lambda self: True
+        ckptfs.collective._cuda_device_of = lambda torch, targets: f"GPU-{rank}"
     rank, world = dist.get_rank(), dist.get_world_size()
+
+    def gone(*_args, **_kwargs):
+        os._exit(3)
     if action == "open-fail":
         # Rank 2 names a repository that is not there.
         url = repo_path + "-missing" if rank == 2 else repo_path
@@ -141,10 +158,10 @@ def main():
         leave()
     repo = ckptfs.open(repo_path)
     if action.startswith("die-") and rank == 1:
-        def gone(*_args, **_kwargs):
-            os._exit(3)
         if action == "die-commit":
             ckptfs._core.Writer.commit = gone
+        elif action == "die-deliver":
+            pass  # in watched(), as it sends
         else:
             # Once it has its part of the plan.
             planned = ckptfs.collective._Group.plan_at_rank_0

@@ -113,7 +113,7 @@ class Collective(CkptTestCase):
                 # exactly the checkpoint's referenced bytes.
                 self.assertEqual(sum(g["fetched"] for g in got), stored["referenced_bytes"], (got, stored))
                 # Host memory travels over ckptfs's gloo group.
-                self.assertEqual({tuple(g["delivered"]) for g in got}, {("gloo",)}, got)
+                self.assertEqual({tuple(g["delivered"]) for g in got}, {("ckptfs:cpu",)}, got)
         return plan
 
     def test_hsdp_saves_each_replica_once_and_restores_fetching_each_chunk_once(self):
@@ -253,6 +253,27 @@ class Collective(CkptTestCase):
         self.assertEqual(got[1][0], 3)
         for r in (0, 2, 3):
             self.assertIn("raised: CollectiveError", got[r][1])
+
+    def test_regions_go_over_the_callers_group_where_every_rank_has_a_gpu_of_its_own(self):
+        # The NCCL path (a batch of point-to-point operations on the job's
+        # group, after one all-reduce there, polled to the timeout), with
+        # the job's gloo group standing in for NCCL: restores at 4 and 2
+        # ranks, bit-exact, each chunk fetched once.
+        self.job(WORLD, "save", "n", "hsdp", "plain")
+        stored = self.stored_bytes("n")["referenced_bytes"]
+        for world in (WORLD, 2):
+            with self.subTest(world=world):
+                got = [json.loads(x) for x in self.job(world, "load", "n", "hsdp", "as-nccl")]
+                self.assertEqual(sum(g["fetched"] for g in got), stored, got)
+                self.assertEqual({tuple(g["delivered"]) for g in got}, {("caller:cpu",)}, got)
+        # A rank gone as the regions go out: the others stop waiting for it
+        # and raise, naming the step.
+        start = time.monotonic()
+        got = self.job(WORLD, "die-deliver", "n", "hsdp", "as-nccl", ok=False)
+        self.assert_rank_1_died_and_the_others_raised(got)
+        for r in (0, 2, 3):
+            self.assertIn("deliver the fetched regions", got[r][1])
+        self.assertLess(time.monotonic() - start, 120)
 
     def test_a_rank_dying_before_it_commits_its_part_fails_every_other_rank_and_nothing_is_committed(self):
         # On S3 the commit is split: ranks 2 and 3 put their parts and

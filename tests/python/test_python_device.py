@@ -255,7 +255,7 @@ class CollectiveOnCuda(CkptTestCase):
             with self.subTest(world=world):
                 got = self.job(world, "load", "hsdp", "hsdp" if world != 3 else "mixed")
                 self.assertEqual(sum(g["fetched"] for g in got), self.referenced_bytes("hsdp"), got)
-                over = "nccl" if torch.cuda.device_count() >= world else "gloo"
+                over = "caller:cuda" if torch.cuda.device_count() >= world else "ckptfs:cpu"
                 self.assertEqual({tuple(g["delivered"]) for g in got}, {(over,)}, got)
 
     def test_replicas_on_the_gpu_that_differ_fail_on_every_rank_and_nothing_shows(self):

@@ -101,12 +101,12 @@ class _Group:
             return False
 
     def wait(self, works: List[Any], on_device: bool) -> None:
-        """Waits for point-to-point works. Host works (ckptfs's gloo group)
-        carry the group's timeout. A device work's wait only orders the
-        current CUDA stream after it, so those are polled until done, for
-        at most the timeout: a peer that never sends fails this rank
-        instead of hanging it (the caller's group may then need to be torn
-        down, as after any failed NCCL operation)."""
+        """Waits for point-to-point works. Host works (gloo) carry their
+        group's timeout, and a peer gone fails them. A device work's wait
+        (NCCL) only orders the current CUDA stream after it, so those are
+        polled until done, for at most the timeout: a peer that never
+        sends fails this rank instead of hanging it (the caller's group may
+        then need to be torn down, as after any failed NCCL operation)."""
         if not on_device:
             for w in works:
                 w.wait()
@@ -410,9 +410,10 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
             # Every rank joins one small collective on the caller's group
             # first, so its communicator exists (a batch of point-to-point
             # operations that is the group's first call needs every rank).
-            torch_device = torch.device("cuda", torch.cuda.current_device())
-            dist.all_reduce(torch.zeros(1, device=torch_device), group=data_group)
-        group.wait(dist.batch_isend_irecv(ops) if ops else [], over_nccl)
+            device = next((t.device for _k, t, _s in items), None) or \
+                torch.device("cuda", torch.cuda.current_device())
+            dist.all_reduce(torch.zeros(1, device=device), group=data_group)
+        group.wait(dist.batch_isend_irecv(ops) if ops else [], any(op.tensor.is_cuda for op in ops))
         for target, buf in staged:
             target.copy_(buf.view(target.dtype).reshape(target.shape))
         # A region this rank needs twice was filled once: copy it over.
