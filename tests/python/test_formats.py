@@ -788,6 +788,14 @@ class Exports(unittest.TestCase):
         for k, v in state.items():
             self.assertTrue(torch.equal(bits(got[k]), bits(v)), k)
 
+    def test_a_checkpoint_of_blobs_only_exports_as_torch(self):
+        self.repo.save("notes", {"note": b"hello", "empty": b""})
+        out = os.path.join(self.tmp, "notes")
+        formats.export_checkpoint(self.repo, "notes", out, format="torch")
+        # (weights_only refuses the empty bytes value's pickle.)
+        self.assertEqual(torch.load(os.path.join(out, "model.pt"), weights_only=False),
+                         {"empty": b"", "note": b"hello"})
+
     def test_a_torch_export_holds_one_tensor_in_memory_not_the_state(self):
         # 8 tensors of 32 MiB (the first two cast down from float32), read
         # by a fresh process whose peak resident memory is measured before

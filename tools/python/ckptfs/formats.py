@@ -1471,22 +1471,27 @@ def _export_torch(path: str, repo, reader, name: str, order: List[str], shown, s
     with skip_data():
         torch.save(state, tmp)
     del state, empty
+    # The file was written a moment ago, by torch.save of tensors, raw blob
+    # bytes and objects that torch.load(weights_only=True) gave; loaded
+    # whole, since weights_only refuses some of what pickle writes for
+    # them (an empty bytes value is a call of the global `bytes`).
     with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
-        mapped = torch.load(tmp, mmap=True, weights_only=True)
+        mapped = torch.load(tmp, mmap=True, weights_only=False)
     targets: Dict[str, Any] = {}
     if structure is not None:
         _tensors_at(structure, mapped, targets)
     else:
         targets = {n: mapped[n] for n in order}
     for n in order:
-        target = targets[n]
+        target = targets.pop(n)
         if target.dtype == sizes.stored(n):
             ckptfs._read_value(reader, n, target, None)
         else:
             target.copy_(_read_tensor(reader, n))
         _let_go(target.data_ptr(), target.numel() * target.element_size())
         advance(sizes.nbytes(n))
-    del mapped, targets, target
+        del target
+    del mapped
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
