@@ -367,8 +367,11 @@ Status Repository::Init(const std::string& path, const RepositoryConfig& config,
     struct stat sb;
     ::stat(path.c_str(), &sb);
     if (!S_ISDIR(sb.st_mode)) return Status::FailedPrecondition("'" + path + "' exists and is not a directory");
-  } else if (::mkdir(path.c_str(), 0755) != 0) {
-    return Status::FromErrno(errno, "creating " + path);
+  } else {
+    // Missing parents are made too, as `mkdir -p` (and `git init`) would.
+    std::error_code ec;
+    std::filesystem::create_directories(path, ec);
+    if (ec) return Status::FromErrno(ec.value(), "creating " + path);
   }
   CKPT_ASSIGN_OR_RETURN(auto backend, OpenLocalBackend(path + "/" + kObjectsDir));
   CKPT_ASSIGN_OR_RETURN(auto env, LmdbEnv::Open(path + "/" + kCatalogDir, true, kInitialMapSize));

@@ -64,6 +64,9 @@ class HelpAndUsage(CkptTestCase):
         # -r wins over CKPT_REPO
         self.run_ckpt("init", "-r", self.path("other"))
         self.assertIn("no checkpoints", self.run_ckpt("ls", "-r", self.path("other")).stdout.decode())
+        # Missing parents are made.
+        self.run_ckpt("init", "-r", self.path("runs/llama/repo"))
+        self.assertIn("no checkpoints", self.run_ckpt("ls", "-r", self.path("runs/llama/repo")).stdout.decode())
         # Global options may also come before the command, in any spelling.
         for args in (["-r", self.path("other"), "ls"], ["--repo", self.path("other"), "ls"],
                      ["--repo=" + self.path("other"), "ls"], ["-r" + self.path("other"), "ls", "--json"]):

@@ -716,6 +716,17 @@ TEST_F(LocalRepository, ASharedSyncOfALocalRepositoryIsEmptyAndChangesNothing) {
   EXPECT_EQ(repo_->SyncFrom("a listing").code(), StatusCode::kInvalidArgument);
 }
 
+TEST(RepositoryInit, MakesMissingParentsAndRefusesAFileInTheWay) {
+  TempDir dir;
+  ASSERT_OK(Repository::Init(dir / "runs/llama/repo", {}));
+  EXPECT_OK(Repository::Open(dir / "runs/llama/repo").status());
+  std::ofstream(dir / "file") << "x";
+  Status under_file = Repository::Init(dir / "file/repo", {});
+  EXPECT_FALSE(under_file.ok());
+  EXPECT_NE(under_file.message().find("creating"), std::string::npos) << under_file.ToString();
+  EXPECT_EQ(Repository::Init(dir / "file", {}).code(), StatusCode::kFailedPrecondition);
+}
+
 TEST(RepositoryOpen, MissingForeignAndNewerRepositoriesAreRefused) {
   TempDir dir;
   auto missing = Repository::Open(dir / "nothing");

@@ -761,8 +761,8 @@ class Repository:
 def init(url: str, *, chunk_size: int = 4 << 20, pack_size: int = 256 << 20, compression: str = "zstd",
          level: int = 1, adaptive: bool = True, threads: int = 0, cache_bytes: int = 512 << 20,
          cache_dir: Optional[str] = None, io_threads: int = 0) -> Repository:
-    """Creates a repository at `url` (an empty or missing directory, or
-    s3://BUCKET/PREFIX) and opens it.
+    """Creates a repository at `url` (an empty or missing directory, whose
+    missing parents are made too, or s3://BUCKET/PREFIX) and opens it.
 
     chunk_size: bytes per chunk, a multiple of 8 in [64 KiB, 256 MiB];
     pack_size: a pack file is sealed at this size; compression: "zstd" or
