@@ -10,7 +10,7 @@ process_group=), run by test_collective.py, one process per rank over gloo
         verify_replicas, "differ" with verify_replicas and rank 1's replica
         of the norm changed (every rank must raise); "async" with
         async_save.
-    collective_worker.py load REPO NAME LAYOUT [as-nccl]
+    collective_worker.py load REPO NAME LAYOUT [as-nccl|stale]
         loads this rank's part of LAYOUT (any world size) through the group,
         checks every element, prints {"fetched": stored bytes this rank read
         from the store, "chunks": chunks read, "delivered": how regions
@@ -19,7 +19,9 @@ process_group=), run by test_collective.py, one process per rank over gloo
         group) or "caller" (the job's group), DEVICE "cpu" or "cuda".
         "as-nccl" takes the path of ranks loading into GPUs of their own
         under a job's NCCL group, the job's gloo group standing in for
-        NCCL and host memory for the GPUs'.
+        NCCL and host memory for the GPUs'. "stale": rank 2's reader
+        says it opened another checkpoint of that name (every rank must
+        raise).
     collective_worker.py dcp-load REPO NAME - [alone]
         dcp.load of full() into DTensors (Replicate x Shard(0) on a 2 x N/2
         mesh) through ckptfs.torch.StorageReader with the process group
@@ -112,6 +114,7 @@ def main():
         # A GPU per rank where there are enough, else several on one.
         torch.cuda.set_device(int(os.environ["RANK"]) % torch.cuda.device_count())
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     # Which transport carried the fetched regions to the ranks needing them.
     delivered = set()
     batch = dist.batch_isend_irecv
@@ -123,12 +126,14 @@ def main():
             gone()
         return batch(ops)
     dist.batch_isend_irecv = watched
+    if mode == "stale" and rank == 2:
+        # Rank 2's host lists an older checkpoint of the same name.
+        ckptfs._core.Reader.identity = lambda self: (1, 2, 3)
     if mode == "as-nccl":
         # The caller's NCCL path, with the job's gloo group standing in for
         # NCCL and host memory for the GPU's: ranks "on GPUs of their own".
         ckptfs.collective._Group.user_has_nccl = lambda self: True
         ckptfs.collective._cuda_device_of = lambda torch, targets: f"GPU-{rank}"
-    rank, world = dist.get_rank(), dist.get_world_size()
 
     def gone(*_args, **_kwargs):
         os._exit(3)
@@ -154,7 +159,8 @@ def main():
         for k, v in values.items():
             assert torch.equal(targets[k], v), k
         c = repo.store_counters()
-        print(json.dumps({"name": point["name"], "lists": c["list_requests"], "gets": c["get_requests"]}))
+        print(json.dumps({"name": point["name"], "lists": c["list_requests"], "gets": c["get_requests"],
+                          "puts": c["put_requests"], "requests": c["requests"]}))
         leave()
     repo = ckptfs.open(repo_path)
     if action.startswith("die-") and rank == 1:

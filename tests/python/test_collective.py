@@ -168,6 +168,9 @@ class Collective(CkptTestCase):
         self.assertEqual([t["lists"] for t in together], [one] + [0] * (WORLD - 1))
         # Rank 0 sent the manifests it fetched: the others did not GET them.
         self.assertLess(sum(t["gets"] for t in together), sum(a["gets"] for a in alone))
+        # One read lease for the job (a PUT), rank 0's, not one a rank.
+        self.assertTrue(all(a["puts"] >= 1 for a in alone), alone)
+        self.assertEqual([t["puts"] for t in together], [alone[0]["puts"]] + [0] * (WORLD - 1))
 
     def test_a_collective_save_lists_the_store_once_for_the_job(self):
         # Every rank saving alone takes a store lock (a listing of the
@@ -274,6 +277,14 @@ class Collective(CkptTestCase):
         for r in (0, 2, 3):
             self.assertIn("deliver the fetched regions", got[r][1])
         self.assertLess(time.monotonic() - start, 120)
+
+    def test_a_rank_whose_host_knows_another_checkpoint_of_that_name_fails_every_rank(self):
+        # Only rank 0 leases the checkpoint, so every rank must have opened
+        # the one it leased.
+        self.job(WORLD, "save", "s", "hsdp", "plain")
+        for out in self.job(WORLD, "load", "s", "hsdp", "stale"):
+            self.assertIn("raised: CollectiveError", out)
+            self.assertIn("rank 2's host knows another checkpoint named 's' than rank 0's", out)
 
     def test_a_rank_dying_before_it_commits_its_part_fails_every_other_rank_and_nothing_is_committed(self):
         # On S3 the commit is split: ranks 2 and 3 put their parts and

@@ -359,6 +359,12 @@ class Reader {
     for (const auto& b : reader_->blobs()) out.emplace_back(b.name, b.size);
     return out;
   }
+  // What tells this checkpoint from another of the same name (one deleted
+  // and saved again): when it was created and committed, by how many ranks.
+  std::tuple<uint64_t, uint64_t, uint32_t> identity() const {
+    const CheckpointRecord& c = reader_->info();
+    return {c.created_unix_ms, c.committed_unix_ms, c.world_size};
+  }
   std::tuple<std::string, Shape> tensor_info(const std::string& name) const {
     const TensorRecord* t = Value(reader_->GetTensor(name));
     return {std::string(DTypeName(t->dtype)), t->shape};
@@ -685,9 +691,11 @@ class PyRepository {
     return d;
   }
 
-  Reader open_checkpoint(const std::string& name) {
+  Reader open_checkpoint(const std::string& name, bool lease) {
     py::gil_scoped_release nogil;
-    return Reader(repo_, Value(repo_->OpenCheckpoint(name)));
+    ReadOptions options;
+    options.lease = lease;
+    return Reader(repo_, Value(repo_->OpenCheckpoint(name, options)));
   }
 
   // Ranks of a pending checkpoint that began their save: the fields of
@@ -1001,6 +1009,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Reader>(m, "Reader")
       .def("tensors", &Reader::tensors)
       .def("blobs", &Reader::blobs)
+      .def("identity", &Reader::identity)
       .def("tensor_info", &Reader::tensor_info, py::arg("name"))
       .def("read", &Reader::read, py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("kind"),
            py::arg("local_shape"), py::arg("offsets"), py::arg("start"), py::arg("address"), py::arg("nbytes"),
@@ -1028,7 +1037,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("compress_every_chunk") = false)
       .def("begin_sharing", &PyRepository::begin_sharing, py::arg("name"), py::arg("rank"), py::arg("world_size"),
            py::arg("step"), py::arg("tags"), py::arg("await_ranks") = 0.0)
-      .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"))
+      .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"), py::arg("lease") = true)
       .def("checkpoints", &PyRepository::checkpoints, py::arg("include_pending"))
       .def("pending_ranks", &PyRepository::pending_ranks, py::arg("name"))
       .def("rm", &PyRepository::rm, py::arg("names"))

@@ -328,7 +328,11 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
         for key, target, _shard in items:
             if not torch.is_tensor(target):
                 raise InvalidArgumentError(f"target '{key}': a collective load fills torch tensors")
-        reader = repo._repo.open_checkpoint(name)
+        # One read lease for the job, not one per rank: rank 0's, taken
+        # (and the checkpoint checked against the store) before it makes
+        # the plan, and held until every rank has agreed that its fetches
+        # are done. No rank fetches before it has its part of the plan.
+        reader = repo._repo.open_checkpoint(name, lease=group.rank == 0)
     except Error as e:
         error = str(e)
     # Rank 0's reader lists the chunks of every rank's regions (the
@@ -337,13 +341,22 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
     # travel over the caller's NCCL group (see _over_nccl).
     user_nccl = group.user_has_nccl()
 
-    def compute(plans, devices):
+    def compute(plans, extras):
+        # Every rank must have opened the checkpoint rank 0 leased, not an
+        # older one of the same name that its host's catalog still lists.
+        for r, (identity, _device) in enumerate(extras):
+            if identity != extras[0][0]:
+                raise CollectiveError(f"rank {r}'s host knows another checkpoint named '{name}' than rank 0's: its "
+                                      "catalog is behind the store (open the repository with process_group= to "
+                                      "bring every host's catalog up to date)")
         parts, per_rank = _core.plan_load(plans, reader)
-        nccl = user_nccl and _over_nccl(devices)
+        nccl = user_nccl and _over_nccl([device for _identity, device in extras])
         return [(part, per_rank, nccl) for part in parts]
 
-    device = _cuda_device_of(torch, [t for _k, t, _s in items]) if error is None and user_nccl else None
-    part, per_rank, over_nccl = group.plan_at_rank_0("describe the targets", error, entries, device, compute)
+    extra = None
+    if error is None:
+        extra = (reader.identity(), _cuda_device_of(torch, [t for _k, t, _s in items]) if user_nccl else None)
+    part, per_rank, over_nccl = group.plan_at_rank_0("describe the targets", error, entries, extra, compute)
     try:
         routes, windows, unique, needed = _core.load_plan_part(part, len(entries), group.size)
     except Error as e:  # a part rank 0 made and this rank cannot read (the others fail at their next step)
