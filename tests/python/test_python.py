@@ -131,6 +131,23 @@ class RoundTrips(PythonTestCase):
         self.assertEqual([c["name"] for c in other.checkpoints()], ["a"])
         self.assertEqual(other.config["chunk_size"], 64 << 10)
 
+    def test_a_repository_made_again_where_one_this_process_has_open_was_deleted_is_the_new_one(self):
+        import shutil  # noqa: PLC0415
+
+        self.r.save("old", {"x": torch.arange(5)})
+        shutil.rmtree(self.repo)
+        new = ckptfs.init(self.repo, chunk_size=128 << 10)
+        self.assertEqual(new.checkpoints(), [])
+        self.assertEqual(new.config["chunk_size"], 128 << 10)
+        new.save("new", {"x": torch.arange(3)})
+        # The old object keeps its own (deleted) repository; the new
+        # checkpoint is in the new one's catalog, for any process.
+        self.assertEqual([c["name"] for c in self.r.checkpoints()], ["old"])
+        listed = subprocess.run([sys.executable, "-c", "import sys, ckptfs; "
+                                 "print([c['name'] for c in ckptfs.open(sys.argv[1]).checkpoints()])", self.repo],
+                                check=True, stdout=subprocess.PIPE).stdout.decode().strip()
+        self.assertEqual(listed, "['new']")
+
 
 class ShardedAcrossProcesses(PythonTestCase):
     def run_ranks(self, action, world):

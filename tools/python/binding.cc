@@ -6,6 +6,8 @@
 // exceptions whose text is the CLI's one-line message; the class follows the
 // status code (ckptfs.NotFoundError is also a LookupError, InvalidArgument a
 // ValueError, I/O errors an OSError).
+#include <sys/stat.h>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -490,9 +492,17 @@ class RepositoryCache {
           open_.clear();
           generation_ = ForkGeneration();
         }
+        const std::string identity = LocalIdentity(path);
         auto it = open_.find(key);
+        if (it != open_.end() && it->second.identity != identity) {
+          // Another repository now lives at this path (the one this
+          // process has open was deleted or moved away, and a new one
+          // made): its holders keep the old one; this opens the new one.
+          open_.erase(it);
+          it = open_.end();
+        }
         if (it != open_.end()) {
-          if (auto live = it->second.lock()) return live;
+          if (auto live = it->second.repo.lock()) return live;
         }
         auto repo = Repository::Open(path, options);
         const bool closing = it != open_.end() && !repo.ok() &&
@@ -500,7 +510,7 @@ class RepositoryCache {
                              repo.status().message().find("already open in this process") != std::string::npos;
         if (!closing || attempt >= 300) {
           std::shared_ptr<Repository> out = Value(std::move(repo));
-          open_[key] = out;
+          open_[key] = Entry{out, identity};
           return out;
         }
       }
@@ -510,8 +520,21 @@ class RepositoryCache {
   }
 
  private:
+  // Which repository lives at a local path: its config file's device,
+  // inode and modification time (written once, by init, through a rename).
+  // Empty for object stores and where there is none.
+  static std::string LocalIdentity(const std::string& path) {
+    struct stat sb;
+    if (::stat((path + "/ckptfs.json").c_str(), &sb) != 0) return {};
+    return std::to_string(sb.st_dev) + ':' + std::to_string(sb.st_ino) + ':' + std::to_string(sb.st_mtim.tv_sec) +
+           '.' + std::to_string(sb.st_mtim.tv_nsec);
+  }
+  struct Entry {
+    std::weak_ptr<Repository> repo;
+    std::string identity;
+  };
   std::mutex mu_;
-  std::map<std::string, std::weak_ptr<Repository>> open_;  // guarded by mu_
+  std::map<std::string, Entry> open_;  // guarded by mu_
   uint64_t generation_ = ForkGeneration();                 // guarded by mu_
 };
 
