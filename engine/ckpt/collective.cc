@@ -528,9 +528,22 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
 Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string& name,
                                             std::span<const CollectiveTarget> targets, Communicator& comm,
                                             CollectiveMemory& memory) {
-  // 1. What each rank needs, gathered by every rank.
-  auto reader = repo.OpenCheckpoint(name);
+  // 1. What each rank needs, gathered at rank 0. One read lease for the
+  // job: rank 0's, taken (and the checkpoint checked against the store)
+  // before it makes the plan and held until every rank agrees its fetches
+  // are done; no rank fetches before it has its part of the plan. The
+  // others open without one and send what they opened (its identity), for
+  // rank 0 to check that it is the checkpoint it leased.
+  ReadOptions read;
+  read.lease = comm.rank() == 0;
+  auto reader = repo.OpenCheckpoint(name, read);
   Status local = reader.status();
+  std::string identity;
+  if (reader.ok()) {
+    const CheckpointRecord& c = (*reader)->info();
+    identity = std::to_string(c.created_unix_ms) + ':' + std::to_string(c.committed_unix_ms) + ':' +
+               std::to_string(c.world_size);
+  }
   std::vector<const TensorRecord*> records(targets.size(), nullptr);
   std::vector<PlanEntry> mine;
   for (size_t i = 0; local.ok() && i < targets.size(); ++i) {
@@ -545,8 +558,15 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
   // 2. Rank 0 makes the plan once, its reader listing the chunks of
   // every rank's regions, and sends each rank its part.
   auto plan = [&](const std::vector<std::vector<PlanEntry>>& plans,
-                  const std::vector<std::string>&) -> Result<std::vector<std::string>> {
+                  const std::vector<std::string>& identities) -> Result<std::vector<std::string>> {
     const CheckpointReader& r = **reader;  // rank 0's, open: its failure stops the plan before this
+    for (size_t k = 1; k < identities.size(); ++k) {
+      if (identities[k] != identities[0]) {
+        return Status::FailedPrecondition("rank " + std::to_string(k) + "'s host knows another checkpoint named '" +
+                                          name + "' than rank 0's: its catalog is behind the store (open the "
+                                          "repository with OpenCollective to bring every host's catalog up to date)");
+      }
+    }
     std::vector<std::string> parts;
     for (const RankLoadPlan& p : PlanLoadForRanks(
              plans, [&](std::string_view tensor) { return r.FindTensor(tensor); }, kHandoffWindowBytes)) {
@@ -556,7 +576,7 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
   };
   uint64_t plan_bytes = 0;
   CKPT_ASSIGN_OR_RETURN(std::string part,
-                        PlanAtRankZero(comm, "describe the targets", local, mine, {}, plan, &plan_bytes));
+                        PlanAtRankZero(comm, "describe the targets", local, mine, identity, plan, &plan_bytes));
   RankLoadPlan routes;
   CKPT_RETURN_IF_ERROR(
       DecodeLoadPlan(part, mine.size(), comm.size(), &routes).WithContext("the load plan from rank 0"));

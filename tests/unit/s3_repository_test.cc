@@ -584,6 +584,52 @@ TEST_F(S3Repository, ACollectiveOpenListsTheStoreOnceForTheGroup) {
   }
 }
 
+TEST_F(S3Repository, ACollectiveLoadLeasesTheCheckpointOnceAndRefusesAHostThatKnowsAnOlderOneOfItsName) {
+  const uint64_t rows = 64, cols = 256;
+  const auto v1 = RandomBytes(rows * cols * 4, 31), v2 = RandomBytes(rows * cols * 4, 32);
+  auto writer = Host("writer");
+  ASSERT_OK(SaveRows(*writer, "s", 0, 1, v1, rows, cols));
+  std::vector<std::unique_ptr<Repository>> repos;
+  for (int r = 0; r < 4; ++r) repos.push_back(Host("host" + std::to_string(r)));
+  auto load = [&] {
+    std::vector<std::vector<std::byte>> got(4, std::vector<std::byte>(rows * cols * 4));
+    std::vector<Result<CollectiveLoadResult>> out(4, Status::Internal("not run"));
+    auto comms = NewHostGroup(4);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 4; ++r) {
+      threads.emplace_back([&, r] {
+        std::vector<CollectiveTarget> targets = {{{"w", DType::kF32, {rows, cols}}, Region::OfBox(Box{{0, 0}, {rows, cols}}), got[r]}};
+        out[r] = LoadCollective(*repos[r], "s", targets, *comms[r]);
+      });
+    }
+    for (auto& t : threads) t.join();
+    return std::make_pair(std::move(out), std::move(got));
+  };
+  std::vector<RequestCounts> before;
+  for (auto& r : repos) before.push_back(r->store_requests());
+  {
+    auto [out, got] = load();
+    for (int r = 0; r < 4; ++r) {
+      ASSERT_OK(out[r]);
+      EXPECT_EQ(got[r], v1) << r;
+    }
+  }
+  // Only rank 0 wrote a read lease.
+  for (int r = 0; r < 4; ++r) EXPECT_EQ((repos[r]->store_requests() - before[r]).put, r == 0 ? 1u : 0u) << r;
+  // "s" removed and saved again by another host. Ranks 0, 1 and 3 run on
+  // hosts that open the repository afresh; rank 2's host still lists the
+  // old "s".
+  ASSERT_OK(writer->RemoveCheckpoints({"s"}));
+  ASSERT_OK(SaveRows(*writer, "s", 0, 1, v2, rows, cols));
+  for (int r : {0, 1, 3}) repos[r] = Host("later" + std::to_string(r));
+  auto [out, got] = load();
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_FALSE(out[r].ok()) << r;
+    EXPECT_NE(out[r].status().message().find("rank 2's host knows another checkpoint named 's'"), std::string::npos)
+        << out[r].status().ToString();
+  }
+}
+
 TEST_F(S3Repository, ACollectiveSaveListsTheStoreOnceForTheGroup) {
   const uint64_t rows = 64, cols = 256;
   const auto w = RandomBytes(rows * cols * 4, 23);
