@@ -538,12 +538,7 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
   read.lease = comm.rank() == 0;
   auto reader = repo.OpenCheckpoint(name, read);
   Status local = reader.status();
-  std::string identity;
-  if (reader.ok()) {
-    const CheckpointRecord& c = (*reader)->info();
-    identity = std::to_string(c.created_unix_ms) + ':' + std::to_string(c.committed_unix_ms) + ':' +
-               std::to_string(c.world_size);
-  }
+  const std::string identity = reader.ok() ? CheckpointIdentity((*reader)->info()) : std::string();
   std::vector<const TensorRecord*> records(targets.size(), nullptr);
   std::vector<PlanEntry> mine;
   for (size_t i = 0; local.ok() && i < targets.size(); ++i) {

@@ -315,6 +315,11 @@ Status GetLocation(Decoder& d, ChunkLocation* l) {
 
 }  // namespace
 
+std::string CheckpointIdentity(const CheckpointRecord& c) {
+  return std::to_string(c.created_unix_ms) + ':' + std::to_string(c.committed_unix_ms) + ':' +
+         std::to_string(c.world_size);
+}
+
 std::string EncodeCheckpoint(const CheckpointRecord& r) { return EncodeWith(r, PutCheckpoint); }
 Result<CheckpointRecord> DecodeCheckpoint(std::string_view data) {
   return DecodeWith<CheckpointRecord>(data, GetCheckpoint, "checkpoint");

@@ -90,6 +90,11 @@ Status ValidateTensorRecord(const TensorRecord& t);
 Status ValidateBlobRecord(const BlobRecord& b);
 Status ValidateCheckpointRecord(const CheckpointRecord& c);
 
+// What tells a committed checkpoint from another of the same name (one
+// removed and saved again): when it was created and committed, by how many
+// ranks. Equal for the same checkpoint read from any host's catalog.
+std::string CheckpointIdentity(const CheckpointRecord& c);
+
 std::string EncodeCheckpoint(const CheckpointRecord& r);
 Result<CheckpointRecord> DecodeCheckpoint(std::string_view data);
 std::string EncodeTensor(const TensorRecord& r);

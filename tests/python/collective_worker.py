@@ -128,7 +128,7 @@ def main():
     dist.batch_isend_irecv = watched
     if mode == "stale" and rank == 2:
         # Rank 2's host lists an older checkpoint of the same name.
-        ckptfs._core.Reader.identity = lambda self: (1, 2, 3)
+        ckptfs._core.Reader.identity = lambda self: "1:2:3"
     if mode == "as-nccl":
         # The caller's NCCL path, with the job's gloo group standing in for
         # NCCL and host memory for the GPU's: ranks "on GPUs of their own".

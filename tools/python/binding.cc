@@ -361,12 +361,8 @@ class Reader {
     for (const auto& b : reader_->blobs()) out.emplace_back(b.name, b.size);
     return out;
   }
-  // What tells this checkpoint from another of the same name (one deleted
-  // and saved again): when it was created and committed, by how many ranks.
-  std::tuple<uint64_t, uint64_t, uint32_t> identity() const {
-    const CheckpointRecord& c = reader_->info();
-    return {c.created_unix_ms, c.committed_unix_ms, c.world_size};
-  }
+  // What tells this checkpoint from another of the same name (CheckpointIdentity).
+  std::string identity() const { return CheckpointIdentity(reader_->info()); }
   std::tuple<std::string, Shape> tensor_info(const std::string& name) const {
     const TensorRecord* t = Value(reader_->GetTensor(name));
     return {std::string(DTypeName(t->dtype)), t->shape};

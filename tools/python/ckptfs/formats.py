@@ -1450,14 +1450,21 @@ def _export_torch(path: str, repo, reader, name: str, order: List[str], shown, s
     if skip_data is None:
         raise UnsupportedError(f"--format torch needs torch.serialization.skip_data (torch >= 2.5), not torch "
                                f"{torch.__version__}")
+    # Every tensor a view of one anonymous mapping, 64-byte aligned: address
+    # space only, not counted against the machine's memory (MAP_NORESERVE),
+    # so tensors larger than the memory are no problem; one mmap call however
+    # many tensors.
+    places, end = {}, 0
+    for n in order:
+        places[n] = end
+        end += -(-sizes.nbytes(n) // 64) * 64
+    space = mmap.mmap(-1, max(end, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+
     def untouched(n: str):
-        # Address space only, and not counted against the machine's memory
-        # (MAP_NORESERVE), so a tensor larger than the memory is no problem.
-        nbytes = sizes.nbytes(n)
-        if nbytes == 0:
+        if sizes.nbytes(n) == 0:
             return torch.empty(sizes.shape(n), dtype=sizes.dtype(n))
-        space = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
-        return torch.frombuffer(space, dtype=sizes.dtype(n)).reshape(sizes.shape(n))
+        return torch.frombuffer(space, dtype=sizes.dtype(n), count=sizes.numel(n),
+                                offset=places[n]).reshape(sizes.shape(n))
 
     empty = {n: untouched(n) for n in order}
     if structure is not None:
@@ -1470,7 +1477,7 @@ def _export_torch(path: str, repo, reader, name: str, order: List[str], shown, s
     tmp = path + ".tmp"
     with skip_data():
         torch.save(state, tmp)
-    del state, empty
+    del state, empty, space
     # The file was written a moment ago, by torch.save of tensors, raw blob
     # bytes and objects that torch.load(weights_only=True) gave; loaded
     # whole, since weights_only refuses some of what pickle writes for
@@ -1505,11 +1512,16 @@ def _let_go(address: int, nbytes: int) -> None:
         return
     import ctypes  # noqa: PLC0415
 
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
     page = os.sysconf("SC_PAGE_SIZE")
     start = address - address % page
     end = -(-(address + nbytes) // page) * page
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED; advice only
+    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED; advice only
+
+
+_libc = None  # the C library, for madvise (_let_go)
 
 
 def _tensors_at(node, obj, out: Dict[str, Any]) -> None:
