@@ -2,7 +2,8 @@
 test_dcp (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment):
 
     dcp_worker.py save REPO NAME
-        (4 ranks) saves DTensors of every placement with dcp.save
+        (4 ranks) saves DTensors of every placement with dcp.save; prints
+        "ok BYTES", the tensor bytes this rank's StorageWriter put
     dcp_worker.py load REPO NAME
         (any world size) loads them back at other placements with dcp.load
         and checks every element
@@ -26,6 +27,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -113,7 +115,19 @@ def main():
     world = dist.get_world_size()
     outcome = "ok"
     if action == "save":
-        dcp.save(state(world, True, False), storage_writer=StorageWriter(repo, name, step=1234))
+        # The tensor bytes this rank's writer put (DCP's planner gives each
+        # replicated item to one rank).
+        writer = StorageWriter(repo, name, step=1234)
+        wrote = writer.write_data
+
+        def counted(plan, planner):
+            future = wrote(plan, planner)
+            counted.bytes = sum(r.size_in_bytes for r, item in zip(future.value(), plan.items)
+                                if item.type != WriteItemType.BYTE_IO)
+            return future
+        writer.write_data = counted
+        dcp.save(state(world, True, False), storage_writer=writer)
+        outcome = f"ok {counted.bytes}"
     elif action == "load":
         sd = state(world, False, True)
         dcp.load(sd, storage_reader=StorageReader(repo, name))
