@@ -1,6 +1,7 @@
 #include "backend/backend.h"
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <mutex>
 
@@ -43,6 +44,14 @@ Result<std::string> Backend::ReadAll(std::string_view key, uint64_t max_bytes) {
   }
   std::string out(size, '\0');
   CKPT_RETURN_IF_ERROR(ReadRange(key, 0, std::as_writable_bytes(std::span(out.data(), out.size()))));
+  return out;
+}
+
+Result<std::vector<ListedObject>> Backend::ListTagged(std::string_view prefix) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> keys, List(prefix));
+  std::vector<ListedObject> out;
+  out.reserve(keys.size());
+  for (std::string& k : keys) out.push_back({std::move(k), ""});
   return out;
 }
 
@@ -115,6 +124,18 @@ class MemoryBackend final : public Backend {
     return keys;
   }
 
+  // Tagged by content, as an object store's ETag is.
+  Result<std::vector<ListedObject>> ListTagged(std::string_view prefix) override {
+    std::lock_guard lock(mu_);
+    std::vector<ListedObject> out;
+    for (auto it = objects_.lower_bound(std::string(prefix)); it != objects_.end(); ++it) {
+      if (it->first.compare(0, prefix.size(), prefix) != 0) break;
+      out.push_back({it->first, std::to_string(std::hash<std::string>{}(*it->second)) + "-" +
+                                    std::to_string(it->second->size())});
+    }
+    return out;
+  }
+
   Status Delete(std::string_view key) override {
     std::lock_guard lock(mu_);
     auto it = objects_.find(std::string(key));
@@ -158,6 +179,11 @@ class PrefixedBackend final : public Backend {
     CKPT_ASSIGN_OR_RETURN(std::vector<std::string> keys, store_->List(Key(prefix)));
     for (std::string& k : keys) k.erase(0, prefix_.size());
     return keys;
+  }
+  Result<std::vector<ListedObject>> ListTagged(std::string_view prefix) override {
+    CKPT_ASSIGN_OR_RETURN(std::vector<ListedObject> listed, store_->ListTagged(Key(prefix)));
+    for (ListedObject& o : listed) o.key.erase(0, prefix_.size());
+    return listed;
   }
   Status Delete(std::string_view key) override { return store_->Delete(Key(key)); }
   Result<uint64_t> RemoveIncomplete() override { return store_->RemoveIncomplete(); }

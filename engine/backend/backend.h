@@ -59,6 +59,14 @@ struct RequestCounts {
   }
 };
 
+// An object a listing found, and a tag that changes when its key is written
+// again with other bytes (an object store's ETag; a file's inode, size and
+// modification time). Empty where the backend cannot tell.
+struct ListedObject {
+  std::string key;
+  std::string tag;
+};
+
 // Bounds of whole-object reads: any object (a manifest of a checkpoint with
 // millions of tensors stays far below it), and the small objects a
 // repository holds (its config, lock and claim objects).
@@ -83,6 +91,9 @@ class Backend {
   virtual Result<std::string> ReadAll(std::string_view key, uint64_t max_bytes = kMaxWholeObject);
   virtual Result<uint64_t> Size(std::string_view key) = 0;
   virtual Result<std::vector<std::string>> List(std::string_view prefix) = 0;
+  // List, with each object's tag (ListedObject), in the same request(s) as
+  // List where the backend can. The default lists without tags.
+  virtual Result<std::vector<ListedObject>> ListTagged(std::string_view prefix);
   virtual Status Delete(std::string_view key) = 0;
   // Removes what writers that never committed left behind (temporary files,
   // unfinished uploads). Only safe while no writer is active.
@@ -118,6 +129,9 @@ class BackendWrapper : public Backend {
   }
   Result<uint64_t> Size(std::string_view key) override { return inner_->Size(key); }
   Result<std::vector<std::string>> List(std::string_view prefix) override { return inner_->List(prefix); }
+  Result<std::vector<ListedObject>> ListTagged(std::string_view prefix) override {
+    return inner_->ListTagged(prefix);
+  }
   Status Delete(std::string_view key) override { return inner_->Delete(key); }
   Result<uint64_t> RemoveIncomplete() override { return inner_->RemoveIncomplete(); }
   std::string Describe() const override { return inner_->Describe(); }

@@ -111,6 +111,25 @@ class LocalBackend final : public Backend {
     return keys;
   }
 
+  // Every write replaces the file (a rename), so a key written again has
+  // another inode or modification time.
+  Result<std::vector<ListedObject>> ListTagged(std::string_view prefix) override {
+    CKPT_ASSIGN_OR_RETURN(std::vector<std::string> keys, List(prefix));
+    std::vector<ListedObject> out;
+    out.reserve(keys.size());
+    for (std::string& k : keys) {
+      struct stat st;
+      if (::stat(Path(k).c_str(), &st) != 0) {
+        if (errno == ENOENT) continue;  // deleted since the listing
+        return Status::FromErrno(errno, "stat of " + Path(k));
+      }
+      std::string tag = std::to_string(st.st_ino) + "-" + std::to_string(st.st_size) + "-" +
+                        std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec);
+      out.push_back({std::move(k), std::move(tag)});
+    }
+    return out;
+  }
+
   Status Delete(std::string_view key) override {
     CKPT_RETURN_IF_ERROR(CheckKey(key));
     std::string path = Path(key);

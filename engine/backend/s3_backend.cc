@@ -33,6 +33,7 @@ namespace {
 constexpr uint64_t kMaxErrorBody = 64 << 10;
 constexpr uint64_t kMaxAnswerBody = 1 << 20;
 constexpr uint64_t kMaxListingPage = 16 << 20;
+constexpr size_t kMaxTag = 256;  // bytes of a listed ETag kept
 
 bool IsUnreserved(unsigned char c) {
   return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-' || c == '_' ||
@@ -673,7 +674,17 @@ class S3Backend final : public Backend {
   // object keys) are left out, so nothing built from a listing ever names
   // an object outside this repository.
   Result<std::vector<std::string>> List(std::string_view prefix) override {
+    CKPT_ASSIGN_OR_RETURN(std::vector<ListedObject> listed, ListTagged(prefix));
     std::vector<std::string> keys;
+    keys.reserve(listed.size());
+    for (ListedObject& o : listed) keys.push_back(std::move(o.key));
+    return keys;
+  }
+
+  // Each object's ETag is its tag (bounded: a store's tag is only ever
+  // compared).
+  Result<std::vector<ListedObject>> ListTagged(std::string_view prefix) override {
+    std::vector<ListedObject> keys;
     const std::string full = client_->FullKey(prefix);
     const size_t strip = client_->location().prefix.empty() ? 0 : client_->location().prefix.size() + 1;
     std::string token;
@@ -684,13 +695,14 @@ class S3Backend final : public Backend {
       Request req = MakeRequest("GET", client_->BucketPath(), q);
       req.max_body = kMaxListingPage;
       CKPT_ASSIGN_OR_RETURN(Response r, client_->Call(req, "listing"));
-      for (std::string& k : XmlAll(r.body, "Key")) {
+      for (std::string_view object : XmlAllRaw(r.body, "Contents")) {
+        const std::string k = XmlFirst(object, "Key");
         if (k.compare(0, full.size(), full) != 0) {
           return Status::Corruption("S3 listing of " + client_->Where() + " under '" + full +
                                     "' returned a key outside it: the store is not answering what was asked");
         }
         std::string key = k.substr(strip);
-        if (IsValidObjectKey(key)) keys.push_back(std::move(key));
+        if (IsValidObjectKey(key)) keys.push_back({std::move(key), XmlFirst(object, "ETag").substr(0, kMaxTag)});
       }
       if (XmlFirst(r.body, "IsTruncated") != "true") break;
       token = XmlFirst(r.body, "NextContinuationToken");
@@ -700,7 +712,7 @@ class S3Backend final : public Backend {
                                " repeats a continuation token: the store's listing does not end");
       }
     }
-    std::sort(keys.begin(), keys.end());
+    std::sort(keys.begin(), keys.end(), [](const ListedObject& a, const ListedObject& b) { return a.key < b.key; });
     return keys;
   }
 

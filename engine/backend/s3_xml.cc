@@ -27,17 +27,23 @@ std::string XmlUnescape(std::string_view s) {
   return out;
 }
 
-std::vector<std::string> XmlAll(std::string_view xml, std::string_view tag) {
-  std::vector<std::string> out;
+std::vector<std::string_view> XmlAllRaw(std::string_view xml, std::string_view tag) {
+  std::vector<std::string_view> out;
   const std::string open = "<" + std::string(tag) + ">", close = "</" + std::string(tag) + ">";
   size_t pos = 0;
   while ((pos = xml.find(open, pos)) != std::string_view::npos) {
     const size_t start = pos + open.size();
     const size_t end = xml.find(close, start);
     if (end == std::string_view::npos) break;
-    out.push_back(XmlUnescape(xml.substr(start, end - start)));
+    out.push_back(xml.substr(start, end - start));
     pos = end + close.size();
   }
+  return out;
+}
+
+std::vector<std::string> XmlAll(std::string_view xml, std::string_view tag) {
+  std::vector<std::string> out;
+  for (std::string_view raw : XmlAllRaw(xml, tag)) out.push_back(XmlUnescape(raw));
   return out;
 }
 

@@ -15,6 +15,9 @@ namespace ckptfs {
 std::string XmlUnescape(std::string_view s);
 // The unescaped text of every <tag>...</tag> in `xml`, in order.
 std::vector<std::string> XmlAll(std::string_view xml, std::string_view tag);
+// The same, as it stands in `xml` (not unescaped): the elements of an
+// element, read with XmlFirst, are unescaped once.
+std::vector<std::string_view> XmlAllRaw(std::string_view xml, std::string_view tag);
 // The first of them, or "" when there is none.
 std::string XmlFirst(std::string_view xml, std::string_view tag);
 

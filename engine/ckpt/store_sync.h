@@ -22,6 +22,7 @@ class RepositoryImpl;
 // listed once for the job, not once per process.
 struct StoreListing {
   std::vector<std::string> pending, manifests, packs;               // object keys
+  std::vector<std::string> manifest_tags;                           // manifests[i]'s (ListedObject)
   std::vector<std::pair<std::string, std::string>> manifest_objects;  // checkpoint name, object bytes
 };
 std::string EncodeStoreListing(const StoreListing& listing);

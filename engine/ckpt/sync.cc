@@ -45,6 +45,8 @@ using RankSets = std::map<std::string, std::set<uint32_t>>;  // checkpoint -> ra
 struct KnownState {
   std::set<std::string> packs;
   std::set<std::string> committed;
+  std::map<std::string, std::string> identity;  // of each committed one (CheckpointIdentity)
+  std::map<std::string, std::string> tags;      // the listed tag each was read under
   std::set<std::string> retired;  // catalog names "NAME/TOKEN" (lease.h)
   RankSets pending;  // pending checkpoints and the ranks their records list
   RankSets records;  // pending ranks whose records are in kRanks
@@ -62,6 +64,7 @@ Result<KnownState> ReadKnown(LmdbEnv& catalog) {
                                                          if (keys::IsRetiredCheckpoint(key)) {
                                                            k.retired.emplace(key);
                                                          } else if (c.state == CheckpointState::kCommitted) {
+                                                           k.identity.emplace(c.name, CheckpointIdentity(c));
                                                            k.committed.insert(c.name);
                                                          } else {
                                                            k.pending[c.name].insert(c.committed_ranks.begin(),
@@ -69,6 +72,10 @@ Result<KnownState> ReadKnown(LmdbEnv& catalog) {
                                                          }
                                                          return true;
                                                        }));
+    CKPT_RETURN_IF_ERROR(txn.Scan(Table::kMeta, keys::kManifestTagPrefix, [&](std::string_view key, std::string_view v) {
+      k.tags.emplace(key.substr(std::strlen(keys::kManifestTagPrefix)), v);
+      return true;
+    }));
     return txn.Scan(Table::kRanks, "", [&](std::string_view key, std::string_view) {
       if (key.size() > 5) k.records[keys::CheckpointOfKey(key)].insert(RankOfKey(key));
       return true;
@@ -102,7 +109,7 @@ Result<Manifest> DecodeManifestObject(std::string_view data, const std::string& 
   return m;
 }
 
-constexpr uint32_t kListingMagic = 0x4c4b4343;  // "CCKL"
+constexpr uint32_t kListingMagic = 0x324b4343;  // "CCK2"
 }  // namespace
 
 Result<Manifest> ReadManifestObject(Backend& backend, const std::string& key, const std::string& name) {
@@ -122,6 +129,8 @@ std::string EncodeStoreListing(const StoreListing& listing) {
     e.String(name);
     e.String(bytes);
   }
+  e.Varint(listing.manifest_tags.size());
+  for (const auto& t : listing.manifest_tags) e.String(t);
   return e.Take();
 }
 
@@ -151,6 +160,10 @@ Result<StoreListing> DecodeStoreListing(std::string_view data) {
     CKPT_RETURN_IF_ERROR(d.String(&name));
     CKPT_RETURN_IF_ERROR(d.String(&bytes));
   }
+  CKPT_RETURN_IF_ERROR(count(&n));
+  if (n != 0 && n != out.manifests.size()) return Status::Corruption("a store listing's tags do not match its manifests");
+  out.manifest_tags.resize(n);
+  for (auto& t : out.manifest_tags) CKPT_RETURN_IF_ERROR(d.String(&t));
   if (!d.done()) return Status::Corruption("a store listing has trailing bytes");
   return out;
 }
@@ -186,14 +199,20 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
   Backend* backend = repo_.backend.get();
   const bool checkpoints = scope != SyncScope::kPacks;
   CKPT_ASSIGN_OR_RETURN(KnownState known, ReadKnown(*catalog));
-  std::vector<std::string> pending_keys, manifest_keys, retired_keys, pack_keys;
+  std::vector<std::string> pending_keys, manifest_keys, manifest_tags, retired_keys, pack_keys;
   if (given) {
     pending_keys = given->pending;
     manifest_keys = given->manifests;
+    manifest_tags = given->manifest_tags;
   } else if (checkpoints) {
     CKPT_ASSIGN_OR_RETURN(pending_keys, backend->List(keys::kPendingPrefix));
-    CKPT_ASSIGN_OR_RETURN(manifest_keys, backend->List(keys::kManifestPrefix));
+    CKPT_ASSIGN_OR_RETURN(auto listed, backend->ListTagged(keys::kManifestPrefix));
+    for (ListedObject& o : listed) {
+      manifest_keys.push_back(std::move(o.key));
+      manifest_tags.push_back(std::move(o.tag));
+    }
   }
+  manifest_tags.resize(manifest_keys.size());  // a listing shared without tags
   // Removed checkpoints kept for their readers matter to gc only.
   const bool retired = scope == SyncScope::kReferences;
   if (retired) {
@@ -207,6 +226,7 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
   if (capture) {
     capture->pending = pending_keys;
     capture->manifests = manifest_keys;
+    capture->manifest_tags = manifest_tags;
     capture->packs = pack_keys;
   }
   uint64_t objects_read = 0;
@@ -262,9 +282,12 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
 
   // ---- manifests ----
   std::set<std::string> listed_committed;
-  for (const auto& key : manifest_keys) {
+  std::map<std::string, std::string> listed_tags;
+  for (size_t i = 0; i < manifest_keys.size(); ++i) {
     std::string name;
-    if (keys::ParseManifestObject(key, &name)) listed_committed.insert(name);
+    if (!keys::ParseManifestObject(manifest_keys[i], &name)) continue;
+    listed_committed.insert(name);
+    if (!manifest_tags[i].empty()) listed_tags[name] = manifest_tags[i];
   }
   if (given && checkpoints) {
     CKPT_ASSIGN_OR_RETURN(auto there, still_there(Missing(known.committed, listed_committed),
@@ -274,28 +297,47 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
   const std::vector<std::string> removed = checkpoints ? Missing(known.committed, listed_committed)
                                                        : std::vector<std::string>{};
   const std::vector<std::string> added = Missing(listed_committed, known.committed);
+  // A name this host knows may have been removed and saved again elsewhere
+  // since: its manifest object then lists under another tag. Those, and
+  // those known without a tag (recorded before tags were kept), are read
+  // again, and the catalog's record is replaced where the manifest is of
+  // another checkpoint (CheckpointIdentity). Names listed without a tag (a
+  // backend that cannot tell) are taken as they are.
+  std::vector<std::string> recheck;
+  for (const auto& [name, tag] : listed_tags) {
+    if (!known.committed.count(name)) continue;
+    const auto had = known.tags.find(name);
+    if (had == known.tags.end() || had->second != tag) recheck.push_back(name);
+  }
+  std::vector<std::string> fetch = added;
+  fetch.insert(fetch.end(), recheck.begin(), recheck.end());
   std::map<std::string_view, std::string_view> given_manifests;
   if (given) {
     for (const auto& [name, bytes] : given->manifest_objects) given_manifests.emplace(name, bytes);
   }
-  std::vector<std::string> fetched_bytes(capture ? added.size() : 0);
+  std::vector<std::string> fetched_bytes(capture ? fetch.size() : 0);
   std::atomic<uint64_t> manifest_gets{0};
-  auto manifests = FetchAll<Manifest>(repo_, added.size(), [&](size_t i) -> Result<Manifest> {
-    if (auto it = given_manifests.find(added[i]); it != given_manifests.end()) {
-      auto m = DecodeManifestObject(it->second, added[i]);
-      if (!m.ok()) return m.status().WithContext("the shared manifest of '" + added[i] + "'");
+  // A name this host knows is read from the store, not from a shared
+  // listing that may predate this host's own commits.
+  auto manifests = FetchAll<Manifest>(repo_, fetch.size(), [&](size_t i) -> Result<Manifest> {
+    auto it = i < added.size() ? given_manifests.find(fetch[i]) : given_manifests.end();
+    if (it != given_manifests.end()) {
+      auto m = DecodeManifestObject(it->second, fetch[i]);
+      if (!m.ok()) return m.status().WithContext("the shared manifest of '" + fetch[i] + "'");
       return m;
     }
     manifest_gets.fetch_add(1, std::memory_order_relaxed);
-    auto data = backend->ReadAll(keys::ManifestObject(added[i]));
+    auto data = backend->ReadAll(keys::ManifestObject(fetch[i]));
     if (!data.ok()) return data.status();
     if (capture) fetched_bytes[i] = *data;
-    return DecodeManifestObject(*data, added[i]);
+    return DecodeManifestObject(*data, fetch[i]);
   });
   objects_read += manifest_gets.load();
   if (capture) {
-    for (size_t i = 0; i < added.size(); ++i) {
-      if (manifests[i].ok()) capture->manifest_objects.emplace_back(added[i], std::move(fetched_bytes[i]));
+    for (size_t i = 0; i < fetch.size(); ++i) {
+      if (manifests[i].ok() && !fetched_bytes[i].empty()) {
+        capture->manifest_objects.emplace_back(fetch[i], std::move(fetched_bytes[i]));
+      }
     }
   }
 
@@ -402,7 +444,10 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
       return Status::OK();
     }
 
-    for (const auto& name : removed) CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, name));
+    for (const auto& name : removed) {
+      CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, name));
+      CKPT_RETURN_IF_ERROR(txn.Delete(Table::kMeta, keys::ManifestTag(name)));
+    }
     r.checkpoints_removed = removed.size();
     for (const auto& name : retired_gone) CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, name));
     for (size_t i = 0; i < retired_new.size(); ++i) {
@@ -418,18 +463,25 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
       CKPT_ASSIGN_OR_RETURN(next_seq, DecodeSequence(*raw_seq));
     }
     const uint64_t seq_before = next_seq;
-    for (size_t i = 0; i < added.size(); ++i) {
+    for (size_t i = 0; i < fetch.size(); ++i) {
+      const std::string& name = fetch[i];
       if (!manifests[i].ok()) {
         if (!manifests[i].status().IsNotFound()) {
-          r.problems.push_back("skipped manifest " + keys::ManifestObject(added[i]) + ": " +
+          r.problems.push_back("skipped manifest " + keys::ManifestObject(name) + ": " +
                                manifests[i].status().message());
         }
         continue;
       }
-      CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, added[i]));  // its pending state
+      const auto tag = listed_tags.find(name);
+      if (tag != listed_tags.end()) CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::ManifestTag(name), tag->second));
+      const bool known_name = i >= added.size();
+      if (known_name && known.identity[name] == CheckpointIdentity(manifests[i]->checkpoint)) continue;  // the same one
+      // Its pending state, or the checkpoint of that name removed since.
+      CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, name));
       CKPT_RETURN_IF_ERROR(RecordManifest(txn, *manifests[i]));
       next_seq = std::max(next_seq, manifests[i]->checkpoint.sequence + 1);
       ++r.checkpoints_added;
+      if (known_name) ++r.checkpoints_removed;
     }
     if (next_seq != seq_before) CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::kNextSequenceKey, EncodeSequence(next_seq)));
 

@@ -11,6 +11,9 @@
 //   kPacks        pack id                   -> PackInfo
 //   kMeta         "format_version"          -> u32
 //                 "next_sequence"           -> u64 (commit order)
+//                 "manifest_tag/" name      -> the listed tag of the store's
+//                                              manifest object the record
+//                                              was read from (object stores)
 #pragma once
 
 #include <cstdint>
@@ -36,6 +39,8 @@ std::string CheckpointOfKey(std::string_view key);
 Result<ChunkId> ChunkIdOfKey(std::string_view key);
 inline constexpr const char* kFormatVersionKey = "format_version";
 inline constexpr const char* kNextSequenceKey = "next_sequence";
+inline constexpr const char* kManifestTagPrefix = "manifest_tag/";
+inline std::string ManifestTag(const std::string& checkpoint) { return kManifestTagPrefix + checkpoint; }
 }  // namespace keys
 
 // A pack's catalog entry.

@@ -1,6 +1,7 @@
 // The contract of backend/backend.h, run against every backend.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <functional>
 #include <thread>
@@ -24,6 +25,29 @@ TEST_P(BackendConformance, PutThenReadRangeAndSize) {
   EXPECT_EQ(out, "world");
   EXPECT_EQ(*backend_->Size("a/b/obj"), 11u);
   EXPECT_EQ(*backend_->ReadAll("a/b/obj"), "hello world");
+}
+
+// Listed tags tell an object written again with other bytes from one left
+// alone (a host's sync tells a checkpoint saved again under a name from the
+// one it knew by them).
+TEST_P(BackendConformance, ListedTagsChangeWhenAnObjectIsWrittenAgainWithOtherBytes) {
+  ASSERT_OK(backend_->Put("m/a", AsBytes("first version")));
+  ASSERT_OK(backend_->Put("m/b", AsBytes("left alone")));
+  auto before = backend_->ListTagged("m/");
+  ASSERT_OK(before);
+  ASSERT_EQ(before->size(), 2u);
+  EXPECT_EQ((*before)[0].key, "m/a");
+  EXPECT_EQ((*before)[1].key, "m/b");
+  EXPECT_FALSE((*before)[0].tag.empty());
+  EXPECT_EQ(*backend_->List("m/"), (std::vector<std::string>{"m/a", "m/b"}));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a file's time moves on
+  ASSERT_OK(backend_->Delete("m/a"));
+  ASSERT_OK(backend_->Put("m/a", AsBytes("second version")));
+  auto after = backend_->ListTagged("m/");
+  ASSERT_OK(after);
+  ASSERT_EQ(after->size(), 2u);
+  EXPECT_NE((*after)[0].tag, (*before)[0].tag);
+  EXPECT_EQ((*after)[1].tag, (*before)[1].tag);
 }
 
 TEST_P(BackendConformance, ReadPastEndFailsInsteadOfShortRead) {

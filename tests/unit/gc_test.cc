@@ -1,6 +1,7 @@
 // Garbage collection, retention, disk usage and diff through the public API.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -147,6 +148,50 @@ TEST_P(GarbageCollection, RetentionNeverRemovesTheNewestOrEveryCheckpointUnlessA
   ASSERT_OK(all);
   EXPECT_EQ(all->removed.size(), 2u);
   EXPECT_TRUE(repo_->ListCheckpoints()->empty());
+}
+
+// A host that knew a checkpoint reads, after a refresh, the checkpoint now
+// saved under its name elsewhere, not the one removed (and collected) under
+// it: its catalog's record is replaced, not kept because the name matches.
+TEST_P(GarbageCollection, ANameRemovedAndSavedAgainOnAnotherHostIsReadAsItIsNow) {
+  const auto base = RandomBytes(200 << 10, 7);
+  Save("x", 1, 1, base);
+  const auto first = owns_["x"];
+  // Another host; a local repository has one catalog, which this process
+  // opens once.
+  const bool local = where_.kind() == RepoKind::kLocal;
+  std::unique_ptr<Repository> opened;
+  if (!local) opened = std::move(where_.Open({2, 1 << 20}, "other")).value();
+  Repository* other = local ? repo_.get() : opened.get();
+  auto read_own = [&](Repository& repo, int64_t step) {
+    auto r = repo.OpenCheckpoint("x");
+    if (!r.ok()) return std::vector<std::byte>{};
+    EXPECT_EQ((*r)->info().step, step);
+    const TensorRecord* t = (*r)->FindTensor("own");
+    std::vector<std::byte> got(t ? t->shape[0] : 0);
+    EXPECT_OK((*r)->ReadBytes(*t, 0, got));
+    return got;
+  };
+  EXPECT_EQ(read_own(*other, 1), first);
+  ASSERT_OK(repo_->RemoveCheckpoints({"x"}));
+  LeasesLetGo();
+  GcOptions gc;
+  gc.retention.keep_last = 1;
+  Save("y", 5, 5, base);  // so that retention keeps a checkpoint
+  ASSERT_OK(repo_->CollectGarbage(gc));
+  Save("x", 2, 2, base);
+  ASSERT_NE(owns_["x"], first);
+  ASSERT_OK(other->Refresh());
+  EXPECT_EQ(read_own(*other, 2), owns_["x"]);
+  auto listed = other->ListCheckpoints();
+  ASSERT_OK(listed);
+  EXPECT_EQ(std::count_if(listed->begin(), listed->end(), [](const CheckpointRecord& c) { return c.name == "x"; }), 1);
+  if (local) return;
+  // The replaced record is what that host's catalog holds from now on.
+  opened.reset();
+  auto again = where_.Open({2, 1 << 20}, "other");
+  ASSERT_OK(again);
+  EXPECT_EQ(read_own(**again, 2), owns_["x"]);
 }
 
 TEST_P(GarbageCollection, KeepWithinKeepsWhatWasCommittedNearTheNewest) {

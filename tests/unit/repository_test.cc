@@ -987,6 +987,83 @@ TEST(RepositoryOnAStore, HostsSharingOneStoreSeeEachOthersCheckpoints) {
   EXPECT_FALSE(std::filesystem::exists(dir / "a/objects"));
 }
 
+// Counts the manifest objects read, and can make the store list every
+// manifest under a new tag without new bytes (as a store may, copying or
+// re-uploading an object).
+class ManifestReads : public BackendWrapper {
+ public:
+  using BackendWrapper::BackendWrapper;
+  std::atomic<int> reads{0}, epoch{0};
+  Result<std::string> ReadAll(std::string_view key, uint64_t max_bytes) override {
+    if (key.find("/manifests/") != std::string_view::npos) ++reads;
+    return BackendWrapper::ReadAll(key, max_bytes);
+  }
+  Result<std::vector<ListedObject>> ListTagged(std::string_view prefix) override {
+    CKPT_ASSIGN_OR_RETURN(auto listed, BackendWrapper::ListTagged(prefix));
+    for (ListedObject& o : listed) o.tag += "/" + std::to_string(epoch.load());
+    return listed;
+  }
+};
+
+TEST(RepositoryOnAStore, AKnownManifestIsReadAgainOnlyWhenItsListedTagChanges) {
+  TempDir dir;
+  auto store = std::make_shared<ManifestReads>(NewMemoryBackend());
+  ASSERT_OK(Repository::Init(*store, {}));
+  auto host = [&](const std::string& name) {
+    OpenOptions o;
+    o.threads = 2;
+    o.cache_dir = dir / name;
+    return std::move(Repository::Open(store, o)).value();
+  };
+  auto save = [](Repository& repo, const std::string& name, const std::string& bytes) {
+    auto w = std::move(repo.BeginCheckpoint(name, {})).value();
+    ASSERT_OK(w->PutTensor({"t", DType::kU8, {bytes.size()}}, std::as_bytes(std::span(bytes))));
+    ASSERT_OK(w->Commit().Wait());
+  };
+  auto read = [](Repository& repo, const std::string& name) {
+    auto r = repo.OpenCheckpoint(name);
+    if (!r.ok()) return r.status().ToString();
+    std::string got((*r)->FindTensor("t")->shape[0], '\0');
+    EXPECT_OK((*r)->ReadBytes(*(*r)->FindTensor("t"), 0, std::as_writable_bytes(std::span(got))));
+    return got;
+  };
+  auto a = host("a");
+  save(*a, "x", "x, first");
+  save(*a, "y", "y, first");
+  auto b = host("b");  // its first sync reads both manifests
+  EXPECT_EQ(read(*b, "y"), "y, first");
+  const auto sequences = [&] {
+    std::vector<uint64_t> out;
+    auto listed = b->ListCheckpoints();
+    EXPECT_OK(listed);
+    if (listed.ok()) {
+      for (const auto& c : *listed) out.push_back(c.sequence);
+    }
+    return out;
+  };
+  const auto before = sequences();
+  store->reads = 0;
+  ASSERT_OK(b->Refresh());
+  EXPECT_EQ(store->reads.load(), 0);  // nothing changed: nothing read
+  // Listed under new tags, the same manifests are read once each and
+  // change nothing; after that they cost nothing again.
+  ++store->epoch;
+  ASSERT_OK(b->Refresh());
+  EXPECT_EQ(store->reads.load(), 2);
+  EXPECT_EQ(sequences(), before);
+  ASSERT_OK(b->Refresh());
+  EXPECT_EQ(store->reads.load(), 2);
+  // "y" removed and saved again by host a: host b reads that one manifest
+  // and then the new bytes.
+  ASSERT_OK(a->RemoveCheckpoints({"y"}));
+  save(*a, "y", "y, second");
+  store->reads = 0;
+  ASSERT_OK(b->Refresh());
+  EXPECT_EQ(store->reads.load(), 1);
+  EXPECT_EQ(read(*b, "y"), "y, second");
+  EXPECT_EQ(read(*b, "x"), "x, first");
+}
+
 TEST(RepositoryOnAStore, HostileIdsAndForeignStateDirectoriesAreRefused) {
   TempDir dir;
   std::shared_ptr<Backend> store = NewMemoryBackend();
