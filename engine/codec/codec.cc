@@ -100,6 +100,33 @@ void Join2(const uint8_t* p0, const uint8_t* p1, size_t n, uint8_t* dst) {
   }
 }
 
+// Splits n 4-byte elements into 4 planes of n bytes in one pass: the two
+// levels of the 2-way split (even and odd bytes give the (b0, b2) and
+// (b1, b3) pairs, which split into the planes) done in registers, 16
+// elements at a time, so the bytes go through memory once, not three times.
+void Split4(const uint8_t* src, size_t n, uint8_t* p) {
+  size_t i = 0;
+#if defined(__SSE2__)
+  const __m128i mask = _mm_set1_epi16(0x00ff);
+  auto even = [&](__m128i a, __m128i b) { return _mm_packus_epi16(_mm_and_si128(a, mask), _mm_and_si128(b, mask)); };
+  auto odd = [](__m128i a, __m128i b) { return _mm_packus_epi16(_mm_srli_epi16(a, 8), _mm_srli_epi16(b, 8)); };
+  for (; i + 16 <= n; i += 16) {
+    const auto* in = reinterpret_cast<const __m128i*>(src + 4 * i);
+    const __m128i v0 = _mm_loadu_si128(in), v1 = _mm_loadu_si128(in + 1);
+    const __m128i v2 = _mm_loadu_si128(in + 2), v3 = _mm_loadu_si128(in + 3);
+    const __m128i e01 = even(v0, v1), o01 = odd(v0, v1);  // (b0 b2), (b1 b3) of elements i..i+7
+    const __m128i e23 = even(v2, v3), o23 = odd(v2, v3);  // ... of elements i+8..i+15
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + i), even(e01, e23));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + n + i), even(o01, o23));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 2 * n + i), odd(e01, e23));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 3 * n + i), odd(o01, o23));
+  }
+#endif
+  for (; i < n; ++i) {
+    for (size_t b = 0; b < 4; ++b) p[b * n + i] = src[4 * i + b];
+  }
+}
+
 // Splits n elements of `width` bytes (2, 4 or 8) into `width` planes of n
 // bytes, as compositions of the 2-way split: splitting 4-byte elements at even
 // and odd byte positions gives (b0, b2) and (b1, b3) pairs, and splitting
@@ -108,9 +135,7 @@ void SplitPlanes(const uint8_t* src, size_t n, uint32_t width, uint8_t* p, uint8
   if (width == 2) {
     Split2(src, n, p, p + n);
   } else if (width == 4) {
-    Split2(src, 2 * n, tmp, tmp + 2 * n);
-    Split2(tmp, n, p, p + 2 * n);
-    Split2(tmp + 2 * n, n, p + n, p + 3 * n);
+    Split4(src, n, p);
   } else {
     uint8_t* t = tmp;          // 8n: even bytes (b0 b2 b4 b6), odd bytes (b1 b3 b5 b7)
     uint8_t* u = tmp + 8 * n;  // 4n

@@ -18,3 +18,20 @@ def drop_caches():
         return True
     except OSError:
         return False
+
+
+def disk_bytes(path):
+    """(bytes read, bytes written) so far by the block device holding
+    `path`, from /proc/diskstats; None where that device is not listed
+    there (tmpfs, overlay)."""
+    dev = os.stat(path).st_dev
+    major, minor = os.major(dev), os.minor(dev)
+    try:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                fields = line.split()
+                if int(fields[0]) == major and int(fields[1]) == minor:
+                    return int(fields[5]) * 512, int(fields[9]) * 512
+    except OSError:
+        pass
+    return None

@@ -18,6 +18,15 @@ where that works (root), the median over --runs:
   ckptfs.formats.import_checkpoint (in this process; the commit fsyncs)
   ckpt import NAME DIR (the command, which starts a Python with torch)
 
+cp and the import run in turn, one first in even runs and the other in odd
+runs: on a disk mounted with `discard` (cloud VMs), or one still writing
+back the previous step's bytes, whichever runs second would otherwise pay
+for the first; and each starts --settle seconds after the earlier steps'
+writes and deletions were synced. Beside each time, the bytes the disk holding --dir read and
+wrote meanwhile (/proc/diskstats): the import reads what cp reads and
+writes the compressed bytes, so on a disk whose reads and writes share one
+bandwidth, the time ratio follows the ratio of bytes moved.
+
 and a second import of the same weights saved at another chunking of the
 first dimension (the directory written again with 2 chunks per tensor
 instead of 1), which shares its chunks with the first: the bytes it stored.
@@ -36,7 +45,7 @@ import subprocess
 import sys
 import time
 
-from bench_util import drop_caches, minor_faults
+from bench_util import disk_bytes, drop_caches, minor_faults
 
 DIM = 1024
 
@@ -112,11 +121,27 @@ def timed(fn):
     return time.monotonic() - t0, minor_faults() - faults0
 
 
+def timed_io(fn, where, settle):
+    """timed(fn) from a quiet disk (`settle` seconds after the last writes
+    and deletions were synced), and the bytes the disk holding `where` read
+    plus wrote meanwhile (None where they cannot be told)."""
+    os.sync()
+    time.sleep(settle)
+    drop_caches()
+    before = disk_bytes(where)
+    t, faults = timed(fn)
+    after = disk_bytes(where)
+    moved = sum(after) - sum(before) if before and after else None
+    return t, faults, moved
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--settle", type=float, default=3.0,
+                    help="seconds to let the disk finish earlier writes and discards before cp and the import")
     args = ap.parse_args()
     import torch  # noqa: PLC0415
 
@@ -135,15 +160,28 @@ def main():
         size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
         print(f"DCP directory: {size / 2**30:.2f} GiB in {len(os.listdir(src))} files; {os.cpu_count()} CPUs; "
               f"page cache dropped: {drop_caches()}")
-        figs = {"cp": [], "api": [], "cli": [], "second": [], "faults": [], "export": [], "dd": [], "torch": [],
+        figs = {"cp": [], "api": [], "ratio": [], "moved": [], "cli": [], "second": [], "faults": [], "export": [], "dd": [], "torch": [],
                 "torch_save": []}
         for run in range(args.runs):
             copy = os.path.join(work, f"copy{run}")
-            t_cp, _ = timed(lambda: subprocess.run(f"cp -r '{src}' '{copy}' && sync", shell=True, check=True))
-            shutil.rmtree(copy)
             repo_path = os.path.join(work, f"repo{run}")
-            repo = ckptfs.init(repo_path)
-            t_api, faults = timed(lambda: formats.import_checkpoint(repo, "a", src))
+
+            def run_cp():
+                t, _, moved = timed_io(lambda: subprocess.run(f"cp -r '{src}' '{copy}' && sync", shell=True,
+                                                              check=True), work, args.settle)
+                shutil.rmtree(copy)
+                return t, moved
+
+            def run_import():
+                r = ckptfs.init(repo_path)
+                return (r, *timed_io(lambda: formats.import_checkpoint(r, "a", src), work, args.settle))
+
+            if run % 2 == 0:
+                t_cp, moved_cp = run_cp()
+                repo, t_api, faults, moved_api = run_import()
+            else:
+                repo, t_api, faults, moved_api = run_import()
+                t_cp, moved_cp = run_cp()
             second = formats.import_checkpoint(repo, "b", src2)
             t_cli = None
             if ckpt:
@@ -185,11 +223,17 @@ def main():
             shutil.rmtree(repo_path)
             figs["cp"].append(t_cp)
             figs["api"].append(t_api)
+            figs["ratio"].append(t_cp / t_api)
+            if moved_cp and moved_api:
+                figs["moved"].append(moved_api / moved_cp)
             figs["faults"].append(faults / (size / 2**30))
             figs["second"].append(second["stored_bytes"] / size)
             if t_cli is not None:
                 figs["cli"].append(t_cli)
-            print(f"run {run}: cp -r + sync {t_cp:.2f} s; import (API) {t_api:.2f} s = {t_cp / t_api:.2f}x"
+            moved = (f" (disk moved {moved_cp / 2**30:.2f} and {moved_api / 2**30:.2f} GiB)"
+                     if moved_cp and moved_api else "")
+            print(f"run {run}: cp -r + sync {t_cp:.2f} s; import (API) {t_api:.2f} s = {t_cp / t_api:.2f}x{moved}"
+                  + (" (import first)" if run % 2 else "")
                   + (f"; ckpt import {t_cli:.2f} s = {t_cp / t_cli:.2f}x" if t_cli else "")
                   + f"; export hf {t_export:.2f} s, dd conv=fsync {t_dd:.2f} s = {t_dd / t_export:.2f}x"
                   + f"; export torch {t_torch:.2f} s, torch.save from memory {t_save:.2f} s = "
@@ -200,7 +244,9 @@ def main():
         print(f"\nmedians of {args.runs} runs ({size / 2**30:.2f} GiB):")
         print(f"  cp -r + sync             {size / med['cp'] / 1e6:7.0f} MB/s")
         print(f"  import (API, durable)    {size / med['api'] / 1e6:7.0f} MB/s   {med['cp'] / med['api']:.2f}x   "
-              "(target >= 1.0)")
+              f"(target >= 1.0; median of the runs' ratios {med['ratio']:.2f}x)")
+        if "moved" in med:
+            print(f"  disk bytes moved by the import / by cp + sync   {med['moved']:.2f}")
         if "cli" in med:
             print(f"  ckpt import (command)    {size / med['cli'] / 1e6:7.0f} MB/s   {med['cp'] / med['cli']:.2f}x")
         print(f"  export --format hf       {med['dd'] / med['export']:.2f}x of dd conv=fsync of the same bytes   "

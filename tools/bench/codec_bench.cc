@@ -1,0 +1,109 @@
+// The chunk codec on one chunk of LLM-like values, in one thread, with
+// every buffer allocated before the clock starts: byte grouping plus zstd
+// (ckptfs's encoder) against plain zstd at level 1 on the same bytes, and
+// both against memcpy of them, the floor of any pass over a chunk. Medians
+// of --runs; minor page faults beside each.
+//
+//   build/tools/codec_bench [--mib 4] [--runs 200]
+#include <zstd.h>
+
+#include "bench_util.h"
+#include "codec/codec.h"
+#include "core/dtype.h"
+
+#include <random>
+
+namespace {
+
+using namespace ckptfs;
+using Clock = std::chrono::steady_clock;
+
+// Normal values of `dtype` (bf16: the top half of an fp32), scaled as
+// weights are.
+std::vector<std::byte> Values(size_t bytes, DType dtype, float scale) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0, scale);
+  std::vector<std::byte> out(bytes);
+  const size_t w = DTypeSize(dtype);
+  for (size_t i = 0; i + w <= bytes; i += w) {
+    float f = nd(rng);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if (w == 2) u >>= 16;
+    std::memcpy(&out[i], &u, w);
+  }
+  return out;
+}
+
+struct Figure {
+  double gbps = 0;
+  long long faults = 0;
+};
+
+template <typename Fn>
+Figure Time(int runs, size_t bytes, Fn&& fn) {
+  std::vector<double> t;
+  const long long f0 = bench::MinorFaults(::getpid());
+  for (int r = 0; r < runs; ++r) {
+    const auto start = Clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  const long long faults = bench::MinorFaults(::getpid()) - f0;
+  std::sort(t.begin(), t.end());
+  return {bytes / t[t.size() / 2] / 1e9, faults};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  size_t mib = 4;
+  int runs = 200;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--mib") {
+      mib = std::stoul(bench::NextArg(argc, argv, i));
+    } else if (a == "--runs") {
+      runs = std::stoi(bench::NextArg(argc, argv, i));
+    } else {
+      std::fprintf(stderr, "usage: codec_bench [--mib N] [--runs N]\n");
+      return a == "--help" ? 0 : 2;
+    }
+  }
+  const size_t bytes = mib << 20;
+  std::printf("one %zu MiB chunk, one thread, median of %d runs\n", mib, runs);
+  std::printf("%-22s %10s %10s %10s %10s %12s %12s\n", "values", "memcpy", "zstd -1", "ckptfs", "decode",
+              "ckptfs/zstd", "stored z/c");
+  const struct {
+    const char* name;
+    DType dtype;
+    float scale;
+  } kinds[] = {{"bf16 weights", DType::kBF16, 0.02f}, {"fp32 master weights", DType::kF32, 0.02f},
+               {"fp32 Adam moments", DType::kF32, 1e-3f}};
+  ChunkEncoder encoder({});
+  ZSTD_CCtx* zc = ZSTD_createCCtx();
+  std::vector<std::byte> copy(bytes), encoded(ZSTD_compressBound(bytes) + 4096), back(bytes);
+  std::vector<char> zout(ZSTD_compressBound(bytes));
+  for (const auto& k : kinds) {
+    const auto raw = Values(bytes, k.dtype, k.scale);
+    const Figure mem = Time(runs, bytes, [&] { std::memcpy(copy.data(), raw.data(), bytes); });
+    size_t zsize = 0;
+    const Figure z = Time(runs, bytes, [&] { zsize = ZSTD_compressCCtx(zc, zout.data(), zout.size(), raw.data(), bytes, 1); });
+    EncodedChunk enc{};
+    const Figure c = Time(runs, bytes, [&] { enc = std::move(encoder.EncodeInto(raw, k.dtype, encoded)).value(); });
+    const std::span<const std::byte> stored(encoded.data(), enc.size);
+    const Figure d = Time(runs, bytes, [&] {
+      if (!DecodeChunk(enc.codec, stored, back).ok()) std::abort();
+    });
+    if (back != raw) {
+      std::fprintf(stderr, "%s: the chunk did not decode to its bytes\n", k.name);
+      return 1;
+    }
+    std::printf("%-22s %7.2f GB/s %7.2f GB/s %7.2f GB/s %7.2f GB/s %11.2fx %6.3f/%.3f\n", k.name, mem.gbps, z.gbps,
+                c.gbps, d.gbps, c.gbps / z.gbps, double(zsize) / bytes, double(enc.size) / bytes);
+    std::printf("%-22s minor faults: memcpy %lld, zstd %lld, ckptfs %lld, decode %lld (all runs)\n", "", mem.faults,
+                z.faults, c.faults, d.faults);
+  }
+  ZSTD_freeCCtx(zc);
+  return 0;
+}
