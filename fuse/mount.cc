@@ -99,6 +99,7 @@ enum class Kind { kRoot, kLatest, kCheckpoint, kBlobsDir, kFile };
 struct CheckpointView {
   std::string name;
   uint64_t sequence = 0;
+  std::string identity;  // CheckpointIdentity: a name removed and saved again elsewhere may reuse a sequence
   uint64_t mtime = 0;  // commit time, seconds
   std::unique_ptr<CheckpointFiles> files;
   fuse_ino_t ino_base = 0;
@@ -397,7 +398,7 @@ class Filesystem {
   // Notices new and removed checkpoints and tells the kernel to drop what it
   // cached of the root.
   void Watch(std::stop_token stop) {
-    std::set<std::string> known;
+    std::map<std::string, std::string> known;  // name -> its commit (sequence and identity)
     std::string latest;
     bool first = true;
     std::mutex m;
@@ -409,12 +410,15 @@ class Filesystem {
       (void)repo_->Refresh();
       auto list = repo_->ListCheckpoints(false);
       if (list.ok()) {
-        std::set<std::string> now;
-        for (const auto& c : *list) now.insert(c.name);
+        std::map<std::string, std::string> now;
+        for (const auto& c : *list) now[c.name] = std::to_string(c.sequence) + " " + CheckpointIdentity(c);
         std::string new_latest = list->empty() ? "" : list->back().name;
         if (!first && session_) {
-          for (const auto& n : known) {
-            if (!now.count(n)) {
+          // Removed, or removed and saved again (on another host, between
+          // two polls): the kernel forgets the name's directory.
+          for (const auto& [n, commit] : known) {
+            const auto it = now.find(n);
+            if (it == now.end() || it->second != commit) {
               DropView(n);
               fuse_lowlevel_notify_inval_entry(session_, FUSE_ROOT_ID, n.c_str(), n.size());
             }
@@ -485,8 +489,9 @@ class Filesystem {
   }
 
   // The view of committed checkpoint `name`, built on first use and kept
-  // while its commit sequence is unchanged. Reads the catalog only, never
-  // tensor data; an unchanged checkpoint costs one catalog lookup.
+  // while its commit (sequence and identity) is unchanged. Reads the
+  // catalog only, never tensor data; an unchanged checkpoint costs one
+  // catalog lookup.
   // NotFound when no committed checkpoint has that name; Corruption when
   // its records are damaged.
   Result<std::shared_ptr<CheckpointView>> ViewOf(const std::string& name) {
@@ -498,12 +503,16 @@ class Filesystem {
     return ViewOf(*record);
   }
 
+  static bool Shows(const CheckpointView& v, const CheckpointRecord& record) {
+    return v.sequence == record.sequence && v.identity == CheckpointIdentity(record);
+  }
+
   Result<std::shared_ptr<CheckpointView>> ViewOf(const CheckpointRecord& record) {
     const std::string& name = record.name;
     {
       std::lock_guard lock(mu_);
       auto it = views_.find(name);
-      if (it != views_.end() && it->second->sequence == record.sequence) return it->second;
+      if (it != views_.end() && Shows(*it->second, record)) return it->second;
     }
     // Views hold no lease: open files do.
     auto reader = repo_->OpenCheckpoint(name, ReadOptions{.lease = false});
@@ -520,11 +529,12 @@ class Filesystem {
     auto v = std::make_shared<CheckpointView>();
     v->name = name;
     v->sequence = record.sequence;
+    v->identity = CheckpointIdentity(record);
     v->mtime = record.committed_unix_ms / 1000;
     v->files = std::move(files).value();
     std::lock_guard lock(mu_);
     auto it = views_.find(name);
-    if (it != views_.end() && it->second->sequence == record.sequence) return it->second;  // built meanwhile
+    if (it != views_.end() && Shows(*it->second, record)) return it->second;  // built meanwhile
     v->ino_base = next_ino_;
     next_ino_ += v->inode_count();
     by_base_[v->ino_base] = v;

@@ -300,6 +300,46 @@ class MultiHost(S3Case):
             subprocess.run(["fusermount3", "-u", mnt])
 
     @unittest.skipUnless(HAVE_FUSE, "no /dev/fuse or fusermount3: FUSE tests need them")
+    def test_a_mount_shows_a_checkpoint_removed_and_saved_again_under_its_name_on_other_hosts(self):
+        a, c = self.host("a"), self.host("c")
+        reader = Host(self.tmp, "mounting", namespace=False)  # its mount must be visible here
+        a.run("-r", self.repo, "init", "--chunk-size", "64K")
+        st.write(self.path("v1.safetensors"), [("t", "F32", np.arange(10, dtype=np.float32))])
+        a.run("-r", self.repo, "import", "x", self.path("v1.safetensors"))
+        mnt = self.path("mnt")
+        os.makedirs(mnt)
+        reader.run("-r", self.repo, "mount", "--poll", "1", mnt)
+        daemon = subprocess.run(["pgrep", "-f", f"mount --poll 1 {mnt}"], stdout=subprocess.PIPE, text=True)
+        pids = [int(p) for p in daemon.stdout.split()]
+        self.assertEqual(len(pids), 1, daemon.stdout)
+        try:
+            with open(os.path.join(mnt, "x", "t.npy"), "rb") as f:
+                self.assertEqual(np.load(f).tolist(), list(range(10)))
+            # Between two of the mount's polls (its daemon stopped meanwhile),
+            # "x" is removed on one host and saved again on a host that never
+            # knew it, so it even gets the same commit sequence.
+            os.kill(pids[0], signal.SIGSTOP)
+            try:
+                a.run("-r", self.repo, "rm", "x")
+                v2 = np.arange(100, 124, dtype=np.int64).reshape(4, 6)
+                st.write(self.path("v2.safetensors"), [("t", "I64", v2)])
+                c.run("-r", self.repo, "import", "x", self.path("v2.safetensors"))
+            finally:
+                os.kill(pids[0], signal.SIGCONT)
+            deadline = time.monotonic() + 15
+            while True:
+                with open(os.path.join(mnt, "x", "t.npy"), "rb") as f:
+                    got = np.load(f)
+                if got.shape == v2.shape or time.monotonic() > deadline:
+                    break
+                time.sleep(0.3)
+            self.assertEqual(got.tolist(), v2.tolist())
+            listed = json.loads(reader.run("-r", self.repo, "ls", "--json").stdout)
+            self.assertEqual([e["name"] for e in listed], ["x"])
+        finally:
+            subprocess.run(["fusermount3", "-u", mnt])
+
+    @unittest.skipUnless(HAVE_FUSE, "no /dev/fuse or fusermount3: FUSE tests need them")
     def test_an_mmap_through_a_mount_outlives_rm_and_gc_on_another_host(self):
         a = self.host("a")
         reader = Host(self.tmp, "mounting", namespace=False)  # its mount must be visible here
