@@ -49,6 +49,22 @@ def require_s3():
     raise unittest.SkipTest(why)
 
 
+def processes_running(args):
+    """The pids of the processes whose command line ends with `args`."""
+    tail = "\0".join(args).encode() + b"\0"
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if f.read().endswith(tail):
+                    pids.append(int(entry))
+        except OSError:
+            pass  # gone meanwhile
+    return pids
+
+
 class Host:
     """One simulated host."""
 
@@ -309,9 +325,8 @@ class MultiHost(S3Case):
         mnt = self.path("mnt")
         os.makedirs(mnt)
         reader.run("-r", self.repo, "mount", "--poll", "1", mnt)
-        daemon = subprocess.run(["pgrep", "-f", f"mount --poll 1 {mnt}"], stdout=subprocess.PIPE, text=True)
-        pids = [int(p) for p in daemon.stdout.split()]
-        self.assertEqual(len(pids), 1, daemon.stdout)
+        pids = processes_running(["mount", "--poll", "1", mnt])
+        self.assertEqual(len(pids), 1, pids)
         try:
             with open(os.path.join(mnt, "x", "t.npy"), "rb") as f:
                 self.assertEqual(np.load(f).tolist(), list(range(10)))
