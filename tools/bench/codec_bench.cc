@@ -1,14 +1,16 @@
-// The chunk codec on one chunk of LLM-like values, in one thread, with
-// every buffer allocated before the clock starts: byte grouping plus zstd
-// (ckptfs's encoder) against plain zstd at level 1 on the same bytes, and
-// both against memcpy of them, the floor of any pass over a chunk. Medians
-// of --runs; minor page faults beside each.
+// The per-chunk work of a save on one chunk of LLM-like values, in one
+// thread, with every buffer allocated before the clock starts: the chunk's
+// XXH3-128 id (ChunkId::Of) and byte grouping plus zstd (ckptfs's encoder),
+// against plain zstd at level 1 on the same bytes, and all against memcpy
+// of them, the floor of any pass over a chunk. Medians of --runs; minor
+// page faults beside each.
 //
 //   build/tools/codec_bench [--mib 4] [--runs 200]
 #include <zstd.h>
 
 #include "bench_util.h"
 #include "codec/codec.h"
+#include "core/chunk_id.h"
 #include "core/dtype.h"
 
 #include <random>
@@ -72,8 +74,8 @@ int main(int argc, char** argv) {
   }
   const size_t bytes = mib << 20;
   std::printf("one %zu MiB chunk, one thread, median of %d runs\n", mib, runs);
-  std::printf("%-22s %10s %10s %10s %10s %12s %12s\n", "values", "memcpy", "zstd -1", "ckptfs", "decode",
-              "ckptfs/zstd", "stored z/c");
+  std::printf("%-22s %10s %10s %10s %10s %10s %12s %12s\n", "values", "memcpy", "hash", "zstd -1", "ckptfs",
+              "decode", "ckptfs/zstd", "stored z/c");
   const struct {
     const char* name;
     DType dtype;
@@ -87,6 +89,8 @@ int main(int argc, char** argv) {
   for (const auto& k : kinds) {
     const auto raw = Values(bytes, k.dtype, k.scale);
     const Figure mem = Time(runs, bytes, [&] { std::memcpy(copy.data(), raw.data(), bytes); });
+    ChunkId id;
+    const Figure h = Time(runs, bytes, [&] { id = ChunkId::Of(raw); });
     size_t zsize = 0;
     const Figure z = Time(runs, bytes, [&] { zsize = ZSTD_compressCCtx(zc, zout.data(), zout.size(), raw.data(), bytes, 1); });
     EncodedChunk enc{};
@@ -99,10 +103,11 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s: the chunk did not decode to its bytes\n", k.name);
       return 1;
     }
-    std::printf("%-22s %7.2f GB/s %7.2f GB/s %7.2f GB/s %7.2f GB/s %11.2fx %6.3f/%.3f\n", k.name, mem.gbps, z.gbps,
-                c.gbps, d.gbps, c.gbps / z.gbps, double(zsize) / bytes, double(enc.size) / bytes);
-    std::printf("%-22s minor faults: memcpy %lld, zstd %lld, ckptfs %lld, decode %lld (all runs)\n", "", mem.faults,
-                z.faults, c.faults, d.faults);
+    std::printf("%-22s %5.1f GB/s %5.1f GB/s %5.2f GB/s %5.2f GB/s %5.2f GB/s %11.2fx %6.3f/%.3f\n", k.name,
+                mem.gbps, h.gbps, z.gbps, c.gbps, d.gbps, c.gbps / z.gbps, double(zsize) / bytes,
+                double(enc.size) / bytes);
+    std::printf("%-22s minor faults: memcpy %lld, hash %lld, zstd %lld, ckptfs %lld, decode %lld (all runs); id %s\n",
+                "", mem.faults, h.faults, z.faults, c.faults, d.faults, id.ToHex().c_str());
   }
   ZSTD_freeCCtx(zc);
   return 0;
