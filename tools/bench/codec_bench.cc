@@ -13,26 +13,27 @@
 #include "core/chunk_id.h"
 #include "core/dtype.h"
 
-#include <random>
 
 namespace {
 
 using namespace ckptfs;
 using Clock = std::chrono::steady_clock;
 
-// Normal values of `dtype` (bf16: the top half of an fp32), scaled as
-// weights are.
+// Normal values of `dtype` (bf16 rounded from fp32), scaled as weights
+// or moments are.
 std::vector<std::byte> Values(size_t bytes, DType dtype, float scale) {
-  std::mt19937 rng(7);
-  std::normal_distribution<float> nd(0, scale);
+  const size_t n = bytes / DTypeSize(dtype);
+  std::vector<float> values(n);
+  bench::Rng rng{7};
+  rng.Normals(values.data(), n, scale);
   std::vector<std::byte> out(bytes);
-  const size_t w = DTypeSize(dtype);
-  for (size_t i = 0; i + w <= bytes; i += w) {
-    float f = nd(rng);
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if (w == 2) u >>= 16;
-    std::memcpy(&out[i], &u, w);
+  if (dtype == DType::kF32) {
+    std::memcpy(out.data(), values.data(), n * 4);
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      const uint16_t h = bench::ToBf16(values[i]);
+      std::memcpy(&out[2 * i], &h, 2);
+    }
   }
   return out;
 }
