@@ -98,8 +98,7 @@ enum class Kind { kRoot, kLatest, kCheckpoint, kBlobsDir, kFile };
 // holds no table entry per file.
 struct CheckpointView {
   std::string name;
-  uint64_t sequence = 0;
-  std::string identity;  // CheckpointIdentity: a name removed and saved again elsewhere may reuse a sequence
+  std::string commit;  // CommitOf the record it shows
   uint64_t mtime = 0;  // commit time, seconds
   std::unique_ptr<CheckpointFiles> files;
   fuse_ino_t ino_base = 0;
@@ -398,7 +397,7 @@ class Filesystem {
   // Notices new and removed checkpoints and tells the kernel to drop what it
   // cached of the root.
   void Watch(std::stop_token stop) {
-    std::map<std::string, std::string> known;  // name -> its commit (sequence and identity)
+    std::map<std::string, std::string> known;  // name -> CommitOf its record
     std::string latest;
     bool first = true;
     std::mutex m;
@@ -411,7 +410,7 @@ class Filesystem {
       auto list = repo_->ListCheckpoints(false);
       if (list.ok()) {
         std::map<std::string, std::string> now;
-        for (const auto& c : *list) now[c.name] = std::to_string(c.sequence) + " " + CheckpointIdentity(c);
+        for (const auto& c : *list) now[c.name] = CommitOf(c);
         std::string new_latest = list->empty() ? "" : list->back().name;
         if (!first && session_) {
           // Removed, or removed and saved again (on another host, between
@@ -503,16 +502,19 @@ class Filesystem {
     return ViewOf(*record);
   }
 
-  static bool Shows(const CheckpointView& v, const CheckpointRecord& record) {
-    return v.sequence == record.sequence && v.identity == CheckpointIdentity(record);
+  // Which commit a record is: its sequence and its identity, since a name
+  // removed and saved again on another host may reuse the sequence.
+  static std::string CommitOf(const CheckpointRecord& record) {
+    return std::to_string(record.sequence) + " " + CheckpointIdentity(record);
   }
 
   Result<std::shared_ptr<CheckpointView>> ViewOf(const CheckpointRecord& record) {
     const std::string& name = record.name;
+    const std::string commit = CommitOf(record);
     {
       std::lock_guard lock(mu_);
       auto it = views_.find(name);
-      if (it != views_.end() && Shows(*it->second, record)) return it->second;
+      if (it != views_.end() && it->second->commit == commit) return it->second;
     }
     // Views hold no lease: open files do.
     auto reader = repo_->OpenCheckpoint(name, ReadOptions{.lease = false});
@@ -528,13 +530,12 @@ class Filesystem {
     ::malloc_trim(0);
     auto v = std::make_shared<CheckpointView>();
     v->name = name;
-    v->sequence = record.sequence;
-    v->identity = CheckpointIdentity(record);
+    v->commit = commit;
     v->mtime = record.committed_unix_ms / 1000;
     v->files = std::move(files).value();
     std::lock_guard lock(mu_);
     auto it = views_.find(name);
-    if (it != views_.end() && Shows(*it->second, record)) return it->second;  // built meanwhile
+    if (it != views_.end() && it->second->commit == commit) return it->second;  // built meanwhile
     v->ino_base = next_ino_;
     next_ino_ += v->inode_count();
     by_base_[v->ino_base] = v;

@@ -674,7 +674,7 @@ class S3Backend final : public Backend {
   // object keys) are left out, so nothing built from a listing ever names
   // an object outside this repository.
   Result<std::vector<std::string>> List(std::string_view prefix) override {
-    CKPT_ASSIGN_OR_RETURN(std::vector<ListedObject> listed, ListTagged(prefix));
+    CKPT_ASSIGN_OR_RETURN(std::vector<ListedObject> listed, ListObjects(prefix, /*tags=*/false));
     std::vector<std::string> keys;
     keys.reserve(listed.size());
     for (ListedObject& o : listed) keys.push_back(std::move(o.key));
@@ -684,6 +684,10 @@ class S3Backend final : public Backend {
   // Each object's ETag is its tag (bounded: a store's tag is only ever
   // compared).
   Result<std::vector<ListedObject>> ListTagged(std::string_view prefix) override {
+    return ListObjects(prefix, /*tags=*/true);
+  }
+
+  Result<std::vector<ListedObject>> ListObjects(std::string_view prefix, bool tags) {
     std::vector<ListedObject> keys;
     const std::string full = client_->FullKey(prefix);
     const size_t strip = client_->location().prefix.empty() ? 0 : client_->location().prefix.size() + 1;
@@ -702,7 +706,8 @@ class S3Backend final : public Backend {
                                     "' returned a key outside it: the store is not answering what was asked");
         }
         std::string key = k.substr(strip);
-        if (IsValidObjectKey(key)) keys.push_back({std::move(key), XmlFirst(object, "ETag").substr(0, kMaxTag)});
+        if (!IsValidObjectKey(key)) continue;
+        keys.push_back({std::move(key), tags ? XmlFirst(object, "ETag").substr(0, kMaxTag) : std::string()});
       }
       if (XmlFirst(r.body, "IsTruncated") != "true") break;
       token = XmlFirst(r.body, "NextContinuationToken");
