@@ -634,6 +634,17 @@ class Copy(S3Case):
         json.loads(self.copy(s3, other, "step-1", "step-2").stdout)
         for name in ("step-1", "step-2"):
             self.assertEqual(self.export(other, name), self.export(self.local, name))
+        # And from one store repository to another: each keeps its catalog
+        # under the cache root, since one cache directory holds one catalog.
+        s3b = self.fresh_s3()
+        env = dict(os.environ, XDG_CACHE_HOME=self.path("xdg"))
+        env.pop("CKPT_CACHE_DIR", None)
+        p = subprocess.run([CKPT, "copy", s3, s3b, "--last", "1", "--json"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, env=env, timeout=300)
+        self.assertEqual(p.returncode, 0, p.stderr.decode())
+        between = json.loads(p.stdout)
+        self.assertEqual([(c["name"], c["outcome"]) for c in between["checkpoints"]], [("step-2", "copied")])
+        self.assertEqual(self.export(s3b, "step-2"), self.export(self.local, "step-2"))
         self.ck("-r", other, "verify", repo=other)
         show = lambda repo: json.loads(self.ck("-r", repo, "show", "step-2", "--json", repo=repo).stdout)
         self.assertEqual(show(other)["world_size"], 4)

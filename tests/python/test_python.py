@@ -492,6 +492,44 @@ class Maintenance(PythonTestCase):
         self.assertEqual(cli_show["tags"], {"run": "x"})
 
 
+class Copy(PythonTestCase):
+    def test_copy_sends_only_what_the_destination_lacks_and_says_so(self):
+        gen = torch.Generator().manual_seed(11)
+        base = torch.randn(256 << 10, generator=gen)  # 1 MiB: 16 chunks
+        self.r.save("a", {"w": base}, step=1)
+        changed = base.clone()
+        changed[:1000] += 1  # one chunk differs
+        self.r.save("b", {"w": changed, "x": torch.arange(5)}, step=2)
+        dst_path = os.path.join(self.tmp, "dst")
+        dst = ckptfs.init(dst_path, chunk_size=64 << 10)
+        phases, progress = [], []
+        first = ckptfs.copy(self.r, dst_path, "a", on_phase=phases.append,
+                            progress=lambda done, total: progress.append((done, total)))
+        self.assertEqual([(c["name"], c["outcome"]) for c in first["checkpoints"]], [("a", "copied")])
+        self.assertEqual(first["chunks_present"], 0)
+        self.assertGreaterEqual(first["raw_bytes_sent"], base.numel() * 4)
+        self.assertTrue(phases)
+        self.assertEqual(progress[-1][0], progress[-1][1])
+        self.assertTrue(torch.equal(dst.tensor("a", "w"), base))
+        # The newest one, given by count: only its changed chunk and its
+        # small tensor are sent; the rest is at the destination already.
+        second = ckptfs.copy(self.repo, dst, last=1)
+        [b] = second["checkpoints"]
+        self.assertEqual((b["name"], b["outcome"]), ("b", "copied"))
+        self.assertEqual(b["chunks_present"], 15)
+        self.assertLessEqual(b["raw_bytes_sent"], (64 << 10) + 5 * 8)
+        self.assertTrue(torch.equal(dst.tensor("b", "w"), changed))
+        self.assertEqual(dst.show("b")["step"], 2)
+        again = ckptfs.copy(self.r, dst, all=True)
+        self.assertEqual([c["outcome"] for c in again["checkpoints"]], ["present", "present"])
+        self.assertEqual((again["chunks_sent"], again["stored_bytes_sent"]), (0, 0))
+        for bad in ({}, {"names": "a", "all": True}, {"last": 0}):
+            with self.assertRaises(ckptfs.InvalidArgumentError):
+                ckptfs.copy(self.r, dst, **bad)
+        with self.assertRaises(ckptfs.NotFoundError):
+            ckptfs.copy(self.r, dst, "nope")
+
+
 class Progress(PythonTestCase):
     def test_save_and_load_report_progress_in_bytes(self):
         state = {"a": torch.zeros(1000), "b": np.zeros(500, np.int16), "blob": b"x" * 7}

@@ -209,7 +209,8 @@ INSTANTIATE_TEST_SUITE_P(Repositories, CopyBetween,
                                            KindPair{RepoKind::kLocal, RepoKind::kMemoryStore},
                                            KindPair{RepoKind::kMemoryStore, RepoKind::kLocal},
                                            KindPair{RepoKind::kLocal, RepoKind::kS3},
-                                           KindPair{RepoKind::kS3, RepoKind::kLocal}),
+                                           KindPair{RepoKind::kS3, RepoKind::kLocal},
+                                           KindPair{RepoKind::kS3, RepoKind::kS3}),
                          [](const ::testing::TestParamInfo<KindPair>& info) {
                            return std::string(RepoKindName(info.param.from)) + "_to_" + RepoKindName(info.param.to);
                          });
