@@ -639,10 +639,14 @@ class Copy(S3Case):
         s3b = self.fresh_s3()
         env = dict(os.environ, XDG_CACHE_HOME=self.path("xdg"))
         env.pop("CKPT_CACHE_DIR", None)
-        p = subprocess.run([CKPT, "copy", s3, s3b, "--last", "1", "--json"], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, env=env, timeout=300)
+        p = subprocess.run([CKPT, "copy", s3, s3b, "--last", "1", "--json", "--progress=json"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, timeout=300)
         self.assertEqual(p.returncode, 0, p.stderr.decode())
         between = json.loads(p.stdout)
+        last = json.loads(p.stderr.decode().splitlines()[-1])  # its progress, as it went
+        self.assertTrue(last["finished"], last)
+        self.assertEqual(last["done_bytes"], last["total_bytes"])
+        self.assertGreater(last["total_bytes"], 0)
         self.assertEqual([(c["name"], c["outcome"]) for c in between["checkpoints"]], [("step-2", "copied")])
         self.assertEqual(self.export(s3b, "step-2"), self.export(self.local, "step-2"))
         self.ck("-r", other, "verify", repo=other)
