@@ -64,17 +64,25 @@ double EstimateEntropyRatio(std::span<const std::byte> data) {
 namespace {
 
 // Splits n 2-byte elements into a low-byte plane and a high-byte plane.
+#if defined(__SSE2__)
+// Of the 16 2-byte units in a and b: their low bytes, and their high bytes.
+inline __m128i LowBytes(__m128i a, __m128i b) {
+  const __m128i mask = _mm_set1_epi16(0x00ff);
+  return _mm_packus_epi16(_mm_and_si128(a, mask), _mm_and_si128(b, mask));
+}
+inline __m128i HighBytes(__m128i a, __m128i b) {
+  return _mm_packus_epi16(_mm_srli_epi16(a, 8), _mm_srli_epi16(b, 8));
+}
+#endif
+
 void Split2(const uint8_t* src, size_t n, uint8_t* p0, uint8_t* p1) {
   size_t i = 0;
 #if defined(__SSE2__)
-  const __m128i mask = _mm_set1_epi16(0x00ff);
   for (; i + 16 <= n; i += 16) {
     __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i));
     __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i + 16));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p0 + i),
-                     _mm_packus_epi16(_mm_and_si128(a, mask), _mm_and_si128(b, mask)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p1 + i),
-                     _mm_packus_epi16(_mm_srli_epi16(a, 8), _mm_srli_epi16(b, 8)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p0 + i), LowBytes(a, b));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p1 + i), HighBytes(a, b));
   }
 #endif
   for (; i < n; ++i) {
@@ -107,19 +115,16 @@ void Join2(const uint8_t* p0, const uint8_t* p1, size_t n, uint8_t* dst) {
 void Split4(const uint8_t* src, size_t n, uint8_t* p) {
   size_t i = 0;
 #if defined(__SSE2__)
-  const __m128i mask = _mm_set1_epi16(0x00ff);
-  auto even = [&](__m128i a, __m128i b) { return _mm_packus_epi16(_mm_and_si128(a, mask), _mm_and_si128(b, mask)); };
-  auto odd = [](__m128i a, __m128i b) { return _mm_packus_epi16(_mm_srli_epi16(a, 8), _mm_srli_epi16(b, 8)); };
   for (; i + 16 <= n; i += 16) {
     const auto* in = reinterpret_cast<const __m128i*>(src + 4 * i);
     const __m128i v0 = _mm_loadu_si128(in), v1 = _mm_loadu_si128(in + 1);
     const __m128i v2 = _mm_loadu_si128(in + 2), v3 = _mm_loadu_si128(in + 3);
-    const __m128i e01 = even(v0, v1), o01 = odd(v0, v1);  // (b0 b2), (b1 b3) of elements i..i+7
-    const __m128i e23 = even(v2, v3), o23 = odd(v2, v3);  // ... of elements i+8..i+15
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + i), even(e01, e23));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + n + i), even(o01, o23));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 2 * n + i), odd(e01, e23));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 3 * n + i), odd(o01, o23));
+    const __m128i e01 = LowBytes(v0, v1), o01 = HighBytes(v0, v1);  // (b0 b2), (b1 b3) of elements i..i+7
+    const __m128i e23 = LowBytes(v2, v3), o23 = HighBytes(v2, v3);  // ... of elements i+8..i+15
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + i), LowBytes(e01, e23));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + n + i), LowBytes(o01, o23));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 2 * n + i), HighBytes(e01, e23));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 3 * n + i), HighBytes(o01, o23));
   }
 #endif
   for (; i < n; ++i) {

@@ -5,7 +5,7 @@
 #if CKPTFS_XXH_DISPATCH
 // XXH3_128bits and XXH3_128bits_update become the library's dispatching
 // versions, which use AVX2 or AVX-512 where the CPU has them: the same
-// hashes, three to four times as fast as the SSE2 default on a hot chunk.
+// hashes, several times as fast as the SSE2 default on a hot chunk.
 #include <xxh_x86dispatch.h>
 #endif
 
