@@ -112,7 +112,8 @@ void Join2(const uint8_t* p0, const uint8_t* p1, size_t n, uint8_t* dst) {
 // levels of the 2-way split (even and odd bytes give the (b0, b2) and
 // (b1, b3) pairs, which split into the planes) done in registers, 16
 // elements at a time, so the bytes go through memory once, not three times.
-void Split4(const uint8_t* src, size_t n, uint8_t* p) {
+// Plane b goes to p[b]; the planes may lie anywhere.
+void Split4(const uint8_t* src, size_t n, uint8_t* const* p) {
   size_t i = 0;
 #if defined(__SSE2__)
   for (; i + 16 <= n; i += 16) {
@@ -121,14 +122,14 @@ void Split4(const uint8_t* src, size_t n, uint8_t* p) {
     const __m128i v2 = _mm_loadu_si128(in + 2), v3 = _mm_loadu_si128(in + 3);
     const __m128i e01 = LowBytes(v0, v1), o01 = HighBytes(v0, v1);  // (b0 b2), (b1 b3) of elements i..i+7
     const __m128i e23 = LowBytes(v2, v3), o23 = HighBytes(v2, v3);  // ... of elements i+8..i+15
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + i), LowBytes(e01, e23));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + n + i), LowBytes(o01, o23));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 2 * n + i), HighBytes(e01, e23));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 3 * n + i), HighBytes(o01, o23));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p[0] + i), LowBytes(e01, e23));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p[1] + i), LowBytes(o01, o23));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p[2] + i), HighBytes(e01, e23));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p[3] + i), HighBytes(o01, o23));
   }
 #endif
   for (; i < n; ++i) {
-    for (size_t b = 0; b < 4; ++b) p[b * n + i] = src[4 * i + b];
+    for (size_t b = 0; b < 4; ++b) p[b][i] = src[4 * i + b];
   }
 }
 
@@ -140,7 +141,8 @@ void SplitPlanes(const uint8_t* src, size_t n, uint32_t width, uint8_t* p, uint8
   if (width == 2) {
     Split2(src, n, p, p + n);
   } else if (width == 4) {
-    Split4(src, n, p);
+    uint8_t* const planes[4] = {p, p + n, p + 2 * n, p + 3 * n};
+    Split4(src, n, planes);
   } else {
     uint8_t* t = tmp;          // 8n: even bytes (b0 b2 b4 b6), odd bytes (b1 b3 b5 b7)
     uint8_t* u = tmp + 8 * n;  // 4n
@@ -329,30 +331,59 @@ Result<EncodedChunk> ChunkEncoder::EncodeInto(std::span<const std::byte> raw, DT
   const size_t tail = raw.size() - n * width;
   const size_t header = 2 + 4 * width;
   if (header >= keep_limit) return store_raw();
-  std::byte* planes = scratch_.Reserve(n * width);
+  // Where the planes are split to. For 2- and 4-byte elements, every plane
+  // but the last goes straight to its place in `out` as if stored raw, and
+  // the last (the sign and exponent of little-endian floats, the plane that
+  // compresses) to scratch, from which it is compressed into `out`: the
+  // planes stored raw (the mantissa bytes) are then never copied again.
+  // This needs room for the header before them, which a chunk of fewer
+  // elements than the header's bytes lacks; other widths split to scratch.
   const auto* src = reinterpret_cast<const uint8_t*>(raw.data());
-  SplitPlanes(src, n, width, reinterpret_cast<uint8_t*>(planes),
-              reinterpret_cast<uint8_t*>(split_tmp_.Reserve(2 * n * width)));
+  std::byte* planes[8] = {};
+  const bool in_out = (width == 2 || width == 4) && header + (width - 1) * n <= out.size();
+  if (in_out) {
+    for (uint32_t b = 0; b + 1 < width; ++b) planes[b] = out.data() + header + b * n;
+    planes[width - 1] = scratch_.Reserve(n);
+    uint8_t* p[4];
+    for (uint32_t b = 0; b < width; ++b) p[b] = reinterpret_cast<uint8_t*>(planes[b]);
+    if (width == 2) {
+      Split2(src, n, p[0], p[1]);
+    } else {
+      Split4(src, n, p);
+    }
+  } else {
+    std::byte* base = scratch_.Reserve(n * width);
+    SplitPlanes(src, n, width, reinterpret_cast<uint8_t*>(base),
+                reinterpret_cast<uint8_t*>(split_tmp_.Reserve(2 * n * width)));
+    for (uint32_t b = 0; b < width; ++b) planes[b] = base + b * n;
+  }
   uint8_t mask = 0;
   uint32_t sizes[8] = {};
   size_t pos = header;
   const size_t plane_limit = static_cast<size_t>(n * (1.0 - options_.min_saving));
   for (uint32_t b = 0; b < width; ++b) {
-    std::span<const std::byte> plane(planes + b * n, n);
+    std::span<const std::byte> plane(planes[b], n);
+    // A plane split into `out` lies at or after `pos`: everything written
+    // before it ends at or before its start.
+    const bool inside = in_out && b + 1 < width;
     const size_t budget = keep_limit - pos;  // pos <= keep_limit holds throughout
     bool compressed = false;
     if (EstimateEntropyRatio(plane) < 1.0 - options_.min_saving) {
-      CKPT_ASSIGN_OR_RETURN(auto z, Zstd(plane, level, level <= kMaxEntropyOnlyLevel,
-                                    out.subspan(pos, std::min(budget, plane_limit))));
+      const size_t limit = std::min(budget, plane_limit);
+      // zstd cannot write over its own input: a plane inside `out` is
+      // compressed to scratch and its (smaller) frame copied into place.
+      std::span<std::byte> dst = inside ? std::span(frame_.Reserve(limit), limit) : out.subspan(pos, limit);
+      CKPT_ASSIGN_OR_RETURN(auto z, Zstd(plane, level, level <= kMaxEntropyOnlyLevel, dst));
       if (z) {
         compressed = true;
         mask |= static_cast<uint8_t>(1u << b);
         sizes[b] = static_cast<uint32_t>(*z);
+        if (inside) std::memmove(out.data() + pos, dst.data(), *z);
       }
     }
     if (!compressed) {
       if (n > budget) return store_raw();  // the whole would not save enough
-      std::memcpy(out.data() + pos, plane.data(), n);
+      if (plane.data() != out.data() + pos) std::memmove(out.data() + pos, plane.data(), n);
       sizes[b] = static_cast<uint32_t>(n);
     }
     pos += sizes[b];

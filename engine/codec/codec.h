@@ -89,6 +89,7 @@ class ChunkEncoder {
   void* cctx_ = nullptr;
   ScratchBuffer scratch_;    // byte planes
   ScratchBuffer split_tmp_;  // intermediate splits
+  ScratchBuffer frame_;      // a compressed plane on its way into the output
 };
 
 // Decodes `stored` written with `codec` into `raw`, whose size must be the

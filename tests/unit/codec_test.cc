@@ -61,6 +61,40 @@ TEST(Codec, EveryDTypeRoundTripsBitExact) {
   }
 }
 
+// The encoder splits 2- and 4-byte elements with every plane but the last
+// already in its place in the output. Planes that compress anywhere, raw
+// planes after a compressed one (moved down), odd tails, chunks too small
+// to split in place, and a size just short of the header: each round trips,
+// and the stored form is the layout DecodeChunk reads.
+TEST(Codec, PlanesCompressedOrRawInAnyPositionRoundTrip) {
+  std::mt19937 rng(11);
+  for (DType dt : {DType::kBF16, DType::kF32}) {
+    const uint32_t w = DTypeSize(dt);
+    for (uint32_t pattern = 1; pattern < (1u << w); ++pattern) {  // bit b: plane b is constant
+      for (size_t n : {size_t{5}, size_t{17}, size_t{18}, size_t{33}, size_t{34}, size_t{35}, size_t{4096}}) {
+        for (size_t tail : {size_t{0}, size_t{w - 1}}) {
+          std::vector<std::byte> raw(n * w + tail);
+          for (size_t i = 0; i < raw.size(); ++i) {
+            const bool constant = i < n * w && (pattern >> (i % w)) & 1;
+            raw[i] = static_cast<std::byte>(constant ? 0x3c : rng());
+          }
+          Codec used;
+          size_t stored;
+          EXPECT_EQ(RoundTrip(raw, dt, &used, &stored), raw)
+              << DTypeName(dt) << " planes " << pattern << " n " << n << " tail " << tail;
+          EXPECT_LE(stored, raw.size());
+          if (n == 4096) {
+            EXPECT_EQ(used, Codec::kByteGroupZstd) << DTypeName(dt) << " planes " << pattern;
+            // Each constant plane shrinks to a few bytes; the others are kept.
+            const size_t constant = static_cast<size_t>(__builtin_popcount(pattern));
+            EXPECT_LT(stored, (w - constant) * n + tail + 2 + 4 * w + constant * 64);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(Codec, Bf16WeightsShrinkWithByteGrouping) {
   auto raw = Normal(4 << 20, DType::kBF16, 1);
   Codec used;
