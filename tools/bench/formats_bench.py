@@ -22,7 +22,9 @@ cp and the import run in turn, one first in even runs and the other in odd
 runs: on a disk mounted with `discard` (cloud VMs), or one still writing
 back the previous step's bytes, whichever runs second would otherwise pay
 for the first; and each starts --settle seconds after the earlier steps'
-writes and deletions were synced. Beside each time, the bytes the disk holding --dir read and
+writes and deletions were synced. Every run's cp and import come first,
+back to back, and the exports after them, so that each follows an operation
+of its own size rather than the previous run's exports. Beside each time, the bytes the disk holding --dir read and
 wrote meanwhile (/proc/diskstats): the import reads what cp reads and
 writes the compressed bytes, so on a disk whose reads and writes share one
 bandwidth, the time ratio follows the ratio of bytes moved.
@@ -161,6 +163,10 @@ def main():
               f"page cache dropped: {drop_caches()}")
         figs = {"cp": [], "api": [], "ratio": [], "moved": [], "cli": [], "second": [], "faults": [], "export": [], "dd": [], "torch": [],
                 "torch_save": []}
+        # First every cp and import, back to back: each then follows an
+        # operation of its own size, not the exports of the run before (4 GiB
+        # written and deleted), which a virtual disk may still be paying for.
+        pairs = []
         for run in range(args.runs):
             copy = os.path.join(work, f"copy{run}")
             repo_path = os.path.join(work, f"repo{run}")
@@ -173,14 +179,23 @@ def main():
 
             def run_import():
                 r = ckptfs.init(repo_path)
-                return (r, *timed_io(lambda: formats.import_checkpoint(r, "a", src), work, args.settle))
+                t, faults, moved = timed_io(lambda: formats.import_checkpoint(r, "a", src), work, args.settle)
+                del r
+                shutil.rmtree(repo_path)
+                return t, faults, moved
 
             if run % 2 == 0:
                 t_cp, moved_cp = run_cp()
-                repo, t_api, faults, moved_api = run_import()
+                t_api, faults, moved_api = run_import()
             else:
-                repo, t_api, faults, moved_api = run_import()
+                t_api, faults, moved_api = run_import()
                 t_cp, moved_cp = run_cp()
+            pairs.append((t_cp, moved_cp, t_api, faults, moved_api))
+        for run in range(args.runs):
+            t_cp, moved_cp, t_api, faults, moved_api = pairs[run]
+            repo_path = os.path.join(work, f"repo{run}")
+            repo = ckptfs.init(repo_path)
+            formats.import_checkpoint(repo, "a", src)
             second = formats.import_checkpoint(repo, "b", src2)
             t_cli = None
             if ckpt:
