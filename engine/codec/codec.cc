@@ -339,22 +339,20 @@ Result<EncodedChunk> ChunkEncoder::EncodeInto(std::span<const std::byte> raw, DT
   // This needs room for the header before them, which a chunk of fewer
   // elements than the header's bytes lacks; other widths split to scratch.
   const auto* src = reinterpret_cast<const uint8_t*>(raw.data());
-  std::byte* planes[8] = {};
+  auto* dst = reinterpret_cast<uint8_t*>(out.data());
+  uint8_t* planes[8] = {};
   const bool in_out = (width == 2 || width == 4) && header + (width - 1) * n <= out.size();
   if (in_out) {
-    for (uint32_t b = 0; b + 1 < width; ++b) planes[b] = out.data() + header + b * n;
-    planes[width - 1] = scratch_.Reserve(n);
-    uint8_t* p[4];
-    for (uint32_t b = 0; b < width; ++b) p[b] = reinterpret_cast<uint8_t*>(planes[b]);
+    for (uint32_t b = 0; b + 1 < width; ++b) planes[b] = dst + header + b * n;
+    planes[width - 1] = reinterpret_cast<uint8_t*>(scratch_.Reserve(n));
     if (width == 2) {
-      Split2(src, n, p[0], p[1]);
+      Split2(src, n, planes[0], planes[1]);
     } else {
-      Split4(src, n, p);
+      Split4(src, n, planes);
     }
   } else {
-    std::byte* base = scratch_.Reserve(n * width);
-    SplitPlanes(src, n, width, reinterpret_cast<uint8_t*>(base),
-                reinterpret_cast<uint8_t*>(split_tmp_.Reserve(2 * n * width)));
+    auto* base = reinterpret_cast<uint8_t*>(scratch_.Reserve(n * width));
+    SplitPlanes(src, n, width, base, reinterpret_cast<uint8_t*>(split_tmp_.Reserve(2 * n * width)));
     for (uint32_t b = 0; b < width; ++b) planes[b] = base + b * n;
   }
   uint8_t mask = 0;
@@ -362,7 +360,7 @@ Result<EncodedChunk> ChunkEncoder::EncodeInto(std::span<const std::byte> raw, DT
   size_t pos = header;
   const size_t plane_limit = static_cast<size_t>(n * (1.0 - options_.min_saving));
   for (uint32_t b = 0; b < width; ++b) {
-    std::span<const std::byte> plane(planes[b], n);
+    std::span<const std::byte> plane(reinterpret_cast<const std::byte*>(planes[b]), n);
     // A plane split into `out` lies at or after `pos`: everything written
     // before it ends at or before its start.
     const bool inside = in_out && b + 1 < width;
@@ -383,7 +381,7 @@ Result<EncodedChunk> ChunkEncoder::EncodeInto(std::span<const std::byte> raw, DT
     }
     if (!compressed) {
       if (n > budget) return store_raw();  // the whole would not save enough
-      if (plane.data() != out.data() + pos) std::memmove(out.data() + pos, plane.data(), n);
+      if (planes[b] != dst + pos) std::memmove(dst + pos, planes[b], n);
       sizes[b] = static_cast<uint32_t>(n);
     }
     pos += sizes[b];

@@ -194,6 +194,8 @@ def main():
         for run in range(args.runs):
             t_cp, moved_cp, t_api, faults, moved_api = pairs[run]
             repo_path = os.path.join(work, f"repo{run}")
+            # The timed import's repository was deleted, as cp's copy was, so
+            # that both leave the disk as they found it; the exports need one.
             repo = ckptfs.init(repo_path)
             formats.import_checkpoint(repo, "a", src)
             second = formats.import_checkpoint(repo, "b", src2)
