@@ -125,6 +125,7 @@ Result<BorrowedBytes> DeviceSource::Borrow(uint64_t offset, uint64_t n) {
   BorrowedBytes out;
   out.bytes = {p->lease.buffer().data() + (offset - p->offset), n};
   out.keep = inflight_.front();
+  out.stable = true;  // the staging buffer is this source's own copy
   consumed_ += n;
   lent_ += n;
   if (consumed_ == p->offset + p->length) inflight_.pop_front();  // the writer's jobs hold it now

@@ -55,6 +55,14 @@ Result<std::vector<ListedObject>> Backend::ListTagged(std::string_view prefix) {
   return out;
 }
 
+Result<std::string> Backend::Tag(std::string_view key) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<ListedObject> listed, ListTagged(key));
+  for (ListedObject& o : listed) {
+    if (o.key == key) return std::move(o.tag);
+  }
+  return Status::NotFound("no object '" + std::string(key) + "' in " + Describe());
+}
+
 namespace {
 
 class MemoryBackend final : public Backend {
@@ -185,6 +193,7 @@ class PrefixedBackend final : public Backend {
     for (ListedObject& o : listed) o.key.erase(0, prefix_.size());
     return listed;
   }
+  Result<std::string> Tag(std::string_view key) override { return store_->Tag(Key(key)); }
   Status Delete(std::string_view key) override { return store_->Delete(Key(key)); }
   Result<uint64_t> RemoveIncomplete() override { return store_->RemoveIncomplete(); }
   std::string Describe() const override { return store_->Describe() + "/" + prefix_.substr(0, prefix_.size() - 1); }

@@ -94,6 +94,9 @@ class Backend {
   // List, with each object's tag (ListedObject), in the same request(s) as
   // List where the backend can. The default lists without tags.
   virtual Result<std::vector<ListedObject>> ListTagged(std::string_view prefix);
+  // The tag ListTagged gives object `key` (NotFound when there is none): one
+  // request on an object store (a HEAD). The default lists the key.
+  virtual Result<std::string> Tag(std::string_view key);
   virtual Status Delete(std::string_view key) = 0;
   // Removes what writers that never committed left behind (temporary files,
   // unfinished uploads). Only safe while no writer is active.
@@ -132,6 +135,7 @@ class BackendWrapper : public Backend {
   Result<std::vector<ListedObject>> ListTagged(std::string_view prefix) override {
     return inner_->ListTagged(prefix);
   }
+  Result<std::string> Tag(std::string_view key) override { return inner_->Tag(key); }
   Status Delete(std::string_view key) override { return inner_->Delete(key); }
   Result<uint64_t> RemoveIncomplete() override { return inner_->RemoveIncomplete(); }
   std::string Describe() const override { return inner_->Describe(); }

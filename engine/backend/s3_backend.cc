@@ -645,6 +645,20 @@ class S3Backend final : public Backend {
   }
 
   Result<uint64_t> Size(std::string_view key) override {
+    CKPT_ASSIGN_OR_RETURN(Response r, Head(key));
+    if (r.content_length < 0) return Status::IOError("S3 gave no size for " + Quoted(key) + " in " + client_->Where());
+    return static_cast<uint64_t>(r.content_length);
+  }
+
+  // One HEAD: its ETag is the tag a listing gives.
+  Result<std::string> Tag(std::string_view key) override {
+    CKPT_ASSIGN_OR_RETURN(Response r, Head(key));
+    return r.etag.substr(0, kMaxTag);
+  }
+
+  // A HEAD of `key`: its answer when the object is there; NotFound, or the
+  // error that says why not, otherwise.
+  Result<Response> Head(std::string_view key) {
     CKPT_RETURN_IF_ERROR(CheckKey(key));
     Request req = MakeRequest("HEAD", client_->ObjectPath(key));
     CKPT_ASSIGN_OR_RETURN(Response r, client_->Perform(req));
@@ -665,8 +679,7 @@ class S3Backend final : public Backend {
       }
       return client_->ErrorOf(req, r, Quoted(key));
     }
-    if (r.content_length < 0) return Status::IOError("S3 gave no size for " + Quoted(key) + " in " + client_->Where());
-    return static_cast<uint64_t>(r.content_length);
+    return r;
   }
 
   // Keys outside the prefix asked for are an error (the server is broken or

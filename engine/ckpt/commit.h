@@ -125,11 +125,19 @@ class CommitProtocol {
   virtual Result<std::unique_ptr<ObjectLock>> LockHosts(ObjectLock::Mode mode, const PhaseFn& on_phase = {}) = 0;
 
   // ---- readers and removed checkpoints (lease.h)
+  // Whether what this host's catalog holds under checkpoint name `name`
+  // (`rec`, its committed record; null when it has none) is what the truth
+  // holds under it now. A catalog that is the truth vouches for itself (no
+  // request). On an object store, another host may have saved the name,
+  // removed it, or removed it and saved it again since this host's last
+  // sync: one request (the manifest object's tag, against the tag the
+  // catalog read it under) tells. False sends the reader to Sync first.
+  virtual Result<bool> IsCurrent(const std::string& name, const CheckpointRecord* rec) = 0;
   // A reader of `rec` holds its lease (`first`: no other reader of this
   // process did). OK while no gc can collect its data now; NotFound when
   // it was removed and collected meanwhile. `read_under_lease`: `rec` was
-  // read from this host's catalog after the lease was taken, which a
-  // catalog that is the truth already vouches for.
+  // read from this host's catalog after the lease was taken and IsCurrent
+  // confirmed it, which already vouches for it.
   virtual Status CheckLeased(const CheckpointRecord& rec, bool first, bool read_under_lease) = 0;
   // Of the removed checkpoints `retired` (catalog names "NAME/TOKEN"), the
   // base names some reader holds a lease on. `scan` keeps the local names

@@ -99,8 +99,36 @@ class StoreCommit : public CommitProtocol {
   // Another process of this host verified it when it took the lease. The
   // catalog may lag the store (a gc elsewhere), so a record read under
   // the lease proves nothing.
-  Status CheckLeased(const CheckpointRecord& rec, bool first, bool) override {
-    if (!first) return Status::OK();
+  // One HEAD of the manifest object: its tag is the one this host's
+  // catalog read the record under (sync.cc keeps it), or the name changed
+  // hands since. The catalog's record and tag are read in one transaction,
+  // so a sync of this process in between cannot pair one with the other.
+  Result<bool> IsCurrent(const std::string& name, const CheckpointRecord* rec) override {
+    auto tag = repo_.backend->Tag(keys::ManifestObject(name));
+    if (tag.status().IsNotFound()) return rec == nullptr;  // removed on another host, or never saved
+    CKPT_RETURN_IF_ERROR(tag.status().WithContext("checking that checkpoint '" + name + "' is current"));
+    if (rec == nullptr) return false;  // saved on another host since
+    bool current = false;
+    CKPT_RETURN_IF_ERROR(repo_.catalog->Read([&](const ReadTxn& txn) -> Status {
+      CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
+      if (!raw) return Status::OK();
+      CKPT_ASSIGN_OR_RETURN(CheckpointRecord now, DecodeCheckpoint(*raw));
+      if (CheckpointIdentity(now) != CheckpointIdentity(*rec)) return Status::OK();
+      if (tag->empty()) {  // a store that cannot tell: the manifest is there
+        current = true;
+        return Status::OK();
+      }
+      CKPT_ASSIGN_OR_RETURN(auto known, txn.Get(Table::kMeta, keys::ManifestTag(name)));
+      current = known && *known == *tag;
+      return Status::OK();
+    }));
+    return current;
+  }
+  Status CheckLeased(const CheckpointRecord& rec, bool first, bool read_under_lease) override {
+    // A reader's record was read under its lease and found current
+    // (IsCurrent): its manifest object was there after the lease was, and
+    // gc keeps a leased name's bytes.
+    if (!first || read_under_lease) return Status::OK();
     Backend& store = *repo_.backend;
     auto live = store.Size(keys::ManifestObject(rec.name));
     if (live.ok()) return Status::OK();

@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
-#include <unordered_set>
+#include <unordered_map>
 
 #include "ckpt/commit.h"
 #include "ckpt/copy.h"
@@ -159,7 +159,8 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
     CopyCounters counters;
     // Chunks of this checkpoint sent or counted as present already, so
     // that a chunk several ranks name is sent and counted once.
-    std::unordered_set<ChunkId, ChunkIdHash> handled;
+    // Each with the length it was first referenced with.
+    std::unordered_map<ChunkId, uint32_t, ChunkIdHash> handled;
     uint64_t stored_sent = 0;
     std::vector<uint32_t> todo;
     for (uint32_t rank = 0; rank < info.world_size; ++rank) {
@@ -189,9 +190,24 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
       // by the writers' sync; their indexes make their chunks present.
       CKPT_RETURN_IF_ERROR(dst.protocol->IndexPacks());
       for (size_t i = 0; i < n; ++i) {
-        auto consider = [&](const ChunkRef& c) -> Status {
-          if (!handled.insert(c.id).second) return Status::OK();  // sent or counted for an earlier rank
+        // A reference names a chunk by id and length; the length must be
+        // the chunk's wherever it is named, or the copy would commit a
+        // checkpoint that cannot be read.
+        auto consider = [&](const ChunkRef& c, const std::string& member) -> Status {
+          auto [first_ref, fresh] = handled.emplace(c.id, c.raw_len);
+          if (!fresh) {  // sent or counted for an earlier reference
+            if (first_ref->second == c.raw_len) return Status::OK();
+            return Status::Corruption("checkpoint '" + rec.name + "' " + member + " references chunk " + c.id.ToHex() +
+                                      " with length " + std::to_string(c.raw_len) + ", elsewhere with length " +
+                                      std::to_string(first_ref->second));
+          }
           auto known = dst.LookupChunk(c.id);
+          if (known.ok() && known->raw_len != c.raw_len) {
+            return Status::Corruption("checkpoint '" + rec.name + "' " + member + " references chunk " + c.id.ToHex() +
+                                      " with length " + std::to_string(c.raw_len) +
+                                      ", but the destination's chunk of that id has length " +
+                                      std::to_string(known->raw_len) + "; nothing of it was committed");
+          }
           if (known.ok()) {
             counters.chunks_present.fetch_add(1);
             counters.raw_bytes_present.fetch_add(c.raw_len);
@@ -203,11 +219,11 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
         };
         for (const TensorRecord& t : parts[i].tensors) {
           for (const ShardRecord& s : t.shards) {
-            for (const ChunkRef& c : s.chunks) CKPT_RETURN_IF_ERROR(consider(c));
+            for (const ChunkRef& c : s.chunks) CKPT_RETURN_IF_ERROR(consider(c, "tensor '" + t.name + "'"));
           }
         }
         for (const BlobRecord& b : parts[i].blobs) {
-          for (const ChunkRef& c : b.chunks) CKPT_RETURN_IF_ERROR(consider(c));
+          for (const ChunkRef& c : b.chunks) CKPT_RETURN_IF_ERROR(consider(c, "blob '" + b.name + "'"));
         }
       }
       std::vector<Status> put(n);

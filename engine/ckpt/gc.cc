@@ -426,7 +426,10 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
   std::set<std::string> rewrite;
   uint64_t rewrite_bytes = 0;
   for (const auto& [id, p] : before.packs) {
-    if (p.live_bytes > 0 && static_cast<double>(p.live_bytes) < options.rewrite_below * static_cast<double>(p.size)) {
+    const bool replaces = std::any_of(p.live.begin(), p.live.end(),
+                                      [&](const auto& chunk) { return options.replace.count(chunk.first) > 0; });
+    if (replaces ||
+        (p.live_bytes > 0 && static_cast<double>(p.live_bytes) < options.rewrite_below * static_cast<double>(p.size))) {
       rewrite.insert(id);
       rewrite_bytes += p.live_bytes;
     }
@@ -442,9 +445,15 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
   std::vector<std::byte> buf;
   uint64_t copied = 0;
   auto copy = [&](const ChunkId& chunk, const ChunkLocation& loc) -> Status {
-    buf.resize(loc.stored_len);
-    CKPT_RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, buf));
-    CKPT_ASSIGN_OR_RETURN(ChunkLocation nloc, writer.Add(chunk, loc.codec, loc.raw_len, buf));
+    ChunkLocation nloc;
+    if (auto good = options.replace.find(chunk); good != options.replace.end()) {
+      const ChunkReplacement& r = good->second;
+      CKPT_ASSIGN_OR_RETURN(nloc, writer.Add(chunk, r.codec, r.raw_len, std::as_bytes(std::span(r.stored))));
+    } else {
+      buf.resize(loc.stored_len);
+      CKPT_RETURN_IF_ERROR(backend->ReadRange(PackKey(loc.pack), loc.offset, buf));
+      CKPT_ASSIGN_OR_RETURN(nloc, writer.Add(chunk, loc.codec, loc.raw_len, buf));
+    }
     moved[chunk] = {loc, nloc};
     copied += loc.stored_len;
     if (progress) progress(copied, rewrite_bytes);

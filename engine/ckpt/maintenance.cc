@@ -38,8 +38,10 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
     CKPT_ASSIGN_OR_RETURN(auto all, ListCheckpoints(false));
     for (const auto& c : all) names.push_back(c.name);
   }
-  // Chunk id -> first user, for messages.
-  std::unordered_map<ChunkId, ChunkUse, ChunkIdHash> chunks;
+  // Chunk id -> every reference to it (checkpoint, member, length): a bad
+  // chunk is reported against every checkpoint that uses it, and each
+  // reference's length is checked against the stored chunk's.
+  std::unordered_map<ChunkId, std::vector<ChunkUse>, ChunkIdHash> chunks;
   DirectFetcher direct(impl_->backend.get(), [this](const ChunkId& id) { return impl_->LookupChunk(id); },
                        impl_->buffers.get());
   for (const auto& n : names) {
@@ -56,29 +58,31 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
       Status st = CheckTiling(t, direct);
       if (!st.ok()) report.problems.push_back({n, "tensor '" + t.name + "'", st.message()});
       for (const auto& s : t.shards) {
-        for (const auto& c : s.chunks) chunks.try_emplace(c.id, ChunkUse{n, "tensor '" + t.name + "'", c.raw_len});
+        for (const auto& c : s.chunks) chunks[c.id].push_back(ChunkUse{n, "tensor '" + t.name + "'", c.raw_len});
       }
     }
     for (const auto& b : reader->blobs()) {
-      for (const auto& c : b.chunks) chunks.try_emplace(c.id, ChunkUse{n, "blob '" + b.name + "'", c.raw_len});
+      for (const auto& c : b.chunks) chunks[c.id].push_back(ChunkUse{n, "blob '" + b.name + "'", c.raw_len});
     }
   }
   struct Item {
     ChunkId id;
     ChunkLocation loc;
-    const ChunkUse* use;
+    const std::vector<ChunkUse>* uses;  // null: no checkpoint references it
   };
   std::vector<Item> items;
   Status inner;
   CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
-    for (const auto& [id, use] : chunks) {
+    for (const auto& [id, uses] : chunks) {
       CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kChunks, keys::Chunk(id)));
       if (!v) {
-        report.problems.push_back({use.checkpoint, use.member, "chunk " + id.ToHex() + " is missing from the catalog"});
+        for (const ChunkUse& use : uses) {
+          report.problems.push_back({use.checkpoint, use.member, "chunk " + id.ToHex() + " is missing from the catalog"});
+        }
         continue;
       }
       CKPT_ASSIGN_OR_RETURN(ChunkLocation loc, DecodeChunkLocation(*v));
-      items.push_back({id, loc, &use});
+      items.push_back({id, loc, &uses});
     }
     if (name) return Status::OK();
     // The whole repository: also chunks no checkpoint references, and packs.
@@ -139,15 +143,28 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
     impl_->pool->Submit([&, item = &it] {
       BufferPool::Lease raw = impl_->buffers->Acquire(item->loc.raw_len);
       Status st = ReadChunk(impl_->backend.get(), item->id, item->loc, raw.first(item->loc.raw_len));
-      if (st.ok() && item->use && item->use->raw_len != item->loc.raw_len) {
-        st = Status::Corruption("chunk " + item->id.ToHex() + " has the wrong length");
-      }
       uint64_t d = done.fetch_add(item->loc.raw_len) + item->loc.raw_len;
       {
         std::lock_guard lock(mu);
         if (!st.ok()) {
-          report.problems.push_back({item->use ? item->use->checkpoint : "", item->use ? item->use->member : "chunk",
-                                     st.message()});
+          VerifyReport::BadChunk bad{item->id, {}};
+          std::optional<ChunkId> bad_id;
+          if (st.IsCorruption()) bad_id = item->id;
+          if (!item->uses) report.problems.push_back({"", "chunk", st.message(), bad_id});
+          for (const ChunkUse& use : item->uses ? *item->uses : std::vector<ChunkUse>{}) {
+            if (bad.checkpoints.empty() || bad.checkpoints.back() != use.checkpoint) {
+              bad.checkpoints.push_back(use.checkpoint);
+              report.problems.push_back({use.checkpoint, use.member, st.message(), bad_id});
+            }
+          }
+          if (st.IsCorruption()) report.bad_chunks.push_back(std::move(bad));
+        }
+        for (const ChunkUse& use : item->uses ? *item->uses : std::vector<ChunkUse>{}) {
+          if (use.raw_len == item->loc.raw_len) continue;
+          report.problems.push_back({use.checkpoint, use.member,
+                                     "references chunk " + item->id.ToHex() + " with length " +
+                                         std::to_string(use.raw_len) + ", but the stored chunk has length " +
+                                         std::to_string(item->loc.raw_len)});
         }
         if (progress) progress(d, total_bytes);
       }
@@ -315,6 +332,93 @@ Result<ReindexReport> Repository::Reindex(const std::string& path, const Progres
   std::filesystem::rename(fresh, current, ec);
   if (ec) return Status::IOError("installing the rebuilt catalog: " + ec.message());
   std::filesystem::remove_all(old, ec);
+  return report;
+}
+
+}  // namespace ckptfs
+
+namespace ckptfs {
+namespace {
+// The stored bytes of chunk `id` at `loc` of `backend`, when they decode to
+// the chunk's bytes; an error otherwise.
+Result<ChunkReplacement> ReadGoodCopy(Backend* backend, const ChunkId& id, const ChunkLocation& loc) {
+  ChunkReplacement good{loc.codec, loc.raw_len, std::string(loc.stored_len, '\0')};
+  CKPT_RETURN_IF_ERROR(ReadStoredChunk(backend, id, loc, std::as_writable_bytes(std::span(good.stored))));
+  return good;
+}
+}  // namespace
+
+Result<RepairReport> Repository::Repair(const VerifyReport& verified, std::span<Repository* const> sources,
+                                        const std::function<void(const std::string&)>& on_phase) {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
+  auto phase = [&](const std::string& what) {
+    if (on_phase) on_phase(what);
+  };
+  RepairReport report;
+  if (verified.bad_chunks.empty()) return report;
+  CKPT_RETURN_IF_ERROR(impl_->protocol->IndexPacks());
+  std::map<ChunkId, const VerifyReport::BadChunk*> wanted;
+  std::map<ChunkId, ChunkLocation> bad_at;  // where the catalog has each now
+  for (const auto& bad : verified.bad_chunks) {
+    auto loc = impl_->LookupChunk(bad.id);
+    if (loc.status().IsNotFound()) continue;  // collected since it was verified: nothing to repair
+    CKPT_RETURN_IF_ERROR(loc.status());
+    wanted.emplace(bad.id, &bad);
+    bad_at.emplace(bad.id, *loc);
+  }
+  GcOptions gc;
+  gc.on_phase = on_phase;
+  auto found = [&](const ChunkId& id, ChunkReplacement good, std::string from) {
+    gc.replace.emplace(id, std::move(good));
+    report.repaired.push_back({id, std::move(from)});
+    wanted.erase(id);
+  };
+  // 1. Other packs of this repository that hold the same chunk (two hosts,
+  //    or two saves racing, may each have stored it).
+  if (!wanted.empty()) {
+    phase("looking for good copies in the repository's other packs");
+    std::vector<std::string> packs;
+    CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) {
+      return txn.Scan(Table::kPacks, "", [&](std::string_view k, std::string_view) {
+        packs.emplace_back(k);
+        return true;
+      });
+    }));
+    for (const std::string& pack : packs) {
+      if (wanted.empty()) break;
+      auto index = ReadPackIndex(impl_->backend.get(), pack);
+      if (!index.ok()) continue;  // verify reports a damaged pack on its own
+      for (const PackIndexEntry& e : index->entries) {
+        auto bad = bad_at.find(e.id);
+        if (!wanted.count(e.id) || (e.location.pack == bad->second.pack && e.location.offset == bad->second.offset)) {
+          continue;
+        }
+        auto good = ReadGoodCopy(impl_->backend.get(), e.id, e.location);
+        if (good.ok()) found(e.id, std::move(good).value(), "pack " + pack);
+      }
+    }
+  }
+  // 2. Other repositories.
+  for (Repository* source : sources) {
+    if (wanted.empty()) break;
+    RepositoryImpl& src = *source->impl_;
+    CKPT_RETURN_IF_ERROR(src.CheckProcess());
+    phase("looking for good copies in " + src.path);
+    CKPT_RETURN_IF_ERROR(src.protocol->IndexPacks());
+    for (auto it = wanted.begin(); it != wanted.end();) {
+      const ChunkId id = (it++)->first;
+      auto loc = src.LookupChunk(id);
+      if (!loc.ok()) continue;
+      auto good = ReadGoodCopy(src.backend.get(), id, *loc);
+      if (good.ok()) found(id, std::move(good).value(), src.path);
+    }
+  }
+  for (const auto& [id, bad] : wanted) report.unrepaired.push_back(*bad);
+  if (gc.replace.empty()) return report;
+  phase("storing " + std::to_string(gc.replace.size()) + " chunks again");
+  gc.rewrite_below = 0;  // only the packs that hold a bad chunk
+  CKPT_ASSIGN_OR_RETURN(GcReport rewritten, CollectGarbage(gc));
+  report.packs_rewritten = rewritten.packs_rewritten;
   return report;
 }
 

@@ -84,26 +84,54 @@ void SavePipeline::Submit(Job job) {
   });
 }
 
-void SavePipeline::Process(Job& job) {
-  if (!error().ok()) return;
-  const ChunkId id = ChunkId::Of(job.data);
-  job.slot->id = id;
-  job.slot->raw_len = static_cast<uint32_t>(job.data.size());
+namespace {
+// Copies `from` into `to` (the same size) and returns the id of what was
+// copied: each block is hashed from the copy while it is still in the cache,
+// so the source is read once.
+ChunkId CopyAndHash(std::span<const std::byte> from, std::span<std::byte> to) {
+  constexpr size_t kBlock = 256 << 10;
+  ChunkHasher hasher;
+  for (size_t pos = 0; pos < from.size(); pos += kBlock) {
+    const size_t n = std::min(kBlock, from.size() - pos);
+    std::memcpy(to.data() + pos, from.data() + pos, n);
+    hasher.Update(to.subspan(pos, n));
+  }
+  return hasher.Finish();
+}
+}  // namespace
+
+Result<bool> SavePipeline::Known(const ChunkId& id) {
   {
     std::lock_guard lock(mu_);
-    if (!seen_.insert(id).second) {
+    if (seen_.count(id)) {
       ++stats_.chunks_deduplicated;
-      return;
+      return true;
     }
   }
   auto known = settings_.lookup(id);
   if (known.ok()) {
     std::lock_guard lock(mu_);
+    seen_.insert(id);
     ++stats_.chunks_deduplicated;
-    return;
+    return true;
   }
-  if (!known.status().IsNotFound()) {
-    Fail(known.status());
+  if (!known.status().IsNotFound()) return known.status();
+  return false;
+}
+
+void SavePipeline::Process(Job& job) {
+  if (!error().ok()) return;
+  const size_t size = job.data.size();
+  job.slot->raw_len = static_cast<uint32_t>(size);
+  // A chunk already stored (or claimed by another job of this pipeline) is
+  // only referenced: its stored bytes were checked against its id by
+  // whoever stored them, and this reference names what the source held
+  // when it was hashed.
+  ChunkId id = ChunkId::Of(job.data);
+  auto known = Known(id);
+  if (!known.ok()) return Fail(known.status());
+  if (*known) {
+    job.slot->id = id;
     return;
   }
   const CodecOptions& codec = settings_.codec;
@@ -113,23 +141,55 @@ void SavePipeline::Process(Job& job) {
   const bool disk_starving = settings_.adaptive && queued_.load() < static_cast<int64_t>(settings_.pool->size());
   // Even then, chunks that compress well (bf16 weights: about a third) are
   // worth the CPU; only the low-yield ones (fp32 moments) are passed raw.
-  const bool skip = disk_starving && EstimateSaving(job.data, job.dtype, codec.min_saving) < kAdaptiveMinSaving;
-  Encoded enc{id, Codec::kRaw, static_cast<uint32_t>(job.data.size()), settings_.buffers->Acquire(job.data.size())};
-  if (skip || codec.compression == Compression::kNone) {
-    std::memcpy(enc.buffer.data(), job.data.data(), job.data.size());
-    enc.size = job.data.size();
-  } else {
-    auto encoded = EncoderFor(codec).EncodeInto(job.data, job.dtype, enc.buffer.first(job.data.size()));
-    if (!encoded.ok()) {
-      Fail(encoded.status());
+  const bool raw = codec.compression == Compression::kNone ||
+                   (disk_starving && EstimateSaving(job.data, job.dtype, codec.min_saving) < kAdaptiveMinSaving);
+  Encoded enc{id, Codec::kRaw, static_cast<uint32_t>(size), settings_.buffers->Acquire(size)};
+  // A new chunk is stored under the id of exactly the bytes stored. Bytes
+  // the source may still change (the caller's memory, a mapped file that
+  // is rewritten) are first copied, and the copy is hashed and encoded:
+  // a source changed meanwhile gives a chunk of its new bytes under their
+  // own id, never bytes that fail their id. Private bytes (read into a
+  // buffer of the pipeline's, or lent as stable) are used in place.
+  std::span<const std::byte> bytes = job.data;
+  BufferPool::Lease copy;
+  if (!job.stable) {
+    std::span<std::byte> to = raw ? enc.buffer.first(size) : (copy = settings_.buffers->Acquire(size)).first(size);
+    id = CopyAndHash(job.data, to);
+    bytes = to;
+    job.keep.reset();  // lent source bytes go back now
+    if (id != enc.id) {
+      enc.id = id;
+      known = Known(id);
+      if (!known.ok()) return Fail(known.status());
+      if (*known) {
+        job.slot->id = id;
+        return;
+      }
+    }
+  }
+  job.slot->id = id;
+  {
+    // Only ids of the bytes this job stores are claimed: another job that
+    // finds the claim references a chunk that will be stored as it hashed.
+    std::lock_guard lock(mu_);
+    if (!seen_.insert(id).second) {
+      ++stats_.chunks_deduplicated;
       return;
     }
+  }
+  if (raw) {
+    if (job.stable) std::memcpy(enc.buffer.data(), bytes.data(), size);
+    enc.size = size;
+  } else {
+    auto encoded = EncoderFor(codec).EncodeInto(bytes, job.dtype, enc.buffer.first(size));
+    if (!encoded.ok()) return Fail(encoded.status());
     enc.codec = encoded->codec;
     enc.size = encoded->size;
   }
   // The encoded bytes are a copy: lent source bytes go back now, not after
   // a wait for the disk.
   job.keep.reset();
+  copy.Reset();
   Enqueue(std::move(enc));
 }
 
@@ -220,11 +280,13 @@ Status SavePipeline::Stream(const std::vector<uint64_t>& bounds, DType dtype, Sh
         }
         job.data = lent->bytes;
         job.keep = std::move(lent->keep);
+        job.stable = lent->stable;
       } else {
         job.owned = settings_.buffers->Acquire(len);
         st = source.Read(bounds[i], job.owned.first(len));
         if (!st.ok()) break;
         job.data = job.owned.first(len);
+        job.stable = true;
       }
       job.shard_wg = nullptr;
     }

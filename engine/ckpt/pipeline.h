@@ -7,7 +7,11 @@
 // The caller's thread cuts a stream into chunks (aligned to the tensor's
 // global byte offsets for flat ranges) and hands them to the compute pool,
 // which hashes each chunk, skips chunks already stored, encodes the rest and
-// queues them for a single pack-writer thread that appends to packs. Memory
+// queues them for a single pack-writer thread that appends to packs. A chunk
+// is stored under the id of exactly the bytes that were encoded: bytes the
+// caller may still change are copied before they are hashed and encoded
+// (Process), so a source changed during a save never stores a chunk that
+// fails its id. Memory
 // in flight is bounded: at most 2 * workers + 2 chunks are being hashed or
 // encoded, and at most 2 * workers + 1 encoded chunks wait for the disk.
 #pragma once
@@ -107,6 +111,10 @@ class SavePipeline {
     std::span<const std::byte> data;
     BufferPool::Lease owned;            // when the source is not host memory
     std::shared_ptr<const void> keep;   // holds bytes a source lent
+    // Nothing changes `data` while the job runs (a buffer of the pipeline's,
+    // or bytes lent as stable): hashed and encoded in place. Otherwise a new
+    // chunk is copied first, and the copy is hashed and encoded.
+    bool stable = false;
     DType dtype;
     ChunkRef* slot;
     WaitGroup* shard_wg;  // waited on by Stream for zero-copy jobs
@@ -120,6 +128,9 @@ class SavePipeline {
   };
   void Submit(Job job);
   void Process(Job& job);
+  // Whether chunk `id` is stored already or claimed by another job of this
+  // pipeline (counted as deduplicated then); an error of the lookup.
+  Result<bool> Known(const ChunkId& id);
   void Enqueue(Encoded enc);
   void WriterLoop();
 

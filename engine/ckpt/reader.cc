@@ -381,10 +381,28 @@ Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::
     CKPT_RETURN_IF_ERROR(impl_->leases->Acquire(name, &first));
     impl->lease = CheckpointLease(impl_, name);
   }
-  Status st = impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
-    CKPT_ASSIGN_OR_RETURN(impl->manifest, LoadManifest(txn, name));
-    return Status::OK();
-  });
+  auto load = [&] {
+    return impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+      CKPT_ASSIGN_OR_RETURN(impl->manifest, LoadManifest(txn, name));
+      return Status::OK();
+    });
+  };
+  Status st = load();
+  // A reader reads the checkpoint the store holds under the name now, never
+  // one another host removed (or replaced by a new save of the name) since
+  // this host's last sync, and finds one saved there since: on an object
+  // store one request tells, and a stale catalog catches up before the
+  // record is read again. Retired names are no checkpoint's.
+  if ((st.ok() || st.IsNotFound()) && !keys::IsRetiredCheckpoint(name) && ValidateCheckpointName(name).ok()) {
+    auto current = impl_->protocol->IsCurrent(name, st.ok() ? &impl->manifest.checkpoint : nullptr);
+    if (!current.ok()) {
+      st = current.status();
+    } else if (!*current) {
+      st = impl_->protocol->Sync().status();
+      if (st.ok()) st = impl_->protocol->IndexPacks();
+      if (st.ok()) st = load();
+    }
+  }
   if (st.ok() && options.lease) st = impl_->protocol->CheckLeased(impl->manifest.checkpoint, first, /*read_under_lease=*/true);
   if (!st.ok()) {
     impl->lease.Release(/*linger=*/false);  // held for nothing

@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <functional>
 #include <future>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -116,17 +117,22 @@ struct OpenOptions {
 // InvalidArgument naming a malformed variable.
 Result<OpenOptions> OpenOptionsFromEnvironment(const Environment& env);
 
-// Bytes a source lends to the writer: valid and unchanged while `keep` is
-// held. The writer drops `keep` as soon as it has hashed and encoded them.
 // Chunks read from packs and their stored bytes (Repository::fetch_counts).
 struct FetchCounts {
   uint64_t chunks = 0;
   uint64_t stored_bytes = 0;
 };
 
+// Bytes a source lends to the writer: valid while `keep` is held. The
+// writer drops `keep` as soon as it has hashed and encoded (or copied) them.
 struct BorrowedBytes {
   std::span<const std::byte> bytes;
   std::shared_ptr<const void> keep;  // empty: nothing was lent
+  // The bytes are the source's own copy (a staging buffer) that nothing
+  // changes while `keep` is held: the writer hashes and encodes them in
+  // place. Otherwise (a mapped file another process may rewrite) the writer
+  // copies each chunk it stores before hashing and encoding it.
+  bool stable = false;
 };
 
 // Where a shard's bytes come from. Read and Borrow are called from one
@@ -137,8 +143,13 @@ class ShardSource {
   virtual ~ShardSource() = default;
   virtual uint64_t size() const = 0;
   virtual Status Read(uint64_t offset, std::span<std::byte> dst) = 0;
-  // The bytes, when they are in host memory that stays valid and unchanged
-  // until PutShard returns; lets the writer hash and compress them in place.
+  // The bytes, when they are in host memory that stays valid until PutShard
+  // returns; lets the writer hash them in place (and skip chunks stored
+  // already). The caller may still change them meanwhile (another thread,
+  // an optimizer step during an asynchronous save): a chunk the writer
+  // stores is copied first and hashed and encoded from the copy, so such a
+  // change gives a mix of old and new values, never a chunk that fails its
+  // id.
   virtual const std::byte* HostData() const { return nullptr; }
   // Zero-copy for sources that stage through their own buffers: the writer
   // first announces its chunk boundaries (offsets into the source, from 0 to
@@ -430,6 +441,9 @@ struct VerifyProblem {
   std::string checkpoint;  // empty for repository-level problems
   std::string what;        // tensor, blob, chunk or pack concerned
   std::string message;
+  // A stored chunk that fails its id (one of VerifyReport::bad_chunks): the
+  // problem a repair of that chunk mends.
+  std::optional<ChunkId> bad_chunk;
 };
 
 struct VerifyReport {
@@ -438,7 +452,27 @@ struct VerifyReport {
   uint64_t chunks = 0;
   uint64_t bytes = 0;  // raw bytes re-hashed
   std::vector<VerifyProblem> problems;
+  // Stored chunks whose bytes cannot be read or fail their id, each with
+  // every checkpoint verified that uses it (in the order they were
+  // verified). Repository::Repair stores them again from a good copy.
+  struct BadChunk {
+    ChunkId id;
+    std::vector<std::string> checkpoints;
+  };
+  std::vector<BadChunk> bad_chunks;
   bool ok() const { return problems.empty(); }
+};
+
+// What Repository::Repair did with the bad chunks of a verify report.
+struct RepairReport {
+  struct Repaired {
+    ChunkId id;
+    std::string from;  // where the good bytes came from ("pack ID", or another repository's path)
+  };
+  std::vector<Repaired> repaired;
+  // No good copy was found: each with every checkpoint that uses it.
+  std::vector<VerifyReport::BadChunk> unrepaired;
+  uint64_t packs_rewritten = 0;
 };
 
 struct ReindexReport {
@@ -481,6 +515,14 @@ struct RankProgress {
   uint64_t started_unix_ms = 0;
 };
 
+// A chunk stored again from good bytes (Repository::Repair): how those
+// bytes are encoded, and the encoded bytes.
+struct ChunkReplacement {
+  Codec codec = Codec::kRaw;
+  uint32_t raw_len = 0;
+  std::string stored;
+};
+
 struct GcOptions {
   RetentionPolicy retention;
   bool dry_run = false;
@@ -490,6 +532,11 @@ struct GcOptions {
   // Called as each phase of the run starts, with a line saying what it
   // does ("waiting for saves in progress", "deleting 12 packs").
   std::function<void(const std::string&)> on_phase;
+  // Chunks whose stored bytes are replaced (Repository::Repair, whose
+  // caller checked each against its id): every pack holding one is
+  // rewritten as a mostly dead pack is, with these bytes in the chunk's
+  // place.
+  std::map<ChunkId, ChunkReplacement> replace;
 };
 
 struct GcReport {
@@ -738,6 +785,17 @@ class Repository {
   // checks every tensor is tiled exactly and every pack index is sound.
   Result<VerifyReport> Verify(const std::optional<std::string>& name,
                               const ProgressFn& progress = {});
+  // Stores the bad chunks of `verified` (VerifyReport::bad_chunks) again
+  // from a good copy: another pack of this repository that holds the same
+  // chunk, or one of `sources` (other repositories: another tier, a copy).
+  // Each copy is read and checked against the chunk's id before it is
+  // used. The packs holding a bad chunk are then rewritten with the good
+  // bytes in its place, as gc rewrites packs (crash-safe; other hosts of
+  // an object store learn the new packs by their next sync). Chunks with no
+  // good copy anywhere are listed as unrepaired, with the checkpoints that
+  // use them.
+  Result<RepairReport> Repair(const VerifyReport& verified, std::span<Repository* const> sources = {},
+                              const std::function<void(const std::string&)>& on_phase = {});
 
 
  private:

@@ -367,6 +367,48 @@ class ImportAndRead(CkptTestCase):
         self.assertIn("no checkpoint", self.error_of("verify", "zzz"))
 
 
+class SourceRewrittenDuringImports(CkptTestCase):
+    """A file rewritten in place while `ckpt import` reads it (a training
+    job writing its next checkpoint over the last): each import holds at
+    worst a mix of old and new bytes, the store never a chunk that fails
+    its id, and the original bytes imported afterwards read back exactly."""
+
+    def test_100_imports_of_a_file_rewritten_meanwhile_leave_every_chunk_verified(self):
+        import threading
+        self.run_ckpt("init", "--chunk-size", "64K")
+        rng = np.random.default_rng(3)
+        original = rng.standard_normal(1 << 18).astype(np.float32)  # 16 chunks
+        src = self.path("live.safetensors")
+        st.write(src, [("w", "F32", original)])
+        data_start = os.path.getsize(src) - original.nbytes
+        stop = threading.Event()
+
+        def rewrite():
+            g = np.random.default_rng(4)
+            fd = os.open(src, os.O_WRONLY)
+            try:
+                while not stop.is_set():  # same size: only the tensor's bytes change
+                    at = int(g.integers(0, original.nbytes // 4 - 256)) * 4
+                    os.pwrite(fd, g.bytes(1024), data_start + at)
+            finally:
+                os.close(fd)
+
+        t = threading.Thread(target=rewrite)
+        t.start()
+        try:
+            for i in range(100):
+                self.run_ckpt("import", f"racy-{i}", src)
+        finally:
+            stop.set()
+            t.join()
+        self.run_ckpt("verify")
+        clean = self.path("clean.safetensors")
+        st.write(clean, [("w", "F32", original)])
+        self.run_ckpt("import", "clean", clean)
+        self.assertEqual(self.run_ckpt("cat", "clean", "w").stdout, original.tobytes())
+        self.run_ckpt("verify")
+
+
 class WritingFiles(CkptTestCase):
     """Export never replaces what it did not create, and Ctrl-C or SIGTERM
     during import or export leaves nothing behind."""

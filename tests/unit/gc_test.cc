@@ -194,6 +194,48 @@ TEST_P(GarbageCollection, ANameRemovedAndSavedAgainOnAnotherHostIsReadAsItIsNow)
   EXPECT_EQ(read_own(**again, 2), owns_["x"]);
 }
 
+// The same without a refresh: a long-lived process on another host (a
+// training job's reader, the Python package) opens the name after it was
+// removed, then after it was saved again there, and never gets the removed
+// checkpoint's bytes. An open of a name its catalog has right costs one
+// request (a HEAD of the manifest), no listing.
+TEST_P(GarbageCollection, AHostThatDidNotSyncNeverReadsARemovedOrReplacedCheckpoint) {
+  const auto base = RandomBytes(200 << 10, 8);
+  Save("x", 1, 1, base);
+  const auto first = owns_["x"];
+  const bool local = where_.kind() == RepoKind::kLocal;
+  std::unique_ptr<Repository> opened;
+  if (!local) opened = std::move(where_.Open({2, 1 << 20}, "other")).value();
+  Repository* other = local ? repo_.get() : opened.get();
+  auto held = other->OpenCheckpoint("x");  // a reader kept across all that follows
+  ASSERT_OK(held);
+  if (where_.kind() == RepoKind::kS3) {  // the store whose requests are counted
+    const RequestCounts before = other->store_requests();
+    auto again = other->OpenCheckpoint("x");
+    ASSERT_OK(again);
+    const RequestCounts cost = other->store_requests() - before;
+    EXPECT_EQ(cost.head, 1u);
+    EXPECT_EQ(cost.list, 0u);
+    EXPECT_EQ(cost.total(), 1u);
+  }
+  ASSERT_OK(repo_->RemoveCheckpoints({"x"}));
+  auto gone = other->OpenCheckpoint("x");
+  EXPECT_TRUE(gone.status().IsNotFound()) << gone.status().ToString();
+  Save("x", 2, 2, base);
+  ASSERT_NE(owns_["x"], first);
+  auto now = other->OpenCheckpoint("x");
+  ASSERT_OK(now);
+  EXPECT_EQ((*now)->info().step, 2);
+  std::vector<std::byte> got(owns_["x"].size());
+  ASSERT_OK((*now)->ReadBytes(*(*now)->FindTensor("own"), 0, got));
+  EXPECT_EQ(got, owns_["x"]);
+  // The reader opened first keeps the checkpoint it opened.
+  EXPECT_EQ((*held)->info().step, 1);
+  got.resize(first.size());
+  ASSERT_OK((*held)->ReadBytes(*(*held)->FindTensor("own"), 0, got));
+  EXPECT_EQ(got, first);
+}
+
 TEST_P(GarbageCollection, KeepWithinKeepsWhatWasCommittedNearTheNewest) {
   auto base = RandomBytes(1000, 1);
   Save("old", 1, 1, base);

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -118,6 +119,63 @@ TEST(SavePipeline, ChunksHashesDeduplicatesEncodesAndPacksWithoutACatalog) {
   uint64_t packed = 0;
   for (const auto& s : *sealed) packed += s.size;
   EXPECT_GE(packed, stats.stored_bytes);
+}
+
+// The caller changes a chunk's bytes after the pipeline hashed them and
+// before it stored them (here: while it asks whether the chunk is stored,
+// the step between the two). The chunk is stored under the id of the bytes
+// stored, and its reference names that id: never bytes that fail their id.
+// With `twin`, a second chunk with the old bytes, which may have found the
+// first's id claimed, is stored with its own bytes. (Under TSan without it:
+// the twin's job may be the one that changes chunk 0 while chunk 0's job
+// reads it, the race this test stages on purpose.)
+void SourceChangedBetweenHashAndStore(Compression compression, bool twin) {
+  Harness h(compression);
+  std::vector<std::byte> data(3 * kChunk);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = std::byte(i % 251 < 200 ? 0 : i % 7);  // compressible
+  if (twin) std::memcpy(data.data() + kChunk, data.data(), kChunk);  // chunks 0 and 1 alike
+  const std::vector<std::byte> old_chunk(data.begin(), data.begin() + kChunk);
+  const ChunkId old_id = ChunkId::Of(old_chunk);
+  std::atomic<bool> changed{false};
+  auto lookup = h.settings.lookup;
+  h.settings.lookup = [&](const ChunkId& id) {
+    // The first job to look up chunk 0's old id changes chunk 0 (only).
+    if (id == old_id && !changed.exchange(true)) data[100] = std::byte(0x77);
+    return lookup(id);
+  };
+  SavePipeline p(h.settings);
+  const auto bounds = p.ChunkBounds(0, data.size());
+  std::vector<ChunkRef> refs;
+  HostSource src(data);
+  ASSERT_OK(p.Stream(bounds, DType::kU8, src, refs));
+  p.Shutdown();
+  auto sealed = p.Finish();
+  ASSERT_OK(sealed);
+  ASSERT_TRUE(changed.load());
+  auto back = ReadBack(*h.store, *sealed);  // each chunk checked against its id
+  for (size_t i = 0; i < refs.size(); ++i) {
+    ASSERT_TRUE(back.count(refs[i].id)) << "chunk " << i << " names an id nothing stored";
+    EXPECT_EQ(back[refs[i].id].size(), refs[i].raw_len);
+  }
+  // Chunk 1 kept the old bytes; chunk 0 names either the old bytes (hashed
+  // and referenced before the change by a job that found them claimed) or
+  // the new ones, and the store holds each id with its own bytes.
+  if (twin) {
+    EXPECT_EQ(refs[1].id, old_id);
+    EXPECT_EQ(back[old_id], old_chunk);
+  }
+  std::vector<std::byte> new_chunk = old_chunk;
+  new_chunk[100] = std::byte(0x77);
+  EXPECT_TRUE(refs[0].id == old_id || refs[0].id == ChunkId::Of(new_chunk));
+  if (refs[0].id != old_id) {
+    EXPECT_EQ(back[refs[0].id], new_chunk);
+  }
+}
+
+TEST(SavePipeline, ASourceChangedAfterItWasHashedStoresTheBytesItStoresUnderTheirOwnId) {
+  const bool twin = !testing::kThreadSanitizer;
+  SourceChangedBetweenHashAndStore(Compression::kZstd, twin);
+  SourceChangedBetweenHashAndStore(Compression::kNone, twin);
 }
 
 TEST(SavePipeline, BytesLentFromAMappedFileStayMappedUntilTheThreadsAreDone) {

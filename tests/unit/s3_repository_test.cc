@@ -184,9 +184,12 @@ TEST_F(S3Repository, ASaveReadsNoIndexOfOtherHostsPacksAndAReaderReadsThemOnce) 
   std::vector<std::byte> out(w.size());
   ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, out));
   EXPECT_EQ(out, w);
+  // Opened again (the lease held): one HEAD of the manifest, which says
+  // the catalog's record is still the store's.
   mark = b->store_requests();
   ASSERT_OK(b->OpenCheckpoint("step-1"));
-  EXPECT_EQ((b->store_requests() - mark).total(), 0u);
+  EXPECT_EQ((b->store_requests() - mark).total(), 1u);
+  EXPECT_EQ((b->store_requests() - mark).head, 1u);
   // verify on a host that never read them finds every chunk.
   auto c = Host("c");
   auto report = c->Verify(std::nullopt);
@@ -584,7 +587,7 @@ TEST_F(S3Repository, ACollectiveOpenListsTheStoreOnceForTheGroup) {
   }
 }
 
-TEST_F(S3Repository, ACollectiveLoadLeasesTheCheckpointOnceAndRefusesAHostThatKnowsAnOlderOneOfItsName) {
+TEST_F(S3Repository, ACollectiveLoadLeasesTheCheckpointOnceAndAHostThatKnowsAnOlderOneOfItsNameCatchesUp) {
   const uint64_t rows = 64, cols = 256;
   const auto v1 = RandomBytes(rows * cols * 4, 31), v2 = RandomBytes(rows * cols * 4, 32);
   auto writer = Host("writer");
@@ -618,15 +621,16 @@ TEST_F(S3Repository, ACollectiveLoadLeasesTheCheckpointOnceAndRefusesAHostThatKn
   for (int r = 0; r < 4; ++r) EXPECT_EQ((repos[r]->store_requests() - before[r]).put, r == 0 ? 1u : 0u) << r;
   // "s" removed and saved again by another host. Ranks 0, 1 and 3 run on
   // hosts that open the repository afresh; rank 2's host still lists the
-  // old "s".
+  // old "s" and has not synced: its open finds the manifest under another
+  // tag, syncs, and every rank loads the new "s" (rank 0's refusal of a
+  // plan whose ranks opened different checkpoints is then never needed).
   ASSERT_OK(writer->RemoveCheckpoints({"s"}));
   ASSERT_OK(SaveRows(*writer, "s", 0, 1, v2, rows, cols));
   for (int r : {0, 1, 3}) repos[r] = Host("later" + std::to_string(r));
   auto [out, got] = load();
   for (int r = 0; r < 4; ++r) {
-    ASSERT_FALSE(out[r].ok()) << r;
-    EXPECT_NE(out[r].status().message().find("rank 2's host knows another checkpoint named 's'"), std::string::npos)
-        << out[r].status().ToString();
+    ASSERT_OK(out[r]);
+    EXPECT_EQ(got[r], v2) << r;
   }
 }
 

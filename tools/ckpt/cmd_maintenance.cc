@@ -30,35 +30,107 @@ namespace {
 
 const CommandSpec kVerify{"verify", "[NAME]", "Re-read and re-hash every chunk; check every tensor is tiled exactly.",
                           "Without NAME the whole repository is checked, including chunks no checkpoint\n"
-                          "references and every pack index. Exits 1 when a problem is found.",
-                          {kJsonOpt}, 0, 1};
+                          "references and every pack index. Every reference to a chunk is checked against\n"
+                          "the stored chunk's length, and a chunk whose bytes fail their id is reported\n"
+                          "against every checkpoint that uses it. Exits 1 when a problem is found.\n"
+                          "\n"
+                          "--repair stores each such chunk again from a good copy: another pack of the\n"
+                          "repository that holds it, or a repository named by --from (another tier, a\n"
+                          "copy made with ckpt copy). Every copy is checked against the chunk's id first.\n"
+                          "The packs holding a bad chunk are rewritten as gc rewrites packs, under gc's\n"
+                          "lock, and the run also collects what gc without a retention policy would.\n"
+                          "It exits 1 while any chunk stays unrepaired.",
+                          {{"repair", 0, false, false, "", "store bad chunks again from a good copy"},
+                           {"from", 0, true, true, "URL", "a repository to take good copies from (repeatable)"},
+                           kJsonOpt},
+                          0, 1};
+
+Json VerifyJson(const VerifyReport& report) {
+  Json j = Json::MakeObject();
+  j.Set("ok", report.ok());
+  j.Set("checkpoints", report.checkpoints);
+  j.Set("tensors", report.tensors);
+  j.Set("chunks", report.chunks);
+  j.Set("bytes", report.bytes);
+  Json problems = Json::MakeArray();
+  for (const auto& p : report.problems) {
+    Json pj = Json::MakeObject();
+    pj.Set("checkpoint", p.checkpoint);
+    pj.Set("what", p.what);
+    pj.Set("message", p.message);
+    problems.Push(std::move(pj));
+  }
+  j.Set("problems", std::move(problems));
+  return j;
+}
+
+Json BadChunksJson(const std::vector<VerifyReport::BadChunk>& chunks) {
+  Json out = Json::MakeArray();
+  for (const auto& bad : chunks) {
+    Json b = Json::MakeObject();
+    b.Set("chunk", bad.id.ToHex());
+    Json users = Json::MakeArray();
+    for (const auto& c : bad.checkpoints) users.Push(Json(c));
+    b.Set("checkpoints", std::move(users));
+    out.Push(std::move(b));
+  }
+  return out;
+}
 
 int CmdVerify(const GlobalOptions& global, const Args& args) {
   int rc = kExitOk;
+  const bool repair = args.Has("repair");
+  const std::vector<std::string> from = args.All("from");
+  if (!from.empty() && !repair) return UsageError(Status::InvalidArgument("--from is for --repair"));
   auto repo = OpenRepoOr(global, &rc);
   if (!repo) return rc;
+  std::vector<std::unique_ptr<Repository>> sources;
+  for (const auto& url : from) {
+    auto src = Repository::Open(url, global.open);
+    if (!src.ok()) return Fail(src.status().WithContext("--from " + url));
+    sources.push_back(std::move(src).value());
+  }
   std::optional<std::string> name;
   if (!args.positional.empty()) name = args.positional[0];
   Progress progress("verifying");
   auto report = repo->Verify(name, [&](uint64_t d, uint64_t t) { progress.Update(d, t); });
   progress.Finish();
   if (!report.ok()) return Fail(report.status());
-  if (args.Has("json")) {
-    Json j = Json::MakeObject();
-    j.Set("ok", report->ok());
-    j.Set("checkpoints", report->checkpoints);
-    j.Set("tensors", report->tensors);
-    j.Set("chunks", report->chunks);
-    j.Set("bytes", report->bytes);
-    Json problems = Json::MakeArray();
+  std::optional<RepairReport> repaired;
+  if (repair && !report->bad_chunks.empty()) {
+    std::vector<Repository*> from_repos;
+    for (auto& s : sources) from_repos.push_back(s.get());
+    auto r = repo->Repair(*report, from_repos, [](const std::string& what) { Phase("repair", what); });
+    if (!r.ok()) return Fail(r.status().WithContext("repairing"));
+    repaired = std::move(r).value();
+  }
+  // With --repair, the problems a repair mended no longer count.
+  size_t left = report->problems.size();
+  if (repaired) {
     for (const auto& p : report->problems) {
-      Json pj = Json::MakeObject();
-      pj.Set("checkpoint", p.checkpoint);
-      pj.Set("what", p.what);
-      pj.Set("message", p.message);
-      problems.Push(std::move(pj));
+      const bool mended = p.bad_chunk && std::any_of(repaired->repaired.begin(), repaired->repaired.end(),
+                                                     [&](const auto& r) { return r.id == *p.bad_chunk; });
+      if (mended) --left;
     }
-    j.Set("problems", std::move(problems));
+  }
+  if (args.Has("json")) {
+    Json j = VerifyJson(*report);
+    j.Set("bad_chunks", BadChunksJson(report->bad_chunks));
+    if (repaired) {
+      Json r = Json::MakeObject();
+      Json done = Json::MakeArray();
+      for (const auto& c : repaired->repaired) {
+        Json cj = Json::MakeObject();
+        cj.Set("chunk", c.id.ToHex());
+        cj.Set("from", c.from);
+        done.Push(std::move(cj));
+      }
+      r.Set("repaired", std::move(done));
+      r.Set("unrepaired", BadChunksJson(repaired->unrepaired));
+      r.Set("packs_rewritten", repaired->packs_rewritten);
+      j.Set("repair", std::move(r));
+      j.Set("problems_left", static_cast<uint64_t>(left));
+    }
     PrintJson(j);
   } else {
     for (const auto& p : report->problems) {
@@ -69,9 +141,25 @@ int CmdVerify(const GlobalOptions& global, const Args& args) {
                 static_cast<unsigned long long>(report->checkpoints), static_cast<unsigned long long>(report->tensors),
                 static_cast<unsigned long long>(report->chunks), HumanBytes(report->bytes).c_str(),
                 report->ok() ? "ok" : (std::to_string(report->problems.size()) + " problems").c_str());
+    if (repaired) {
+      for (const auto& c : repaired->repaired) {
+        std::printf("repaired chunk %s from %s\n", c.id.ToHex().c_str(), EscapeForTerminal(c.from).c_str());
+      }
+      for (const auto& c : repaired->unrepaired) {
+        std::string users;
+        for (const auto& n : c.checkpoints) users += (users.empty() ? "" : ", ") + n;
+        std::fprintf(stderr, "unrepaired: chunk %s has no good copy (used by %s)\n", c.id.ToHex().c_str(),
+                     EscapeForTerminal(users).c_str());
+      }
+      std::printf("repair: %zu chunks stored again, %zu without a good copy, %llu packs rewritten\n",
+                  repaired->repaired.size(), repaired->unrepaired.size(),
+                  static_cast<unsigned long long>(repaired->packs_rewritten));
+    } else if (repair) {
+      std::printf("repair: no chunk fails its id\n");
+    }
   }
-  if (!report->ok()) {
-    std::fprintf(stderr, "ckpt: error: verify found %zu problems\n", report->problems.size());
+  if (left > 0) {
+    std::fprintf(stderr, "ckpt: error: verify found %zu problems%s\n", left, repaired ? " that repair did not mend" : "");
     return kExitError;
   }
   return kExitOk;
