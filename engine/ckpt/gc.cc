@@ -278,20 +278,25 @@ Result<Liveness> Analyze(LmdbEnv& catalog, const std::set<std::string>& excluded
 
 // What a collection deletes, seen from `l`: packs with nothing live (those
 // not being rewritten) and orphans — pack files the catalog does not know and
-// this run did not write. Fills the report's counts and byte totals; what
-// replaces the rewritten packs is added by the caller.
+// this run did not write — where such a pack is a leftover of a killed save
+// (`orphans_are_leftovers`: a catalog that records every pack at commit).
+// Where the catalog learns packs from listings, a pack it does not know is
+// one whose index it could not read (damaged): kept, for verify to report,
+// since it may hold the only copy of chunks someone references. Fills the
+// report's counts and byte totals; what replaces the rewritten packs is
+// added by the caller.
 struct Disposal {
   std::vector<std::string> drop;
   std::vector<std::string> orphans;
 };
 
 Result<Disposal> Dispose(Backend* backend, const Liveness& l, const std::set<std::string>& rewrite,
-                         const std::set<std::string>& written, GcReport& report) {
+                         const std::set<std::string>& written, bool orphans_are_leftovers, GcReport& report) {
   Disposal d;
   CKPT_ASSIGN_OR_RETURN(auto keys, backend->List(keys::kPackPrefix));
   for (const auto& key : keys) {
     std::string id;
-    if (ParsePackKey(key, &id) && !l.packs.count(id) && !written.count(id)) {
+    if (orphans_are_leftovers && ParsePackKey(key, &id) && !l.packs.count(id) && !written.count(id)) {
       d.orphans.push_back(id);
       auto size = backend->Size(key);
       report.bytes_before += size.ok() ? *size : 0;
@@ -408,6 +413,11 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
     CKPT_ASSIGN_OR_RETURN(store_lock, impl_->protocol->LockHosts(ObjectLock::Mode::kExclusive, phase));
   }
   CKPT_RETURN_IF_ERROR(impl_->protocol->Sync(SyncScope::kReferences, phase).status());
+  // Every listed pack's index must be in the catalog before liveness is
+  // decided: a pack whose index a failed request kept out would look like
+  // a leftover, and its live chunks would go with it. IndexPacks reads
+  // those again, and fails the run while one stays unreadable.
+  CKPT_RETURN_IF_ERROR(impl_->protocol->IndexPacks().WithContext("gc reads every pack's index before it decides"));
   phase("finding live chunks");
   // Removed checkpoints nobody reads now count as gone when choosing packs
   // to rewrite (step 2 decides again, under the lock).
@@ -435,7 +445,8 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
     }
   }
   if (options.dry_run) {
-    CKPT_RETURN_IF_ERROR(Dispose(backend, before, rewrite, {}, report).status());
+    CKPT_RETURN_IF_ERROR(
+        Dispose(backend, before, rewrite, {}, impl_->protocol->UnknownPacksAreLeftovers(), report).status());
     report.bytes_after += rewrite_bytes;  // estimate: the live bytes move to new packs
     return report;
   }
@@ -491,7 +502,8 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
   report.packs_written = sealed.size();
   // Packs on disk the catalog does not know were left by killed saves or a
   // killed gc: under the exclusive lock no save is writing one.
-  CKPT_ASSIGN_OR_RETURN(Disposal disposal, Dispose(backend, now, rewrite, written, report));
+  CKPT_ASSIGN_OR_RETURN(Disposal disposal,
+                        Dispose(backend, now, rewrite, written, impl_->protocol->UnknownPacksAreLeftovers(), report));
   const std::vector<std::string>& drop = disposal.drop;
   const std::vector<std::string>& orphans = disposal.orphans;
 

@@ -29,6 +29,10 @@ struct ChunkUse {
 
 Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, const ProgressFn& progress) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
+  // On an object store, verify what the store holds now: packs gc on
+  // another host rewrote since this host's last sync are read where they
+  // went, not reported missing at their old place.
+  CKPT_RETURN_IF_ERROR(impl_->protocol->Sync().status());
   CKPT_RETURN_IF_ERROR(impl_->protocol->IndexPacks());
   VerifyReport report;
   std::vector<std::string> names;

@@ -333,6 +333,17 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
     return DecodeManifestObject(*data, fetch[i]);
   });
   objects_read += manifest_gets.load();
+  // A manifest listed but not read (a request that failed, throttling past
+  // its retries) fails the sync: skipped, its checkpoint would look absent
+  // to this host ("not found") until the next sync, though it is committed.
+  // Only one removed since the listing (NotFound) or damaged (Corruption,
+  // a problem of the report) is passed over.
+  for (size_t i = 0; i < fetch.size(); ++i) {
+    const Status& st = manifests[i].status();
+    if (!st.ok() && !st.IsNotFound() && !st.IsCorruption()) {
+      return st.WithContext("reading the manifest of checkpoint '" + fetch[i] + "'");
+    }
+  }
   if (capture) {
     for (size_t i = 0; i < fetch.size(); ++i) {
       if (manifests[i].ok() && !fetched_bytes[i].empty()) {

@@ -472,6 +472,46 @@ TEST_F(S3Repository, ASaveWhoseRequestsKeepFailingFailsCleanlyAndStaysInvisible)
   }
 }
 
+// A store that throttles (503 SlowDown past every retry) is an error, never
+// "no checkpoints" or "not found": a host opening through it fails, a host
+// whose listing is throttled keeps what its catalog knew, and a reader's
+// check of a name it knows fails rather than calling the name removed.
+TEST_F(S3Repository, AThrottledListingIsNeverTakenAsNoCheckpointsOrNotFound) {
+  const uint64_t rows = 16, cols = 1024;
+  auto w = RandomBytes(rows * cols * 4, 10);
+  auto writer = Host("writer");
+  ASSERT_OK(SaveRows(*writer, "a", 0, 1, w, rows, cols));
+  ASSERT_OK(SaveRows(*writer, "b", 0, 1, w, rows, cols));
+  std::atomic<int> seen{0}, throttle_from{1 << 30};
+  testing::FaultProxy proxy(UpstreamPort(), [&](int n) {
+    seen = n + 1;
+    return n < throttle_from ? Fault::kNone : Fault::kServiceUnavailable;
+  });
+  auto host = Host("throttled", proxy.port());
+  ASSERT_TRUE(host);
+  ASSERT_EQ(host->ListCheckpoints().value().size(), 2u);
+  throttle_from = seen.load();
+  Status refreshed = host->Refresh();
+  EXPECT_FALSE(refreshed.ok());
+  EXPECT_FALSE(refreshed.IsNotFound()) << refreshed.ToString();
+  EXPECT_NE(refreshed.message().find("503"), std::string::npos) << refreshed.ToString();
+  EXPECT_EQ(host->ListCheckpoints().value().size(), 2u);  // nothing taken away
+  auto opened = host->OpenCheckpoint("a");
+  EXPECT_FALSE(opened.ok());
+  EXPECT_FALSE(opened.status().IsNotFound()) << opened.status().ToString();
+  // Opening through the throttled store fails; it does not show an empty
+  // repository.
+  OpenOptions o;
+  o.cache_dir = dir_.path() + "/fresh";
+  o.s3 = s3_;
+  o.s3->endpoint = "http://127.0.0.1:" + std::to_string(proxy.port());
+  o.s3->reuse_connections = false;
+  o.s3->max_retries = 2;
+  auto fresh = Repository::Open(url_, o);
+  ASSERT_FALSE(fresh.ok());
+  EXPECT_FALSE(fresh.status().IsNotFound()) << fresh.status().ToString();
+}
+
 TEST_F(S3Repository, OneHostListsTheStoreAndTheOthersApplyWhatItShares) {
   const uint64_t rows = 64, cols = 256;
   auto a = Host("a");
