@@ -13,7 +13,7 @@ namespace {
 void Usage(FILE* to) {
   std::fprintf(to,
                "usage: ckpt-sim [--seeds N] [--first-seed S] [--minutes T] [--ops N] [--hosts N]\n"
-               "                [--no-faults] [--no-shrink] [--history] [--history-lines N]\n"
+               "                [--no-faults] [--no-racy-sources] [--no-shrink] [--history] [--history-lines N]\n"
                "Runs simulated histories of many hosts sharing one object store (in memory),\n"
                "with requests failing before and after they take effect, throttling and host\n"
                "crashes, and checks each against a model of what the protocol promises.\n"
@@ -62,6 +62,8 @@ int main(int argc, char** argv) {
       if (options.hosts < 1) options.hosts = 1;
     } else if (a == "--history-lines") {
       options.history_lines = static_cast<size_t>(number(value()));
+    } else if (a == "--no-racy-sources") {
+      options.racy_sources = false;
     } else if (a == "--no-faults") {
       options.faults = false;
     } else if (a == "--no-shrink") {

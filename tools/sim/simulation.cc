@@ -12,6 +12,7 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 #include <unistd.h>
@@ -73,6 +74,9 @@ class FaultyStore final : public BackendWrapper {
   void set_armed(bool armed) { armed_ = armed; }
   // The next operation of this host crashes at one of its first requests.
   void ArmCrash(uint64_t at_request) { crash_at_ = requests_.load() + at_request; }
+  // A crash armed for an operation that made fewer requests does not wait
+  // for the next one.
+  void DisarmCrash() { crash_at_ = UINT64_MAX; }
   bool dead() const { return dead_.load(); }
   uint64_t injected() const { return injected_.load(); }
 
@@ -422,6 +426,7 @@ class Simulation {
       return false;
     }
     ++result_.reads_checked;
+    if (racy_.count(*v)) return true;  // any mix of old and new values; read, so every chunk verified
     if (got != WeightsOf(*v) || got_base != BaseOf(*v)) {
       Anomaly(what + ": bytes other than version " + std::to_string(*v) + "'s");
       return false;
@@ -455,7 +460,9 @@ class Simulation {
     host.store->set_armed(true);
     const auto start = std::chrono::steady_clock::now();
     std::string line = "op " + std::to_string(i) + " host " + std::to_string(h) + ": ";
-    if (kind < 22) {
+    if (kind < 3 && options_.racy_sources) {
+      line += SaveRacing(h);
+    } else if (kind < 22) {
       line += SaveOne(h);
     } else if (kind < 40) {
       line += AdvanceSave(h);
@@ -476,7 +483,10 @@ class Simulation {
     } else {
       line += VerifyOne(h);
     }
-    if (hosts_[h].store) hosts_[h].store->set_armed(false);
+    if (hosts_[h].store) {
+      hosts_[h].store->set_armed(false);
+      hosts_[h].store->DisarmCrash();
+    }
     ++result_.operations;
     const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     Log(line + " (" + std::to_string(static_cast<int64_t>(took * 1000)) + " ms)");
@@ -527,6 +537,52 @@ class Simulation {
     m.possible.insert(v);
     m.definite.reset();
     return Failed("save " + name + " v" + std::to_string(v) + " (outcome unknown)", c.status());
+  }
+
+  // Training code writing its tensors while a save reads them: another
+  // thread rewrites the "base" tensor's bytes all through the puts. The
+  // checkpoint holds some mix of old and new values (so its bytes are not
+  // checked: it is recorded as racy), but no chunk it stores may fail its
+  // id: a later version with the same base deduplicates against what it
+  // stored and must read back exactly.
+  std::string SaveRacing(int h) {
+    const std::string name = "racy-" + std::to_string(choose_.Below(3));
+    Repository& repo = *hosts_[h].repo;
+    Status removed = repo.RemoveCheckpoints({name});
+    if (removed.ok()) Removed(name);
+    if (!removed.ok() && !removed.IsNotFound()) {
+      MaybeRemoved(name);
+      return Failed("racy save " + name + ": rm", removed);
+    }
+    const uint64_t v = ++next_version_;
+    racy_.insert(v);
+    std::vector<std::byte> base = BaseOf(v);
+    std::atomic<bool> stop{false};
+    std::thread writer([&] {
+      uint64_t x = v;
+      while (!stop.load(std::memory_order_relaxed)) {
+        x = SplitMix(x);
+        volatile std::byte* p = base.data() + x % base.size();
+        *p = std::byte(x >> 56);
+      }
+    });
+    WriterOptions wo;
+    wo.tags = {{"v", std::to_string(v)}};
+    Status st;
+    auto w = repo.BeginCheckpoint(name, wo);
+    st = w.status();
+    if (st.ok()) st = (*w)->PutTensor({"w", DType::kF32, {kRows, kCols}}, WeightsOf(v));
+    if (st.ok()) st = (*w)->PutTensor({"base", DType::kU8, {kBaseBytes}}, base);
+    stop = true;
+    writer.join();
+    if (!st.ok()) return Failed("racy save " + name, st);
+    auto c = (*w)->Commit().Wait();
+    if (c.ok()) {
+      Committed(name, v);
+      return "racy save " + name + " v" + std::to_string(v) + ": committed";
+    }
+    Model(name).possible.insert(v);  // the commit may have taken effect
+    return Failed("racy save " + name + " (outcome unknown)", c.status());
   }
 
   bool InFlight(const std::string& name) const {
@@ -885,6 +941,7 @@ class Simulation {
   std::vector<SaveInFlight> saves_;
   std::map<std::string, NameModel> names_;
   std::set<uint64_t> never_;  // versions a rank of which never committed
+  std::set<uint64_t> racy_;   // versions saved while their source changed
   uint64_t next_version_ = 0;
   uint64_t retired_faults_ = 0;
   int op_ = 0;
