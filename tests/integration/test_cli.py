@@ -409,6 +409,53 @@ class SourceRewrittenDuringImports(CkptTestCase):
         self.run_ckpt("verify")
 
 
+class VerifyAndRepair(CkptTestCase):
+    """A chunk whose stored bytes fail their id is named against every
+    checkpoint that uses it; --repair stores it again from a repository
+    that has it (here a backup made with ckpt copy), and every checkpoint
+    reads back exactly."""
+
+    def test_a_damaged_chunk_is_named_for_every_user_and_repaired_from_a_copy(self):
+        self.run_ckpt("init", "--chunk-size", "64K")
+        rng = np.random.default_rng(8)
+        w = rng.standard_normal((64, 1024)).astype(np.float32)  # 256 KiB: 4 chunks, shared by a and b
+        v = rng.standard_normal((4096,)).astype(np.float32)
+        st.write(self.path("a.safetensors"), [("w", "F32", w)])
+        st.write(self.path("b.safetensors"), [("w", "F32", w), ("v", "F32", v)])
+        self.run_ckpt("import", "a", self.path("a.safetensors"))
+        self.run_ckpt("import", "b", self.path("b.safetensors"))
+        backup = self.path("backup")
+        self.run_ckpt("-r", backup, "init", "--chunk-size", "64K", use_repo=False)
+        self.run_ckpt("copy", self.repo, backup, "--all", use_repo=False)
+        # a's import wrote one pack, of w's chunks only: damage its first chunk.
+        packs = pathlib.Path(self.repo, "objects", "packs")
+        first = min(packs.iterdir(), key=lambda p: p.stat().st_mtime_ns)
+        raw = bytearray(first.read_bytes())
+        raw[16 + 100] ^= 0x5A
+        first.write_bytes(bytes(raw))
+
+        p = self.run_ckpt("verify", "--json", ok=None)
+        self.assertEqual(p.returncode, 1)
+        report = json.loads(p.stdout)
+        self.assertFalse(report["ok"])
+        self.assertEqual(len(report["bad_chunks"]), 1, report)
+        self.assertEqual(report["bad_chunks"][0]["checkpoints"], ["a", "b"])
+        named = {x["checkpoint"] for x in report["problems"]}
+        self.assertEqual(named, {"a", "b"})
+
+        err = self.error_of("verify", "--repair")
+        self.assertIn("unrepaired: chunk " + report["bad_chunks"][0]["chunk"], err)
+        self.assertIn("used by a, b", err)
+
+        p = self.run_ckpt("verify", "--repair", "--from", backup)
+        self.assertIn("repaired chunk " + report["bad_chunks"][0]["chunk"] + " from " + backup, p.stdout.decode())
+        self.run_ckpt("verify")
+        self.assertEqual(self.run_ckpt("cat", "a", "w").stdout, w.tobytes())
+        self.assertEqual(self.run_ckpt("cat", "b", "w").stdout, w.tobytes())
+        self.assertEqual(self.run_ckpt("cat", "b", "v").stdout, v.tobytes())
+        self.assertIn("--from is for --repair", self.error_of("verify", "--from", backup))
+
+
 class WritingFiles(CkptTestCase):
     """Export never replaces what it did not create, and Ctrl-C or SIGTERM
     during import or export leaves nothing behind."""

@@ -293,6 +293,40 @@ class SourceChangedDuringSaves(PythonTestCase):
         self.run_ckpt("verify")
 
 
+class LongLivedProcessOnS3(PythonTestCase):
+    """A process that only reads (a training job's evaluation loop, a
+    notebook) keeps a repository on S3 open while another host removes a
+    checkpoint, collects it and saves the name again: tensor, load and a
+    second open give the checkpoint the store holds now, never the removed
+    one's bytes."""
+
+    def test_tensor_load_and_open_read_the_checkpoint_the_store_holds_now(self):
+        if not os.environ.get("AWS_ENDPOINT_URL"):
+            if os.environ.get("CKPTFS_REQUIRE_S3"):
+                self.fail("CKPTFS_REQUIRE_S3 is set but no S3 endpoint is configured")
+            self.skipTest("no S3 endpoint configured (AWS_ENDPOINT_URL)")
+        url = f"s3://ckptfs-test/py-stale-{os.getpid()}-{time.time_ns()}"
+        here, there = self.path("cache-here"), self.path("cache-there")
+        repo = ckptfs.init(url, cache_dir=here, chunk_size=64 << 10)
+        old = torch.arange(40000, dtype=torch.float32)
+        new = -torch.arange(40000, dtype=torch.float32)
+        repo.save("x", {"w": old})
+        self.assertTrue(torch.equal(repo.tensor("x", "w"), old))
+        other = {"CKPT_CACHE_DIR": there}  # another host: a catalog of its own
+        self.run_ckpt("-r", url, "rm", "x", env=other, use_repo=False)
+        with self.assertRaises(ckptfs.NotFoundError):
+            repo.tensor("x", "w")
+        st.write(self.path("new.safetensors"), [("w", "F32", new.numpy())])
+        self.run_ckpt("-r", url, "import", "x", self.path("new.safetensors"), env=other, use_repo=False)
+        self.run_ckpt("-r", url, "gc", env=other, use_repo=False)
+        self.assertTrue(torch.equal(repo.tensor("x", "w"), new))
+        out = torch.empty(40000)
+        repo.load("x", {"w": out})
+        self.assertTrue(torch.equal(out, new))
+        again = ckptfs.open(url, cache_dir=here)
+        self.assertTrue(torch.equal(again.tensor("x", "w"), new))
+
+
 class Layouts(PythonTestCase):
     """Random strides, dtypes and offsets through save and load: every layout
     is stored as its logical elements or refused, never read out of bounds
