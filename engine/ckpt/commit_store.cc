@@ -307,21 +307,57 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
   // claim lands first (a conditional PUT) commits, the others are done.
   // The claim names this attempt, so an answer lost on the way and a retry
   // that finds the object still tell whose claim it is.
+  //
+  // A claim another attempt holds is not taken for a commit: a committer
+  // that failed after its claim, and whose clean-up failed too (or whose
+  // host died), leaves a claim nobody will honour, and a rank that
+  // returned success on seeing it would report a checkpoint committed that
+  // never becomes visible (the simulator found this). So this rank returns
+  // success only once the manifest is published, by anyone; it waits for
+  // it while the claim's holder may still be at work, and takes over a
+  // claim unchanged for as long as a lock object goes stale.
   const std::string claim_key = keys::CommitClaimObject(name);
+  const std::string manifest_key = keys::ManifestObject(name);
   const std::string claim = "rank " + std::to_string(options.rank) + " " + RandomHex(16);
-  Status claimed = store.PutIfAbsent(claim_key, std::as_bytes(std::span(claim)));
-  if (claimed.IsAlreadyExists()) {
+  for (;;) {
+    Status claimed = store.PutIfAbsent(claim_key, std::as_bytes(std::span(claim)));
+    if (!claimed.IsAlreadyExists()) {
+      CKPT_RETURN_IF_ERROR(claimed);
+      break;  // ours
+    }
     auto holder = store.ReadAll(claim_key, kMaxSmallObject);
-    if (!holder.ok() && !holder.status().IsNotFound()) return holder.status();
-    if (!holder.ok() || *holder != claim) return Status::OK();  // another rank commits (or did)
-  } else {
-    CKPT_RETURN_IF_ERROR(claimed);
+    if (holder.status().IsNotFound()) continue;  // let go meanwhile: claim again
+    CKPT_RETURN_IF_ERROR(holder.status());
+    if (*holder == claim) break;  // ours, the answer to our PUT lost and retried
+    // Another attempt's: wait for its manifest (a HEAD a poll, 10 ms
+    // doubling to a second), for as long as a lock object takes to go stale.
+    const auto since = std::chrono::steady_clock::now();
+    bool stale = false;
+    for (int attempt = 0;; ++attempt) {
+      auto published = store.Size(manifest_key);
+      if (published.ok()) return Status::OK();  // another rank committed it
+      if (!published.status().IsNotFound()) return published.status();
+      if (std::chrono::steady_clock::now() - since >= repo_.lock_options.stale_after) {
+        stale = true;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min<int64_t>(10ll << std::min(attempt, 7), 1000)));
+    }
+    if (!stale) continue;
+    // Nothing published for that long: unless the claim changed meanwhile,
+    // its holder is gone, and this rank takes it over.
+    auto again = store.ReadAll(claim_key, kMaxSmallObject);
+    if (again.ok() && *again == *holder) {
+      Status dropped = store.Delete(claim_key);
+      if (!dropped.ok() && !dropped.IsNotFound()) return dropped;
+    } else if (!again.ok() && !again.status().IsNotFound()) {
+      return again.status();
+    }
   }
   // A rank that saw every rank in, but claims only after the committer has
   // published the manifest, tidied the rank objects and let go of its
   // claim, holds a claim to a checkpoint that is already committed: it is
   // done, and must not merge rank objects that are gone.
-  const std::string manifest_key = keys::ManifestObject(name);
   auto published = store.Size(manifest_key);
   if (published.ok()) {
     (void)store.Delete(claim_key);
