@@ -298,6 +298,7 @@ Status OpenStoreCatalog(const LocatedStore& located, const OpenOptions& options,
     return Status::InvalidArgument("the stale time of locks must be at least 0.1 s");
   }
   impl.lock_options.stale_after = options.lock_stale_after;
+  impl.lock_options.now_unix_ms = options.wall_clock;
   impl.lock_options.refresh_interval =
       std::min<std::chrono::milliseconds>(std::chrono::minutes(1), impl.lock_options.stale_after / 10);
   return InitCatalogMeta(*impl.catalog);

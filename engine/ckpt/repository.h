@@ -99,6 +99,12 @@ struct OpenOptions {
   // on that pool too. 0 = 16. (Last, as new fields go: code that lists the
   // first fields positionally keeps its meaning.)
   size_t io_threads = 0;
+  // Repositories on an object store: the wall clock (unix ms) this host
+  // stamps its lock and lease objects with and judges other hosts' by
+  // (stale after lock_stale_after). Empty: the system's. The protocol
+  // assumes hosts' clocks agree to well within lock_stale_after; the
+  // simulator (tools/sim) skews it within that bound.
+  std::function<uint64_t()> wall_clock;
   // Repositories on an object store: whether Open brings the catalog up to
   // date with the store. Off for the processes of a job that apply the
   // listing one of them shares (Repository::ShareSync and SyncFrom).

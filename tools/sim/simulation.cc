@@ -316,8 +316,15 @@ class Simulation {
     Log("  ANOMALY: " + what);
   }
 
-  OpenOptions HostOptions(const std::string& cache_dir) {
+  OpenOptions HostOptions(const std::string& cache_dir, int64_t skew_ms = 0) {
     OpenOptions o;
+    if (skew_ms != 0) {
+      o.wall_clock = [skew_ms] {
+        const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
+            std::chrono::system_clock::now().time_since_epoch());
+        return static_cast<uint64_t>(now.count() + skew_ms);
+      };
+    }
     o.cache_dir = cache_dir;
     o.threads = 1;
     o.io_threads = 2;
@@ -336,7 +343,10 @@ class Simulation {
                                                options_);
     ++host.incarnation;
     host.store->set_armed(true);
-    auto r = Repository::Open(host.store, HostOptions(host.cache_dir));
+    // Each incarnation's clock is off by up to a tenth of the lock stale
+    // time, either way: the bound the lease design assumes.
+    const int64_t skew = options_.faults ? static_cast<int64_t>(choose_.Below(81)) - 40 : 0;
+    auto r = Repository::Open(host.store, HostOptions(host.cache_dir, skew));
     host.store->set_armed(false);
     if (!r.ok()) {
       Log("host " + std::to_string(h) + " open failed: " + r.status().ToString());

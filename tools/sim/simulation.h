@@ -16,7 +16,9 @@
 // happened), throttles (an error that says 503), and crashes a host
 // between two requests: every later request of that host fails, and the
 // driver drops the host (its threads and in-memory state; its catalog
-// directory kept or wiped) and opens it again.
+// directory kept or wiped) and opens it again. Each host's wall clock (what
+// its lock and lease objects are stamped and judged with) is skewed by up
+// to a tenth of the lock stale time, either way.
 //
 // Every operation and its result is recorded. The checker (a model of
 // each name's possible current versions) reports an anomaly when
