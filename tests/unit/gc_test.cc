@@ -61,7 +61,16 @@ class GcFixture : public testing::RepositoryTest {
     EXPECT_EQ(got, owns_[name]);
   }
 
+  // Another host of the repository, with a catalog of its own; a local
+  // repository has one catalog, which this process opens once (repo_).
+  Repository* OtherHost() {
+    if (where_.kind() == RepoKind::kLocal) return repo_.get();
+    other_ = std::move(where_.Open({2, 1 << 20}, "other")).value();
+    return other_.get();
+  }
+
   std::map<std::string, std::vector<std::byte>> owns_;
+  std::unique_ptr<Repository> other_;  // OtherHost's, on a store
 };
 
 // The conformance suite: what gc, retention, rm, du and diff do alike on
@@ -157,12 +166,8 @@ TEST_P(GarbageCollection, ANameRemovedAndSavedAgainOnAnotherHostIsReadAsItIsNow)
   const auto base = RandomBytes(200 << 10, 7);
   Save("x", 1, 1, base);
   const auto first = owns_["x"];
-  // Another host; a local repository has one catalog, which this process
-  // opens once.
   const bool local = where_.kind() == RepoKind::kLocal;
-  std::unique_ptr<Repository> opened;
-  if (!local) opened = std::move(where_.Open({2, 1 << 20}, "other")).value();
-  Repository* other = local ? repo_.get() : opened.get();
+  Repository* other = OtherHost();
   auto read_own = [&](Repository& repo, int64_t step) {
     auto r = repo.OpenCheckpoint("x");
     if (!r.ok()) return std::vector<std::byte>{};
@@ -188,7 +193,7 @@ TEST_P(GarbageCollection, ANameRemovedAndSavedAgainOnAnotherHostIsReadAsItIsNow)
   EXPECT_EQ(std::count_if(listed->begin(), listed->end(), [](const CheckpointRecord& c) { return c.name == "x"; }), 1);
   if (local) return;
   // The replaced record is what that host's catalog holds from now on.
-  opened.reset();
+  other_.reset();
   auto again = where_.Open({2, 1 << 20}, "other");
   ASSERT_OK(again);
   EXPECT_EQ(read_own(**again, 2), owns_["x"]);
@@ -203,10 +208,7 @@ TEST_P(GarbageCollection, AHostThatDidNotSyncNeverReadsARemovedOrReplacedCheckpo
   const auto base = RandomBytes(200 << 10, 8);
   Save("x", 1, 1, base);
   const auto first = owns_["x"];
-  const bool local = where_.kind() == RepoKind::kLocal;
-  std::unique_ptr<Repository> opened;
-  if (!local) opened = std::move(where_.Open({2, 1 << 20}, "other")).value();
-  Repository* other = local ? repo_.get() : opened.get();
+  Repository* other = OtherHost();
   auto held = other->OpenCheckpoint("x");  // a reader kept across all that follows
   ASSERT_OK(held);
   if (where_.kind() == RepoKind::kS3) {  // the store whose requests are counted
