@@ -391,6 +391,9 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
     if (options.on_phase) options.on_phase(what);
   };
   GcReport report;
+  // Retention decides on what the store holds now (on an object store this
+  // host's catalog may lag other hosts' saves and removals).
+  if (!options.retention.empty()) CKPT_RETURN_IF_ERROR(impl_->protocol->Sync(SyncScope::kCheckpoints, phase).status());
   CKPT_ASSIGN_OR_RETURN(report.removed, PlanRetention(options.retention));
   std::set<std::string> excluded;  // removed, or to be removed in a dry run
   if (!report.removed.empty()) {

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <unordered_map>
 
@@ -184,6 +185,29 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
 Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   std::set<std::string> unique(names.begin(), names.end());
+  // What is removed is what the store holds under each name now: a host
+  // whose catalog still had a version another host removed (and perhaps
+  // saved again since) would otherwise retire that old version and delete
+  // the manifest object of whatever the name holds now. One request per
+  // name tells (CommitProtocol::IsCurrent); a stale catalog syncs first.
+  for (const auto& n : unique) {
+    if (keys::IsRetiredCheckpoint(n) || !ValidateCheckpointName(n).ok()) continue;
+    std::optional<CheckpointRecord> rec;
+    CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+      CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kCheckpoints, keys::Checkpoint(n)));
+      if (v) {
+        CKPT_ASSIGN_OR_RETURN(CheckpointRecord r, DecodeCheckpoint(*v));
+        if (r.state == CheckpointState::kCommitted) rec = std::move(r);
+      }
+      return Status::OK();
+    }));
+    auto current = impl_->protocol->IsCurrent(n, rec ? &*rec : nullptr);
+    CKPT_RETURN_IF_ERROR(current.status());
+    if (!*current) {
+      CKPT_RETURN_IF_ERROR(impl_->protocol->Sync().status());
+      break;  // the catalog is the store's now, for every name
+    }
+  }
   // All must exist before anything is touched. Committed ones are retired
   // (lease.h): their manifests, as the catalog has them, go to retired/.
   std::map<std::string, Manifest> committed;

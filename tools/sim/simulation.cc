@@ -467,7 +467,11 @@ class Simulation {
     if (!repo) return;
     Host& host = hosts_[h];
     if (crash_now) host.store->ArmCrash(crash_at);
-    host.store->set_armed(true);
+    // Four operations in ten run with no request faults, so that long
+    // operations (gc makes many requests) also succeed and their success
+    // paths meet the faults of other operations.
+    armed_ = !choose_.Chance(0.4);
+    host.store->set_armed(armed_);
     const auto start = std::chrono::steady_clock::now();
     std::string line = "op " + std::to_string(i) + " host " + std::to_string(h) + ": ";
     if (kind < 3 && options_.racy_sources) {
@@ -480,6 +484,8 @@ class Simulation {
       line += Remove(h);
     } else if (kind < 53) {
       line += CollectGarbage(h);
+    } else if (kind < 57) {
+      line += SaveWhileGc(h);
     } else if (kind < 63) {
       line += OpenAndHold(h);
     } else if (kind < 73) {
@@ -547,6 +553,101 @@ class Simulation {
     m.possible.insert(v);
     m.definite.reset();
     return Failed("save " + name + " v" + std::to_string(v) + " (outcome unknown)", c.status());
+  }
+
+  // A save on this host and a gc with retention on another, at once: gc
+  // waits for the save's lock or the save for gc's, and gc never removes a
+  // chunk the save deduplicated against. Both results go into the model
+  // once both are done.
+  std::string SaveWhileGc(int h) {
+    FinishSaves();
+    if (!saves_.empty() || !Live(h)) return "save while gc: skipped (a save in flight)";
+    const std::string name = PickName();
+    NameModel& m = Model(name);
+    if (m.maybe_pending || !m.possible.empty()) return "save " + name + " while gc: skipped (name taken)";
+    const int g = static_cast<int>((h + 1 + choose_.Below(hosts_.size() - 1)) % hosts_.size());
+    if (g == h || !Live(g)) return "save while gc: no other host";
+    Host& gc_host = hosts_[g];
+    gc_host.store->set_armed(armed_);
+    GcOptions gc;
+    gc.retention.keep_last = 3 + choose_.Below(4);
+    const uint64_t v = ++next_version_;
+    Result<GcReport> collected = Status::Internal("not run");
+    std::thread gc_thread([&] { collected = gc_host.repo->CollectGarbage(gc); });
+    Status saved;
+    {
+      Repository& repo = *hosts_[h].repo;
+      WriterOptions wo;
+      wo.tags = {{"v", std::to_string(v)}};
+      auto w = repo.BeginCheckpoint(name, wo);
+      saved = w.status();
+      if (saved.ok()) saved = (*w)->PutTensor({"w", DType::kF32, {kRows, kCols}}, WeightsOf(v));
+      if (saved.ok()) saved = (*w)->PutTensor({"base", DType::kU8, {kBaseBytes}}, BaseOf(v));
+      bool committing = saved.ok();
+      if (committing) saved = (*w)->Commit().Wait().status();
+      if (committing && !saved.ok()) {
+        m.possible.insert(v);  // the commit may have taken effect
+        m.definite.reset();
+      }
+    }
+    gc_thread.join();
+    gc_host.store->set_armed(false);
+    gc_host.store->DisarmCrash();
+    std::string line = "save " + name + " v" + std::to_string(v) + " while host " + std::to_string(g) + " collects: ";
+    if (collected.ok()) {
+      for (const auto& removed : collected->removed) Removed(removed);
+      line += "gc removed " + std::to_string(collected->removed.size()) + ", " +
+              std::to_string(collected->packs_deleted) + " packs deleted; ";
+    } else {
+      for (auto& [n, model] : names_) model.definite.reset();
+      line += Failed("gc", collected.status()) + "; ";
+    }
+    if (saved.ok()) {
+      const bool removed_now = collected.ok() && std::count(collected->removed.begin(), collected->removed.end(), name);
+      if (!removed_now) Committed(name, v);
+      line += "committed";
+    } else {
+      line += Failed("save", saved);
+    }
+    if (gc_host.store->dead()) Crash(g);
+    return line;
+  }
+
+  // Drives every save in flight to its end, rank step by rank step, as
+  // the job would before it moves on (each step logged as an operation of
+  // its own).
+  void FinishSaves() {
+    for (int round = 0; round < 12 && !saves_.empty(); ++round) {
+      std::vector<int> hosts;
+      for (SaveInFlight& f : saves_) {
+        for (RankPlan& p : f.ranks) {
+          if (p.state == RankState::kNotBegun || p.state == RankState::kBegun || p.state == RankState::kPut) {
+            hosts.push_back(p.host);
+          }
+        }
+      }
+      for (int host : hosts) {
+        if (!Live(host)) {
+          // The rank's host is down: its rank never commits.
+          for (SaveInFlight& f : saves_) {
+            for (RankPlan& p : f.ranks) {
+              if (p.host == host && p.state != RankState::kCommitted && p.state != RankState::kUncertain) {
+                p.writer.reset();
+                p.state = RankState::kNever;
+              }
+            }
+            Settle(f);
+          }
+          saves_.erase(std::remove_if(saves_.begin(), saves_.end(), [](const SaveInFlight& x) { return x.ranks.empty(); }),
+                       saves_.end());
+          continue;
+        }
+        hosts_[host].store->set_armed(armed_);
+        Log("  (finishing saves) host " + std::to_string(host) + ": " + AdvanceSave(host));
+        hosts_[host].store->set_armed(false);
+        if (hosts_[host].store->dead()) Crash(host);
+      }
+    }
   }
 
   // Training code writing its tensors while a save reads them: another
@@ -955,6 +1056,7 @@ class Simulation {
   uint64_t next_version_ = 0;
   uint64_t retired_faults_ = 0;
   int op_ = 0;
+  bool armed_ = true;  // whether the current operation draws request faults
 };
 
 }  // namespace
