@@ -18,6 +18,8 @@
 #include <unistd.h>
 
 #include "backend/backend.h"
+#include "ckpt/collective.h"
+#include "ckpt/communicator.h"
 #include "ckpt/repository.h"
 #include "store/pack.h"
 
@@ -89,7 +91,11 @@ class FaultyStore final : public BackendWrapper {
       return Fault::kCrash;
     }
     if (!armed_.load() || !options_.faults) return Fault::kNone;
-    const double u = static_cast<double>(SplitMix(seed_ ^ SplitMix(n)) >> 11) * 0x1.0p-53;
+    const uint64_t draw = SplitMix(seed_ ^ SplitMix(n));
+    const double u = static_cast<double>(draw >> 11) * 0x1.0p-53;
+    // A slow request (1 in 100, up to 20 ms): background refreshes of
+    // locks and leases, and other hosts' threads, move on meanwhile.
+    if ((draw & 0xff) < 3) std::this_thread::sleep_for(std::chrono::milliseconds(1 + (draw >> 8) % 20));
     Fault f = Fault::kNone;
     if (u < options_.fail_before) {
       f = Fault::kBefore;
@@ -492,8 +498,10 @@ class Simulation {
       line += ReadHeld(h);
     } else if (kind < 80) {
       line += MountRead(h);
-    } else if (kind < 85) {
+    } else if (kind < 82) {
       line += Copy(h);
+    } else if (kind < 85) {
+      line += RestoreCollective(h);
     } else if (kind < 93) {
       line += Refresh(h);
     } else {
@@ -926,6 +934,75 @@ class Simulation {
     // The destination has no faults: its reader must read.
     CheckReader(h, **there, "copy of '" + name + "'", /*must_read=*/true);
     return "copy " + name + ": " + (r->checkpoints.empty() ? "?" : (r->checkpoints[0].outcome == CopiedCheckpoint::Outcome::kPresent ? "present" : "copied"));
+  }
+
+  // A collective restore: 2 or 3 live hosts, each a rank of an in-process
+  // group, load rows of "w" of one name together (one rank fetches each
+  // chunk, the others receive it). Every rank must get the rows of one and
+  // the same version, and one the model allows.
+  std::string RestoreCollective(int h) {
+    const std::string name = PickName();
+    std::vector<int> ranks = {h};
+    const size_t world = 2 + choose_.Below(2);
+    for (size_t i = 1; i < hosts_.size() && ranks.size() < world; ++i) {
+      const int g = static_cast<int>((h + i) % hosts_.size());
+      if (Live(g)) ranks.push_back(g);
+    }
+    if (ranks.size() < 2) return "collective restore " + name + ": no other live host";
+    for (int g : ranks) hosts_[g].store->set_armed(armed_);
+    auto comms = NewHostGroup(static_cast<int>(ranks.size()));
+    std::vector<std::vector<std::byte>> rows(ranks.size());
+    std::vector<Result<CollectiveLoadResult>> out(ranks.size(), Status::Internal("not run"));
+    std::vector<std::thread> threads;
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      const uint64_t begin = r * kRows / ranks.size(), end = (r + 1) * kRows / ranks.size();
+      rows[r].resize((end - begin) * kCols * 4);
+      threads.emplace_back([&, r, begin, end] {
+        std::vector<CollectiveTarget> targets = {{{"w", DType::kF32, {kRows, kCols}},
+                                                  Region::OfBox(Box{{begin, 0}, {end - begin, kCols}}), rows[r]}};
+        out[r] = LoadCollective(*hosts_[ranks[r]].repo, name, targets, *comms[r]);
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int g : ranks) {
+      hosts_[g].store->set_armed(false);
+      hosts_[g].store->DisarmCrash();
+    }
+    std::string line = "collective restore " + name + " on " + std::to_string(ranks.size()) + " hosts: ";
+    const bool all_ok = std::all_of(out.begin(), out.end(), [](const auto& r) { return r.ok(); });
+    bool any_dead = false;
+    for (int g : ranks) any_dead |= hosts_[g].store->dead();
+    if (!all_ok) {
+      const auto bad = std::find_if(out.begin(), out.end(), [](const auto& r) { return !r.ok(); });
+      const bool some_ok = std::any_of(out.begin(), out.end(), [](const auto& r) { return r.ok(); });
+      if (some_ok && !any_dead) Anomaly("collective restore of '" + name + "': some ranks succeeded, others failed: " + bad->status().ToString());
+      line += bad->status().IsNotFound() ? "not found" : Failed("", bad->status());
+    } else {
+      // The rows together are one version's "w": which one, from rank 0's.
+      std::optional<uint64_t> version;
+      for (uint64_t v : Model(name).possible) {
+        const auto w = WeightsOf(v);
+        if (std::equal(rows[0].begin(), rows[0].end(), w.begin())) version = v;
+      }
+      if (!version) {
+        Anomaly("collective restore of '" + name + "': rank 0's rows are no version the model allows");
+      } else {
+        const auto w = WeightsOf(*version);
+        for (size_t r = 0; r < ranks.size(); ++r) {
+          const uint64_t begin = r * kRows / ranks.size();
+          if (!std::equal(rows[r].begin(), rows[r].end(), w.begin() + begin * kCols * 4)) {
+            Anomaly("collective restore of '" + name + "': rank " + std::to_string(r) + " got rows other than version " +
+                    std::to_string(*version) + "'s");
+          }
+        }
+        ++result_.reads_checked;
+        line += "version " + std::to_string(*version);
+      }
+    }
+    for (int g : ranks) {
+      if (g != h && hosts_[g].store->dead()) Crash(g);
+    }
+    return line;
   }
 
   std::string Refresh(int h) {

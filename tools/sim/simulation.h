@@ -10,10 +10,11 @@
 // name saved again after rm, gc with retention, readers opened and held
 // across gc and read later, saves whose source another thread rewrites
 // meanwhile, mount-style reads (an open without a lease,
-// then a lease per file), copies into a second repository, refreshes and
-// verifies. The store wrapper fails requests before they take effect,
+// then a lease per file), copies into a second repository, collective
+// restores by ranks on several hosts, refreshes and verifies. The store wrapper fails requests before they take effect,
 // after they took effect (the client sees an error for a write that
-// happened), throttles (an error that says 503), and crashes a host
+// happened), throttles (an error that says 503), delays (up to 20 ms),
+// and crashes a host
 // between two requests: every later request of that host fails, and the
 // driver drops the host (its threads and in-memory state; its catalog
 // directory kept or wiped) and opens it again. Each host's wall clock (what
