@@ -243,12 +243,14 @@ TEST_F(S3Repository, RanksCommittingAtTheSameInstantCommitOnce) {
       // for the committer (each rank object read, then it and the rank's
       // started- object removed, each with a HEAD and a DELETE). Losing
       // the claim costs two more, no merge, and a HEAD of the manifest
-      // each poll until the committer has published it (a few).
+      // each poll until the committer has published it (polls 10 ms
+      // doubling to a second: about a dozen while a committer under a
+      // sanitizer takes a second or two).
       if (results[r]->checkpoint_visible) {
         EXPECT_LE(cost[r].total(), 5 * kRanks + 24) << "committer, rank " << r;
       } else {
-        EXPECT_LE(cost[r].total(), 20u) << "rank " << r;
-        EXPECT_LE(cost[r].head, 10u) << "rank " << r;
+        EXPECT_LE(cost[r].total(), 28u) << "rank " << r;
+        EXPECT_LE(cost[r].head, 18u) << "rank " << r;
         EXPECT_LE(cost[r].get, 1u) << "rank " << r << " read rank objects without committing";
       }
     }
