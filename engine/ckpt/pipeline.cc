@@ -123,17 +123,6 @@ void SavePipeline::Process(Job& job) {
   if (!error().ok()) return;
   const size_t size = job.data.size();
   job.slot->raw_len = static_cast<uint32_t>(size);
-  // A chunk already stored (or claimed by another job of this pipeline) is
-  // only referenced: its stored bytes were checked against its id by
-  // whoever stored them, and this reference names what the source held
-  // when it was hashed.
-  ChunkId id = ChunkId::Of(job.data);
-  auto known = Known(id);
-  if (!known.ok()) return Fail(known.status());
-  if (*known) {
-    job.slot->id = id;
-    return;
-  }
   const CodecOptions& codec = settings_.codec;
   // Adaptive: unless encoded chunks are queueing for the disk, the disk is
   // waiting for the codec; store this chunk raw rather than make it wait.
@@ -141,32 +130,64 @@ void SavePipeline::Process(Job& job) {
   const bool disk_starving = settings_.adaptive && queued_.load() < static_cast<int64_t>(settings_.pool->size());
   // Even then, chunks that compress well (bf16 weights: about a third) are
   // worth the CPU; only the low-yield ones (fp32 moments) are passed raw.
-  const bool raw = codec.compression == Compression::kNone ||
-                   (disk_starving && EstimateSaving(job.data, job.dtype, codec.min_saving) < kAdaptiveMinSaving);
-  Encoded enc{id, Codec::kRaw, static_cast<uint32_t>(size), settings_.buffers->Acquire(size)};
+  auto stored_raw = [&] {
+    return codec.compression == Compression::kNone ||
+           (disk_starving && EstimateSaving(job.data, job.dtype, codec.min_saving) < kAdaptiveMinSaving);
+  };
   // A new chunk is stored under the id of exactly the bytes stored. Bytes
   // the source may still change (the caller's memory, a mapped file that
-  // is rewritten) are first copied, and the copy is hashed and encoded:
-  // a source changed meanwhile gives a chunk of its new bytes under their
-  // own id, never bytes that fail their id. Private bytes (read into a
-  // buffer of the pipeline's, or lent as stable) are used in place.
-  std::span<const std::byte> bytes = job.data;
+  // is rewritten) are copied, and the copy is hashed and encoded: a source
+  // changed meanwhile gives a chunk of its new bytes under their own id,
+  // never bytes that fail their id. Private bytes (read into a buffer of
+  // the pipeline's, or lent as stable) are used in place.
+  //
+  // Where chunks have mostly been new lately, the copy comes first (the
+  // source read once, each block hashed from the copy while in cache);
+  // where they have mostly been stored already (a save after a save), the
+  // source is hashed in place first and only a new chunk is copied, so
+  // that deduplicated chunks cost a hash and no copy.
+  ChunkId id;
+  bool raw = false;
+  Encoded enc;
   BufferPool::Lease copy;
-  if (!job.stable) {
+  std::span<const std::byte> bytes = job.data;
+  auto copy_out = [&] {
+    raw = stored_raw();
+    enc = Encoded{id, Codec::kRaw, static_cast<uint32_t>(size), settings_.buffers->Acquire(size)};
     std::span<std::byte> to = raw ? enc.buffer.first(size) : (copy = settings_.buffers->Acquire(size)).first(size);
-    id = CopyAndHash(job.data, to);
+    const ChunkId copied = CopyAndHash(job.data, to);
     bytes = to;
     job.keep.reset();  // lent source bytes go back now
-    if (id != enc.id) {
-      enc.id = id;
-      known = Known(id);
-      if (!known.ok()) return Fail(known.status());
-      if (*known) {
-        job.slot->id = id;
-        return;
-      }
-    }
+    return copied;
+  };
+  const bool copy_first = !job.stable && recent_new_.load(std::memory_order_relaxed) >= kRecentNewHalf;
+  if (copy_first) {
+    id = copy_out();
+  } else {
+    // A chunk already stored (or claimed by another job of this pipeline)
+    // is only referenced: its stored bytes were checked against its id by
+    // whoever stored them, and this reference names what the source held
+    // when it was hashed.
+    id = ChunkId::Of(job.data);
   }
+  auto known = Known(id);
+  if (!known.ok()) return Fail(known.status());
+  if (!*known && !job.stable && !copy_first) {
+    const ChunkId hashed = id;
+    id = copy_out();
+    if (id != hashed) known = Known(id);  // the source changed since it was hashed
+    if (!known.ok()) return Fail(known.status());
+  }
+  NoteNew(!*known);
+  if (*known) {
+    job.slot->id = id;
+    return;
+  }
+  if (job.stable) {
+    raw = stored_raw();
+    enc = Encoded{id, Codec::kRaw, static_cast<uint32_t>(size), settings_.buffers->Acquire(size)};
+  }
+  enc.id = id;
   job.slot->id = id;
   {
     // Only ids of the bytes this job stores are claimed: another job that
@@ -191,6 +212,13 @@ void SavePipeline::Process(Job& job) {
   job.keep.reset();
   copy.Reset();
   Enqueue(std::move(enc));
+}
+
+void SavePipeline::NoteNew(bool is_new) {
+  // A score of the last chunks: up for a new one, down for a stored one.
+  int score = recent_new_.load(std::memory_order_relaxed);
+  const int next = is_new ? std::min(score + 1, 2 * kRecentNewHalf) : std::max(score - 1, 0);
+  recent_new_.compare_exchange_weak(score, next, std::memory_order_relaxed);
 }
 
 void SavePipeline::Enqueue(Encoded enc) {

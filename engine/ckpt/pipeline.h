@@ -131,11 +131,18 @@ class SavePipeline {
   // Whether chunk `id` is stored already or claimed by another job of this
   // pipeline (counted as deduplicated then); an error of the lookup.
   Result<bool> Known(const ChunkId& id);
+  // Counts a chunk as new or stored already, for the choice of copying a
+  // changeable source before or after hashing it (Process).
+  void NoteNew(bool is_new);
   void Enqueue(Encoded enc);
   void WriterLoop();
 
   const PipelineSettings settings_;
   std::atomic<int64_t> own_queued_{0};
+  // How many of the last chunks were new, as a score from 0 to
+  // 2 * kRecentNewHalf (a save starts taking its chunks for new ones).
+  static constexpr int kRecentNewHalf = 8;
+  std::atomic<int> recent_new_{2 * kRecentNewHalf};
   std::atomic<int64_t>& queued_;
   PackWriter packs_;
 

@@ -131,16 +131,26 @@ TEST(SavePipeline, ChunksHashesDeduplicatesEncodesAndPacksWithoutACatalog) {
 // reads it, the race this test stages on purpose.)
 void SourceChangedBetweenHashAndStore(Compression compression, bool twin) {
   Harness h(compression);
-  std::vector<std::byte> data(3 * kChunk);
-  for (size_t i = 0; i < data.size(); ++i) data[i] = std::byte(i % 251 < 200 ? 0 : i % 7);  // compressible
-  if (twin) std::memcpy(data.data() + kChunk, data.data(), kChunk);  // chunks 0 and 1 alike
-  const std::vector<std::byte> old_chunk(data.begin(), data.begin() + kChunk);
+  // 24 chunks stored already come first: after them the pipeline hashes a
+  // changeable source in place before it copies a new chunk (the path
+  // where a change can fall between the hash and the copy).
+  constexpr size_t kStored = 24;
+  std::vector<std::byte> data((kStored + 3) * kChunk);
+  for (size_t c = 0; c < kStored; ++c) {
+    auto stored = RandomBytes(kChunk, 100 + static_cast<uint32_t>(c));
+    std::memcpy(data.data() + c * kChunk, stored.data(), kChunk);
+    h.known[ChunkId::Of(stored)] = ChunkLocation{"elsewhere", 0, kChunk, kChunk, Codec::kRaw};
+  }
+  const size_t at = kStored * kChunk;  // chunk "0" of the test
+  for (size_t i = at; i < data.size(); ++i) data[i] = std::byte(i % 251 < 200 ? 0 : i % 7);  // compressible
+  if (twin) std::memcpy(data.data() + at + kChunk, data.data() + at, kChunk);  // chunks 0 and 1 alike
+  const std::vector<std::byte> old_chunk(data.begin() + at, data.begin() + at + kChunk);
   const ChunkId old_id = ChunkId::Of(old_chunk);
   std::atomic<bool> changed{false};
   auto lookup = h.settings.lookup;
   h.settings.lookup = [&](const ChunkId& id) {
     // The first job to look up chunk 0's old id changes chunk 0 (only).
-    if (id == old_id && !changed.exchange(true)) data[100] = std::byte(0x77);
+    if (id == old_id && !changed.exchange(true)) data[at + 100] = std::byte(0x77);
     return lookup(id);
   };
   SavePipeline p(h.settings);
@@ -153,6 +163,8 @@ void SourceChangedBetweenHashAndStore(Compression compression, bool twin) {
   ASSERT_OK(sealed);
   ASSERT_TRUE(changed.load());
   auto back = ReadBack(*h.store, *sealed);  // each chunk checked against its id
+  ASSERT_EQ(refs.size(), kStored + 3);
+  refs.erase(refs.begin(), refs.begin() + kStored);
   for (size_t i = 0; i < refs.size(); ++i) {
     ASSERT_TRUE(back.count(refs[i].id)) << "chunk " << i << " names an id nothing stored";
     EXPECT_EQ(back[refs[i].id].size(), refs[i].raw_len);
