@@ -149,6 +149,8 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
       BufferPool::Lease raw = impl_->buffers->Acquire(item->loc.raw_len);
       Status st = ReadChunk(impl_->backend.get(), item->id, item->loc, raw.first(item->loc.raw_len));
       uint64_t d = done.fetch_add(item->loc.raw_len) + item->loc.raw_len;
+      static const std::vector<ChunkUse> kNoUse;
+      const std::vector<ChunkUse>& uses = item->uses ? *item->uses : kNoUse;  // no copy per chunk
       {
         std::lock_guard lock(mu);
         if (!st.ok()) {
@@ -156,7 +158,7 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
           std::optional<ChunkId> bad_id;
           if (st.IsCorruption()) bad_id = item->id;
           if (!item->uses) report.problems.push_back({"", "chunk", st.message(), bad_id});
-          for (const ChunkUse& use : item->uses ? *item->uses : std::vector<ChunkUse>{}) {
+          for (const ChunkUse& use : uses) {
             if (bad.checkpoints.empty() || bad.checkpoints.back() != use.checkpoint) {
               bad.checkpoints.push_back(use.checkpoint);
               report.problems.push_back({use.checkpoint, use.member, st.message(), bad_id});
@@ -164,7 +166,7 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
           }
           if (st.IsCorruption()) report.bad_chunks.push_back(std::move(bad));
         }
-        for (const ChunkUse& use : item->uses ? *item->uses : std::vector<ChunkUse>{}) {
+        for (const ChunkUse& use : uses) {
           if (use.raw_len == item->loc.raw_len) continue;
           report.problems.push_back({use.checkpoint, use.member,
                                      "references chunk " + item->id.ToHex() + " with length " +
