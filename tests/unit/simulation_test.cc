@@ -19,6 +19,9 @@ void RunSeeds(uint64_t first, int seeds, int operations) {
     o.seed = seed;
     o.operations = operations;
     o.racy_sources = !testing::kThreadSanitizer;  // its racing writer is a data race by design
+    // Sanitized builds run several times slower: lock and lease refreshes
+    // must still land well within the stale time, as the design assumes.
+    if (testing::kAddressSanitizer || testing::kThreadSanitizer) o.lock_stale_ms = 2000;
     const sim::SimResult r = sim::RunAndShrink(o);
     total += r.operations;
     if (r.ok()) continue;

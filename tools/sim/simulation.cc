@@ -336,7 +336,7 @@ class Simulation {
     o.io_threads = 2;
     o.cache_bytes = 16 << 20;
     o.lock_wait = std::chrono::seconds(5);
-    o.lock_stale_after = std::chrono::milliseconds(400);
+    o.lock_stale_after = std::chrono::milliseconds(options_.lock_stale_ms);
     return o;
   }
 
@@ -351,7 +351,8 @@ class Simulation {
     host.store->set_armed(true);
     // Each incarnation's clock is off by up to a tenth of the lock stale
     // time, either way: the bound the lease design assumes.
-    const int64_t skew = options_.faults ? static_cast<int64_t>(choose_.Below(81)) - 40 : 0;
+    const int64_t tenth = options_.lock_stale_ms / 10;
+    const int64_t skew = options_.faults ? static_cast<int64_t>(choose_.Below(2 * tenth + 1)) - tenth : 0;
     auto r = Repository::Open(host.store, HostOptions(host.cache_dir, skew));
     host.store->set_armed(false);
     if (!r.ok()) {

@@ -61,6 +61,11 @@ struct SimOptions {
   // Some saves read a source another thread rewrites meanwhile (a data
   // race by design: off under ThreadSanitizer).
   bool racy_sources = true;
+  // How long a lock or lease object may go unrefreshed before other hosts
+  // take its holder for gone (hosts refresh every tenth of it; clocks are
+  // skewed by up to a tenth). The lease design assumes refreshes land well
+  // within it: a build under a sanitizer, several times slower, needs more.
+  int64_t lock_stale_ms = 400;
   // An operation that takes longer is an anomaly.
   double deadline_s = 60;
   // Lines of history kept for a failure's report.
