@@ -53,14 +53,21 @@ const CommandSpec kImport{
     "package ckptfs ($CKPT_PYTHON, else the python3 beside ckpt, else python3 on\n"
     "PATH; it needs torch, the build your training uses, installed there): each\n"
     "saved DCP chunk becomes a box shard, non-tensor items\n"
-    "blobs. DCP's .metadata is a pickle, trusted as dcp.load trusts it: look first\n"
-    "with --dry-run, which lists what would be imported and writes nothing.",
+    "blobs. Python runs isolated (-I): nothing is imported from the working\n"
+    "directory or the user's site; only PYTHONPATH's absolute directories are kept.\n"
+    "DCP's .metadata is a pickle: it is read admitting only DCP's metadata classes\n"
+    "and plain values, so a file from elsewhere runs no code (with --dry-run too);\n"
+    "one that names anything else is refused, naming it. --trust-pickle reads it as\n"
+    "dcp.load does, for files you wrote yourself. torch.save files are read with\n"
+    "torch.load(weights_only=True).",
     {{"step", 0, true, false, "N", "training step of the checkpoint"},
      {"rank", 0, true, false, "R", "contribute as rank R (with --world-size)"},
      {"world-size", 0, true, false, "N", "number of ranks writing the checkpoint"},
      {"tag", 0, true, true, "KEY=VALUE", "attach a tag (repeatable)"},
      {"blob", 0, true, true, "NAME=FILE", "store FILE's bytes as blob NAME (repeatable)"},
      {"dry-run", 'n', false, false, "", "read and check the inputs, list what would be imported, write nothing"},
+     {"trust-pickle", 0, false, false, "",
+      "read a DCP .metadata pickle as torch does, whatever it names (only for files you wrote yourself)"},
      kJsonOpt},
     2, SIZE_MAX};
 
@@ -104,6 +111,7 @@ int DelegateToPython(const GlobalOptions& global, const Args& args, InputKind ki
   if (auto step = args.Get("step")) argv.insert(argv.end(), {"--step", *step});
   for (const auto& t : args.All("tag")) argv.insert(argv.end(), {"--tag", t});
   if (args.Has("dry-run")) argv.push_back("--dry-run");
+  if (args.Has("trust-pickle")) argv.push_back("--trust-pickle");
   if (args.Has("json")) argv.push_back("--json");
   argv.insert(argv.end(), {"--", args.positional[0], path});
   return ExecPythonFormats(what, argv);

@@ -1,5 +1,7 @@
 #include "common.h"
 
+#include <fcntl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -70,6 +72,40 @@ std::unique_ptr<Repository> OpenRepoOr(const GlobalOptions& global, int* exit_co
 
 void PrintJson(const Json& j) { std::printf("%s\n", j.Dump(2).c_str()); }
 
+namespace {
+// Python runs isolated (-I): neither the working directory nor the user's
+// site nor PYTHON* variables reach sys.path, so a torch.py or argparse.py
+// lying in the directory the command runs in is never imported. Only the
+// absolute directories of PYTHONPATH are put back, in their order: a
+// relative or empty entry would mean the working directory again.
+constexpr const char* kIsolatedPath =
+    "import os, sys\n"
+    "sys.path[0:0] = [d for d in os.environ.get('PYTHONPATH', '').split(os.pathsep) if os.path.isabs(d)]\n";
+
+// Runs argv, its output discarded; whether it exited 0.
+bool RunQuietly(const std::vector<std::string>& args) {
+  const pid_t pid = ::fork();
+  if (pid < 0) return false;
+  if (pid == 0) {
+    const int null = ::open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (null >= 0) {
+      ::dup2(null, 1);
+      ::dup2(null, 2);
+    }
+    std::vector<char*> cargv;
+    for (const auto& a : args) cargv.push_back(const_cast<char*>(a.c_str()));
+    cargv.push_back(nullptr);
+    ::execvp(cargv[0], cargv.data());
+    ::_exit(127);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) return false;
+  }
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+}  // namespace
+
 int ExecPythonFormats(const std::string& what, const std::vector<std::string>& args) {
   const char* env_python = std::getenv("CKPT_PYTHON");
   std::string python = env_python && *env_python ? env_python : "python3";
@@ -85,13 +121,17 @@ int ExecPythonFormats(const std::string& what, const std::vector<std::string>& a
   // Whether that Python has the package, asked first so that a missing one
   // gets one clear line (without importing torch, which takes seconds: the
   // package itself says when torch is missing).
-  const std::string probe = "'" + python + "' -c 'import ckptfs.formats' >/dev/null 2>&1";
-  if (python.find('\'') != std::string::npos || std::system(probe.c_str()) != 0) {
+  if (!RunQuietly({python, "-I", "-c", std::string(kIsolatedPath) + "import ckptfs.formats\n"})) {
     return Fail(Status::Unsupported(what + ": that is done with torch through the Python package, and '" + python +
                                     "' cannot import ckptfs (this format needs pip install 'ckptfs[torch]' there, or the torch build your "
-                                    "training uses beside ckptfs; or set CKPT_PYTHON to a Python that has both)"));
+                                    "training uses beside ckptfs; or set CKPT_PYTHON to a Python that has both; Python runs "
+                                    "isolated, so only the absolute directories of PYTHONPATH count)"));
   }
-  std::vector<std::string> argv = {python, "-m", "ckptfs.formats"};
+  std::vector<std::string> argv = {
+      python, "-I", "-c",
+      std::string(kIsolatedPath) +
+          "import runpy\nrunpy.run_module('ckptfs.formats', run_name='__main__', alter_sys=True)\n"};
+  const size_t first_arg = argv.size();
   argv.insert(argv.end(), args.begin(), args.end());
   // The package draws progress as this command does (--progress, --quiet).
   const char* mode = "auto";
@@ -101,7 +141,7 @@ int ExecPythonFormats(const std::string& what, const std::vector<std::string>& a
     case ProgressMode::kOff: mode = "off"; break;
     case ProgressMode::kAuto: break;
   }
-  if (argv.size() > 3) argv.insert(argv.begin() + 4, std::string("--progress=") + mode);
+  if (argv.size() > first_arg) argv.insert(argv.begin() + first_arg + 1, std::string("--progress=") + mode);
   std::vector<char*> cargv;
   for (auto& a : argv) cargv.push_back(a.data());
   cargv.push_back(nullptr);

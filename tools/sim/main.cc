@@ -14,12 +14,16 @@ void Usage(FILE* to) {
   std::fprintf(to,
                "usage: ckpt-sim [--seeds N] [--first-seed S] [--minutes T] [--ops N] [--hosts N]\n"
                "                [--no-faults] [--no-racy-sources] [--no-shrink] [--history] [--history-lines N]\n"
+               "                [--lock-stale-ms MS]\n"
                "Runs simulated histories of many hosts sharing one object store (in memory),\n"
                "with requests failing before and after they take effect, throttling and host\n"
                "crashes, and checks each against a model of what the protocol promises.\n"
                "Seeds S, S+1, ... run until N seeds or T minutes are done (default: 10 seeds).\n"
                "A seed that finds an anomaly is shrunk to the shortest history that still\n"
-               "does and printed. Exits 1 when any seed finds one.\n");
+               "does and printed. Exits 1 when any seed finds one.\n"
+               "--lock-stale-ms sets how long a lock or lease may go unrefreshed before\n"
+               "other hosts take its holder for gone (default 400; shorter makes leases\n"
+               "expire under load more often).\n");
 }
 }  // namespace
 
@@ -62,6 +66,9 @@ int main(int argc, char** argv) {
       if (options.hosts < 1) options.hosts = 1;
     } else if (a == "--history-lines") {
       options.history_lines = static_cast<size_t>(number(value()));
+    } else if (a == "--lock-stale-ms") {
+      options.lock_stale_ms = static_cast<int64_t>(number(value()));
+      if (options.lock_stale_ms < 10) options.lock_stale_ms = 10;
     } else if (a == "--no-racy-sources") {
       options.racy_sources = false;
     } else if (a == "--no-faults") {

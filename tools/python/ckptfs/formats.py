@@ -43,6 +43,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import ckptfs
 from ckptfs import InvalidArgumentError, UnsupportedError, _put_value
+from ckptfs.pickles import load_dcp_metadata
 
 __all__ = ["detect", "import_checkpoint", "export_checkpoint", "parse_size", "STRUCTURE_BLOB", "DCP_FILES_BLOB",
            "PARTIAL_SUFFIX"]
@@ -112,7 +113,7 @@ def _dtype_name(dtype) -> str:
 
 # ---- DCP ---------------------------------------------------------------------------
 
-def _dcp_reader(path: str):
+def _dcp_reader(path: str, trust_pickle: bool):
     torch = _torch()
     try:
         from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415
@@ -120,10 +121,27 @@ def _dcp_reader(path: str):
     except ImportError as e:
         raise UnsupportedError(f"torch {torch.__version__} lacks torch.distributed.checkpoint: {e}") from None
     reader = FileSystemReader(path)
+    where = os.path.join(path, ".metadata")
+    # Read here rather than by reader.read_metadata(), whose plain
+    # pickle.load would run whatever the file names.
     try:
-        metadata = reader.read_metadata()
-    except Exception as e:  # noqa: BLE001 - torch raises what the pickle or the file gives
-        raise ckptfs.CorruptionError(f"{path}: cannot read the DCP metadata (.metadata): {e}") from None
+        with open(where, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ckptfs.NotFoundError(f"{where}: {e.strerror}") from None
+    try:
+        metadata = load_dcp_metadata(data, where, trust=trust_pickle)
+    except ckptfs.Error:
+        raise
+    except Exception as e:  # noqa: BLE001 - what a damaged pickle gives
+        raise ckptfs.CorruptionError(f"{where}: cannot read the DCP metadata: {type(e).__name__}: {e}") from None
+    if not hasattr(metadata, "state_dict_metadata") or not isinstance(metadata.state_dict_metadata, Mapping):
+        raise ckptfs.CorruptionError(f"{where}: not DCP metadata (it holds a {type(metadata).__name__})")
+    storage_meta = getattr(torch.distributed.checkpoint.metadata, "StorageMeta", None)
+    if storage_meta is not None and hasattr(reader, "load_id"):  # as read_metadata() does
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = storage_meta()
+        metadata.storage_meta.load_id = reader.load_id
     return reader, metadata, BytesStorageMetadata
 
 
@@ -148,12 +166,12 @@ def _other_files(path: str, taken) -> Tuple[List[Tuple[str, str]], List[str]]:
     return files, left_out
 
 
-def _dcp_plan(path: str):
+def _dcp_plan(path: str, trust_pickle: bool):
     """What a DCP directory holds, checked against its files: the entries
     of a dry run, the reader, and the other files beside the data (as
     Megatron-Core's common.pt and metadata.json), which become blobs of the
     same names."""
-    reader, metadata, bytes_type = _dcp_reader(path)
+    reader, metadata, bytes_type = _dcp_reader(path, trust_pickle)
     entries, blobs = [], []
     storage = getattr(metadata, "storage_data", None) or {}
     files = {getattr(v, "relative_path", None) for v in storage.values()}
@@ -760,7 +778,8 @@ def _import_torch(writer, loaded, advance: Callable[[int], None]) -> None:
 def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, step: Optional[int] = None,
                       tags: Optional[Mapping[str, str]] = None, dry_run: bool = False,
                       format: Optional[str] = None,  # noqa: A002
-                      progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
+                      progress: Optional[Callable[[int, int], None]] = None,
+                      trust_pickle: bool = False) -> Dict[str, Any]:
     """Imports the checkpoint at `path` (a DCP directory, a torch.save
     file, a safetensors file or a model directory; `format` to say which
     instead of detecting it) as checkpoint `name` of `repo`.
@@ -770,6 +789,12 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
     what would be imported, and nothing is written. Every input is read and
     checked before the checkpoint becomes visible; on an error nothing is.
     `progress(done, total)` is called with tensor bytes as they are put.
+
+    A DCP ``.metadata`` file is a pickle. It is read admitting only DCP's
+    own metadata classes and plain values, so that a file from elsewhere
+    runs no code, not even with dry_run; anything else it names raises
+    UnsupportedError naming it. ``trust_pickle=True`` reads it as
+    ``dcp.load`` does, for files you wrote yourself.
     """
     path = os.fspath(path)
     fmt = format or detect(path)
@@ -782,7 +807,7 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
         summary = repo.import_safetensors(name, [path], step=step, tags=tags)
         return {"format": fmt, "name": name, "committed": True, "summary": summary}
     if fmt == "dcp":
-        reader, metadata, described, (beside, structure) = _dcp_plan(path)
+        reader, metadata, described, (beside, structure) = _dcp_plan(path, trust_pickle)
     elif torch_weights:
         loaded, described = _hf_torch_plan(path)
     elif fmt == "torch":
@@ -1562,6 +1587,7 @@ def _main(argv: Sequence[str]) -> int:
     imp.add_argument("--step", type=int)
     imp.add_argument("--tag", action="append", default=[])
     imp.add_argument("--dry-run", action="store_true")
+    imp.add_argument("--trust-pickle", action="store_true")
     imp.add_argument("--json", action="store_true")
     imp.add_argument("--progress", choices=("auto", "on", "json", "off"), default="auto")
     imp.add_argument("name")
@@ -1602,7 +1628,8 @@ def _main(argv: Sequence[str]) -> int:
             return 2
         tags[key] = value
     out = _in_repository(args, f"import {args.name}", lambda repo, progress: import_checkpoint(
-        repo, args.name, args.path, step=args.step, tags=tags, dry_run=args.dry_run, progress=progress))
+        repo, args.name, args.path, step=args.step, tags=tags, dry_run=args.dry_run, progress=progress,
+        trust_pickle=args.trust_pickle))
     if out is None:
         return 1
     for what in out.get("left_out", []):
