@@ -963,6 +963,7 @@ class TorchSaveFiles(unittest.TestCase):
             f.write("#!/bin/sh\nexec /usr/bin/python3 -I \"$@\"\n")  # Debian's, without ckptfs
         os.chmod(bare, 0o755)
         env = dict(os.environ, CKPT_REPO=os.path.join(self.tmp, "repo"), CKPT_PYTHON=bare)
+        env.pop("PYTHONPATH", None)  # which the CLI's isolated Python would honour
         p = subprocess.run([CKPT, "import", "t", path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                            timeout=120)
         err = p.stderr.decode().strip()

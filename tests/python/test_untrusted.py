@@ -134,5 +134,110 @@ class WorkingDirectory(UntrustedTestCase):
         self.assertFalse(os.path.exists(self.marker), open(self.marker).read() if os.path.exists(self.marker) else "")
 
 
+class ExportPartials(UntrustedTestCase):
+    """OUT.ckpt-export-partial is the export's own directory: a resume takes
+    only one this user made, owner-only, with the same settings, and keeps
+    a finished file only if its bytes are still those written."""
+
+    def setUp(self):
+        super().setUp()
+        self.r = ckptfs.open(self.repo)
+        gen = torch.Generator().manual_seed(7)
+        self.r.save("big", {f"layer{i}": torch.randn(64, 64, generator=gen) for i in range(4)})
+        self.out = self.path("out")
+        self.partial = self.out + formats.PARTIAL_SUFFIX
+
+    def interrupted(self, out=None):
+        """An hf export of 'big' into `out` that stops after its first shard."""
+        out = out or self.out
+        real = formats._write_durable
+        calls = []
+
+        def dies_on_the_second_shard(path, write):
+            calls.append(path)
+            if len(calls) == 4:
+                raise OSError("disk went away")
+            return real(path, write)
+
+        formats._write_durable = dies_on_the_second_shard
+        try:
+            with self.assertRaises(OSError):
+                formats.export_checkpoint(self.r, "big", out, format="hf", max_shard_size="20KB", threads=1)
+        finally:
+            formats._write_durable = real
+        return out + formats.PARTIAL_SUFFIX
+
+    def export(self, **kw):
+        return formats.export_checkpoint(self.r, "big", self.out, format="hf", max_shard_size="20KB", **kw)
+
+    def test_the_partial_directory_is_owner_only_and_the_result_is_not(self):
+        partial = self.interrupted()
+        self.assertEqual(os.stat(partial).st_mode & 0o777, 0o700)
+        done = self.export()
+        self.assertEqual(done["resumed_files"], 1)
+        self.assertEqual(os.stat(self.out).st_mode & 0o777, 0o777 & ~formats._umask())
+
+    def test_a_finished_file_damaged_since_is_written_again(self):
+        partial = self.interrupted()
+        first = "model-00001-of-00004.safetensors"
+        with open(os.path.join(partial, first), "r+b") as f:
+            f.seek(200)
+            byte = f.read(1)
+            f.seek(200)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        done = self.export()
+        self.assertEqual((done["resumed_files"], done["rewritten_files"]), (0, [first]))
+        fresh = formats.export_checkpoint(self.r, "big", self.path("fresh"), format="hf", max_shard_size="20KB")
+        for f in fresh["files"]:
+            with open(os.path.join(self.out, f), "rb") as a, open(os.path.join(self.path("fresh"), f), "rb") as b:
+                self.assertEqual(a.read(), b.read(), f)
+        # The CLI says so.
+        self.interrupted(self.path("cli"))
+        with open(os.path.join(self.path("cli") + formats.PARTIAL_SUFFIX, first), "ab") as f:
+            f.write(b"x")
+        _, err = self.ckpt("export", "big", self.path("cli"), "--format", "hf", "--max-shard-size", "20KB")
+        self.assertIn(f"{first}, finished by the interrupted export, no longer had the bytes", err)
+
+    def test_a_partial_others_can_write_or_that_is_a_link_is_refused(self):
+        partial = self.interrupted()
+        os.chmod(partial, 0o777)
+        with self.assertRaises(ckptfs.AlreadyExistsError) as e:
+            self.export()
+        self.assertIn("was not made by an export of this user", str(e.exception))
+        self.assertFalse(os.path.exists(self.out))
+        # A link to a directory: refused too, and --clean removes the link,
+        # not what it points to.
+        elsewhere = self.path("elsewhere")
+        os.rename(partial, elsewhere)
+        os.symlink(elsewhere, partial)
+        _, err = self.ckpt("export", "big", self.out, "--format", "hf", "--max-shard-size", "20KB", ok=False)
+        self.assertIn("is not a directory an export made", err)
+        self.ckpt("export", "big", self.out, "--format", "hf", "--max-shard-size", "20KB", "--clean")
+        self.assertTrue(os.path.isdir(elsewhere))
+        self.assertEqual(len(os.listdir(self.out)), 5)
+
+    @unittest.skipUnless(os.geteuid() == 0, "needs root, to plant a directory owned by another user")
+    def test_a_partial_planted_by_another_user_is_never_trusted(self):
+        victim = self.path("victim")
+        with open(victim, "wb") as f:
+            f.write(b"secret")
+        os.chmod(victim, 0o600)
+        partial = self.interrupted()
+        # Another user's copy of a real partial, a link where the next shard
+        # goes: what the export would write there lands in the victim file.
+        for n in os.listdir(partial):
+            if n.endswith(".safetensors") and n != "model-00001-of-00004.safetensors":
+                os.unlink(os.path.join(partial, n))
+        os.symlink(victim, os.path.join(partial, "model-00002-of-00004.safetensors.tmp"))
+        os.chmod(partial, 0o700)
+        os.chown(partial, 65534, 65534)
+        with self.assertRaises(ckptfs.AlreadyExistsError) as e:
+            self.export()
+        self.assertIn("owner uid 65534", str(e.exception))
+        with open(victim, "rb") as f:
+            self.assertEqual(f.read(), b"secret")
+        self.assertFalse(os.path.exists(self.out))
+
+
 if __name__ == "__main__":
     unittest.main()

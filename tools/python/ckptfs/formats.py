@@ -34,8 +34,10 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import hashlib
 import os
 import shutil
+import stat
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -916,15 +918,72 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_durable(path: str, write) -> None:
-    """Writes a file through `write(f)` at path + ".tmp", fsyncs it and
-    renames it into place."""
+class _Digesting:
+    """A file being written, hashed (SHA-256) as it is: the digest of
+    what an export wrote, taken while the bytes are in cache."""
+
+    def __init__(self, f):
+        self._f = f
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        n = self._f.write(data)
+        self.digest.update(memoryview(data)[:n] if n is not None else data)
+        self.size += n if n is not None else len(data)
+        return n
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _write_durable(path: str, write) -> Tuple[int, str]:
+    """Writes a file through `write(f)` at path + ".tmp" (never following a
+    symbolic link there), fsyncs it and renames it into place; returns its
+    size and SHA-256."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        write(f)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    with open(fd, "wb") as f:
+        out = _Digesting(f)
+        write(out)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return out.size, out.digest.hexdigest()
+
+
+def _file_digest(path: str) -> Tuple[int, str]:
+    """The size and SHA-256 of the regular file at `path` (no symbolic link
+    followed)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        digest = hashlib.sha256()
+        size = 0
+        buf = bytearray(1 << 20)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            digest.update(view[:n])
+            size += n
+    return size, digest.hexdigest()
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def hf_shards(sizes: Sequence[Tuple[str, int]], max_shard_size: int) -> List[List[str]]:
@@ -950,54 +1009,123 @@ def hf_shards(sizes: Sequence[Tuple[str, int]], max_shard_size: int) -> List[Lis
 
 
 class _Export:
-    """One export into OUT + PARTIAL_SUFFIX: which files are finished."""
+    """One export into OUT + PARTIAL_SUFFIX: which files are finished.
+
+    The partial directory is this export's own: made exclusively, owner
+    only (0700), and held open, so that every file is written into that
+    directory whatever happens to the name meanwhile. One found there
+    already is resumed only if this user owns it, nobody else can write
+    it, its recorded settings match, and each finished file still has the
+    size and SHA-256 recorded when it was finished; a file that does not
+    is written again. On commit the directory gets the mode a new one
+    would (0777 less the umask) and is renamed to OUT."""
 
     def __init__(self, out: str, settings: Dict[str, Any], clean: bool):
         self.out = out
-        self.partial = out + PARTIAL_SUFFIX
+        self.partial = out.rstrip("/") + PARTIAL_SUFFIX
         if os.path.lexists(out):
             raise ckptfs.AlreadyExistsError(f"{out} exists; exports never replace anything")
         if clean and os.path.lexists(self.partial):
-            shutil.rmtree(self.partial)
-        self.progress_file = os.path.join(self.partial, _PROGRESS_FILE)
+            if os.path.islink(self.partial) or not os.path.isdir(self.partial):
+                os.unlink(self.partial)
+            else:
+                shutil.rmtree(self.partial)
+        created = False
+        try:
+            os.mkdir(self.partial, 0o700)
+            created = True
+        except FileExistsError:
+            pass
+        try:
+            self._fd = os.open(self.partial, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise ckptfs.AlreadyExistsError(
+                f"{self.partial} is not a directory an export made ({e.strerror}); remove it, or rerun with "
+                "--clean") from None
+        st = os.fstat(self._fd)
+        if created:
+            os.fchmod(self._fd, 0o700)
+        elif st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            os.close(self._fd)
+            raise ckptfs.AlreadyExistsError(
+                f"{self.partial} was not made by an export of this user (owner uid {st.st_uid}, mode "
+                f"{stat.S_IMODE(st.st_mode):o}); it is not resumed: remove it, or rerun with --clean")
+        # Paths through the open directory: renaming or replacing the
+        # partial's name meanwhile changes nothing written here.
+        self._dir = f"/proc/self/fd/{self._fd}"
+        self.progress_file = os.path.join(self._dir, _PROGRESS_FILE)
         self.done: List[str] = []
         self.items: Dict[str, Any] = {}  # what a finished file holds, where the format needs it
-        if os.path.isdir(self.partial):
+        self.digests: Dict[str, List[Any]] = {}  # finished file -> [size, sha256]
+        self.redone: List[str] = []  # finished files that failed their check on resume
+        if not created:
             try:
-                with open(self.progress_file) as f:
+                fd = os.open(self.progress_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                with open(fd) as f:
                     state = json.load(f)
             except (OSError, ValueError):
                 state = None
-            if not state or state.get("settings") != settings:
+            if not isinstance(state, dict) or state.get("settings") != settings:
+                os.close(self._fd)
                 raise ckptfs.AlreadyExistsError(
                     f"{self.partial} holds an interrupted export of something else (another checkpoint, format or "
                     "options); rerun with the same ones to resume it, or with --clean to remove it")
-            self.done = list(state.get("done", []))
-            self.items = dict(state.get("items", {}))
-        else:
-            os.makedirs(self.partial)
+            digests = state.get("digests", {})
+            items = state.get("items", {})
+            for name in state.get("done", []):
+                if self._intact(name, digests.get(name)):
+                    self.done.append(name)
+                    self.digests[name] = digests[name]
+                    if name in items:
+                        self.items[name] = items[name]
+                else:
+                    self.redone.append(name)
         self.settings = settings
         self._lock = threading.Lock()
         self._save()
 
+    def _intact(self, name: str, recorded: Any) -> bool:
+        if (not isinstance(name, str) or not name or "/" in name or name in (".", "..")
+                or not isinstance(recorded, list) or len(recorded) != 2):
+            return False
+        try:
+            return list(_file_digest(self.path(name))) == recorded
+        except OSError:
+            return False
+
     def _save(self) -> None:
-        data = json.dumps({"settings": self.settings, "done": self.done, "items": self.items}).encode()
+        data = json.dumps({"settings": self.settings, "done": self.done, "items": self.items,
+                           "digests": self.digests}).encode()
         _write_durable(self.progress_file, lambda f: f.write(data))
 
     def path(self, name: str) -> str:
-        return os.path.join(self.partial, name)
+        return os.path.join(self._dir, name)
 
-    def finished(self, name: str, items: Any = None) -> None:
+    def write(self, name: str, body, items: Any = None) -> None:
+        """Writes file `name` through body(f), durably, and records it as
+        finished."""
+        self.finished(name, items, _write_durable(self.path(name), body))
+
+    def finished(self, name: str, items: Any = None, digest: Optional[Tuple[int, str]] = None) -> None:
+        if digest is None:
+            digest = _file_digest(self.path(name))
         with self._lock:  # files are finished by several threads
             self.done.append(name)
+            self.digests[name] = list(digest)
             if items is not None:
                 self.items[name] = items
             self._save()
 
     def commit(self) -> None:
+        here, st = os.lstat(self.partial), os.fstat(self._fd)
+        if (here.st_dev, here.st_ino) != (st.st_dev, st.st_ino):
+            raise ckptfs.StorageError(f"{self.partial} was replaced by another directory while the export ran; "
+                                      "nothing was published")
         os.unlink(self.progress_file)
-        _fsync_dir(self.partial)
+        os.fchmod(self._fd, 0o777 & ~_umask())
+        os.fsync(self._fd)
         os.rename(self.partial, self.out)
+        os.close(self._fd)
         _fsync_dir(os.path.dirname(os.path.abspath(self.out)))
 
 
@@ -1246,15 +1374,13 @@ def _export_dcp(export: "_Export", repo, reader, name: str, order: List[str], sh
                         advance(sizes.nbytes(key))
                     items.append([key, at, f.tell() - at])
 
-        _write_durable(export.path(names[k]), body)
-        export.finished(names[k], items)
+        export.write(names[k], body, items)
 
     _write_files(write_file, len(groups), threads)
     blob_bytes = {b["name"]: b["bytes"] for b in shown["blobs"]}
     for b in beside:  # the files that were beside the data, as they were
         if b not in export.done:
-            _write_durable(export.path(b), lambda f, b=b: _write_blob(reader, b, blob_bytes[b], f))
-            export.finished(b)
+            export.write(b, lambda f, b=b: _write_blob(reader, b, blob_bytes[b], f))
     state_md: Dict[str, Any] = {}
     storage: Dict[Any, Any] = {}
     tensors = set(order)
@@ -1324,10 +1450,14 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
     Files are written into out + ".ckpt-export-partial" (hf: `threads` at a
     time), each made durable, and the directory is renamed to `out` only
     when complete; an interrupted export is resumed by the same call
-    (finished files are kept), or removed first with
-    clean=True. `progress(done, total)` is called with tensor bytes as they
+    (finished files are kept once their content is checked), or removed
+    first with clean=True. The partial directory is the export's own
+    (owner only); one another user made, or one whose settings differ, is
+    refused. `progress(done, total)` is called with tensor bytes as they
     are written. Returns {"out", "format", "files", "bytes", "resumed_files",
-    "left_out"} (hf: the blobs not written, and why).
+    "rewritten_files", "left_out"} (rewritten: finished files whose bytes
+    had changed since, written again; hf left_out: the blobs not written,
+    and why).
     """
     torch = _torch()
     out = os.path.normpath(os.fspath(out))  # "release/" is the directory "release"
@@ -1405,10 +1535,9 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
                     advance(nbytes(n))
 
             try:
-                _write_durable(export.path(names[i]), body)
+                export.write(names[i], body)
             finally:
                 stream.close()
-            export.finished(names[i])
 
         _write_files(write_shard, total, threads)
         files += names
@@ -1449,6 +1578,7 @@ def export_checkpoint(repo: "ckptfs.Repository", name: str, out: PathLike, *, fo
     total_bytes = sum(os.path.getsize(export.path(f)) for f in files)
     export.commit()
     return {"out": out, "format": format, "files": files, "bytes": total_bytes, "resumed_files": resumed,
+            "rewritten_files": list(export.redone),
             "left_out": left_out}
 
 
@@ -1613,6 +1743,9 @@ def _main(argv: Sequence[str]) -> int:
             return 1
         for what in done["left_out"]:
             print(f"ckpt export: leaving out {what}", file=sys.stderr)
+        for what in done["rewritten_files"]:
+            print(f"ckpt export: {what}, finished by the interrupted export, no longer had the bytes written then; "
+                  "written again", file=sys.stderr)
         if args.json:
             print(json.dumps(done, indent=2))
         else:
