@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <string_view>
 
@@ -48,7 +49,13 @@ Result<std::vector<std::string>> ListDir(const std::string& path) {
 // Subdirectories, hidden files and torch.save weight files beside the
 // safetensors ones are left out, and said so through `left_out`; a
 // directory whose weights are torch.save files only is refused.
-Status AddImportPath(const std::string& path, Found* in, const std::function<void(const std::string&)>& left_out) {
+//
+// A symbolic link among its names is followed only if it resolves inside
+// the directory, or with `follow_symlinks`; each one followed is added to
+// `links` (link, target). A link elsewhere is refused (InvalidArgument
+// naming it and its target); a dangling one is left out.
+Status AddImportPath(const std::string& path, Found* in, const std::function<void(const std::string&)>& left_out,
+                     bool follow_symlinks, std::vector<std::pair<std::string, std::string>>* links) {
   struct stat st;
   if (::stat(path.c_str(), &st) != 0) return Status::FromErrno(errno, "reading " + path);
   if (!S_ISDIR(st.st_mode)) {
@@ -58,8 +65,36 @@ Status AddImportPath(const std::string& path, Found* in, const std::function<voi
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, ListDir(path));
   const size_t safetensors_before = in->safetensors.size();
   std::vector<std::string> torch_weights;
+  std::string real_dir;
+  std::vector<std::string> outside;  // "LINK -> TARGET" of links that leave the directory
   for (const auto& n : names) {
     const std::string full = path + "/" + n;
+    if (::lstat(full.c_str(), &st) != 0) return Status::FromErrno(errno, "reading " + full);
+    if (S_ISLNK(st.st_mode) && n[0] != '.') {
+      // A link is followed only where it stays inside the directory, or
+      // when the caller says so: otherwise it could bring in any file the
+      // importer can read (as root, /etc/shadow as config.json).
+      if (real_dir.empty()) {
+        char* r = ::realpath(path.c_str(), nullptr);
+        if (!r) return Status::FromErrno(errno, "resolving " + path);
+        real_dir = r;
+        std::free(r);
+      }
+      char* r = ::realpath(full.c_str(), nullptr);
+      const std::string target = r ? std::string(r) : std::string();
+      std::free(r);
+      if (target.empty()) {
+        if (left_out) left_out(full + " (a symbolic link to nothing)");
+        continue;
+      }
+      const bool inside = target.size() > real_dir.size() && target.starts_with(real_dir) &&
+                          (real_dir == "/" || target[real_dir.size()] == '/');
+      if (!inside && !follow_symlinks) {
+        outside.push_back(full + " -> " + target);
+        continue;
+      }
+      if (links) links->emplace_back(full, target);
+    }
     if (::stat(full.c_str(), &st) != 0) return Status::FromErrno(errno, "reading " + full);
     if (n[0] == '.' || !S_ISREG(st.st_mode)) {
       if (left_out) {
@@ -77,6 +112,13 @@ Status AddImportPath(const std::string& path, Found* in, const std::function<voi
     } else {
       in->blob_files.emplace_back(n, full);
     }
+  }
+  if (!outside.empty()) {
+    return Status::InvalidArgument(
+        outside.front() + (outside.size() > 1 ? " (and " + std::to_string(outside.size() - 1) + " more)" : "") +
+        ": a symbolic link in " + path + " to a file outside it, refused; import with --follow-symlinks (Python: "
+        "follow_symlinks=True) to take what links point to wherever it is (a Hugging Face cache snapshot links "
+        "to ../../blobs)");
   }
   if (!torch_weights.empty()) {
     if (in->safetensors.size() == safetensors_before) {
@@ -124,6 +166,10 @@ Result<std::string> ReadRegularFile(const std::string& path, uint64_t limit) {
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
     return Status::InvalidArgument(path + " is not a regular file");
+  }
+  if (Status pseudo = RefusePseudoFile(fd, path); !pseudo.ok()) {
+    ::close(fd);
+    return pseudo;
   }
   if (static_cast<uint64_t>(st.st_size) > limit) {
     ::close(fd);
@@ -209,7 +255,9 @@ PreparedImport::~PreparedImport() = default;
 Result<PreparedImport> PreparedImport::Prepare(const ImportInputs& inputs) {
   PreparedImport p;
   Found found;
-  for (const auto& path : inputs.paths) CKPT_RETURN_IF_ERROR(AddImportPath(path, &found, inputs.left_out));
+  for (const auto& path : inputs.paths) {
+    CKPT_RETURN_IF_ERROR(AddImportPath(path, &found, inputs.left_out, inputs.follow_symlinks, &p.links_));
+  }
   for (const auto& path : found.safetensors) {
     CKPT_ASSIGN_OR_RETURN(auto f, SafetensorsFile::Open(path));
     auto shards = ShardsOfSafetensors(f->header());
@@ -318,6 +366,14 @@ Json PreparedImport::Describe() const {
   out.Set("blobs", std::move(blobs));
   out.Set("tensor_bytes", tensor_bytes);
   out.Set("blob_bytes", blob_bytes);
+  Json links = Json::MakeArray();
+  for (const auto& [link, target] : links_) {
+    Json j = Json::MakeObject();
+    j.Set("path", link);
+    j.Set("target", target);
+    links.Push(std::move(j));
+  }
+  out.Set("links", std::move(links));
   return out;
 }
 

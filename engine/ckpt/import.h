@@ -50,6 +50,10 @@ struct ImportInputs {
   // they hold every element of each tensor is left to the commit.
   bool partial = false;
   std::function<void(const std::string&)> left_out;
+  // A symbolic link in a directory is followed only if it resolves inside
+  // that directory; one to elsewhere is refused (InvalidArgument naming it
+  // and its target) unless this is set. A dangling link is left out.
+  bool follow_symlinks = false;
 };
 
 class PreparedImport {
@@ -64,7 +68,8 @@ class PreparedImport {
   uint64_t total_bytes() const { return total_; }  // tensor and blob bytes to write
   // What PutInto would put (`ckpt import --dry-run`): "tensors" (name,
   // dtype, shape of the global tensor, bytes of this input, shards) and
-  // "blobs" (name, bytes), "tensor_bytes" and "blob_bytes".
+  // "blobs" (name, bytes), "tensor_bytes", "blob_bytes", and "links"
+  // (path, target) of the symbolic links followed.
   Json Describe() const;
 
   // Puts every tensor shard and blob into `writer`. `progress` gets bytes
@@ -83,6 +88,7 @@ class PreparedImport {
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::vector<std::vector<SafetensorsShard>> shards_;
   std::vector<Blob> blobs_;
+  std::vector<std::pair<std::string, std::string>> links_;  // followed: link, target
   uint64_t total_ = 0;
 };
 

@@ -13,10 +13,15 @@
 
 namespace ckptfs {
 
+// InvalidArgument naming `path` when the open file `fd` lies on a kernel
+// filesystem (procfs, sysfs, debugfs and the like), whose files report a
+// size that is not what reading them gives; OK otherwise.
+Status RefusePseudoFile(int fd, const std::string& path);
+
 class MappedFile {
  public:
   // The file at `path`, which must be a regular file (not a FIFO, a device
-  // or a directory): InvalidArgument otherwise, the errno of a failed open,
+  // or a directory) on a real filesystem (RefusePseudoFile): InvalidArgument otherwise, the errno of a failed open,
   // stat or mmap naming the path. An empty file maps to no bytes.
   // `sequential`: the bytes are read once, in order (MADV_SEQUENTIAL).
   static Result<std::shared_ptr<const MappedFile>> Open(const std::string& path, bool sequential = false);

@@ -239,5 +239,123 @@ class ExportPartials(UntrustedTestCase):
         self.assertFalse(os.path.exists(self.out))
 
 
+class Links(UntrustedTestCase):
+    """A symbolic link in an imported directory is followed only while it
+    stays inside the directory, unless --follow-symlinks; a dry run lists
+    the links it would follow."""
+
+    def model_dir(self):
+        from safetensors.torch import save_file  # noqa: PLC0415
+
+        d = self.path("model")
+        os.makedirs(os.path.join(d, "sub"))
+        save_file({"a": torch.ones(3)}, os.path.join(d, "model.safetensors"))
+        with open(os.path.join(d, "sub", "tokenizer.json"), "w") as f:
+            f.write("{}")
+        os.symlink("sub/tokenizer.json", os.path.join(d, "tokenizer.json"))  # inside: followed
+        return d
+
+    def test_a_link_out_of_a_safetensors_model_directory_is_refused(self):
+        d = self.model_dir()
+        secret = self.path("secret")
+        with open(secret, "w") as f:
+            f.write("root:x")
+        out, _ = self.ckpt("import", "--dry-run", "m", d)
+        self.assertIn(f"(symbolic link {d}/tokenizer.json -> {d}/sub/tokenizer.json, followed)", out)
+        os.symlink(secret, os.path.join(d, "config.json"))
+        for args in (["--dry-run"], []):
+            _, err = self.ckpt("import", *args, "m", d, ok=False)
+            self.assertIn(f"{d}/config.json -> {secret}: a symbolic link in {d} to a file outside it", err)
+            self.assertIn("--follow-symlinks", err)
+        self.assertEqual(ckptfs.open(self.repo).checkpoints(), [])
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            ckptfs.open(self.repo).import_safetensors("m", d)
+        out, _ = self.ckpt("import", "--dry-run", "--json", "--follow-symlinks", "m", d)
+        self.assertEqual(sorted(x["target"] for x in json.loads(out)["links"]), sorted([secret, f"{d}/sub/tokenizer.json"]))
+        self.ckpt("import", "--follow-symlinks", "m", d)
+        self.assertEqual(ckptfs.open(self.repo).blob("m", "config.json"), b"root:x")
+
+    @unittest.skipIf(DCP_REASON, DCP_REASON or "")
+    def test_a_link_out_of_a_dcp_directory_is_refused(self):
+        src = self.path("dcp")
+        dcp_save({"w": torch.arange(10.0)}, src)
+        secret = self.path("secret")
+        with open(secret, "w") as f:
+            f.write("root:x")
+        os.symlink(secret, os.path.join(src, "common.pt"))
+        _, err = self.ckpt("import", "--dry-run", "d", src, ok=False)
+        self.assertIn(f"{src}/common.pt -> {secret}: a symbolic link in {src} to a file outside it", err)
+        # A .distcp file the metadata names, moved out and linked back.
+        os.unlink(os.path.join(src, "common.pt"))
+        distcp = [n for n in os.listdir(src) if n.endswith(".distcp")][0]
+        os.rename(os.path.join(src, distcp), self.path(distcp))
+        os.symlink(self.path(distcp), os.path.join(src, distcp))
+        _, err = self.ckpt("import", "d", src, ok=False)
+        self.assertIn(f"{src}/{distcp} -> {self.path(distcp)}: a symbolic link", err)
+        out, _ = self.ckpt("import", "--follow-symlinks", "--dry-run", "d", src)
+        self.assertIn(f"(symbolic link {src}/{distcp} -> {self.path(distcp)}, followed)", out)
+        self.ckpt("import", "--follow-symlinks", "d", src)
+
+
+class KernelFiles(UntrustedTestCase):
+    """procfs and sysfs files say they hold 0 bytes (or 4096) and then give
+    others: refused, never stored as an empty blob."""
+
+    def test_proc_and_sys_files_are_refused(self):
+        _, err = self.ckpt("import", "--blob", "status=/proc/self/status", "x", self.model(), ok=False)
+        self.assertIn("/proc/self/status is a file of a kernel filesystem", err)
+        d = self.model()
+        os.symlink("/proc/self/status", os.path.join(d, "status.json"))
+        _, err = self.ckpt("import", "--follow-symlinks", "x", d, ok=False)
+        self.assertIn(f"{d}/status.json is a file of a kernel filesystem", err)
+        if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+            _, err = self.ckpt("import", "--blob", "t=/sys/kernel/mm/transparent_hugepage/enabled", "x", self.model(),
+                               ok=False)
+            self.assertIn("is a file of a kernel filesystem", err)
+        self.assertEqual(ckptfs.open(self.repo).checkpoints(), [])
+
+    def model(self):
+        from safetensors.torch import save_file  # noqa: PLC0415
+
+        d = self.path(f"model{len(os.listdir(self.tmp))}")
+        os.makedirs(d)
+        save_file({"a": torch.ones(3)}, os.path.join(d, "model.safetensors"))
+        return d
+
+
+class DamagedTorchInputs(UntrustedTestCase):
+    def test_a_deeply_nested_torch_save_file_is_one_line(self):
+        path = self.path("nested.pt")
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(20000)
+        try:
+            state = {"w": torch.ones(2)}
+            for _ in range(3000):
+                state = {"x": state}
+            torch.save(state, path)
+        finally:
+            sys.setrecursionlimit(limit)
+        _, err = self.ckpt("import", "n", path, ok=False)
+        self.assertEqual(len(err.splitlines()), 1, err[-2000:])
+        self.assertIn("nests objects deeper than", err)
+
+    def test_a_torch_save_file_truncated_during_its_import_is_one_line(self):
+        path = self.path("big.pt")
+        gen = torch.Generator().manual_seed(1)
+        torch.save({f"w{i}": torch.randn(1 << 20, generator=gen) for i in range(48)}, path)
+        e = dict(os.environ, CKPT_REPO=self.repo, CKPT_PYTHON=sys.executable)
+        p = subprocess.Popen([CKPT, "import", "--progress=json", "big", path], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=e)
+        first = p.stderr.readline()  # the first progress line: the import is under way
+        self.assertIn(b"done_bytes", first)
+        os.truncate(path, 4096)
+        rest = p.stderr.read().decode().strip()
+        self.assertEqual(p.wait(timeout=300), 1, rest)
+        lines = [x for x in rest.splitlines() if not x.startswith("{")]
+        self.assertEqual(len(lines), 1, rest)
+        self.assertIn("was truncated or damaged while it was read", lines[0])
+        self.assertEqual(ckptfs.open(self.repo).checkpoints(), [])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -37,7 +37,10 @@ const CommandSpec kImport{
     "files as tensors, checks them against its *.safetensors.index.json, and stores\n"
     "every other file (config.json, generation_config.json, tokenizer files) as a\n"
     "blob of the same name; subdirectories, hidden files and pytorch_model*.bin\n"
-    "beside safetensors weights are left out, and said so. Every input is read and\n"
+    "beside safetensors weights are left out, and said so. A symbolic link in the\n"
+    "directory is followed only if it stays inside it (--dry-run lists those);\n"
+    "one to elsewhere is refused unless --follow-symlinks is given. Files of\n"
+    "kernel filesystems (/proc, /sys) are refused. Every input is read and\n"
     "checked before anything is written.\n"
     "A file may hold one rank's part of a\n"
     "sharded checkpoint: its __metadata__ key \"ckptfs.shards\" maps tensor names to\n"
@@ -66,6 +69,9 @@ const CommandSpec kImport{
      {"tag", 0, true, true, "KEY=VALUE", "attach a tag (repeatable)"},
      {"blob", 0, true, true, "NAME=FILE", "store FILE's bytes as blob NAME (repeatable)"},
      {"dry-run", 'n', false, false, "", "read and check the inputs, list what would be imported, write nothing"},
+     {"follow-symlinks", 0, false, false, "",
+      "follow symbolic links in an imported directory wherever they point (by default only links that stay "
+      "inside it are followed, and others are refused)"},
      {"trust-pickle", 0, false, false, "",
       "read a DCP .metadata pickle as torch does, whatever it names (only for files you wrote yourself)"},
      kJsonOpt},
@@ -112,6 +118,7 @@ int DelegateToPython(const GlobalOptions& global, const Args& args, InputKind ki
   for (const auto& t : args.All("tag")) argv.insert(argv.end(), {"--tag", t});
   if (args.Has("dry-run")) argv.push_back("--dry-run");
   if (args.Has("trust-pickle")) argv.push_back("--trust-pickle");
+  if (args.Has("follow-symlinks")) argv.push_back("--follow-symlinks");
   if (args.Has("json")) argv.push_back("--json");
   argv.insert(argv.end(), {"--", args.positional[0], path});
   return ExecPythonFormats(what, argv);
@@ -158,6 +165,7 @@ int CmdImport(const GlobalOptions& global, const Args& args) {
   ImportInputs inputs;
   inputs.paths.assign(args.positional.begin() + 1, args.positional.end());
   inputs.partial = args.Has("rank");
+  inputs.follow_symlinks = args.Has("follow-symlinks");
   inputs.left_out = [](const std::string& what) {
     std::fprintf(stderr, "ckpt import: leaving out %s\n", EscapeForTerminal(what).c_str());
   };
@@ -188,6 +196,10 @@ int CmdImport(const GlobalOptions& global, const Args& args) {
     for (const Json& b : blobs) {
       std::printf("  %s  (blob, %s)\n", EscapeForTerminal(b.Find("name")->as_string()).c_str(),
                   HumanBytes(b.Find("bytes")->as_uint()).c_str());
+    }
+    for (const Json& l : what.Find("links")->as_array()) {
+      std::printf("  (symbolic link %s -> %s, followed)\n", EscapeForTerminal(l.Find("path")->as_string()).c_str(),
+                  EscapeForTerminal(l.Find("target")->as_string()).c_str());
     }
     std::printf("%zu tensors, %s; %zu blobs\n", tensors.size(), HumanBytes(what.Find("tensor_bytes")->as_uint()).c_str(),
                 blobs.size());

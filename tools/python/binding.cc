@@ -6,11 +6,17 @@
 // exceptions whose text is the CLI's one-line message; the class follows the
 // status code (ckptfs.NotFoundError is also a LookupError, InvalidArgument a
 // ValueError, I/O errors an OSError).
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstring>
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <functional>
@@ -32,6 +38,7 @@
 #include "core/version.h"
 #include "core/dtype.h"
 #include "core/region.h"
+#include "io/mapped_file.h"
 #include "staging.h"
 
 namespace py = pybind11;
@@ -655,8 +662,9 @@ class PyRepository {
   // appended to `left_out`.
   static ImportInputs ImportInputsOf(const std::vector<std::string>& paths,
                                      const std::vector<std::pair<std::string, std::string>>& blob_files,
-                                     std::vector<std::string>* left_out) {
+                                     std::vector<std::string>* left_out, bool follow_symlinks) {
     ImportInputs in;
+    in.follow_symlinks = follow_symlinks;
     in.paths = paths;
     in.blob_files = blob_files;
     in.left_out = [left_out](const std::string& what) { left_out->push_back(what); };
@@ -668,11 +676,11 @@ class PyRepository {
   py::dict import_safetensors(const std::string& name, const std::vector<std::string>& paths,
                               const std::vector<std::pair<std::string, std::string>>& blob_files, uint32_t rank,
                               uint32_t world_size, std::optional<int64_t> step,
-                              const std::vector<std::pair<std::string, std::string>>& tags) {
+                              const std::vector<std::pair<std::string, std::string>>& tags, bool follow_symlinks) {
     std::vector<std::string> left_out;
     Result<CommitResult> r = [&]() -> Result<CommitResult> {
       py::gil_scoped_release nogil;
-      ImportInputs in = ImportInputsOf(paths, blob_files, &left_out);
+      ImportInputs in = ImportInputsOf(paths, blob_files, &left_out, follow_symlinks);
       in.partial = world_size > 1;
       CKPT_ASSIGN_OR_RETURN(PreparedImport prepared, PreparedImport::Prepare(in));
       WriterOptions o;
@@ -696,12 +704,13 @@ class PyRepository {
   // What import_safetensors would put (`ckpt import --dry-run`): every
   // input read and checked, nothing written.
   py::object describe_import(const std::vector<std::string>& paths,
-                             const std::vector<std::pair<std::string, std::string>>& blob_files) {
+                             const std::vector<std::pair<std::string, std::string>>& blob_files,
+                             bool follow_symlinks) {
     std::vector<std::string> left_out;
     Result<Json> r = [&]() -> Result<Json> {
       py::gil_scoped_release nogil;
       CKPT_ASSIGN_OR_RETURN(PreparedImport prepared, PreparedImport::Prepare(ImportInputsOf(paths, blob_files,
-                                                                                            &left_out)));
+                                                                                            &left_out, follow_symlinks)));
       return prepared.Describe();
     }();
     if (!r.ok()) throw StatusError{r.status()};
@@ -964,6 +973,16 @@ py::tuple LoadPlanPart(const py::bytes& data, size_t entries, int world) {
   return py::make_tuple(routes, windows, p.unique_bytes, p.needed_bytes);
 }
 
+// The one line a command-line process prints when a memory-mapped input
+// faults (truncated while read) instead of dying with "Bus error".
+char g_bus_error_message[512];
+size_t g_bus_error_length = 0;
+extern "C" void OnBusError(int) {
+  ssize_t ignored = ::write(STDERR_FILENO, g_bus_error_message, g_bus_error_length);
+  (void)ignored;
+  ::_exit(1);
+}
+
 }  // namespace
 }  // namespace ckptfs::python
 
@@ -1002,6 +1021,20 @@ PYBIND11_MODULE(_core, m) {
   m.def("load_plan_part", &LoadPlanPart, py::arg("data"), py::arg("entries"), py::arg("world"),
         "A rank's part of a load plan: (routes [(route, reader, bytes, [entry], [peer])], windows [(routes_end, "
         "exchange, hold, [(index, from, to, chunk)], release)], unique bytes, needed bytes).");
+  m.def("check_input_file", [](const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) Check(Status::FromErrno(errno, "opening " + path));
+    const Status st = RefusePseudoFile(fd, path);
+    ::close(fd);
+    Check(st);
+  }, "Raises InvalidArgumentError when `path` is a file of a kernel filesystem (procfs, sysfs and the like), whose "
+     "size is not what reading it gives.");
+  m.def("exit_on_bus_error", [](const std::string& message) {
+    g_bus_error_length = std::min(message.size(), sizeof g_bus_error_message);
+    std::memcpy(g_bus_error_message, message.data(), g_bus_error_length);
+    std::signal(SIGBUS, OnBusError);
+  }, "For a command-line process: a fault of a memory-mapped input (a file truncated while it is read) prints "
+     "`message` and exits 1, instead of dying with 'Bus error'.");
   m.def("cuda_available", [] {
     std::string why;
     bool ok = gpu::CudaAvailable(&why);
@@ -1048,9 +1081,11 @@ PYBIND11_MODULE(_core, m) {
                   py::arg("cache_dir"), py::arg("io_threads"), py::arg("opening_sync") = true)
       .def_property_readonly("path", &PyRepository::path)
       .def_property_readonly("config", &PyRepository::config)
-      .def("describe_import", &PyRepository::describe_import, py::arg("paths"), py::arg("blob_files"))
+      .def("describe_import", &PyRepository::describe_import, py::arg("paths"), py::arg("blob_files"),
+           py::arg("follow_symlinks") = false)
       .def("import_safetensors", &PyRepository::import_safetensors, py::arg("name"), py::arg("paths"),
-           py::arg("blob_files"), py::arg("rank"), py::arg("world_size"), py::arg("step"), py::arg("tags"))
+           py::arg("blob_files"), py::arg("rank"), py::arg("world_size"), py::arg("step"), py::arg("tags"),
+           py::arg("follow_symlinks") = false)
       .def("begin", &PyRepository::begin, py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("step"),
            py::arg("tags"), py::arg("shared_sync") = py::none(), py::arg("await_ranks") = 0.0,
            py::arg("compress_every_chunk") = false)

@@ -677,7 +677,8 @@ class Repository:
     def import_safetensors(self, name: str, paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]], *,
                            step: Optional[int] = None, rank: int = 0, world_size: int = 1,
                            tags: Optional[Mapping[str, str]] = None,
-                           blobs: Optional[Mapping[str, Union[str, os.PathLike]]] = None) -> Dict[str, Any]:
+                           blobs: Optional[Mapping[str, Union[str, os.PathLike]]] = None,
+                           follow_symlinks: bool = False) -> Dict[str, Any]:
         """Imports safetensors files, or Hugging Face model directories (as
         save_pretrained writes them), as this rank's part of checkpoint
         `name`, as `ckpt import` does: a directory gives its *.safetensors
@@ -685,13 +686,16 @@ class Repository:
         every other file as a blob of the same name. `blobs` maps more blob
         names to files. Every input is read and checked before anything is
         written. Returns what save returns, plus `left_out`: the
-        subdirectories and hidden files of a directory that were skipped."""
+        subdirectories and hidden files of a directory that were skipped.
+        A symbolic link in a directory is followed only if it stays inside
+        it; one to elsewhere raises InvalidArgumentError naming it, unless
+        `follow_symlinks`. Files of /proc, /sys and the like are refused."""
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         return self._repo.import_safetensors(
             name, [os.fspath(p) for p in paths], [(str(k), os.fspath(v)) for k, v in (blobs or {}).items()],
             int(rank), int(world_size), None if step is None else int(step),
-            [(str(k), str(v)) for k, v in (tags or {}).items()])
+            [(str(k), str(v)) for k, v in (tags or {}).items()], bool(follow_symlinks))
 
     def pending_ranks(self, name: str) -> List[Dict[str, Any]]:
         """For pending checkpoint `name` of an S3 repository, each rank that

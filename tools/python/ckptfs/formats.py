@@ -147,32 +147,64 @@ def _dcp_reader(path: str, trust_pickle: bool):
     return reader, metadata, BytesStorageMetadata
 
 
-def _other_files(path: str, taken) -> Tuple[List[Tuple[str, str]], List[str]]:
-    """The regular files of directory `path` other than the names in
-    `taken`, as (name, path); and what is left out: subdirectories, hidden
-    files, and the files `taken(name)` claims (returning why, or None to
-    keep the file)."""
-    files, left_out = [], []
-    for n in sorted(os.listdir(path)):
-        full = os.path.join(path, n)
-        why = taken(n)
-        if why == "":
-            continue
-        if why is None:
-            why = ("a hidden file" if n.startswith(".") else "a directory" if os.path.isdir(full)
-                   else "not a regular file" if not os.path.isfile(full) else None)
-        if why is not None:
-            left_out.append(f"{full} ({why})")
-            continue
-        files.append((n, full))
-    return files, left_out
+class _Directory:
+    """The files an import reads from directory `path`. A symbolic link is
+    followed only if it resolves inside the directory, or with `follow`;
+    each one followed is recorded in `links` (what a dry run lists). A file
+    of a kernel filesystem (/proc, /sys), whose size is not what reading it
+    gives, is refused."""
+
+    def __init__(self, path: str, follow: bool):
+        self.path = path
+        self.follow = follow
+        self.links: List[Dict[str, str]] = []
+        self._root = os.path.realpath(path)
+
+    def file(self, full: str) -> str:
+        """`full`, a file in the directory, checked; returns it."""
+        if os.path.islink(full):
+            target = os.path.realpath(full)
+            inside = target.startswith(self._root.rstrip(os.sep) + os.sep)
+            if not inside and not self.follow:
+                raise InvalidArgumentError(
+                    f"{full} -> {target}: a symbolic link in {self.path} to a file outside it, refused; import with "
+                    "--follow-symlinks (Python: follow_symlinks=True) to take what links point to wherever it is "
+                    "(a Hugging Face cache snapshot links to ../../blobs)")
+            if not any(link["path"] == full for link in self.links):
+                self.links.append({"path": full, "target": target})
+        if os.path.isfile(full):
+            ckptfs._core.check_input_file(full)
+        return full
+
+    def others(self, taken) -> Tuple[List[Tuple[str, str]], List[str]]:
+        """The regular files of the directory other than the names in
+        `taken`, as (name, path); and what is left out: subdirectories,
+        hidden files, dangling links, and the files `taken(name)` claims
+        (returning why, or None to keep the file)."""
+        files, left_out = [], []
+        for n in sorted(os.listdir(self.path)):
+            full = os.path.join(self.path, n)
+            why = taken(n)
+            if why == "":
+                continue
+            if why is None:
+                why = ("a hidden file" if n.startswith(".")
+                       else "a symbolic link to nothing" if os.path.islink(full) and not os.path.exists(full)
+                       else "a directory" if os.path.isdir(full)
+                       else "not a regular file" if not os.path.isfile(full) else None)
+            if why is not None:
+                left_out.append(f"{full} ({why})")
+                continue
+            files.append((n, self.file(full)))
+        return files, left_out
 
 
-def _dcp_plan(path: str, trust_pickle: bool):
+def _dcp_plan(path: str, trust_pickle: bool, inputs: "_Directory"):
     """What a DCP directory holds, checked against its files: the entries
     of a dry run, the reader, and the other files beside the data (as
     Megatron-Core's common.pt and metadata.json), which become blobs of the
     same names."""
+    inputs.file(os.path.join(path, ".metadata"))
     reader, metadata, bytes_type = _dcp_reader(path, trust_pickle)
     entries, blobs = [], []
     storage = getattr(metadata, "storage_data", None) or {}
@@ -183,6 +215,7 @@ def _dcp_plan(path: str, trust_pickle: bool):
             raise ckptfs.CorruptionError(f"{path}: the DCP metadata names {f!r}, which is outside the directory")
         if not os.path.isfile(os.path.join(path, f)):
             raise ckptfs.CorruptionError(f"{path}: the DCP metadata names {f}, which is missing")
+        inputs.file(os.path.join(path, f))
 
     def taken(n):
         if n == ".metadata" or n in files:
@@ -191,7 +224,7 @@ def _dcp_plan(path: str, trust_pickle: bool):
             return "a .distcp file the .metadata does not name"
         return None
 
-    beside, left_out = _other_files(path, taken)
+    beside, left_out = inputs.others(taken)
     for n, full in beside:
         if n in metadata.state_dict_metadata or n in _INTERNAL_BLOBS:
             raise InvalidArgumentError(f"{path}: the file {n} has the name of an item of the checkpoint")
@@ -223,6 +256,7 @@ def _dcp_plan(path: str, trust_pickle: bool):
         blobs.append({"name": STRUCTURE_BLOB, "bytes": 0})
     described = _describe(entries, blobs)
     described["left_out"] = left_out
+    described["links"] = inputs.links
     return reader, metadata, described, (beside, structure)
 
 
@@ -616,6 +650,7 @@ def _load_dict(torch, path: str, what: str) -> Mapping:
 
 def _torch_plan(path: str):
     torch = _torch()
+    ckptfs._core.check_input_file(path)
     state = _load_dict(torch, path, "a state dict")
     tensors: Dict[str, Any] = {}
     others: Dict[str, Any] = {}
@@ -664,7 +699,7 @@ def _load_weights_file(torch, path: str, where: Dict[str, str], tensors: Dict[st
         tensors[key] = value
 
 
-def _hf_torch_plan(path: str):
+def _hf_torch_plan(path: str, inputs: "_Directory"):
     """A model directory whose weights are torch.save files: its tensors,
     checked against pytorch_model.bin.index.json when there is one, and its
     other regular files as blobs (subdirectories and hidden files left out)."""
@@ -672,6 +707,7 @@ def _hf_torch_plan(path: str):
     weight_map = None
     index_path = os.path.join(path, _TORCH_WEIGHTS_INDEX)
     if os.path.isfile(index_path):
+        inputs.file(index_path)
         try:
             with open(index_path, "rb") as f:
                 index = json.loads(f.read(64 << 20))
@@ -689,10 +725,10 @@ def _hf_torch_plan(path: str):
         if not _is_torch_weights_name(n):
             return None
         if n.endswith(".bin") and os.path.isfile(os.path.join(path, n)):
-            files.append(os.path.join(path, n))
+            files.append(inputs.file(os.path.join(path, n)))
         return ""  # neither a blob nor left out
 
-    blob_files, left_out = _other_files(path, weights)
+    blob_files, left_out = inputs.others(weights)
     if not files:
         raise ckptfs.CorruptionError(f"{path}: holds {_TORCH_WEIGHTS_INDEX} but no pytorch_model*.bin weights file")
     where: Dict[str, str] = {}
@@ -713,6 +749,7 @@ def _hf_torch_plan(path: str):
                 "bytes": t.numel() * t.element_size()} for k, t in tensors.items()]
     described = _describe(entries, blobs)
     described["left_out"] = left_out
+    described["links"] = inputs.links
     return (tensors, blob_files), described
 
 
@@ -781,7 +818,7 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
                       tags: Optional[Mapping[str, str]] = None, dry_run: bool = False,
                       format: Optional[str] = None,  # noqa: A002
                       progress: Optional[Callable[[int, int], None]] = None,
-                      trust_pickle: bool = False) -> Dict[str, Any]:
+                      trust_pickle: bool = False, follow_symlinks: bool = False) -> Dict[str, Any]:
     """Imports the checkpoint at `path` (a DCP directory, a torch.save
     file, a safetensors file or a model directory; `format` to say which
     instead of detecting it) as checkpoint `name` of `repo`.
@@ -804,14 +841,15 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
     torch_weights = fmt == "hf" and os.path.isdir(path) and _holds_torch_weights_only(path)
     if fmt in ("safetensors", "hf") and not torch_weights:
         if dry_run:
-            described = repo._repo.describe_import([path], [])
+            described = repo._repo.describe_import([path], [], follow_symlinks)
             return {"format": fmt, "name": name, **described, "committed": False}
-        summary = repo.import_safetensors(name, [path], step=step, tags=tags)
+        summary = repo.import_safetensors(name, [path], step=step, tags=tags, follow_symlinks=follow_symlinks)
         return {"format": fmt, "name": name, "committed": True, "summary": summary}
     if fmt == "dcp":
-        reader, metadata, described, (beside, structure) = _dcp_plan(path, trust_pickle)
+        reader, metadata, described, (beside, structure) = _dcp_plan(path, trust_pickle,
+                                                                     _Directory(path, follow_symlinks))
     elif torch_weights:
-        loaded, described = _hf_torch_plan(path)
+        loaded, described = _hf_torch_plan(path, _Directory(path, follow_symlinks))
     elif fmt == "torch":
         loaded, described = _torch_plan(path)
     else:
@@ -1705,9 +1743,17 @@ def _in_repository(args, label: str, work) -> Optional[Dict[str, Any]]:
     except (ckptfs.Error, OSError) as e:
         print(f"ckpt: error: {e}", file=sys.stderr)
         return None
+    except RecursionError:
+        print(f"ckpt: error: {label}: the input nests objects deeper than Python's limit "
+              f"({sys.getrecursionlimit()} levels) allows reading", file=sys.stderr)
+        return None
 
 
 def _main(argv: Sequence[str]) -> int:
+    # A mapped input (a torch.save file, a .distcp file, a file beside
+    # them) cut short while it is read faults: one line, not "Bus error".
+    ckptfs._core.exit_on_bus_error("ckpt: error: an input file was truncated or damaged while it was read (a "
+                                   "memory-mapped file faulted); nothing became visible\n")
     parser = argparse.ArgumentParser(prog="ckpt import", description="Import a DCP directory, a torch.save file "
                                      "or a model directory of torch.save weights.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -1718,6 +1764,7 @@ def _main(argv: Sequence[str]) -> int:
     imp.add_argument("--tag", action="append", default=[])
     imp.add_argument("--dry-run", action="store_true")
     imp.add_argument("--trust-pickle", action="store_true")
+    imp.add_argument("--follow-symlinks", action="store_true")
     imp.add_argument("--json", action="store_true")
     imp.add_argument("--progress", choices=("auto", "on", "json", "off"), default="auto")
     imp.add_argument("name")
@@ -1762,7 +1809,7 @@ def _main(argv: Sequence[str]) -> int:
         tags[key] = value
     out = _in_repository(args, f"import {args.name}", lambda repo, progress: import_checkpoint(
         repo, args.name, args.path, step=args.step, tags=tags, dry_run=args.dry_run, progress=progress,
-        trust_pickle=args.trust_pickle))
+        trust_pickle=args.trust_pickle, follow_symlinks=args.follow_symlinks))
     if out is None:
         return 1
     for what in out.get("left_out", []):
@@ -1775,6 +1822,8 @@ def _main(argv: Sequence[str]) -> int:
             print(f"  {t['name']}  {t['dtype']} {t['shape']}  {t['bytes']} bytes")
         for b in out["blobs"]:
             print(f"  {b['name']}  (blob)")
+        for link in out.get("links", []):
+            print(f"  (symbolic link {link['path']} -> {link['target']}, followed)")
         print(f"{len(out['tensors'])} tensors, {out['tensor_bytes']} bytes; {len(out['blobs'])} blobs")
     else:  # as the engine's own import says it
         human = _Progress.human
