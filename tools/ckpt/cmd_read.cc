@@ -214,9 +214,11 @@ int CmdExport(const GlobalOptions& global, const Args& args) {
   // The mount's model.safetensors, written atomically and durably.
   const CheckpointFile& file = (*files)->safetensors_file();
   Progress progress("exporting " + args.positional[0]);
+  // Caught from before the temporary exists: a signal in between would
+  // leave it behind.
+  InterruptGuard interrupt;
   auto durable = DurableFile::Create(out, ExportTemporary(out, ::getpid()));
   if (!durable.ok()) return Fail(durable.status());
-  InterruptGuard interrupt;
   Status st = StreamFile(**files, file, 0, [&](std::span<const std::byte> piece) {
     if (interrupt.requested()) return interrupt.status();
     return (*durable)->Append(piece);
