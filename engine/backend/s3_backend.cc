@@ -706,23 +706,52 @@ class S3Backend final : public Backend {
     const size_t strip = client_->location().prefix.empty() ? 0 : client_->location().prefix.size() + 1;
     std::string token;
     std::set<std::string> tokens_seen;
+    // Bounds of one listing: a store that sends a fresh token with every
+    // page (the same keys again, or keys that never run out) is stopped
+    // here, whatever its tokens, in bounded time and memory. Keys come in
+    // ascending order (S3 lists in UTF-8 binary order), so a page that goes
+    // back is an error at once; the keys, pages and bytes of one listing
+    // are capped by max_list_keys, and pages that hold no key by 100.
+    const uint64_t max_keys = client_->options().max_list_keys;
+    const uint64_t max_pages = max_keys / 100 + 100;
+    uint64_t empty_pages = 0;
+    const uint64_t max_bytes = max_keys * 2048 + (64u << 20);
+    uint64_t pages = 0, bytes = 0, listed = 0;
+    std::string last_key;
+    auto too_long = [&](const std::string& what) {
+      return Status::IOError("S3 listing of " + client_->Where() + " under '" + full + "' passed " + what +
+                             " without ending: the store's listing does not end (CKPT_S3_MAX_LIST_KEYS, now " +
+                             std::to_string(max_keys) + ", bounds a listing)");
+    };
     for (;;) {
+      if (++pages > max_pages) return too_long(std::to_string(max_pages) + " pages");
       Query q = {{"list-type", "2"}, {"prefix", full}};
       if (!token.empty()) q.emplace_back("continuation-token", token);
       Request req = MakeRequest("GET", client_->BucketPath(), q);
       req.max_body = kMaxListingPage;
       CKPT_ASSIGN_OR_RETURN(Response r, client_->Call(req, "listing"));
+      bytes += r.body.size();
+      if (bytes > max_bytes) return too_long(std::to_string(max_bytes) + " bytes");
+      const uint64_t listed_before = listed;
       for (std::string_view object : XmlAllRaw(r.body, "Contents")) {
         const std::string k = XmlFirst(object, "Key");
         if (k.compare(0, full.size(), full) != 0) {
           return Status::Corruption("S3 listing of " + client_->Where() + " under '" + full +
                                     "' returned a key outside it: the store is not answering what was asked");
         }
+        if (listed > 0 && k <= last_key) {
+          return Status::Corruption("S3 listing of " + client_->Where() + " under '" + full + "' returned '" + k +
+                                    "' after '" + last_key +
+                                    "': keys out of order or repeated, so the listing would not end");
+        }
+        last_key = k;
+        if (++listed > max_keys) return too_long(std::to_string(max_keys) + " keys");
         std::string key = k.substr(strip);
         if (!IsValidObjectKey(key)) continue;
         keys.push_back({std::move(key), tags ? XmlFirst(object, "ETag").substr(0, kMaxTag) : std::string()});
       }
       if (XmlFirst(r.body, "IsTruncated") != "true") break;
+      if (listed == listed_before && ++empty_pages > 100) return too_long("100 pages that hold no key");
       token = XmlFirst(r.body, "NextContinuationToken");
       if (token.empty()) return Status::IOError("S3 listing of " + client_->Where() + " is truncated without a token");
       if (!tokens_seen.insert(token).second) {
@@ -930,6 +959,15 @@ Result<ObjectStoreOptions> ObjectStoreOptions::FromEnvironment(const Environment
       }
       return fresh;
     };
+  }
+  if (std::string k = env("CKPT_S3_MAX_LIST_KEYS"); !k.empty()) {
+    char* end = nullptr;
+    const unsigned long long keys = std::strtoull(k.c_str(), &end, 10);
+    if (*end != '\0' || k[0] == '-' || keys < 1000 || keys > 1'000'000'000ull) {
+      return Status::InvalidArgument("CKPT_S3_MAX_LIST_KEYS must be a number of keys from 1000 to 10^9, not '" + k +
+                                     "'");
+    }
+    o.max_list_keys = keys;
   }
   if (std::string d = env("CKPT_S3_REQUEST_DEADLINE"); !d.empty()) {
     char* end = nullptr;

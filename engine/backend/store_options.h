@@ -43,6 +43,10 @@ struct ObjectStoreOptions {
   // a server that trickles an answer cannot hold a command for hours.
   int request_deadline_s = 600;
   bool reuse_connections = true;     // keep-alive; off, every request has its own connection
+  // One listing holds at most this many keys, a hundredth as many pages
+  // (100 of them with no key) and 2 KiB of answer per key: a store whose
+  // listing never ends is stopped with an error in bounded time and memory.
+  uint64_t max_list_keys = 10'000'000;
 
   // As the AWS CLI finds them: AWS_ENDPOINT_URL, AWS_REGION (or
   // AWS_DEFAULT_REGION; default us-east-1), AWS_ACCESS_KEY_ID,
@@ -54,7 +58,7 @@ struct ObjectStoreOptions {
   // "profile NAME"), which may also give endpoint_url and region. Credentials
   // from a file are re-read when they expire (reload_credentials). The
   // endpoint is required: there is no default. CKPT_S3_REQUEST_DEADLINE
-  // (seconds, default 600). InvalidArgument naming what is missing or
+  // (seconds, default 600), CKPT_S3_MAX_LIST_KEYS (default 10^7). InvalidArgument naming what is missing or
   // malformed, never a secret. `env` looks the variables up (std::getenv
   // for the process's own environment).
   static Result<ObjectStoreOptions> FromEnvironment(const Environment& env);

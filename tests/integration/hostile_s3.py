@@ -12,6 +12,13 @@ way a broken proxy or an attacker who can write to the bucket would:
   huge-length     ckptfs.json announces a 1 TiB Content-Length
   trickle-config  ckptfs.json arrives at 1 byte every 0.5 s
   repeat-token    every listing is truncated with the same token
+  fresh-token     every listing is truncated with a token never sent
+                  before, and every page holds the same keys (one made up
+                  where the prefix holds none)
+  empty-pages     every listing is truncated with a fresh token, and no
+                  page holds a key
+  endless-keys    every listing is truncated with a fresh token, and
+                  every page holds keys never listed before
   outside-keys    listings return a key outside the prefix asked for
   evil-uploads    the multipart-upload listing holds keys that escape the
                   repository's prefix or cannot be written into a URL
@@ -30,7 +37,7 @@ import urllib.parse
 from xml.sax.saxutils import escape
 
 HOSTILE_MODES = ("evil-id", "endless-config", "endless-error", "huge-length", "trickle-config", "repeat-token",
-                 "outside-keys", "evil-uploads", "short-range", "ignore-range")
+                 "fresh-token", "empty-pages", "endless-keys", "outside-keys", "evil-uploads", "short-range", "ignore-range")
 PAGE = 1000
 
 
@@ -47,6 +54,7 @@ class State:
         self.on_expired = None
         self.access_keys = []  # the access key of each request, in order
         self.requests = []
+        self.pages_sent = 0
         self.stop = threading.Event()
 
 
@@ -252,11 +260,27 @@ class Handler(http.server.BaseHTTPRequestHandler):
         prefix = q.get("prefix", "")
         with st.lock:
             keys = sorted(k for (b, k) in st.objects if b == bucket and k.startswith(prefix))
-        start = int(q.get("continuation-token") or 0) if st.mode != "repeat-token" else 0
+        token_in = q.get("continuation-token") or ""
+        start = int(token_in or 0) if st.mode not in ("repeat-token", "fresh-token", "empty-pages",
+                                                      "endless-keys") else 0
         page = keys[start:start + PAGE]
         truncated = start + PAGE < len(keys)
         if st.mode == "repeat-token":
             truncated, token = True, "again"
+        elif st.mode in ("fresh-token", "empty-pages"):
+            with st.lock:
+                st.pages_sent += 1
+                truncated, token = True, f"fresh-{st.pages_sent}"
+            if st.mode == "empty-pages":
+                page = []
+            elif not page:
+                page = [prefix + "again"]
+        elif st.mode == "endless-keys":
+            with st.lock:
+                st.pages_sent += 1
+                n = st.pages_sent
+            truncated, token = True, f"fresh-{n}"
+            page = [f"{prefix}packs/{n:09d}-{i:04d}.pack" for i in range(PAGE)]
         else:
             token = str(start + PAGE)
         if st.mode == "outside-keys":

@@ -74,8 +74,8 @@ class HostileStore(unittest.TestCase):
             self.assertEqual(p.returncode, 0, err.decode(errors="replace"))
         return p.returncode, out, err.decode(errors="replace"), seconds, usage.ru_maxrss * 1024
 
-    def refused(self, *args, says, without=()):
-        code, _, err, seconds, rss = self.ckpt(*args, ok=False, without=without)
+    def refused(self, *args, says, without=(), env=None):
+        code, _, err, seconds, rss = self.ckpt(*args, ok=False, without=without, extra=env)
         self.assertNotEqual(code, 0, f"ckpt {args} succeeded against a hostile store")
         self.assertNotEqual(code, -signal.SIGKILL, f"ckpt {args} hung")
         lines = err.strip().splitlines()
@@ -170,6 +170,26 @@ class HostileStore(unittest.TestCase):
     def test_a_listing_that_repeats_its_token_stops(self):
         self.server.state.mode = "repeat-token"
         self.refused("ls", says="repeats a continuation token")
+
+    def test_a_listing_with_a_fresh_token_on_every_page_stops(self):
+        # The same keys again under new tokens: stopped at the second page.
+        self.server.state.mode = "fresh-token"
+        self.server.state.pages_sent = 0
+        self.refused("ls", says="keys out of order or repeated, so the listing would not end")
+        self.assertLessEqual(self.server.state.pages_sent, 4)  # two pages a listing; ls may list twice
+        # Pages without keys under new tokens: stopped after 100.
+        self.server.state.mode = "empty-pages"
+        self.server.state.pages_sent = 0
+        self.refused("ls", says="passed 100 pages that hold no key without ending")
+        self.assertLessEqual(self.server.state.pages_sent, 110)
+        # Keys that never run out: stopped at the bound, in bounded time.
+        self.server.state.mode = "endless-keys"
+        self.server.state.pages_sent = 0
+        start = time.monotonic()
+        self.refused("ls", says="the store's listing does not end (CKPT_S3_MAX_LIST_KEYS, now 20000",
+                     env={"CKPT_S3_MAX_LIST_KEYS": "20000"})
+        self.assertLessEqual(self.server.state.pages_sent, 21)
+        self.assertLess(time.monotonic() - start, 60)
 
     def test_a_listing_with_keys_outside_its_prefix_is_refused(self):
         self.server.state.mode = "outside-keys"
