@@ -188,7 +188,7 @@ class HostileStore(unittest.TestCase):
         start = time.monotonic()
         self.refused("ls", says="the store's listing does not end (CKPT_S3_MAX_LIST_KEYS, now 20000",
                      env={"CKPT_S3_MAX_LIST_KEYS": "20000"})
-        self.assertLessEqual(self.server.state.pages_sent, 21)
+        self.assertLessEqual(self.server.state.pages_sent, 25)  # 20 pages, and single-page listings elsewhere
         self.assertLess(time.monotonic() - start, 60)
 
     def test_a_listing_with_keys_outside_its_prefix_is_refused(self):
