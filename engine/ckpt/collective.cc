@@ -407,7 +407,10 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
     mine.push_back({KeyOf(s.tensor), s.tensor.shape, s.region, s.data.size()});
   }
   for (const CollectiveBlob& b : blobs) mine.push_back({b.name, {}, Region::OfFlat(0, 0), b.data.size()});
-  std::string digests;
+  // What rank 0 gathers beside the entries: the checkpoint's name (ranks
+  // naming different checkpoints would each leave a part of a checkpoint
+  // that never completes), a NUL, and the replicas' hashes.
+  std::string digests = name + '\0';
   auto add = [&](const ChunkId& id) {
     digests.append(reinterpret_cast<const char*>(id.bytes.data()), id.bytes.size());
   };
@@ -418,7 +421,21 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
   }
   for (size_t i = 0; verify_replicas && local.ok() && i < blobs.size(); ++i) add(ChunkId::Of(blobs[i].data));
   auto plan = [&](const std::vector<std::vector<PlanEntry>>& plans,
-                  const std::vector<std::string>& every) -> Result<std::vector<std::string>> {
+                  const std::vector<std::string>& said) -> Result<std::vector<std::string>> {
+    std::vector<std::string_view> every(said.size());
+    std::string_view first_name;
+    for (size_t r = 0; r < said.size(); ++r) {
+      const size_t cut = said[r].find('\0');
+      if (cut == std::string::npos) return Status::Internal("rank " + std::to_string(r) + " sent no checkpoint name");
+      const std::string_view named = std::string_view(said[r]).substr(0, cut);
+      if (r == 0) first_name = named;
+      if (named != first_name) {
+        return Status::InvalidArgument("rank 0 saves checkpoint '" + std::string(first_name) + "' and rank " +
+                                       std::to_string(r) + " saves '" + std::string(named) +
+                                       "': every rank of a collective save names the same checkpoint");
+      }
+      every[r] = std::string_view(said[r]).substr(cut + 1);
+    }
     const LoadRoutes routes = AssignLoadReaders(plans);
     if (verify_replicas) {
       // The load planner's grouping of equal regions says which entries
@@ -432,9 +449,9 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
       }
       for (const LoadRoute& route : routes.routes) {
         const auto [r0, i0] = route.needers.front();
-        const std::string_view first = std::string_view(every[r0]).substr(i0 * w, w);
+        const std::string_view first = every[r0].substr(i0 * w, w);
         for (const auto& [r, i] : route.needers) {
-          if (std::string_view(every[r]).substr(i * w, w) != first) {
+          if (every[r].substr(i * w, w) != first) {
             const std::string& key = plans[r][i].name;
             return Status::InvalidArgument("the replicas of '" + key.substr(0, key.find('\0')) + "' differ: rank " +
                                            std::to_string(r0) + " and rank " + std::to_string(r) +

@@ -214,6 +214,10 @@ def main():
             values = {k: v.cuda() for k, v in values.items()}
         if mode == "differ" and rank == 1:
             values["norm"][3] += 1
+        if mode == "other-name" and rank == 1:
+            name += "-other"
+        if mode == "bad-shard" and rank == 1:  # a box that runs past the tensor's end
+            shards["layers.0.w"] = ckptfs.Box(shards["layers.0.w"].global_shape, (ROWS, 0))
         lists = repo.store_counters()["list_requests"]
         try:
             if mode == "plain":

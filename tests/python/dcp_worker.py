@@ -4,6 +4,9 @@ test_dcp (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment):
     dcp_worker.py save REPO NAME
         (4 ranks) saves DTensors of every placement with dcp.save; prints
         "ok BYTES", the tensor bytes this rank's StorageWriter put
+    dcp_worker.py save-other-names REPO NAME
+        (any world size) as save, but rank 1 names NAME-other; prints
+        "raised: TYPE: ..." with the line of the error naming both names
     dcp_worker.py load REPO NAME
         (any world size) loads them back at other placements with dcp.load
         and checks every element
@@ -128,6 +131,13 @@ def main():
         writer.write_data = counted
         dcp.save(state(world, True, False), storage_writer=writer)
         outcome = f"ok {counted.bytes}"
+    elif action == "save-other-names":
+        mine = name + "-other" if dist.get_rank() == 1 else name
+        try:
+            dcp.save(state(world, True, False), storage_writer=StorageWriter(repo, mine))
+        except BaseException as e:  # noqa: BLE001 - DCP wraps the coordinator's error in a BaseException
+            said = [line for line in str(e).splitlines() if "saves checkpoint" in line]
+            outcome = f"raised: {type(e).__name__}: {said[-1].strip() if said else str(e)[:300]}"
     elif action == "load":
         sd = state(world, False, True)
         dcp.load(sd, storage_reader=StorageReader(repo, name))

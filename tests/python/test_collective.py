@@ -236,6 +236,21 @@ class Collective(CkptTestCase):
             self.assertIn("'norm' differ", line)
         self.assertEqual(ckptfs.open(self.repo).checkpoints(include_pending=True), [])
 
+    def test_ranks_naming_different_checkpoints_fail_every_rank_naming_both(self):
+        outs = self.job(WORLD, "save", "n", "hsdp", "other-name")
+        for line in outs:
+            self.assertIn("raised: CollectiveError", line)
+            self.assertIn("rank 0 saves checkpoint 'n' and rank 1 saves 'n-other'", line)
+        self.assertEqual(ckptfs.open(self.repo).checkpoints(include_pending=True), [])
+
+    def test_a_bad_shard_fails_every_rank_with_its_reason(self):
+        outs = self.job(WORLD, "save", "bad", "hsdp", "bad-shard")
+        for line in outs:
+            self.assertIn("raised: CollectiveError", line)
+            # The reason, not a key cut at the NUL before its dtype.
+            self.assertIn("rank 1, 'layers.0.w' (F32): box [96:144, 0:500] exceeds shape [96, 500]", line)
+        self.assertEqual(ckptfs.open(self.repo).checkpoints(include_pending=True), [])
+
     def assert_rank_1_died_and_the_others_raised(self, got):
         """A job's (exit status, output) by rank: rank 1 exited (3), the
         others finished and raised CollectiveError."""

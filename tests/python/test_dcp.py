@@ -45,6 +45,13 @@ class DcpTestCase(CkptTestCase):
 
 
 class Placements(DcpTestCase):
+    def test_ranks_naming_different_checkpoints_fail_every_rank_naming_both(self):
+        outs = self.run_job(2, "save-other-names", self.repo, "n")
+        for line in outs:
+            self.assertIn("raised:", line)
+            self.assertIn("rank 0 saves checkpoint 'n' and rank 1 saves 'n-other'", line)
+        self.assertEqual(self.r.checkpoints(include_pending=True), [])
+
     def test_dtensors_of_every_placement_saved_by_4_ranks_load_at_3_and_2_with_other_placements(self):
         saved = self.run_job(4, "save", self.repo, "dt")
         self.assertEqual([s.split()[0] for s in saved], ["ok"] * 4)

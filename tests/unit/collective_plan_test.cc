@@ -556,9 +556,9 @@ class CollectiveSaveLoad : public ::testing::Test {
   }
   // Saves the HSDP layout on 4 ranks; each rank's result.
   // `differing_rank` gives "norm" other bytes; with `verify`, the replicas
-  // are compared.
+  // are compared. `renaming_rank` names another checkpoint.
   std::vector<Result<CollectiveSaveResult>> Save(const std::string& name, int failing_rank = -1, bool verify = false,
-                                                 int differing_rank = -1) {
+                                                 int differing_rank = -1, int renaming_rank = -1) {
     std::vector<Result<CollectiveSaveResult>> out(4, Status::Internal("not run"));
     auto other_norm = testing::RandomBytes(h_.norm.size(), 99);
     OnGroup(4, [&](int r, Communicator& comm) {
@@ -567,7 +567,8 @@ class CollectiveSaveLoad : public ::testing::Test {
           {h_.norm_info, Region::OfFlat(0, HsdpState::kCols), r == differing_rank ? other_norm : h_.norm}};
       if (r == failing_rank) shards[0].data = shards[0].data.first(8);  // the wrong size
       std::vector<CollectiveBlob> blobs = {{"cfg", h_.cfg}};
-      out[r] = SaveCollective(*repo_, name, shards, blobs, comm, {.step = 7}, verify);
+      out[r] = SaveCollective(*repo_, r == renaming_rank ? name + "-other" : name, shards, blobs, comm, {.step = 7},
+                              verify);
     });
     return out;
   }
@@ -787,6 +788,17 @@ TEST_F(CollectiveSaveLoad, ReplicasThatDifferFailEveryRankNamingTheTensor) {
   ASSERT_OK(all);
   ASSERT_EQ(all->size(), 1u);
   EXPECT_EQ((*all)[0].name, "same");
+}
+
+TEST_F(CollectiveSaveLoad, RanksNamingDifferentCheckpointsFailEveryRankNamingBoth) {
+  auto saved = Save("s", -1, /*verify=*/false, -1, /*renaming_rank=*/2);
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_FALSE(saved[r].ok()) << r;
+    EXPECT_NE(saved[r].status().message().find("rank 0 saves checkpoint 's' and rank 2 saves 's-other'"),
+              std::string::npos)
+        << saved[r].status().ToString();
+  }
+  EXPECT_TRUE(repo_->ListCheckpoints(/*include_pending=*/true)->empty());
 }
 
 TEST_F(CollectiveSaveLoad, AFailingRankFailsEveryRankAndNothingShows) {

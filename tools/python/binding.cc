@@ -888,7 +888,11 @@ std::vector<std::vector<PlanEntry>> ToPlanEntries(const std::vector<std::vector<
       if (kind != "blob") {
         e.shape = shape;
         e.region = MakeRegion(shape, kind, local, offsets, start);
-        Check(ValidateRegion(shape, e.region).WithContext("rank " + std::to_string(r) + ", '" + name + "'"));
+        // The name is the tensor's, NUL, its dtype: said as "'w' (torch.float32)".
+        const size_t cut = name.find('\0');
+        const std::string said = cut == std::string::npos ? "'" + name + "'"
+                                                          : "'" + name.substr(0, cut) + "' (" + name.substr(cut + 1) + ")";
+        Check(ValidateRegion(shape, e.region).WithContext("rank " + std::to_string(r) + ", " + said));
       }
       out[r].push_back(std::move(e));
     }

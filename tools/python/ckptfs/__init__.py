@@ -508,7 +508,7 @@ class Repository:
                 raise InvalidArgumentError(f"rank {rank} of {world_size} disagrees with the process group "
                                            f"(rank {group.rank} of {group.size}); leave them out")
             rank, world_size = group.rank, group.size
-            skip, plan = collective.plan_save(state_dict, dict(shards or {}), group, verify_replicas)
+            skip, plan = collective.plan_save(state_dict, dict(shards or {}), group, verify_replicas, name)
         writer, kept = self._put_all(name, state_dict, step, rank, world_size, shards, tags, progress, skip, group)
         _sync_cuda(kept)
         return writer.commit(snapshot=snapshot), plan, group

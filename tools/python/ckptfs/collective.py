@@ -242,11 +242,12 @@ def _digest(value) -> str:
 
 
 def plan_save(state_dict: Mapping[str, Any], shards: Mapping[str, Any], group: _Group,
-              verify_replicas: bool) -> Tuple[set, Dict[str, Any]]:
+              verify_replicas: bool, name: str = "") -> Tuple[set, Dict[str, Any]]:
     """Which keys of `state_dict` this rank leaves to other ranks (they put
     the same region), and the plan's figures. With verify_replicas, the
     holders of each replicated region compare digests of their bytes first,
-    and every rank raises naming the tensor where they differ."""
+    and every rank raises naming the tensor where they differ. Ranks
+    naming different checkpoints (`name`) fail every rank, naming both."""
     keys = list(state_dict)
     error = None
     entries: List[tuple] = []
@@ -258,7 +259,13 @@ def plan_save(state_dict: Mapping[str, Any], shards: Mapping[str, Any], group: _
     if verify_replicas and error is None:
         digests = [_digest(state_dict[k]) for k in keys]
 
-    def compute(plans, every):
+    def compute(plans, extras):
+        names = [x[0] for x in extras]
+        for r, other in enumerate(names):
+            if other != names[0]:
+                raise CollectiveError(f"rank 0 saves checkpoint '{names[0]}' and rank {r} saves '{other}': every rank "
+                                      "of a collective save names the same checkpoint")
+        every = [x[1] for x in extras]
         parts, routes = _core.plan_save(plans, routes=verify_replicas)
         # The engine's grouping of equal regions (the owners come from it)
         # says which entries are replicas of each other.
@@ -270,7 +277,8 @@ def plan_save(state_dict: Mapping[str, Any], shards: Mapping[str, Any], group: _
                                           f"rank {r0} and rank {r} hold different bytes for the same region")
         return parts
 
-    mine, unique, held, per_rank = group.plan_at_rank_0("describe the state dict", error, entries, digests, compute)
+    mine, unique, held, per_rank = group.plan_at_rank_0("describe the state dict", error, entries, (name, digests),
+                                                        compute)
     skip = {k for k, put in zip(keys, mine) if not put}
     return skip, {"unique_bytes": unique, "held_bytes": held, "bytes_per_rank": list(per_rank)}
 

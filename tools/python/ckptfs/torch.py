@@ -27,6 +27,7 @@ ckptfs.UnsupportedError.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import re
@@ -164,10 +165,19 @@ class StorageWriter(_WriterBase):
         self._is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan):
-        return plan
+        # The checkpoint this rank writes travels to the coordinator with
+        # its plan: ranks naming different ones would each leave a part of
+        # a checkpoint that never completes, and return as if saved.
+        return dataclasses.replace(plan, storage_data=self.name)
 
     def prepare_global_plan(self, plans):
-        return plans
+        names = [p.storage_data for p in plans]
+        for r, other in enumerate(names):
+            if other != names[0]:
+                raise ckptfs.InvalidArgumentError(
+                    f"rank 0 saves checkpoint '{names[0]}' and rank {r} saves '{other}': every rank of a DCP save "
+                    "names the same checkpoint (give each rank's StorageWriter, or dcp.save, the same checkpoint_id)")
+        return [dataclasses.replace(p, storage_data=None) for p in plans]
 
     def write_data(self, plan, planner):
         if self.name is None:
