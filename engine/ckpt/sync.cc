@@ -44,6 +44,7 @@ using RankSets = std::map<std::string, std::set<uint32_t>>;  // checkpoint -> ra
 
 struct KnownState {
   std::set<std::string> packs;
+  std::set<std::string> reindex;  // known packs whose index must be read again (kReindexPackPrefix)
   std::set<std::string> committed;
   std::map<std::string, std::string> identity;  // of each committed one (CheckpointIdentity)
   std::map<std::string, std::string> tags;      // the listed tag each was read under
@@ -74,6 +75,10 @@ Result<KnownState> ReadKnown(LmdbEnv& catalog) {
                                                        }));
     CKPT_RETURN_IF_ERROR(txn.Scan(Table::kMeta, keys::kManifestTagPrefix, [&](std::string_view key, std::string_view v) {
       k.tags.emplace(key.substr(std::strlen(keys::kManifestTagPrefix)), v);
+      return true;
+    }));
+    CKPT_RETURN_IF_ERROR(txn.Scan(Table::kMeta, keys::kReindexPackPrefix, [&](std::string_view key, std::string_view) {
+      k.reindex.emplace(key.substr(std::strlen(keys::kReindexPackPrefix)));
       return true;
     }));
     return txn.Scan(Table::kRanks, "", [&](std::string_view key, std::string_view) {
@@ -267,9 +272,19 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
   // Chunks of a removed pack may live on in others (gc moved them, or two
   // hosts stored the same chunk): re-read every index then, so the catalog
   // stays the union of the pack indexes.
-  std::vector<std::string> fresh_packs = gone_packs.empty()
-                                             ? Missing(listed_packs, known.packs)
-                                             : std::vector<std::string>(listed_packs.begin(), listed_packs.end());
+  // So are known packs whose re-reading failed before (their markers):
+  // until read, chunks that may live only in them are missing here.
+  std::vector<std::string> fresh_packs;
+  if (gone_packs.empty()) {
+    std::set<std::string> fresh;
+    for (const auto& id : Missing(listed_packs, known.packs)) fresh.insert(id);
+    for (const auto& id : known.reindex) {
+      if (listed_packs.count(id)) fresh.insert(id);
+    }
+    fresh_packs.assign(fresh.begin(), fresh.end());
+  } else {
+    fresh_packs.assign(listed_packs.begin(), listed_packs.end());
+  }
   // Every listed pack the catalog lacks is read now, or left for IndexPacks.
   const bool reads_indexes = scope != SyncScope::kCheckpoints || !gone_packs.empty();
   if (!reads_indexes) {
@@ -438,14 +453,30 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
       for (const auto& id : gone_packs) CKPT_RETURN_IF_ERROR(txn.Delete(Table::kPacks, id));
       r.packs_removed = gone_packs.size();
     }
+    // Markers of packs gone from the listing go with them.
+    for (const auto& id : known.reindex) {
+      if (!listed_packs.count(id)) CKPT_RETURN_IF_ERROR(txn.Delete(Table::kMeta, keys::ReindexPack(id)));
+    }
     for (size_t i = 0; i < fresh_packs.size(); ++i) {
+      const bool marked = known.reindex.count(fresh_packs[i]) > 0;
       if (!indexes[i].ok()) {
         // Removed since the listing (a gc elsewhere) is not a problem.
         const Status& bad = indexes[i].status();
         if (!bad.IsNotFound()) r.problems.push_back("skipped pack " + fresh_packs[i] + ": " + bad.message());
-        if (!bad.IsNotFound() && !bad.IsCorruption()) retry.push_back(fresh_packs[i]);
+        const bool may_pass = !bad.IsNotFound() && !bad.IsCorruption();
+        if (may_pass) retry.push_back(fresh_packs[i]);
+        // A known pack read again (another pack went away, and chunks of
+        // it may live only in this one now) stays marked until it is read,
+        // whatever this process does meanwhile: a later sync would
+        // otherwise take it for indexed, and those chunks stay missing.
+        if (may_pass && known.packs.count(fresh_packs[i]) && !marked) {
+          CKPT_RETURN_IF_ERROR(txn.Put(Table::kMeta, keys::ReindexPack(fresh_packs[i]), ""));
+        } else if (!may_pass && marked) {
+          CKPT_RETURN_IF_ERROR(txn.Delete(Table::kMeta, keys::ReindexPack(fresh_packs[i])));
+        }
         continue;
       }
+      if (marked) CKPT_RETURN_IF_ERROR(txn.Delete(Table::kMeta, keys::ReindexPack(fresh_packs[i])));
       CKPT_ASSIGN_OR_RETURN(uint64_t chunks, RecordPack(txn, *indexes[i]));
       r.chunks_added += chunks;
       if (!known.packs.count(fresh_packs[i])) ++r.packs_added;
@@ -599,6 +630,7 @@ Status StoreSync::IndexPacks() {
           continue;
         }
         CKPT_RETURN_IF_ERROR(RecordPack(txn, *indexes[i]).status());
+        CKPT_RETURN_IF_ERROR(txn.Delete(Table::kMeta, keys::ReindexPack(todo[i])));
       }
       return Status::OK();
     }));

@@ -14,6 +14,10 @@
 //                 "manifest_tag/" name      -> the listed tag of the store's
 //                                              manifest object the record
 //                                              was read from (object stores)
+//                 "reindex_pack/" pack id   -> "" : a known pack whose index
+//                                              must be read again (a sync
+//                                              dropped chunks that may live
+//                                              in it, and reading it failed)
 #pragma once
 
 #include <cstdint>
@@ -41,6 +45,8 @@ inline constexpr const char* kFormatVersionKey = "format_version";
 inline constexpr const char* kNextSequenceKey = "next_sequence";
 inline constexpr const char* kManifestTagPrefix = "manifest_tag/";
 inline std::string ManifestTag(const std::string& checkpoint) { return kManifestTagPrefix + checkpoint; }
+inline constexpr const char* kReindexPackPrefix = "reindex_pack/";
+inline std::string ReindexPack(const std::string& pack) { return kReindexPackPrefix + pack; }
 }  // namespace keys
 
 // A pack's catalog entry.

@@ -1064,6 +1064,91 @@ TEST(RepositoryOnAStore, AKnownManifestIsReadAgainOnlyWhenItsListedTagChanges) {
   EXPECT_EQ(read(*b, "x"), "x, first");
 }
 
+// Fails every read of one object while `failing` is set.
+class FailingReadsOf : public BackendWrapper {
+ public:
+  using BackendWrapper::BackendWrapper;
+  std::mutex mu;
+  std::string failing;
+  bool Fails(std::string_view key) {
+    std::lock_guard lock(mu);
+    return !failing.empty() && key == failing;
+  }
+  Result<uint64_t> Size(std::string_view key) override {
+    if (Fails(key)) return Status::IOError("connection lost before HEAD " + std::string(key) + " (test)");
+    return BackendWrapper::Size(key);
+  }
+  Status ReadRange(std::string_view key, uint64_t offset, std::span<std::byte> out) override {
+    if (Fails(key)) return Status::IOError("connection lost before GET " + std::string(key) + " (test)");
+    return BackendWrapper::ReadRange(key, offset, out);
+  }
+};
+
+// Two hosts stored the same chunk, each in its own pack; a third knows both
+// packs and finds the chunk in the first. That pack goes (another host's gc
+// moved the chunk), and the third host's sync, which then reads every index
+// again, fails to read the other pack's: the chunk must come back once the
+// store answers again, in this process and after a restart, though the pack
+// is one the catalog knew.
+TEST(RepositoryOnAStore, AChunkOfAGonePackComesBackFromAPackWhoseIndexFailedToReadOnce) {
+  for (const bool restart : {false, true}) {
+    SCOPED_TRACE(restart ? "reopened after the failed sync" : "the same process");
+    TempDir dir;
+    auto store = std::make_shared<FailingReadsOf>(NewMemoryBackend());
+    ASSERT_OK(Repository::Init(*store, {}));
+    auto host = [&](const std::string& name) {
+      OpenOptions o;
+      o.threads = 2;
+      o.cache_dir = dir / name;
+      return std::move(Repository::Open(store, o)).value();
+    };
+    const std::string bytes(100000, 'x');
+    auto a = host("a");
+    auto b = host("b");
+    auto wa = std::move(a->BeginCheckpoint("a", {})).value();
+    auto wb = std::move(b->BeginCheckpoint("b", {})).value();
+    for (auto* w : {wa.get(), wb.get()}) {
+      ASSERT_OK(w->PutTensor({"t", DType::kU8, {bytes.size()}}, std::as_bytes(std::span(bytes))));
+    }
+    ASSERT_OK(wa->Commit().Wait());
+    ASSERT_OK(wb->Commit().Wait());
+    std::vector<std::string> packs;
+    const std::vector<std::string> keys = std::move(store->List("")).value();
+    for (const auto& key : keys) {
+      if (key.find(kPackKeyPrefix) != std::string::npos) packs.push_back(key);
+    }
+    ASSERT_EQ(packs.size(), 2u);  // the chunk, stored by each host
+    std::sort(packs.begin(), packs.end());
+    auto c = host("c");  // records the chunk in the first pack listed
+    ASSERT_OK(c->Verify(std::nullopt, {}).status());
+    ASSERT_OK(store->Delete(packs[0]));
+    {
+      std::lock_guard lock(store->mu);
+      store->failing = packs[1];
+    }
+    EXPECT_OK(c->Refresh());  // the other pack's index is a problem of this sync
+    {
+      std::lock_guard lock(store->mu);
+      store->failing.clear();
+    }
+    if (restart) {
+      c.reset();
+      c = host("c");
+    }
+    ASSERT_OK(c->Refresh());
+    auto report = c->Verify(std::nullopt, {});
+    ASSERT_OK(report);
+    EXPECT_TRUE(report->problems.empty()) << report->problems.front().message;
+    for (const char* name : {"a", "b"}) {
+      auto r = c->OpenCheckpoint(name);
+      ASSERT_OK(r);
+      std::string got(bytes.size(), '\0');
+      ASSERT_OK((*r)->ReadBytes(*(*r)->FindTensor("t"), 0, std::as_writable_bytes(std::span(got))));
+      EXPECT_EQ(got, bytes);
+    }
+  }
+}
+
 TEST(RepositoryOnAStore, HostileIdsAndForeignStateDirectoriesAreRefused) {
   TempDir dir;
   std::shared_ptr<Backend> store = NewMemoryBackend();
