@@ -12,12 +12,13 @@
 namespace ckptfs {
 namespace {
 
-void RunSeeds(uint64_t first, int seeds, int operations) {
+void RunSeeds(uint64_t first, int seeds, int operations, int64_t lock_stale_ms) {
   uint64_t total = 0;
   for (uint64_t seed = first; seed < first + seeds; ++seed) {
     sim::SimOptions o;
     o.seed = seed;
     o.operations = operations;
+    o.lock_stale_ms = lock_stale_ms;
     o.racy_sources = !testing::kThreadSanitizer;  // its racing writer is a data race by design
     const sim::SimResult r = sim::RunAndShrink(o);
     total += r.operations;
@@ -32,13 +33,15 @@ void RunSeeds(uint64_t first, int seeds, int operations) {
 }
 
 // 8 hosts, faults before and after requests take effect, throttling and
-// crashes; at least 10^4 operations in all.
+// crashes; at least 10^4 operations in all. Under a sanitizer, which slows
+// every thread several times, fewer (its timing draws other interleavings)
+// and a lock stale time the slowed refreshes land well within.
 TEST(Simulation, FixedSeedsOfEightHostsWithInjectedFaultsRunClean) {
   if (testing::kAddressSanitizer || testing::kThreadSanitizer) {
-    GTEST_SKIP() << "under a sanitizer's timing the simulator finds an anomaly not yet explained (a shared chunk "
-                    "missing from a host's catalog after the faults; docs/TESTING.md, \"Open finding\")";
+    RunSeeds(1, 3, 400, 2000);
+  } else {
+    RunSeeds(1, 10, 1000, 400);
   }
-  RunSeeds(1, 10, 1000);
 }
 
 }  // namespace
