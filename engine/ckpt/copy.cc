@@ -4,7 +4,9 @@
 // every shard whose record names rank r (so the merge at the destination
 // gives each shard the same ranks, in the same order, as at the source) and
 // rank 0 the blobs. Each rank is a writer of the destination's own, whose
-// commit is durable on its own: an interrupted copy leaves the checkpoint
+// commit is durable on its own. A copy that fails or is cancelled removes
+// the pending checkpoint it was making (the chunks sent stay until gc, so
+// the next copy sends only what is missing); a killed one leaves it
 // pending with the ranks it finished, and the next copy commits the rest.
 #include <algorithm>
 #include <map>
@@ -20,12 +22,12 @@ namespace ckptfs {
 namespace {
 
 // Whether the destination's checkpoint holds what the source's does: the
-// same tensors, shards, chunks and blobs, step, world size and tags (not
-// when it was made).
-bool SameContent(const CheckpointReader& a, const CheckpointReader& b) {
+// same tensors, shards, chunks and blobs, step, world size (`world`, the
+// source's as copied: WorldNeeded) and tags (not when it was made).
+bool SameContent(const CheckpointReader& a, uint32_t world, const CheckpointReader& b) {
   const CheckpointRecord& x = a.info();
   const CheckpointRecord& y = b.info();
-  if (x.step != y.step || x.world_size != y.world_size || x.tags != y.tags) return false;
+  if (x.step != y.step || world != y.world_size || x.tags != y.tags) return false;
   if (a.tensors().size() != b.tensors().size() || a.blobs().size() != b.blobs().size()) return false;
   for (size_t i = 0; i < a.tensors().size(); ++i) {
     if (EncodeTensor(a.tensors()[i]) != EncodeTensor(b.tensors()[i])) return false;
@@ -49,6 +51,20 @@ RankRecord PartOfRank(const CheckpointReader& reader, uint32_t rank) {
   }
   if (rank == 0) part.blobs = reader.blobs();
   return part;
+}
+
+// The world size a copy of the checkpoint gets: the source's, but no more
+// than its shards name (the highest rank any shard names, plus one; rank 0
+// holds the blobs). A source that claims 20,000 ranks for shards of four
+// costs four ranks' commits, not 20,000.
+uint32_t WorldNeeded(const CheckpointReader& reader) {
+  uint32_t highest = 0;
+  for (const TensorRecord& t : reader.tensors()) {
+    for (const ShardRecord& s : t.shards) {
+      if (!s.ranks.empty()) highest = std::max(highest, *std::max_element(s.ranks.begin(), s.ranks.end()));
+    }
+  }
+  return std::min(reader.info().world_size, highest + 1);
 }
 
 // Every shard must name ranks of the checkpoint, or no rank would put it.
@@ -114,13 +130,16 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
       src.protocol->RelocationRefresh());
 
   CopyReport report;
-  for (const CheckpointRecord& rec : selected) {
+  // One checkpoint; on an error or a cancel after it began at the
+  // destination, its pending copy is removed there (below).
+  auto copy_one = [&](const CheckpointRecord& rec, bool* began) -> Status {
     CopiedCheckpoint out;
     out.name = rec.name;
     // The source's bytes stay while we read them (a read lease).
     CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, source.OpenCheckpoint(rec.name));
     CKPT_RETURN_IF_ERROR(CheckShardRanks(*reader));
     const CheckpointRecord& info = reader->info();
+    const uint32_t world = WorldNeeded(*reader);
     std::set<uint32_t> done_ranks;
     if (auto it = there.find(rec.name); it != there.end()) {
       const CheckpointRecord& theirs = it->second;
@@ -128,7 +147,7 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
         ReadOptions no_lease;
         no_lease.lease = false;
         CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> other, destination.OpenCheckpoint(rec.name, no_lease));
-        if (!SameContent(*reader, *other)) {
+        if (!SameContent(*reader, world, *other)) {
           return Status::AlreadyExists("the destination has a different checkpoint named '" + rec.name + "'");
         }
         out.outcome = CopiedCheckpoint::Outcome::kPresent;
@@ -136,9 +155,9 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
         report.checkpoints.push_back(out);
         done_before += rec.logical_bytes;
         if (progress) progress(done_before, total);
-        continue;
+        return Status::OK();
       }
-      if (theirs.world_size != info.world_size || theirs.step != info.step) {
+      if (theirs.world_size != world || theirs.step != info.step) {
         return Status::AlreadyExists("the destination has a pending checkpoint named '" + rec.name +
                                      "' of another world size or step; remove it first (ckpt rm)");
       }
@@ -154,7 +173,9 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
         done_ranks.insert(theirs.committed_ranks.begin(), theirs.committed_ranks.end());
       }
     }
-    phase("copying " + rec.name + " (" + std::to_string(info.world_size) + (info.world_size == 1 ? " rank" : " ranks") +
+    phase("copying " + rec.name + " (" + std::to_string(world) + (world == 1 ? " rank" : " ranks") +
+          (world < info.world_size ? " of the " + std::to_string(info.world_size) + " it claims: no shard names the others"
+                                   : "") +
           (done_ranks.empty() ? "" : ", " + std::to_string(done_ranks.size()) + " committed before") + ")");
     CopyCounters counters;
     // Chunks of this checkpoint sent or counted as present already, so
@@ -163,7 +184,7 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
     std::unordered_map<ChunkId, uint32_t, ChunkIdHash> handled;
     uint64_t stored_sent = 0;
     std::vector<uint32_t> todo;
-    for (uint32_t rank = 0; rank < info.world_size; ++rank) {
+    for (uint32_t rank = 0; rank < world; ++rank) {
       if (!done_ranks.count(rank)) todo.push_back(rank);
     }
     // Ranks are put `ranks_at_once` at a time (their packs written side by
@@ -173,6 +194,7 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
     // stops the commits there: the ranks before it are kept (resumption).
     const size_t at_once = std::max<size_t>(1, options.ranks_at_once);
     for (size_t first = 0; first < todo.size(); first += at_once) {
+      if (options.cancelled && options.cancelled()) return Status::FailedPrecondition("cancelled");
       const size_t n = std::min(at_once, todo.size() - first);
       std::vector<std::unique_ptr<CheckpointWriter>> writers(n);
       std::vector<RankRecord> parts(n);
@@ -180,9 +202,10 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
       for (size_t i = 0; i < n; ++i) {
         WriterOptions wo;
         wo.rank = todo[first + i];
-        wo.world_size = info.world_size;
+        wo.world_size = world;
         wo.step = info.step;
         wo.tags = info.tags;
+        *began = true;
         CKPT_ASSIGN_OR_RETURN(writers[i], destination.BeginCheckpoint(rec.name, wo));
         parts[i] = PartOfRank(*reader, wo.rank);
       }
@@ -260,6 +283,32 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
     report.checkpoints.push_back(out);
     done_before += rec.logical_bytes;
     if (progress) progress(done_before, total);
+    return Status::OK();
+  };
+  for (const CheckpointRecord& rec : selected) {
+    bool began = false;
+    Status st = copy_one(rec, &began);
+    if (st.ok()) continue;
+    // Nothing is left pending: the ranks committed are removed with the
+    // checkpoint's record, while their chunks stay in the destination's
+    // packs until a gc, so that running the copy again sends only what is
+    // missing.
+    if (began) {
+      auto listed = destination.ListCheckpoints(/*include_pending=*/true);
+      bool pending = false;
+      for (const CheckpointRecord& c : listed.ok() ? *listed : std::vector<CheckpointRecord>{}) {
+        pending = pending || (c.name == rec.name && c.state != CheckpointState::kCommitted);
+      }
+      if (pending) {
+        Status removed = destination.RemoveCheckpoints({rec.name});
+        st = st.WithContext(removed.ok() ? "copy of '" + rec.name + "' stopped; its pending copy at the destination "
+                                                  "was removed (the chunks sent stay until gc: running the copy again "
+                                                  "sends only what is missing)"
+                                         : "copy of '" + rec.name + "' stopped, and removing its pending copy at the "
+                                                  "destination failed (" + removed.message() + "; ckpt rm it)");
+      }
+    }
+    return st;
   }
   return report;
 }

@@ -17,9 +17,14 @@ const CommandSpec kCopy{
     "named, or chosen with --all or --last N, and copied in commit order. Each chunk\n"
     "is read as stored, checked against its hash and written to DST without being\n"
     "encoded again; a checkpoint becomes visible in DST when its last rank is in.\n"
-    "A checkpoint DST already has, with the same content, is skipped. An interrupted\n"
-    "copy leaves its checkpoint pending in DST; run the same command again to finish\n"
-    "it (or 'ckpt rm' it in DST). -r/--repo is not used.",
+    "A checkpoint DST already has, with the same content, is skipped. A copy that\n"
+    "fails or is interrupted (Ctrl-C, SIGTERM) removes the checkpoint it was making\n"
+    "from DST, so nothing is left pending; the chunks it sent stay until gc, and\n"
+    "running the same command again sends only what is missing. A killed copy\n"
+    "leaves its checkpoint pending in DST; the same command finishes it (or 'ckpt\n"
+    "rm' it in DST). A source checkpoint is copied with the world size its shards\n"
+    "need (the highest rank any shard names, plus one), never more than it claims.\n"
+    "-r/--repo is not used.",
     {{"all", 0, false, false, "", "copy every committed checkpoint"},
      {"last", 0, true, false, "N", "copy the newest N committed checkpoints"},
      kJsonOpt},
@@ -52,14 +57,26 @@ int CmdCopy(const GlobalOptions& global, const Args& args) {
   if (!dst.ok()) return Fail(dst.status().WithContext("destination " + to));
   options.on_phase = [](const std::string& what) { Phase("copy", what); };
   Progress progress("copying");
+  InterruptGuard interrupt;
+  options.cancelled = [&] { return interrupt.requested(); };
   auto report = CopyCheckpoints(**src, **dst, options, [&](uint64_t d, uint64_t t) { progress.Update(d, t); });
   progress.Finish();
+  if (interrupt.requested()) {
+    const std::string said = report.ok() ? "" : report.status().message();
+    return interrupt.Exit("copy", report.ok() ? "every checkpoint asked for had been copied"
+                                  : said.find("removing its pending copy") != std::string::npos
+                                      ? EscapeForTerminal(said)
+                                      : "nothing is left pending in " + EscapeForTerminal(to) +
+                                            "; the chunks it sent stay until gc, so running the same command again "
+                                            "sends only what is missing");
+  }
   if (!report.ok()) {
     std::fprintf(stderr, "ckpt: error: %s\n", EscapeForTerminal(report.status().message()).c_str());
     const StatusCode code = report.status().code();
     if (code != StatusCode::kNotFound && code != StatusCode::kAlreadyExists && code != StatusCode::kInvalidArgument) {
       std::fprintf(stderr,
-                   "ckpt: a checkpoint not copied whole is not visible in %s; run the same command again to resume\n",
+                   "ckpt: a checkpoint not copied whole is not visible in %s; run the same command again: it sends only "
+                   "what is missing\n",
                    EscapeForTerminal(to).c_str());
     }
     return kExitError;
