@@ -88,15 +88,16 @@ def worker(args):
     if args.action == "save":
         repo = ckptfs.open(args.url)
         warm = {"warm-up": torch.ones(16)}
-        if args.mode == "collective":
-            repo.save("warm-up", warm, process_group=dist.group.WORLD)
+        verify = args.mode == "collective-verify"
+        if args.mode.startswith("collective"):
+            repo.save("warm-up", warm, process_group=dist.group.WORLD, verify_replicas=verify)
         else:
             repo.save("warm-up", warm, rank=rank, world_size=WORLD)
         dist.barrier()
         c0 = repo.store_counters()
         t0, r0 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
-        if args.mode == "collective":
-            res = repo.save(args.name, values, shards=shards, process_group=dist.group.WORLD)
+        if args.mode.startswith("collective"):
+            res = repo.save(args.name, values, shards=shards, process_group=dist.group.WORLD, verify_replicas=verify)
         else:
             res = repo.save(args.name, values, shards=shards, rank=rank, world_size=WORLD)
         r1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -242,7 +243,7 @@ def main():
           f"{'the S3 store ' + os.environ['AWS_ENDPOINT_URL'] if s3 else 'a local directory'}; torch "
           f"{torch.__version__}, CooperativeLoadPlanner {'present' if coop else 'absent'}")
     figs = {k: [] for k in ("save_wall", "save_cpu", "save_hashed", "save_stored", "csave_wall", "csave_cpu",
-                            "csave_hashed", "csave_stored",
+                            "csave_hashed", "csave_stored", "vsave_wall", "vsave_cpu", "vsave_hashed", "vsave_stored",
                             "load_wall", "load_fetched", "cload_wall", "cload_fetched", "dcp_wall", "coop_wall")}
     undropped = {}  # the S3 repositories not yet emptied: url -> cache directory
     try:
@@ -250,7 +251,7 @@ def main():
         job("dcp-save", dcp_dir, "-", "-", args.mib, env_extra)
         for run in range(args.runs):
             urls = {}
-            for mode in ("plain", "collective"):
+            for mode in ("plain", "collective", "collective-verify"):
                 url = (f"s3://ckptfs-test/collective-bench-{os.getpid()}-{run}-{mode}" if s3
                        else os.path.join(work, f"repo-{run}-{mode}"))
                 env_extra = {"CKPT_CACHE_DIR": os.path.join(work, f"cache-{run}-{mode}")}
@@ -260,7 +261,7 @@ def main():
                 if s3:
                     undropped[url] = os.path.join(work, f"cache-{run}-drop-{mode}")
                 saved = job("save", url, "s", mode, args.mib, env_extra, args.hosts)
-                pre = "c" if mode == "collective" else ""
+                pre = {"plain": "", "collective": "c", "collective-verify": "v"}[mode]
                 figs[pre + "save_wall"].append(span(saved))
                 figs[pre + "save_cpu"].append(sum(o["cpu"] for o in saved))
                 figs[pre + "save_hashed"].append(sum(o["hashed"] for o in saved))
@@ -303,6 +304,10 @@ def main():
         print(f"  save CPU seconds: {med['csave_cpu']:.2f} collective, {med['save_cpu']:.2f} every rank: "
               f"{med['csave_cpu'] / med['save_cpu']:.2f}x (target <= 0.35); wall {med['csave_wall']:.2f} s vs "
               f"{med['save_wall']:.2f} s")
+        print(f"  collective save with verify_replicas (every replica's bytes hashed and compared): wall "
+              f"{med['vsave_wall']:.2f} s vs {med['csave_wall']:.2f} s without: {med['vsave_wall'] / med['csave_wall']:.3f}x; "
+              f"CPU {med['vsave_cpu']:.2f} vs {med['csave_cpu']:.2f} s: {med['vsave_cpu'] / med['csave_cpu']:.3f}x "
+              "(on by default where <= 1.05)")
         if s3:
             print(f"  store requests per save (all ranks): {med['csave_requests']:.0f} collective, "
                   f"{med['save_requests']:.0f} every rank; of them LISTs {med['csave_lists']:.0f} and "

@@ -36,6 +36,7 @@
 #include "ckpt/repository.h"
 #include "core/fork.h"
 #include "core/version.h"
+#include "core/chunk_id.h"
 #include "core/dtype.h"
 #include "core/region.h"
 #include "io/mapped_file.h"
@@ -1025,6 +1026,17 @@ PYBIND11_MODULE(_core, m) {
   m.def("load_plan_part", &LoadPlanPart, py::arg("data"), py::arg("entries"), py::arg("world"),
         "A rank's part of a load plan: (routes [(route, reader, bytes, [entry], [peer])], windows [(routes_end, "
         "exchange, hold, [(index, from, to, chunk)], release)], unique bytes, needed bytes).");
+  m.def("digest", [](py::buffer data) {
+    py::buffer_info b = data.request();
+    if (!PyBuffer_IsContiguous(b.view(), 'C')) throw StatusError{Status::InvalidArgument("not contiguous memory")};
+    std::span<const std::byte> bytes(static_cast<const std::byte*>(b.ptr), static_cast<size_t>(b.size * b.itemsize));
+    ChunkId id;
+    {
+      py::gil_scoped_release nogil;
+      id = ChunkId::Of(bytes);
+    }
+    return id.ToHex();
+  }, "The XXH3-128 of a contiguous buffer's bytes, in hex (a chunk id's hash), computed without the GIL.");
   m.def("check_input_file", [](const std::string& path) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) Check(Status::FromErrno(errno, "opening " + path));
