@@ -1005,16 +1005,19 @@ class ManifestReads : public BackendWrapper {
   }
 };
 
+// A host of `store` with its catalog in `cache` (two I/O threads).
+std::unique_ptr<Repository> OpenHost(std::shared_ptr<Backend> store, const std::string& cache) {
+  OpenOptions o;
+  o.threads = 2;
+  o.cache_dir = cache;
+  return std::move(Repository::Open(std::move(store), o)).value();
+}
+
 TEST(RepositoryOnAStore, AKnownManifestIsReadAgainOnlyWhenItsListedTagChanges) {
   TempDir dir;
   auto store = std::make_shared<ManifestReads>(NewMemoryBackend());
   ASSERT_OK(Repository::Init(*store, {}));
-  auto host = [&](const std::string& name) {
-    OpenOptions o;
-    o.threads = 2;
-    o.cache_dir = dir / name;
-    return std::move(Repository::Open(store, o)).value();
-  };
+  auto host = [&](const std::string& name) { return OpenHost(store, dir / name); };
   auto save = [](Repository& repo, const std::string& name, const std::string& bytes) {
     auto w = std::move(repo.BeginCheckpoint(name, {})).value();
     ASSERT_OK(w->PutTensor({"t", DType::kU8, {bytes.size()}}, std::as_bytes(std::span(bytes))));
@@ -1096,12 +1099,7 @@ TEST(RepositoryOnAStore, AChunkOfAGonePackComesBackFromAPackWhoseIndexFailedToRe
     TempDir dir;
     auto store = std::make_shared<FailingReadsOf>(NewMemoryBackend());
     ASSERT_OK(Repository::Init(*store, {}));
-    auto host = [&](const std::string& name) {
-      OpenOptions o;
-      o.threads = 2;
-      o.cache_dir = dir / name;
-      return std::move(Repository::Open(store, o)).value();
-    };
+    auto host = [&](const std::string& name) { return OpenHost(store, dir / name); };
     const std::string bytes(100000, 'x');
     auto a = host("a");
     auto b = host("b");
