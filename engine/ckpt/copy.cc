@@ -5,9 +5,10 @@
 // gives each shard the same ranks, in the same order, as at the source) and
 // rank 0 the blobs. Each rank is a writer of the destination's own, whose
 // commit is durable on its own. A copy that fails or is cancelled removes
-// the pending checkpoint it was making (the chunks sent stay until gc, so
-// the next copy sends only what is missing); a killed one leaves it
-// pending with the ranks it finished, and the next copy commits the rest.
+// the pending checkpoint it was making (chunks of the ranks it committed
+// stay until gc, so the next copy sends only what is missing); a killed one
+// leaves it pending with the ranks it finished, and the next copy commits
+// the rest.
 #include <algorithm>
 #include <map>
 #include <set>
@@ -178,6 +179,7 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
                                    : "") +
           (done_ranks.empty() ? "" : ", " + std::to_string(done_ranks.size()) + " committed before") + ")");
     CopyCounters counters;
+    counters.cancelled = options.cancelled;
     // Chunks of this checkpoint sent or counted as present already, so
     // that a chunk several ranks name is sent and counted once.
     // Each with the length it was first referenced with.
@@ -302,7 +304,7 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
       if (pending) {
         Status removed = destination.RemoveCheckpoints({rec.name});
         st = st.WithContext(removed.ok() ? "copy of '" + rec.name + "' stopped; its pending copy at the destination "
-                                                  "was removed (the chunks sent stay until gc: running the copy again "
+                                                  "was removed (chunks of the ranks committed stay until gc: running the copy again "
                                                   "sends only what is missing)"
                                          : "copy of '" + rec.name + "' stopped, and removing its pending copy at the "
                                                   "destination failed (" + removed.message() + "; ckpt rm it)");

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <cstdint>
 #include <span>
 
@@ -12,10 +13,13 @@
 
 namespace ckptfs {
 
-// Counted while a rank is put; read by the copy's progress.
+// Counted while a rank is put; read by the copy's progress. `cancelled`,
+// when set, is asked (from the I/O threads) before each chunk is fetched:
+// true fails the put with FailedPrecondition ("cancelled").
 struct CopyCounters {
   std::atomic<uint64_t> chunks_sent{0}, raw_bytes_sent{0};
   std::atomic<uint64_t> chunks_present{0}, raw_bytes_present{0};
+  std::function<bool()> cancelled;
 };
 
 // Puts `part` (shards and blobs as another repository recorded them, their

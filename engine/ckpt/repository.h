@@ -637,12 +637,13 @@ struct CopyOptions {
   // Ranks of a checkpoint copied side by side (their packs written at
   // once), at least 1. Each holds its pipeline's buffers.
   size_t ranks_at_once = 4;
-  // Asked before each group of ranks: true stops the copy with
+  // Asked before each group of ranks and, from the I/O threads, before each
+  // chunk is fetched (so it must be thread-safe): true stops the copy with
   // FailedPrecondition ("cancelled"). A copy that stops, cancelled or
   // failing, removes the pending checkpoint it was making at the
-  // destination (its chunks stay until gc, so a rerun sends only what is
-  // missing); only a killed copy leaves one pending, which the next copy
-  // completes.
+  // destination (chunks of the ranks committed stay until gc, so a rerun
+  // sends only what is missing); only a killed copy leaves one pending,
+  // which the next copy completes.
   std::function<bool()> cancelled;
 };
 

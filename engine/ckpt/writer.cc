@@ -292,6 +292,11 @@ Status WriterImpl::PutStored(const RankRecord& part, std::span<const ChunkRef> s
   std::atomic<bool> failed{false};
   ParallelFor(io, send.size(), threads, [&](size_t i) {
     if (failed.load() || !pipeline_.error().ok()) return;
+    if (counters.cancelled && counters.cancelled()) {
+      failed.store(true);
+      pipeline_.Fail(Status::FailedPrecondition("cancelled"));
+      return;
+    }
     BufferPool::Lease stored;
     auto loc = source.FetchStored(send[i], *repo_->buffers, &stored);
     if (!loc.ok()) {

@@ -498,6 +498,24 @@ class WritingFiles(CkptTestCase):
             self.assertEqual(names, ["small"])
         self.run_ckpt("verify")
 
+    def test_an_interrupted_copy_leaves_nothing_pending_and_a_rerun_completes_it(self):
+        self.run_ckpt("import", "big", self.path("big.safetensors"))
+        dst = self.path("dst")
+        self.run_ckpt("init", "--pack-size", "4M", env={"CKPT_REPO": dst})
+        dst_packs = os.path.join(dst, "objects", "packs")
+
+        def two_packs_written():
+            return os.path.isdir(dst_packs) and len(os.listdir(dst_packs)) >= 2
+
+        rc, err = self.interrupt_when(["copy", self.repo, dst, "big"], two_packs_written, signal.SIGINT)
+        self.assertEqual(rc, 130, err)
+        self.assertIn(f"interrupted (SIGINT): copy stopped; nothing is left pending in {dst}", err)
+        listed = json.loads(self.run_ckpt("ls", "--all", "--json", env={"CKPT_REPO": dst}).stdout)
+        self.assertEqual(listed, [])
+        self.run_ckpt("copy", self.repo, dst, "big")
+        self.assertEqual(self.run_ckpt("cat", "big", "t00", env={"CKPT_REPO": dst}).stdout,
+                         self.run_ckpt("cat", "big", "t00").stdout)
+
     def test_an_interrupted_export_leaves_nothing_and_a_killed_ones_temporary_is_removed_next_time(self):
         self.run_ckpt("import", "big", self.path("big.safetensors"))
         out = self.path("out.safetensors")

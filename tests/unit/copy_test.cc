@@ -311,9 +311,12 @@ TEST(CopyCheckpoints, ACancelledCopyLeavesNothingPending) {
   CopyOptions o;
   o.names = {"step-1"};
   o.ranks_at_once = 1;
-  int asked = 0;
-  o.cancelled = [&] { return ++asked > 1; };  // after rank 0 is committed
-  auto r = CopyCheckpoints(**src, **dst, o);
+  std::atomic<bool> stop{false};
+  o.cancelled = [&] { return stop.load(); };
+  // Progress comes after each group of ranks: cancelled once rank 0 is in.
+  auto r = CopyCheckpoints(**src, **dst, o, [&](uint64_t done, uint64_t) {
+    if (done > 0) stop.store(true);
+  });
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("cancelled"), std::string::npos) << r.status().ToString();
   EXPECT_NE(r.status().message().find("its pending copy at the destination was removed"), std::string::npos)

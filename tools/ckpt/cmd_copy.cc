@@ -19,8 +19,8 @@ const CommandSpec kCopy{
     "encoded again; a checkpoint becomes visible in DST when its last rank is in.\n"
     "A checkpoint DST already has, with the same content, is skipped. A copy that\n"
     "fails or is interrupted (Ctrl-C, SIGTERM) removes the checkpoint it was making\n"
-    "from DST, so nothing is left pending; the chunks it sent stay until gc, and\n"
-    "running the same command again sends only what is missing. A killed copy\n"
+    "from DST, so nothing is left pending; chunks of the ranks it committed stay\n"
+    "until gc, and running the same command again sends only what is missing. A killed copy\n"
     "leaves its checkpoint pending in DST; the same command finishes it (or 'ckpt\n"
     "rm' it in DST). A source checkpoint is copied with the world size its shards\n"
     "need (the highest rank any shard names, plus one), never more than it claims.\n"
@@ -61,14 +61,13 @@ int CmdCopy(const GlobalOptions& global, const Args& args) {
   options.cancelled = [&] { return interrupt.requested(); };
   auto report = CopyCheckpoints(**src, **dst, options, [&](uint64_t d, uint64_t t) { progress.Update(d, t); });
   progress.Finish();
-  if (interrupt.requested()) {
+  if (interrupt.requested() && !report.ok()) {
     const std::string said = report.ok() ? "" : report.status().message();
-    return interrupt.Exit("copy", report.ok() ? "every checkpoint asked for had been copied"
-                                  : said.find("removing its pending copy") != std::string::npos
+    return interrupt.Exit("copy", said.find("removing its pending copy") != std::string::npos
                                       ? EscapeForTerminal(said)
                                       : "nothing is left pending in " + EscapeForTerminal(to) +
-                                            "; the chunks it sent stay until gc, so running the same command again "
-                                            "sends only what is missing");
+                                            "; chunks of the ranks it committed stay until gc, so running the same "
+                                            "command again sends only what is missing");
   }
   if (!report.ok()) {
     std::fprintf(stderr, "ckpt: error: %s\n", EscapeForTerminal(report.status().message()).c_str());
