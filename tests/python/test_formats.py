@@ -44,6 +44,29 @@ def same(a, b):
     return a == b
 
 
+def export_dying_at_the_second_shard(test, repo, name, out):
+    """An hf export of checkpoint `name` into `out` (20 KB shards, one
+    thread) whose fourth durable write fails (the progress file, the first
+    shard, the progress file, then the second shard): the basenames of the
+    writes begun, in order."""
+    calls = []
+    real = formats._write_durable
+
+    def dies(path, write):
+        calls.append(os.path.basename(path))
+        if len(calls) == 4:
+            raise OSError("disk went away")
+        return real(path, write)
+
+    formats._write_durable = dies
+    try:
+        with test.assertRaises(OSError):
+            formats.export_checkpoint(repo, name, out, format="hf", max_shard_size="20KB", threads=1)
+    finally:
+        formats._write_durable = real
+    return calls
+
+
 def dcp_worker_items(path):
     """The items a DCP directory's .metadata names."""
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
@@ -674,21 +697,7 @@ class Exports(unittest.TestCase):
         gen = torch.Generator().manual_seed(4)
         self.repo.save("big", {f"layer{i}": torch.randn(64, 64, generator=gen) for i in range(8)})
         out = os.path.join(self.tmp, "out")
-        calls = []
-        real = formats._write_durable
-
-        def dies_on_the_second_shard(path, write):
-            calls.append(os.path.basename(path))
-            if len(calls) == 4:  # the progress file, a shard, the progress file, then this one
-                raise OSError("disk went away")
-            real(path, write)
-
-        formats._write_durable = dies_on_the_second_shard
-        try:
-            with self.assertRaises(OSError):
-                formats.export_checkpoint(self.repo, "big", out, format="hf", max_shard_size="20KB", threads=1)
-        finally:
-            formats._write_durable = real
+        calls = export_dying_at_the_second_shard(self, self.repo, "big", out)
         # The export stopped at the failure: no shard after it was started.
         self.assertEqual(calls, [formats._PROGRESS_FILE, "model-00001-of-00008.safetensors",
                                  formats._PROGRESS_FILE, "model-00002-of-00008.safetensors"])
@@ -707,14 +716,7 @@ class Exports(unittest.TestCase):
             with open(os.path.join(out, f), "rb") as a, open(os.path.join(self.tmp, "fresh", f), "rb") as b:
                 self.assertEqual(a.read(), b.read(), f)
         # --clean starts over.
-        formats._write_durable = dies_on_the_second_shard
-        calls.clear()
-        try:
-            with self.assertRaises(OSError):
-                formats.export_checkpoint(self.repo, "big", os.path.join(self.tmp, "o2"), format="hf",
-                                          max_shard_size="20KB", threads=1)
-        finally:
-            formats._write_durable = real
+        export_dying_at_the_second_shard(self, self.repo, "big", os.path.join(self.tmp, "o2"))
         again = formats.export_checkpoint(self.repo, "big", os.path.join(self.tmp, "o2"), format="hf",
                                           max_shard_size="40KB", clean=True)
         self.assertEqual(again["resumed_files"], 0)

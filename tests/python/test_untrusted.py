@@ -20,6 +20,7 @@ import ckptfs  # noqa: E402
 import ckptfs.formats as formats  # noqa: E402
 from helpers import CKPT, CkptTestCase  # noqa: E402
 from test_dcp import DCP_REASON  # noqa: E402
+from test_formats import export_dying_at_the_second_shard  # noqa: E402
 
 
 class _RunsCode:
@@ -150,21 +151,7 @@ class ExportPartials(UntrustedTestCase):
     def interrupted(self, out=None):
         """An hf export of 'big' into `out` that stops after its first shard."""
         out = out or self.out
-        real = formats._write_durable
-        calls = []
-
-        def dies_on_the_second_shard(path, write):
-            calls.append(path)
-            if len(calls) == 4:
-                raise OSError("disk went away")
-            return real(path, write)
-
-        formats._write_durable = dies_on_the_second_shard
-        try:
-            with self.assertRaises(OSError):
-                formats.export_checkpoint(self.r, "big", out, format="hf", max_shard_size="20KB", threads=1)
-        finally:
-            formats._write_durable = real
+        export_dying_at_the_second_shard(self, self.r, "big", out)
         return out + formats.PARTIAL_SUFFIX
 
     def export(self, **kw):

@@ -158,6 +158,7 @@ class _Directory:
         self.path = path
         self.follow = follow
         self.links: List[Dict[str, str]] = []
+        self._linked: set = set()
         self._root = os.path.realpath(path)
 
     def file(self, full: str) -> str:
@@ -170,7 +171,8 @@ class _Directory:
                     f"{full} -> {target}: a symbolic link in {self.path} to a file outside it, refused; import with "
                     "--follow-symlinks (Python: follow_symlinks=True) to take what links point to wherever it is "
                     "(a Hugging Face cache snapshot links to ../../blobs)")
-            if not any(link["path"] == full for link in self.links):
+            if full not in self._linked:
+                self._linked.add(full)
                 self.links.append({"path": full, "target": target})
         if os.path.isfile(full):
             ckptfs._core.check_input_file(full)
@@ -966,9 +968,10 @@ class _Digesting:
         self.size = 0
 
     def write(self, data) -> int:
-        n = self._f.write(data)
-        self.digest.update(memoryview(data)[:n] if n is not None else data)
-        self.size += n if n is not None else len(data)
+        n = self._f.write(data)  # a buffered file writes everything: n is every byte
+        view = memoryview(data).cast("B")
+        self.digest.update(view if n is None else view[:n])
+        self.size += view.nbytes if n is None else n
         return n
 
     def tell(self) -> int:
