@@ -500,15 +500,23 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
   if (options.await_ranks.count() <= 0) options.await_ranks = kDefaultAwaitRanks;
   Result<std::unique_ptr<CheckpointWriter>> writer = Status::Internal("no writer begun");
   std::string listing;
+  // Rank 0 also gives the save its attempt (WriterOptions::attempt), unless
+  // the caller did: a job restarted after a crash takes over the name.
   if (comm.rank() == 0) {
+    if (options.attempt.empty()) options.attempt = NewSaveAttempt();
     WriterOptions first = options;
     first.share_sync = &listing;
     writer = repo.BeginCheckpoint(name, first);
   }
-  CKPT_ASSIGN_OR_RETURN(std::string shared,
-                        FromRankZero(comm, "begin and share the store listing", writer.status(), listing));
+  CKPT_ASSIGN_OR_RETURN(
+      std::string shared,
+      FromRankZero(comm, "begin and share the store listing", writer.status(), options.attempt + '\n' + listing));
   if (comm.rank() != 0) {
+    const size_t end = shared.find('\n');
+    if (end == std::string::npos) return Status::Internal("rank 0's store listing came without the save attempt");
     WriterOptions rest = options;
+    rest.attempt = shared.substr(0, end);
+    shared.erase(0, end + 1);
     rest.shared_sync = &shared;
     writer = repo.BeginCheckpoint(name, rest);
   }

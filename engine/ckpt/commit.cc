@@ -3,9 +3,11 @@
 #include "ckpt/commit.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <mutex>
 
 #include "ckpt/repository_impl.h"
+#include "core/random.h"
 
 namespace ckptfs {
 
@@ -41,6 +43,7 @@ Result<Manifest> MergeView(RepositoryImpl& repo, const RankCommit& rank, const C
     CKPT_ASSIGN_OR_RETURN(seq, DecodeSequence(*view.raw_sequence));
   }
   ckpt.state = CheckpointState::kCommitted;
+  ckpt.attempt.clear();  // a committed checkpoint has none
   ckpt.sequence = seq;
   ckpt.committed_unix_ms = WallClockUnixMs();
   ckpt.tensor_count = manifest.tensors.size();
@@ -51,10 +54,27 @@ Result<Manifest> MergeView(RepositoryImpl& repo, const RankCommit& rank, const C
   return manifest;
 }
 
-Status CheckJoin(const CheckpointRecord& rec, const WriterOptions& options) {
+AttemptOrder CompareAttempts(const std::string& mine, const std::string& theirs) {
+  if (mine == theirs) return AttemptOrder::kSame;
+  return mine > theirs ? AttemptOrder::kNewer : AttemptOrder::kOlder;
+}
+
+Status SupersededAttempt(const std::string& name, const std::string& mine, const std::string& pending) {
+  auto shown = [](const std::string& a) { return a.empty() ? std::string("(none)") : a; };
+  return Status::FailedPrecondition("checkpoint '" + name + "' is being saved by a newer attempt (" + shown(pending) +
+                                    ") than this rank's (" + shown(mine) +
+                                    "): a restarted job took it over, and this rank's save is given up");
+}
+
+Result<bool> CheckJoin(const CheckpointRecord& rec, const WriterOptions& options) {
   const std::string& name = rec.name;
   if (rec.state == CheckpointState::kCommitted) {
     return Status::AlreadyExists("checkpoint '" + name + "' already exists");
+  }
+  switch (CompareAttempts(options.attempt, rec.attempt)) {
+    case AttemptOrder::kNewer: return true;  // the older attempt is abandoned
+    case AttemptOrder::kOlder: return SupersededAttempt(name, options.attempt, rec.attempt);
+    case AttemptOrder::kSame: break;
   }
   if (rec.world_size != options.world_size) {
     return Status::InvalidArgument("checkpoint '" + name + "' is being written with world size " +
@@ -68,7 +88,13 @@ Status CheckJoin(const CheckpointRecord& rec, const WriterOptions& options) {
     return Status::AlreadyExists("rank " + std::to_string(options.rank) + " of checkpoint '" + name +
                                  "' already committed");
   }
-  return Status::OK();
+  return false;
+}
+
+std::string NewSaveAttempt() {
+  char ms[24];
+  std::snprintf(ms, sizeof ms, "%016llu", static_cast<unsigned long long>(WallClockUnixMs()));
+  return std::string(ms) + "-" + RandomHex(16);
 }
 
 }  // namespace ckptfs

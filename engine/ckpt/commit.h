@@ -179,6 +179,7 @@ struct CommitView {
   std::optional<std::string> raw_sequence;
   CheckpointRecord checkpoint;                // this rank added
   std::vector<RankRecord> ranks;              // this rank last
+  std::vector<uint32_t> abandoned;            // an older attempt's ranks, to drop
   bool last = false;
 };
 
@@ -189,8 +190,18 @@ struct CommitView {
 // every pack index once (another rank's packs on an object store).
 Result<Manifest> MergeView(RepositoryImpl& repo, const RankCommit& rank, const CommitView& view, bool index_on_miss);
 
-// Whether `options` may join the pending checkpoint `rec`.
-Status CheckJoin(const CheckpointRecord& rec, const WriterOptions& options);
+// Whether `options` may join the pending checkpoint `rec`: true when it
+// starts it afresh, `rec` being an older save attempt's (whose ranks' parts
+// the commit then drops); false when it joins it. AlreadyExists for a
+// committed `rec` or a rank already in; FailedPrecondition for a rank of an
+// older attempt than `rec`'s; InvalidArgument for a world size or step that
+// disagrees.
+Result<bool> CheckJoin(const CheckpointRecord& rec, const WriterOptions& options);
+// How attempt `mine` relates to `theirs`: the same, newer or older.
+enum class AttemptOrder { kSame, kNewer, kOlder };
+AttemptOrder CompareAttempts(const std::string& mine, const std::string& theirs);
+// The refusal of a rank of an attempt older than the pending one's.
+Status SupersededAttempt(const std::string& name, const std::string& mine, const std::string& pending);
 // Ranks may each bring tags; the first rank to give a key sets its value.
 void AddTags(CheckpointRecord& ckpt, const std::vector<std::pair<std::string, std::string>>& tags);
 

@@ -3,7 +3,9 @@
 // Steps (docs/DESIGN.md "Commit protocol"):
 //   1. ReadView: a read transaction takes what the catalog holds for this
 //      checkpoint (its record, the ranks committed, the next sequence).
-//   2. CheckJoin and CheckTensorsAgree on that view.
+//   2. CheckJoin and CheckTensorsAgree on that view. A pending checkpoint
+//      of an older save attempt is started afresh: its ranks' records are
+//      left out of the view and dropped by Publish.
 //   3. Last rank only, outside any write transaction: MergeView merges the
 //      ranks' records (reading the bytes where replicas overlap) and checks
 //      the tiling; WriteManifest makes the manifest object durable.
@@ -145,15 +147,26 @@ Result<CommitView> CatalogCommit::ReadView(const RankCommit& rank) {
   });
   CKPT_RETURN_IF_ERROR(st);
   CheckpointRecord& ckpt = view.checkpoint;
+  bool fresh = !view.raw_checkpoint;
   if (view.raw_checkpoint) {
     CKPT_ASSIGN_OR_RETURN(ckpt, DecodeCheckpoint(*view.raw_checkpoint));
-    CKPT_RETURN_IF_ERROR(CheckJoin(ckpt, rank.options));
-    if (!ckpt.step) ckpt.step = rank.options.step;
-  } else {
+    CKPT_ASSIGN_OR_RETURN(bool supersedes, CheckJoin(ckpt, rank.options));
+    if (supersedes) {
+      // An older attempt's ranks: Publish drops their records.
+      for (const auto& r : view.ranks) view.abandoned.push_back(r.rank);
+      view.ranks.clear();
+      ckpt = CheckpointRecord();
+      fresh = true;
+    } else if (!ckpt.step) {
+      ckpt.step = rank.options.step;
+    }
+  }
+  if (fresh) {
     ckpt.name = rank.name;
     ckpt.step = rank.options.step;
     ckpt.world_size = rank.options.world_size;
     ckpt.created_unix_ms = rank.created_unix_ms;
+    ckpt.attempt = rank.options.attempt;
   }
   view.ranks.push_back(rank.record);
   ckpt.committed_ranks.push_back(rank.options.rank);
@@ -199,6 +212,7 @@ Result<bool> CatalogCommit::Publish(const RankCommit& rank, const CommitView& vi
       for (const auto& s : t.shards) CKPT_RETURN_IF_ERROR(check_present(s.chunks, "tensor '" + t.name + "'"));
     }
     for (const auto& b : rank.record.blobs) CKPT_RETURN_IF_ERROR(check_present(b.chunks, "blob '" + b.name + "'"));
+    for (uint32_t r : view.abandoned) CKPT_RETURN_IF_ERROR(txn.Delete(Table::kRanks, keys::Rank(name, r)));
     if (!manifest) {
       CKPT_RETURN_IF_ERROR(txn.Put(Table::kRanks, keys::Rank(name, rank.options.rank), EncodeRank(rank.record)));
       return txn.Put(Table::kCheckpoints, keys::Checkpoint(name), EncodeCheckpoint(view.checkpoint));

@@ -28,6 +28,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -159,7 +160,11 @@ class StoreCommit : public CommitProtocol {
   Result<std::vector<RankProgress>> RankProgressOf(const std::string& name, uint32_t world_size) override;
 
  private:
-  Result<Manifest> MergeStoredRanks(const RankCommit& rank);
+  Status PutOwnPart(const RankCommit& rank, const std::string& key, const std::string& encoded);
+  Status AwaitOwnAttempt(const RankCommit& rank, CommitResult* result);
+  // Steps 3 to 5, this rank's part being durable.
+  Status CommitListed(const RankCommit& rank, CommitResult* result);
+  Result<std::optional<Manifest>> MergeStoredRanks(const RankCommit& rank);
 
   RepositoryImpl& repo_;
   StoreSync sync_;
@@ -192,7 +197,75 @@ Result<std::vector<RankProgress>> StoreCommit::RankProgressOf(const std::string&
   return out;
 }
 
-Result<Manifest> StoreCommit::MergeStoredRanks(const RankCommit& rank) {
+// This rank's part, PUT unless a part of this rank's attempt or a newer
+// one is there: one of an older attempt (a crashed job's) is replaced.
+// A part PUT only where none is keeps a rank of an older attempt from
+// replacing a newer one's between its check and its PUT.
+Status StoreCommit::PutOwnPart(const RankCommit& rank, const std::string& key, const std::string& encoded) {
+  Backend& store = *repo_.backend;
+  const std::string& name = rank.name;
+  const auto bytes = std::as_bytes(std::span(encoded));
+  for (;;) {
+    auto there = ReadPendingRank(store, name, rank.options.rank);
+    if (there.status().IsNotFound()) {
+      Status put = store.PutIfAbsent(key, bytes);
+      if (!put.IsAlreadyExists()) return put;
+      auto raw = store.ReadAll(key, encoded.size() + 1);
+      if (raw.ok() && *raw == encoded) return Status::OK();  // ours, the answer lost and retried
+      continue;  // another's, PUT meanwhile: look at it
+    }
+    // A part that cannot be read is replaced only by a rank of an attempt.
+    if (!there.ok() && rank.options.attempt.empty()) return there.status();
+    const std::string theirs = there.ok() ? there->header.attempt : std::string();
+    switch (there.ok() ? CompareAttempts(rank.options.attempt, theirs) : AttemptOrder::kNewer) {
+      case AttemptOrder::kSame:
+        return Status::AlreadyExists("rank " + std::to_string(rank.options.rank) + " of checkpoint '" + name +
+                                     "' already committed");
+      case AttemptOrder::kOlder: return SupersededAttempt(name, rank.options.attempt, theirs);
+      case AttemptOrder::kNewer: return store.Put(key, bytes);
+    }
+  }
+}
+
+// A split commit's completer whose listing showed every rank in, one or
+// more of them an older attempt's part: waits, re-reading the parts with
+// backoff, until this attempt's ranks have replaced them (then commits, by
+// starting over) or the wait runs out.
+Status StoreCommit::AwaitOwnAttempt(const RankCommit& rank, CommitResult* result) {
+  const auto deadline = rank.options.await_ranks + std::chrono::steady_clock::now();
+  for (int attempt = 0;; ++attempt) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      (void)repo_.backend->Delete(keys::PendingRankObject(rank.name, rank.options.rank));
+      return Status::IOError("checkpoint '" + rank.name + "': an earlier save attempt's parts were not all replaced "
+                             "by this attempt's ranks in time; it stays invisible");
+    }
+    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
+        std::chrono::milliseconds(std::min<int64_t>(10ll << std::min(attempt, 7), 1000)), deadline - now));
+    bool stale = false;
+    for (uint32_t r = 0; r < rank.options.world_size && !stale; ++r) {
+      auto part = ReadPendingRank(*repo_.backend, rank.name, r);
+      if (part.status().IsNotFound()) {
+        stale = true;
+      } else {
+        CKPT_RETURN_IF_ERROR(part.status());
+        if (part->header.attempt != rank.options.attempt) {
+          if (CompareAttempts(rank.options.attempt, part->header.attempt) == AttemptOrder::kOlder) {
+            return SupersededAttempt(rank.name, rank.options.attempt, part->header.attempt);
+          }
+          stale = true;
+        }
+      }
+    }
+    if (stale) continue;
+    RankCommit again = rank;
+    again.role = RankCommit::Role::kAny;  // every part is in: commit as the last rank would
+    return CommitListed(again, result);
+  }
+}
+
+// Null when an older attempt's part still stands for some rank.
+Result<std::optional<Manifest>> StoreCommit::MergeStoredRanks(const RankCommit& rank) {
   const std::string& name = rank.name;
   const uint32_t n = rank.options.world_size;
   std::vector<Result<PendingRank>> objects(n, Status::Internal("not read"));
@@ -204,6 +277,14 @@ Result<Manifest> StoreCommit::MergeStoredRanks(const RankCommit& rank) {
   view.checkpoint.created_unix_ms = rank.created_unix_ms;
   for (uint32_t r = 0; r < n; ++r) {
     if (!objects[r].ok()) return objects[r].status().WithContext("committing checkpoint '" + name + "'");
+    const CheckpointRecord& h = objects[r]->header;
+    switch (CompareAttempts(rank.options.attempt, h.attempt)) {
+      case AttemptOrder::kSame: break;
+      case AttemptOrder::kNewer: return std::optional<Manifest>();
+      case AttemptOrder::kOlder: return SupersededAttempt(name, rank.options.attempt, h.attempt);
+    }
+  }
+  for (uint32_t r = 0; r < n; ++r) {
     const CheckpointRecord& h = objects[r]->header;
     if (h.world_size != n) {
       return Status::InvalidArgument("checkpoint '" + name + "': rank " + std::to_string(r) + " was saved with world size " +
@@ -228,7 +309,8 @@ Result<Manifest> StoreCommit::MergeStoredRanks(const RankCommit& rank) {
     return Status::OK();
   }));
   view.last = true;
-  return MergeView(repo_, rank, view, /*index_on_miss=*/true);
+  CKPT_ASSIGN_OR_RETURN(Manifest merged, MergeView(repo_, rank, view, /*index_on_miss=*/true));
+  return std::optional<Manifest>(std::move(merged));
 }
 
 Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
@@ -244,20 +326,15 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
   auto committed = store.Size(keys::ManifestObject(name));
   if (committed.ok()) return Status::AlreadyExists("checkpoint '" + name + "' already exists");
   if (!committed.status().IsNotFound()) return committed.status();
-  auto mine = store.Size(own_key);
-  if (mine.ok()) {
-    return Status::AlreadyExists("rank " + std::to_string(options.rank) + " of checkpoint '" + name + "' already committed");
-  }
-  if (!mine.status().IsNotFound()) return mine.status();
-
   CheckpointRecord header;
   header.name = name;
   header.step = options.step;
   header.world_size = options.world_size;
   header.created_unix_ms = rank.created_unix_ms;
   header.tags = options.tags;
+  header.attempt = options.attempt;
   const std::string encoded = EncodePendingRank(header, rank.record);
-  CKPT_RETURN_IF_ERROR(store.Put(own_key, std::as_bytes(std::span(encoded))));
+  CKPT_RETURN_IF_ERROR(PutOwnPart(rank, own_key, encoded));
   // The catalog is this host's index of the store: the packs just written
   // go in as a sync would put them.
   CKPT_RETURN_IF_ERROR(repo_.catalog->Update([&](WriteTxn& txn) -> Status {
@@ -266,16 +343,30 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
   }));
 
   if (rank.role == RankCommit::Role::kPartOnly) return Status::OK();  // the sharing rank completes
+  return CommitListed(rank, result);
+}
 
+Status StoreCommit::CommitListed(const RankCommit& rank, CommitResult* result) {
+  const std::string& name = rank.name;
+  const WriterOptions& options = rank.options;
+  Backend& store = *repo_.backend;
+  const std::string own_key = keys::PendingRankObject(name, options.rank);
   std::set<uint32_t> ranks;
+  std::vector<std::string> beyond;  // parts of ranks past the world size: an older attempt's
   const auto deadline = std::chrono::steady_clock::now() + options.await_ranks;
   for (int attempt = 0;; ++attempt) {
     CKPT_ASSIGN_OR_RETURN(auto present, store.List(keys::PendingPrefix(name)));
     ranks.clear();
+    beyond.clear();
     for (const auto& key : present) {
       std::string n;
       uint32_t r;
-      if (keys::ParsePendingRankObject(key, &n, &r) && n == name && r < options.world_size) ranks.insert(r);
+      if (!keys::ParsePendingRankObject(key, &n, &r) || n != name) continue;
+      if (r < options.world_size) {
+        ranks.insert(r);
+      } else {
+        beyond.push_back(key);
+      }
     }
     if (ranks.size() >= options.world_size) break;
     if (rank.role != RankCommit::Role::kCompleter) return Status::OK();  // another rank completes later
@@ -374,11 +465,18 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
     return st;
   };
   auto manifest = MergeStoredRanks(rank);
+  if (manifest.ok() && !*manifest) {
+    // An older attempt's part still stands for some rank: this attempt's
+    // rank replaces it when it commits, and completes the checkpoint then.
+    (void)store.Delete(claim_key);
+    if (rank.role != RankCommit::Role::kCompleter) return Status::OK();
+    return AwaitOwnAttempt(rank, result);
+  }
   if (!manifest.ok()) return fail(manifest.status());
   if (rank.store_lock != nullptr) {
     if (Status held = rank.store_lock->Check(); !held.ok()) return fail(held);
   }
-  const std::string manifest_bytes = EncodeManifest(*manifest);
+  const std::string manifest_bytes = EncodeManifest(**manifest);
   Status put = store.PutIfAbsent(manifest_key, std::as_bytes(std::span(manifest_bytes)));
   // Exists: this PUT's own, its answer lost and retried.
   if (put.IsAlreadyExists()) return Status::OK();
@@ -395,6 +493,7 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
     if (!st.ok() && !st.IsNotFound()) failing = true;
     (void)store.Delete(keys::StartedRankObject(name, static_cast<uint32_t>(r)));
   });
+  for (const auto& key : beyond) (void)store.Delete(key);
   if (!failing) (void)store.Delete(claim_key);
   (void)sync_.Sync(SyncScope::kCheckpoints);
   return Status::OK();

@@ -243,7 +243,23 @@ struct WriterOptions {
   // and store low-yield chunks raw, writing more to a disk that is the
   // bottleneck (docs/PERFORMANCE.md).
   bool compress_every_chunk = false;
+  // The save attempt this rank belongs to: every rank of one save gives the
+  // same value, made once by NewSaveAttempt() and shared (a job restarted
+  // after a crash makes a new one). The first commit of a newer attempt
+  // abandons a pending checkpoint of an older one (a crashed job's): its
+  // ranks' parts are dropped, never merged with this attempt's, whatever
+  // their world size or step. A rank of an attempt older than the pending
+  // one's is refused (FailedPrecondition). Empty, the rank joins a pending
+  // checkpoint saved without an attempt, as before; one saved with an
+  // attempt refuses it. At most kMaxAttemptSize printable bytes.
+  std::string attempt;
 };
+
+// A new save attempt for WriterOptions::attempt: 16 decimal digits of the
+// wall clock's milliseconds, '-', 16 random hex digits. Attempts compare as
+// strings in the order they were made, as long as the clocks of the hosts
+// making them agree to within the time a restart takes.
+std::string NewSaveAttempt();
 
 struct CommitResult {
   bool checkpoint_visible = false;  // this commit was the last rank's

@@ -479,6 +479,11 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
       (options.await_ranks.count() > 0 && options.share_sync == nullptr && options.shared_sync == nullptr)) {
     return Status::InvalidArgument("await_ranks splits a group's commit: it needs share_sync or shared_sync");
   }
+  if (options.attempt.size() > kMaxAttemptSize ||
+      std::any_of(options.attempt.begin(), options.attempt.end(), [](char c) { return c < 0x21 || c > 0x7e; })) {
+    return Status::InvalidArgument("a save attempt is at most " + std::to_string(kMaxAttemptSize) +
+                                   " printable characters without spaces");
+  }
   const bool split = options.await_ranks.count() > 0;
   // Taken before the catalog is consulted, so gc cannot remove a chunk
   // between our dedup lookups and our commit.
@@ -503,7 +508,7 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
     CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
     if (!raw) return Status::OK();
     CKPT_ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*raw));
-    return CheckJoin(rec, options);
+    return CheckJoin(rec, options).status();
   }));
   WriterOptions kept = options;
   kept.share_sync = nullptr;  // the caller's, used above only

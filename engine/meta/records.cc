@@ -67,12 +67,21 @@ Status ValidateCheckpointRecord(const CheckpointRecord& c) {
     return bad("committed with " + std::to_string(c.committed_ranks.size()) + " of " + std::to_string(c.world_size) +
                " ranks");
   }
+  if (c.state == CheckpointState::kCommitted && !c.attempt.empty()) return bad("committed with a save attempt");
+  if (c.attempt.size() > kMaxAttemptSize) return bad("save attempt of " + std::to_string(c.attempt.size()) + " bytes");
+  for (char ch : c.attempt) {
+    if (ch < 0x21 || ch > 0x7e) return bad("save attempt holds a byte that is not printable");
+  }
   return Status::OK();
 }
 
 namespace {
 
+// Version 2 adds a checkpoint's save attempt; a record is written at
+// version 1 whenever it has none, so what older builds wrote and read stays
+// as it was.
 constexpr uint8_t kRecordVersion = 1;
+constexpr uint8_t kAttemptVersion = 2;
 constexpr char kManifestMagic[8] = {'C', 'K', 'P', 'T', 'M', 'A', 'N', 'I'};
 
 void PutChunks(Encoder& e, const std::vector<ChunkRef>& chunks) {
@@ -191,6 +200,8 @@ Status GetBlob(Decoder& d, BlobRecord* b) {
   return ValidateBlobRecord(*b);
 }
 
+uint8_t VersionOf(const CheckpointRecord& c) { return c.attempt.empty() ? kRecordVersion : kAttemptVersion; }
+
 void PutCheckpoint(Encoder& e, const CheckpointRecord& c) {
   e.String(c.name);
   e.U8(c.step.has_value());
@@ -209,9 +220,10 @@ void PutCheckpoint(Encoder& e, const CheckpointRecord& c) {
   }
   e.Varint(c.tensor_count);
   e.Varint(c.logical_bytes);
+  if (!c.attempt.empty()) e.String(c.attempt);
 }
 
-Status GetCheckpoint(Decoder& d, CheckpointRecord* c) {
+Status GetCheckpoint(Decoder& d, CheckpointRecord* c, uint8_t version) {
   uint8_t has_step, state;
   uint64_t step;
   CKPT_RETURN_IF_ERROR(d.String(&c->name));
@@ -240,6 +252,10 @@ Status GetCheckpoint(Decoder& d, CheckpointRecord* c) {
   }
   CKPT_RETURN_IF_ERROR(d.Varint(&c->tensor_count));
   CKPT_RETURN_IF_ERROR(d.Varint(&c->logical_bytes));
+  if (version == kAttemptVersion) {
+    CKPT_RETURN_IF_ERROR(d.String(&c->attempt));
+    if (c->attempt.empty()) return Status::Corruption("empty save attempt");
+  }
   return ValidateCheckpointRecord(*c);
 }
 
@@ -320,9 +336,23 @@ std::string CheckpointIdentity(const CheckpointRecord& c) {
          std::to_string(c.world_size);
 }
 
-std::string EncodeCheckpoint(const CheckpointRecord& r) { return EncodeWith(r, PutCheckpoint); }
+std::string EncodeCheckpoint(const CheckpointRecord& r) {
+  Encoder e;
+  e.U8(VersionOf(r));
+  PutCheckpoint(e, r);
+  return e.Take();
+}
 Result<CheckpointRecord> DecodeCheckpoint(std::string_view data) {
-  return DecodeWith<CheckpointRecord>(data, GetCheckpoint, "checkpoint");
+  if (!data.empty() && static_cast<uint8_t>(data[0]) == kAttemptVersion) {
+    Decoder d(data.substr(1));
+    CheckpointRecord out;
+    Status st = GetCheckpoint(d, &out, kAttemptVersion);
+    if (!st.ok()) return Status::Corruption("checkpoint record: " + st.message() + kReindexHint);
+    if (!d.done()) return Status::Corruption(std::string("checkpoint record has trailing bytes") + kReindexHint);
+    return out;
+  }
+  return DecodeWith<CheckpointRecord>(
+      data, [](Decoder& d, CheckpointRecord* c) { return GetCheckpoint(d, c, kRecordVersion); }, "checkpoint");
 }
 std::string EncodeTensor(const TensorRecord& r) { return EncodeWith(r, PutTensor); }
 Result<TensorRecord> DecodeTensor(std::string_view data) {
@@ -340,7 +370,7 @@ Result<ChunkLocation> DecodeChunkLocation(std::string_view data) {
 std::string EncodeManifest(const Manifest& m) {
   Encoder e;
   e.Bytes(kManifestMagic, 8);
-  e.U8(kRecordVersion);
+  e.U8(VersionOf(m.checkpoint));
   PutCheckpoint(e, m.checkpoint);
   e.Varint(m.tensors.size());
   for (const auto& t : m.tensors) PutTensor(e, t);
@@ -364,9 +394,9 @@ Result<Manifest> DecodeManifest(std::string_view data) {
   Decoder d(body.substr(8));
   uint8_t version = 0;
   CKPT_RETURN_IF_ERROR(d.U8(&version));
-  if (version != kRecordVersion) return Status::Corruption("manifest has unknown version");
+  if (version != kRecordVersion && version != kAttemptVersion) return Status::Corruption("manifest has unknown version");
   Manifest m;
-  CKPT_RETURN_IF_ERROR(GetCheckpoint(d, &m.checkpoint));
+  CKPT_RETURN_IF_ERROR(GetCheckpoint(d, &m.checkpoint, version));
   uint64_t n;
   CKPT_RETURN_IF_ERROR(d.Varint(&n));
   if (n > d.remaining()) return Status::Corruption("manifest tensor count exceeds size");

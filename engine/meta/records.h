@@ -46,6 +46,8 @@ struct BlobRecord {
 
 enum class CheckpointState : uint8_t { kPending = 0, kCommitted = 1 };
 
+inline constexpr size_t kMaxAttemptSize = 64;
+
 struct CheckpointRecord {
   std::string name;
   std::optional<int64_t> step;
@@ -58,6 +60,10 @@ struct CheckpointRecord {
   std::vector<std::pair<std::string, std::string>> tags;
   uint64_t tensor_count = 0;
   uint64_t logical_bytes = 0;  // tensors + blobs, as written by the ranks (unique shards)
+  // A pending checkpoint's save attempt (WriterOptions::attempt): every rank
+  // of one save gives the same, and a newer one abandons an older one's
+  // ranks. Empty for a save that gave none, and once committed.
+  std::string attempt;
 };
 
 // What one rank contributed, kept until the last rank commits.
@@ -83,7 +89,8 @@ struct Manifest {
 //     region's bytes;
 //   blob: its chunks hold exactly `size` bytes, each 1 to kMaxChunkSize;
 //   checkpoint: world size >= 1; committed ranks strictly increasing and
-//     below the world size; a committed checkpoint has every rank.
+//     below the world size; a committed checkpoint has every rank and no
+//     attempt; an attempt has at most kMaxAttemptSize printable bytes.
 // Tiling (shards covering the tensor, overlaps agreeing) needs the chunks'
 // bytes and is checked at commit and by verify, not here.
 Status ValidateTensorRecord(const TensorRecord& t);

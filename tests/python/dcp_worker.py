@@ -12,6 +12,13 @@ test_dcp (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment):
         and checks every element
     dcp_worker.py async-save REPO NAME thread|process
         (2 ranks) saves with dcp.async_save and waits on its future
+    dcp_worker.py crash-save REPO NAME SCALE
+        (4 ranks) a job that dies in the middle of dcp.async_save: rank 3
+        before it writes, ranks 1 and 2 once their parts are committed,
+        rank 0 before DCP's finish; the saved state is ROWS() * SCALE
+    dcp_worker.py resave REPO NAME SCALE
+        (any world size) the job restarted: dcp.async_save of ROWS() * SCALE
+        to the same name, then dcp.load of it, checked element by element
     dcp_worker.py load-files DIR
         (any world size) loads the DTensors of every placement from DIR with
         stock dcp.load and FileSystemReader, and checks every element
@@ -25,6 +32,7 @@ test_dcp (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment):
 
 Prints "ok" when its checks pass; FULL() is the state every run agrees on.
 """
+import os
 import sys
 
 import torch
@@ -170,6 +178,28 @@ def main():
             future.result()
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             outcome = f"failed: {str(e).splitlines()[0]}"
+    elif action in ("crash-save", "resave"):
+        mesh = init_device_mesh("cpu", (world,))
+        scale = float(sys.argv[4])
+
+        def rows(zero=False):
+            t = torch.zeros(10, 6) if zero else full()["rows"] * scale
+            return {"w": distribute_tensor(t, mesh, [Shard(0)]), "step": 0 if zero else 8}
+        writer = StorageWriter(repo, name)
+        if action == "crash-save":
+            wrote = writer.write_data
+
+            def dying(plan, planner):
+                if dist.get_rank() == 3:
+                    os._exit(0)
+                wrote(plan, planner).value()
+                os._exit(0)  # ranks 1 and 2 committed their parts; rank 0 commits in finish()
+            writer.write_data = dying
+        future = dcp.async_save(rows(), storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.THREAD)
+        future.result()
+        back = rows(zero=True)
+        dcp.load(back, storage_reader=StorageReader(repo, name))
+        assert torch.equal(back["w"].full_tensor(), full()["rows"] * scale) and back["step"] == 8
     print(outcome)
     # DCP's process-based async saver is a daemon process that
     # multiprocessing ends at interpreter exit: run the exit handlers first,

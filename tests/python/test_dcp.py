@@ -130,6 +130,26 @@ class AsyncSave(DcpTestCase):
         self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
 
 
+class RestartAfterACrash(DcpTestCase):
+    def test_a_job_killed_during_async_save_saves_the_name_again_at_4_and_at_2_ranks_without_mixing(self):
+        rows = dcp_worker.full()["rows"]
+        for name, world in (("step-8", 4), ("step-9", 2)):
+            with self.subTest(restarted_at=world):
+                self.assertEqual(self.run_job(4, "crash-save", self.repo, name, "1"), [""] * 4)
+                [pending] = [c for c in ckptfs.open(self.repo).checkpoints(include_pending=True)
+                             if c["name"] == name]
+                self.assertEqual((pending["state"], pending["world_size"], pending["committed_ranks"]),
+                                 ("pending", 4, 2))
+                # The restarted job saves the same name and resumes from it.
+                self.assertEqual(self.run_job(world, "resave", self.repo, name, "2"), ["ok"] * world)
+                repo = ckptfs.open(self.repo)
+                [saved] = [c for c in repo.checkpoints(include_pending=True) if c["name"] == name]
+                self.assertEqual((saved["state"], saved["world_size"]), ("committed", world))
+                # Only the restarted job's bytes: nothing of the crashed attempt.
+                self.assertEqual(bits(repo.tensor(name, "w")), bits(rows * 2))
+        self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
+
+
 class Pickling(unittest.TestCase):
     @unittest.skipIf(DCP_REASON, DCP_REASON or "")
     def test_writers_and_readers_pickle_and_reopen_their_repository(self):

@@ -230,6 +230,39 @@ TEST(Records, CheckpointRanksMustFitTheWorld) {
   EXPECT_TRUE(DecodeCheckpoint(EncodeCheckpoint(c)).status().IsCorruption());
 }
 
+TEST(Records, ASaveAttemptRaisesTheVersionOnlyOfRecordsThatHaveOne) {
+  CheckpointRecord c;
+  c.name = "c";
+  c.world_size = 2;
+  c.committed_ranks = {1};
+  const std::string plain = EncodeCheckpoint(c);
+  EXPECT_EQ(plain[0], 1);  // what earlier builds wrote and read
+  c.attempt = "0001764300000000-0123456789abcdef";
+  const std::string with = EncodeCheckpoint(c);
+  EXPECT_EQ(with[0], 2);
+  auto back = DecodeCheckpoint(with);
+  ASSERT_OK(back);
+  EXPECT_EQ(back->attempt, c.attempt);
+  Manifest pending;
+  pending.checkpoint = c;
+  auto m = DecodeManifest(EncodeManifest(pending));
+  ASSERT_OK(m);
+  EXPECT_EQ(m->checkpoint.attempt, c.attempt);
+  for (size_t cut = 0; cut < with.size(); ++cut) EXPECT_FALSE(DecodeCheckpoint(with.substr(0, cut)).ok()) << cut;
+  std::string empty = plain;
+  empty[0] = 2;
+  empty.push_back('\0');  // version 2 with an empty attempt: not what any encoder writes
+  EXPECT_TRUE(DecodeCheckpoint(empty).status().IsCorruption());
+  c.attempt = "has space";
+  EXPECT_TRUE(DecodeCheckpoint(EncodeCheckpoint(c)).status().IsCorruption());
+  c.attempt = std::string(kMaxAttemptSize + 1, 'a');
+  EXPECT_TRUE(DecodeCheckpoint(EncodeCheckpoint(c)).status().IsCorruption());
+  c.attempt = "a";
+  c.committed_ranks = {0, 1};
+  c.state = CheckpointState::kCommitted;  // a committed record keeps none
+  EXPECT_TRUE(DecodeCheckpoint(EncodeCheckpoint(c)).status().IsCorruption());
+}
+
 TEST(Records, EveryValueHasOneEncoding) {
   // Decoders accept only what the encoders write, so a decoded record
   // encodes back to the same bytes (the fuzz targets rely on it).

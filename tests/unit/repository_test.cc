@@ -314,6 +314,101 @@ TEST_P(SaveAndLoad, RanksCommittingAtOnceMakeOneVisibleCheckpoint) {
   for (size_t i = 0; i < list->size(); ++i) EXPECT_EQ((*list)[i].sequence, i + 1);
 }
 
+// A job killed during a save leaves some ranks of it pending; the job
+// restarted (at another world size too) saves the same name as a new
+// attempt, which abandons the crashed one's parts and never merges them.
+TEST_P(SaveAndLoad, ASaveAttemptAfterACrashAbandonsTheCrashedAttemptsParts) {
+  Ref old_bytes = MakeRef("w", DType::kF32, {64, 40}, 41);
+  Ref new_bytes = MakeRef("w", DType::kF32, {64, 40}, 42);
+  const std::string crashed = NewSaveAttempt();
+  auto begin = [&](uint32_t rank, uint32_t world, const std::string& attempt) {
+    WriterOptions o{rank, world, 8, {}};
+    o.attempt = attempt;
+    return repo_->BeginCheckpoint("step-8", o);
+  };
+  for (uint32_t r : {0u, 2u}) {  // 2 of 4 ranks in, then the job dies
+    auto w = begin(r, 4, crashed);
+    ASSERT_OK(w);
+    PutBox(**w, old_bytes, Box{{16 * r, 0}, {16, 40}});
+    ASSERT_OK((*w)->Commit().Wait());
+  }
+  auto straggler = begin(1, 4, crashed);  // a rank of the crashed job still at work
+  ASSERT_OK(straggler);
+  PutBox(**straggler, old_bytes, Box{{16, 0}, {16, 40}});
+  // Ranks without an attempt do not join, nor does an attempt older than
+  // the pending one's.
+  EXPECT_EQ(begin(1, 4, "").status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(begin(1, 4, "0000000000000001-00").status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(begin(0, 2, std::string(kMaxAttemptSize + 1, 'a')).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(begin(0, 2, "two words").status().code(), StatusCode::kInvalidArgument);
+
+  // The restarted job, at world size 2.
+  std::string restarted = NewSaveAttempt();
+  if (restarted <= crashed) restarted = crashed + "0";  // a clock that did not move
+  auto r0 = begin(0, 2, restarted);
+  ASSERT_OK(r0);
+  PutBox(**r0, new_bytes, Box{{0, 0}, {32, 40}});
+  auto first = (*r0)->Commit().Wait();
+  ASSERT_OK(first);
+  EXPECT_FALSE(first->checkpoint_visible);
+  // The straggler's commit never makes its part count: the catalog refuses
+  // it; on a store, whose listing does not show attempts, its part is
+  // recorded but never merged with the new attempt's.
+  auto late = (*straggler)->Commit().Wait();
+  if (late.ok()) {
+    EXPECT_NE(GetParam(), RepoKind::kLocal);
+    EXPECT_FALSE(late->checkpoint_visible);
+  } else {
+    EXPECT_EQ(late.status().code(), StatusCode::kFailedPrecondition) << late.status().ToString();
+  }
+  auto r1 = begin(1, 2, restarted);
+  ASSERT_OK(r1);
+  PutBox(**r1, new_bytes, Box{{32, 0}, {32, 40}});
+  auto last = (*r1)->Commit().Wait();
+  ASSERT_OK(last);
+  EXPECT_TRUE(last->checkpoint_visible);
+  ExpectWhole("step-8", new_bytes);
+  auto rec = repo_->GetCheckpoint("step-8");
+  ASSERT_OK(rec);
+  EXPECT_EQ(rec->world_size, 2u);
+  EXPECT_EQ(rec->step, 8);
+  EXPECT_TRUE(rec->attempt.empty());
+  EXPECT_EQ(begin(1, 4, crashed).status().code(), StatusCode::kAlreadyExists);
+  auto v = repo_->Verify(std::nullopt);
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok());
+  // gc finds nothing of the crashed attempt still referenced.
+  ASSERT_OK(repo_->CollectGarbage(GcOptions{}));
+  ExpectWhole("step-8", new_bytes);
+
+  // Restarted at the same world size, the new attempt's ranks replace the
+  // crashed one's parts rank by rank, in any order.
+  const std::string crashed_again = NewSaveAttempt();
+  for (uint32_t r : {1u, 3u}) {
+    WriterOptions o{r, 4, 9, {}};
+    o.attempt = crashed_again;
+    auto w = repo_->BeginCheckpoint("step-9", o);
+    ASSERT_OK(w);
+    PutBox(**w, old_bytes, Box{{16 * r, 0}, {16, 40}});
+    ASSERT_OK((*w)->Commit().Wait());
+  }
+  std::string again = NewSaveAttempt();
+  if (again <= crashed_again) again = crashed_again + "0";
+  int visible = 0;
+  for (uint32_t r : {3u, 0u, 2u, 1u}) {
+    WriterOptions o{r, 4, 9, {}};
+    o.attempt = again;
+    auto w = repo_->BeginCheckpoint("step-9", o);
+    ASSERT_OK(w);
+    PutBox(**w, new_bytes, Box{{16 * r, 0}, {16, 40}});
+    auto res = (*w)->Commit().Wait();
+    ASSERT_OK(res);
+    visible += res->checkpoint_visible;
+  }
+  EXPECT_EQ(visible, 1);
+  ExpectWhole("step-9", new_bytes);
+}
+
 TEST_P(SaveAndLoad, FlatShardsDeduplicateAcrossWorldSizes) {
   Ref p = MakeRef("flat.param", DType::kF32, {1000, 257}, 11);  // ~1 MiB, 16 chunks
   const uint64_t n = NumElements(p.info.shape);

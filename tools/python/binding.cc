@@ -632,10 +632,13 @@ class PyRepository {
   // `await_ranks` (seconds, with shared_sync): a part of a split commit
   // (WriterOptions::await_ranks). `compress_every_chunk`: as
   // WriterOptions's.
+  // `attempt`: WriterOptions::attempt.
   Writer begin(const std::string& name, uint32_t rank, uint32_t world_size, std::optional<int64_t> step,
                const std::vector<std::pair<std::string, std::string>>& tags,
-               const std::optional<std::string>& shared_sync, double await_ranks, bool compress_every_chunk) {
+               const std::optional<std::string>& shared_sync, double await_ranks, bool compress_every_chunk,
+               const std::string& attempt) {
     WriterOptions o = WriterOptionsOf(rank, world_size, step, tags);
+    o.attempt = attempt;
     if (shared_sync) o.shared_sync = &*shared_sync;
     o.await_ranks = AwaitRanks(await_ranks);
     o.compress_every_chunk = compress_every_chunk;
@@ -646,8 +649,10 @@ class PyRepository {
   // With `await_ranks` (seconds), the commit waits that long for the
   // other ranks' parts and completes the checkpoint.
   py::tuple begin_sharing(const std::string& name, uint32_t rank, uint32_t world_size, std::optional<int64_t> step,
-                          const std::vector<std::pair<std::string, std::string>>& tags, double await_ranks) {
+                          const std::vector<std::pair<std::string, std::string>>& tags, double await_ranks,
+                          const std::string& attempt) {
     WriterOptions o = WriterOptionsOf(rank, world_size, step, tags);
+    o.attempt = attempt;
     std::string listing;
     o.share_sync = &listing;
     o.await_ranks = AwaitRanks(await_ranks);
@@ -1026,6 +1031,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("load_plan_part", &LoadPlanPart, py::arg("data"), py::arg("entries"), py::arg("world"),
         "A rank's part of a load plan: (routes [(route, reader, bytes, [entry], [peer])], windows [(routes_end, "
         "exchange, hold, [(index, from, to, chunk)], release)], unique bytes, needed bytes).");
+  m.def("new_save_attempt", &NewSaveAttempt,
+        "A new save attempt: every rank of one save passes the same to begin (WriterOptions::attempt).");
   m.def("digest", [](py::buffer data) {
     py::buffer_info b = data.request();
     if (!PyBuffer_IsContiguous(b.view(), 'C')) throw StatusError{Status::InvalidArgument("not contiguous memory")};
@@ -1104,9 +1111,9 @@ PYBIND11_MODULE(_core, m) {
            py::arg("follow_symlinks") = false)
       .def("begin", &PyRepository::begin, py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("step"),
            py::arg("tags"), py::arg("shared_sync") = py::none(), py::arg("await_ranks") = 0.0,
-           py::arg("compress_every_chunk") = false)
+           py::arg("compress_every_chunk") = false, py::arg("attempt") = "")
       .def("begin_sharing", &PyRepository::begin_sharing, py::arg("name"), py::arg("rank"), py::arg("world_size"),
-           py::arg("step"), py::arg("tags"), py::arg("await_ranks") = 0.0)
+           py::arg("step"), py::arg("tags"), py::arg("await_ranks") = 0.0, py::arg("attempt") = "")
       .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"), py::arg("lease") = true)
       .def("checkpoints", &PyRepository::checkpoints, py::arg("include_pending"))
       .def("pending_ranks", &PyRepository::pending_ranks, py::arg("name"))

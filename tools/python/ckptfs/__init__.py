@@ -43,6 +43,7 @@ __version__ = _core.__version__
 
 __all__ = [
     "Box",
+    "new_save_attempt",
     "Flat",
     "Repository",
     "SaveHandle",
@@ -58,6 +59,12 @@ __all__ = [
     "StorageError",
     "UnsupportedError",
 ]
+
+
+def new_save_attempt() -> str:
+    """A new save attempt for save's and async_save's `attempt`: make one
+    per save, on one rank, and give it to every rank of that save."""
+    return _core.new_save_attempt()
 
 
 # ---- shards ---------------------------------------------------------------------
@@ -451,7 +458,8 @@ class Repository:
 
     # -- save --
 
-    def _put_all(self, name, state_dict, step, rank, world_size, shards, tags, progress=None, skip=(), group=None):
+    def _put_all(self, name, state_dict, step, rank, world_size, shards, tags, progress=None, skip=(), group=None,
+                 attempt=None):
         if not isinstance(state_dict, Mapping):
             raise InvalidArgumentError(f"state_dict must be a mapping of names to values, not {type(state_dict).__name__}")
         shards = dict(shards or {})
@@ -461,12 +469,14 @@ class Repository:
             raise InvalidArgumentError(f"shards names {unknown} that are not in the state dict")
         begin = (name, int(rank), int(world_size), None if step is None else int(step),
                  [(str(k), str(v)) for k, v in (tags or {}).items()])
+        if attempt is not None and not isinstance(attempt, str):
+            raise InvalidArgumentError(f"attempt must be a string, not {type(attempt).__name__}")
         if group is None:
-            writer = self._repo.begin(*begin)
+            writer = self._repo.begin(*begin, attempt=attempt or "")
         else:
             from . import collective  # noqa: PLC0415
 
-            writer, error = collective.begin(self._repo, begin, group)
+            writer, error = collective.begin(self._repo, begin, group, attempt or "")
             if writer is None:
                 group.agree("put", error)  # raises on every rank
         kept = []  # device memory must stay alive until the commit has copied it
@@ -494,7 +504,7 @@ class Repository:
         return writer, kept
 
     def _put_and_commit(self, name, state_dict, step, rank, world_size, shards, tags, *, snapshot, progress=None,
-                        process_group=None, verify_replicas=False, timeout=None):
+                        process_group=None, verify_replicas=False, timeout=None, attempt=None):
         """Puts everything and starts the commit; the core's save handle,
         the collective plan's figures and the group (both None without a
         process group). CUDA tensors stay referenced until the commit has
@@ -509,7 +519,8 @@ class Repository:
                                            f"(rank {group.rank} of {group.size}); leave them out")
             rank, world_size = group.rank, group.size
             skip, plan = collective.plan_save(state_dict, dict(shards or {}), group, verify_replicas, name)
-        writer, kept = self._put_all(name, state_dict, step, rank, world_size, shards, tags, progress, skip, group)
+        writer, kept = self._put_all(name, state_dict, step, rank, world_size, shards, tags, progress, skip, group,
+                                     attempt)
         _sync_cuda(kept)
         return writer.commit(snapshot=snapshot), plan, group
 
@@ -517,7 +528,8 @@ class Repository:
              world_size: int = 1, shards: Optional[Mapping[str, Shard]] = None,
              tags: Optional[Mapping[str, str]] = None,
              progress: Optional[Callable[[int, int], None]] = None, process_group: Any = None,
-             verify_replicas: bool = False, timeout: Optional[float] = None) -> Dict[str, Any]:
+             verify_replicas: bool = False, timeout: Optional[float] = None,
+             attempt: Optional[str] = None) -> Dict[str, Any]:
         """Saves this rank's part of checkpoint `name` and returns once it is durable.
 
         state_dict maps names to torch tensors (CPU or CUDA), NumPy arrays
@@ -541,10 +553,17 @@ class Repository:
         CollectiveError within `timeout` seconds (default 300), naming the
         step; nothing becomes visible. (docs/PYTHON.md, "Collective saves
         and restores".)
+
+        `attempt` (new_save_attempt()'s, the same on every rank of one save)
+        lets a job restarted after a crash save the name again: the crashed
+        job's pending ranks are dropped, never merged with the new ones, at
+        any world size, and a rank of the older attempt is refused
+        (ckptfs.Error). A collective save makes one itself. Without
+        it, ranks join a pending checkpoint saved without one.
         """
         handle, plan, group = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags,
                                                    snapshot=False, progress=progress, process_group=process_group,
-                                                   verify_replicas=verify_replicas, timeout=timeout)
+                                                   verify_replicas=verify_replicas, timeout=timeout, attempt=attempt)
         handle.wait(None)
         try:
             result = handle.result()
@@ -562,20 +581,22 @@ class Repository:
                    world_size: int = 1, shards: Optional[Mapping[str, Shard]] = None,
                    tags: Optional[Mapping[str, str]] = None,
                    progress: Optional[Callable[[int, int], None]] = None, process_group: Any = None,
-                   verify_replicas: bool = False, timeout: Optional[float] = None) -> SaveHandle:
+                   verify_replicas: bool = False, timeout: Optional[float] = None,
+                   attempt: Optional[str] = None) -> SaveHandle:
         """Like save, but returns as soon as the caller may modify its
         tensors: CPU tensors, arrays and blobs have been hashed and encoded,
         CUDA tensors copied to pinned host memory. The rest (compression
         not yet done, writes, fsync, commit) runs in the background; wait for
         it with the handle's result(). Saves still running when the
         interpreter exits are finished first. `process_group`,
-        `verify_replicas` and `timeout` are as for save: the planning and the
-        puts happen before this returns.
+        `verify_replicas`, `timeout` and `attempt` are as for save: the
+        planning and the puts happen before this returns.
         """
         start = time.perf_counter()
         handle, _plan, _group = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags,
                                                      snapshot=True, progress=progress, process_group=process_group,
-                                                     verify_replicas=verify_replicas, timeout=timeout)
+                                                     verify_replicas=verify_replicas, timeout=timeout,
+                                                     attempt=attempt)
         return SaveHandle(handle, time.perf_counter() - start)
 
     # -- load --

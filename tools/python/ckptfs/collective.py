@@ -284,7 +284,7 @@ def plan_save(state_dict: Mapping[str, Any], shards: Mapping[str, Any], group: _
     return skip, {"unique_bytes": unique, "held_bytes": held, "bytes_per_rank": list(per_rank)}
 
 
-def begin(core, args: tuple, group: _Group):
+def begin(core, args: tuple, group: _Group, attempt: str = ""):
     """Begins this rank's writer of a collective save (`args`: the core's
     begin arguments) so that the save costs the store one rank's listings
     and lock: rank 0 begins, listing the store under its shared store
@@ -302,16 +302,20 @@ def begin(core, args: tuple, group: _Group):
     # Rank 0 stops waiting for the parts a little before the other ranks'
     # wait for it at the commit's agreement runs out, so they hear why.
     await_ranks = 0.9 * group.timeout
+    # Rank 0 also gives the save its attempt (begin's `attempt`), unless
+    # the caller did: a job restarted after a crash takes over the name.
     if group.rank == 0:
+        attempt = attempt or _core.new_save_attempt()
         try:
-            writer, listing = core.begin_sharing(*args, await_ranks=await_ranks)
+            writer, listing = core.begin_sharing(*args, await_ranks=await_ranks, attempt=attempt)
         except Error as e:
             failed = e
-    listing = group.from_rank_0("begin and share the store listing", listing, failed)
+    shared = group.from_rank_0("begin and share the store listing", attempt.encode() + b"\n" + listing, failed)
     if group.rank == 0:
         return writer, None
+    attempt, _, listing = shared.partition(b"\n")
     try:
-        return core.begin(*args, shared_sync=listing, await_ranks=await_ranks), None
+        return core.begin(*args, shared_sync=listing, await_ranks=await_ranks, attempt=attempt.decode()), None
     except Error as e:
         return None, str(e)
 

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import ckptfs
 from ckptfs import UnsupportedError, _put_value, _read_value, _sync_cuda, _writable_mappings
+from ckptfs import _core
 
 __all__ = ["StorageWriter", "StorageReader", "dcp_unavailable_reason"]
 
@@ -177,14 +178,19 @@ class StorageWriter(_WriterBase):
                 raise ckptfs.InvalidArgumentError(
                     f"rank 0 saves checkpoint '{names[0]}' and rank {r} saves '{other}': every rank of a DCP save "
                     "names the same checkpoint (give each rank's StorageWriter, or dcp.save, the same checkpoint_id)")
-        return [dataclasses.replace(p, storage_data=None) for p in plans]
+        # One attempt for every rank of this save: a job restarted after a
+        # crash makes a new one, which takes over the name from the crashed
+        # job's pending ranks instead of joining them.
+        attempt = _core.new_save_attempt()
+        return [dataclasses.replace(p, storage_data=attempt) for p in plans]
 
     def write_data(self, plan, planner):
         if self.name is None:
             raise ckptfs.InvalidArgumentError("no checkpoint name: give StorageWriter a name, or dcp.save a checkpoint_id")
         rank, world = _rank_and_world()
+        attempt = plan.storage_data if isinstance(plan.storage_data, str) else ""
         writer = self._repo._repo.begin(self.name, rank, world, self._step(),
-                                        [(str(k), str(v)) for k, v in self.tags.items()])
+                                        [(str(k), str(v)) for k, v in self.tags.items()], attempt=attempt)
         self._writer = writer
         results = []
         try:
