@@ -155,12 +155,28 @@ Json DescribePendingRanks(const std::vector<RankProgress>& ranks) {
   return list;
 }
 
+Json DescribeRetentionDecision(const RetentionDecision& d) {
+  Json j = Json::MakeObject();
+  j.Set("name", d.name);
+  if (d.step) {
+    j.Set("step", *d.step);
+  } else {
+    j.Set("step", Json());
+  }
+  j.Set("keep", d.keep);
+  j.Set("why", d.why);
+  return j;
+}
+
 Json DescribeGcReport(const GcReport& r, bool dry_run) {
   Json j = Json::MakeObject();
   j.Set("dry_run", dry_run);
   Json removed = Json::MakeArray();
   for (const auto& n : r.removed) removed.Push(n);
   j.Set("removed", std::move(removed));
+  Json retention = Json::MakeArray();
+  for (const auto& d : r.retention) retention.Push(DescribeRetentionDecision(d));
+  j.Set("retention", std::move(retention));
   j.Set("dead_chunks", r.dead_chunks);
   j.Set("orphan_packs", r.orphan_packs);
   j.Set("temporary_bytes", r.temporary_bytes);

@@ -37,6 +37,8 @@ Json DescribeTensorStats(const TensorStats& stats);
 // What `ckpt gc --json` prints: dry_run, removed, dead chunks, packs
 // deleted, rewritten and orphaned, bytes before, after, reclaimed and live.
 Json DescribeGcReport(const GcReport& report, bool dry_run);
+// {name, step (null when none), keep, why}: one entry of the report's "retention".
+Json DescribeRetentionDecision(const RetentionDecision& decision);
 // Repository::PendingRanks as `ckpt show NAME --json`'s ranks_started.
 Json DescribePendingRanks(const std::vector<RankProgress>& ranks);
 // A copy's report, as `ckpt copy --json` prints it and ckptfs.copy returns it.

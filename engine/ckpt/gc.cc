@@ -51,57 +51,134 @@ Status ForEachReference(const ReadTxn& txn, const std::function<void(const std::
 
 }  // namespace
 
+namespace {
+
+// A duration as --keep-within takes it, in the largest units that fit.
+std::string FormatDuration(uint64_t seconds) {
+  if (seconds == 0) return "0s";
+  static constexpr std::pair<uint64_t, char> kUnits[] = {{604800, 'w'}, {86400, 'd'}, {3600, 'h'}, {60, 'm'}, {1, 's'}};
+  std::string out;
+  for (const auto& [size, unit] : kUnits) {
+    if (seconds >= size) {
+      out += std::to_string(seconds / size) + unit;
+      seconds %= size;
+    }
+  }
+  return out;
+}
+
+std::string Ordinal(uint64_t n) {
+  const uint64_t tens = n % 100, ones = n % 10;
+  const char* suffix = (tens >= 11 && tens <= 13) ? "th" : ones == 1 ? "st" : ones == 2 ? "nd" : ones == 3 ? "rd" : "th";
+  return std::to_string(n) + suffix;
+}
+
+}  // namespace
+
 Result<std::vector<std::string>> Repository::PlanRetention(const RetentionPolicy& policy) {
+  CKPT_ASSIGN_OR_RETURN(auto decisions, ExplainRetention(policy));
+  std::vector<std::string> remove;
+  for (const auto& d : decisions) {
+    if (!d.keep) remove.push_back(d.name);
+  }
+  return remove;
+}
+
+Result<std::vector<RetentionDecision>> Repository::ExplainRetention(const RetentionPolicy& policy) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
-  if (policy.empty()) return std::vector<std::string>{};
+  if (policy.empty()) return std::vector<RetentionDecision>{};
   if (policy.keep_every && *policy.keep_every == 0) return Status::InvalidArgument("--keep-every must be at least 1");
-  CKPT_ASSIGN_OR_RETURN(auto list, ListCheckpoints(false));
+  CKPT_ASSIGN_OR_RETURN(auto list, ListCheckpoints(false));  // commit order
   for (const auto& name : policy.keep) {
     if (std::none_of(list.begin(), list.end(), [&](const CheckpointRecord& c) { return c.name == name; })) {
       return Status::InvalidArgument("--keep " + name + ": no committed checkpoint has that name");
     }
   }
-  if (list.empty()) return std::vector<std::string>{};
+  if (list.empty()) return std::vector<RetentionDecision>{};
+  // keep-last's order: by step when every checkpoint has one (a run that
+  // went back to an earlier step counts by step), else by commit order.
   const bool by_step = std::all_of(list.begin(), list.end(), [](const CheckpointRecord& c) { return c.step.has_value(); });
   if (by_step) {
     std::stable_sort(list.begin(), list.end(), [](const CheckpointRecord& a, const CheckpointRecord& b) {
       return std::pair(*a.step, a.sequence) < std::pair(*b.step, b.sequence);
     });
   }
-  std::set<std::string> keep(policy.keep.begin(), policy.keep.end());
+  uint64_t newest_ms = 0;
+  for (const auto& c : list) newest_ms = std::max(newest_ms, c.committed_unix_ms);
+  const std::set<std::string> named(policy.keep.begin(), policy.keep.end());
+  std::vector<RetentionDecision> out;
+  uint64_t stepless_seen = 0;  // keep-every's count of checkpoints without a step, in commit order
+  // Commit order of the ones without a step (list may be sorted by step).
+  std::map<std::string, uint64_t> stepless_index;
+  {
+    std::vector<const CheckpointRecord*> stepless;
+    for (const auto& c : list) {
+      if (!c.step) stepless.push_back(&c);
+    }
+    std::sort(stepless.begin(), stepless.end(),
+              [](const CheckpointRecord* a, const CheckpointRecord* b) { return a->sequence < b->sequence; });
+    for (const auto* c : stepless) stepless_index[c->name] = stepless_seen++;
+  }
   for (size_t i = 0; i < list.size(); ++i) {
-    if (policy.keep_last && i + *policy.keep_last >= list.size()) keep.insert(list[i].name);
+    const CheckpointRecord& c = list[i];
+    std::vector<std::string> kept, not_kept;
+    if (named.count(c.name)) kept.push_back("--keep");
+    if (policy.keep_last) {
+      const uint64_t rank_from_newest = list.size() - i;  // 1 for the newest
+      const std::string order = by_step ? "by step" : "by commit order";
+      if (rank_from_newest <= *policy.keep_last) {
+        kept.push_back("keep-last " + std::to_string(*policy.keep_last) + ": the " +
+                       (rank_from_newest == 1 ? std::string("newest") : Ordinal(rank_from_newest) + " newest") + " " +
+                       order);
+      } else {
+        not_kept.push_back("keep-last " + std::to_string(*policy.keep_last) + ": the " + Ordinal(rank_from_newest) +
+                           " newest " + order);
+      }
+    }
     if (policy.keep_every) {
       const uint64_t k = *policy.keep_every;
-      bool hit = by_step ? (*list[i].step >= 0 && static_cast<uint64_t>(*list[i].step) % k == 0) : i % k == 0;
-      if (hit) keep.insert(list[i].name);
+      const std::string rule = "keep-every " + std::to_string(k) + ": ";
+      if (c.step) {
+        const bool hit = *c.step >= 0 && static_cast<uint64_t>(*c.step) % k == 0;
+        (hit ? kept : not_kept).push_back(rule + "step " + std::to_string(*c.step) +
+                                          (hit ? "" : " is not a multiple of " + std::to_string(k)));
+      } else {
+        const uint64_t index = stepless_index[c.name];
+        const bool hit = index % k == 0;
+        (hit ? kept : not_kept)
+            .push_back(rule + "no step; the " + Ordinal(index + 1) + " of " + std::to_string(stepless_seen) +
+                       " without one, in commit order" + (hit ? "" : ", not 1 more than a multiple of " + std::to_string(k)));
+      }
     }
-  }
-  if (policy.keep_within_s) {
-    uint64_t newest_ms = 0;
-    for (const auto& c : list) newest_ms = std::max(newest_ms, c.committed_unix_ms);
-    const uint64_t window_ms = *policy.keep_within_s > UINT64_MAX / 1000 ? UINT64_MAX : *policy.keep_within_s * 1000;
-    for (const auto& c : list) {
-      if (newest_ms - c.committed_unix_ms <= window_ms) keep.insert(c.name);
+    if (policy.keep_within_s) {
+      const uint64_t window_ms =
+          *policy.keep_within_s > UINT64_MAX / 1000 ? UINT64_MAX : *policy.keep_within_s * 1000;
+      const uint64_t age_s = (newest_ms - c.committed_unix_ms) / 1000;
+      const bool hit = newest_ms - c.committed_unix_ms <= window_ms;
+      (hit ? kept : not_kept)
+          .push_back("keep-within " + FormatDuration(*policy.keep_within_s) + ": committed " + FormatDuration(age_s) +
+                     " before the newest");
     }
+    RetentionDecision d;
+    d.name = c.name;
+    d.step = c.step;
+    d.keep = !kept.empty();
+    const std::vector<std::string>& reasons = d.keep ? kept : not_kept;
+    for (size_t r = 0; r < reasons.size(); ++r) d.why += (r ? "; " : "") + reasons[r];
+    if (!d.keep && d.why.empty()) d.why = "no rule keeps it";
+    out.push_back(std::move(d));
   }
-  std::vector<std::string> remove;
-  for (const auto& c : list) {
-    if (!keep.count(c.name)) remove.push_back(c.name);
-  }
-  // The newest is the last in the policy's own order (by step, or by commit
-  // order without steps), the one keep-last 1 keeps.
-  const std::string& newest = list.back().name;
-  const std::string newest_removed = keep.count(newest) ? std::string() : newest;
-  if (!newest_removed.empty() && !policy.allow_removing_newest) {
-    const std::string what = remove.size() == list.size()
-                                 ? "every checkpoint (" + std::to_string(list.size()) + ")"
-                                 : "the newest committed checkpoint '" + newest_removed + "'";
+  // The newest is the last in keep-last's order, the one keep-last 1 keeps.
+  const RetentionDecision& newest = out.back();
+  if (!newest.keep && !policy.allow_removing_newest) {
+    const bool all = std::none_of(out.begin(), out.end(), [](const RetentionDecision& d) { return d.keep; });
+    const std::string what = all ? "every checkpoint (" + std::to_string(out.size()) + ")"
+                                 : "the newest committed checkpoint '" + newest.name + "'";
     return Status::FailedPrecondition("this retention policy would remove " + what +
                                       "; nothing was removed. Keep it (for example --keep-last 1), name it "
                                       "to rm, or pass --allow-removing-newest");
   }
-  return remove;
+  return out;
 }
 
 Result<uint64_t> ParseDuration(std::string_view text) {
@@ -394,7 +471,10 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
   // Retention decides on what the store holds now (on an object store this
   // host's catalog may lag other hosts' saves and removals).
   if (!options.retention.empty()) CKPT_RETURN_IF_ERROR(impl_->protocol->Sync(SyncScope::kCheckpoints, phase).status());
-  CKPT_ASSIGN_OR_RETURN(report.removed, PlanRetention(options.retention));
+  CKPT_ASSIGN_OR_RETURN(report.retention, ExplainRetention(options.retention));
+  for (const auto& d : report.retention) {
+    if (!d.keep) report.removed.push_back(d.name);
+  }
   std::set<std::string> excluded;  // removed, or to be removed in a dry run
   if (!report.removed.empty()) {
     if (options.dry_run) {

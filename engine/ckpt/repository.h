@@ -505,9 +505,13 @@ struct ReindexReport {
 };
 
 // Which checkpoints to keep; the rest are removed by garbage collection. An
-// empty policy removes nothing. Checkpoints are ordered by step when every
-// committed checkpoint has one, by commit order otherwise. Pending
-// checkpoints are never removed by a policy.
+// empty policy removes nothing. keep_last counts the newest by step when
+// every committed checkpoint has one, by commit order otherwise. keep_every
+// keeps a checkpoint whose step is a multiple of K; of those without a
+// step, every K-th in commit order from the first, counted among
+// themselves, so that they never shift which stepped ones it keeps.
+// keep_within is by commit time. Pending checkpoints are never removed by
+// a policy.
 //
 // A policy that would remove the newest committed checkpoint (and so also
 // one that would remove every checkpoint, such as keep_last = 0) is refused
@@ -516,11 +520,22 @@ struct ReindexReport {
 // the only complete one while the next is still pending.
 struct RetentionPolicy {
   std::optional<uint64_t> keep_last;    // the newest N
-  std::optional<uint64_t> keep_every;   // step % K == 0 (without steps: every K-th in commit order, from the first)
+  std::optional<uint64_t> keep_every;   // step % K == 0 (without a step: every K-th of those in commit order)
   std::optional<uint64_t> keep_within_s;  // committed at most this many seconds before the newest commit
   std::vector<std::string> keep;        // by name
   bool allow_removing_newest = false;
   bool empty() const { return !keep_last && !keep_every && !keep_within_s && keep.empty(); }
+};
+
+// What a retention policy does with one committed checkpoint, and why:
+// `why` names each rule that keeps it ("keep-last 2", "keep-every 10: step
+// 20", "keep-within 36h", "--keep"), or, for one removed, says of each
+// rule why it does not keep it.
+struct RetentionDecision {
+  std::string name;
+  std::optional<int64_t> step;
+  bool keep = true;
+  std::string why;
 };
 
 // Parses a duration such as "36h", "7d", "1w2d" or "90m" (units s, m, h, d,
@@ -563,6 +578,7 @@ struct GcOptions {
 
 struct GcReport {
   std::vector<std::string> removed;  // by the retention policy
+  std::vector<RetentionDecision> retention;  // every committed checkpoint, when a policy was given
   uint64_t dead_chunks = 0;
   uint64_t orphan_packs = 0;         // packs no catalog entry refers to (killed saves)
   uint64_t packs_deleted = 0;        // wholly dead, rewritten or orphaned
@@ -800,6 +816,10 @@ class Repository {
   Result<std::vector<RankProgress>> PendingRanks(const std::string& name);
   // The checkpoints `policy` would remove.
   Result<std::vector<std::string>> PlanRetention(const RetentionPolicy& policy);
+  // Every committed checkpoint, oldest first in the policy's order, with
+  // what `policy` does with it and why (empty for an empty policy). The
+  // errors of PlanRetention.
+  Result<std::vector<RetentionDecision>> ExplainRetention(const RetentionPolicy& policy);
   // Space per checkpoint (`names`, or every committed one) and in total.
   Result<UsageReport> DiskUsage(const std::vector<std::string>& names);
   // Statistics of the named tensors of committed checkpoint `name` (every

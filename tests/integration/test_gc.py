@@ -117,6 +117,32 @@ class DedupAndReports(CkptTestCase):
         self.assertIn("nothing was removed", self.error_of("rm", "step-0", "nope"))
         self.assertEqual(len(json.loads(self.run_ckpt("ls", "--json").stdout)), 4)
 
+    def test_an_import_without_a_step_keeps_keep_every_on_steps_and_the_dry_run_says_why(self):
+        st.write(self.path("s.safetensors"), [("x", "F32", self.rng.standard_normal(1000).astype(np.float32))])
+        self.run_ckpt("import", "imported", self.path("s.safetensors"))  # no step
+        for step in (5, 10, 15, 20, 25):
+            st.write(self.path("s.safetensors"), [("x", "F32", self.rng.standard_normal(1000).astype(np.float32))])
+            self.run_ckpt("import", f"step-{step:06d}", self.path("s.safetensors"), "--step", str(step))
+        args = ("gc", "--keep-last", "2", "--keep-every", "10", "--dry-run")
+        dry = json.loads(self.run_ckpt(*args, "--json").stdout)
+        self.assertEqual(dry["removed"], ["step-000005", "step-000015"])
+        why = {d["name"]: d for d in dry["retention"]}
+        self.assertEqual(why["step-000010"], {"name": "step-000010", "step": 10, "keep": True,
+                                              "why": "keep-every 10: step 10"})
+        self.assertIsNone(why["imported"]["step"])
+        text = self.run_ckpt(*args).stdout.decode().splitlines()
+        self.assertIn("would keep step-000020 (keep-last 2: the 2nd newest by commit order; keep-every 10: step 20)",
+                      text)
+        self.assertIn("would remove step-000005 (keep-last 2: the 5th newest by commit order; keep-every 10: step 5 "
+                      "is not a multiple of 10)", text)
+        self.assertEqual(len([line for line in text if line.startswith(("would keep ", "would remove "))]), 6)
+        out = self.run_ckpt("gc", "--keep-last", "2", "--keep-every", "10").stdout.decode()
+        self.assertIn("removing step-000015 (", out)
+        self.assertEqual([line.split(" (")[0] for line in out.splitlines() if not line.startswith("reclaimed")],
+                         ["removing step-000005", "removing step-000015"])  # a run names only what it removes
+        names = [c["name"] for c in json.loads(self.run_ckpt("ls", "--json").stdout)]
+        self.assertEqual(names, ["imported", "step-000010", "step-000020", "step-000025"])
+
     def test_retention_refuses_to_remove_the_newest_unless_told(self):
         for i in range(3):
             st.write(self.path("s.safetensors"), [("x", "F32", self.rng.standard_normal(1000).astype(np.float32))])

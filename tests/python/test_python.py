@@ -528,6 +528,9 @@ class Maintenance(PythonTestCase):
         dry = self.r.gc(keep_last=2, dry_run=True, on_phase=phases.append)
         self.assertEqual(phases, ["finding live chunks"])
         self.assertEqual(dry["removed"], ["step-0", "step-1"])
+        self.assertEqual(dry["retention"][3], {"name": "step-3", "step": 3, "keep": True,
+                                               "why": "keep-last 2: the newest by step"})
+        self.assertEqual(dry["retention"][0]["why"], "keep-last 2: the 4th newest by step")
         self.assertEqual(len(self.r.checkpoints()), 4)
         report = self.r.gc(keep_last=2, on_phase=phases.append, progress=lambda d, t: done.append((d, t)),
                            rewrite_below=0.99)

@@ -1,4 +1,5 @@
 // Garbage collection, retention, disk usage and diff through the public API.
+#include <map>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -103,6 +104,51 @@ TEST_P(GarbageCollection, RetentionByStepAndByCommitOrder) {
   auto plan = *repo_->PlanRetention(last1);
   EXPECT_EQ(plan.size(), 6u);
   EXPECT_EQ(std::count(plan.begin(), plan.end(), "nostep"), 0);
+}
+
+// One checkpoint without a step (an import without --step) neither keeps
+// nor shifts what --keep-every keeps, and every decision says why.
+TEST_P(GarbageCollection, ACheckpointWithoutAStepNeverDisplacesSteppedOnesFromKeepEvery) {
+  auto base = RandomBytes(1000, 1);
+  Save("imported", std::nullopt, 1, base);
+  for (int step = 5; step <= 30; step += 5) Save("step-" + std::to_string(step), step, step, base);
+  RetentionPolicy p;
+  p.keep_last = 2;
+  p.keep_every = 10;
+  auto decisions = repo_->ExplainRetention(p);
+  ASSERT_OK(decisions);
+  std::map<std::string, RetentionDecision> by_name;
+  for (const auto& d : *decisions) by_name[d.name] = d;
+  ASSERT_EQ(by_name.size(), 7u);
+  for (const char* kept : {"step-10", "step-20", "step-30", "step-25", "imported"}) {
+    EXPECT_TRUE(by_name[kept].keep) << kept << ": " << by_name[kept].why;
+  }
+  for (const char* gone : {"step-5", "step-15"}) EXPECT_FALSE(by_name[gone].keep) << gone;
+  EXPECT_EQ(by_name["step-20"].why, "keep-every 10: step 20");
+  EXPECT_EQ(by_name["step-30"].why, "keep-last 2: the newest by commit order; keep-every 10: step 30");
+  EXPECT_EQ(by_name["step-15"].why,
+            "keep-last 2: the 4th newest by commit order; keep-every 10: step 15 is not a multiple of 10");
+  EXPECT_EQ(by_name["imported"].why, "keep-every 10: no step; the 1st of 1 without one, in commit order");
+  EXPECT_EQ(*repo_->PlanRetention(p), (std::vector<std::string>{"step-5", "step-15"}));
+  p = RetentionPolicy();
+  p.keep_within_s = 129600;
+  p.keep = {"step-5"};
+  decisions = repo_->ExplainRetention(p);
+  ASSERT_OK(decisions);
+  for (const auto& d : *decisions) {
+    EXPECT_TRUE(d.keep);
+    if (d.name == "step-5") {
+      EXPECT_EQ(d.why.rfind("--keep; keep-within 1d12h: committed ", 0), 0u) << d.why;
+    }
+  }
+  GcOptions dry;
+  dry.retention.keep_last = 2;
+  dry.retention.keep_every = 10;
+  dry.dry_run = true;
+  auto report = repo_->CollectGarbage(dry);
+  ASSERT_OK(report);
+  EXPECT_EQ(report->retention.size(), 7u);
+  EXPECT_EQ(report->removed, (std::vector<std::string>{"step-5", "step-15"}));
 }
 
 TEST_P(GarbageCollection, RetentionNeverRemovesTheNewestOrEveryCheckpointUnlessAllowed) {

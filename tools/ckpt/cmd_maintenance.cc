@@ -221,9 +221,12 @@ int CmdRm(const GlobalOptions& global, const Args& args) {
 
 const CommandSpec kGc{
     "gc", "", "Apply a retention policy, then reclaim the space no checkpoint uses.",
-    "Checkpoints are ordered by step (by commit order when some have no step). The\n"
-    "--keep-* options together say what stays; without any, nothing is removed and\n"
-    "only unreferenced data is reclaimed. A policy that would remove the newest\n"
+    "The --keep-* options together say what stays; without any, nothing is removed\n"
+    "and only unreferenced data is reclaimed. --keep-last counts the newest by step\n"
+    "(by commit order when some checkpoint has no step). --keep-every keeps the steps\n"
+    "that are multiples of K, and of the checkpoints without a step every K-th in\n"
+    "commit order, counted among themselves. --dry-run says, for each checkpoint,\n"
+    "which rule keeps it or why none does. A policy that would remove the newest\n"
     "committed checkpoint (or all of them, as --keep-last 0 would) is refused unless\n"
     "--allow-removing-newest is given; pending checkpoints are never removed. Packs\n"
     "left mostly dead (less than half live) are rewritten. gc waits for saves in\n"
@@ -260,10 +263,15 @@ int CmdGc(const GlobalOptions& global, const Args& args) {
   int rc = kExitOk;
   auto repo = OpenRepoOr(global, &rc);
   if (!repo) return rc;
-  auto plan = repo->PlanRetention(o.retention);
+  auto plan = repo->ExplainRetention(o.retention);
   if (!plan.ok()) return Fail(plan.status());
   if (!args.Has("json")) {
-    for (const auto& n : *plan) std::printf("%s %s\n", o.dry_run ? "would remove" : "removing", n.c_str());
+    // A dry run shows every checkpoint's fate; a run, what it removes.
+    for (const auto& d : *plan) {
+      if (d.keep && !o.dry_run) continue;
+      const char* verb = d.keep ? "would keep" : o.dry_run ? "would remove" : "removing";
+      std::printf("%s %s (%s)\n", verb, d.name.c_str(), d.why.c_str());
+    }
   }
   Progress progress("rewriting packs");
   o.on_phase = [&](const std::string& what) {
