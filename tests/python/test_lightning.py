@@ -79,9 +79,13 @@ class Lightning(CkptTestCase):
         trainer = self.trainer(3)
         trainer.fit(model, data())
         callback = trainer.checkpoint_callback
-        # Lightning wrote no file: its checkpoints are in the repository.
-        files = os.listdir(self.dirpath) if os.path.isdir(self.dirpath) else []
-        self.assertEqual(files, [])
+        # Lightning's files are references, small; the checkpoints are in the repository.
+        files = sorted(os.listdir(self.dirpath))
+        self.assertEqual(files, sorted(os.path.basename(p) for p in [*callback.best_k_models, callback.last_model_path]))
+        for f in files:
+            self.assertLess(os.path.getsize(os.path.join(self.dirpath, f)), 1024, f)
+            with open(os.path.join(self.dirpath, f)) as ref:
+                self.assertEqual(json.load(ref)["checkpoint"], checkpoint_name(f))
         repo = ckptfs.open(self.repo)
         names = sorted(c["name"] for c in repo.checkpoints())
         kept = sorted(checkpoint_name(p) for p in callback.best_k_models) + [checkpoint_name(callback.last_model_path)]
@@ -112,24 +116,63 @@ class Lightning(CkptTestCase):
         # And the resumed run's own checkpoints went on into the repository.
         self.assertIn("epoch_3D4-step_3D40.ckpt", [c["name"] for c in ckptfs.open(self.repo).checkpoints()])
 
+    def test_fit_from_last_resumes_and_a_second_run_in_the_directory_gets_versioned_names(self):
+        L.seed_everything(0)
+        straight = TinyModule()
+        self.trainer(5, checkpointing=False).fit(straight, data())
+        L.seed_everything(0)
+        first = self.trainer(3)
+        first.fit(TinyModule(), data())
+        first_names = sorted(c["name"] for c in ckptfs.open(self.repo).checkpoints())
+        # ckpt_path="last" finds last.ckpt as it would a file of its own (a
+        # module initialised from another seed ends equal only if restored).
+        L.seed_everything(1)
+        resumed = TinyModule()
+        trainer = self.trainer(5)
+        trainer.fit(resumed, data(), ckpt_path="last")
+        self.assertEqual(os.path.basename(trainer.ckpt_path), "last.ckpt")
+        self.assertEqual(trainer.global_step, 40)
+        for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+            self.assertEqual(bits(a), bits(b), name)
+        # A new run in the same directory: Lightning sees last.ckpt taken and
+        # saves last-v1.ckpt, leaving the earlier run's last alone.
+        L.seed_everything(0)
+        second = self.trainer(1)
+        second.fit(TinyModule(), data())
+        self.assertEqual(os.path.basename(second.checkpoint_callback.last_model_path), "last-v1.ckpt")
+        names = [c["name"] for c in ckptfs.open(self.repo).checkpoints()]
+        self.assertIn("last-v1.ckpt", names)
+        self.assertIn("last.ckpt", names)
+        self.assertEqual(ckptfs.open(self.repo).show("last.ckpt")["step"], 40)
+
     def test_load_checkpoint_returns_lightnings_dict_with_its_tensors_and_hyperparameters(self):
         io = CkptfsCheckpointIO(self.repo)
         ckpt = {"epoch": 2, "global_step": 7, "state_dict": {"w": torch.arange(6.0).reshape(2, 3)},
                 "optimizer_states": [{"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.ones(3)}},
                                       "param_groups": [{"lr": 0.1, "params": [0]}]}],
                 "hyper_parameters": {"width": 8, "names": ("a", "b")}, "loops": {"fit_loop": {"x": [1, 2]}}}
-        io.save_checkpoint(ckpt, "/somewhere/epoch=2-step=7.ckpt")
-        got = io.load_checkpoint("/elsewhere/epoch=2-step=7.ckpt")
+        io.save_checkpoint(ckpt, self.path("somewhere/epoch=2-step=7.ckpt"))
+        got = io.load_checkpoint(self.path("elsewhere/epoch=2-step=7.ckpt"))
         self.assertEqual(got["epoch"], 2)
         self.assertEqual(got["hyper_parameters"], {"width": 8, "names": ("a", "b")})
         self.assertEqual(got["loops"], {"fit_loop": {"x": [1, 2]}})
         self.assertTrue(torch.equal(got["state_dict"]["w"], ckpt["state_dict"]["w"]))
         state = got["optimizer_states"][0]["state"][0]
         self.assertTrue(torch.equal(state["step"], torch.tensor(7.0)) and torch.equal(state["exp_avg"], torch.ones(3)))
-        io.remove_checkpoint("/somewhere/epoch=2-step=7.ckpt")
+        # Another run saving the same file name elsewhere replaces the
+        # checkpoint: the first run's reference says so instead of loading it.
+        io.save_checkpoint(ckpt, self.path("run2/epoch=2-step=7.ckpt"))
+        with self.assertRaisesRegex(ckptfs.NotFoundError, "another run saved a file of the same name"):
+            io.load_checkpoint(self.path("somewhere/epoch=2-step=7.ckpt"))
+        with open(self.path("plain.ckpt"), "wb") as f:
+            torch.save({"epoch": 1}, f)
+        with self.assertRaisesRegex(ckptfs.InvalidArgumentError, "not a ckptfs checkpoint reference"):
+            io.load_checkpoint(self.path("plain.ckpt"))
+        io.remove_checkpoint(self.path("run2/epoch=2-step=7.ckpt"))
+        self.assertFalse(os.path.exists(self.path("run2/epoch=2-step=7.ckpt")))
         self.assertEqual(ckptfs.open(self.repo).checkpoints(), [])
         with self.assertRaises(ckptfs.NotFoundError):
-            io.load_checkpoint("/somewhere/epoch=2-step=7.ckpt")
+            io.load_checkpoint(self.path("somewhere/epoch=2-step=7.ckpt"))
 
     def test_file_names_map_to_checkpoint_names_and_back(self):
         for path, name in [("d/epoch=3-step=120.ckpt", "epoch_3D3-step_3D120.ckpt"),

@@ -11,7 +11,14 @@
 Lightning keeps choosing the file paths (ModelCheckpoint's dirpath and
 filename templates); the plugin stores each checkpoint under a name made
 from the path's file name (checkpoint_name), and Lightning's removals of
-old top-k checkpoints become `rm`. Every tensor of Lightning's checkpoint
+old top-k checkpoints become `rm`. At the path itself it writes a small
+reference file (JSON: the repository, the checkpoint's name and a token of
+this save), so that what Lightning learns from the file system works as
+with its own files: `ckpt_path="last"` finds the newest `last*.ckpt`, a
+name already taken gets `-v1`, top-k removals find their files. Loading a
+path whose reference names another save than the repository now holds
+under that name (two runs that wrote the same file name) raises, naming
+both. Every tensor of Lightning's checkpoint
 dict (model weights, optimizer state) is stored as a tensor, deduplicated
 against every other checkpoint; the rest of the dict (epoch, loops,
 callbacks, hyper-parameters) is pickled with torch.save into the blob
@@ -22,8 +29,10 @@ Only process 0 of the job writes (Lightning calls the plugin there).
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
+import uuid
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
@@ -34,6 +43,8 @@ import ckptfs
 __all__ = ["CkptfsCheckpointIO", "checkpoint_name", "file_name"]
 
 _SKELETON_BLOB = "lightning.pt"
+_SAVE_TAG = "lightning.save"
+_REFERENCE_KIND = "ckptfs checkpoint reference"
 _PLACEHOLDER = "ckptfs.tensor"
 _PLAIN = re.compile(rb"[A-Za-z0-9.-]")
 
@@ -138,12 +149,58 @@ class CkptfsCheckpointIO(CheckpointIO):
         # new checkpoint replaces the old one.
         if any(c["name"] == name for c in self.repo.checkpoints()):
             self.repo.rm(name)
+        token = uuid.uuid4().hex
         self.repo.save(name, state, step=int(step) if isinstance(step, int) else None,
-                       tags={"lightning.path": os.fspath(path)})
+                       tags={"lightning.path": os.fspath(path), _SAVE_TAG: token})
+        self._write_reference(path, name, token)
+
+    def _write_reference(self, path: Union[str, os.PathLike], name: str, token: str) -> None:
+        """The reference file at `path`, written whole or not at all."""
+        from lightning.fabric.utilities.cloud_io import get_filesystem  # noqa: PLC0415
+
+        path = os.fspath(path)
+        fs = get_filesystem(path)
+        parent = os.path.dirname(path)
+        if parent:
+            fs.makedirs(parent, exist_ok=True)
+        body = json.dumps({"kind": _REFERENCE_KIND, "repository": self.url, "checkpoint": name, "save": token},
+                          indent=1) + "\n"
+        temporary = f"{path}.{token}.tmp"
+        with fs.open(temporary, "w") as f:
+            f.write(body)
+        fs.mv(temporary, path)
+
+    def _check_reference(self, path: Union[str, os.PathLike], name: str) -> None:
+        """Raises when the reference file at `path` names another save than
+        the repository holds under `name`; nothing to check without one."""
+        from lightning.fabric.utilities.cloud_io import get_filesystem  # noqa: PLC0415
+
+        path = os.fspath(path)
+        fs = get_filesystem(path)
+        if not fs.exists(path):
+            return
+        with fs.open(path, "rb") as f:
+            head = f.read(1 << 16)
+        try:
+            ref = json.loads(head)
+        except ValueError:
+            ref = None
+        if not isinstance(ref, dict) or ref.get("kind") != _REFERENCE_KIND:
+            raise ckptfs.InvalidArgumentError(
+                f"{path} is not a ckptfs checkpoint reference (CkptfsCheckpointIO writes one there for every save); "
+                "load a Lightning file that was not saved through ckptfs without this plugin")
+        held = [c for c in self.repo.checkpoints() if c["name"] == name]
+        token = held[0]["tags"].get(_SAVE_TAG) if held else None
+        if ref.get("checkpoint") != name or (token is not None and ref.get("save") != token):
+            raise ckptfs.NotFoundError(
+                f"{path} refers to save {ref.get('save')} of checkpoint '{ref.get('checkpoint')}', but the "
+                f"repository's '{name}' is now save {token} (another run saved a file of the same name); "
+                "that save was replaced")
 
     def load_checkpoint(self, path: Union[str, os.PathLike], map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
         name = checkpoint_name(path)
+        self._check_reference(path, name)
         raw = self.repo.blob(name, _SKELETON_BLOB)
         skeleton = torch.load(io.BytesIO(raw), map_location="cpu",
                               weights_only=bool(weights_only) if weights_only is not None else False)
@@ -156,9 +213,14 @@ class CkptfsCheckpointIO(CheckpointIO):
         return _join(skeleton, load)
 
     def remove_checkpoint(self, path: Union[str, os.PathLike]) -> None:
+        from lightning.fabric.utilities.cloud_io import get_filesystem  # noqa: PLC0415
+
         name = checkpoint_name(path)
         if any(c["name"] == name for c in self.repo.checkpoints()):
             self.repo.rm(name)
+        fs = get_filesystem(os.fspath(path))
+        if fs.exists(os.fspath(path)):
+            fs.rm(os.fspath(path))
 
     def teardown(self) -> None:
         self._repo = None
