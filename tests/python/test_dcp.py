@@ -130,6 +130,30 @@ class AsyncSave(DcpTestCase):
         self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
 
 
+class DtypeConversion(DcpTestCase):
+    def test_a_load_into_other_dtypes_converts_as_filesystemreader_does(self):
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        gen = torch.Generator().manual_seed(9)
+        saved = {"f32": torch.randn(33, 7, generator=gen), "bf16": torch.randn(5, 9, generator=gen).bfloat16(),
+                 "i64": torch.randint(-1000, 1000, (17,), generator=gen), "same": torch.randn(4, generator=gen)}
+        files = self.path("files")
+        dcp.save(saved, storage_writer=dcp.FileSystemWriter(files), no_dist=True)
+        dcp.save(saved, storage_writer=ckptfs_torch.StorageWriter(self.repo, "conv"), no_dist=True)
+
+        def targets():
+            return {"f32": torch.zeros(33, 7, dtype=torch.bfloat16), "bf16": torch.zeros(5, 9, dtype=torch.float64),
+                    "i64": torch.zeros(17, dtype=torch.float32), "same": torch.zeros(4)}
+        theirs, ours = targets(), targets()
+        dcp.load(theirs, storage_reader=dcp.FileSystemReader(files), no_dist=True)
+        dcp.load(ours, storage_reader=ckptfs_torch.StorageReader(self.repo, "conv"), no_dist=True)
+        for key in saved:
+            self.assertEqual(ours[key].dtype, theirs[key].dtype, key)
+            self.assertEqual(bits(ours[key]), bits(theirs[key]), key)
+        self.assertFalse(torch.equal(ours["f32"].float(), saved["f32"]))  # rounded to bfloat16 on the way
+        self.assertTrue(torch.equal(ours["i64"], saved["i64"].float()))
+
+
 class RestartAfterACrash(DcpTestCase):
     def test_a_job_killed_during_async_save_saves_the_name_again_at_4_and_at_2_ranks_without_mixing(self):
         rows = dcp_worker.full()["rows"]

@@ -244,6 +244,19 @@ class StorageWriter(_WriterBase):
         self._kept = []
 
 
+def _stored_dtype_buffer(fqn: str, stored: str, target):
+    """`target` itself when it has the stored dtype, else a new tensor of
+    its shape, on its device, in the stored dtype, to read into and then
+    copy_ from (the conversion DCP's FileSystemReader makes)."""
+    torch = ckptfs._torch()
+    dtype = ckptfs._name_to_torch.get(stored)
+    if dtype is None:
+        raise UnsupportedError(f"tensor '{fqn}' is {stored}, which torch {torch.__version__} has no dtype for")
+    if target.dtype == dtype:
+        return target
+    return torch.empty(target.shape, dtype=dtype, device=target.device)
+
+
 class StorageReader(_ReaderBase):
     """Reads checkpoint `name` of the repository at `url` for dcp.load, at
     any sharding. A checkpoint_id given to dcp.load names the checkpoint
@@ -326,17 +339,25 @@ class StorageReader(_ReaderBase):
                 raise ckptfs.InvalidArgumentError(
                     f"DCP asked for {list(item.lengths)} elements of '{fqn}' into a target of shape {list(target.shape)}")
             box = ckptfs.Box(tuple(shape), offsets)
+            # A target of another dtype is filled as DCP's FileSystemReader
+            # fills it: the stored values, converted by copy_.
+            read_into = _stored_dtype_buffer(fqn, info_dtype, target)
             if self.process_group is not None:
-                together.append((item, fqn, target, box))
+                together.append((item, fqn, target, box, read_into))
                 continue
-            _read_value(reader, fqn, target, box, mappings)
+            _read_value(reader, fqn, read_into, box, mappings)
+            if read_into is not target:
+                target.copy_(read_into)
             planner.commit_tensor(item, target)
         if self.process_group is not None:
             from . import collective  # noqa: PLC0415
 
             group = collective._Group(self.process_group, self.timeout, f"dcp.load of '{self.name}'")
-            collective.load_items(self._repo, self.name, [(fqn, t, box) for _i, fqn, t, box in together], group)
-            for item, _fqn, target, _box in together:
+            collective.load_items(self._repo, self.name, [(fqn, buf, box) for _i, fqn, _t, box, buf in together],
+                                  group)
+            for item, _fqn, target, _box, read_into in together:
+                if read_into is not target:
+                    target.copy_(read_into)
                 planner.commit_tensor(item, target)
         future = Future()
         future.set_result(None)
