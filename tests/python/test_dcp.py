@@ -4,6 +4,7 @@ a 2-D replicate x shard mesh as HSDP uses) saved by 4 ranks and loaded at 3
 and 2 with other placements; dcp.async_save in a thread and in a process;
 and interop both ways with repo.save, ckpt export and the mount. Each rank
 is a process of its own (dcp_worker.py)."""
+import json
 import os
 import shutil
 import subprocess
@@ -152,6 +153,57 @@ class DtypeConversion(DcpTestCase):
             self.assertEqual(bits(ours[key]), bits(theirs[key]), key)
         self.assertFalse(torch.equal(ours["f32"].float(), saved["f32"]))  # rounded to bfloat16 on the way
         self.assertTrue(torch.equal(ours["i64"], saved["i64"].float()))
+
+
+class TrainingCheckpointExports(DcpTestCase):
+    def test_a_model_and_optimizer_save_exports_as_a_release_with_the_prefix_and_keeps_its_nesting(self):
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+        from safetensors.torch import load_file  # noqa: PLC0415
+
+        model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 2))
+        optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+        model(torch.randn(3, 6)).sum().backward()
+        optim.step()
+        state = {"model": model.state_dict(), "optim": optim.state_dict()}
+        config = b'{"model_type": "tiny"}'
+        dcp.save(state, storage_writer=ckptfs_torch.StorageWriter(self.repo, "train", blobs={"config.json": config}),
+                 no_dist=True)
+        release = self.path("release")
+        python = {"CKPT_PYTHON": sys.executable}  # the torch formats run in this Python
+        out = json.loads(self.run_ckpt("export", "train", release, "--format", "hf", "--prefix", "model.",
+                                       "--json", env=python).stdout)
+        self.assertEqual(sorted(os.listdir(release)), ["config.json", "model.safetensors"])
+        self.assertTrue(any("non-tensor value" in why for why in out["left_out"]), out["left_out"])
+        weights = load_file(os.path.join(release, "model.safetensors"))
+        self.assertEqual(sorted(weights), sorted(model.state_dict()))
+        for key, value in model.state_dict().items():
+            self.assertEqual(bits(weights[key]), bits(value), key)
+        # --format torch gives the state back nested, as it was saved.
+        self.run_ckpt("export", "train", self.path("pt"), "--format", "torch", env=python)
+        back = torch.load(os.path.join(self.path("pt"), "model.pt"), weights_only=True)
+        self.assertEqual(sorted(back), ["model", "optim"])
+        self.assertEqual(sorted(back["model"]), sorted(model.state_dict()))
+        self.assertEqual(back["optim"]["param_groups"][0]["lr"], 0.01)
+        # The object DCP's own dcp_to_torch_save gives of the same save.
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: PLC0415
+
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(self.path("files")), no_dist=True)
+        dcp_to_torch_save(self.path("files"), self.path("theirs.pt"))
+        theirs = torch.load(self.path("theirs.pt"), weights_only=True)
+
+        def shape_of(obj):
+            if isinstance(obj, dict):
+                return {k: shape_of(v) for k, v in obj.items()}
+            if isinstance(obj, (list, tuple)):
+                return [shape_of(v) for v in obj]
+            return bits(obj) if isinstance(obj, torch.Tensor) else obj
+        self.assertEqual(shape_of(back), shape_of(theirs))
+        # --format dcp keeps it too: DCP's own conversion of the export gives the same object.
+        self.run_ckpt("export", "train", self.path("dcp"), "--format", "dcp", env=python)
+        dcp_to_torch_save(self.path("dcp"), self.path("ours.pt"))
+        ours = torch.load(self.path("ours.pt"), weights_only=True)
+        self.assertEqual(ours.pop("config.json"), config)  # the blob given beside DCP's items, as an item
+        self.assertEqual(shape_of(ours), shape_of(theirs))
 
 
 class RestartAfterACrash(DcpTestCase):

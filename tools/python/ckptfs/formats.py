@@ -236,11 +236,7 @@ def _dcp_plan(path: str, trust_pickle: bool, inputs: "_Directory"):
             raise InvalidArgumentError(f"{path}: the checkpoint has an item named {n}, which ckptfs keeps for itself")
     # The nested object DCP flattened (its planner_data), so that exports
     # give it back: dcp_to_torch_save of a DCP export, or a torch export.
-    structure = None
-    paths = getattr(metadata, "planner_data", None)
-    if isinstance(paths, Mapping) and set(paths) == set(metadata.state_dict_metadata):
-        structure = _structure_of_paths(paths, {k for k, m in metadata.state_dict_metadata.items()
-                                                if not isinstance(m, bytes_type)})
+    structure = structure_of_dcp_metadata(metadata)
     for fqn, m in metadata.state_dict_metadata.items():
         if isinstance(m, bytes_type):
             blobs.append({"name": fqn, "bytes": 0})
@@ -573,6 +569,18 @@ def _unflatten(node, tensor: Callable[[str], Any], value: Callable[[str], Any]) 
     if "tensor" in node:
         return tensor(node["tensor"])
     return value(node["value"])
+
+
+def structure_of_dcp_metadata(metadata: Any) -> Optional[Dict[str, Any]]:
+    """The nested object a DCP save flattened (its Metadata's planner_data),
+    as STRUCTURE_BLOB keeps it, or None when the metadata does not say."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata  # noqa: PLC0415
+
+    paths = getattr(metadata, "planner_data", None)
+    items = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(paths, Mapping) or not isinstance(items, Mapping) or set(paths) != set(items):
+        return None
+    return _structure_of_paths(paths, {k for k, m in items.items() if not isinstance(m, BytesStorageMetadata)})
 
 
 def _structure_of_paths(paths: Any, tensors: set) -> Optional[Dict[str, Any]]:

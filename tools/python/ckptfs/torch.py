@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import re
 from typing import Any, Dict, List, Optional, Union
@@ -221,7 +222,20 @@ class StorageWriter(_WriterBase):
         return future
 
     def finish(self, metadata, results) -> None:
-        # DCP's metadata is not stored: the reader rebuilds it from the records.
+        # DCP's metadata is not stored: the reader rebuilds it from the
+        # records. The nesting it flattened is (formats.STRUCTURE_BLOB), so
+        # that exports give the state back nested ({"model": ..., "optim":
+        # ...}) and know which blobs are DCP's items, not a release's files.
+        from ckptfs import formats  # noqa: PLC0415
+
+        structure = formats.structure_of_dcp_metadata(metadata)
+        if structure is not None and self._writer is not None and \
+                formats.STRUCTURE_BLOB not in metadata.state_dict_metadata:
+            try:
+                _put_value(self._writer, formats.STRUCTURE_BLOB, json.dumps(structure).encode(), None, False, self._kept)
+            except BaseException:
+                self._abort()
+                raise
         self._commit()
 
     def storage_meta(self):
