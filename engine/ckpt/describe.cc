@@ -1,6 +1,8 @@
 #include "ckpt/describe.h"
 
+#include <algorithm>
 #include <ctime>
+#include <set>
 
 namespace ckptfs {
 
@@ -83,11 +85,37 @@ std::string RanksToString(const std::vector<uint32_t>& ranks) {
   return out.empty() ? "-" : out;
 }
 
+std::string DescribePlacement(const TensorRecord& t) {
+  const size_t n = t.shards.size();
+  if (n == 0) return "no shards";
+  size_t copies = 1;
+  for (const auto& s : t.shards) copies = std::max(copies, s.ranks.size());
+  const std::string replicated = copies > 1 ? ", replicated x" + std::to_string(copies) : "";
+  // Each shard as one box where it is one; the dimensions the boxes split.
+  std::set<size_t> split;
+  for (const auto& s : t.shards) {
+    const std::vector<Box> boxes = RegionToBoxes(t.shape, s.region);
+    if (boxes.size() != 1) return std::to_string(n) + " flat ranges" + replicated;
+    for (size_t d = 0; d < t.shape.size(); ++d) {
+      if (boxes[0].offsets[d] != 0 || boxes[0].lengths[d] != t.shape[d]) split.insert(d);
+    }
+  }
+  const std::string count = std::to_string(n);
+  if (split.empty()) return (n == 1 ? std::string("whole") : count + " whole copies") + replicated;
+  if (split.size() > 1) return count + " boxes" + replicated;
+  const size_t d = *split.begin();
+  if (t.shape.size() == 1) return count + " slices" + replicated;
+  if (d == 0) return count + " row blocks" + replicated;
+  if (d == 1 && t.shape.size() == 2) return count + " column blocks" + replicated;
+  return count + " blocks along dim " + std::to_string(d) + replicated;
+}
+
 Json DescribeTensor(const TensorRecord& t, uint64_t stored_bytes) {
   Json tj = Json::MakeObject();
   tj.Set("name", t.name);
   tj.Set("dtype", DTypeName(t.dtype));
   tj.Set("shape", ShapeToJson(t.shape));
+  tj.Set("placement", DescribePlacement(t));
   tj.Set("logical_bytes", t.ByteSize());
   tj.Set("stored_bytes", stored_bytes);
   Json shards = Json::MakeArray();
@@ -180,6 +208,10 @@ Json DescribeGcReport(const GcReport& r, bool dry_run) {
   j.Set("dead_chunks", r.dead_chunks);
   j.Set("orphan_packs", r.orphan_packs);
   j.Set("temporary_bytes", r.temporary_bytes);
+  j.Set("dead_pack_bytes", r.dead_pack_bytes);
+  j.Set("orphan_pack_bytes", r.orphan_pack_bytes);
+  j.Set("rewritten_pack_bytes", r.rewritten_pack_bytes);
+  j.Set("rewritten_live_bytes", r.rewritten_live_bytes);
   j.Set("packs_deleted", r.packs_deleted);
   j.Set("packs_rewritten", r.packs_rewritten);
   j.Set("bytes_before", r.bytes_before);

@@ -26,7 +26,12 @@ std::string RanksToString(const std::vector<uint32_t>& ranks);
 // and stored bytes, shards with region, ranks, bytes, chunks) and blob.
 // Reads the catalog (chunk sizes), never tensor data.
 Result<Json> DescribeCheckpoint(const CheckpointReader& reader);
-// Its parts: one tensor (with its stored bytes) and one blob.
+// How a tensor's shards lie, in a few words: "whole", "4 row blocks",
+// "4 column blocks", "8 blocks along dim 2", "4 boxes", "4 slices" (1-d),
+// "8 flat ranges" (shards that are not boxes), with ", replicated xK" when
+// K ranks wrote the same region.
+std::string DescribePlacement(const TensorRecord& tensor);
+// Its parts: one tensor (with its stored bytes and placement) and one blob.
 Json DescribeTensor(const TensorRecord& tensor, uint64_t stored_bytes);
 Json DescribeBlob(const BlobRecord& blob);
 // One tensor's statistics as `ckpt show --stats --json` prints them (and

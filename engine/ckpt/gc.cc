@@ -377,13 +377,18 @@ Result<Disposal> Dispose(Backend* backend, const Liveness& l, const std::set<std
       d.orphans.push_back(id);
       auto size = backend->Size(key);
       report.bytes_before += size.ok() ? *size : 0;
+      report.orphan_pack_bytes += size.ok() ? *size : 0;
     }
   }
   for (const auto& [id, p] : l.packs) {
     report.bytes_before += p.size;
     if (p.live_bytes == 0 && !rewrite.count(id)) {
       d.drop.push_back(id);
-    } else if (!rewrite.count(id)) {
+      report.dead_pack_bytes += p.size;
+    } else if (rewrite.count(id)) {
+      report.rewritten_pack_bytes += p.size;
+      report.rewritten_live_bytes += p.live_bytes;
+    } else {
       report.bytes_after += p.size;
     }
   }
@@ -589,6 +594,10 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
                         Dispose(backend, now, rewrite, written, impl_->protocol->UnknownPacksAreLeftovers(), report));
   const std::vector<std::string>& drop = disposal.drop;
   const std::vector<std::string>& orphans = disposal.orphans;
+  // The live bytes left the rewritten packs as the new packs, whose sizes
+  // (with their indexes) are what the pack bytes keep.
+  report.rewritten_live_bytes = 0;
+  for (const auto& p : sealed) report.rewritten_live_bytes += p.size;
 
   // 3. One catalog transaction: forget dead chunks and old packs, point
   //    live moved chunks at their new packs.

@@ -588,6 +588,15 @@ struct GcReport {
   uint64_t bytes_after = 0;
   uint64_t live_bytes = 0;           // stored bytes the remaining checkpoints reference
   uint64_t temporary_bytes = 0;      // temporary files of interrupted writes, removed (local repositories)
+  // Where the pack bytes reclaimed come from: packs with no live chunk,
+  // packs no catalog entry refers to, and the packs rewritten (their size,
+  // and what their live chunks take in the new packs, the live bytes in a
+  // dry run). bytes_reclaimed() is the sum of the four, less that last,
+  // plus temporary_bytes.
+  uint64_t dead_pack_bytes = 0;
+  uint64_t orphan_pack_bytes = 0;
+  uint64_t rewritten_pack_bytes = 0;
+  uint64_t rewritten_live_bytes = 0;
   // Removed checkpoints (rm, retention) whose data this run reclaimed, and
   // those kept because a reader still holds a lease on them.
   uint64_t retired_collected = 0;

@@ -454,6 +454,46 @@ class Errors(PythonTestCase):
 
 
 class Maintenance(PythonTestCase):
+    def test_show_summarises_placements_and_fits_long_names_and_gc_and_du_agree_on_what_goes(self):
+        gen = torch.Generator().manual_seed(8)
+        long = "model.layers.0.self_attn.q_proj.weight_with_a_name_far_longer_than_the_column"
+        full = {long: random_tensor(gen, torch.float32, (8, 16)), "cols": random_tensor(gen, torch.float32, (16, 8)),
+                "flat": random_tensor(gen, torch.float32, (6, 5)), "norm": random_tensor(gen, torch.float32, (8,))}
+        for rank in range(4):
+            self.r.save("placed", {long: full[long][2 * rank:2 * rank + 2], "cols": full["cols"][:, 2 * rank:2 * rank + 2],
+                                   "flat": full["flat"].reshape(-1)[7 * rank:min(30, 7 * rank + 7 + (2 if rank == 3 else 0))],
+                                   "norm": full["norm"]},
+                        rank=rank, world_size=4,
+                        shards={long: ckptfs.Box((8, 16), (2 * rank, 0)), "cols": ckptfs.Box((16, 8), (0, 2 * rank)),
+                                "flat": ckptfs.Flat((6, 5), 7 * rank)})
+        lines = {line.split()[0]: line for line in self.run_ckpt("show", "placed").stdout.decode().splitlines()[6:]
+                 if line.strip() and not line.startswith("TENSOR")}
+        self.assertIn("4 column blocks", lines["cols"])
+        self.assertIn("4 flat ranges", lines["flat"])
+        self.assertIn("whole, replicated x4", lines["norm"])
+        [cut] = [k for k in lines if "..." in k]
+        self.assertEqual(len(cut), 60)
+        self.assertTrue(long.startswith(cut.split("...")[0]) and long.endswith(cut.split("...")[1]))
+        self.assertIn("4 row blocks", lines[cut])
+        self.assertEqual(len({line.index("F32") for line in lines.values()}), 1)  # the columns stay aligned
+        wide = self.run_ckpt("show", "placed", "--wide", "--shards").stdout.decode()
+        self.assertIn(long + " ", wide)
+        self.assertIn("box [0:16, 2:4]", wide)
+        shown = json.loads(self.run_ckpt("show", "placed", "--json").stdout)
+        self.assertEqual({t["name"]: t["placement"] for t in shown["tensors"]}["cols"], "4 column blocks")
+        # du's "gc would reclaim" is what gc then reclaims, and gc says from where.
+        self.r.save("other", {"x": random_tensor(gen, torch.float32, (256 << 10,))})
+        self.r.rm("other")
+        du = json.loads(self.run_ckpt("du", "--json").stdout)["total"]
+        gc = json.loads(self.run_ckpt("gc", "--json").stdout)
+        self.assertGreater(gc["bytes_reclaimed"], 1 << 20)
+        self.assertEqual(du["reclaimable_bytes"], gc["bytes_reclaimed"])
+        self.assertEqual(gc["bytes_reclaimed"], gc["dead_pack_bytes"] + gc["orphan_pack_bytes"] + gc["temporary_bytes"]
+                         + gc["rewritten_pack_bytes"] - gc["rewritten_live_bytes"])
+        self.r.save("again", {"x": random_tensor(gen, torch.float32, (256 << 10,))})
+        self.r.rm("again")
+        self.assertIn("in 1 pack with no live chunk", self.run_ckpt("gc").stdout.decode())
+
     def test_a_load_in_progress_survives_rm_and_gc_from_another_process(self):
         gen = torch.Generator().manual_seed(6)
         old = {k: random_tensor(gen, torch.float32, (64 << 10,)) for k in ("a", "b")}

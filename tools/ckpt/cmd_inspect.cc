@@ -63,11 +63,20 @@ int CmdLs(const GlobalOptions& global, const Args& args) {
 }
 
 const CommandSpec kShow{"show", "NAME [TENSOR...]", "Show a checkpoint: tensors, dtypes, shapes, shard layout, sizes.",
+                        "Each tensor's PLACEMENT says how its shards lie (whole, 4 row blocks, 4 column\n"
+                        "blocks, 8 flat ranges, replicated x2...); --shards lists every shard too.\n"
+                        "Names longer than the column are cut in the middle; --wide shows them whole.\n"
                         "With --stats, each tensor's statistics instead (the TENSORs, or every tensor):\n"
                         "NaN, infinite and zero counts, and over the finite elements min, max, mean,\n"
                         "standard deviation and L2 norm, read in one streaming pass.",
-                        {kJsonOpt, {"stats", 0, false, false, "", "read the tensors and show their statistics"}},
+                        {kJsonOpt, kWideOpt, {"stats", 0, false, false, "", "read the tensors and show their statistics"},
+                         {"shards", 's', false, false, "", "list every shard: its region and the ranks that wrote it"}},
                         1, SIZE_MAX};
+
+// Tensor names in a table: at least 40 columns, names up to 60 whole.
+NameColumn TensorColumn(const std::vector<std::string>& names, const Args& args) {
+  return NameColumn(names, 40, 60, args.Has("wide"));
+}
 
 int ShowStats(Repository& repo, const Args& args) {
   std::vector<std::string> tensors(args.positional.begin() + 1, args.positional.end());
@@ -86,10 +95,13 @@ int ShowStats(Repository& repo, const Args& args) {
     if (v) std::snprintf(buf, sizeof buf, "%.6g", *v);
     return std::string(buf);
   };
-  std::printf("%-40s %-8s %10s %10s %10s %12s %12s %12s %12s %12s\n", "TENSOR", "DTYPE", "NAN", "INF", "ZERO", "MIN",
-              "MAX", "MEAN", "STD", "L2");
+  std::vector<std::string> names;
+  for (const auto& s : *stats) names.push_back(s.name);
+  const NameColumn column = TensorColumn(names, args);
+  std::printf("%s %-8s %10s %10s %10s %12s %12s %12s %12s %12s\n", column.Heading("TENSOR").c_str(), "DTYPE", "NAN",
+              "INF", "ZERO", "MIN", "MAX", "MEAN", "STD", "L2");
   for (const auto& s : *stats) {
-    std::printf("%-40s %-8s %10llu %10llu %10llu %12s %12s %12s %12s %12s\n", EscapeForTerminal(s.name).c_str(),
+    std::printf("%s %-8s %10llu %10llu %10llu %12s %12s %12s %12s %12s\n", column.Cell(s.name).c_str(),
                 std::string(DTypeName(s.dtype)).c_str(), static_cast<unsigned long long>(s.nan_count),
                 static_cast<unsigned long long>(s.inf_count), static_cast<unsigned long long>(s.zero_count),
                 num(s.min).c_str(), num(s.max).c_str(), num(s.mean).c_str(), num(s.std).c_str(),
@@ -165,12 +177,17 @@ int CmdShow(const GlobalOptions& global, const Args& args) {
     std::printf("  tag:       %s=%s\n", EscapeForTerminal(k).c_str(), EscapeForTerminal(v).c_str());
   }
   std::printf("  size:      %s logical, %s stored\n", HumanBytes(info.logical_bytes).c_str(), HumanBytes(stored->total).c_str());
-  std::printf("\n%-40s %-8s %-18s %10s %10s  %s\n", "TENSOR", "DTYPE", "SHAPE", "SIZE", "STORED", "SHARDS");
+  std::vector<std::string> names;
+  for (const auto& t : (*reader)->tensors()) names.push_back(t.name);
+  const NameColumn column = TensorColumn(names, args);
+  std::printf("\n%s %-8s %-18s %10s %10s  %s\n", column.Heading("TENSOR").c_str(), "DTYPE", "SHAPE", "SIZE", "STORED",
+              "PLACEMENT");
   for (size_t i = 0; i < (*reader)->tensors().size(); ++i) {
     const TensorRecord& t = (*reader)->tensors()[i];
-    std::printf("%-40s %-8s %-18s %10s %10s  %zu\n", EscapeForTerminal(t.name).c_str(), std::string(DTypeName(t.dtype)).c_str(),
+    std::printf("%s %-8s %-18s %10s %10s  %s\n", column.Cell(t.name).c_str(), std::string(DTypeName(t.dtype)).c_str(),
                 ShapeToString(t.shape).c_str(), HumanBytes(t.ByteSize()).c_str(), HumanBytes(stored->tensors[i]).c_str(),
-                t.shards.size());
+                DescribePlacement(t).c_str());
+    if (!args.Has("shards")) continue;
     for (const auto& s : t.shards) {
       std::string ranks;
       for (uint32_t r : s.ranks) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
@@ -178,8 +195,13 @@ int CmdShow(const GlobalOptions& global, const Args& args) {
     }
   }
   if (!(*reader)->blobs().empty()) {
-    std::printf("\n%-40s %10s\n", "BLOB", "SIZE");
-    for (const auto& b : (*reader)->blobs()) std::printf("%-40s %10s\n", EscapeForTerminal(b.name).c_str(), HumanBytes(b.size).c_str());
+    std::vector<std::string> blob_names;
+    for (const auto& b : (*reader)->blobs()) blob_names.push_back(b.name);
+    const NameColumn blobs = TensorColumn(blob_names, args);
+    std::printf("\n%s %10s\n", blobs.Heading("BLOB").c_str(), "SIZE");
+    for (const auto& b : (*reader)->blobs()) {
+      std::printf("%s %10s\n", blobs.Cell(b.name).c_str(), HumanBytes(b.size).c_str());
+    }
   }
   return kExitOk;
 }
@@ -187,7 +209,9 @@ int CmdShow(const GlobalOptions& global, const Args& args) {
 
 const CommandSpec kDu{"du", "[NAME...]", "Show the space checkpoints use, and what deduplication and compression save.",
                       "Per checkpoint: logical bytes, the stored bytes of the chunks it references, and\n"
-                      "the stored bytes only it references (what removing it alone would reclaim).",
+                      "the stored bytes only it references (what removing it alone would reclaim).\n"
+                      "The total says what gc without a retention policy would reclaim now, as\n"
+                      "'ckpt gc --dry-run' does.",
                       {kJsonOpt}, 0, SIZE_MAX};
 
 // What gc would reclaim inside recorded packs: referenced neither by a
@@ -204,6 +228,13 @@ int CmdDu(const GlobalOptions& global, const Args& args) {
   if (!repo) return rc;
   auto r = repo->DiskUsage(args.positional);
   if (!r.ok()) return Fail(r.status());
+  // What gc would reclaim is what a dry run of it says: packs at least half
+  // live keep their dead chunks (they are rewritten once below half).
+  GcOptions dry;
+  dry.dry_run = true;
+  auto gc = repo->CollectGarbage(dry);
+  if (!gc.ok()) return Fail(gc.status());
+  const uint64_t reclaimable = gc->bytes_reclaimed();
   if (args.Has("json")) {
     Json j = Json::MakeObject();
     Json list = Json::MakeArray();
@@ -226,6 +257,7 @@ int CmdDu(const GlobalOptions& global, const Args& args) {
     t.Set("removed_bytes", r->retired_bytes);
     t.Set("removed_checkpoints", r->retired_checkpoints);
     t.Set("garbage_bytes", Reclaimable(*r));
+    t.Set("reclaimable_bytes", reclaimable);
     if (!repo->remote()) {
       t.Set("unrecorded_packs", r->unrecorded_packs);
       t.Set("unrecorded_pack_bytes", r->unrecorded_pack_bytes);
@@ -241,10 +273,14 @@ int CmdDu(const GlobalOptions& global, const Args& args) {
     std::printf("%-28s %12s %12s %12s\n", e.name.c_str(), HumanBytes(e.logical_bytes).c_str(),
                 HumanBytes(e.referenced_bytes).c_str(), HumanBytes(e.exclusive_bytes).c_str());
   }
-  std::printf("\ntotal: %s logical, %s after dedup, %s stored (%s in packs: %s pending, %s reclaimable by gc)\n",
+  std::printf("\ntotal: %s logical, %s after dedup, %s stored (%s in packs: %s pending, %s dead)\n",
               HumanBytes(r->logical_bytes).c_str(), HumanBytes(r->unique_raw_bytes).c_str(),
               HumanBytes(r->referenced_bytes).c_str(), HumanBytes(r->pack_bytes).c_str(),
               HumanBytes(r->pending_bytes).c_str(), HumanBytes(Reclaimable(*r)).c_str());
+  std::printf("gc would reclaim %s now%s\n", HumanBytes(reclaimable).c_str(),
+              Reclaimable(*r) > gc->dead_pack_bytes + gc->rewritten_pack_bytes - gc->rewritten_live_bytes
+                  ? " (dead chunks in packs at least half live stay until their pack falls below half)"
+                  : "");
   if (r->retired_checkpoints) {
     std::printf("%llu removed checkpoints: %s only they use (gc reclaims it once no reader has them open)\n",
                 static_cast<unsigned long long>(r->retired_checkpoints), HumanBytes(r->retired_bytes).c_str());
@@ -264,7 +300,8 @@ const CommandSpec kDiff{"diff", "A B", "Compare two checkpoints tensor by tensor
                         "tensors the largest and the mean |a - b| and the relative L2 change\n"
                         "||b - a|| / ||a||. Without --all, unchanged ones are counted, not listed\n"
                         "(in --json too).",
-                        {kJsonOpt, {"all", 'a', false, false, "", "list unchanged tensors and blobs too"}}, 2, 2};
+                        {kJsonOpt, kWideOpt, {"all", 'a', false, false, "", "list unchanged tensors and blobs too"}},
+                        2, 2};
 
 const char* DiffKindName(TensorDiff::Kind k) {
   switch (k) {
@@ -310,8 +347,13 @@ int CmdDiff(const GlobalOptions& global, const Args& args) {
     return kExitOk;
   }
   size_t changed = 0, tensors = 0, blobs = 0, changed_blobs = 0;
-  std::printf("%-48s %-20s %8s %9s %12s %12s %12s\n", "TENSOR / BLOB", "STATUS", "SHARED", "CHUNKS", "MAX |A-B|",
-              "MEAN |A-B|", "REL L2");
+  std::vector<std::string> names;
+  for (const auto& d : *diffs) {
+    if (d.kind != TensorDiff::Kind::kUnchanged || all) names.push_back((d.blob ? "blob " : "") + d.name);
+  }
+  const NameColumn column(names, 48, 64, args.Has("wide"));
+  std::printf("%s %-20s %8s %9s %12s %12s %12s\n", column.Heading("TENSOR / BLOB").c_str(), "STATUS", "SHARED",
+              "CHUNKS", "MAX |A-B|", "MEAN |A-B|", "REL L2");
   for (const auto& d : *diffs) {
     const bool differs = d.kind != TensorDiff::Kind::kUnchanged;
     (d.blob ? blobs : tensors) += 1;
@@ -326,9 +368,8 @@ int CmdDiff(const GlobalOptions& global, const Args& args) {
     if (d.max_abs_diff) std::snprintf(max_diff, sizeof max_diff, "%.6g", *d.max_abs_diff);
     if (d.mean_abs_diff) std::snprintf(mean, sizeof mean, "%.6g", *d.mean_abs_diff);
     if (d.relative_l2) std::snprintf(l2, sizeof l2, "%.3g", *d.relative_l2);
-    const std::string name = (d.blob ? "blob " : "") + EscapeForTerminal(d.name);
-    std::printf("%-48s %-20s %8s %9s %12s %12s %12s\n", name.c_str(), DiffKindName(d.kind), shared, chunks, max_diff,
-                mean, l2);
+    std::printf("%s %-20s %8s %9s %12s %12s %12s\n", column.Cell((d.blob ? "blob " : "") + d.name).c_str(),
+                DiffKindName(d.kind), shared, chunks, max_diff, mean, l2);
   }
   std::printf("%zu of %zu tensors differ, %zu of %zu blobs\n", changed, tensors, changed_blobs, blobs);
   return kExitOk;

@@ -286,11 +286,25 @@ int CmdGc(const GlobalOptions& global, const Args& args) {
     PrintJson(j);
     return kExitOk;
   }
-  std::printf("%s %s (%llu dead chunks, %llu packs deleted, %llu rewritten, %llu orphaned); %s in packs %s, %s live\n",
-              o.dry_run ? "would reclaim" : "reclaimed", HumanBytes(r->bytes_reclaimed()).c_str(),
-              static_cast<unsigned long long>(r->dead_chunks), static_cast<unsigned long long>(r->packs_deleted),
-              static_cast<unsigned long long>(r->packs_rewritten), static_cast<unsigned long long>(r->orphan_packs),
-              HumanBytes(r->bytes_after).c_str(), o.dry_run ? "after it" : "now", HumanBytes(r->live_bytes).c_str());
+  // What was reclaimed, by where it came from.
+  std::string sources;
+  auto source = [&](uint64_t bytes, const std::string& what) {
+    if (bytes) sources += (sources.empty() ? ": " : ", ") + HumanBytes(bytes) + " " + what;
+  };
+  auto packs = [](uint64_t n) { return std::to_string(n) + (n == 1 ? " pack" : " packs"); };
+  const uint64_t dropped = r->packs_deleted - r->packs_rewritten - r->orphan_packs;
+  source(r->dead_pack_bytes, "in " + packs(dropped) + " with no live chunk");
+  if (r->packs_rewritten) {
+    const uint64_t freed =
+        r->rewritten_pack_bytes > r->rewritten_live_bytes ? r->rewritten_pack_bytes - r->rewritten_live_bytes : 0;
+    sources += (sources.empty() ? ": " : ", ") + HumanBytes(freed) + " from " + packs(r->packs_rewritten) + " rewritten, mostly dead (" + HumanBytes(r->rewritten_live_bytes) + " live copied out)";
+  }
+  source(r->orphan_pack_bytes, "in " + packs(r->orphan_packs) + " of killed saves");
+  source(r->temporary_bytes, "in temporary files of interrupted writes");
+  std::printf("%s %s%s; %llu dead chunks; %s in packs %s, %s live\n", o.dry_run ? "would reclaim" : "reclaimed",
+              HumanBytes(r->bytes_reclaimed()).c_str(), sources.c_str(),
+              static_cast<unsigned long long>(r->dead_chunks), HumanBytes(r->bytes_after).c_str(),
+              o.dry_run ? "after it" : "now", HumanBytes(r->live_bytes).c_str());
   if (r->retired_kept) {
     std::printf("%llu removed checkpoints are still open for reading (a mount or a process): their space is\n"
                 "reclaimed by the first gc after they are closed\n",

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -179,6 +180,48 @@ int InterruptGuard::Exit(const std::string& what, const std::string& left) const
   std::fprintf(stderr, "ckpt: interrupted (%s): %s stopped; %s\n", sig == SIGINT ? "SIGINT" : "SIGTERM",
                EscapeForTerminal(what).c_str(), left.c_str());
   return 128 + sig;
+}
+
+namespace {
+// Display columns of UTF-8 text: one per character (wide scripts are rare in
+// tensor names, and escaping made control bytes ASCII).
+size_t Columns(std::string_view s) {
+  size_t n = 0;
+  for (char c : s) n += (static_cast<uint8_t>(c) & 0xC0) != 0x80;
+  return n;
+}
+// The byte offset after the first `columns` characters.
+size_t PrefixBytes(std::string_view s, size_t columns) {
+  size_t i = 0;
+  for (size_t seen = 0; i < s.size(); ++i) {
+    if ((static_cast<uint8_t>(s[i]) & 0xC0) != 0x80 && seen++ == columns) break;
+  }
+  return i;
+}
+}  // namespace
+
+NameColumn::NameColumn(const std::vector<std::string>& names, size_t min_width, size_t max_width, bool wide)
+    : width_(min_width), wide_(wide) {
+  for (const auto& n : names) width_ = std::max(width_, Columns(EscapeForTerminal(n)));
+  if (!wide) width_ = std::min(width_, std::max(min_width, max_width));
+}
+
+std::string NameColumn::Cell(const std::string& name) const {
+  std::string text = EscapeForTerminal(name);
+  size_t columns = Columns(text);
+  if (!wide_ && columns > width_) {
+    const std::string cut = "...";
+    const size_t keep = width_ > cut.size() ? width_ - cut.size() : 0;
+    const size_t head = keep - keep / 2, tail = keep / 2;
+    const std::string_view t(text);
+    text = std::string(t.substr(0, PrefixBytes(t, head))) + cut + std::string(t.substr(PrefixBytes(t, columns - tail)));
+    columns = width_;
+  }
+  return text + std::string(width_ > columns ? width_ - columns : 0, ' ');
+}
+
+std::string NameColumn::Heading(const std::string& title) const {
+  return title + std::string(width_ > title.size() ? width_ - title.size() : 0, ' ');
 }
 
 }  // namespace ckptfs::cli

@@ -71,6 +71,26 @@ class InterruptGuard {
   struct sigaction old_int_ {}, old_term_ {};
 };
 
+inline const OptionSpec kWideOpt{"wide", 'w', false, false, "", "show long names whole instead of cut in the middle"};
+
+// The name column of a table: as wide as the longest name, at least
+// `min_width` and, unless `wide`, at most `max_width`; a longer name is cut
+// in the middle ("model.layers.1...q_proj.weight"), its ends kept, so that
+// the other columns stay aligned. Names are escaped for the terminal.
+class NameColumn {
+ public:
+  NameColumn(const std::vector<std::string>& names, size_t min_width, size_t max_width, bool wide);
+  size_t width() const { return width_; }
+  // The name escaped, fitted and padded to the column's width.
+  std::string Cell(const std::string& name) const;
+  // A heading padded to the column's width.
+  std::string Heading(const std::string& title) const;
+
+ private:
+  size_t width_ = 0;
+  bool wide_ = false;
+};
+
 // One entry of ckpt's command table (main.cc); each command group's file
 // defines its entries.
 struct Command {
