@@ -71,7 +71,8 @@ python_args() {
 python_wheel() {
   stage_begin "Python package: wheel built from build/, installed into build/venv"
   rm -rf build/wheels
-  "$VENV/bin/pip" wheel -q --no-deps --no-build-isolation -C build-dir=build -w build/wheels .
+  "$VENV/bin/pip" wheel -q --no-deps --no-build-isolation -C build-dir=build \
+    -C cmake.define.CKPTFS_BUILD_PROGRESS=OFF -w build/wheels .
   "$VENV/bin/pip" install -q --no-deps --force-reinstall build/wheels/ckptfs-*.whl
   # pip's configure leaves the wheel's staging paths in build/'s cache; a
   # plain `cmake --install build` must not use them.
