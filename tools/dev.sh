@@ -6,6 +6,9 @@
 #   tools/dev.sh test   set up, build (plain, ASan+UBSan, TSan, fuzz), and run every
 #                       test, then each fuzz target for 12 s
 #   tools/dev.sh build  set up and build (build/; the Python package for build/venv)
+#   tools/dev.sh check  the inner loop, after a build or a test run: release build,
+#                       unit tests, and the CLI, gc and Python package tests
+#                       (no set-up, no sanitizers, no S3 server, no wheel)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -28,6 +31,23 @@ stage_summary() {
   [ ${#stage_names[@]} -gt 0 ] || return 0
   echo "== stage times (total ${SECONDS} s)"
   for i in "${!stage_names[@]}"; do printf '%6d s  %s\n' "${stage_times[$i]}" "${stage_names[$i]}"; done
+}
+
+# Every test's time, from each ctest run's log, for the slowest-tests list
+# at the end of the test command.
+test_times=/tmp/ckptfs-test-times.$$
+record_test_times() {  # build dir, stage label
+  local log=$1/Testing/Temporary/LastTest.log
+  [ -f "$log" ] || return 0
+  awk -v stage="$2" '/^[0-9]+\/[0-9]+ Testing: /{name=$3} /^Test time = /{printf "%8.1f s  %s (%s)\n", $4, name, stage}' \
+    "$log" >>"$test_times"
+}
+slowest_tests() {
+  [ -s "$test_times" ] || return 0
+  echo "== the 10 slowest tests"
+  sort -rn "$test_times" >"$test_times.sorted"
+  head -n 10 "$test_times.sorted"
+  rm -f "$test_times" "$test_times.sorted"
 }
 
 setup() {  # demo|test
@@ -115,7 +135,7 @@ case "$cmd" in
     # A real S3 server (Ceph RGW on loopback) for the S3 backend's tests, up
     # until the last stage; they fail rather than skip without it.
     s3_dir=$(mktemp -d /tmp/ckptfs-s3.XXXXXX)
-    trap 'bash tools/s3-server.sh stop "$s3_dir" || true; rm -rf "$s3_dir"; stage_summary' EXIT
+    trap 'bash tools/s3-server.sh stop "$s3_dir" || true; rm -rf "$s3_dir"; slowest_tests; stage_summary' EXIT
     stage_begin "start a Ceph RGW S3 server (tools/s3-server.sh)"
     if ! s3_env=$(bash tools/s3-server.sh start "$s3_dir" 2>"$s3_dir.log"); then
       cat "$s3_dir.log" >&2
@@ -127,6 +147,7 @@ case "$cmd" in
     stage_end
     stage_begin "tests (release build)"
     ctest --test-dir build --output-on-failure --no-tests=error -j "$JOBS" -LE "gpu|device"
+    record_test_times build release
     stage_end
     stage_begin "install, then embed the engine as a program would (find_package and pkg-config; tests/install)"
     inst=$(mktemp -d /tmp/ckptfs-install.XXXXXX)
@@ -156,6 +177,7 @@ case "$cmd" in
     configure_build asan
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
       ctest --test-dir build-asan --output-on-failure --no-tests=error -j "$JOBS" -L unit
+    record_test_times build-asan ASan+UBSan
     stage_end
     stage_begin "Python package under ASan+UBSan: random buffer layouts (build-pyasan/)"
     # Only the module is instrumented; the interpreter is not, so the
@@ -173,13 +195,35 @@ case "$cmd" in
     configure_build tsan
     TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
       ctest --test-dir build-tsan --output-on-failure --no-tests=error -j "$JOBS" -L unit
+    record_test_times build-tsan TSan
     stage_end
     stage_begin "fuzz targets, 12 s each (clang, ASan+UBSan; build-fuzz/)"
     bash tools/fuzz.sh 12
     stage_end
     ;;
+  check)
+    # What a change most often breaks, in a few minutes: no set-up (run
+    # build or test once first), no sanitizer builds, no S3 server (the S3
+    # tests skip, saying so), no wheel.
+    python_env
+    stage_begin "release build with tests (build/)"
+    # shellcheck disable=SC2046
+    configure_build default -DCKPTFS_BUILD_TESTS=ON $(python_args)
+    stage_end
+    stage_begin "unit tests (release build)"
+    ctest --test-dir build --output-on-failure --no-tests=error -j "$JOBS" -L unit
+    record_test_times build unit
+    stage_end
+    stage_begin "CLI, gc and Python package tests"
+    CKPTFS_QUICK_CHECK=1 ctest --test-dir build --output-on-failure --no-tests=error -j "$JOBS" \
+      -R '^(cli_integration|gc_integration|python_package)$'
+    record_test_times build integration
+    stage_end
+    slowest_tests
+    stage_summary
+    ;;
   *)
-    echo "usage: tools/dev.sh demo|test|build" >&2
+    echo "usage: tools/dev.sh demo|test|build|check" >&2
     exit 2
     ;;
 esac

@@ -837,6 +837,8 @@ class NumpyOnly(unittest.TestCase):
 
 @unittest.skipUnless(sys.prefix != sys.base_prefix or os.environ.get("CKPTFS_REQUIRE_WHEEL"),
                      "not run in a venv (tools/dev.sh test installs the wheel into build/venv)")
+@unittest.skipIf(os.environ.get("CKPTFS_QUICK_CHECK") and not os.environ.get("CKPTFS_REQUIRE_WHEEL"),
+                 "tools/dev.sh check builds no wheel (tools/dev.sh test does, and runs these)")
 class Wheel(unittest.TestCase):
     """The package as `pip install .` leaves it in a venv: tools/dev.sh test
     builds the wheel from its build tree and installs it into build/venv."""
