@@ -173,23 +173,21 @@ case "$cmd" in
     stage_end
     # The sanitizer builds compile as unity builds (several sources per
     # compiler run): half the build time on two cores.
-    stage_begin "engine unit tests under ASan+UBSan (build-asan/)"
-    configure_build asan
+    stage_begin "engine unit tests under ASan+UBSan (build-asan/, with the Python module)"
+    # shellcheck disable=SC2046
+    configure_build asan -DCKPTFS_SANITIZED_PYTHON=ON $(python_args)
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
       ctest --test-dir build-asan --output-on-failure --no-tests=error -j "$JOBS" -L unit
     record_test_times build-asan ASan+UBSan
     stage_end
-    stage_begin "Python package under ASan+UBSan: random buffer layouts (build-pyasan/)"
-    # Only the module is instrumented; the interpreter is not, so the
-    # sanitizer runtimes are preloaded and leak checks (CPython's own) off.
-    # shellcheck disable=SC2046
-    cmake -S "$ROOT" -B build-pyasan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCKPTFS_SANITIZE=ON \
-      -DCKPTFS_BUILD_TESTS=OFF -DCKPTFS_BENCHMARKS=OFF -DCMAKE_UNITY_BUILD=ON $(python_args) >/dev/null
-    cmake --build build-pyasan -j "$JOBS" --target ckptfs_python
+    stage_begin "Python package under ASan+UBSan: random buffer layouts (build-asan/python)"
+    # Only the module is instrumented (built by the stage above, beside the
+    # unit tests); the interpreter is not, so the sanitizer runtimes are
+    # preloaded and leak checks (CPython's own) off.
     (cd tests/python && \
       LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" \
       ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-      PYTHONPATH="$ROOT/build-pyasan/python" "$VENV/bin/python" -m unittest -v test_python.Layouts)
+      PYTHONPATH="$ROOT/build-asan/python" "$VENV/bin/python" -m unittest -v test_python.Layouts)
     stage_end
     stage_begin "engine unit tests under TSan (build-tsan/)"
     configure_build tsan

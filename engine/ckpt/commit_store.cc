@@ -206,14 +206,19 @@ Status StoreCommit::PutOwnPart(const RankCommit& rank, const std::string& key, c
   const std::string& name = rank.name;
   const auto bytes = std::as_bytes(std::span(encoded));
   for (;;) {
-    auto there = ReadPendingRank(store, name, rank.options.rank);
-    if (there.status().IsNotFound()) {
+    // A HEAD first: a part is there only after a crash (or from a rank
+    // run twice), so the usual save costs no GET.
+    auto size = store.Size(key);
+    if (size.status().IsNotFound()) {
       Status put = store.PutIfAbsent(key, bytes);
       if (!put.IsAlreadyExists()) return put;
       auto raw = store.ReadAll(key, encoded.size() + 1);
       if (raw.ok() && *raw == encoded) return Status::OK();  // ours, the answer lost and retried
       continue;  // another's, PUT meanwhile: look at it
     }
+    CKPT_RETURN_IF_ERROR(size.status());
+    auto there = ReadPendingRank(store, name, rank.options.rank);
+    if (there.status().IsNotFound()) continue;  // gone meanwhile
     // A part that cannot be read is replaced only by a rank of an attempt.
     if (!there.ok() && rank.options.attempt.empty()) return there.status();
     const std::string theirs = there.ok() ? there->header.attempt : std::string();
