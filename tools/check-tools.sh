@@ -47,6 +47,7 @@ test_programs=(
   radosgw-admin:radosgw ceph-authtool:ceph-common monmaptool:ceph-base
   mount:mount umount:mount unshare:util-linux nsenter:util-linux
   cmp:diffutils sha256sum:coreutils dd:coreutils timeout:coreutils localedef:locales
+  script:bsdutils awk:mawk sort:coreutils
 )
 # module:package pairs for Debian's /usr/bin/python3.
 demo_modules=(numpy:python3-numpy)

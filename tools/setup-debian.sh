@@ -19,7 +19,8 @@ packages=(
   python3 python3-numpy                    # the demo and the CLI integration tests
   python3-dev python3-venv                 # the Python package, built in a venv (tools/dev.sh)
   mount util-linux                         # mount/umount, unshare and nsenter (test_cli, test_s3)
-  coreutils diffutils                      # cat, dd, sha256sum, timeout; cmp (test_mount)
+  coreutils diffutils                      # cat, dd, sha256sum, timeout, sort; cmp (test_mount)
+  bsdutils mawk                            # script (test_cli: a terminal for the build launcher); awk (dev.sh)
   locales                                  # localedef: a comma-decimal locale for the JSON tests
 )
 

@@ -479,8 +479,7 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
       (options.await_ranks.count() > 0 && options.share_sync == nullptr && options.shared_sync == nullptr)) {
     return Status::InvalidArgument("await_ranks splits a group's commit: it needs share_sync or shared_sync");
   }
-  if (options.attempt.size() > kMaxAttemptSize ||
-      std::any_of(options.attempt.begin(), options.attempt.end(), [](char c) { return c < 0x21 || c > 0x7e; })) {
+  if (!IsValidSaveAttempt(options.attempt)) {
     return Status::InvalidArgument("a save attempt is at most " + std::to_string(kMaxAttemptSize) +
                                    " printable characters without spaces");
   }

@@ -1,5 +1,6 @@
 #include "meta/records.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/encoding.h"
@@ -54,6 +55,11 @@ Status ValidateBlobRecord(const BlobRecord& b) {
   return Status::OK();
 }
 
+bool IsValidSaveAttempt(std::string_view attempt) {
+  return attempt.size() <= kMaxAttemptSize &&
+         std::all_of(attempt.begin(), attempt.end(), [](char c) { return c >= 0x21 && c <= 0x7e; });
+}
+
 Status ValidateCheckpointRecord(const CheckpointRecord& c) {
   auto bad = [&](const std::string& what) { return Status::Corruption("checkpoint '" + c.name + "': " + what); };
   if (c.world_size == 0) return bad("world size 0");
@@ -68,10 +74,7 @@ Status ValidateCheckpointRecord(const CheckpointRecord& c) {
                " ranks");
   }
   if (c.state == CheckpointState::kCommitted && !c.attempt.empty()) return bad("committed with a save attempt");
-  if (c.attempt.size() > kMaxAttemptSize) return bad("save attempt of " + std::to_string(c.attempt.size()) + " bytes");
-  for (char ch : c.attempt) {
-    if (ch < 0x21 || ch > 0x7e) return bad("save attempt holds a byte that is not printable");
-  }
+  if (!IsValidSaveAttempt(c.attempt)) return bad("malformed save attempt");
   return Status::OK();
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -47,6 +48,9 @@ struct BlobRecord {
 enum class CheckpointState : uint8_t { kPending = 0, kCommitted = 1 };
 
 inline constexpr size_t kMaxAttemptSize = 64;
+// A save attempt as records keep it: at most kMaxAttemptSize bytes, each
+// printable ASCII other than the space (empty: none).
+bool IsValidSaveAttempt(std::string_view attempt);
 
 struct CheckpointRecord {
   std::string name;

@@ -125,6 +125,55 @@ class HelpAndUsage(CkptTestCase):
         self.assertEqual(cfg["level"], 3)
 
 
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+
+class BuildProgress(CkptTestCase):
+    """What `pip install .` shows while it compiles (pip hides the build's
+    own output): a wheel build compiles through tools/build_progress.sh,
+    which names each file on the terminal, and writes nothing where there
+    is none."""
+
+    def configure(self, *extra):
+        out = self.path("wheel-build")
+        subprocess.run(["cmake", "-S", ROOT, "-B", out, "-G", "Ninja", "-DSKBUILD=2",
+                        f"-DSKBUILD_SCRIPTS_DIR={out}/scripts", "-DCKPTFS_PYTHON=OFF", *extra],
+                       check=True, capture_output=True, timeout=300)
+        with open(os.path.join(out, "CMakeFiles", "rules.ninja")) as f:
+            rules = f.read()
+        with open(os.path.join(out, "build.ninja")) as f:
+            targets = f.read()
+        return rules, targets
+
+    def test_a_wheel_build_compiles_through_the_launcher_and_builds_no_simulator(self):
+        rules, targets = self.configure()
+        self.assertIn(os.path.join(ROOT, "tools", "build_progress.sh") + " " + ROOT + " ", rules)
+        self.assertNotIn("ckpt-sim", targets)
+        self.assertIn("build tools/ckpt:", targets)
+        rules, _ = self.configure("-DCKPTFS_BUILD_PROGRESS=OFF")
+        self.assertNotIn("build_progress.sh", rules)
+
+    def test_the_launcher_names_the_file_on_a_terminal_and_runs_the_compiler(self):
+        compiler = self.path("cc.sh")
+        record = self.path("ran")
+        with open(compiler, "w") as f:
+            f.write(f'#!/bin/sh\necho "$@" > {record}\n')
+        os.chmod(compiler, 0o755)
+        command = [os.path.join(ROOT, "tools", "build_progress.sh"), ROOT, compiler, "-O2", "-o", "x.o",
+                   "-c", os.path.join(ROOT, "engine", "ckpt", "gc.cc")]
+        # On a terminal (script(1) gives the command one): one line.
+        p = subprocess.run(["script", "-qec", " ".join(command), "/dev/null"], capture_output=True, timeout=60)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn(b"ckptfs build: compiling engine/ckpt/gc.cc", p.stdout)
+        with open(record) as f:
+            self.assertEqual(f.read().split(), command[3:])
+        os.remove(record)
+        # Without one (CI, a pipe): nothing, and the compiler still runs.
+        p = subprocess.run(command, capture_output=True, start_new_session=True, timeout=60)
+        self.assertEqual((p.returncode, p.stdout, p.stderr), (0, b"", b""))
+        self.assertTrue(os.path.exists(record))
+
+
 class ImportAndRead(CkptTestCase):
     def setUp(self):
         super().setUp()

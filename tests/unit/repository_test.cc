@@ -320,35 +320,41 @@ TEST_P(SaveAndLoad, RanksCommittingAtOnceMakeOneVisibleCheckpoint) {
 TEST_P(SaveAndLoad, ASaveAttemptAfterACrashAbandonsTheCrashedAttemptsParts) {
   Ref old_bytes = MakeRef("w", DType::kF32, {64, 40}, 41);
   Ref new_bytes = MakeRef("w", DType::kF32, {64, 40}, 42);
-  const std::string crashed = NewSaveAttempt();
-  auto begin = [&](uint32_t rank, uint32_t world, const std::string& attempt) {
-    WriterOptions o{rank, world, 8, {}};
+  // Rank `rank` of `world` of checkpoint step-STEP, as save attempt `attempt`.
+  auto begin = [&](int64_t step, uint32_t rank, uint32_t world, const std::string& attempt) {
+    WriterOptions o{rank, world, step, {}};
     o.attempt = attempt;
-    return repo_->BeginCheckpoint("step-8", o);
+    return repo_->BeginCheckpoint("step-" + std::to_string(step), o);
   };
-  for (uint32_t r : {0u, 2u}) {  // 2 of 4 ranks in, then the job dies
-    auto w = begin(r, 4, crashed);
-    ASSERT_OK(w);
-    PutBox(**w, old_bytes, Box{{16 * r, 0}, {16, 40}});
-    ASSERT_OK((*w)->Commit().Wait());
-  }
-  auto straggler = begin(1, 4, crashed);  // a rank of the crashed job still at work
+  // That rank's rows of `ref` (the world's equal row blocks), committed.
+  auto save_rows = [&](int64_t step, uint32_t rank, uint32_t world, const std::string& attempt,
+                       const Ref& ref) -> Result<CommitResult> {
+    CKPT_ASSIGN_OR_RETURN(auto w, begin(step, rank, world, attempt));
+    const uint64_t rows = 64 / world;
+    PutBox(*w, ref, Box{{rows * rank, 0}, {rows, 40}});
+    return w->Commit().Wait();
+  };
+  // A later attempt than `than`, even on a clock that did not move.
+  auto later = [](const std::string& than) {
+    std::string a = NewSaveAttempt();
+    return a > than ? a : than + "0";
+  };
+
+  const std::string crashed = NewSaveAttempt();
+  for (uint32_t r : {0u, 2u}) ASSERT_OK(save_rows(8, r, 4, crashed, old_bytes));  // 2 of 4 in, then the job dies
+  auto straggler = begin(8, 1, 4, crashed);  // a rank of the crashed job still at work
   ASSERT_OK(straggler);
   PutBox(**straggler, old_bytes, Box{{16, 0}, {16, 40}});
   // Ranks without an attempt do not join, nor does an attempt older than
   // the pending one's.
-  EXPECT_EQ(begin(1, 4, "").status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_EQ(begin(1, 4, "0000000000000001-00").status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_EQ(begin(0, 2, std::string(kMaxAttemptSize + 1, 'a')).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(begin(0, 2, "two words").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(begin(8, 1, 4, "").status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(begin(8, 1, 4, "0000000000000001-00").status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(begin(8, 0, 2, std::string(kMaxAttemptSize + 1, 'a')).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(begin(8, 0, 2, "two words").status().code(), StatusCode::kInvalidArgument);
 
   // The restarted job, at world size 2.
-  std::string restarted = NewSaveAttempt();
-  if (restarted <= crashed) restarted = crashed + "0";  // a clock that did not move
-  auto r0 = begin(0, 2, restarted);
-  ASSERT_OK(r0);
-  PutBox(**r0, new_bytes, Box{{0, 0}, {32, 40}});
-  auto first = (*r0)->Commit().Wait();
+  const std::string restarted = later(crashed);
+  auto first = save_rows(8, 0, 2, restarted, new_bytes);
   ASSERT_OK(first);
   EXPECT_FALSE(first->checkpoint_visible);
   // The straggler's commit never makes its part count: the catalog refuses
@@ -361,10 +367,7 @@ TEST_P(SaveAndLoad, ASaveAttemptAfterACrashAbandonsTheCrashedAttemptsParts) {
   } else {
     EXPECT_EQ(late.status().code(), StatusCode::kFailedPrecondition) << late.status().ToString();
   }
-  auto r1 = begin(1, 2, restarted);
-  ASSERT_OK(r1);
-  PutBox(**r1, new_bytes, Box{{32, 0}, {32, 40}});
-  auto last = (*r1)->Commit().Wait();
+  auto last = save_rows(8, 1, 2, restarted, new_bytes);
   ASSERT_OK(last);
   EXPECT_TRUE(last->checkpoint_visible);
   ExpectWhole("step-8", new_bytes);
@@ -373,7 +376,7 @@ TEST_P(SaveAndLoad, ASaveAttemptAfterACrashAbandonsTheCrashedAttemptsParts) {
   EXPECT_EQ(rec->world_size, 2u);
   EXPECT_EQ(rec->step, 8);
   EXPECT_TRUE(rec->attempt.empty());
-  EXPECT_EQ(begin(1, 4, crashed).status().code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(begin(8, 1, 4, crashed).status().code(), StatusCode::kAlreadyExists);
   auto v = repo_->Verify(std::nullopt);
   ASSERT_OK(v);
   EXPECT_TRUE(v->ok());
@@ -384,24 +387,11 @@ TEST_P(SaveAndLoad, ASaveAttemptAfterACrashAbandonsTheCrashedAttemptsParts) {
   // Restarted at the same world size, the new attempt's ranks replace the
   // crashed one's parts rank by rank, in any order.
   const std::string crashed_again = NewSaveAttempt();
-  for (uint32_t r : {1u, 3u}) {
-    WriterOptions o{r, 4, 9, {}};
-    o.attempt = crashed_again;
-    auto w = repo_->BeginCheckpoint("step-9", o);
-    ASSERT_OK(w);
-    PutBox(**w, old_bytes, Box{{16 * r, 0}, {16, 40}});
-    ASSERT_OK((*w)->Commit().Wait());
-  }
-  std::string again = NewSaveAttempt();
-  if (again <= crashed_again) again = crashed_again + "0";
+  for (uint32_t r : {1u, 3u}) ASSERT_OK(save_rows(9, r, 4, crashed_again, old_bytes));
+  const std::string again = later(crashed_again);
   int visible = 0;
   for (uint32_t r : {3u, 0u, 2u, 1u}) {
-    WriterOptions o{r, 4, 9, {}};
-    o.attempt = again;
-    auto w = repo_->BeginCheckpoint("step-9", o);
-    ASSERT_OK(w);
-    PutBox(**w, new_bytes, Box{{16 * r, 0}, {16, 40}});
-    auto res = (*w)->Commit().Wait();
+    auto res = save_rows(9, r, 4, again, new_bytes);
     ASSERT_OK(res);
     visible += res->checkpoint_visible;
   }
