@@ -162,6 +162,8 @@ class StoreCommit : public CommitProtocol {
  private:
   Status PutOwnPart(const RankCommit& rank, const std::string& key, const std::string& encoded);
   Status AwaitOwnAttempt(const RankCommit& rank, CommitResult* result);
+  std::vector<Result<PendingRank>> ReadParts(const std::string& name, uint32_t n);
+  Result<bool> AllOfThisAttempt(const RankCommit& rank, const std::vector<Result<PendingRank>>& parts);
   // Steps 3 to 5, this rank's part being durable.
   Status CommitListed(const RankCommit& rank, CommitResult* result);
   Result<std::optional<Manifest>> MergeStoredRanks(const RankCommit& rank);
@@ -232,10 +234,33 @@ Status StoreCommit::PutOwnPart(const RankCommit& rank, const std::string& key, c
   }
 }
 
+// Every rank's part of checkpoint `name` (world size `n`), read in parallel.
+std::vector<Result<PendingRank>> StoreCommit::ReadParts(const std::string& name, uint32_t n) {
+  std::vector<Result<PendingRank>> parts(n, Status::Internal("not read"));
+  ParallelFor(repo_.IoPool(), n, repo_.io_threads,
+              [&](size_t r) { parts[r] = ReadPendingRank(*repo_.backend, name, static_cast<uint32_t>(r)); });
+  return parts;
+}
+
+// Whether every part (all read) is of this rank's save attempt: false
+// while an older attempt's part stands for some rank; FailedPrecondition
+// when one is a newer attempt's.
+Result<bool> StoreCommit::AllOfThisAttempt(const RankCommit& rank, const std::vector<Result<PendingRank>>& parts) {
+  bool all = true;
+  for (const auto& part : parts) {
+    switch (CompareAttempts(rank.options.attempt, part->header.attempt)) {
+      case AttemptOrder::kSame: break;
+      case AttemptOrder::kNewer: all = false; break;
+      case AttemptOrder::kOlder: return SupersededAttempt(rank.name, rank.options.attempt, part->header.attempt);
+    }
+  }
+  return all;
+}
+
 // A split commit's completer whose listing showed every rank in, one or
-// more of them an older attempt's part: waits, re-reading the parts with
-// backoff, until this attempt's ranks have replaced them (then commits, by
-// starting over) or the wait runs out.
+// more of them an older attempt's part: waits, reading the parts again
+// with backoff, until this attempt's ranks have replaced them (then
+// commits as the last rank would) or the wait runs out.
 Status StoreCommit::AwaitOwnAttempt(const RankCommit& rank, CommitResult* result) {
   const auto deadline = rank.options.await_ranks + std::chrono::steady_clock::now();
   for (int attempt = 0;; ++attempt) {
@@ -247,22 +272,18 @@ Status StoreCommit::AwaitOwnAttempt(const RankCommit& rank, CommitResult* result
     }
     std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
         std::chrono::milliseconds(std::min<int64_t>(10ll << std::min(attempt, 7), 1000)), deadline - now));
-    bool stale = false;
-    for (uint32_t r = 0; r < rank.options.world_size && !stale; ++r) {
-      auto part = ReadPendingRank(*repo_.backend, rank.name, r);
+    const auto parts = ReadParts(rank.name, rank.options.world_size);
+    bool missing = false;
+    for (const auto& part : parts) {
       if (part.status().IsNotFound()) {
-        stale = true;
+        missing = true;
       } else {
         CKPT_RETURN_IF_ERROR(part.status());
-        if (part->header.attempt != rank.options.attempt) {
-          if (CompareAttempts(rank.options.attempt, part->header.attempt) == AttemptOrder::kOlder) {
-            return SupersededAttempt(rank.name, rank.options.attempt, part->header.attempt);
-          }
-          stale = true;
-        }
       }
     }
-    if (stale) continue;
+    if (missing) continue;
+    CKPT_ASSIGN_OR_RETURN(bool ours, AllOfThisAttempt(rank, parts));
+    if (!ours) continue;
     RankCommit again = rank;
     again.role = RankCommit::Role::kAny;  // every part is in: commit as the last rank would
     return CommitListed(again, result);
@@ -273,22 +294,16 @@ Status StoreCommit::AwaitOwnAttempt(const RankCommit& rank, CommitResult* result
 Result<std::optional<Manifest>> StoreCommit::MergeStoredRanks(const RankCommit& rank) {
   const std::string& name = rank.name;
   const uint32_t n = rank.options.world_size;
-  std::vector<Result<PendingRank>> objects(n, Status::Internal("not read"));
-  ParallelFor(repo_.IoPool(), n, repo_.io_threads,
-              [&](size_t r) { objects[r] = ReadPendingRank(*repo_.backend, name, static_cast<uint32_t>(r)); });
+  std::vector<Result<PendingRank>> objects = ReadParts(name, n);
   CommitView view;
   view.checkpoint.name = name;
   view.checkpoint.world_size = n;
   view.checkpoint.created_unix_ms = rank.created_unix_ms;
   for (uint32_t r = 0; r < n; ++r) {
     if (!objects[r].ok()) return objects[r].status().WithContext("committing checkpoint '" + name + "'");
-    const CheckpointRecord& h = objects[r]->header;
-    switch (CompareAttempts(rank.options.attempt, h.attempt)) {
-      case AttemptOrder::kSame: break;
-      case AttemptOrder::kNewer: return std::optional<Manifest>();
-      case AttemptOrder::kOlder: return SupersededAttempt(name, rank.options.attempt, h.attempt);
-    }
   }
+  CKPT_ASSIGN_OR_RETURN(bool ours, AllOfThisAttempt(rank, objects));
+  if (!ours) return std::optional<Manifest>();
   for (uint32_t r = 0; r < n; ++r) {
     const CheckpointRecord& h = objects[r]->header;
     if (h.world_size != n) {

@@ -67,15 +67,17 @@ class S3Repository : public ::testing::Test {
   // `world`-rank save whose commit is split (WriterOptions::await_ranks).
   using Begun = Result<std::unique_ptr<CheckpointWriter>>;
   std::pair<Begun, Begun> BeginSplit(Repository& zero, Repository& one, const std::string& name, uint32_t world,
-                                     std::chrono::milliseconds await) {
+                                     std::chrono::milliseconds await, const std::string& attempt = "") {
     std::string listing;
     WriterOptions first{.rank = 0, .world_size = world};
     first.share_sync = &listing;
     first.await_ranks = await;
+    first.attempt = attempt;
     Begun w0 = zero.BeginCheckpoint(name, first);
     WriterOptions second{.rank = 1, .world_size = world};
     second.shared_sync = &listing;
     second.await_ranks = await;
+    second.attempt = attempt;
     Begun w1 = w0.ok() ? one.BeginCheckpoint(name, second) : Begun(w0.status());
     return {std::move(w0), std::move(w1)};
   }
@@ -800,6 +802,52 @@ TEST_F(S3Repository, TheSharingRanksCommitWaitsForEveryPartAndItsLockCoversTheGr
   EXPECT_TRUE(done->checkpoint_visible);
   ASSERT_OK(b->Refresh());
   auto reader = b->OpenCheckpoint("split");
+  ASSERT_OK(reader);
+  std::vector<std::byte> got(w.size());
+  ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, got));
+  EXPECT_EQ(got, w);
+}
+
+// A collective save restarted after a crash: the sharing rank's listing
+// shows every rank in, one of them the crashed attempt's part. It waits
+// for this attempt's rank to replace it, then commits this attempt alone.
+TEST_F(S3Repository, TheSharingRankOfARestartedSaveWaitsForItsOwnAttemptsPartsAndCommitsThem) {
+  const uint64_t rows = 32, cols = 256;
+  const auto crashed_bytes = RandomBytes(rows * cols * 4, 45);
+  const auto w = RandomBytes(rows * cols * 4, 46);
+  auto a = Host("a");
+  auto b = Host("b");
+  auto put = [&](CheckpointWriter& writer, uint64_t r, const std::vector<std::byte>& bytes) {
+    HostSource src(std::span<const std::byte>(bytes).subspan(r * rows / 2 * cols * 4, rows / 2 * cols * 4));
+    return writer.PutShard({"w", DType::kF32, {rows, cols}}, Region::OfBox(Box{{r * rows / 2, 0}, {rows / 2, cols}}),
+                           src);
+  };
+  const std::string crashed = NewSaveAttempt();
+  {
+    WriterOptions o{.rank = 1, .world_size = 2};
+    o.attempt = crashed;
+    auto part = b->BeginCheckpoint("restarted", o);
+    ASSERT_OK(part);
+    ASSERT_OK(put(**part, 1, crashed_bytes));
+    ASSERT_OK((*part)->Commit().Wait());  // then the job dies
+  }
+  const std::string attempt = crashed + "0";  // later than the crashed one
+  auto [w0, w1] = BeginSplit(*a, *b, "restarted", 2, std::chrono::seconds(30), attempt);
+  ASSERT_OK(w0);
+  ASSERT_OK(w1);
+  ASSERT_OK(put(**w0, 0, w));
+  ASSERT_OK(put(**w1, 1, w));
+  CommitHandle first_commit = (*w0)->Commit();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_FALSE(first_commit.Ready());  // rank 1's part is still the crashed attempt's
+  auto second_commit = (*w1)->Commit().Wait();
+  ASSERT_OK(second_commit);
+  EXPECT_FALSE(second_commit->checkpoint_visible);
+  auto done = first_commit.Wait();
+  ASSERT_OK(done);
+  EXPECT_TRUE(done->checkpoint_visible);
+  ASSERT_OK(b->Refresh());
+  auto reader = b->OpenCheckpoint("restarted");
   ASSERT_OK(reader);
   std::vector<std::byte> got(w.size());
   ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, got));
