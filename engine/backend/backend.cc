@@ -17,7 +17,7 @@ bool IsValidObjectKey(std::string_view key) {
     if (seg.empty() || seg[0] == '.') return false;
     for (char c : seg) {
       bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                c == '.' || c == '_' || c == '-';
+                c == '.' || c == '_' || c == '-' || c == '~';
       if (!ok) return false;
     }
     start = end + 1;

@@ -59,6 +59,12 @@ AttemptOrder CompareAttempts(const std::string& mine, const std::string& theirs)
   return mine > theirs ? AttemptOrder::kNewer : AttemptOrder::kOlder;
 }
 
+Status CheckpointExists(const std::string& name) {
+  return Status::AlreadyExists("checkpoint '" + name +
+                               "' already exists (an overwriting save replaces it: ckpt import --overwrite, "
+                               "save(..., overwrite=True))");
+}
+
 Status SupersededAttempt(const std::string& name, const std::string& mine, const std::string& pending) {
   auto shown = [](const std::string& a) { return a.empty() ? std::string("(none)") : a; };
   return Status::FailedPrecondition("checkpoint '" + name + "' is being saved by a newer attempt (" + shown(pending) +
@@ -68,9 +74,7 @@ Status SupersededAttempt(const std::string& name, const std::string& mine, const
 
 Result<bool> CheckJoin(const CheckpointRecord& rec, const WriterOptions& options) {
   const std::string& name = rec.name;
-  if (rec.state == CheckpointState::kCommitted) {
-    return Status::AlreadyExists("checkpoint '" + name + "' already exists");
-  }
+  if (rec.state == CheckpointState::kCommitted) return CheckpointExists(name);
   switch (CompareAttempts(options.attempt, rec.attempt)) {
     case AttemptOrder::kNewer: return true;  // the older attempt is abandoned
     case AttemptOrder::kOlder: return SupersededAttempt(name, options.attempt, rec.attempt);

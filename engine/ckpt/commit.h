@@ -200,6 +200,8 @@ Result<bool> CheckJoin(const CheckpointRecord& rec, const WriterOptions& options
 // How attempt `mine` relates to `theirs`: the same, newer or older.
 enum class AttemptOrder { kSame, kNewer, kOlder };
 AttemptOrder CompareAttempts(const std::string& mine, const std::string& theirs);
+// The refusal of a save of a committed name (without WriterOptions::overwrite).
+Status CheckpointExists(const std::string& name);
 // The refusal of a rank of an attempt older than the pending one's.
 Status SupersededAttempt(const std::string& name, const std::string& mine, const std::string& pending);
 // Ranks may each bring tags; the first rank to give a key sets its value.

@@ -344,7 +344,7 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
   if (rank.store_lock != nullptr) CKPT_RETURN_IF_ERROR(rank.store_lock->Check());
   const std::string own_key = keys::PendingRankObject(name, options.rank);
   auto committed = store.Size(keys::ManifestObject(name));
-  if (committed.ok()) return Status::AlreadyExists("checkpoint '" + name + "' already exists");
+  if (committed.ok()) return CheckpointExists(name);
   if (!committed.status().IsNotFound()) return committed.status();
   CheckpointRecord header;
   header.name = name;

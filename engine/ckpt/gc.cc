@@ -568,6 +568,18 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
   phase("waiting for saves in progress");
   CKPT_ASSIGN_OR_RETURN(RepoLock lock, RepoLock::Acquire(impl_->state_dir, RepoLock::Mode::kExclusive));
   phase("checking liveness again");
+  //    A replacing save renames its replacement over the name under its
+  //    own locks: one still there was left by a save that died in between.
+  {
+    std::vector<std::string> stranded;
+    CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+      return txn.Scan(Table::kCheckpoints, "", [&](std::string_view k, std::string_view) {
+        if (keys::IsReplacementCheckpoint(k)) stranded.push_back(keys::ReplacedName(k));
+        return true;
+      });
+    }));
+    for (const auto& name : stranded) CKPT_RETURN_IF_ERROR(DropCommittedReplacement(*impl_, name));
+  }
   //    Removed checkpoints nobody reads now go; those read stay live (and
   //    their chunks move with the rest).
   LocalLeaseScan lease_scan(impl_->state_dir);

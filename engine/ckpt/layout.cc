@@ -15,7 +15,7 @@ bool ParseManifestObject(const std::string& key, std::string* checkpoint) {
     return false;
   }
   *checkpoint = key.substr(prefix.size(), key.size() - prefix.size() - suffix.size());
-  return ValidateCheckpointName(*checkpoint).ok();
+  return IsStoredCheckpointName(*checkpoint);
 }
 std::string PendingPrefix(const std::string& checkpoint) { return std::string(kPendingPrefix) + checkpoint + "/"; }
 std::string CommitClaimObject(const std::string& checkpoint) { return PendingPrefix(checkpoint) + "commit"; }
@@ -51,7 +51,7 @@ bool ParsePendingRankObject(const std::string& key, std::string* checkpoint, uin
   *checkpoint = key.substr(prefix.size(), slash - prefix.size());
   const std::string tail = key.substr(slash + 1);
   if (!tail.starts_with("rank-") || !ParseRank(std::string_view(tail).substr(5), rank)) return false;
-  return ValidateCheckpointName(*checkpoint).ok();
+  return IsStoredCheckpointName(*checkpoint);
 }
 
 std::string RetiredCheckpoint(const std::string& name, uint64_t token) { return name + "/" + std::to_string(token); }
@@ -71,6 +71,13 @@ bool ParseRetiredObject(const std::string& key, std::string* catalog_name) {
   *catalog_name = std::move(rest);
   return true;
 }
+std::string ReplacementCheckpoint(const std::string& name) { return name + "~"; }
+bool IsReplacementCheckpoint(std::string_view catalog_name) { return catalog_name.ends_with('~'); }
+std::string ReplacedName(std::string_view catalog_name) {
+  if (IsReplacementCheckpoint(catalog_name)) catalog_name.remove_suffix(1);
+  return std::string(catalog_name);
+}
+bool IsStoredCheckpointName(const std::string& name) { return ValidateCheckpointName(ReplacedName(name)).ok(); }
 std::string LeaseObject(const std::string& name, const std::string& host) {
   return std::string(kLeasePrefix) + name + "/" + host;
 }

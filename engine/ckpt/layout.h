@@ -69,6 +69,15 @@ std::string BaseName(std::string_view catalog_name);
 std::string RetiredObject(const std::string& catalog_name);
 // The catalog name a retired/ object key holds, or false for foreign keys.
 bool ParseRetiredObject(const std::string& key, std::string* catalog_name);
+// A save that replaces checkpoint NAME (WriterOptions::overwrite) is saved
+// under the catalog and object name "NAME~" ('~' is not allowed in
+// checkpoint names) and renamed to NAME once committed; listings hide it.
+std::string ReplacementCheckpoint(const std::string& name);
+bool IsReplacementCheckpoint(std::string_view catalog_name);
+// NAME of "NAME~" (the name itself otherwise).
+std::string ReplacedName(std::string_view catalog_name);
+// A name objects may carry: a checkpoint name, or a replacement's.
+bool IsStoredCheckpointName(const std::string& name);
 std::string LeaseObject(const std::string& name, const std::string& host);
 bool ParseLeaseObject(const std::string& key, std::string* name, std::string* host);
 

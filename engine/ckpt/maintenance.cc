@@ -184,6 +184,23 @@ Result<VerifyReport> Repository::Verify(const std::optional<std::string>& name, 
   return report;
 }
 
+namespace {
+Status DeleteIfPresent(Backend& backend, const std::string& key) {
+  Status st = backend.Delete(key);
+  return st.IsNotFound() ? Status::OK() : st;
+}
+// The retired manifest object of committed checkpoint `m`, durable.
+Status PutRetiredManifest(Backend& backend, const Manifest& m) {
+  const std::string body = EncodeManifest(m);
+  const std::string retired = keys::RetiredCheckpoint(m.checkpoint.name, m.checkpoint.committed_unix_ms);
+  return backend.Put(keys::RetiredObject(retired), std::as_bytes(std::span(body)));
+}
+// Its records under the retired name.
+Status RecordRetired(WriteTxn& txn, const Manifest& m) {
+  return RecordManifestAs(txn, m, keys::RetiredCheckpoint(m.checkpoint.name, m.checkpoint.committed_unix_ms));
+}
+}  // namespace
+
 Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   std::set<std::string> unique(names.begin(), names.end());
@@ -241,24 +258,100 @@ Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
   // A crash after the retired manifest was written leaves it for gc.
   for (const auto& n : unique) {
     if (auto it = committed.find(n); it != committed.end()) {
-      const std::string body = EncodeManifest(it->second);
-      const std::string retired = keys::RetiredCheckpoint(n, it->second.checkpoint.committed_unix_ms);
-      CKPT_RETURN_IF_ERROR(impl_->backend->Put(keys::RetiredObject(retired), std::as_bytes(std::span(body))));
+      CKPT_RETURN_IF_ERROR(PutRetiredManifest(*impl_->backend, it->second));
     }
-    Status st = impl_->backend->Delete(keys::ManifestObject(n));
-    if (!st.ok() && !st.IsNotFound()) return st;
+    CKPT_RETURN_IF_ERROR(DeleteIfPresent(*impl_->backend, keys::ManifestObject(n)));
     // The ranks of a pending checkpoint, and those a crashed committer left.
     CKPT_RETURN_IF_ERROR(impl_->protocol->RemoveRankObjects(n));
   }
   return impl_->catalog->Update([&](WriteTxn& txn) -> Status {
     for (const auto& n : unique) {
       CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, n));
-      if (auto it = committed.find(n); it != committed.end()) {
-        const auto& m = it->second;
-        CKPT_RETURN_IF_ERROR(RecordManifestAs(txn, m, keys::RetiredCheckpoint(n, m.checkpoint.committed_unix_ms)));
-      }
+      if (auto it = committed.find(n); it != committed.end()) CKPT_RETURN_IF_ERROR(RecordRetired(txn, it->second));
     }
     return Status::OK();
+  });
+}
+
+// A replacement is renamed over its name the way rm retires a checkpoint
+// (the old version's retired manifest durable first), then the name's
+// manifest object is written over, and the catalog changes in one
+// transaction: readers that hold the old version keep it (lease.h), and
+// every other reader sees the old or the new version, whole.
+Status PromoteReplacement(RepositoryImpl& repo, const std::string& name) {
+  const std::string staged = keys::ReplacementCheckpoint(name);
+  // What the name holds on the store now (another host may have saved or
+  // removed it since this host's last sync): the version to retire.
+  std::optional<CheckpointRecord> had;
+  auto committed_record = [&]() -> Status {
+    had.reset();
+    return repo.catalog->Read([&](const ReadTxn& txn) -> Status {
+      CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
+      if (!v) return Status::OK();
+      CKPT_ASSIGN_OR_RETURN(CheckpointRecord r, DecodeCheckpoint(*v));
+      if (r.state == CheckpointState::kCommitted) had = std::move(r);
+      return Status::OK();
+    });
+  };
+  CKPT_RETURN_IF_ERROR(committed_record());
+  CKPT_ASSIGN_OR_RETURN(bool current, repo.protocol->IsCurrent(name, had ? &*had : nullptr));
+  if (!current) {
+    CKPT_RETURN_IF_ERROR(repo.protocol->Sync().status());
+    CKPT_RETURN_IF_ERROR(committed_record());
+  }
+  std::optional<Manifest> old;
+  Manifest fresh;
+  CKPT_RETURN_IF_ERROR(repo.catalog->Read([&](const ReadTxn& txn) -> Status {
+    if (had) {
+      auto m = LoadManifest(txn, name);
+      if (m.ok()) {
+        old = std::move(m).value();
+      } else if (!m.status().IsCorruption()) {  // a damaged one cannot be read anyway
+        return m.status();
+      }
+    }
+    CKPT_ASSIGN_OR_RETURN(fresh, LoadManifest(txn, staged));
+    return Status::OK();
+  }));
+  if (fresh.checkpoint.state != CheckpointState::kCommitted) {
+    return Status::Internal("the replacement of checkpoint '" + name + "' is not committed");
+  }
+  fresh.checkpoint.name = name;
+  // Versions of one name retire under their commit times: distinct, and in
+  // the order they were saved.
+  if (old) fresh.checkpoint.committed_unix_ms = std::max(fresh.checkpoint.committed_unix_ms, old->checkpoint.committed_unix_ms + 1);
+  if (old) CKPT_RETURN_IF_ERROR(PutRetiredManifest(*repo.backend, *old));
+  const std::string body = EncodeManifest(fresh);
+  CKPT_RETURN_IF_ERROR(repo.backend->Put(keys::ManifestObject(name), std::as_bytes(std::span(body))));
+  CKPT_RETURN_IF_ERROR(DeleteIfPresent(*repo.backend, keys::ManifestObject(staged)));
+  return repo.catalog->Update([&](WriteTxn& txn) -> Status {
+    CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, name));
+    if (old) CKPT_RETURN_IF_ERROR(RecordRetired(txn, *old));
+    CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, staged));
+    CKPT_RETURN_IF_ERROR(RecordManifest(txn, fresh));
+    // The name's manifest object changed: the next sync reads it again.
+    CKPT_RETURN_IF_ERROR(txn.Delete(Table::kMeta, keys::ManifestTag(name)));
+    return txn.Delete(Table::kMeta, keys::ManifestTag(staged));
+  });
+}
+
+Status DropCommittedReplacement(RepositoryImpl& repo, const std::string& name) {
+  const std::string staged = keys::ReplacementCheckpoint(name);
+  bool committed = false;
+  CKPT_RETURN_IF_ERROR(repo.catalog->Read([&](const ReadTxn& txn) -> Status {
+    CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kCheckpoints, keys::Checkpoint(staged)));
+    if (!v) return Status::OK();
+    CKPT_ASSIGN_OR_RETURN(CheckpointRecord r, DecodeCheckpoint(*v));
+    committed = r.state == CheckpointState::kCommitted;
+    return Status::OK();
+  }));
+  if (!committed) return Status::OK();
+  // No reader opens a replacement by its name: nothing to retire.
+  CKPT_RETURN_IF_ERROR(DeleteIfPresent(*repo.backend, keys::ManifestObject(staged)));
+  CKPT_RETURN_IF_ERROR(repo.protocol->RemoveRankObjects(staged));
+  return repo.catalog->Update([&](WriteTxn& txn) -> Status {
+    CKPT_RETURN_IF_ERROR(DeleteCheckpointRecords(txn, staged));
+    return txn.Delete(Table::kMeta, keys::ManifestTag(staged));
   });
 }
 

@@ -462,6 +462,10 @@ Result<std::vector<CheckpointRecord>> Repository::ListCheckpoints(bool include_p
         return false;
       }
       if (rec->state == CheckpointState::kCommitted) {
+        // A replacement committed but not yet renamed over its name: the
+        // name's own record is the checkpoint (a crash in between leaves
+        // it for the next save of the name, or gc, to drop).
+        if (keys::IsReplacementCheckpoint(k)) return true;
         committed.push_back(std::move(rec).value());
       } else if (include_pending) {
         pending.push_back(std::move(rec).value());

@@ -253,6 +253,17 @@ struct WriterOptions {
   // checkpoint saved without an attempt, as before; one saved with an
   // attempt refuses it. At most kMaxAttemptSize printable bytes.
   std::string attempt;
+  // Replace the checkpoint `name` holds, if any, when this save commits;
+  // false: a committed `name` refuses the save (AlreadyExists). The ranks
+  // save under "NAME~" (keys::ReplacementCheckpoint), hidden from listings,
+  // and the commit that makes it visible renames it over NAME in one step,
+  // retiring the old version as RemoveCheckpoints does: readers holding it
+  // keep reading it, and gc collects it once they are gone. Every rank of
+  // one save gives the same value. A save of more than one rank needs an
+  // `attempt` (one rank makes its own). A replacement a crash left
+  // committed but not renamed is dropped by the next replacing save of the
+  // name, or by gc.
+  bool overwrite = false;
 };
 
 // A new save attempt for WriterOptions::attempt: 16 decimal digits of the
@@ -801,7 +812,8 @@ class Repository {
   Result<CheckpointLease> LeaseCheckpoint(const CheckpointReader& reader);
   // The record of committed checkpoint `name`; NotFound otherwise.
   Result<CheckpointRecord> GetCheckpoint(const std::string& name);
-  // Committed checkpoints in commit order; pending ones too when asked.
+  // Committed checkpoints in commit order; pending ones too when asked (a
+  // pending save that replaces NAME is listed as "NAME~").
   Result<std::vector<CheckpointRecord>> ListCheckpoints(bool include_pending = false);
   // Removes checkpoints (committed or pending), all or none: NotFound when
   // any name is unknown, and then nothing is removed. The names go at once;

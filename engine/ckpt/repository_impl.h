@@ -109,6 +109,15 @@ Status RecordManifest(WriteTxn& txn, const Manifest& manifest);
 // Removes every catalog record of checkpoint `name` (committed or pending:
 // its record, tensors, blobs and pending ranks).
 Status DeleteCheckpointRecords(WriteTxn& txn, const std::string& name);
+// A save that replaces checkpoint `name` (WriterOptions::overwrite) was
+// committed as "NAME~" (keys::ReplacementCheckpoint): renames it over
+// `name`, retiring the version `name` holds on the store now, if any.
+// Called by the commit that made the replacement visible, under its locks.
+Status PromoteReplacement(RepositoryImpl& repo, const std::string& name);
+// Removes a replacement of `name` that was committed but never renamed (its
+// save crashed in between); nothing when there is none. A save replacing
+// `name` begins with it, and gc runs it for every one it finds.
+Status DropCommittedReplacement(RepositoryImpl& repo, const std::string& name);
 // The checkpoint the catalog keeps under `catalog_name` (a live name, or a
 // retired "NAME/TOKEN"), whole: its record, tensors and blobs by name.
 Result<Manifest> LoadManifest(const ReadTxn& txn, const std::string& catalog_name);

@@ -398,7 +398,10 @@ Status WriterImpl::CommitRank(const std::vector<SealedPack>& sealed, CommitResul
   result->checkpoint_visible = false;
   const RankCommit rank{name_, options_, created_unix_ms_, record_, sealed, pipeline_.stored(), store_lock_.get(),
                         role_};
-  return repo_->protocol->Commit(rank, result);
+  CKPT_RETURN_IF_ERROR(repo_->protocol->Commit(rank, result));
+  if (!options_.overwrite || !result->checkpoint_visible) return Status::OK();
+  const std::string replaced = keys::ReplacedName(name_);
+  return PromoteReplacement(*repo_, replaced).WithContext("replacing checkpoint '" + replaced + "'");
 }
 
 // ---- public wrappers -------------------------------------------------------------
@@ -483,6 +486,11 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
     return Status::InvalidArgument("a save attempt is at most " + std::to_string(kMaxAttemptSize) +
                                    " printable characters without spaces");
   }
+  if (options.overwrite && options.attempt.empty() && options.world_size > 1) {
+    return Status::InvalidArgument("replacing checkpoint '" + name + "' with a save of " +
+                                   std::to_string(options.world_size) +
+                                   " ranks needs a save attempt that every rank shares");
+  }
   const bool split = options.await_ranks.count() > 0;
   // Taken before the catalog is consulted, so gc cannot remove a chunk
   // between our dedup lookups and our commit.
@@ -501,23 +509,30 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
   } else {
     CKPT_RETURN_IF_ERROR(impl_->protocol->Sync().status());
   }
-  // Nothing is written here: the checkpoint's record appears with the first
-  // rank's commit, so an aborted or killed writer leaves no trace.
-  CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
-    CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
-    if (!raw) return Status::OK();
-    CKPT_ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*raw));
-    return CheckJoin(rec, options).status();
-  }));
   WriterOptions kept = options;
   kept.share_sync = nullptr;  // the caller's, used above only
   kept.shared_sync = nullptr;
+  // A replacing save runs under "NAME~" (WriterOptions::overwrite). A
+  // replacement a crash left committed is this save's to drop.
+  const std::string target = options.overwrite ? keys::ReplacementCheckpoint(name) : name;
+  if (options.overwrite) {
+    if (kept.attempt.empty()) kept.attempt = NewSaveAttempt();
+    CKPT_RETURN_IF_ERROR(DropCommittedReplacement(*impl_, name));
+  }
+  // Nothing is written here: the checkpoint's record appears with the first
+  // rank's commit, so an aborted or killed writer leaves no trace.
+  CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+    CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(target)));
+    if (!raw) return Status::OK();
+    CKPT_ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*raw));
+    return CheckJoin(rec, kept).status();
+  }));
   const RankCommit::Role role = !split                          ? RankCommit::Role::kAny
                                 : options.share_sync != nullptr ? RankCommit::Role::kCompleter
                                                                 : RankCommit::Role::kPartOnly;
   auto impl =
-      std::make_shared<WriterImpl>(impl_, name, std::move(kept), std::move(lock), std::move(store_lock), role);
-  impl_->protocol->Begin(name, options.rank);
+      std::make_shared<WriterImpl>(impl_, target, std::move(kept), std::move(lock), std::move(store_lock), role);
+  impl_->protocol->Begin(target, options.rank);
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
 }
 

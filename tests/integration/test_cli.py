@@ -408,13 +408,34 @@ class ImportAndRead(CkptTestCase):
     def test_names_and_lookups(self):
         st.write(self.path("m.safetensors"), [("x", "F32", rand(self.rng, "F32", (3,)))])
         self.run_ckpt("import", "a", self.path("m.safetensors"))
-        self.assertIn("already exists", self.error_of("import", "a", self.path("m.safetensors")))
+        self.assertIn("already exists (an overwriting save replaces it: ckpt import --overwrite",
+                      self.error_of("import", "a", self.path("m.safetensors")))
         self.assertIn("may hold only", self.error_of("import", "bad/name", self.path("m.safetensors")))
         self.assertIn("no checkpoint named 'zzz'", self.error_of("show", "zzz"))
         self.assertIn("no tensor 'nope'", self.error_of("cat", "a", "nope"))
         self.assertIn("no checkpoint", self.error_of("export", "zzz", self.path("o.safetensors")))
         self.assertIn("no checkpoint", self.error_of("verify", "zzz"))
 
+
+    def test_import_overwrite_replaces_the_name_and_the_old_bytes_go_at_gc(self):
+        first = rand(self.rng, "F32", (1000,))
+        second = rand(self.rng, "F32", (1000,))
+        st.write(self.path("1.safetensors"), [("x", "F32", first)])
+        st.write(self.path("2.safetensors"), [("x", "F32", second)])
+        self.run_ckpt("import", "a", self.path("1.safetensors"), "--step", "1")
+        self.run_ckpt("import", "a", self.path("2.safetensors"), "--step", "2", "--overwrite")
+        self.assertEqual(self.run_ckpt("cat", "a", "x").stdout, second.astype(np.float32).tobytes())
+        [rec] = json.loads(self.run_ckpt("ls", "--all", "--json").stdout)
+        self.assertEqual((rec["name"], rec["step"]), ("a", 2))
+        gc = json.loads(self.run_ckpt("gc", "--json").stdout)
+        self.assertEqual(gc["removed_collected"], 1)
+        self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
+        # A name that does not exist yet is simply saved.
+        self.run_ckpt("import", "b", self.path("1.safetensors"), "--overwrite")
+        self.assertEqual(self.run_ckpt("cat", "b", "x").stdout, first.astype(np.float32).tobytes())
+        # Ranks of one import cannot share an attempt: refused, naming why.
+        self.assertIn("needs a save attempt", self.error_of("import", "a", self.path("1.safetensors"), "--overwrite",
+                                                            "--rank", "0", "--world-size", "2"))
 
 class SourceRewrittenDuringImports(CkptTestCase):
     """A file rewritten in place while `ckpt import` reads it (a training

@@ -173,7 +173,9 @@ def main():
     elif action == "async-save":
         kind = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}[sys.argv[4]]
         sd = {"w": distribute_tensor(full()["rows"], init_device_mesh("cpu", (world,)), [Shard(0)]), "step": 5}
-        future = dcp.async_save(sd, storage_writer=StorageWriter(repo, name), async_checkpointer_type=kind)
+        overwrite = len(sys.argv) <= 5 or sys.argv[5] != "no-overwrite"
+        future = dcp.async_save(sd, storage_writer=StorageWriter(repo, name, overwrite=overwrite),
+                                async_checkpointer_type=kind)
         try:
             future.result()
         except BaseException as e:  # DCP's CheckpointException is a BaseException

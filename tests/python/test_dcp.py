@@ -122,12 +122,38 @@ class AsyncSave(DcpTestCase):
 
     def test_a_failed_async_save_raises_from_its_future_and_leaves_nothing_visible(self):
         self.r.save("taken", {"x": torch.zeros(3)})
-        outs = self.run_job(2, "async-save", self.repo, "taken", "thread")
+        outs = self.run_job(2, "async-save", self.repo, "taken", "thread", "no-overwrite")
         for out in outs:
             self.assertTrue(out.startswith("failed: "), out)
         [c] = ckptfs.open(self.repo).checkpoints(include_pending=True)
         self.assertEqual((c["name"], c["world_size"]), ("taken", 1))
         self.assertEqual(bits(ckptfs.open(self.repo).tensor("taken", "x")), bits(torch.zeros(3)))
+        self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
+
+
+class SavingANameAgain(DcpTestCase):
+    def test_a_save_replaces_the_name_as_filesystemwriter_does_unless_told_not_to(self):
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        dcp.save({"w": torch.ones(4), "step": 1}, storage_writer=ckptfs_torch.StorageWriter(self.repo, "s"),
+                 no_dist=True)
+        before = ckptfs.open(self.repo).checkpoints()
+        # Saved again at another world size, by a job of 2 ranks.
+        outs = self.run_job(2, "async-save", self.repo, "s", "thread")
+        self.assertEqual(outs, ["ok"] * 2)
+        repo = ckptfs.open(self.repo)
+        [now] = repo.checkpoints(include_pending=True)
+        self.assertEqual((now["name"], now["world_size"]), ("s", 2))
+        self.assertGreaterEqual(now["committed"], before[0]["committed"])
+        self.assertEqual(bits(repo.tensor("s", "w")), bits(dcp_worker.full()["rows"]))
+        # overwrite=False refuses and leaves the name as it was.
+        with self.assertRaises(BaseException) as e:  # DCP wraps it in its CheckpointException
+            dcp.save({"w": torch.zeros(4)}, storage_writer=ckptfs_torch.StorageWriter(self.repo, "s", overwrite=False),
+                     no_dist=True)
+        self.assertIn("AlreadyExistsError", str(e.exception))
+        self.assertEqual(bits(ckptfs.open(self.repo).tensor("s", "w")), bits(dcp_worker.full()["rows"]))
+        # The old version's bytes go at the next gc; what is left verifies.
+        self.assertEqual(json.loads(self.run_ckpt("gc", "--json").stdout)["removed_collected"], 1)
         self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
 
 
@@ -212,8 +238,10 @@ class RestartAfterACrash(DcpTestCase):
         for name, world in (("step-8", 4), ("step-9", 2)):
             with self.subTest(restarted_at=world):
                 self.assertEqual(self.run_job(4, "crash-save", self.repo, name, "1"), [""] * 4)
+                # StorageWriter replaces a name (overwrite=True): its pending
+                # ranks are those of the replacement, "NAME~".
                 [pending] = [c for c in ckptfs.open(self.repo).checkpoints(include_pending=True)
-                             if c["name"] == name]
+                             if c["name"] == name + "~"]
                 self.assertEqual((pending["state"], pending["world_size"], pending["committed_ranks"]),
                                  ("pending", 4, 2))
                 # The restarted job saves the same name and resumes from it.

@@ -399,6 +399,170 @@ TEST_P(SaveAndLoad, ASaveAttemptAfterACrashAbandonsTheCrashedAttemptsParts) {
   ExpectWhole("step-9", new_bytes);
 }
 
+// A save with WriterOptions::overwrite replaces a committed name when it
+// commits, in one step: until then the old version is the name's, after it
+// the new one, and a reader holding the old version keeps reading it until
+// it lets go and gc runs.
+TEST_P(SaveAndLoad, AnOverwritingSaveReplacesTheNameAtItsCommitAndOldReadersKeepTheirVersion) {
+  Ref old_bytes = MakeRef("w", DType::kF32, {64, 40}, 51);
+  Ref new_bytes = MakeRef("w", DType::kF32, {64, 40}, 52);
+  auto begin = [&](uint32_t rank, uint32_t world, bool overwrite, const std::string& attempt = "") {
+    WriterOptions o{rank, world, 5, {}};
+    o.overwrite = overwrite;
+    o.attempt = attempt;
+    return repo_->BeginCheckpoint("m", o);
+  };
+  {
+    auto w = begin(0, 1, /*overwrite=*/true);  // nothing to replace yet
+    ASSERT_OK(w);
+    PutBox(**w, old_bytes, Box{{0, 0}, {64, 40}});
+    auto res = (*w)->Commit().Wait();
+    ASSERT_OK(res);
+    EXPECT_TRUE(res->checkpoint_visible);
+  }
+  ExpectWhole("m", old_bytes);
+  auto old_reader = repo_->OpenCheckpoint("m");
+  ASSERT_OK(old_reader);
+
+  // Refused without overwrite, and a save of many ranks needs its attempt.
+  EXPECT_EQ(begin(0, 1, false).status().code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(begin(0, 2, true).status().code(), StatusCode::kInvalidArgument);
+
+  const std::string attempt = NewSaveAttempt();
+  std::vector<std::unique_ptr<CheckpointWriter>> writers;
+  for (uint32_t r = 0; r < 2; ++r) {
+    auto w = begin(r, 2, true, attempt);
+    ASSERT_OK(w);
+    PutBox(**w, new_bytes, Box{{32 * r, 0}, {32, 40}});
+    writers.push_back(std::move(w).value());
+  }
+  auto first = writers[0]->Commit().Wait();
+  ASSERT_OK(first);
+  EXPECT_FALSE(first->checkpoint_visible);
+  // Half way: the name is the old version; the replacement is pending.
+  ExpectWhole("m", old_bytes);
+  auto pending = repo_->PendingRanks("m~");  // syncs first, on a store
+  ASSERT_OK(pending);
+  auto all = repo_->ListCheckpoints(/*include_pending=*/true);
+  ASSERT_OK(all);
+  ASSERT_EQ(all->size(), 2u);
+  EXPECT_EQ((*all)[0].name, "m");
+  EXPECT_EQ((*all)[1].name, "m~");
+  EXPECT_NE((*all)[1].state, CheckpointState::kCommitted);
+  auto last = writers[1]->Commit().Wait();
+  ASSERT_OK(last);
+  EXPECT_TRUE(last->checkpoint_visible);
+
+  ExpectWhole("m", new_bytes);
+  auto listed = repo_->ListCheckpoints(/*include_pending=*/true);
+  ASSERT_OK(listed);
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].name, "m");
+  EXPECT_EQ((*listed)[0].world_size, 2u);
+  EXPECT_EQ((*listed)[0].state, CheckpointState::kCommitted);
+  if (GetParam() != RepoKind::kLocal) {
+    // Another host sees the new version too.
+    auto other = where_.Open(open_, "host2");
+    ASSERT_OK(other);
+    auto r = (*other)->OpenCheckpoint("m");
+    ASSERT_OK(r);
+    std::vector<std::byte> got(new_bytes.bytes.size());
+    ASSERT_OK((*r)->ReadBytes(*(*r)->FindTensor("w"), 0, got));
+    EXPECT_TRUE(got == new_bytes.bytes);
+  }
+
+  // The old version's reader, across a gc: its bytes stay while it reads.
+  auto read_old = [&] {
+    std::vector<std::byte> got(old_bytes.bytes.size());
+    ASSERT_OK((*old_reader)->ReadBytes(*(*old_reader)->FindTensor("w"), 0, got));
+    EXPECT_TRUE(got == old_bytes.bytes);
+  };
+  auto gc = repo_->CollectGarbage(GcOptions{});
+  ASSERT_OK(gc);
+  EXPECT_EQ(gc->retired_kept, 1u);
+  read_old();
+  old_reader->reset();
+  writers.clear();
+  if (GetParam() != RepoKind::kLocal) Reopen();  // a store's leases linger a while in their process
+  gc = repo_->CollectGarbage(GcOptions{});
+  ASSERT_OK(gc);
+  EXPECT_EQ(gc->retired_collected, 1u);
+  ExpectWhole("m", new_bytes);
+  auto v = repo_->Verify(std::nullopt);
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok());
+  // Nothing of the old version is left: its chunks went with it.
+  auto du = repo_->DiskUsage({});
+  ASSERT_OK(du);
+  EXPECT_EQ(du->unreferenced_bytes, 0u);
+  EXPECT_EQ(du->retired_bytes, 0u);
+  EXPECT_EQ(du->pending_bytes, 0u);
+}
+
+// A replacing save whose process dies after its commit but before the
+// rename leaves the replacement committed under "NAME~": the name keeps its
+// old version, and the next replacing save (or gc) drops the leftover.
+TEST(Overwrite, AReplacementLeftByACrashBeforeItsRenameIsDroppedByTheNextSaveAndByGc) {
+  class NoRename : public BackendWrapper {
+   public:
+    using BackendWrapper::BackendWrapper;
+    Status Put(std::string_view key, std::span<const std::byte> data) override {
+      if (failing && key.ends_with("manifests/m.manifest")) return Status::IOError("the host died");
+      return BackendWrapper::Put(key, data);
+    }
+    bool failing = false;
+  };
+  TempDir dir;
+  auto store = std::make_shared<NoRename>(NewMemoryBackend());
+  ASSERT_OK(Repository::Init(*store, RepositoryConfig{}));
+  OpenOptions o;
+  o.cache_dir = dir.path() + "/cache";
+  auto repo = Repository::Open(store, o);
+  ASSERT_OK(repo);
+  auto save = [&](uint8_t fill, const std::string& name = "m") -> Result<CommitResult> {
+    WriterOptions w;
+    w.overwrite = true;
+    CKPT_ASSIGN_OR_RETURN(auto writer, (*repo)->BeginCheckpoint(name, w));
+    std::vector<std::byte> bytes(1000, std::byte{fill});
+    CKPT_RETURN_IF_ERROR(writer->PutTensor({"t", DType::kU8, {1000}}, bytes));
+    return writer->Commit().Wait();
+  };
+  auto holds = [&](uint8_t fill) {
+    auto r = (*repo)->OpenCheckpoint("m");
+    ASSERT_OK(r);
+    std::vector<std::byte> got(1000);
+    ASSERT_OK((*r)->ReadBytes(*(*r)->FindTensor("t"), 0, got));
+    EXPECT_EQ(got[0], std::byte{fill});
+  };
+  ASSERT_OK(save(1));
+  store->failing = true;
+  auto crashed = save(2);
+  EXPECT_EQ(crashed.status().code(), StatusCode::kIOError);
+  EXPECT_NE(crashed.status().message().find("replacing checkpoint 'm'"), std::string::npos) << crashed.status().ToString();
+  store->failing = false;
+  holds(1);
+  auto listed = (*repo)->ListCheckpoints(true);
+  ASSERT_OK(listed);
+  EXPECT_EQ(listed->size(), 1u);  // the leftover is not listed
+  ASSERT_OK(store->Size("objects/manifests/m~.manifest"));
+  ASSERT_OK(save(3));
+  holds(3);
+  EXPECT_TRUE(store->Size("objects/manifests/m~.manifest").status().IsNotFound());
+
+  store->failing = true;
+  EXPECT_FALSE(save(4).ok());
+  store->failing = false;
+  ASSERT_OK((*repo)->CollectGarbage(GcOptions{}));
+  EXPECT_TRUE(store->Size("objects/manifests/m~.manifest").status().IsNotFound());
+  holds(3);
+  auto du = (*repo)->DiskUsage({});  // the dropped replacement's bytes are nobody's now
+  ASSERT_OK(du);
+  EXPECT_EQ(du->pending_bytes, 0u);
+  auto v = (*repo)->Verify(std::nullopt);
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok());
+}
+
 TEST_P(SaveAndLoad, FlatShardsDeduplicateAcrossWorldSizes) {
   Ref p = MakeRef("flat.param", DType::kF32, {1000, 257}, 11);  // ~1 MiB, 16 chunks
   const uint64_t n = NumElements(p.info.shape);

@@ -74,6 +74,9 @@ const CommandSpec kImport{
       "inside it are followed, and others are refused)"},
      {"trust-pickle", 0, false, false, "",
       "read a DCP .metadata pickle as torch does, whatever it names (only for files you wrote yourself)"},
+     {"overwrite", 0, false, false, "",
+      "replace the checkpoint NAME holds, if any, when the import commits (readers of the old version keep "
+      "it until they close it); without it, an existing NAME is refused"},
      kJsonOpt},
     2, SIZE_MAX};
 
@@ -119,6 +122,7 @@ int DelegateToPython(const GlobalOptions& global, const Args& args, InputKind ki
   if (args.Has("dry-run")) argv.push_back("--dry-run");
   if (args.Has("trust-pickle")) argv.push_back("--trust-pickle");
   if (args.Has("follow-symlinks")) argv.push_back("--follow-symlinks");
+  if (args.Has("overwrite")) argv.push_back("--overwrite");
   if (args.Has("json")) argv.push_back("--json");
   argv.insert(argv.end(), {"--", args.positional[0], path});
   return ExecPythonFormats(what, argv);
@@ -136,6 +140,7 @@ int CmdImport(const GlobalOptions& global, const Args& args) {
   auto step = args.Int("step");
   if (!step.ok()) return UsageError(step.status());
   wopts.step = *step;
+  wopts.overwrite = args.Has("overwrite");
   if (args.Has("rank") != args.Has("world-size")) {
     return UsageError(Status::InvalidArgument("--rank and --world-size go together"));
   }

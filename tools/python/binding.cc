@@ -632,13 +632,14 @@ class PyRepository {
   // `await_ranks` (seconds, with shared_sync): a part of a split commit
   // (WriterOptions::await_ranks). `compress_every_chunk`: as
   // WriterOptions's.
-  // `attempt`: WriterOptions::attempt.
+  // `attempt`, `overwrite`: WriterOptions's.
   Writer begin(const std::string& name, uint32_t rank, uint32_t world_size, std::optional<int64_t> step,
                const std::vector<std::pair<std::string, std::string>>& tags,
                const std::optional<std::string>& shared_sync, double await_ranks, bool compress_every_chunk,
-               const std::string& attempt) {
+               const std::string& attempt, bool overwrite) {
     WriterOptions o = WriterOptionsOf(rank, world_size, step, tags);
     o.attempt = attempt;
+    o.overwrite = overwrite;
     if (shared_sync) o.shared_sync = &*shared_sync;
     o.await_ranks = AwaitRanks(await_ranks);
     o.compress_every_chunk = compress_every_chunk;
@@ -650,9 +651,10 @@ class PyRepository {
   // other ranks' parts and completes the checkpoint.
   py::tuple begin_sharing(const std::string& name, uint32_t rank, uint32_t world_size, std::optional<int64_t> step,
                           const std::vector<std::pair<std::string, std::string>>& tags, double await_ranks,
-                          const std::string& attempt) {
+                          const std::string& attempt, bool overwrite) {
     WriterOptions o = WriterOptionsOf(rank, world_size, step, tags);
     o.attempt = attempt;
+    o.overwrite = overwrite;
     std::string listing;
     o.share_sync = &listing;
     o.await_ranks = AwaitRanks(await_ranks);
@@ -682,7 +684,8 @@ class PyRepository {
   py::dict import_safetensors(const std::string& name, const std::vector<std::string>& paths,
                               const std::vector<std::pair<std::string, std::string>>& blob_files, uint32_t rank,
                               uint32_t world_size, std::optional<int64_t> step,
-                              const std::vector<std::pair<std::string, std::string>>& tags, bool follow_symlinks) {
+                              const std::vector<std::pair<std::string, std::string>>& tags, bool follow_symlinks,
+                              bool overwrite) {
     std::vector<std::string> left_out;
     Result<CommitResult> r = [&]() -> Result<CommitResult> {
       py::gil_scoped_release nogil;
@@ -694,6 +697,7 @@ class PyRepository {
       o.world_size = world_size;
       o.step = step;
       o.tags = tags;
+      o.overwrite = overwrite;
       CKPT_ASSIGN_OR_RETURN(auto writer, repo_->BeginCheckpoint(name, o));
       if (Status st = prepared.PutInto(*writer); !st.ok()) {
         writer->Abort();
@@ -1108,12 +1112,13 @@ PYBIND11_MODULE(_core, m) {
            py::arg("follow_symlinks") = false)
       .def("import_safetensors", &PyRepository::import_safetensors, py::arg("name"), py::arg("paths"),
            py::arg("blob_files"), py::arg("rank"), py::arg("world_size"), py::arg("step"), py::arg("tags"),
-           py::arg("follow_symlinks") = false)
+           py::arg("follow_symlinks") = false, py::arg("overwrite") = false)
       .def("begin", &PyRepository::begin, py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("step"),
            py::arg("tags"), py::arg("shared_sync") = py::none(), py::arg("await_ranks") = 0.0,
-           py::arg("compress_every_chunk") = false, py::arg("attempt") = "")
+           py::arg("compress_every_chunk") = false, py::arg("attempt") = "", py::arg("overwrite") = false)
       .def("begin_sharing", &PyRepository::begin_sharing, py::arg("name"), py::arg("rank"), py::arg("world_size"),
-           py::arg("step"), py::arg("tags"), py::arg("await_ranks") = 0.0, py::arg("attempt") = "")
+           py::arg("step"), py::arg("tags"), py::arg("await_ranks") = 0.0, py::arg("attempt") = "",
+           py::arg("overwrite") = false)
       .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"), py::arg("lease") = true)
       .def("checkpoints", &PyRepository::checkpoints, py::arg("include_pending"))
       .def("pending_ranks", &PyRepository::pending_ranks, py::arg("name"))

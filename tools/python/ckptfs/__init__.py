@@ -459,7 +459,7 @@ class Repository:
     # -- save --
 
     def _put_all(self, name, state_dict, step, rank, world_size, shards, tags, progress=None, skip=(), group=None,
-                 attempt=None):
+                 attempt=None, overwrite=False):
         if not isinstance(state_dict, Mapping):
             raise InvalidArgumentError(f"state_dict must be a mapping of names to values, not {type(state_dict).__name__}")
         shards = dict(shards or {})
@@ -471,12 +471,14 @@ class Repository:
                  [(str(k), str(v)) for k, v in (tags or {}).items()])
         if attempt is not None and not isinstance(attempt, str):
             raise InvalidArgumentError(f"attempt must be a string, not {type(attempt).__name__}")
+        if not isinstance(overwrite, bool):
+            raise InvalidArgumentError(f"overwrite must be True or False, not {type(overwrite).__name__}")
         if group is None:
-            writer = self._repo.begin(*begin, attempt=attempt or "")
+            writer = self._repo.begin(*begin, attempt=attempt or "", overwrite=overwrite)
         else:
             from . import collective  # noqa: PLC0415
 
-            writer, error = collective.begin(self._repo, begin, group, attempt or "")
+            writer, error = collective.begin(self._repo, begin, group, attempt or "", overwrite)
             if writer is None:
                 group.agree("put", error)  # raises on every rank
         kept = []  # device memory must stay alive until the commit has copied it
@@ -504,7 +506,7 @@ class Repository:
         return writer, kept
 
     def _put_and_commit(self, name, state_dict, step, rank, world_size, shards, tags, *, snapshot, progress=None,
-                        process_group=None, verify_replicas=False, timeout=None, attempt=None):
+                        process_group=None, verify_replicas=False, timeout=None, attempt=None, overwrite=False):
         """Puts everything and starts the commit; the core's save handle,
         the collective plan's figures and the group (both None without a
         process group). CUDA tensors stay referenced until the commit has
@@ -520,7 +522,7 @@ class Repository:
             rank, world_size = group.rank, group.size
             skip, plan = collective.plan_save(state_dict, dict(shards or {}), group, verify_replicas, name)
         writer, kept = self._put_all(name, state_dict, step, rank, world_size, shards, tags, progress, skip, group,
-                                     attempt)
+                                     attempt, overwrite)
         _sync_cuda(kept)
         return writer.commit(snapshot=snapshot), plan, group
 
@@ -529,7 +531,7 @@ class Repository:
              tags: Optional[Mapping[str, str]] = None,
              progress: Optional[Callable[[int, int], None]] = None, process_group: Any = None,
              verify_replicas: bool = False, timeout: Optional[float] = None,
-             attempt: Optional[str] = None) -> Dict[str, Any]:
+             attempt: Optional[str] = None, overwrite: bool = False) -> Dict[str, Any]:
         """Saves this rank's part of checkpoint `name` and returns once it is durable.
 
         state_dict maps names to torch tensors (CPU or CUDA), NumPy arrays
@@ -560,10 +562,17 @@ class Repository:
         any world size, and a rank of the older attempt is refused
         (ckptfs.Error). A collective save makes one itself. Without
         it, ranks join a pending checkpoint saved without one.
+
+        `overwrite=True` replaces a committed `name` when this save commits,
+        in one step (readers of the old version keep reading it; gc
+        collects it once they are done) instead of raising
+        AlreadyExistsError. A save of several ranks without a process group
+        needs its `attempt` then.
         """
         handle, plan, group = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags,
                                                    snapshot=False, progress=progress, process_group=process_group,
-                                                   verify_replicas=verify_replicas, timeout=timeout, attempt=attempt)
+                                                   verify_replicas=verify_replicas, timeout=timeout, attempt=attempt,
+                                                   overwrite=overwrite)
         handle.wait(None)
         try:
             result = handle.result()
@@ -582,21 +591,21 @@ class Repository:
                    tags: Optional[Mapping[str, str]] = None,
                    progress: Optional[Callable[[int, int], None]] = None, process_group: Any = None,
                    verify_replicas: bool = False, timeout: Optional[float] = None,
-                   attempt: Optional[str] = None) -> SaveHandle:
+                   attempt: Optional[str] = None, overwrite: bool = False) -> SaveHandle:
         """Like save, but returns as soon as the caller may modify its
         tensors: CPU tensors, arrays and blobs have been hashed and encoded,
         CUDA tensors copied to pinned host memory. The rest (compression
         not yet done, writes, fsync, commit) runs in the background; wait for
         it with the handle's result(). Saves still running when the
         interpreter exits are finished first. `process_group`,
-        `verify_replicas`, `timeout` and `attempt` are as for save: the
+        `verify_replicas`, `timeout`, `attempt` and `overwrite` are as for save: the
         planning and the puts happen before this returns.
         """
         start = time.perf_counter()
         handle, _plan, _group = self._put_and_commit(name, state_dict, step, rank, world_size, shards, tags,
                                                      snapshot=True, progress=progress, process_group=process_group,
                                                      verify_replicas=verify_replicas, timeout=timeout,
-                                                     attempt=attempt)
+                                                     attempt=attempt, overwrite=overwrite)
         return SaveHandle(handle, time.perf_counter() - start)
 
     # -- load --
@@ -699,7 +708,7 @@ class Repository:
                            step: Optional[int] = None, rank: int = 0, world_size: int = 1,
                            tags: Optional[Mapping[str, str]] = None,
                            blobs: Optional[Mapping[str, Union[str, os.PathLike]]] = None,
-                           follow_symlinks: bool = False) -> Dict[str, Any]:
+                           follow_symlinks: bool = False, overwrite: bool = False) -> Dict[str, Any]:
         """Imports safetensors files, or Hugging Face model directories (as
         save_pretrained writes them), as this rank's part of checkpoint
         `name`, as `ckpt import` does: a directory gives its *.safetensors
@@ -710,13 +719,14 @@ class Repository:
         subdirectories and hidden files of a directory that were skipped.
         A symbolic link in a directory is followed only if it stays inside
         it; one to elsewhere raises InvalidArgumentError naming it, unless
-        `follow_symlinks`. Files of /proc, /sys and the like are refused."""
+        `follow_symlinks`. Files of /proc, /sys and the like are refused.
+        `overwrite` is as for save."""
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         return self._repo.import_safetensors(
             name, [os.fspath(p) for p in paths], [(str(k), os.fspath(v)) for k, v in (blobs or {}).items()],
             int(rank), int(world_size), None if step is None else int(step),
-            [(str(k), str(v)) for k, v in (tags or {}).items()], bool(follow_symlinks))
+            [(str(k), str(v)) for k, v in (tags or {}).items()], bool(follow_symlinks), overwrite=bool(overwrite))
 
     def pending_ranks(self, name: str) -> List[Dict[str, Any]]:
         """For pending checkpoint `name` of an S3 repository, each rank that

@@ -284,7 +284,7 @@ def plan_save(state_dict: Mapping[str, Any], shards: Mapping[str, Any], group: _
     return skip, {"unique_bytes": unique, "held_bytes": held, "bytes_per_rank": list(per_rank)}
 
 
-def begin(core, args: tuple, group: _Group, attempt: str = ""):
+def begin(core, args: tuple, group: _Group, attempt: str = "", overwrite: bool = False):
     """Begins this rank's writer of a collective save (`args`: the core's
     begin arguments) so that the save costs the store one rank's listings
     and lock: rank 0 begins, listing the store under its shared store
@@ -307,7 +307,7 @@ def begin(core, args: tuple, group: _Group, attempt: str = ""):
     if group.rank == 0:
         attempt = attempt or _core.new_save_attempt()
         try:
-            writer, listing = core.begin_sharing(*args, await_ranks=await_ranks, attempt=attempt)
+            writer, listing = core.begin_sharing(*args, await_ranks=await_ranks, attempt=attempt, overwrite=overwrite)
         except Error as e:
             failed = e
     shared = group.from_rank_0("begin and share the store listing", attempt.encode() + b"\n" + listing, failed)
@@ -315,7 +315,8 @@ def begin(core, args: tuple, group: _Group, attempt: str = ""):
         return writer, None
     attempt, _, listing = shared.partition(b"\n")
     try:
-        return core.begin(*args, shared_sync=listing, await_ranks=await_ranks, attempt=attempt.decode()), None
+        return core.begin(*args, shared_sync=listing, await_ranks=await_ranks, attempt=attempt.decode(),
+                          overwrite=overwrite), None
     except Error as e:
         return None, str(e)
 

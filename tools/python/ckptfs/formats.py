@@ -828,7 +828,8 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
                       tags: Optional[Mapping[str, str]] = None, dry_run: bool = False,
                       format: Optional[str] = None,  # noqa: A002
                       progress: Optional[Callable[[int, int], None]] = None,
-                      trust_pickle: bool = False, follow_symlinks: bool = False) -> Dict[str, Any]:
+                      trust_pickle: bool = False, follow_symlinks: bool = False,
+                      overwrite: bool = False) -> Dict[str, Any]:
     """Imports the checkpoint at `path` (a DCP directory, a torch.save
     file, a safetensors file or a model directory; `format` to say which
     instead of detecting it) as checkpoint `name` of `repo`.
@@ -838,6 +839,7 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
     what would be imported, and nothing is written. Every input is read and
     checked before the checkpoint becomes visible; on an error nothing is.
     `progress(done, total)` is called with tensor bytes as they are put.
+    `overwrite` replaces a checkpoint `name` already holds, as for save.
 
     A DCP ``.metadata`` file is a pickle. It is read admitting only DCP's
     own metadata classes and plain values, so that a file from elsewhere
@@ -853,7 +855,8 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
         if dry_run:
             described = repo._repo.describe_import([path], [], follow_symlinks)
             return {"format": fmt, "name": name, **described, "committed": False}
-        summary = repo.import_safetensors(name, [path], step=step, tags=tags, follow_symlinks=follow_symlinks)
+        summary = repo.import_safetensors(name, [path], step=step, tags=tags, follow_symlinks=follow_symlinks,
+                                          overwrite=overwrite)
         return {"format": fmt, "name": name, "committed": True, "summary": summary}
     if fmt == "dcp":
         reader, metadata, described, (beside, structure) = _dcp_plan(path, trust_pickle,
@@ -877,7 +880,8 @@ def import_checkpoint(repo: "ckptfs.Repository", name: str, path: PathLike, *, s
     # A DCP directory is read while the chunks are written: on the
     # repository's own disk every chunk is compressed (WriterOptions).
     writer = repo._repo.begin(name, 0, 1, step, sorted(tags.items()),
-                              compress_every_chunk=fmt == "dcp" and _on_the_repositorys_disk(repo, path))
+                              compress_every_chunk=fmt == "dcp" and _on_the_repositorys_disk(repo, path),
+                              overwrite=overwrite)
     try:
         if fmt == "dcp":
             _import_dcp(writer, path, reader, metadata, advance)
@@ -1776,6 +1780,7 @@ def _main(argv: Sequence[str]) -> int:
     imp.add_argument("--dry-run", action="store_true")
     imp.add_argument("--trust-pickle", action="store_true")
     imp.add_argument("--follow-symlinks", action="store_true")
+    imp.add_argument("--overwrite", action="store_true")
     imp.add_argument("--json", action="store_true")
     imp.add_argument("--progress", choices=("auto", "on", "json", "off"), default="auto")
     imp.add_argument("name")
@@ -1820,7 +1825,7 @@ def _main(argv: Sequence[str]) -> int:
         tags[key] = value
     out = _in_repository(args, f"import {args.name}", lambda repo, progress: import_checkpoint(
         repo, args.name, args.path, step=args.step, tags=tags, dry_run=args.dry_run, progress=progress,
-        trust_pickle=args.trust_pickle, follow_symlinks=args.follow_symlinks))
+        trust_pickle=args.trust_pickle, follow_symlinks=args.follow_symlinks, overwrite=args.overwrite))
     if out is None:
         return 1
     for what in out.get("left_out", []):

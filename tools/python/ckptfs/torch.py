@@ -114,11 +114,16 @@ class StorageWriter(_WriterBase):
     records that number as its step. `blobs` ({name: bytes}) are stored as
     they are beside DCP's items, by the coordinator: a model's config.json
     there makes the mounted checkpoint loadable with from_pretrained.
+
+    `overwrite` (True, as with DCP's FileSystemWriter) replaces a checkpoint
+    the name already holds when the save commits, in one step: readers of
+    the old version keep it until they are done. False refuses to save a
+    committed name (AlreadyExistsError).
     """
 
     def __init__(self, url: Union[str, os.PathLike], name: Optional[str] = None, *, step: Optional[int] = None,
                  tags: Optional[dict] = None, blobs: Optional[Dict[str, bytes]] = None,
-                 cache_dir: Optional[Union[str, os.PathLike]] = None):
+                 cache_dir: Optional[Union[str, os.PathLike]] = None, overwrite: bool = True):
         if _REASON is not None:
             raise UnsupportedError(_REASON)
         super().__init__()
@@ -128,6 +133,9 @@ class StorageWriter(_WriterBase):
         self.tags = dict(tags or {})
         self.blobs = {str(k): bytes(v) for k, v in (blobs or {}).items()}
         self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
+        if not isinstance(overwrite, bool):
+            raise ckptfs.InvalidArgumentError(f"overwrite must be True or False, not {type(overwrite).__name__}")
+        self.overwrite = overwrite
         self._repo = ckptfs.open(self.url, cache_dir=self.cache_dir)
         self._writer = None
         self._kept: List[Any] = []
@@ -137,11 +145,11 @@ class StorageWriter(_WriterBase):
     # its settings, and the new process opens the repository again.
     def __getstate__(self):
         return {"url": self.url, "name": self.name, "step": self.step, "tags": self.tags, "blobs": self.blobs,
-                "cache_dir": self.cache_dir}
+                "cache_dir": self.cache_dir, "overwrite": self.overwrite}
 
     def __setstate__(self, state):
         self.__init__(state["url"], state["name"], step=state["step"], tags=state["tags"], blobs=state["blobs"],
-                      cache_dir=state.get("cache_dir"))
+                      cache_dir=state.get("cache_dir"), overwrite=state.get("overwrite", True))
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
@@ -191,7 +199,8 @@ class StorageWriter(_WriterBase):
         rank, world = _rank_and_world()
         attempt = plan.storage_data if isinstance(plan.storage_data, str) else ""
         writer = self._repo._repo.begin(self.name, rank, world, self._step(),
-                                        [(str(k), str(v)) for k, v in self.tags.items()], attempt=attempt)
+                                        [(str(k), str(v)) for k, v in self.tags.items()], attempt=attempt,
+                                        overwrite=self.overwrite)
         self._writer = writer
         results = []
         try:
