@@ -23,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <shared_mutex>
 #include <thread>
@@ -86,7 +87,8 @@ void RaiseReadahead(const std::string& dir, size_t bytes) {
   std::fclose(f);
 }
 
-enum class Kind { kRoot, kLatest, kCheckpoint, kBlobsDir, kFile };
+// kGroup: a directory of the checkpoints whose names begin "GROUP/" (a run).
+enum class Kind { kRoot, kLatest, kGroup, kCheckpoint, kBlobsDir, kFile };
 
 // One committed checkpoint as the mount shows it: its files (the engine's
 // CheckpointFiles) and the range of inode numbers they have. Immutable once
@@ -111,9 +113,24 @@ struct CheckpointView {
 
 struct Node {
   Kind kind;
-  std::shared_ptr<CheckpointView> view;  // null for root and latest
+  std::shared_ptr<CheckpointView> view;  // null for root, latest and groups
   size_t file = 0;                       // index into view->files->files()
+  std::string group;                     // a group's name ("run1", "run1/eval")
 };
+
+// What directory `dir` ("" for the root, else a group) holds of checkpoint
+// `name`: the entry's name and whether it is the checkpoint itself (else a
+// group inside `dir`); nullopt when the name is not under `dir`.
+std::optional<std::pair<std::string, bool>> EntryUnder(const std::string& dir, const std::string& name) {
+  std::string_view rest = name;
+  if (!dir.empty()) {
+    if (!rest.starts_with(dir) || rest.size() <= dir.size() || rest[dir.size()] != '/') return std::nullopt;
+    rest.remove_prefix(dir.size() + 1);
+  }
+  const size_t slash = rest.find('/');
+  if (slash == std::string_view::npos) return std::pair(std::string(rest), true);
+  return std::pair(std::string(rest.substr(0, slash)), false);
+}
 
 struct DirEntry {
   std::string name;
@@ -161,17 +178,20 @@ class Filesystem {
     if (!node) return (void)fuse_reply_err(req, ENOENT);
     std::string_view n = name;
     fuse_ino_t ino = 0;
-    if (node->kind == Kind::kRoot) {
-      if (n == "latest") {
-        if (LatestName().empty()) return (void)fuse_reply_err(req, ENOENT);
-        ino = kLatestIno;
-      } else {
-        auto view = ViewOf(std::string(n));
-        if (!view.ok()) {
-          if (view.status().IsNotFound()) return (void)fuse_reply_err(req, ENOENT);
-          return ReplyError(req, view.status());  // damaged records: EIO, logged
-        }
+    if (node->kind == Kind::kRoot && n == "latest") {
+      if (LatestName().empty()) return (void)fuse_reply_err(req, ENOENT);
+      ino = kLatestIno;
+    } else if (node->kind == Kind::kRoot || node->kind == Kind::kGroup) {
+      const std::string full = node->group.empty() ? std::string(n) : node->group + "/" + std::string(n);
+      auto view = ViewOf(full);
+      if (view.ok()) {
         ino = (*view)->dir_ino();
+      } else if (!view.status().IsNotFound()) {
+        return ReplyError(req, view.status());  // damaged records: EIO, logged
+      } else if (!HoldsCheckpoints(full)) {
+        return (void)fuse_reply_err(req, ENOENT);
+      } else {
+        ino = GroupIno(full);
       }
     } else if (node->kind == Kind::kCheckpoint || node->kind == Kind::kBlobsDir) {
       const auto& v = node->view;
@@ -196,7 +216,9 @@ class Filesystem {
     if (!found) return (void)fuse_reply_err(req, ENOENT);  // its checkpoint changed meanwhile
     const Node target = *found;
     e.attr = Attr(ino, target);
-    double timeout = (target.kind == Kind::kCheckpoint || target.kind == Kind::kLatest) ? kRootTimeout : kImmutableTimeout;
+    double timeout = (target.kind == Kind::kCheckpoint || target.kind == Kind::kLatest || target.kind == Kind::kGroup)
+                         ? kRootTimeout
+                         : kImmutableTimeout;
     e.attr_timeout = timeout;
     e.entry_timeout = timeout;
     fuse_reply_entry(req, &e);
@@ -207,7 +229,7 @@ class Filesystem {
   // range up.
   void Forget(fuse_ino_t ino, uint64_t n) {
     std::lock_guard lock(mu_);
-    if (ino == FUSE_ROOT_ID || ino == kLatestIno) return;
+    if (ino == FUSE_ROOT_ID || ino == kLatestIno || group_names_.count(ino)) return;
     auto it = ViewHolding(ino);
     if (it == by_base_.end()) return;
     CheckpointView& v = *it->second;
@@ -219,7 +241,8 @@ class Filesystem {
     auto node = GetNode(ino);
     if (!node) return (void)fuse_reply_err(req, ENOENT);
     struct stat st = Attr(ino, *node);
-    bool changing = node->kind == Kind::kRoot || node->kind == Kind::kLatest || node->kind == Kind::kCheckpoint;
+    bool changing = node->kind == Kind::kRoot || node->kind == Kind::kLatest || node->kind == Kind::kCheckpoint ||
+                    node->kind == Kind::kGroup;
     fuse_reply_attr(req, &st, changing ? kRootTimeout : kImmutableTimeout);
   }
 
@@ -236,15 +259,23 @@ class Filesystem {
     auto entries = std::make_unique<DirListing>();
     entries->named.push_back({".", ino, S_IFDIR});
     entries->named.push_back({"..", FUSE_ROOT_ID, S_IFDIR});
-    if (node->kind == Kind::kRoot) {
+    if (node->kind == Kind::kRoot || node->kind == Kind::kGroup) {
       auto list = repo_->ListCheckpoints(false);
       if (!list.ok()) return ReplyError(req, list.status());
-      if (!list->empty()) entries->named.push_back({"latest", kLatestIno, S_IFLNK});
+      if (node->kind == Kind::kRoot && !list->empty()) entries->named.push_back({"latest", kLatestIno, S_IFLNK});
+      std::set<std::string> groups;
       for (const auto& c : *list) {
+        auto entry = EntryUnder(node->group, c.name);
+        if (!entry) continue;
+        if (!entry->second) {
+          const std::string full = node->group.empty() ? entry->first : node->group + "/" + entry->first;
+          if (groups.insert(entry->first).second) entries->named.push_back({entry->first, GroupIno(full), S_IFDIR});
+          continue;
+        }
         // A checkpoint whose records are damaged is left out of the listing;
         // looking it up gives EIO with the reason in the log.
         auto view = ViewOf(c);
-        if (view.ok()) entries->named.push_back({c.name, (*view)->dir_ino(), S_IFDIR});
+        if (view.ok()) entries->named.push_back({entry->first, (*view)->dir_ino(), S_IFDIR});
       }
     } else if (node->kind == Kind::kCheckpoint || node->kind == Kind::kBlobsDir) {
       const auto& v = node->view;
@@ -260,8 +291,8 @@ class Filesystem {
       return (void)fuse_reply_err(req, ENOTDIR);
     }
     fi->fh = reinterpret_cast<uint64_t>(entries.release());
-    fi->cache_readdir = node->kind != Kind::kRoot;
-    fi->keep_cache = node->kind != Kind::kRoot;
+    fi->cache_readdir = node->kind != Kind::kRoot && node->kind != Kind::kGroup;
+    fi->keep_cache = node->kind != Kind::kRoot && node->kind != Kind::kGroup;
     fuse_reply_open(req, fi);
   }
 
@@ -301,7 +332,8 @@ class Filesystem {
     if ((fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC)) return (void)fuse_reply_err(req, EROFS);
     auto node = GetNode(ino);
     if (!node) return (void)fuse_reply_err(req, ENOENT);
-    if (node->kind == Kind::kRoot || node->kind == Kind::kCheckpoint || node->kind == Kind::kBlobsDir) {
+    if (node->kind == Kind::kRoot || node->kind == Kind::kGroup || node->kind == Kind::kCheckpoint ||
+        node->kind == Kind::kBlobsDir) {
       return (void)fuse_reply_err(req, EISDIR);
     }
     if (node->kind == Kind::kLatest) return (void)fuse_reply_err(req, ELOOP);
@@ -419,14 +451,23 @@ class Filesystem {
             const auto it = now.find(n);
             if (it == now.end() || it->second != commit) {
               DropView(n);
-              fuse_lowlevel_notify_inval_entry(session_, FUSE_ROOT_ID, n.c_str(), n.size());
+              const auto [parent, entry] = ParentOf(n);
+              if (parent != 0) fuse_lowlevel_notify_inval_entry(session_, parent, entry.c_str(), entry.size());
             }
           }
           if (new_latest != latest) {
             fuse_lowlevel_notify_inval_entry(session_, FUSE_ROOT_ID, "latest", 6);
             fuse_lowlevel_notify_inval_inode(session_, kLatestIno, 0, 0);
           }
-          if (now != known) fuse_lowlevel_notify_inval_inode(session_, FUSE_ROOT_ID, 0, 0);
+          if (now != known) {
+            fuse_lowlevel_notify_inval_inode(session_, FUSE_ROOT_ID, 0, 0);
+            std::vector<fuse_ino_t> groups;
+            {
+              std::lock_guard lock(mu_);
+              for (const auto& [ino, group] : group_names_) groups.push_back(ino);
+            }
+            for (fuse_ino_t g : groups) fuse_lowlevel_notify_inval_inode(session_, g, 0, 0);
+          }
         }
         known = std::move(now);
         latest = std::move(new_latest);
@@ -461,6 +502,7 @@ class Filesystem {
     if (ino == FUSE_ROOT_ID) return Node{Kind::kRoot, nullptr, 0};
     if (ino == kLatestIno) return Node{Kind::kLatest, nullptr, 0};
     std::lock_guard lock(mu_);
+    if (auto g = group_names_.find(ino); g != group_names_.end()) return Node{Kind::kGroup, nullptr, 0, g->second};
     auto it = ViewHolding(ino);
     if (it == by_base_.end()) return std::nullopt;
     const std::shared_ptr<CheckpointView>& v = it->second;
@@ -468,6 +510,29 @@ class Filesystem {
     const size_t index = ino - v->ino_base;
     if (index < v->file_count()) return Node{Kind::kFile, v, index};
     return Node{index == v->file_count() ? Kind::kCheckpoint : Kind::kBlobsDir, v, 0};
+  }
+
+  // The inode of group `group`, the same for the mount's life.
+  fuse_ino_t GroupIno(const std::string& group) {
+    std::lock_guard lock(mu_);
+    auto [it, added] = group_inos_.emplace(group, next_ino_);
+    if (added) group_names_[next_ino_++] = group;
+    return it->second;
+  }
+  // Whether some committed checkpoint is in group `group`.
+  bool HoldsCheckpoints(const std::string& group) {
+    auto list = repo_->ListCheckpoints(false);
+    if (!list.ok()) return false;
+    return std::any_of(list->begin(), list->end(),
+                       [&](const CheckpointRecord& c) { return EntryUnder(group, c.name).has_value(); });
+  }
+  // The directory holding checkpoint or group `name`, and its entry there.
+  std::pair<fuse_ino_t, std::string> ParentOf(const std::string& name) {
+    const size_t slash = name.rfind('/');
+    if (slash == std::string::npos) return {FUSE_ROOT_ID, name};
+    std::lock_guard lock(mu_);
+    auto it = group_inos_.find(name.substr(0, slash));
+    return {it == group_inos_.end() ? 0 : it->second, name.substr(slash + 1)};
   }
 
   std::string LatestName() {
@@ -558,6 +623,7 @@ class Filesystem {
     st.st_blksize = 1 << 20;
     switch (node.kind) {
       case Kind::kRoot:
+      case Kind::kGroup:
       case Kind::kCheckpoint:
       case Kind::kBlobsDir:
         st.st_mode = S_IFDIR | 0555;
@@ -619,7 +685,10 @@ class Filesystem {
   MountOptions options_;
   fuse_session* session_ = nullptr;
   const time_t mounted_at_ = ::time(nullptr);
-  std::mutex mu_;  // views_, by_base_, next_ino_ and each view's lookups
+  std::mutex mu_;  // views_, by_base_, next_ino_, the groups' maps and each view's lookups
+  // Groups' inodes, given on first sight and kept (one per group ever seen).
+  std::map<std::string, fuse_ino_t> group_inos_;
+  std::map<fuse_ino_t, std::string> group_names_;
   std::map<std::string, std::shared_ptr<CheckpointView>> views_;       // by checkpoint name: the current views
   std::map<fuse_ino_t, std::shared_ptr<CheckpointView>> by_base_;     // by first inode: views with inodes in use
   fuse_ino_t next_ino_ = 3;

@@ -152,6 +152,7 @@ class StoreCommit : public CommitProtocol {
   Status RemoveRankObjects(const std::string& name) override {
     CKPT_ASSIGN_OR_RETURN(auto pending, repo_.backend->List(keys::PendingPrefix(name)));
     for (const auto& key : pending) {
+      if (!keys::IsPendingObjectOf(key, name)) continue;  // a checkpoint of group `name`
       Status st = repo_.backend->Delete(key);
       if (!st.ok() && !st.IsNotFound()) return st;
     }

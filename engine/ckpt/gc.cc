@@ -89,9 +89,11 @@ Result<std::vector<RetentionDecision>> Repository::ExplainRetention(const Retent
   if (policy.empty()) return std::vector<RetentionDecision>{};
   if (policy.keep_every && *policy.keep_every == 0) return Status::InvalidArgument("--keep-every must be at least 1");
   CKPT_ASSIGN_OR_RETURN(auto list, ListCheckpoints(false));  // commit order
+  std::erase_if(list, [&](const CheckpointRecord& c) { return !InGroup(c.name, policy.group); });
   for (const auto& name : policy.keep) {
     if (std::none_of(list.begin(), list.end(), [&](const CheckpointRecord& c) { return c.name == name; })) {
-      return Status::InvalidArgument("--keep " + name + ": no committed checkpoint has that name");
+      return Status::InvalidArgument("--keep " + name + ": no committed checkpoint " +
+                                     (policy.group.empty() ? "" : "of group '" + policy.group + "' ") + "has that name");
     }
   }
   if (list.empty()) return std::vector<RetentionDecision>{};

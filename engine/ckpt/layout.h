@@ -45,6 +45,10 @@ inline constexpr const char* kPackPrefix = kPackKeyPrefix;  // PackKey() (store/
 // Object-store repositories: a rank's part of a checkpoint not yet visible.
 inline constexpr const char* kPendingPrefix = "pending/";
 std::string PendingPrefix(const std::string& checkpoint);  // "pending/NAME/"
+// Whether `key` is one of checkpoint NAME's own pending objects: a listing
+// of PendingPrefix(NAME) also holds those of checkpoints in group NAME
+// ("pending/NAME/step-1/rank-0").
+bool IsPendingObjectOf(std::string_view key, const std::string& checkpoint);
 std::string PendingRankObject(const std::string& checkpoint, uint32_t rank);
 // Written (if absent) by the one rank that commits a checkpoint on an object store.
 std::string CommitClaimObject(const std::string& checkpoint);  // "pending/NAME/commit"
@@ -59,8 +63,9 @@ bool ParseStartedRankObject(const std::string& key, const std::string& checkpoin
 // Removed checkpoints kept for their readers, and read leases (lease.h).
 inline constexpr const char* kRetiredPrefix = "retired/";
 inline constexpr const char* kLeasePrefix = "leases/";
-// The catalog name of a retired checkpoint: "NAME/TOKEN" ('/' is not allowed
-// in checkpoint names, so it never collides with a live one).
+// The catalog name of a retired checkpoint: "NAME/TOKEN" (a live name's last
+// part is never digits only when it has groups, so it never collides with
+// a live one; the last '/' separates the token).
 std::string RetiredCheckpoint(const std::string& name, uint64_t token);
 bool IsRetiredCheckpoint(std::string_view catalog_name);
 // NAME of "NAME/TOKEN" (the name itself when not retired).

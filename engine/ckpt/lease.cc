@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <vector>
@@ -25,7 +26,11 @@ Result<int> OpenLeaseFile(const std::string& state_dir, const std::string& name)
   CKPT_RETURN_IF_ERROR(ValidateCheckpointName(name));
   const std::string dir = state_dir + "/" + keys::kLeaseFilesDir;
   if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) return Status::FromErrno(errno, "creating " + dir);
-  const std::string path = dir + "/" + name;
+  // A grouped name's '/' becomes '~' (never in a name): one file per name,
+  // none a directory, so "run1" and "run1/step-1" do not collide.
+  std::string file = name;
+  std::replace(file.begin(), file.end(), '/', '~');
+  const std::string path = dir + "/" + file;
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd < 0) return Status::FromErrno(errno, "opening " + path);
   return fd;

@@ -29,18 +29,42 @@ Status ValidateCheckpointName(const std::string& name) {
   if (name.empty() || name.size() > 200) {
     return Status::InvalidArgument("checkpoint name must have 1 to 200 characters");
   }
-  if (name[0] == '.') {
-    return Status::InvalidArgument("checkpoint name '" + EscapeForTerminal(name) + "' starts with '.'");
-  }
-  for (char c : name) {
-    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-              c == '_' || c == '-';
-    if (!ok) {
-      return Status::InvalidArgument("checkpoint name '" + EscapeForTerminal(name) +
-                                     "' may hold only letters, digits, '.', '_' and '-'");
+  // '/'-separated groups, each part a name of its own.
+  size_t start = 0;
+  bool digits_only = false;
+  for (size_t end = 0; end <= name.size(); ++end) {
+    if (end < name.size() && name[end] != '/') {
+      const char c = name[end];
+      bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+                c == '_' || c == '-';
+      if (!ok) {
+        return Status::InvalidArgument("checkpoint name '" + EscapeForTerminal(name) +
+                                       "' may hold only letters, digits, '.', '_', '-' and '/' between groups");
+      }
+      continue;
     }
+    const std::string_view part = std::string_view(name).substr(start, end - start);
+    if (part.empty()) {
+      return Status::InvalidArgument("checkpoint name '" + EscapeForTerminal(name) + "' has an empty part");
+    }
+    if (part[0] == '.') {
+      return Status::InvalidArgument("checkpoint name '" + EscapeForTerminal(name) + "' has a part that starts with '.'");
+    }
+    digits_only = part.find_first_not_of("0123456789") == std::string_view::npos;
+    start = end + 1;
+  }
+  // "GROUP/DIGITS" is how the catalog names a removed checkpoint (keys::RetiredCheckpoint).
+  if (digits_only && name.find('/') != std::string::npos) {
+    return Status::InvalidArgument("checkpoint name '" + EscapeForTerminal(name) +
+                                   "': the last part of a grouped name must not be digits only (name it "
+                                   "'step-N', say)");
   }
   return Status::OK();
+}
+
+bool InGroup(std::string_view name, std::string_view group) {
+  if (group.empty()) return true;
+  return name.size() > group.size() && name.starts_with(group) && name[group.size()] == '/';
 }
 
 Status ValidateMemberName(std::string_view kind, std::string_view name, bool allow_empty) {

@@ -534,6 +534,9 @@ struct RetentionPolicy {
   std::optional<uint64_t> keep_every;   // step % K == 0 (without a step: every K-th of those in commit order)
   std::optional<uint64_t> keep_within_s;  // committed at most this many seconds before the newest commit
   std::vector<std::string> keep;        // by name
+  // Applied to the checkpoints of this group only ("run1": run1/step-100,
+  // run1/eval/step-3, ...); the others stay. Empty: every checkpoint.
+  std::string group;
   bool allow_removing_newest = false;
   bool empty() const { return !keep_last && !keep_every && !keep_within_s && keep.empty(); }
 };
@@ -884,6 +887,10 @@ class Repository {
 
 // Checkpoint names: 1-200 characters of [A-Za-z0-9._-], not starting with '.'.
 Status ValidateCheckpointName(const std::string& name);
+// Whether checkpoint `name` is in group `group` ('/'-separated prefix of its
+// name: "run1/eval/step-3" is in "run1" and "run1/eval"); every name is in
+// the empty group.
+bool InGroup(std::string_view name, std::string_view group);
 
 // Tensor, blob and tag names (tag values too, which may be empty): at most
 // kMaxMemberName bytes of valid UTF-8 without control characters. With the

@@ -459,6 +459,32 @@ void CheckpointWriter::Abort() {
   impl_.reset();
 }
 
+namespace {
+// A name is a checkpoint or a group of checkpoints, not both: the mount
+// shows either as a directory of that name.
+Status CheckGroups(const ReadTxn& txn, const std::string& name) {
+  for (size_t slash = name.find('/'); slash != std::string::npos; slash = name.find('/', slash + 1)) {
+    const std::string group = name.substr(0, slash);
+    CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(group)));
+    if (raw) {
+      return Status::InvalidArgument("checkpoint name '" + name + "' puts it in group '" + group +
+                                     "', which is a checkpoint: a name is a checkpoint or a group, not both");
+    }
+  }
+  std::string member;
+  CKPT_RETURN_IF_ERROR(txn.Scan(Table::kCheckpoints, name + "/", [&](std::string_view k, std::string_view) {
+    if (keys::IsRetiredCheckpoint(k)) return true;
+    member = std::string(k);
+    return false;
+  }));
+  if (!member.empty()) {
+    return Status::InvalidArgument("'" + name + "' is a group of checkpoints ('" + keys::ReplacedName(member) +
+                                   "'): a name is a checkpoint or a group, not both");
+  }
+  return Status::OK();
+}
+}  // namespace
+
 Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std::string& name,
                                                                       const WriterOptions& options) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
@@ -522,6 +548,7 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
   // Nothing is written here: the checkpoint's record appears with the first
   // rank's commit, so an aborted or killed writer leaves no trace.
   CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+    CKPT_RETURN_IF_ERROR(CheckGroups(txn, name));
     CKPT_ASSIGN_OR_RETURN(auto raw, txn.Get(Table::kCheckpoints, keys::Checkpoint(target)));
     if (!raw) return Status::OK();
     CKPT_ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*raw));

@@ -410,7 +410,19 @@ class ImportAndRead(CkptTestCase):
         self.run_ckpt("import", "a", self.path("m.safetensors"))
         self.assertIn("already exists (an overwriting save replaces it: ckpt import --overwrite",
                       self.error_of("import", "a", self.path("m.safetensors")))
-        self.assertIn("may hold only", self.error_of("import", "bad/name", self.path("m.safetensors")))
+        self.assertIn("may hold only", self.error_of("import", "bad:name", self.path("m.safetensors")))
+        self.assertIn("has an empty part", self.error_of("import", "bad//name", self.path("m.safetensors")))
+        self.assertIn("must not be digits only", self.error_of("import", "run/100", self.path("m.safetensors")))
+        # Groups: names with '/', listed and retained group by group.
+        for name in ("run1/step-1", "run1/step-2", "run1/eval/step-2", "run2/step-1"):
+            self.run_ckpt("import", name, self.path("m.safetensors"), "--step", name[-1])
+        ls = lambda *a: [c["name"] for c in json.loads(self.run_ckpt("ls", "--json", *a).stdout)]  # noqa: E731
+        self.assertEqual(ls("run1/"), ["run1/step-1", "run1/step-2", "run1/eval/step-2"])
+        self.assertEqual(ls("run1/eval"), ["run1/eval/step-2"])
+        self.assertIn("run1/eval/step-2", self.run_ckpt("ls", "run1").stdout.decode())
+        self.assertIn("is a group of checkpoints", self.error_of("import", "run1", self.path("m.safetensors")))
+        self.run_ckpt("gc", "--group", "run1", "--keep-last", "1")
+        self.assertEqual(ls(), ["a", "run1/eval/step-2", "run2/step-1"])
         self.assertIn("no checkpoint named 'zzz'", self.error_of("show", "zzz"))
         self.assertIn("no tensor 'nope'", self.error_of("cat", "a", "nope"))
         self.assertIn("no checkpoint", self.error_of("export", "zzz", self.path("o.safetensors")))

@@ -350,6 +350,29 @@ class MountLiveAndFailures(Mounted):
         wait_for(lambda: not os.path.exists(os.path.join(self.mnt, "two")), what="removed checkpoint lookup to fail")
         wait_for(lambda: os.readlink(os.path.join(self.mnt, "latest")) == "one", what="latest to move back")
 
+    def test_groups_are_directories_and_an_overwritten_name_shows_its_new_version(self):
+        x = self.rng.standard_normal((16,)).astype(np.float32)
+        y = self.rng.standard_normal((16,)).astype(np.float32)
+        st.write(os.path.join(self.tmp, "x.safetensors"), [("t", "F32", x)])
+        st.write(os.path.join(self.tmp, "y.safetensors"), [("t", "F32", y)])
+        ckpt(self.repo, "import", "runA/step-1", os.path.join(self.tmp, "x.safetensors"), "--step", "1")
+        ckpt(self.repo, "import", "runA/eval/step-1", os.path.join(self.tmp, "y.safetensors"))
+        wait_for(lambda: "runA" in os.listdir(self.mnt), what="the group to appear")
+        group = os.path.join(self.mnt, "runA")
+        self.assertTrue(os.path.isdir(group))
+        self.assertEqual(sorted(os.listdir(group)), ["eval", "step-1"])
+        self.assertEqual(os.listdir(os.path.join(group, "eval")), ["step-1"])
+        self.assertTrue((np.load(os.path.join(group, "step-1", "t.npy")) == x).all())
+        self.assertTrue((np.load(os.path.join(group, "eval", "step-1", "t.npy")) == y).all())
+        self.assertFalse(os.path.exists(os.path.join(group, "nope")))
+        # A name saved again with --overwrite: the directory shows the new version.
+        ckpt(self.repo, "import", "runA/step-1", os.path.join(self.tmp, "y.safetensors"), "--overwrite")
+        wait_for(lambda: (np.load(os.path.join(group, "step-1", "t.npy")) == y).all(),
+                 what="the overwritten checkpoint to show its new version")
+        ckpt(self.repo, "rm", "runA/step-1", "runA/eval/step-1")
+        wait_for(lambda: "runA" not in os.listdir(self.mnt), what="the emptied group to disappear")
+        wait_for(lambda: not os.path.exists(group), what="the emptied group's lookup to fail")
+
     def test_an_mmap_and_an_open_file_outlive_rm_and_gc_whose_space_the_next_gc_reclaims(self):
         v = self.rng.integers(0, 1 << 31, size=(512, 512), dtype=np.int32)  # 1 MiB, 16 chunks
         st.write(os.path.join(self.tmp, "v.safetensors"), [("t", "I32", v)])

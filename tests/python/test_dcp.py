@@ -157,6 +157,28 @@ class SavingANameAgain(DcpTestCase):
         self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
 
 
+class CheckpointIdsAsPaths(DcpTestCase):
+    def test_a_checkpoint_id_that_is_a_path_in_the_repository_names_a_grouped_checkpoint(self):
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        for step in (5, 10):
+            dcp.save({"w": torch.full((3,), float(step))}, checkpoint_id=os.path.join(self.repo, "run1", f"step-{step}"),
+                     storage_writer=ckptfs_torch.StorageWriter(self.repo), no_dist=True)
+        repo = ckptfs.open(self.repo)
+        self.assertEqual([(c["name"], c["step"]) for c in repo.checkpoints(group="run1")],
+                         [("run1/step-5", 5), ("run1/step-10", 10)])
+        back = {"w": torch.zeros(3)}
+        dcp.load(back, checkpoint_id=os.path.join(self.repo, "run1", "step-10"),
+                 storage_reader=ckptfs_torch.StorageReader(self.repo), no_dist=True)
+        self.assertTrue(torch.equal(back["w"], torch.full((3,), 10.0)))
+        # A name relative to the repository is the same checkpoint; a path elsewhere is refused.
+        dcp.load(back, checkpoint_id="run1/step-5", storage_reader=ckptfs_torch.StorageReader(self.repo), no_dist=True)
+        self.assertTrue(torch.equal(back["w"], torch.full((3,), 5.0)))
+        with self.assertRaises(ckptfs.InvalidArgumentError) as e:
+            ckptfs_torch.StorageWriter(self.repo).reset(os.path.join(self.tmp, "elsewhere", "step-1"))
+        self.assertIn("outside the repository", str(e.exception))
+
+
 class DtypeConversion(DcpTestCase):
     def test_a_load_into_other_dtypes_converts_as_filesystemreader_does(self):
         import torch.distributed.checkpoint as dcp  # noqa: PLC0415

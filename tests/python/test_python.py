@@ -453,6 +453,39 @@ class Errors(PythonTestCase):
         self.assertEqual([c["name"] for c in self.r.checkpoints()], ["a"])
 
 
+class GroupsAndOverwrite(PythonTestCase):
+    def test_runs_as_groups_list_resume_and_retain_apart_and_a_name_is_saved_again_on_request(self):
+        for run in ("run1", "run2"):
+            for step in (1, 2, 3):
+                self.r.save(f"{run}/step-{step}", {"w": torch.full((4,), float(step))}, step=step)
+        self.r.save("run1/eval/step-2", {"w": torch.zeros(4)})
+        names = lambda cs: [c["name"] for c in cs]  # noqa: E731
+        self.assertEqual(names(self.r.checkpoints(group="run2/")), ["run2/step-1", "run2/step-2", "run2/step-3"])
+        self.assertEqual(names(self.r.checkpoints(group="run1/eval")), ["run1/eval/step-2"])
+        self.assertEqual(self.r.resume_point(group="run1")["name"], "run1/eval/step-2")
+        self.assertEqual(self.r.resume_point(group="run2")["name"], "run2/step-3")
+        self.assertIsNone(self.r.resume_point(group="run3"))
+        # Retention of one run leaves the other alone, and "newest" is the run's.
+        report = self.r.gc(keep_last=1, group="run2", dry_run=True)
+        self.assertEqual([d["name"] for d in report["retention"] if not d["keep"]], ["run2/step-1", "run2/step-2"])
+        self.r.gc(keep_last=1, group="run2")
+        self.assertEqual(names(self.r.checkpoints(group="run2")), ["run2/step-3"])
+        self.assertEqual(len(self.r.checkpoints(group="run1")), 4)
+        # Saving a name again: refused, unless with overwrite.
+        with self.assertRaises(ckptfs.AlreadyExistsError):
+            self.r.save("run1/step-3", {"w": torch.ones(4)})
+        self.r.save("run1/step-3", {"w": torch.ones(4)}, step=3, overwrite=True)
+        self.assertTrue(torch.equal(self.r.tensor("run1/step-3", "w"), torch.ones(4)))
+        self.assertEqual(len(self.r.checkpoints(include_pending=True)), 5)
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            self.r.save("run1", {"w": torch.ones(4)})  # a group, not a checkpoint
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            self.r.save("run1/100", {"w": torch.ones(4)})  # a grouped name's last part is not digits only
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            self.r.save("x", {"w": torch.ones(4)}, overwrite="yes")
+        self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
+
+
 class Maintenance(PythonTestCase):
     def test_show_summarises_placements_and_fits_long_names_and_gc_and_du_agree_on_what_goes(self):
         gen = torch.Generator().manual_seed(8)

@@ -841,7 +841,9 @@ TEST_P(SaveAndLoad, WriterThatNeverCommitsLeavesNoRecord) {
 
 TEST_P(SaveAndLoad, NamesAndRanksAreChecked) {
   EXPECT_FALSE(repo_->BeginCheckpoint("", {}).ok());
-  EXPECT_FALSE(repo_->BeginCheckpoint("a/b", {}).ok());
+  for (const char* bad : {"a//b", "/a", "a/", "a/.b", "run/100", "a~", "a b"}) {
+    EXPECT_EQ(repo_->BeginCheckpoint(bad, {}).status().code(), StatusCode::kInvalidArgument) << bad;
+  }
   EXPECT_FALSE(repo_->BeginCheckpoint(".hidden", {}).ok());
   EXPECT_FALSE(repo_->BeginCheckpoint("x", {2, 2, {}, {}}).ok());
   auto w = Begin("dup");
@@ -859,6 +861,71 @@ TEST_P(SaveAndLoad, NamesAndRanksAreChecked) {
   EXPECT_EQ((*list)[0].name, "dup");
   EXPECT_EQ((*list)[1].state, CheckpointState::kPending);
   EXPECT_EQ(repo_->ListCheckpoints(false)->size(), 1u);
+}
+
+// Names with '/' put checkpoints in groups (runs): they save, read, list,
+// retire and sync like any other, on every kind of repository, and a name
+// is a checkpoint or a group, never both.
+TEST_P(SaveAndLoad, GroupedNamesSaveReadRetireAndSyncLikeAnyOther) {
+  Ref a = MakeRef("w", DType::kF32, {16, 8}, 61);
+  Ref b = MakeRef("w", DType::kF32, {16, 8}, 62);
+  auto save = [&](const std::string& name, const Ref& r, uint32_t world = 1) {
+    std::vector<std::unique_ptr<CheckpointWriter>> ws;
+    for (uint32_t rank = 0; rank < world; ++rank) {
+      ws.push_back(Begin(name, rank, world));
+      ASSERT_NE(ws.back(), nullptr) << name;
+      PutBox(*ws.back(), r, Box{{16 / world * rank, 0}, {16 / world, 8}});
+    }
+    for (auto& w : ws) ASSERT_OK(w->Commit().Wait());
+  };
+  save("run1/step-1", a, 2);  // two ranks: on a store, through pending/run1/step-1/rank-R
+  save("run1/step-2", b);
+  save("run2/eval/step-1", b);
+  save("run1x", a);
+  ExpectWhole("run1/step-1", a);
+  ExpectWhole("run2/eval/step-1", b);
+  EXPECT_EQ(repo_->BeginCheckpoint("run1", {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(repo_->BeginCheckpoint("run1/step-1/x", {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(repo_->BeginCheckpoint("run2/eval", {}).status().code(), StatusCode::kInvalidArgument);
+  auto reader = repo_->OpenCheckpoint("run1/step-1");
+  ASSERT_OK(reader);
+  ASSERT_OK(repo_->RemoveCheckpoints({"run1/step-1"}));
+  EXPECT_TRUE(repo_->OpenCheckpoint("run1/step-1").status().IsNotFound());
+  auto listed = repo_->ListCheckpoints(true);
+  ASSERT_OK(listed);
+  std::vector<std::string> names;
+  for (const auto& c : *listed) names.push_back(c.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"run1/step-2", "run2/eval/step-1", "run1x"}));
+  // The removed one's reader keeps its bytes through gc, as for any name.
+  auto gc = repo_->CollectGarbage(GcOptions{});
+  ASSERT_OK(gc);
+  EXPECT_EQ(gc->retired_kept, 1u);
+  std::vector<std::byte> got(a.bytes.size());
+  ASSERT_OK((*reader)->ReadBytes(*(*reader)->FindTensor("w"), 0, got));
+  EXPECT_TRUE(got == a.bytes);
+  reader->reset();
+  if (GetParam() != RepoKind::kLocal) {
+    Reopen();  // a store's leases linger a while in their process
+    auto other = where_.Open(open_, "host2");
+    ASSERT_OK(other);
+    auto theirs = (*other)->ListCheckpoints(true);
+    ASSERT_OK(theirs);
+    ASSERT_EQ(theirs->size(), 3u);
+    EXPECT_EQ((*theirs)[1].name, "run2/eval/step-1");
+    auto r = (*other)->OpenCheckpoint("run2/eval/step-1");
+    ASSERT_OK(r);
+  }
+  gc = repo_->CollectGarbage(GcOptions{});
+  ASSERT_OK(gc);
+  EXPECT_EQ(gc->retired_collected, 1u);
+  // The group's name is free again once no checkpoint is in it... but run1
+  // still holds step-2.
+  EXPECT_EQ(repo_->BeginCheckpoint("run1", {}).status().code(), StatusCode::kInvalidArgument);
+  save("run1/step-1", b);  // the removed name saved again
+  ExpectWhole("run1/step-1", b);
+  auto v = repo_->Verify(std::nullopt);
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok());
 }
 
 TEST_P(SaveAndLoad, AbortedWriterLeavesNothingVisible) {

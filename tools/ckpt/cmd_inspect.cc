@@ -28,9 +28,12 @@
 namespace ckptfs::cli {
 namespace {
 
-const CommandSpec kLs{"ls", "", "List checkpoints in commit order.", "",
+const CommandSpec kLs{"ls", "[GROUP]", "List checkpoints in commit order.",
+                      "A checkpoint name may hold '/'-separated groups (run1/step-100): with GROUP,\n"
+                      "only the checkpoints in it (run1: run1/step-100, run1/eval/step-3) are listed.\n"
+                      "A pending save that replaces NAME (an overwriting save) is listed as NAME~.",
                       {{"all", 'a', false, false, "", "include pending (uncommitted) checkpoints"}, kJsonOpt},
-                      0, 0};
+                      0, 1};
 
 int CmdLs(const GlobalOptions& global, const Args& args) {
   int rc = kExitOk;
@@ -38,6 +41,11 @@ int CmdLs(const GlobalOptions& global, const Args& args) {
   if (!repo) return rc;
   auto list = repo->ListCheckpoints(args.Has("all"));
   if (!list.ok()) return Fail(list.status());
+  if (!args.positional.empty()) {
+    std::string group = args.positional[0];
+    while (group.size() > 1 && group.back() == '/') group.pop_back();  // "run1/" as the shell completes it
+    std::erase_if(*list, [&](const CheckpointRecord& c) { return !InGroup(c.name, group); });
+  }
   if (args.Has("json")) {
     Json j = Json::MakeArray();
     for (const auto& c : *list) j.Push(DescribeRecord(c));

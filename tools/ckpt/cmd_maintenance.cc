@@ -232,12 +232,15 @@ const CommandSpec kGc{
     "left mostly dead (less than half live) are rewritten. gc waits for saves in\n"
     "progress, and new saves wait for it. A removed checkpoint that a reader still\n"
     "has open (through a mount, on any host, or in a process) keeps its data until\n"
-    "the first gc after it is closed.",
+    "the first gc after it is closed. With --group, the policy applies to the\n"
+    "checkpoints of that group only (a run: run1/step-100, run1/eval/step-3), and\n"
+    "\"newest\" means the group's newest; the other checkpoints stay.",
     {{"keep-last", 0, true, false, "N", "keep the newest N checkpoints"},
      {"keep-every", 0, true, false, "K", "keep checkpoints whose step is a multiple of K"},
      {"keep-within", 0, true, false, "DURATION",
       "keep checkpoints committed within DURATION of the newest (s, m, h, d, w: 36h, 1w2d)"},
      {"keep", 0, true, true, "NAME", "keep this checkpoint (repeatable)"},
+     {"group", 0, true, false, "GROUP", "apply the policy to the checkpoints of GROUP only"},
      {"allow-removing-newest", 0, false, false, "",
       "let the policy remove the newest committed checkpoint (or every checkpoint)"},
      {"dry-run", 'n', false, false, "", "show what would be removed and reclaimed; change nothing"},
@@ -258,6 +261,10 @@ int CmdGc(const GlobalOptions& global, const Args& args) {
     o.retention.keep_within_s = *seconds;
   }
   o.retention.keep = args.All("keep");
+  if (auto group = args.Get("group")) {
+    o.retention.group = *group;
+    while (o.retention.group.size() > 1 && o.retention.group.back() == '/') o.retention.group.pop_back();
+  }
   o.retention.allow_removing_newest = args.Has("allow-removing-newest");
   o.dry_run = args.Has("dry-run");
   int rc = kExitOk;

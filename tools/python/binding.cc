@@ -766,7 +766,7 @@ class PyRepository {
   py::object gc(std::optional<uint64_t> keep_last, std::optional<uint64_t> keep_every,
                 std::optional<std::string> keep_within, const std::vector<std::string>& keep,
                 bool allow_removing_newest, bool dry_run, double rewrite_below, py::object on_phase,
-                py::object progress) {
+                py::object progress, const std::string& group) {
     if (keep_every && *keep_every == 0) throw StatusError{Status::InvalidArgument("keep_every must be at least 1")};
     GcOptions o;
     o.retention.keep_last = keep_last;
@@ -774,6 +774,7 @@ class PyRepository {
     if (keep_within) o.retention.keep_within_s = Value(ParseDuration(*keep_within));
     o.retention.keep = keep;
     o.retention.allow_removing_newest = allow_removing_newest;
+    o.retention.group = group;
     o.dry_run = dry_run;
     o.rewrite_below = rewrite_below;
     // The callbacks run on this thread, between gc's steps: the GIL is taken
@@ -1126,7 +1127,7 @@ PYBIND11_MODULE(_core, m) {
       .def("stats", &PyRepository::stats, py::arg("name"), py::arg("tensors"))
       .def("gc", &PyRepository::gc, py::arg("keep_last"), py::arg("keep_every"), py::arg("keep_within"),
            py::arg("keep"), py::arg("allow_removing_newest"), py::arg("dry_run"),
-           py::arg("rewrite_below"), py::arg("on_phase"), py::arg("progress"))
+           py::arg("rewrite_below"), py::arg("on_phase"), py::arg("progress"), py::arg("group") = "")
       .def("verify", &PyRepository::verify, py::arg("name"))
       .def("copy_to", &PyRepository::copy_to, py::arg("destination"), py::arg("names"), py::arg("all"),
            py::arg("last"), py::arg("on_phase"), py::arg("progress"))

@@ -129,6 +129,16 @@ _torch_to_name: Dict[Any, str] = {}
 _name_to_torch: Dict[str, Any] = {}
 
 
+def _group(group: Optional[str]) -> str:
+    """A group of checkpoint names as given ("run1", "run1/"), as the
+    engine takes it ("run1"; "" for none)."""
+    if group is None:
+        return ""
+    if not isinstance(group, str):
+        raise InvalidArgumentError(f"group must be a string, not {type(group).__name__}")
+    return group.rstrip("/") or group
+
+
 def _torch():
     """torch, or None when it cannot be imported (NumPy-only use)."""
     global _torch_module
@@ -671,19 +681,20 @@ class Repository:
         return out
 
     def resume_point(self, which: str = "latest", *, process_group: Any = None,
-                     timeout: Optional[float] = None) -> Optional[Dict[str, Any]]:
+                     timeout: Optional[float] = None, group: Optional[str] = None) -> Optional[Dict[str, Any]]:
         """The committed checkpoint to resume from, as checkpoints() lists
-        it: "latest" (the newest committed; None when there is none) or a
+        it: "latest" (the newest committed, of `group` when given: "run1"
+        for run1/step-100 and the like; None when there is none) or a
         name (NotFoundError when it is not committed). With
         `process_group`, rank 0 alone asks the repository and every rank of
         the group gets the same answer (or the same error): one resume
         point for the whole job, however the hosts' catalogs lag."""
         from . import collective  # noqa: PLC0415
 
-        group = None
+        group_name, group = group, None
         if process_group is not None:
             group = collective._Group(process_group, timeout, f"resume point '{which}'")
-        return collective.resume_point(self, which, group)
+        return collective.resume_point(self, which, group, _group(group_name))
 
     def store_counters(self) -> Dict[str, int]:
         """What this Repository object has cost its store so far:
@@ -699,10 +710,15 @@ class Repository:
 
     # -- inspect and maintain --
 
-    def checkpoints(self, *, include_pending: bool = False) -> List[Dict[str, Any]]:
+    def checkpoints(self, *, include_pending: bool = False, group: Optional[str] = None) -> List[Dict[str, Any]]:
         """Committed checkpoints in commit order (pending ones too when asked),
-        with the fields of `ckpt ls --json`."""
-        return self._repo.checkpoints(bool(include_pending))
+        with the fields of `ckpt ls --json`; with `group` ("run1"), those of
+        that group only (run1/step-100, run1/eval/step-3)."""
+        listed = self._repo.checkpoints(bool(include_pending))
+        group = _group(group)
+        if not group:
+            return listed
+        return [c for c in listed if c["name"].startswith(group + "/")]
 
     def import_safetensors(self, name: str, paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]], *,
                            step: Optional[int] = None, rank: int = 0, world_size: int = 1,
@@ -753,7 +769,7 @@ class Repository:
            keep_within: Union[str, int, float, None] = None, keep: Sequence[str] = (),
            allow_removing_newest: bool = False, dry_run: bool = False,
            rewrite_below: float = 0.5, on_phase: Optional[Callable[[str], None]] = None,
-           progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
+           progress: Optional[Callable[[int, int], None]] = None, group: Optional[str] = None) -> Dict[str, Any]:
         """Applies a retention policy (keep the newest `keep_last`, steps that
         are multiples of `keep_every`, those committed within `keep_within`
         of the newest — a duration such as "36h" or "1w2d", or seconds — and
@@ -764,8 +780,9 @@ class Repository:
         `on_phase(line)` is called as each phase starts ("waiting for saves
         in progress", "deleting 12 packs"), `progress(done_bytes,
         total_bytes)` while packs are rewritten; both run between gc's steps
-        and must not use the repository. Returns the fields of
-        `ckpt gc --json`."""
+        and must not use the repository. With `group` ("run1"), the policy
+        applies to the checkpoints of that group only (run1/step-100, ...),
+        and the newest is the group's. Returns the fields of `ckpt gc --json`."""
         if isinstance(keep, str):
             keep = [keep]
         if keep_within is not None and not isinstance(keep_within, str):
@@ -773,7 +790,7 @@ class Repository:
                 raise InvalidArgumentError(f"keep_within: {keep_within!r} is not a duration")
             keep_within = f"{int(keep_within)}s"
         return self._repo.gc(keep_last, keep_every, keep_within, list(keep), bool(allow_removing_newest),
-                             bool(dry_run), float(rewrite_below), on_phase, progress)
+                             bool(dry_run), float(rewrite_below), on_phase, progress, _group(group))
 
     def stats(self, name: str, tensors: Sequence[str] = ()) -> List[Dict[str, Any]]:
         """Statistics of the tensors `tensors` of checkpoint `name` (every

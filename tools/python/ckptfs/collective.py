@@ -563,14 +563,14 @@ def open_shared(open_core: Callable[[bool], Any], group: _Group):
     return core
 
 
-def resume_point(repo, which: str, group: Optional[_Group]) -> Optional[Dict[str, Any]]:
+def resume_point(repo, which: str, group: Optional[_Group], in_group: str = "") -> Optional[Dict[str, Any]]:
     """The committed checkpoint to resume from: "latest" (the newest
     committed, None when there is none) or a name (NotFoundError when it is
     not committed). With a group, rank 0 alone asks the repository and
     every rank gets its answer (or its error)."""
 
     def local():
-        done = repo.checkpoints()
+        done = repo.checkpoints(group=in_group or None)
         if which == "latest":
             return done[-1] if done else None
         for c in done:

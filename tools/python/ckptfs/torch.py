@@ -63,17 +63,42 @@ def dcp_unavailable_reason() -> Optional[str]:
 
 _REASON = dcp_unavailable_reason()
 
-# The engine's rule for checkpoint names (engine/ckpt/repository.cc).
-_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+# The engine's rule for checkpoint names (engine/ckpt/repository.cc):
+# '/'-separated parts, none starting with '.', the last not digits only when
+# there are groups.
+_PART = r"[A-Za-z0-9_-][A-Za-z0-9._-]*"
+_NAME = re.compile(rf"(?=.{{1,200}}$){_PART}(?:/{_PART})*")
+_GROUPED_DIGITS = re.compile(r"/[0-9]+$")
 _TRAILING_NUMBER = re.compile(r"([0-9]+)$")
 
 
-def _checkpoint_name(checkpoint_id: Union[str, os.PathLike]) -> str:
+def _under_repository(path: str, url: str) -> str:
+    """`path` (a checkpoint_id) relative to the repository at `url` when it
+    is a path inside it (DCP's checkpoint_id is a directory: /repo/run1/step-100
+    is checkpoint run1/step-100 of /repo); else `path` as given."""
+    if url.startswith("s3://"):
+        base = url.rstrip("/") + "/"
+        return path[len(base):] if path.startswith(base) else path
+    if not (os.path.isabs(path) or path.startswith(".")):
+        return path  # a name
+    full, base = os.path.abspath(path), os.path.abspath(url)
+    if not full.startswith(base + os.sep):
+        raise ckptfs.InvalidArgumentError(f"checkpoint_id {path!r} is a path outside the repository at {url!r}: "
+                                          "give a checkpoint name, or a path inside the repository")
+    return os.path.relpath(full, base).replace(os.sep, "/")
+
+
+def _checkpoint_name(checkpoint_id: Union[str, os.PathLike], url: Optional[str] = None) -> str:
     name = os.fspath(checkpoint_id)
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+    if not isinstance(name, str):
+        raise TypeError(f"checkpoint_id must be a str or a path, not {type(name).__name__}")
+    if url is not None:
+        name = _under_repository(name, url)
+    if not _NAME.fullmatch(name) or _GROUPED_DIGITS.search(name):
         raise ckptfs.InvalidArgumentError(
-            f"checkpoint_id {name!r} is not a checkpoint name (1 to 200 letters, digits, '.', '_' and '-', "
-            "not starting with '.')")
+            f"checkpoint_id {name!r} is not a checkpoint name (1 to 200 letters, digits, '.', '_', '-', and '/' "
+            "between groups such as run1/step-100; no part starting with '.', and the last part of a grouped "
+            "name not digits only)")
     return name
 
 
@@ -153,7 +178,7 @@ class StorageWriter(_WriterBase):
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
-            self.name = _checkpoint_name(checkpoint_id)
+            self.name = _checkpoint_name(checkpoint_id, self.url)
         self._abort()
 
     @classmethod
@@ -311,7 +336,7 @@ class StorageReader(_ReaderBase):
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
-            self.name = _checkpoint_name(checkpoint_id)
+            self.name = _checkpoint_name(checkpoint_id, self.url)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
