@@ -227,7 +227,7 @@ def main():
                                       timeout=20).result()
             else:
                 res = repo.save(name, values, shards=shards, step=5, process_group=dist.group.WORLD,
-                                verify_replicas=mode in ("verify", "differ"),
+                                verify_replicas=mode in ("verify", "differ"), overwrite=mode == "overwrite",
                                 timeout=8 if action == "die-commit" else 20)
         except ckptfs.Error as e:
             print(f"raised: {type(e).__name__}: {e}")

@@ -198,6 +198,12 @@ class Collective(CkptTestCase):
             self.assertTrue(line.startswith("raised: AlreadyExistsError: "), line)
         for line in out[1:]:
             self.assertIn(f"(rank 0 of {WORLD}, in 'begin and share the store listing')", line)
+        # Saved again with overwrite: rank 0's attempt, shared, replaces it whole.
+        self.job(WORLD, "save", "together", "hsdp", "overwrite")
+        self.job(WORLD, "load", "together", "hsdp")
+        listed = [c["name"] for c in ckptfs.open(self.url).checkpoints(include_pending=True)]
+        self.assertEqual(listed[-1], "together")  # the newest commit now
+        self.assertEqual(listed.count("together"), 1)
 
     def test_a_rank_failing_to_open_fails_every_rank_naming_it(self):
         out = self.job(WORLD, "open-fail", "-", "dp")
