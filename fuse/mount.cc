@@ -99,12 +99,17 @@ enum class Kind { kRoot, kLatest, kGroup, kCheckpoint, kBlobsDir, kFile };
 // ino_base + N + 1 (N files). A mount of a checkpoint of 10^6 tensors
 // holds no table entry per file.
 struct CheckpointView {
-  std::string name;
+  std::string name;    // the checkpoint's; empty for a model view
   std::string commit;  // CommitOf the record it shows
   uint64_t mtime = 0;  // commit time, seconds
   std::unique_ptr<CheckpointFiles> files;
   fuse_ino_t ino_base = 0;
   uint64_t lookups = 0;  // guarded by Filesystem::mu_: the kernel's references to its inodes
+  // A training checkpoint's model view, its directory "model/" (files.h
+  // HasModelView): built at its first use, guarded by Filesystem::mu_.
+  bool has_model = false;
+  std::shared_ptr<CheckpointView> model;
+  std::weak_ptr<CheckpointView> parent;  // of a model view: its checkpoint's view
   size_t file_count() const { return files->files().size(); }
   fuse_ino_t dir_ino() const { return ino_base + file_count(); }
   fuse_ino_t blobs_ino() const { return ino_base + file_count() + 1; }
@@ -197,6 +202,10 @@ class Filesystem {
       const auto& v = node->view;
       if (node->kind == Kind::kCheckpoint && n == "blobs") {
         ino = v->blobs_ino();
+      } else if (node->kind == Kind::kCheckpoint && v->has_model && n == kModelViewDir) {
+        auto model = ModelOf(v);
+        if (!model.ok()) return ReplyError(req, model.status());
+        ino = (*model)->dir_ino();
       } else {
         const CheckpointFile* f = nullptr;
         if (node->kind == Kind::kBlobsDir) {
@@ -234,7 +243,11 @@ class Filesystem {
     if (it == by_base_.end()) return;
     CheckpointView& v = *it->second;
     v.lookups = v.lookups > n ? v.lookups - n : 0;
-    if (v.lookups == 0 && !IsCurrent(v)) by_base_.erase(it);
+    if (v.lookups == 0 && !IsCurrent(v)) {
+      std::shared_ptr<CheckpointView> model = v.model;
+      by_base_.erase(it);
+      if (model && model->lookups == 0) by_base_.erase(model->ino_base);
+    }
   }
 
   void GetAttr(fuse_req_t req, fuse_ino_t ino) {
@@ -280,6 +293,10 @@ class Filesystem {
     } else if (node->kind == Kind::kCheckpoint || node->kind == Kind::kBlobsDir) {
       const auto& v = node->view;
       if (node->kind == Kind::kCheckpoint) entries->named.push_back({"blobs", v->blobs_ino(), S_IFDIR});
+      if (node->kind == Kind::kCheckpoint && v->has_model) {
+        auto model = ModelOf(v);
+        if (model.ok()) entries->named.push_back({std::string(kModelViewDir), (*model)->dir_ino(), S_IFDIR});
+      }
       // In the order of CheckpointFiles: tensors, model.safetensors, metadata.json.
       const auto& files = v->files->files();
       entries->view = v;
@@ -492,6 +509,10 @@ class Filesystem {
   }
   // Whether `v` is what its checkpoint's name shows now (mu_ held).
   bool IsCurrent(const CheckpointView& v) {
+    if (v.name.empty()) {  // a model view: current while its checkpoint's view is
+      auto parent = v.parent.lock();
+      return parent && parent->model.get() == &v && IsCurrent(*parent);
+    }
     auto it = views_.find(v.name);
     return it != views_.end() && it->second.get() == &v;
   }
@@ -550,6 +571,31 @@ class Filesystem {
     std::shared_ptr<CheckpointView> v = std::move(it->second);
     views_.erase(it);
     if (v->lookups == 0) by_base_.erase(v->ino_base);
+    if (v->model && v->model->lookups == 0) by_base_.erase(v->model->ino_base);
+  }
+
+  // The model view of checkpoint view `v` (v->has_model), built once.
+  Result<std::shared_ptr<CheckpointView>> ModelOf(const std::shared_ptr<CheckpointView>& v) {
+    {
+      std::lock_guard lock(mu_);
+      if (v->model) return v->model;
+    }
+    std::unique_ptr<CheckpointReader> part = ModelViewOf(*v->files);
+    if (!part) return Status::Internal("checkpoint '" + v->name + "' has no model view");
+    auto files = CheckpointFiles::Build(std::move(part));
+    if (!files.ok()) return files.status();
+    auto m = std::make_shared<CheckpointView>();
+    m->commit = v->commit;
+    m->mtime = v->mtime;
+    m->files = std::move(files).value();
+    m->parent = v;
+    std::lock_guard lock(mu_);
+    if (v->model) return v->model;  // built meanwhile
+    m->ino_base = next_ino_;
+    next_ino_ += m->inode_count();
+    by_base_[m->ino_base] = m;
+    v->model = m;
+    return m;
   }
 
   // The view of committed checkpoint `name`, built on first use and kept
@@ -598,6 +644,7 @@ class Filesystem {
     v->commit = commit;
     v->mtime = record.committed_unix_ms / 1000;
     v->files = std::move(files).value();
+    v->has_model = HasModelView(*v->files);
     std::lock_guard lock(mu_);
     auto it = views_.find(name);
     if (it != views_.end() && it->second->commit == commit) return it->second;  // built meanwhile
@@ -608,6 +655,7 @@ class Filesystem {
       // The name now shows a newer commit: the old view goes once the
       // kernel holds none of its inodes.
       if (it->second->lookups == 0) by_base_.erase(it->second->ino_base);
+      if (it->second->model && it->second->model->lookups == 0) by_base_.erase(it->second->model->ino_base);
       it->second = v;
     } else {
       views_[name] = v;

@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <set>
+#include <span>
 #include <unordered_set>
 
 #include "ckpt/describe.h"
+#include "core/json.h"
 #include "ckpt/merge.h"
 #include "io/file_names.h"
 
@@ -388,6 +391,79 @@ void FileReadahead::BeforeRead(uint64_t offset, uint64_t n) {
     PrefetchFollowing(following_until_, beyond);
     following_until_ = beyond;
   }
+}
+
+// ---- the model view -----------------------------------------------------------------
+
+namespace {
+constexpr std::string_view kModelPrefix = "model.";
+// What the Python package stores of a DCP or torch.save state's nesting
+// (ckptfs/formats.py STRUCTURE_BLOB): {"dict": [[key, node], ...]},
+// {"list"|"tuple": [node, ...]}, {"tensor": name} or {"value": name}.
+constexpr std::string_view kStructureBlob = "ckptfs.torch.structure";
+constexpr uint64_t kMaxStructureBytes = 64ull << 20;
+
+void CollectValues(const Json& node, std::set<std::string>& values) {
+  if (!node.is_object()) return;
+  if (const Json* v = node.Find("value"); v && v->is_string()) values.insert(v->as_string());
+  for (const char* kind : {"dict", "list", "tuple"}) {
+    const Json* items = node.Find(kind);
+    if (!items || !items->is_array()) continue;
+    for (const Json& item : items->as_array()) {
+      // A dict's entries are [key, node] pairs.
+      const Json* child = &item;
+      if (item.is_array() && item.as_array().size() == 2) child = &item.as_array()[1];
+      CollectValues(*child, values);
+    }
+  }
+}
+
+// The saved state's non-tensor items, when its top is a dict holding a
+// dict "model" (a training state: {"model": ..., "optim": ...}); nullopt
+// otherwise, or when the checkpoint keeps no readable structure.
+std::optional<std::set<std::string>> TrainingStateValues(const CheckpointReader& reader) {
+  const BlobRecord* blob = reader.FindBlob(kStructureBlob);
+  if (blob == nullptr || blob->size == 0 || blob->size > kMaxStructureBytes) return std::nullopt;
+  std::string text(blob->size, '\0');
+  if (!reader.ReadBlob(*blob, 0, std::as_writable_bytes(std::span(text))).ok()) return std::nullopt;
+  auto top = Json::Parse(text);
+  if (!top.ok() || !top->is_object()) return std::nullopt;
+  const Json* items = top->Find("dict");
+  if (!items || !items->is_array()) return std::nullopt;
+  bool model = false;
+  for (const Json& item : items->as_array()) {
+    if (!item.is_array() || item.as_array().size() != 2) return std::nullopt;
+    const Json& key = item.as_array()[0];
+    const Json& node = item.as_array()[1];
+    if (key.is_string() && key.as_string() == "model" && node.is_object() && node.Find("dict")) model = true;
+  }
+  if (!model) return std::nullopt;
+  std::set<std::string> values;
+  CollectValues(*top, values);
+  return values;
+}
+}  // namespace
+
+bool HasModelView(const CheckpointFiles& files) {
+  if (files.Find(kModelViewDir) != nullptr) return false;
+  const auto& tensors = files.reader().tensors();
+  if (std::none_of(tensors.begin(), tensors.end(), [](const TensorRecord& t) {
+        return t.name.size() > kModelPrefix.size() && std::string_view(t.name).starts_with(kModelPrefix);
+      })) {
+    return false;
+  }
+  return TrainingStateValues(files.reader()).has_value();
+}
+
+std::unique_ptr<CheckpointReader> ModelViewOf(const CheckpointFiles& files) {
+  if (files.Find(kModelViewDir) != nullptr) return nullptr;
+  auto values = TrainingStateValues(files.reader());
+  if (!values) return nullptr;
+  auto part = files.reader().Subset(kModelPrefix, [&](const BlobRecord& b) {
+    return b.name != kStructureBlob && !values->count(b.name);
+  });
+  if (part->tensors().empty()) return nullptr;
+  return part;
 }
 
 }  // namespace ckptfs

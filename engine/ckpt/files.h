@@ -144,6 +144,21 @@ class CheckpointFiles {
   mutable std::weak_ptr<const std::string> metadata_, safetensors_header_;
 };
 
+// ---- the model view of a training checkpoint ----
+// A training state saved through DCP or torch.save ({"model": ...,
+// "optim": ...}) names the model's tensors "model.…" beside the
+// optimizer's, so from_pretrained does not load its directory. Its model
+// view (the mount's NAME/model/) reads the tensors under "model." named
+// without it, and the blobs that are not items of the saved state
+// (config.json and the other files saved beside it). A checkpoint has one
+// when the nesting the Python package stores with it (the blob
+// "ckptfs.torch.structure") has a dict "model" at its top, and no file of
+// its directory is named "model". Deciding reads that blob.
+inline constexpr std::string_view kModelViewDir = "model";
+bool HasModelView(const CheckpointFiles& files);
+// The view's reader (CheckpointReader::Subset); null when there is none.
+std::unique_ptr<CheckpointReader> ModelViewOf(const CheckpointFiles& files);
+
 // The sequential-read policy of one open file. A reader that continues
 // where it stopped (within a few chunks: kernel readahead sends requests
 // slightly out of order) gets the next `window` bytes of tensor data decoded

@@ -267,6 +267,30 @@ void CheckpointReader::DropCached(std::span<const ChunkRef> chunks) const {
   for (const ChunkRef& c : chunks) impl_->repo->cache->Drop(c.id);
 }
 
+std::unique_ptr<CheckpointReader> CheckpointReader::Subset(
+    std::string_view prefix, const std::function<bool(const BlobRecord&)>& keep_blob) const {
+  auto impl = std::make_unique<ReaderImpl>();
+  impl->repo = impl_->repo;
+  impl->held = std::make_unique<HeldChunks>(impl_->repo->fetcher());
+  Manifest& m = impl->manifest;
+  m.checkpoint = impl_->manifest.checkpoint;
+  m.checkpoint.logical_bytes = 0;
+  // Names that share the prefix keep their order without it.
+  for (const auto& t : impl_->manifest.tensors) {
+    if (t.name.size() <= prefix.size() || !std::string_view(t.name).starts_with(prefix)) continue;
+    m.tensors.push_back(t);
+    m.tensors.back().name.erase(0, prefix.size());
+    m.checkpoint.logical_bytes += t.ByteSize();
+  }
+  for (const auto& b : impl_->manifest.blobs) {
+    if (!keep_blob(b)) continue;
+    m.blobs.push_back(b);
+    m.checkpoint.logical_bytes += b.size;
+  }
+  m.checkpoint.tensor_count = m.tensors.size();
+  return std::unique_ptr<CheckpointReader>(new CheckpointReader(std::move(impl)));
+}
+
 Result<StoredSizes> CheckpointReader::StoredBytes() const {
   CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
   // One catalog lookup per distinct chunk.

@@ -463,6 +463,13 @@ class CheckpointReader {
   // references, in total and per tensor and blob (in tensors()/blobs()
   // order). Reads the catalog only.
   Result<StoredSizes> StoredBytes() const;
+  // A reader of part of this checkpoint: the tensors whose names begin with
+  // `prefix`, named without it, and the blobs `keep_blob` admits. Its info()
+  // is this checkpoint's record (so a lease taken through it is this
+  // checkpoint's) with the part's tensor count and logical bytes. It holds
+  // no lease of its own, and reads through the same repository.
+  std::unique_ptr<CheckpointReader> Subset(std::string_view prefix,
+                                           const std::function<bool(const BlobRecord&)>& keep_blob) const;
 
  private:
   friend class Repository;

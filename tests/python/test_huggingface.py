@@ -126,6 +126,35 @@ class HuggingFace(CkptTestCase):
         self.assertEqual(ckptfs.open(self.repo).checkpoints(include_pending=True), [])
 
     @unittest.skipUnless(HAVE_FUSE, "no FUSE here (/dev/fuse, fusermount3)")
+    def test_a_training_checkpoint_mounts_a_model_view_that_from_pretrained_loads(self):
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        import ckptfs.torch as ckptfs_torch  # noqa: PLC0415
+
+        model = tiny_model()
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+        optim.step()
+        config = model.config.to_json_string().encode()
+        state = {"model": model.state_dict(), "optim": optim.state_dict(), "step": 3}
+        self.run_ckpt("init")
+        dcp.save(state, storage_writer=ckptfs_torch.StorageWriter(self.repo, "train", blobs={"config.json": config}),
+                 no_dist=True)
+        with mounted(self) as mnt:
+            here = os.path.join(mnt, "train")
+            self.assertIn("model", os.listdir(here))
+            view = os.path.join(here, "model")
+            files = sorted(os.listdir(view))
+            self.assertIn("config.json", files)
+            self.assertIn("model.safetensors", files)
+            # The model's tensors, named as the model names them; nothing of the optimizer.
+            self.assertFalse([f for f in files if f.startswith(("optim", "model.model."))], files)
+            self.assertIn("lm_head.weight.npy", files)
+            assert_loads_like(self, view, model, torch.tensor([[1, 5, 9, 33, 70]]))
+            # A model directory of its own has no such view.
+            self.assertNotIn("model", os.listdir(os.path.join(mnt, "train", "model")))
+
+    @unittest.skipUnless(HAVE_FUSE, "no FUSE here (/dev/fuse, fusermount3)")
     def test_from_pretrained_loads_the_mounted_checkpoint_with_identical_logits(self):
         model, d = self.save_model_dir()
         self.run_ckpt("init")
