@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <random>
@@ -148,6 +149,56 @@ TEST_P(CheckpointAsFiles, BlobsWithPlainNamesAlsoStandBesideTheTensorsUnlessTheN
   ASSERT_OK((*files)->Read(*config, 0, got));
   EXPECT_TRUE(got == RandomBytes(10, 7));
   EXPECT_EQ((*files)->Find("x.npy")->kind, FileKind::kTensor);
+}
+
+// A training state ({"model": ..., "optim": ..., "step": ...}, as the
+// Python package stores its nesting) has a model view; a model whose own
+// names begin "model." does not, nor a state whose nesting is unreadable.
+TEST_P(CheckpointAsFiles, ATrainingStateHasAModelViewOfTheModelsTensorsAndTheFilesBesideIt) {
+  const std::string structure =
+      R"({"dict": [["model", {"dict": [["model", {"dict": [["w", {"tensor": "model.model.w"}]]}],)"
+      R"( ["lm_head", {"dict": [["weight", {"tensor": "model.lm_head.weight"}]]}]]}],)"
+      R"( ["optim", {"dict": [["exp_avg", {"tensor": "optim.exp_avg"}], ["lr", {"value": "optim.lr"}]]}],)"
+      R"( ["step", {"value": "step"}]]})";
+  auto save = [&](const std::string& name, const std::string& nesting) {
+    auto w = std::move(repo_->BeginCheckpoint(name, {})).value();
+    for (const char* t : {"model.model.w", "model.lm_head.weight", "optim.exp_avg"}) {
+      ASSERT_OK(w->PutTensor({t, DType::kU8, {8}}, RandomBytes(8, static_cast<uint32_t>(std::strlen(t)))));
+    }
+    for (const char* b : {"optim.lr", "step", "config.json"}) ASSERT_OK(w->PutBlob(b, RandomBytes(4, 3)));
+    if (!nesting.empty()) ASSERT_OK(w->PutBlob("ckptfs.torch.structure", std::as_bytes(std::span(nesting))));
+    ASSERT_OK(w->Commit().Wait());
+  };
+  save("train", structure);
+  save("flat", "");
+  save("broken", "{\"dict\": [[\"model\"");
+  auto files = CheckpointFiles::Build(std::move(repo_->OpenCheckpoint("train")).value());
+  ASSERT_OK(files);
+  ASSERT_TRUE(HasModelView(**files));
+  auto view = CheckpointFiles::Build(ModelViewOf(**files));
+  ASSERT_OK(view);
+  const CheckpointReader& part = (*view)->reader();
+  std::vector<std::string> tensors, blobs;
+  for (const auto& t : part.tensors()) tensors.push_back(t.name);
+  for (const auto& b : part.blobs()) blobs.push_back(b.name);
+  EXPECT_EQ(tensors, (std::vector<std::string>{"lm_head.weight", "model.w"}));
+  EXPECT_EQ(blobs, (std::vector<std::string>{"config.json"}));
+  EXPECT_EQ(part.info().name, "train");  // leases and identity are the checkpoint's
+  EXPECT_EQ(part.info().tensor_count, 2u);
+  EXPECT_EQ(part.info().logical_bytes, 16u + 4u);
+  // Its bytes are the checkpoint's.
+  std::vector<std::byte> got(8);
+  ASSERT_OK(part.ReadBytes(*part.FindTensor("model.w"), 0, got));
+  EXPECT_TRUE(got == RandomBytes(8, static_cast<uint32_t>(std::strlen("model.model.w"))));
+  ASSERT_NE((*view)->Find("model.safetensors"), nullptr);
+  ASSERT_NE((*view)->Find("config.json"), nullptr);
+  EXPECT_FALSE(HasModelView(**view));
+  for (const char* other : {"flat", "broken"}) {
+    auto f = CheckpointFiles::Build(std::move(repo_->OpenCheckpoint(other)).value());
+    ASSERT_OK(f);
+    EXPECT_FALSE(HasModelView(**f)) << other;
+    EXPECT_EQ(ModelViewOf(**f), nullptr) << other;
+  }
 }
 
 TEST_P(CheckpointAsFiles, NamesAndExactSizesAreKnownBeforeAnyRead) {
