@@ -145,6 +145,25 @@ class Lightning(CkptTestCase):
         self.assertIn("last.ckpt", names)
         self.assertEqual(ckptfs.open(self.repo).show("last.ckpt")["step"], 40)
 
+    def test_under_lightnings_async_checkpoint_io_saves_and_removals_land_in_the_repository(self):
+        from unittest import mock  # noqa: PLC0415
+
+        from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO  # noqa: PLC0415
+
+        ours = CkptfsCheckpointIO(self.repo)
+        saves = mock.Mock(wraps=ours.save_checkpoint)
+        removals = mock.Mock(wraps=ours.remove_checkpoint)
+        ours.save_checkpoint, ours.remove_checkpoint = saves, removals
+        trainer = L.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, plugins=[AsyncCheckpointIO(ours)],
+                            callbacks=[ModelCheckpoint(dirpath=self.dirpath, save_top_k=2, monitor="step",
+                                                       mode="max")])
+        trainer.fit(TinyModule(), data())
+        self.assertEqual((saves.call_count, removals.call_count), (3, 1))
+        names = sorted(c["name"] for c in ckptfs.open(self.repo).checkpoints(include_pending=True))
+        self.assertEqual(names, ["epoch_3D1-step_3D16.ckpt", "epoch_3D2-step_3D24.ckpt"])
+        self.assertEqual(sorted(os.listdir(self.dirpath)), ["epoch=1-step=16.ckpt", "epoch=2-step=24.ckpt"])
+
     def test_load_checkpoint_returns_lightnings_dict_with_its_tensors_and_hyperparameters(self):
         io = CkptfsCheckpointIO(self.repo)
         ckpt = {"epoch": 2, "global_step": 7, "state_dict": {"w": torch.arange(6.0).reshape(2, 3)},

@@ -146,12 +146,11 @@ class CkptfsCheckpointIO(CheckpointIO):
         state[_SKELETON_BLOB] = buffer.getvalue()
         step = checkpoint.get("global_step")
         # Lightning saves under a path again when it saves "last" again: the
-        # new checkpoint replaces the old one.
-        if any(c["name"] == name for c in self.repo.checkpoints()):
-            self.repo.rm(name)
+        # new checkpoint replaces the old one when it commits, in one step
+        # (a crash in between leaves the old one, as a file's rename would).
         token = uuid.uuid4().hex
         self.repo.save(name, state, step=int(step) if isinstance(step, int) else None,
-                       tags={"lightning.path": os.fspath(path), _SAVE_TAG: token})
+                       tags={"lightning.path": os.fspath(path), _SAVE_TAG: token}, overwrite=True)
         self._write_reference(path, name, token)
 
     def _write_reference(self, path: Union[str, os.PathLike], name: str, token: str) -> None:
