@@ -180,6 +180,24 @@ def main():
             future.result()
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             outcome = f"failed: {str(e).splitlines()[0]}"
+    elif action == "every-placement":
+        # One name saved again at every placement of a 1-D and a 2-D mesh
+        # (each save replaces the last), each loaded into every placement.
+        g = torch.arange(48, dtype=torch.float32).view(6, 8)
+        one, two = init_device_mesh("cpu", (world,)), init_device_mesh("cpu", (2, world // 2))
+        layouts = [(one, [Shard(0)]), (one, [Replicate()]), (one, [Shard(1)]),
+                   (two, [Replicate(), Replicate()]), (two, [Replicate(), Shard(0)]), (two, [Shard(0), Replicate()]),
+                   (two, [Shard(0), Shard(0)]), (two, [Shard(1), Shard(0)])]
+        loads = 0
+        for saved_mesh, saved in layouts:
+            dcp.save({"t": distribute_tensor(g, saved_mesh, saved)}, checkpoint_id=name,
+                     storage_writer=StorageWriter(repo))
+            for mesh, placement in layouts:
+                target = {"t": distribute_tensor(torch.zeros_like(g), mesh, placement)}
+                dcp.load(target, checkpoint_id=name, storage_reader=StorageReader(repo))
+                assert torch.equal(target["t"].full_tensor(), g), (saved, placement)
+                loads += 1
+        outcome = f"ok {len(layouts)} saves {loads} loads"
     elif action in ("crash-save", "resave"):
         mesh = init_device_mesh("cpu", (world,))
         scale = float(sys.argv[4])

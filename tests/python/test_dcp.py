@@ -157,6 +157,16 @@ class SavingANameAgain(DcpTestCase):
         self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
 
 
+class Resharding(DcpTestCase):
+    def test_a_name_saved_again_at_every_placement_loads_into_every_placement(self):
+        # As PyTorch's DTensor resharding tests do with FileSystemWriter
+        # (which overwrites): 1-D and 2-D meshes, Shard and Replicate, on 4 ranks.
+        self.assertEqual(self.run_job(4, "every-placement", self.repo, "dt"), ["ok 8 saves 64 loads"] * 4)
+        [c] = ckptfs.open(self.repo).checkpoints(include_pending=True)
+        self.assertEqual((c["name"], c["world_size"]), ("dt", 4))
+        self.assertEqual(json.loads(self.run_ckpt("gc", "--json").stdout)["removed_collected"], 7)
+
+
 class CheckpointIdsAsPaths(DcpTestCase):
     def test_a_checkpoint_id_that_is_a_path_in_the_repository_names_a_grouped_checkpoint(self):
         import torch.distributed.checkpoint as dcp  # noqa: PLC0415
