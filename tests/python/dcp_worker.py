@@ -198,6 +198,52 @@ def main():
                 assert torch.equal(target["t"].full_tensor(), g), (saved, placement)
                 loads += 1
         outcome = f"ok {len(layouts)} saves {loads} loads"
+    elif action == "sharded-tensors":
+        # ShardedTensors (the older sharding API DCP still saves) of a
+        # [10, 20] tensor under chunk and enumerable sharding specs, several
+        # shards on a rank and uneven ones; one name saved again under each
+        # spec, loaded under every other.
+        from torch.distributed._shard import sharded_tensor  # noqa: PLC0415
+        from torch.distributed._shard.sharding_spec import (  # noqa: PLC0415
+            ChunkShardingSpec,
+            EnumerableShardingSpec,
+            ShardMetadata,
+        )
+
+        def rows(*parts):  # (rows, rank) per shard, top to bottom
+            shards, start = [], 0
+            for n, r in parts:
+                shards.append(ShardMetadata(shard_offsets=[start, 0], shard_sizes=[n, 20], placement=f"rank:{r}"))
+                start += n
+            return EnumerableShardingSpec(shards=shards)
+        specs = [ChunkShardingSpec(dim=0, placements=["rank:0", "rank:1"]),
+                 ChunkShardingSpec(dim=0, placements=["rank:0", "rank:1", "rank:1", "rank:0"]),
+                 ChunkShardingSpec(dim=1, placements=["rank:1", "rank:0"]),
+                 rows((2, 0), (1, 1), (3, 0), (3, 1), (1, 0)),
+                 rows((8, 1), (2, 0))]
+        g = torch.arange(200, dtype=torch.float32).view(10, 20)
+
+        def matches(st):
+            for shard in st.local_shards():
+                (r, c), (h, w) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                if not torch.equal(shard.tensor, g[r:r + h, c:c + w]):
+                    return False
+            return True
+        pairs = 0
+        for saved in specs:
+            st = sharded_tensor.empty(saved, 10, 20, init_rrefs=False)
+            for shard in st.local_shards():
+                (r, c), (h, w) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                shard.tensor.copy_(g[r:r + h, c:c + w])
+            dcp.save({"st": st}, checkpoint_id=name, storage_writer=StorageWriter(repo))
+            for loaded in specs:
+                if loaded is saved:
+                    continue
+                target = {"st": sharded_tensor.zeros(loaded, 10, 20, init_rrefs=False)}
+                dcp.load(target, checkpoint_id=name, storage_reader=StorageReader(repo))
+                assert matches(target["st"]), (saved, loaded)
+                pairs += 1
+        outcome = f"ok {pairs} pairs"
     elif action in ("crash-save", "resave"):
         mesh = init_device_mesh("cpu", (world,))
         scale = float(sys.argv[4])

@@ -167,6 +167,34 @@ class Resharding(DcpTestCase):
         self.assertEqual(json.loads(self.run_ckpt("gc", "--json").stdout)["removed_collected"], 7)
 
 
+    def test_sharded_tensors_under_chunk_and_enumerable_specs_reshard_on_load(self):
+        # As PyTorch's file system checkpoint tests do with FileSystemWriter.
+        self.assertEqual(self.run_job(2, "sharded-tensors", self.repo, "st"), ["ok 20 pairs"] * 2)
+
+    def test_a_stateful_object_and_plain_tensors_round_trip_in_one_process(self):
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        class Blob:  # a Stateful: DCP saves what state_dict() gives and hands it back to load_state_dict()
+            def __init__(self, value):
+                self.state = {"blob": value}
+
+            def state_dict(self):
+                return self.state
+
+            def load_state_dict(self, state):
+                self.state = state
+
+        torch.manual_seed(4)
+        module = torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Linear(5, 1))
+        saved = dict(module.state_dict(), extra=Blob(b"some bytes for testing"))
+        dcp.save(saved, storage_writer=ckptfs_torch.StorageWriter(self.repo, "s"), no_dist=True)
+        back = dict(torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Linear(5, 1)).state_dict(), extra=Blob(b""))
+        dcp.load(back, storage_reader=ckptfs_torch.StorageReader(self.repo, "s"), no_dist=True)
+        self.assertEqual(back["extra"].state, {"blob": b"some bytes for testing"})
+        for k, v in module.state_dict().items():
+            self.assertEqual(bits(back[k]), bits(v), k)
+
+
 class CheckpointIdsAsPaths(DcpTestCase):
     def test_a_checkpoint_id_that_is_a_path_in_the_repository_names_a_grouped_checkpoint(self):
         import torch.distributed.checkpoint as dcp  # noqa: PLC0415
