@@ -532,21 +532,30 @@ class Simulation {
     Repository& repo = *hosts_[h].repo;
     std::string again;
     // A name taken, or left pending by a save whose ranks did not all
-    // commit, is removed first half the time and saved again.
-    if ((m.maybe_pending || !m.possible.empty()) && choose_.Chance(0.5)) {
-      Status st = repo.RemoveCheckpoints({name});
-      if (st.ok()) {
-        Removed(name);
-        again = " (again, after rm)";
-      } else if (!st.IsNotFound()) {
-        MaybeRemoved(name);
-        return Failed("rm " + name + " before saving it again (outcome unknown)", st);
+    // commit, is removed first a third of the time and saved again; a
+    // name taken is replaced by an overwriting save another third.
+    bool overwrite = false;
+    if (m.maybe_pending || !m.possible.empty()) {
+      const uint64_t choice = choose_.Below(3);
+      if (choice == 0) {
+        Status st = repo.RemoveCheckpoints({name});
+        if (st.ok()) {
+          Removed(name);
+          again = " (again, after rm)";
+        } else if (!st.IsNotFound()) {
+          MaybeRemoved(name);
+          return Failed("rm " + name + " before saving it again (outcome unknown)", st);
+        }
+      } else if (choice == 1 && !m.maybe_pending) {
+        overwrite = true;
+        again = " (overwriting)";
       }
     }
     if (m.maybe_pending) return "save " + name + ": skipped (pending)";
     const uint64_t v = ++next_version_;
     WriterOptions wo;
     wo.tags = {{"v", std::to_string(v)}};
+    wo.overwrite = overwrite;
     auto w = repo.BeginCheckpoint(name, wo);
     if (!w.ok()) return Failed("save " + name, w.status());
     const auto weights = WeightsOf(v), base = BaseOf(v);
@@ -558,10 +567,11 @@ class Simulation {
       Committed(name, v);
       return "save " + name + " v" + std::to_string(v) + again + ": committed";
     }
-    // The commit may have taken effect.
+    // The commit may have taken effect (an overwriting one: the rename may
+    // have, or not; the old version stays possible).
     m.possible.insert(v);
     m.definite.reset();
-    return Failed("save " + name + " v" + std::to_string(v) + " (outcome unknown)", c.status());
+    return Failed("save " + name + " v" + std::to_string(v) + again + " (outcome unknown)", c.status());
   }
 
   // A save on this host and a gc with retention on another, at once: gc

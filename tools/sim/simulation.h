@@ -7,7 +7,8 @@
 // generator, operations for random hosts: saves by one rank or by several
 // ranks on different hosts whose begins, puts and commits interleave with
 // other hosts' operations (some ranks never commit: a crashed rank), rm, a
-// name saved again after rm, gc with retention, readers opened and held
+// name saved again after rm or replaced by an overwriting save, gc with
+// retention, readers opened and held
 // across gc and read later, saves whose source another thread rewrites
 // meanwhile, mount-style reads (an open without a lease,
 // then a lease per file), copies into a second repository, collective
