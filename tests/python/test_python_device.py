@@ -120,7 +120,7 @@ full = {
     "model.b": torch.randn(12, generator=gen).to(torch.bfloat16),
     "model.emb": torch.randint(0, 100, (10, 6), generator=gen),
 }
-placement = {"save": Shard(0), "load": Shard(1)}[action]
+placement = {"save": Shard(0), "save-once": Shard(0), "load": Shard(1)}[action]
 def state():
     sd = {
         "model.w": distribute_tensor(full["model.w"].clone(), mesh, [placement]),
@@ -130,8 +130,8 @@ def state():
         "extra": {"lr": 0.5},
     }
     return sd
-if action == "save":
-    dcp.save(state(), storage_writer=StorageWriter(repo, name, step=7))
+if action in ("save", "save-once"):
+    dcp.save(state(), storage_writer=StorageWriter(repo, name, step=7, overwrite=action == "save"))
 else:
     sd = state()
     for k in ("model.w", "model.b", "model.emb"):
@@ -193,11 +193,15 @@ class DistributedCheckpoint(CkptTestCase):
             self.assertTrue(torch.equal(sd["w"], torch.full((3, 4), float(step))))
             self.assertEqual(sd["meta"]["step"], step)
         self.assertTrue(ckptfs_torch.StorageWriter.validate_checkpoint_id("step-000100"))
-        for bad in ("a/b", "", ".hidden", "x" * 201, "/data/ckpt"):
+        self.assertTrue(ckptfs_torch.StorageWriter.validate_checkpoint_id("run1/step-000100"))
+        for bad in ("a//b", "run1/100", "", ".hidden", "a/.b", "x" * 201, "/data/ckpt"):
             self.assertFalse(ckptfs_torch.StorageReader.validate_checkpoint_id(bad), bad)
         with self.assertRaises(ckptfs.InvalidArgumentError) as e:
             dcp.save({"w": torch.zeros(1)}, storage_writer=writer, checkpoint_id="../escape")
-        self.assertIn("'../escape' is not a checkpoint name", str(e.exception))
+        self.assertIn("'../escape' is a path outside the repository", str(e.exception))
+        with self.assertRaises(ckptfs.InvalidArgumentError) as e:
+            dcp.save({"w": torch.zeros(1)}, storage_writer=writer, checkpoint_id="a//b")
+        self.assertIn("'a//b' is not a checkpoint name", str(e.exception))
         # DCP reports errors of the write phase as its CheckpointException,
         # a BaseException.
         with self.assertRaises(BaseException) as e:
@@ -211,7 +215,7 @@ class DistributedCheckpoint(CkptTestCase):
         repo.save("dcp-7", {"x": torch.zeros(1)})  # the name is taken: every rank fails
         procs_failed = False
         try:
-            self.run_group("save", "dcp-7")
+            self.run_group("save-once", "dcp-7")  # overwrite=False
         except AssertionError:
             procs_failed = True
         self.assertTrue(procs_failed)
