@@ -215,6 +215,13 @@ class CheckpointIdsAsPaths(DcpTestCase):
         with self.assertRaises(ckptfs.InvalidArgumentError) as e:
             ckptfs_torch.StorageWriter(self.repo).reset(os.path.join(self.tmp, "elsewhere", "step-1"))
         self.assertIn("outside the repository", str(e.exception))
+        # On S3 a checkpoint_id under the repository's URL names the same way.
+        under = ckptfs_torch._checkpoint_name
+        self.assertEqual(under("s3://bucket/runs/run1/step-10", "s3://bucket/runs"), "run1/step-10")
+        self.assertEqual(under("s3://bucket/runs/run1/step-10", "s3://bucket/runs/"), "run1/step-10")
+        self.assertEqual(under("run1/step-10", "s3://bucket/runs"), "run1/step-10")
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            under("s3://other/run1/step-10", "s3://bucket/runs")  # not a name, and not under the repository
 
 
 class DtypeConversion(DcpTestCase):
