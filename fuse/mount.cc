@@ -127,11 +127,9 @@ struct Node {
 // `name`: the entry's name and whether it is the checkpoint itself (else a
 // group inside `dir`); nullopt when the name is not under `dir`.
 std::optional<std::pair<std::string, bool>> EntryUnder(const std::string& dir, const std::string& name) {
+  if (!InGroup(name, dir)) return std::nullopt;
   std::string_view rest = name;
-  if (!dir.empty()) {
-    if (!rest.starts_with(dir) || rest.size() <= dir.size() || rest[dir.size()] != '/') return std::nullopt;
-    rest.remove_prefix(dir.size() + 1);
-  }
+  if (!dir.empty()) rest.remove_prefix(dir.size() + 1);
   const size_t slash = rest.find('/');
   if (slash == std::string_view::npos) return std::pair(std::string(rest), true);
   return std::pair(std::string(rest.substr(0, slash)), false);
@@ -243,11 +241,7 @@ class Filesystem {
     if (it == by_base_.end()) return;
     CheckpointView& v = *it->second;
     v.lookups = v.lookups > n ? v.lookups - n : 0;
-    if (v.lookups == 0 && !IsCurrent(v)) {
-      std::shared_ptr<CheckpointView> model = v.model;
-      by_base_.erase(it);
-      if (model && model->lookups == 0) by_base_.erase(model->ino_base);
-    }
+    if (v.lookups == 0 && !IsCurrent(v)) ReleaseLocked(it->second);
   }
 
   void GetAttr(fuse_req_t req, fuse_ino_t ino) {
@@ -544,8 +538,7 @@ class Filesystem {
   bool HoldsCheckpoints(const std::string& group) {
     auto list = repo_->ListCheckpoints(false);
     if (!list.ok()) return false;
-    return std::any_of(list->begin(), list->end(),
-                       [&](const CheckpointRecord& c) { return EntryUnder(group, c.name).has_value(); });
+    return std::any_of(list->begin(), list->end(), [&](const CheckpointRecord& c) { return InGroup(c.name, group); });
   }
   // The directory holding checkpoint or group `name`, and its entry there.
   std::pair<fuse_ino_t, std::string> ParentOf(const std::string& name) {
@@ -570,6 +563,18 @@ class Filesystem {
     if (it == views_.end()) return;
     std::shared_ptr<CheckpointView> v = std::move(it->second);
     views_.erase(it);
+    ReleaseLocked(v);
+  }
+
+  // Gives view `v` a fresh range of inode numbers (mu_ held).
+  void PlaceLocked(const std::shared_ptr<CheckpointView>& v) {
+    v->ino_base = next_ino_;
+    next_ino_ += v->inode_count();
+    by_base_[v->ino_base] = v;
+  }
+  // View `v` is no longer current: it, and its model view, give their
+  // inode ranges up where the kernel holds none of their inodes (mu_ held).
+  void ReleaseLocked(std::shared_ptr<CheckpointView> v) {
     if (v->lookups == 0) by_base_.erase(v->ino_base);
     if (v->model && v->model->lookups == 0) by_base_.erase(v->model->ino_base);
   }
@@ -591,9 +596,7 @@ class Filesystem {
     m->parent = v;
     std::lock_guard lock(mu_);
     if (v->model) return v->model;  // built meanwhile
-    m->ino_base = next_ino_;
-    next_ino_ += m->inode_count();
-    by_base_[m->ino_base] = m;
+    PlaceLocked(m);
     v->model = m;
     return m;
   }
@@ -648,14 +651,11 @@ class Filesystem {
     std::lock_guard lock(mu_);
     auto it = views_.find(name);
     if (it != views_.end() && it->second->commit == commit) return it->second;  // built meanwhile
-    v->ino_base = next_ino_;
-    next_ino_ += v->inode_count();
-    by_base_[v->ino_base] = v;
+    PlaceLocked(v);
     if (it != views_.end()) {
       // The name now shows a newer commit: the old view goes once the
       // kernel holds none of its inodes.
-      if (it->second->lookups == 0) by_base_.erase(it->second->ino_base);
-      if (it->second->model && it->second->model->lookups == 0) by_base_.erase(it->second->model->ino_base);
+      ReleaseLocked(it->second);
       it->second = v;
     } else {
       views_[name] = v;

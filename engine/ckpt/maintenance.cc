@@ -199,6 +199,29 @@ Status PutRetiredManifest(Backend& backend, const Manifest& m) {
 Status RecordRetired(WriteTxn& txn, const Manifest& m) {
   return RecordManifestAs(txn, m, keys::RetiredCheckpoint(m.checkpoint.name, m.checkpoint.committed_unix_ms));
 }
+// The committed record the catalog keeps under catalog name `name`, if any.
+Result<std::optional<CheckpointRecord>> CommittedRecord(RepositoryImpl& repo, const std::string& name) {
+  std::optional<CheckpointRecord> rec;
+  CKPT_RETURN_IF_ERROR(repo.catalog->Read([&](const ReadTxn& txn) -> Status {
+    CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
+    if (!v) return Status::OK();
+    CKPT_ASSIGN_OR_RETURN(CheckpointRecord r, DecodeCheckpoint(*v));
+    if (r.state == CheckpointState::kCommitted) rec = std::move(r);
+    return Status::OK();
+  }));
+  return rec;
+}
+// Brings the catalog up to the store when what it holds under `name` is
+// not what the store holds now (another host saved, removed or replaced
+// it since this host's last sync): one request tells
+// (CommitProtocol::IsCurrent). True when it synced.
+Result<bool> CatchUpOn(RepositoryImpl& repo, const std::string& name) {
+  CKPT_ASSIGN_OR_RETURN(auto rec, CommittedRecord(repo, name));
+  CKPT_ASSIGN_OR_RETURN(bool current, repo.protocol->IsCurrent(name, rec ? &*rec : nullptr));
+  if (current) return false;
+  CKPT_RETURN_IF_ERROR(repo.protocol->Sync().status());
+  return true;
+}
 }  // namespace
 
 Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
@@ -207,25 +230,12 @@ Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
   // What is removed is what the store holds under each name now: a host
   // whose catalog still had a version another host removed (and perhaps
   // saved again since) would otherwise retire that old version and delete
-  // the manifest object of whatever the name holds now. One request per
-  // name tells (CommitProtocol::IsCurrent); a stale catalog syncs first.
+  // the manifest object of whatever the name holds now. A stale catalog
+  // syncs first (CatchUpOn).
   for (const auto& n : unique) {
     if (keys::IsRetiredCheckpoint(n) || !ValidateCheckpointName(n).ok()) continue;
-    std::optional<CheckpointRecord> rec;
-    CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
-      CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kCheckpoints, keys::Checkpoint(n)));
-      if (v) {
-        CKPT_ASSIGN_OR_RETURN(CheckpointRecord r, DecodeCheckpoint(*v));
-        if (r.state == CheckpointState::kCommitted) rec = std::move(r);
-      }
-      return Status::OK();
-    }));
-    auto current = impl_->protocol->IsCurrent(n, rec ? &*rec : nullptr);
-    CKPT_RETURN_IF_ERROR(current.status());
-    if (!*current) {
-      CKPT_RETURN_IF_ERROR(impl_->protocol->Sync().status());
-      break;  // the catalog is the store's now, for every name
-    }
+    CKPT_ASSIGN_OR_RETURN(bool synced, CatchUpOn(*impl_, n));
+    if (synced) break;  // the catalog is the store's now, for every name
   }
   // All must exist before anything is touched. Committed ones are retired
   // (lease.h): their manifests, as the catalog has them, go to retired/.
@@ -282,23 +292,8 @@ Status PromoteReplacement(RepositoryImpl& repo, const std::string& name) {
   const std::string staged = keys::ReplacementCheckpoint(name);
   // What the name holds on the store now (another host may have saved or
   // removed it since this host's last sync): the version to retire.
-  std::optional<CheckpointRecord> had;
-  auto committed_record = [&]() -> Status {
-    had.reset();
-    return repo.catalog->Read([&](const ReadTxn& txn) -> Status {
-      CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
-      if (!v) return Status::OK();
-      CKPT_ASSIGN_OR_RETURN(CheckpointRecord r, DecodeCheckpoint(*v));
-      if (r.state == CheckpointState::kCommitted) had = std::move(r);
-      return Status::OK();
-    });
-  };
-  CKPT_RETURN_IF_ERROR(committed_record());
-  CKPT_ASSIGN_OR_RETURN(bool current, repo.protocol->IsCurrent(name, had ? &*had : nullptr));
-  if (!current) {
-    CKPT_RETURN_IF_ERROR(repo.protocol->Sync().status());
-    CKPT_RETURN_IF_ERROR(committed_record());
-  }
+  CKPT_RETURN_IF_ERROR(CatchUpOn(repo, name).status());
+  CKPT_ASSIGN_OR_RETURN(std::optional<CheckpointRecord> had, CommittedRecord(repo, name));
   std::optional<Manifest> old;
   Manifest fresh;
   CKPT_RETURN_IF_ERROR(repo.catalog->Read([&](const ReadTxn& txn) -> Status {
@@ -337,14 +332,7 @@ Status PromoteReplacement(RepositoryImpl& repo, const std::string& name) {
 
 Status DropCommittedReplacement(RepositoryImpl& repo, const std::string& name) {
   const std::string staged = keys::ReplacementCheckpoint(name);
-  bool committed = false;
-  CKPT_RETURN_IF_ERROR(repo.catalog->Read([&](const ReadTxn& txn) -> Status {
-    CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kCheckpoints, keys::Checkpoint(staged)));
-    if (!v) return Status::OK();
-    CKPT_ASSIGN_OR_RETURN(CheckpointRecord r, DecodeCheckpoint(*v));
-    committed = r.state == CheckpointState::kCommitted;
-    return Status::OK();
-  }));
+  CKPT_ASSIGN_OR_RETURN(auto committed, CommittedRecord(repo, staged));
   if (!committed) return Status::OK();
   // No reader opens a replacement by its name: nothing to retire.
   CKPT_RETURN_IF_ERROR(DeleteIfPresent(*repo.backend, keys::ManifestObject(staged)));

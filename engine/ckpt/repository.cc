@@ -63,6 +63,7 @@ Status ValidateCheckpointName(const std::string& name) {
 }
 
 bool InGroup(std::string_view name, std::string_view group) {
+  while (group.ends_with('/')) group.remove_suffix(1);  // "run1/", as a shell completes it
   if (group.empty()) return true;
   return name.size() > group.size() && name.starts_with(group) && name[group.size()] == '/';
 }

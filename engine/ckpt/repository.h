@@ -896,7 +896,7 @@ class Repository {
 Status ValidateCheckpointName(const std::string& name);
 // Whether checkpoint `name` is in group `group` ('/'-separated prefix of its
 // name: "run1/eval/step-3" is in "run1" and "run1/eval"); every name is in
-// the empty group.
+// the empty group. A group given with a trailing '/' ("run1/") is the same.
 bool InGroup(std::string_view name, std::string_view group);
 
 // Tensor, blob and tag names (tag values too, which may be empty): at most

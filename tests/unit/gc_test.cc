@@ -28,17 +28,6 @@ using testing::RepoKind;
 class GcFixture : public testing::RepositoryTest {
  protected:
   void Create(RepoKind kind) { RepositoryTest::Create(kind, {2, 1 << 20}); }
-  // After the last reader of a checkpoint let go: on an object store its
-  // lease lingers (LeaseRegistry::kLinger) until the repository closes.
-  // With no reader left the repository reopens, so the gc that should find
-  // the checkpoint free runs as a new process would; with a reader kept
-  // (it keeps the repository's internals, and its lease registry, alive),
-  // the linger is waited out.
-  void LeasesLetGo(bool reader_kept = false) {
-    if (where_.kind() == RepoKind::kLocal) return;
-    if (!reader_kept) return Reopen();
-    std::this_thread::sleep_for(LeaseRegistry::kLinger + std::chrono::milliseconds(700));
-  }
   // Saves a checkpoint whose tensor "base" is shared by all and "own" unique.
   void Save(const std::string& name, std::optional<int64_t> step, uint32_t seed,
             const std::vector<std::byte>& base) {
@@ -340,9 +329,7 @@ TEST_P(GarbageCollection, ReclaimsExactlyWhatIsDeadAndRewritesMostlyDeadPacks) {
   EXPECT_EQ(PackBytesOnDisk(), after.pack_bytes);
   ExpectReadable("s3", base);
   ExpectReadable("s4", base);
-  auto v = repo_->Verify(std::nullopt);
-  ASSERT_OK(v);
-  EXPECT_TRUE(v->ok());
+  ExpectVerifies();
   // A second gc has nothing left to do.
   // (An object store's catalog mirrors the pack indexes, so the dead
   // chunks of a kept pack are still listed as dead there; nothing moves.)

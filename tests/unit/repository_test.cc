@@ -377,9 +377,7 @@ TEST_P(SaveAndLoad, ASaveAttemptAfterACrashAbandonsTheCrashedAttemptsParts) {
   EXPECT_EQ(rec->step, 8);
   EXPECT_TRUE(rec->attempt.empty());
   EXPECT_EQ(begin(8, 1, 4, crashed).status().code(), StatusCode::kAlreadyExists);
-  auto v = repo_->Verify(std::nullopt);
-  ASSERT_OK(v);
-  EXPECT_TRUE(v->ok());
+  ExpectVerifies();
   // gc finds nothing of the crashed attempt still referenced.
   ASSERT_OK(repo_->CollectGarbage(GcOptions{}));
   ExpectWhole("step-8", new_bytes);
@@ -483,14 +481,12 @@ TEST_P(SaveAndLoad, AnOverwritingSaveReplacesTheNameAtItsCommitAndOldReadersKeep
   read_old();
   old_reader->reset();
   writers.clear();
-  if (GetParam() != RepoKind::kLocal) Reopen();  // a store's leases linger a while in their process
+  LeasesLetGo();
   gc = repo_->CollectGarbage(GcOptions{});
   ASSERT_OK(gc);
   EXPECT_EQ(gc->retired_collected, 1u);
   ExpectWhole("m", new_bytes);
-  auto v = repo_->Verify(std::nullopt);
-  ASSERT_OK(v);
-  EXPECT_TRUE(v->ok());
+  ExpectVerifies();
   // Nothing of the old version is left: its chunks went with it.
   auto du = repo_->DiskUsage({});
   ASSERT_OK(du);
@@ -905,7 +901,7 @@ TEST_P(SaveAndLoad, GroupedNamesSaveReadRetireAndSyncLikeAnyOther) {
   EXPECT_TRUE(got == a.bytes);
   reader->reset();
   if (GetParam() != RepoKind::kLocal) {
-    Reopen();  // a store's leases linger a while in their process
+    LeasesLetGo();
     auto other = where_.Open(open_, "host2");
     ASSERT_OK(other);
     auto theirs = (*other)->ListCheckpoints(true);
@@ -923,9 +919,7 @@ TEST_P(SaveAndLoad, GroupedNamesSaveReadRetireAndSyncLikeAnyOther) {
   EXPECT_EQ(repo_->BeginCheckpoint("run1", {}).status().code(), StatusCode::kInvalidArgument);
   save("run1/step-1", b);  // the removed name saved again
   ExpectWhole("run1/step-1", b);
-  auto v = repo_->Verify(std::nullopt);
-  ASSERT_OK(v);
-  EXPECT_TRUE(v->ok());
+  ExpectVerifies();
 }
 
 TEST_P(SaveAndLoad, AbortedWriterLeavesNothingVisible) {
@@ -936,9 +930,7 @@ TEST_P(SaveAndLoad, AbortedWriterLeavesNothingVisible) {
     w->Abort();
   }
   EXPECT_TRUE(repo_->OpenCheckpoint("aborted").status().IsNotFound());
-  auto v = repo_->Verify(std::nullopt);
-  ASSERT_OK(v);
-  EXPECT_TRUE(v->ok());
+  ExpectVerifies();
 }
 
 TEST_F(LocalRepository, RanksInSeparateProcessesCommitOnce) {
@@ -1014,9 +1006,7 @@ TEST_F(LocalRepository, ReindexRebuildsDeletedCatalog) {
   Reopen();
   ExpectWhole("r1", a);
   EXPECT_EQ(repo_->ListCheckpoints(true)->size(), 1u);  // pending dropped
-  auto v = repo_->Verify(std::nullopt);
-  ASSERT_OK(v);
-  EXPECT_TRUE(v->ok());
+  ExpectVerifies();
   // New commits continue the sequence.
   auto w2 = Begin("r2");
   ASSERT_OK(w2->Commit().Wait());

@@ -47,6 +47,14 @@ class S3Repository : public ::testing::Test {
   }
 
   // A host: its own cache directory; `endpoint_port` routes through a proxy.
+  // Checkpoint `name`, opened on `repo`, holds `want` as its tensor "w".
+  static void ExpectTensorW(Repository& repo, const std::string& name, const std::vector<std::byte>& want) {
+    auto reader = repo.OpenCheckpoint(name);
+    ASSERT_OK(reader);
+    std::vector<std::byte> got(want.size());
+    ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, got));
+    EXPECT_EQ(got, want);
+  }
   std::unique_ptr<Repository> Host(const std::string& name, int endpoint_port = 0, bool opening_sync = true) {
     OpenOptions o;
     o.cache_dir = dir_.path() + "/" + name;
@@ -740,11 +748,7 @@ TEST_F(S3Repository, ACollectiveSaveListsTheStoreOnceForTheGroup) {
     ASSERT_OK(all);
     EXPECT_TRUE(std::any_of(all->begin(), all->end(), [](const auto& c) { return c.name == "late"; }));
   }
-  auto reader = repos[0]->OpenCheckpoint("shared");
-  ASSERT_OK(reader);
-  std::vector<std::byte> got(w.size());
-  ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, got));
-  EXPECT_EQ(got, w);
+  ExpectTensorW(*repos[0], "shared", w);
   // The same save by each rank alone: each takes a lock, lists the store
   // at its begin and looks for the other ranks at its commit.
   mark = lists();
@@ -801,11 +805,7 @@ TEST_F(S3Repository, TheSharingRanksCommitWaitsForEveryPartAndItsLockCoversTheGr
   ASSERT_OK(done);
   EXPECT_TRUE(done->checkpoint_visible);
   ASSERT_OK(b->Refresh());
-  auto reader = b->OpenCheckpoint("split");
-  ASSERT_OK(reader);
-  std::vector<std::byte> got(w.size());
-  ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, got));
-  EXPECT_EQ(got, w);
+  ExpectTensorW(*b, "split", w);
 }
 
 // A collective save restarted after a crash: the sharing rank's listing
@@ -847,11 +847,7 @@ TEST_F(S3Repository, TheSharingRankOfARestartedSaveWaitsForItsOwnAttemptsPartsAn
   ASSERT_OK(done);
   EXPECT_TRUE(done->checkpoint_visible);
   ASSERT_OK(b->Refresh());
-  auto reader = b->OpenCheckpoint("restarted");
-  ASSERT_OK(reader);
-  std::vector<std::byte> got(w.size());
-  ASSERT_OK((*reader)->ReadBytes(*(*reader)->GetTensor("w").value(), 0, got));
-  EXPECT_EQ(got, w);
+  ExpectTensorW(*b, "restarted", w);
 }
 
 TEST_F(S3Repository, APartThatNeverArrivesFailsTheSharingRanksCommitNamingTheRankAndNothingShows) {

@@ -7,12 +7,15 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <memory>
 #include <ostream>
 #include <string>
+#include <thread>
 
 #include "backend/backend.h"
 #include "backend/store_url.h"
+#include "ckpt/lease.h"
 #include "ckpt/repository.h"
 #include "core/random.h"
 #include "test_backends.h"
@@ -157,6 +160,24 @@ class RepositoryTest : public ::testing::Test {
     auto r = where_.Open(open_);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     repo_ = std::move(r).value();
+  }
+
+  // After the last reader of a checkpoint let go: on an object store its
+  // lease lingers (LeaseRegistry::kLinger) until the repository closes.
+  // With no reader left the repository reopens, so the gc that should find
+  // the checkpoint free runs as a new process would; with a reader kept
+  // (it keeps the repository's internals, and its lease registry, alive),
+  // the linger is waited out.
+  void LeasesLetGo(bool reader_kept = false) {
+    if (where_.kind() == RepoKind::kLocal) return;
+    if (!reader_kept) return Reopen();
+    std::this_thread::sleep_for(LeaseRegistry::kLinger + std::chrono::milliseconds(700));
+  }
+  // Verify of the whole repository finds nothing wrong.
+  void ExpectVerifies() {
+    auto v = repo_->Verify(std::nullopt);
+    ASSERT_OK(v);
+    EXPECT_TRUE(v->ok()) << (v->problems.empty() ? "" : v->problems[0].message);
   }
 
   TestRepository where_;

@@ -42,9 +42,7 @@ int CmdLs(const GlobalOptions& global, const Args& args) {
   auto list = repo->ListCheckpoints(args.Has("all"));
   if (!list.ok()) return Fail(list.status());
   if (!args.positional.empty()) {
-    std::string group = args.positional[0];
-    while (group.size() > 1 && group.back() == '/') group.pop_back();  // "run1/" as the shell completes it
-    std::erase_if(*list, [&](const CheckpointRecord& c) { return !InGroup(c.name, group); });
+    std::erase_if(*list, [&](const CheckpointRecord& c) { return !InGroup(c.name, args.positional[0]); });
   }
   if (args.Has("json")) {
     Json j = Json::MakeArray();

@@ -261,10 +261,7 @@ int CmdGc(const GlobalOptions& global, const Args& args) {
     o.retention.keep_within_s = *seconds;
   }
   o.retention.keep = args.All("keep");
-  if (auto group = args.Get("group")) {
-    o.retention.group = *group;
-    while (o.retention.group.size() > 1 && o.retention.group.back() == '/') o.retention.group.pop_back();
-  }
+  if (auto group = args.Get("group")) o.retention.group = *group;
   o.retention.allow_removing_newest = args.Has("allow-removing-newest");
   o.dry_run = args.Has("dry-run");
   int rc = kExitOk;
