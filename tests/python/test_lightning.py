@@ -5,6 +5,7 @@ resuming bit-identically to a run that never stopped."""
 import json
 import os
 import sys
+import time
 import unittest
 
 import torch
@@ -151,8 +152,24 @@ class Lightning(CkptTestCase):
         from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO  # noqa: PLC0415
 
         ours = CkptfsCheckpointIO(self.repo)
-        saves = mock.Mock(wraps=ours.save_checkpoint)
-        removals = mock.Mock(wraps=ours.remove_checkpoint)
+        save, landed = ours.save_checkpoint, []
+
+        def slow_save(*args, **kwargs):
+            # Each save lands well after the next epoch asks for the next
+            # one, so that the top-k removal of epoch 0 comes while its save
+            # is still queued on AsyncCheckpointIO's thread (as on a busy host).
+            time.sleep(0.5)
+            save(*args, **kwargs)
+            landed.append(time.monotonic())
+
+        saves = mock.Mock(side_effect=slow_save)
+        remove, asked = ours.remove_checkpoint, []
+
+        def timed_remove(*args, **kwargs):
+            asked.append(time.monotonic())
+            remove(*args, **kwargs)
+
+        removals = mock.Mock(side_effect=timed_remove)
         ours.save_checkpoint, ours.remove_checkpoint = saves, removals
         trainer = L.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                             enable_model_summary=False, plugins=[AsyncCheckpointIO(ours)],
@@ -160,6 +177,7 @@ class Lightning(CkptTestCase):
                                                        mode="max")])
         trainer.fit(TinyModule(), data())
         self.assertEqual((saves.call_count, removals.call_count), (3, 1))
+        self.assertLess(asked[0], landed[0], "the removal came after epoch 0's save landed: nothing was in flight")
         names = sorted(c["name"] for c in ckptfs.open(self.repo).checkpoints(include_pending=True))
         self.assertEqual(names, ["epoch_3D1-step_3D16.ckpt", "epoch_3D2-step_3D24.ckpt"])
         self.assertEqual(sorted(os.listdir(self.dirpath)), ["epoch=1-step=16.ckpt", "epoch=2-step=24.ckpt"])

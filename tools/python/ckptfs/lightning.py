@@ -24,6 +24,13 @@ against every other checkpoint; the rest of the dict (epoch, loops,
 callbacks, hyper-parameters) is pickled with torch.save into the blob
 `lightning.pt`, where the tensors stand as ("ckptfs.tensor", NAME) tuples.
 Only process 0 of the job writes (Lightning calls the plugin there).
+
+Under Lightning's AsyncCheckpointIO the saves run on a worker thread, one
+after another, while ModelCheckpoint asks for removals on the training
+thread: a removal can come before the save it removes has landed. The
+plugin then remembers the name and removes the checkpoint (and its
+reference file) as soon as that save lands, so that what is left matches
+what Lightning asked for; the memory ends with teardown.
 """
 
 from __future__ import annotations
@@ -32,8 +39,9 @@ import io
 import json
 import os
 import re
+import threading
 import uuid
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Set, Tuple, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -126,6 +134,10 @@ class CkptfsCheckpointIO(CheckpointIO):
         self.url = os.fspath(url)
         self.cache_dir = None if cache_dir is None else os.fspath(cache_dir)
         self._repo: Optional[ckptfs.Repository] = None
+        # Names whose removal was asked for before their save landed; the
+        # lock orders "is it committed?" against "a save just landed".
+        self._lock = threading.Lock()
+        self._remove_on_landing: Set[str] = set()
 
     @property
     def repo(self) -> "ckptfs.Repository":
@@ -152,6 +164,10 @@ class CkptfsCheckpointIO(CheckpointIO):
         self.repo.save(name, state, step=int(step) if isinstance(step, int) else None,
                        tags={"lightning.path": os.fspath(path), _SAVE_TAG: token}, overwrite=True)
         self._write_reference(path, name, token)
+        with self._lock:
+            if name in self._remove_on_landing:
+                self._remove_on_landing.discard(name)
+                self._remove(name, path)
 
     def _write_reference(self, path: Union[str, os.PathLike], name: str, token: str) -> None:
         """The reference file at `path`, written whole or not at all."""
@@ -212,16 +228,31 @@ class CkptfsCheckpointIO(CheckpointIO):
         return _join(skeleton, load)
 
     def remove_checkpoint(self, path: Union[str, os.PathLike]) -> None:
+        name = checkpoint_name(path)
+        with self._lock:
+            if any(c["name"] == name for c in self.repo.checkpoints()):
+                self._remove(name, path)
+            else:
+                # Its save is still queued or running (AsyncCheckpointIO):
+                # the removal happens when it lands.
+                self._remove_on_landing.add(name)
+                self._remove_reference(path)
+
+    def _remove(self, name: str, path: Union[str, os.PathLike]) -> None:
+        self.repo.rm(name)
+        self._remove_reference(path)
+
+    @staticmethod
+    def _remove_reference(path: Union[str, os.PathLike]) -> None:
         from lightning.fabric.utilities.cloud_io import get_filesystem  # noqa: PLC0415
 
-        name = checkpoint_name(path)
-        if any(c["name"] == name for c in self.repo.checkpoints()):
-            self.repo.rm(name)
         fs = get_filesystem(os.fspath(path))
         if fs.exists(os.fspath(path)):
             fs.rm(os.fspath(path))
 
     def teardown(self) -> None:
+        with self._lock:
+            self._remove_on_landing.clear()
         self._repo = None
 
 
