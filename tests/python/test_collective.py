@@ -21,6 +21,7 @@ import collective_worker  # noqa: E402
 from helpers import CkptTestCase  # noqa: E402
 from test_python import run_ranks  # noqa: E402
 from test_python_device import free_port  # noqa: E402
+import zygote  # noqa: E402
 
 try:
     import torch.distributed as dist  # noqa: E402
@@ -74,10 +75,7 @@ class Collective(CkptTestCase):
         if ok:
             outs = run_ranks(self, argv, world, env)
             return [o.strip().splitlines()[-1] for o in outs]
-        import subprocess  # noqa: PLC0415
-
-        procs = [subprocess.Popen(argv(r), env=env(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                 for r in range(world)]
+        procs = [zygote.spawn(argv(r), env(r)) for r in range(world)]
         results = [p.communicate(timeout=300) for p in procs]
         return [(p.returncode, out.decode().strip()) for p, (out, _) in zip(procs, results)]
 

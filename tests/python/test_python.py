@@ -23,6 +23,7 @@ import st  # noqa: E402
 from helpers import CkptTestCase  # noqa: E402
 
 import shard_worker  # noqa: E402
+import zygote  # noqa: E402
 
 
 def bits(t):
@@ -54,11 +55,13 @@ class PythonTestCase(CkptTestCase):
         self.r = ckptfs.init(self.repo, chunk_size=64 << 10)
 
 
-def run_ranks(test, argv_of_rank, world, env_of_rank=None):
+def run_ranks(test, argv_of_rank, world, env_of_rank=None, fresh=False):
     """Runs one process per rank at once; asserts each exits 0 (showing its
-    stderr otherwise) and returns their stdouts."""
-    procs = [subprocess.Popen(argv_of_rank(r), env=env_of_rank(r) if env_of_rank else None,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
+    stderr otherwise) and returns their stdouts. The processes come from
+    the test zygote (torch imported once, zygote.py) unless `fresh`."""
+    start = (lambda argv, env: subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)) \
+        if fresh else zygote.spawn
+    procs = [start(argv_of_rank(r), env_of_rank(r) if env_of_rank else None) for r in range(world)]
     # Every rank is waited for before any is judged: a failing rank must not
     # leave the others running with their pipes open.
     results = [p.communicate(timeout=300) for p in procs]

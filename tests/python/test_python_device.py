@@ -162,7 +162,8 @@ class DistributedCheckpoint(CkptTestCase):
         port = free_port()
         return run_ranks(self, lambda r: [sys.executable, script, action, self.repo, name], world,
                          lambda r: dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                         fresh=True)
 
     def test_dcp_save_and_load_of_dtensor_state_dicts_reshard_on_a_2_rank_gloo_group(self):
         ckptfs.init(self.repo)
@@ -236,7 +237,7 @@ class CollectiveOnCuda(CkptTestCase):
         port = free_port()
         outs = run_ranks(self, lambda r: [sys.executable, worker, action, self.repo, name, layout, mode], world,
                          lambda r: dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                                        MASTER_PORT=str(port), CKPT_TEST_CUDA="1"))
+                                        MASTER_PORT=str(port), CKPT_TEST_CUDA="1"), fresh=True)
         last = [o.strip().splitlines()[-1] for o in outs]
         return [json.loads(x) for x in last] if parse else last
 
