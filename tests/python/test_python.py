@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import unittest
@@ -943,6 +944,89 @@ class Wheel(unittest.TestCase):
         self.assertNotIn("missing library stubs or py.typed", out)
         self.assertIn('Argument "keep_last" to "gc" of "Repository" has incompatible type "str"', out)
         self.assertEqual(out.count("error:"), 1, out)
+
+
+def _binding_parameters(doc):
+    """[(name, has_default)] from a pybind11 signature line
+    ("f(self: T, a: list[int], b: bool = False) -> R"), self left out."""
+    line = doc.splitlines()[0]
+    inner = line[line.index("(") + 1:line.rindex(") ->")]
+    params, depth, cur = [], 0, ""
+    for ch in inner:
+        depth += ch in "[(" and 1 or 0
+        depth -= ch in "])" and 1 or 0
+        if ch == "," and depth == 0:
+            params.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        params.append(cur)
+    got = [(p.split(":")[0].strip(), "=" in p) for p in params]
+    return [g for g in got if g[0] != "self"]
+
+
+class Stubs(unittest.TestCase):
+    """The type stub of the binding (ckptfs/_core.pyi) against the module
+    built: every name there is in the stub, and every function and method
+    takes the parameters (names, order, which have defaults) the stub says."""
+
+    def stub(self):
+        import ast  # noqa: PLC0415
+
+        path = os.path.join(os.path.dirname(ckptfs.__file__), "_core.pyi")
+        with open(path) as f:
+            return ast.parse(f.read()), path
+
+    def test_every_function_and_method_takes_the_parameters_its_stub_names(self):
+        import ast  # noqa: PLC0415
+
+        from ckptfs import _core  # noqa: PLC0415
+
+        tree, path = self.stub()
+
+        def stub_parameters(fn):
+            args = fn.args
+            positional = args.posonlyargs + args.args
+            defaults = [False] * (len(positional) - len(args.defaults)) + [True] * len(args.defaults)
+            got = [(a.arg, d) for a, d in zip(positional, defaults)]
+            got += [(a.arg, d is not None) for a, d in zip(args.kwonlyargs, args.kw_defaults)]
+            return [g for g in got if g[0] != "self"]
+
+        checked = 0
+        scopes = [(None, tree.body)] + [(n.name, n.body) for n in tree.body if isinstance(n, ast.ClassDef)]
+        for cls, body in scopes:
+            owner = _core if cls is None else getattr(_core, cls)
+            for fn in body:
+                if not isinstance(fn, ast.FunctionDef) or fn.name.startswith("__"):
+                    continue
+                if any(isinstance(d, ast.Name) and d.id == "property" for d in fn.decorator_list):
+                    continue
+                where = f"{cls + '.' if cls else ''}{fn.name} ({path}:{fn.lineno})"
+                runtime = getattr(owner, fn.name, None)
+                self.assertIsNotNone(runtime, f"{where} is in the stub but not in the module")
+                self.assertEqual(stub_parameters(fn), _binding_parameters(runtime.__doc__), where)
+                checked += 1
+        self.assertGreater(checked, 40)
+
+    def test_stubtest_finds_the_module_and_its_stub_agree(self):
+        try:
+            import mypy.stubtest  # noqa: F401, PLC0415
+        except ImportError:
+            if os.environ.get("CKPTFS_REQUIRE_WHEEL"):
+                raise
+            self.skipTest("mypy is not installed")
+        # pybind11's classes have their own metaclass and an __init__ of
+        # (*args, **kwargs) that raises: stubtest reports both for every
+        # class, and nothing else is allowed.
+        allow = os.path.join(tempfile.mkdtemp(prefix="ckptfs-stubtest-"), "allow.txt")
+        with open(allow, "w") as f:
+            f.write("ckptfs._core.(Reader|Repository|SaveHandle|Writer)\n"
+                    "ckptfs._core.(Reader|Repository|SaveHandle|Writer).__init__\n")
+        p = subprocess.run([sys.executable, "-m", "mypy.stubtest", "ckptfs._core", "--allowlist", allow,
+                            "--mypy-config-file", os.devnull], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(ckptfs.__file__))))
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
 
 
 class Documentation(unittest.TestCase):

@@ -1048,20 +1048,20 @@ PYBIND11_MODULE(_core, m) {
       id = ChunkId::Of(bytes);
     }
     return id.ToHex();
-  }, "The XXH3-128 of a contiguous buffer's bytes, in hex (a chunk id's hash), computed without the GIL.");
+  }, py::arg("data"), "The XXH3-128 of a contiguous buffer's bytes, in hex (a chunk id's hash), computed without the GIL.");
   m.def("check_input_file", [](const std::string& path) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) Check(Status::FromErrno(errno, "opening " + path));
     const Status st = RefusePseudoFile(fd, path);
     ::close(fd);
     Check(st);
-  }, "Raises InvalidArgumentError when `path` is a file of a kernel filesystem (procfs, sysfs and the like), whose "
+  }, py::arg("path"), "Raises InvalidArgumentError when `path` is a file of a kernel filesystem (procfs, sysfs and the like), whose "
      "size is not what reading it gives.");
   m.def("exit_on_bus_error", [](const std::string& message) {
     g_bus_error_length = std::min(message.size(), sizeof g_bus_error_message);
     std::memcpy(g_bus_error_message, message.data(), g_bus_error_length);
     std::signal(SIGBUS, OnBusError);
-  }, "For a command-line process: a fault of a memory-mapped input (a file truncated while it is read) prints "
+  }, py::arg("message"), "For a command-line process: a fault of a memory-mapped input (a file truncated while it is read) prints "
      "`message` and exits 1, instead of dying with 'Bus error'.");
   m.def("cuda_available", [] {
     std::string why;
