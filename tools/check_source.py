@@ -13,10 +13,15 @@
   (ckpt/commit.h);
 - configuration: no engine file reads the environment (getenv): settings
   reach the engine as options, and OpenOptionsFromEnvironment and
-  ObjectStoreOptions::FromEnvironment are handed a lookup by their callers.
+  ObjectStoreOptions::FromEnvironment are handed a lookup by their callers;
+- Python imports: no module of the package (tools/python/ckptfs) takes
+  another module's private name (`from .memory import _x`, `ckptfs._x`,
+  `formats._x`); what modules share is public in the module that owns it.
+  The binding module `_core` is the one private module they all use.
 
 Prints each violation as FILE:LINE: message and exits 1 when there is one.
 """
+import ast
 import os
 import re
 import sys
@@ -55,8 +60,49 @@ def sources(folder):
                 yield os.path.join(dirpath, f)
 
 
-def main():
+PACKAGE = os.path.join("tools", "python", "ckptfs")
+
+
+def private(name):
+    return name.startswith("_") and not name.startswith("__") and name != "_core"
+
+
+def python_import_problems():
+    """Private names of one package module used by another."""
+    folder = os.path.join(ROOT, PACKAGE)
+    modules = {f[:-3] for f in os.listdir(folder) if f.endswith(".py") and f != "__init__.py"}
     problems = []
+    for f in sorted(os.listdir(folder)):
+        if not f.endswith(".py"):
+            continue
+        rel = os.path.join(PACKAGE, f)
+        with open(os.path.join(folder, f), encoding="utf-8") as src:
+            tree = ast.parse(src.read(), rel)
+        bound = set()  # local names of the package and its modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name == "ckptfs" or a.name.startswith("ckptfs."):
+                        bound.add(a.asname or a.name.split(".")[0])
+            elif isinstance(node, ast.ImportFrom):
+                ours = node.level > 0 or (node.module or "").split(".")[0] == "ckptfs"
+                if not ours:
+                    continue
+                for a in node.names:
+                    if private(a.name):
+                        problems.append(f"{rel}:{node.lineno}: imports {a.name}, private to its module; make it "
+                                        "public there (or move it to the module that uses it)")
+                    elif a.name in modules or a.name == "ckptfs":
+                        bound.add(a.asname or a.name)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                    and private(node.attr)):
+                problems.append(f"{rel}:{node.lineno}: uses {node.value.id}.{node.attr}, private to that module")
+    return problems
+
+
+def main():
+    problems = python_import_problems()
     for layer, allowed in list(ENGINE_LAYERS.items()) + list(UPPER.items()):
         folder = layer if layer in UPPER else os.path.join("engine", layer)
         for path in sources(folder):
@@ -109,7 +155,7 @@ def main():
     if problems:
         print(f"check_source: {len(problems)} problems", file=sys.stderr)
         return 1
-    print("check_source: layers, protocol, commit protocol and configuration rules hold")
+    print("check_source: layers, protocol, commit protocol, configuration and Python import rules hold")
     return 0
 
 

@@ -132,7 +132,7 @@ def main():
     if mode == "as-nccl":
         # The caller's NCCL path, with the job's gloo group standing in for
         # NCCL and host memory for the GPU's: ranks "on GPUs of their own".
-        ckptfs.collective._Group.user_has_nccl = lambda self: True
+        ckptfs.collective.Group.user_has_nccl = lambda self: True
         ckptfs.collective._cuda_device_of = lambda torch, targets: f"GPU-{rank}"
 
     def gone(*_args, **_kwargs):
@@ -170,12 +170,12 @@ def main():
             pass  # in watched(), as it sends
         else:
             # Once it has its part of the plan.
-            planned = ckptfs.collective._Group.plan_at_rank_0
+            planned = ckptfs.collective.Group.plan_at_rank_0
 
             def dies_after(*args, **kwargs):
                 planned(*args, **kwargs)
                 gone()
-            ckptfs.collective._Group.plan_at_rank_0 = dies_after
+            ckptfs.collective.Group.plan_at_rank_0 = dies_after
     if action == "resume":
         if rank != 0:
             def asks(*_args, **_kwargs):

@@ -20,8 +20,6 @@ one-line message. See docs/PYTHON.md.
 from __future__ import annotations
 
 import atexit
-import bisect
-import builtins
 import os
 import sys
 import threading
@@ -67,66 +65,26 @@ def new_save_attempt() -> str:
     return _core.new_save_attempt()
 
 
-# ---- shards ---------------------------------------------------------------------
+from .memory import (  # noqa: E402  (the package's own names for them)
+    TORCH_TO_NAME as _torch_to_name,
+    NAME_TO_TORCH as _name_to_torch,
+    torch_module as _torch,
+    is_tensor as _is_tensor,
+    numpy_name as _numpy_name,
+    Memory as _Memory,
+    device_index as _device_index,
+    source_memory as _source_memory,
+    writable_mappings as _writable_mappings,
+    check_writable as _check_writable,
+    Target as _Target,
+    region as _region,
+    nbytes as _nbytes,
+    put_value as _put_value,
+    read_value as _read_value,
+    sync_cuda as _sync_cuda,
+)
+from .shards import Box, Flat, Shard  # noqa: E402,F401  (re-exported)
 
-
-class Box:
-    """A shard that is an N-d box of a global tensor.
-
-    ``global_shape`` is the whole tensor's shape and ``offsets`` the global
-    index of the shard's first element; the box's lengths are the shape of
-    the tensor or array it is given with (tensor parallelism, DTensor).
-    """
-
-    __slots__ = ("global_shape", "offsets")
-
-    def __init__(self, global_shape: Sequence[int], offsets: Sequence[int]):
-        self.global_shape = tuple(int(d) for d in global_shape)
-        self.offsets = tuple(int(o) for o in offsets)
-        if len(self.offsets) != len(self.global_shape):
-            raise InvalidArgumentError(
-                f"Box offsets {list(self.offsets)} do not match the rank of global shape {list(self.global_shape)}"
-            )
-
-    def __repr__(self) -> str:
-        return f"Box(global_shape={list(self.global_shape)}, offsets={list(self.offsets)})"
-
-
-class Flat:
-    """A shard that is a run of a global tensor's row-major elements.
-
-    ``global_shape`` is the whole tensor's shape and ``start`` the index of
-    the run's first element in the flattened tensor; its length is the
-    number of elements of the tensor or array it is given with (FSDP/ZeRO
-    flat parameters, which split tensors at arbitrary elements).
-    """
-
-    __slots__ = ("global_shape", "start")
-
-    def __init__(self, global_shape: Sequence[int], start: int):
-        self.global_shape = tuple(int(d) for d in global_shape)
-        self.start = int(start)
-        if self.start < 0:
-            raise InvalidArgumentError(f"Flat start {self.start} is negative")
-
-    def __repr__(self) -> str:
-        return f"Flat(global_shape={list(self.global_shape)}, start={self.start})"
-
-
-Shard = Union[Box, Flat]
-
-
-# ---- torch and NumPy memory -------------------------------------------------------
-
-_TORCH_NAMES = [
-    ("bool", "BOOL"), ("uint8", "U8"), ("int8", "I8"), ("int16", "I16"), ("int32", "I32"),
-    ("int64", "I64"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
-    ("float16", "F16"), ("bfloat16", "BF16"), ("float32", "F32"), ("float64", "F64"),
-    ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-]
-_torch_module: Any = None
-_torch_to_name: Dict[Any, str] = {}
-_name_to_torch: Dict[str, Any] = {}
 
 
 def _group(group: Optional[str]) -> str:
@@ -137,239 +95,6 @@ def _group(group: Optional[str]) -> str:
     if not isinstance(group, str):
         raise InvalidArgumentError(f"group must be a string, not {type(group).__name__}")
     return group.rstrip("/") or group
-
-
-def _torch():
-    """torch, or None when it cannot be imported (NumPy-only use)."""
-    global _torch_module
-    if _torch_module is None:
-        try:
-            import torch  # noqa: PLC0415
-        except ImportError:
-            _torch_module = False
-        else:
-            _torch_module = torch
-            for attr, name in _TORCH_NAMES:
-                dt = getattr(torch, attr, None)  # newer dtypes exist only in newer torch
-                if dt is not None:
-                    _torch_to_name[dt] = name
-                    _name_to_torch[name] = dt
-    return _torch_module or None
-
-
-def _is_tensor(value) -> bool:
-    # No torch tensor exists before torch is imported, so NumPy-only use
-    # never pays for importing it (about a second).
-    if "torch" not in sys.modules:
-        return False
-    torch = _torch()
-    return torch is not None and isinstance(value, torch.Tensor)
-
-
-def _numpy_name(dtype) -> Optional[str]:
-    if dtype.kind == "b":
-        return "BOOL"
-    if dtype.kind in "iuf" and dtype.itemsize in (1, 2, 4, 8):
-        name = {"i": "I", "u": "U", "f": "F"}[dtype.kind] + str(8 * dtype.itemsize)
-        return None if name == "F8" else name
-    return None
-
-
-class _Memory:
-    """Where a value's elements lie: dtype name, shape, address, size, device
-    (-1 for host memory), and the object that keeps the memory alive."""
-
-    __slots__ = ("dtype", "shape", "address", "nbytes", "device", "keep")
-
-    def __init__(self, dtype, shape, address, nbytes, device, keep):
-        self.dtype, self.shape, self.address, self.nbytes, self.device, self.keep = (
-            dtype, shape, address, nbytes, device, keep)
-
-
-def _device_index(tensor, what: str) -> int:
-    if tensor.device.type == "cpu":
-        return -1
-    if tensor.device.type == "cuda":
-        return tensor.device.index if tensor.device.index is not None else _torch().cuda.current_device()
-    raise InvalidArgumentError(f"{what} is on device '{tensor.device}'; ckptfs reads CPU and CUDA tensors")
-
-
-def _source_memory(value, what: str) -> _Memory:
-    """The memory of a value to save (a contiguous copy when it is not)."""
-    if _is_tensor(value):
-        t = value.detach()
-        if t.layout != _torch().strided:
-            raise InvalidArgumentError(f"{what} has layout {t.layout}; only dense (strided) tensors can be saved")
-        name = _torch_to_name.get(t.dtype)
-        if name is None:
-            raise InvalidArgumentError(f"{what} has dtype {t.dtype}, which ckptfs does not store")
-        device = _device_index(t, what)
-        if not t.is_contiguous():
-            t = t.contiguous()
-        return _Memory(name, tuple(t.shape), t.data_ptr(), t.numel() * t.element_size(), device, t)
-    import numpy as np  # noqa: PLC0415
-
-    if isinstance(value, (np.ndarray, np.generic)):
-        a = np.asarray(value)
-        name = _numpy_name(a.dtype)
-        if name is None:
-            raise InvalidArgumentError(f"{what} has dtype {a.dtype}, which ckptfs does not store")
-        if a.dtype.byteorder == ">":
-            a = a.astype(a.dtype.newbyteorder("<"))
-        if not a.flags.c_contiguous:
-            a = a.copy(order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
-        return _Memory(name, tuple(a.shape), a.__array_interface__["data"][0], a.nbytes, -1, a)
-    raise InvalidArgumentError(
-        f"{what} is a {type(value).__name__}; values are torch tensors, NumPy arrays or bytes "
-        "(serialize other state into bytes)")
-
-
-def _writable_mappings() -> List[Tuple[int, int]]:
-    """The address ranges [start, end) of this process's writable mappings,
-    sorted, adjacent ones merged (Linux's /proc/self/maps)."""
-    ranges: List[Tuple[int, int]] = []
-    try:
-        with builtins.open("/proc/self/maps") as f:
-            for line in f:
-                span, perms = line.split(None, 2)[:2]
-                if "w" not in perms:
-                    continue
-                lo, hi = (int(x, 16) for x in span.split("-"))
-                if ranges and ranges[-1][1] == lo:
-                    ranges[-1] = (ranges[-1][0], hi)
-                else:
-                    ranges.append((lo, hi))
-    except OSError:
-        return []
-    return ranges
-
-
-def _check_writable(address: int, nbytes: int, what: str, mappings: List[Tuple[int, int]]) -> None:
-    """Raises InvalidArgumentError unless [address, address + nbytes) lies
-    inside one writable mapping (merged runs count as one)."""
-    if nbytes == 0 or not mappings:
-        return
-    lo = bisect.bisect_right(mappings, (address, float("inf"))) - 1
-    if lo < 0 or not (mappings[lo][0] <= address and address + nbytes <= mappings[lo][1]):
-        raise InvalidArgumentError(f"{what} is read-only memory (a read-only mapping, such as a file opened "
-                                   "with mmap for reading); load into a writable tensor")
-
-
-class _Target:
-    """A load target's memory: the target itself when it is contiguous,
-    otherwise a contiguous scratch copied into it by finish()."""
-
-    def __init__(self, target, what: str, mappings: Optional[List[Tuple[int, int]]] = None):
-        self.target = target
-        self.scratch = None
-        if _is_tensor(target):
-            t = target.detach()
-            name = _torch_to_name.get(t.dtype)
-            if name is None:
-                raise InvalidArgumentError(f"{what} has dtype {t.dtype}, which ckptfs does not store")
-            device = _device_index(t, what)
-            if t.layout != _torch().strided:
-                raise InvalidArgumentError(f"{what} has layout {t.layout}; load targets are dense tensors")
-            if any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
-                raise InvalidArgumentError(f"{what} has elements that share memory (an expanded tensor); "
-                                           "load into a tensor of its own, such as t.clone()")
-            if device < 0 and mappings is not None:
-                # The whole storage the view reaches: a write through it would
-                # crash the process (SIGSEGV) on a read-only mapping.
-                _check_writable(t.data_ptr(), t.numel() * t.element_size() if t.is_contiguous() else
-                                t.untyped_storage().nbytes() - t.storage_offset() * t.element_size(), what, mappings)
-            if not t.is_contiguous():
-                self.scratch = t = _torch().empty(t.shape, dtype=t.dtype, device=t.device)
-            self.memory = _Memory(name, tuple(t.shape), t.data_ptr(), t.numel() * t.element_size(), device, t)
-            return
-        import numpy as np  # noqa: PLC0415
-
-        if not isinstance(target, np.ndarray):
-            raise InvalidArgumentError(
-                f"{what} is a {type(target).__name__}; load targets are torch tensors or NumPy arrays")
-        if not target.flags.writeable:
-            raise InvalidArgumentError(f"{what} is a read-only array")
-        if any(s == 0 and n > 1 for s, n in zip(target.strides, target.shape)):
-            raise InvalidArgumentError(f"{what} has elements that share memory (a broadcast view); "
-                                       "load into an array of its own, such as a.copy()")
-        name = _numpy_name(target.dtype)
-        if name is None:
-            raise InvalidArgumentError(f"{what} has dtype {target.dtype}, which ckptfs does not store")
-        a = target
-        if not a.flags.c_contiguous or a.dtype.byteorder == ">":
-            self.scratch = a = np.empty(a.shape, dtype=a.dtype.newbyteorder("="))
-        self.memory = _Memory(name, tuple(a.shape), a.__array_interface__["data"][0], a.nbytes, -1, a)
-
-    def finish(self):
-        if self.scratch is None:
-            return
-        if _is_tensor(self.target):
-            with _torch().no_grad():
-                self.target.copy_(self.scratch)
-        else:
-            self.target[...] = self.scratch
-
-
-def _region(shard: Optional[Shard], memory: _Memory, what: str):
-    """(global shape, kind, offsets, start) of a value saved or loaded as `shard`."""
-    if shard is None:
-        return memory.shape, "whole", [], 0
-    if isinstance(shard, Box):
-        if len(shard.offsets) != len(memory.shape):
-            raise InvalidArgumentError(
-                f"{what}: {shard!r} has rank {len(shard.offsets)}, the tensor has shape {list(memory.shape)}")
-        return shard.global_shape, "box", list(shard.offsets), 0
-    if isinstance(shard, Flat):
-        return shard.global_shape, "flat", [], shard.start
-    raise InvalidArgumentError(f"{what}: shards must be ckptfs.Box or ckptfs.Flat, not {type(shard).__name__}")
-
-
-def _nbytes(value) -> int:
-    """Bytes of a state-dict value or load target (for progress reports)."""
-    if isinstance(value, (bytes, bytearray)):
-        return len(value)
-    if isinstance(value, memoryview):
-        return value.nbytes
-    if _is_tensor(value):
-        return value.numel() * value.element_size()
-    return int(getattr(value, "nbytes", 0))
-
-
-def _put_value(writer, key: str, value, shard: Optional[Shard], sharded: bool, kept: List[_Memory]) -> None:
-    """Puts one state-dict entry into a core writer; device memory that the
-    commit still has to copy is appended to `kept`."""
-    what = f"'{key}'"
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        if sharded:
-            raise InvalidArgumentError(f"{what} is bytes (a blob) and cannot be a shard")
-        if isinstance(value, memoryview) and not value.c_contiguous:
-            value = value.tobytes()  # its bytes in logical order, whatever the strides
-        writer.put_blob(key, value)
-        return
-    memory = _source_memory(value, what)
-    global_shape, kind, offsets, start = _region(shard, memory, what)
-    if memory.device >= 0:
-        kept.append(memory)
-    writer.put(key, memory.dtype, list(global_shape), kind, list(memory.shape), offsets, start, memory.address,
-               memory.nbytes, memory.device)
-
-
-def _read_value(reader, key: str, target, shard: Optional[Shard],
-                mappings: Optional[List[Tuple[int, int]]] = None) -> None:
-    """Fills one load target from a core reader."""
-    t = _Target(target, f"target '{key}'", mappings)
-    m = t.memory
-    global_shape, kind, offsets, start = _region(shard, m, f"target '{key}'")
-    reader.read(key, m.dtype, list(global_shape), kind, list(m.shape), offsets, start, m.address, m.nbytes, m.device)
-    t.finish()
-
-
-def _sync_cuda(memories: Iterable[_Memory]) -> None:
-    """Waits for the work queued on the CUDA devices holding these tensors,
-    so the copies ckptfs makes on its own stream see their final values."""
-    devices = {m.device for m in memories if m.device >= 0}
-    for d in devices:
-        _torch().cuda.synchronize(d)
 
 
 def _check_names(kind: str, names: Iterable[Any]) -> None:
@@ -525,7 +250,7 @@ class Repository:
         if process_group is not None:
             from . import collective  # noqa: PLC0415
 
-            group = collective._Group(process_group, timeout, f"collective save of '{name}'")
+            group = collective.Group(process_group, timeout, f"collective save of '{name}'")
             if (rank, world_size) not in ((0, 1), (group.rank, group.size)):
                 raise InvalidArgumentError(f"rank {rank} of {world_size} disagrees with the process group "
                                            f"(rank {group.rank} of {group.size}); leave them out")
@@ -650,7 +375,7 @@ class Repository:
         if process_group is not None:
             from . import collective  # noqa: PLC0415
 
-            group = collective._Group(process_group, timeout, f"collective load of '{name}'")
+            group = collective.Group(process_group, timeout, f"collective load of '{name}'")
             collective.load(self, name, targets, shards, group, progress)
             return targets
         reader = self._repo.open_checkpoint(name)
@@ -693,7 +418,7 @@ class Repository:
 
         group_name, group = group, None
         if process_group is not None:
-            group = collective._Group(process_group, timeout, f"resume point '{which}'")
+            group = collective.Group(process_group, timeout, f"resume point '{which}'")
         return collective.resume_point(self, which, group, _group(group_name))
 
     def store_counters(self) -> Dict[str, int]:
@@ -858,7 +583,7 @@ def open(url: str, *, threads: int = 0, cache_bytes: int = 512 << 20,  # noqa: A
         return Repository(open_core())
     from . import collective  # noqa: PLC0415
 
-    return Repository(collective.open_shared(open_core, collective._Group(process_group, timeout, "open")))
+    return Repository(collective.open_shared(open_core, collective.Group(process_group, timeout, "open")))
 
 
 def copy(source: Union[str, Repository], destination: Union[str, Repository],

@@ -53,7 +53,7 @@ class CollectiveError(Error):
     """A collective save or load failed on some rank; raised on every rank."""
 
 
-class _Group:
+class Group:
     """The ranks of the caller's process group, and a gloo group of the same
     ranks (with the timeout) for ckptfs's own exchanges."""
 
@@ -212,12 +212,12 @@ class _Group:
 
 def _entry(key: str, value, shard, sharded: bool) -> tuple:
     """What the planner needs of one state-dict value or load target."""
-    from . import _region, _source_memory  # noqa: PLC0415
+    from .memory import region, source_memory  # noqa: PLC0415
 
     if isinstance(value, (bytes, bytearray, memoryview)):
         return (key, [], "blob", [], [], 0, value.nbytes if isinstance(value, memoryview) else len(value))
-    memory = _source_memory(value, f"'{key}'")
-    global_shape, kind, offsets, start = _region(shard if sharded else None, memory, f"'{key}'")
+    memory = source_memory(value, f"'{key}'")
+    global_shape, kind, offsets, start = region(shard if sharded else None, memory, f"'{key}'")
     # The dtype is part of the region's identity: ranks giving one tensor
     # different dtypes are not replicas (the commit refuses them; a load
     # fills each from the store).
@@ -242,7 +242,7 @@ def _digest(value) -> str:
     return _core.digest(raw)
 
 
-def plan_save(state_dict: Mapping[str, Any], shards: Mapping[str, Any], group: _Group,
+def plan_save(state_dict: Mapping[str, Any], shards: Mapping[str, Any], group: Group,
               verify_replicas: bool, name: str = "") -> Tuple[set, Dict[str, Any]]:
     """Which keys of `state_dict` this rank leaves to other ranks (they put
     the same region), and the plan's figures. With verify_replicas, the
@@ -284,7 +284,7 @@ def plan_save(state_dict: Mapping[str, Any], shards: Mapping[str, Any], group: _
     return skip, {"unique_bytes": unique, "held_bytes": held, "bytes_per_rank": list(per_rank)}
 
 
-def begin(core, args: tuple, group: _Group, attempt: str = "", overwrite: bool = False):
+def begin(core, args: tuple, group: Group, attempt: str = "", overwrite: bool = False):
     """Begins this rank's writer of a collective save (`args`: the core's
     begin arguments) so that the save costs the store one rank's listings
     and lock: rank 0 begins, listing the store under its shared store
@@ -321,19 +321,19 @@ def begin(core, args: tuple, group: _Group, attempt: str = "", overwrite: bool =
         return None, str(e)
 
 
-def load(repo, name: str, targets: Mapping[str, Any], shards: Mapping[str, Any], group: _Group,
+def load(repo, name: str, targets: Mapping[str, Any], shards: Mapping[str, Any], group: Group,
          progress=None) -> Dict[str, Any]:
     """Fills `targets` (this rank's) with every distinct region fetched once
     across the group. Returns the plan's figures."""
     return load_items(repo, name, [(k, t, shards.get(k)) for k, t in targets.items()], group, progress)
 
 
-def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group, progress=None) -> Dict[str, Any]:
+def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: Group, progress=None) -> Dict[str, Any]:
     """As load, for a list of (tensor name, target tensor, shard or None):
     one tensor may come several times (DCP's read items)."""
-    from . import _nbytes, _read_value, _torch, _writable_mappings  # noqa: PLC0415
+    from .memory import nbytes, read_value, torch_module, writable_mappings  # noqa: PLC0415
 
-    torch = _torch()
+    torch = torch_module()
     error = None
     entries: List[tuple] = []
     reader = None
@@ -380,11 +380,11 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
     # after the chunk hand-offs each needs. A rank whose read fails keeps
     # taking part in the hand-offs, so no peer waits for it.
     error = None
-    total = sum(_nbytes(t) for _k, t, _s in items) if progress else 0
+    total = sum(nbytes(t) for _k, t, _s in items) if progress else 0
     done = 0
     # The routes this rank needs: (index, reader, bytes, its entries, and
     # as reader the other ranks needing it).
-    mappings = _writable_mappings()
+    mappings = writable_mappings()
     begin = 0
     for routes_end, exchange, hold, handoffs, release in windows:
         if exchange:
@@ -396,9 +396,9 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: _Group
                 if r != me or error is not None:
                     continue
                 key, target, shard = items[entries_here[0]]
-                _read_value(reader, key, target, shard, mappings)
+                read_value(reader, key, target, shard, mappings)
                 if progress:
-                    done += _nbytes(target)
+                    done += nbytes(target)
                     progress(done, total)
         except Error as e:
             error = str(e)
@@ -473,16 +473,16 @@ def _over_nccl(devices: List[Optional[str]]) -> bool:
     return all(d is not None for d in devices) and len(set(devices)) == len(devices)
 
 
-def _hand_over_chunks(reader, hold: List[tuple], handoffs: List[tuple], group: _Group) -> Optional[str]:
+def _hand_over_chunks(reader, hold: List[tuple], handoffs: List[tuple], group: Group) -> Optional[str]:
     """One window of chunk hand-offs. Chunks that regions of different
     readers share (a restore at another world size cuts stored chunks) are
     fetched once: the rank the plan names fetches, verifies, decodes and
     holds each, and sends the decoded bytes to the other readers, whose
     reads then take them instead of the store. Returns this rank's error in
     sending or checking (agreed on with the reads)."""
-    from . import _torch  # noqa: PLC0415
+    from .memory import torch_module  # noqa: PLC0415
 
-    torch = _torch()
+    torch = torch_module()
     me = group.rank
     error = None
     try:
@@ -526,7 +526,7 @@ def _hand_over_chunks(reader, hold: List[tuple], handoffs: List[tuple], group: _
     return failed
 
 
-def open_shared(open_core: Callable[[bool], Any], group: _Group):
+def open_shared(open_core: Callable[[bool], Any], group: Group):
     """Opens a repository on every rank of `group` with one listing of its
     store: every rank opens it without the opening sync, rank 0 brings its
     catalog up to date with the store and shares what it listed and
@@ -563,7 +563,7 @@ def open_shared(open_core: Callable[[bool], Any], group: _Group):
     return core
 
 
-def resume_point(repo, which: str, group: Optional[_Group], in_group: str = "") -> Optional[Dict[str, Any]]:
+def resume_point(repo, which: str, group: Optional[Group], in_group: str = "") -> Optional[Dict[str, Any]]:
     """The committed checkpoint to resume from: "latest" (the newest
     committed, None when there is none) or a name (NotFoundError when it is
     not committed). With a group, rank 0 alone asks the repository and

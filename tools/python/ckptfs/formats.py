@@ -44,7 +44,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import ckptfs
-from ckptfs import InvalidArgumentError, UnsupportedError, _put_value
+from ckptfs import InvalidArgumentError, UnsupportedError
+from ckptfs.memory import NAME_TO_TORCH, TORCH_TO_NAME, put_value, read_value, torch_module
 from ckptfs.pickles import load_dcp_metadata
 
 __all__ = ["detect", "import_checkpoint", "export_checkpoint", "parse_size", "STRUCTURE_BLOB", "DCP_FILES_BLOB",
@@ -106,8 +107,8 @@ def _describe(entries: List[Dict[str, Any]], blobs: List[Dict[str, Any]]) -> Dic
 
 
 def _dtype_name(dtype) -> str:
-    ckptfs._torch()  # fills the tables
-    name = ckptfs._torch_to_name.get(dtype)
+    torch_module()  # fills the tables
+    name = TORCH_TO_NAME.get(dtype)
     if name is None:
         raise UnsupportedError(f"torch dtype {dtype} has no ckptfs dtype")
     return name
@@ -431,7 +432,7 @@ def _import_dcp(writer, path: str, reader, metadata, advance: Callable[[int], No
             return central_plan
 
         def load_bytes(self, read_item, value):
-            _put_value(writer, read_item.dest_index.fqn, value.read(), None, False, kept)
+            put_value(writer, read_item.dest_index.fqn, value.read(), None, False, kept)
 
         def resolve_tensor(self, read_item):
             m = metadata.state_dict_metadata[read_item.dest_index.fqn]
@@ -439,7 +440,7 @@ def _import_dcp(writer, path: str, reader, metadata, advance: Callable[[int], No
 
         def commit_tensor(self, read_item, tensor):
             fqn = read_item.dest_index.fqn
-            _put_value(writer, fqn, tensor.contiguous(), box(fqn, read_item.dest_index.offset), True, kept)
+            put_value(writer, fqn, tensor.contiguous(), box(fqn, read_item.dest_index.offset), True, kept)
             advance(tensor.nbytes)
 
     planner = ChunkPlanner()
@@ -796,7 +797,7 @@ def _import_hf_torch(writer, loaded, advance: Callable[[int], None]) -> None:
     tensors, blob_files = loaded
     kept: list = []
     for key, t in tensors.items():
-        _put_value(writer, key, t.detach().contiguous(), None, False, kept)
+        put_value(writer, key, t.detach().contiguous(), None, False, kept)
         advance(t.numel() * t.element_size())
     _put_files(writer, blob_files)
 
@@ -813,13 +814,13 @@ def _import_torch(writer, loaded, advance: Callable[[int], None]) -> None:
     tensors, others, structure = loaded
     kept: list = []
     for key, t in tensors.items():
-        _put_value(writer, key, t.detach().contiguous(), None, False, kept)
+        put_value(writer, key, t.detach().contiguous(), None, False, kept)
         advance(t.numel() * t.element_size())
     for key, v in others.items():
         buf = io.BytesIO()
         torch.save(v, buf)
-        _put_value(writer, key, buf.getvalue(), None, False, kept)
-    _put_value(writer, STRUCTURE_BLOB, json.dumps(structure).encode(), None, False, kept)
+        put_value(writer, key, buf.getvalue(), None, False, kept)
+    put_value(writer, STRUCTURE_BLOB, json.dumps(structure).encode(), None, False, kept)
 
 
 # ---- entry points ---------------------------------------------------------------------
@@ -1207,7 +1208,7 @@ class _TensorStream:
         self.ahead.shutdown(wait=True)
 
     def _read(self, name: str, dtype, shape, start: int, count: int, buf):
-        ckptfs._read_value(self.reader, name, buf[:count * dtype.itemsize].view(dtype), ckptfs.Flat(shape, start))
+        read_value(self.reader, name, buf[:count * dtype.itemsize].view(dtype), ckptfs.Flat(shape, start))
 
     def write(self, f, name: str, stored, out, shape) -> None:
         """Writes tensor `name` (held as dtype `stored`, of `shape`) to `f`
@@ -1256,13 +1257,13 @@ def _safetensors_header(tensors: Sequence[Tuple[str, Any, Sequence[int]]], metad
 
 def _read_tensor(reader, name: str, cast=None):
     torch = _torch()
-    ckptfs._torch()
+    torch_module()
     dtype_name, shape = reader.tensor_info(name)
-    dtype = ckptfs._name_to_torch.get(dtype_name)
+    dtype = NAME_TO_TORCH.get(dtype_name)
     if dtype is None:
         raise UnsupportedError(f"tensor '{name}' is {dtype_name}, which torch {torch.__version__} lacks")
     out = torch.empty(tuple(shape), dtype=dtype)
-    ckptfs._read_value(reader, name, out, None)
+    read_value(reader, name, out, None)
     if cast is not None and out.is_floating_point() and out.dtype != cast:
         out = out.to(cast)
     return out
@@ -1330,14 +1331,14 @@ class _ExportTensors:
     applied to floating ones), shape, elements and bytes."""
 
     def __init__(self, shown, cast):
-        ckptfs._torch()  # fills the dtype tables
+        torch_module()  # fills the dtype tables
         self._by_name = {t["name"]: t for t in shown["tensors"]}
         self._cast = cast
 
     def stored(self, n: str):
         """The torch dtype the checkpoint holds the tensor in."""
         name = self._by_name[n]["dtype"]
-        dt = ckptfs._name_to_torch.get(name)
+        dt = NAME_TO_TORCH.get(name)
         if dt is None:
             raise UnsupportedError(f"tensor '{n}' is {name}, which torch {_torch().__version__} lacks")
         return dt
@@ -1700,7 +1701,7 @@ def _export_torch(path: str, repo, reader, name: str, order: List[str], shown, s
     for n in order:
         target = targets.pop(n)
         if target.dtype == sizes.stored(n):
-            ckptfs._read_value(reader, n, target, None)
+            read_value(reader, n, target, None)
         else:
             target.copy_(_read_tensor(reader, n))
         _let_go(target.data_ptr(), target.numel() * target.element_size())

@@ -35,7 +35,8 @@ import re
 from typing import Any, Dict, List, Optional, Union
 
 import ckptfs
-from ckptfs import UnsupportedError, _put_value, _read_value, _sync_cuda, _writable_mappings
+from ckptfs import UnsupportedError
+from ckptfs.memory import NAME_TO_TORCH, put_value, read_value, sync_cuda, torch_module, writable_mappings
 from ckptfs import _core
 
 __all__ = ["StorageWriter", "StorageReader", "dcp_unavailable_reason"]
@@ -234,18 +235,18 @@ class StorageWriter(_WriterBase):
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     payload = data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data)
-                    _put_value(writer, fqn, bytes(payload), None, False, self._kept)
+                    put_value(writer, fqn, bytes(payload), None, False, self._kept)
                     size = len(payload)
                 else:
                     chunk = item.tensor_data.chunk
                     tensor = data.detach()
                     shard = ckptfs.Box(tuple(item.tensor_data.size), tuple(chunk.offsets))
-                    _put_value(writer, fqn, tensor, shard, True, self._kept)
+                    put_value(writer, fqn, tensor, shard, True, self._kept)
                     size = tensor.numel() * tensor.element_size()
                 results.append(_storage.WriteResult(index=item.index, size_in_bytes=size, storage_data=fqn))
             if self._is_coordinator:
                 for blob_name, data in self.blobs.items():
-                    _put_value(writer, blob_name, data, None, False, self._kept)
+                    put_value(writer, blob_name, data, None, False, self._kept)
             else:
                 self._commit()  # the coordinator commits in finish(), last
         except BaseException:
@@ -266,7 +267,7 @@ class StorageWriter(_WriterBase):
         if structure is not None and self._writer is not None and \
                 formats.STRUCTURE_BLOB not in metadata.state_dict_metadata:
             try:
-                _put_value(self._writer, formats.STRUCTURE_BLOB, json.dumps(structure).encode(), None, False, self._kept)
+                put_value(self._writer, formats.STRUCTURE_BLOB, json.dumps(structure).encode(), None, False, self._kept)
             except BaseException:
                 self._abort()
                 raise
@@ -279,7 +280,7 @@ class StorageWriter(_WriterBase):
         writer, self._writer = self._writer, None
         if writer is None:
             return
-        _sync_cuda(self._kept)
+        sync_cuda(self._kept)
         handle = writer.commit(snapshot=False)
         self._kept = []
         handle.wait(None)
@@ -296,8 +297,8 @@ def _stored_dtype_buffer(fqn: str, stored: str, target):
     """`target` itself when it has the stored dtype, else a new tensor of
     its shape, on its device, in the stored dtype, to read into and then
     copy_ from (the conversion DCP's FileSystemReader makes)."""
-    torch = ckptfs._torch()
-    dtype = ckptfs._name_to_torch.get(stored)
+    torch = torch_module()
+    dtype = NAME_TO_TORCH.get(stored)
     if dtype is None:
         raise UnsupportedError(f"tensor '{fqn}' is {stored}, which torch {torch.__version__} has no dtype for")
     if target.dtype == dtype:
@@ -347,10 +348,10 @@ class StorageReader(_ReaderBase):
         if self.name is None:
             raise ckptfs.InvalidArgumentError("no checkpoint name: give StorageReader a name, or dcp.load a checkpoint_id")
         shown = self._repo.show(self.name)
-        ckptfs._torch()  # fills the dtype tables
+        torch_module()  # fills the dtype tables
         entries = {}
         for t in shown["tensors"]:
-            dtype = ckptfs._name_to_torch.get(t["dtype"])
+            dtype = NAME_TO_TORCH.get(t["dtype"])
             if dtype is None:
                 raise UnsupportedError(f"tensor '{t['name']}' is {t['dtype']}, which torch {torch.__version__} lacks")
             size = torch.Size(t["shape"])
@@ -372,7 +373,7 @@ class StorageReader(_ReaderBase):
 
     def read_data(self, plan, planner):
         reader = self._repo._repo.open_checkpoint(self.name)
-        mappings = _writable_mappings()
+        mappings = writable_mappings()
         together = []  # (item, tensor name, target, box) for a collective read
         for item in plan.items:
             fqn = item.storage_index.fqn
@@ -393,14 +394,14 @@ class StorageReader(_ReaderBase):
             if self.process_group is not None:
                 together.append((item, fqn, target, box, read_into))
                 continue
-            _read_value(reader, fqn, read_into, box, mappings)
+            read_value(reader, fqn, read_into, box, mappings)
             if read_into is not target:
                 target.copy_(read_into)
             planner.commit_tensor(item, target)
         if self.process_group is not None:
             from . import collective  # noqa: PLC0415
 
-            group = collective._Group(self.process_group, self.timeout, f"dcp.load of '{self.name}'")
+            group = collective.Group(self.process_group, self.timeout, f"dcp.load of '{self.name}'")
             collective.load_items(self._repo, self.name, [(fqn, buf, box) for _i, fqn, _t, box, buf in together],
                                   group)
             for item, _fqn, target, _box, read_into in together:
