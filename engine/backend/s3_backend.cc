@@ -311,7 +311,8 @@ class S3Client {
     const std::string tag = code.empty() ? "HTTP " + std::to_string(resp.status) : code;
     if (code == "NoSuchBucket") {
       return Status::NotFound("bucket '" + loc_.bucket + "' does not exist at " + shown_ +
-                              " ('ckpt init' creates it)");
+                              " ('ckpt init' creates it)")
+          .WithDetail(StatusDetail::kBucketMissing);
     }
     if (resp.status == 404) return Status::NotFound(std::string(what) + " not found in " + Where());
     if (code == "InvalidAccessKeyId" || code == "SignatureDoesNotMatch" || code == "InvalidToken" ||

@@ -256,8 +256,14 @@ Status InitRemote(const std::string& url, const RepositoryConfig& config, const 
 Result<std::unique_ptr<LmdbEnv>> OpenCatalog(const std::string& dir, bool create) {
   auto env = LmdbEnv::Open(dir, create, kInitialMapSize);
   if (!env.ok()) {
-    if (env.status().IsCorruption()) return env.status();  // already says to reindex
-    return Status(env.status().code(), env.status().message() + " (if the catalog is damaged, rebuild it with 'ckpt reindex')");
+    // A corrupt catalog's message already says to reindex; one open in
+    // this process is not damaged.
+    if (env.status().IsCorruption() || env.status().detail() == StatusDetail::kCatalogOpenInProcess) {
+      return env.status();
+    }
+    return Status(env.status().code(),
+                  env.status().message() + " (if the catalog is damaged, rebuild it with 'ckpt reindex')")
+        .WithDetail(env.status().detail());
   }
   return env;
 }
@@ -284,7 +290,7 @@ struct LocatedStore {
 Result<LocatedStore> LocateStore(Backend& store, const std::string& where, const OpenOptions& options) {
   auto text = store.ReadAll(kConfigFile, kMaxSmallObject);
   if (!text.ok()) {
-    if (text.status().IsNotFound() && text.status().message().rfind("bucket", 0) != 0) {
+    if (text.status().IsNotFound() && text.status().detail() != StatusDetail::kBucketMissing) {
       return Status::NotFound("no ckptfs repository at '" + where + "' (it has no " + kConfigFile +
                               "; create one with 'ckpt init')");
     }

@@ -54,7 +54,14 @@ std::string Status::ToString() const {
 
 Status Status::WithContext(std::string_view context) const {
   if (ok()) return *this;
-  return Status(rep_->code, std::string(context) + ": " + rep_->message);
+  return Status(rep_->code, std::string(context) + ": " + rep_->message).WithDetail(rep_->detail);
+}
+
+Status Status::WithDetail(StatusDetail detail) const {
+  if (ok() || rep_->detail == detail) return *this;
+  Status out;
+  out.rep_ = std::make_shared<const Rep>(Rep{rep_->code, rep_->message, detail});
+  return out;
 }
 
 namespace internal {

@@ -34,6 +34,16 @@ enum class StatusCode {
 
 const char* StatusCodeName(StatusCode code);
 
+// What a caller may branch on beyond the code: the message is for people,
+// and no decision is taken on its text. Kept by WithContext.
+enum class StatusDetail {
+  kNone = 0,
+  kCatalogOpenInProcess,  // FailedPrecondition: this process has the catalog open
+                          // (through another, maybe closing, Repository handle)
+  kCatalogMapFull,        // ResourceExhausted: LMDB's map is full (grow it, retry)
+  kBucketMissing,         // NotFound: the object store's bucket does not exist
+};
+
 class [[nodiscard]] Status {
  public:
   Status() = default;  // OK
@@ -59,6 +69,9 @@ class [[nodiscard]] Status {
   std::string ToString() const;
   // Returns a copy whose message is prefixed with "context: ".
   Status WithContext(std::string_view context) const;
+  // The detail (kNone for OK and for most errors), and a copy with one.
+  StatusDetail detail() const { return rep_ ? rep_->detail : StatusDetail::kNone; }
+  Status WithDetail(StatusDetail detail) const;
 
   bool IsNotFound() const { return code() == StatusCode::kNotFound; }
   bool IsAlreadyExists() const { return code() == StatusCode::kAlreadyExists; }
@@ -68,6 +81,7 @@ class [[nodiscard]] Status {
   struct Rep {
     StatusCode code;
     std::string message;
+    StatusDetail detail = StatusDetail::kNone;
   };
   std::shared_ptr<const Rep> rep_;  // null means OK: copying OK is free
 };

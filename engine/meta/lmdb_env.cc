@@ -25,7 +25,7 @@ std::string_view View(const MDB_val& v) { return {static_cast<const char*>(v.mv_
 Status LmdbError(int rc, std::string_view context) {
   std::string msg = std::string(context) + ": " + mdb_strerror(rc);
   switch (rc) {
-    case MDB_MAP_FULL:
+    case MDB_MAP_FULL: return Status::ResourceExhausted(msg).WithDetail(StatusDetail::kCatalogMapFull);
     case ENOSPC: return Status::ResourceExhausted(msg);
     case MDB_CORRUPTED:
     case MDB_PAGE_NOTFOUND:
@@ -110,7 +110,8 @@ Result<std::unique_ptr<LmdbEnv>> LmdbEnv::Open(const std::string& dir, bool crea
     auto key = std::make_tuple(::getpid(), sb.st_dev, sb.st_ino);
     if (!open_envs.insert(key).second) {
       return Status::FailedPrecondition("catalog " + dir +
-                                        " is already open in this process; share its Repository handle");
+                                        " is already open in this process; share its Repository handle")
+          .WithDetail(StatusDetail::kCatalogOpenInProcess);
     }
     env->open_key_ = key;
   }
@@ -218,8 +219,7 @@ Status LmdbEnv::Update(const std::function<Status(WriteTxn&)>& fn) {
       mdb_txn_abort(txn);
     }
     // A full map shows up as ResourceExhausted from Put or from the commit.
-    bool map_full = st.code() == StatusCode::kResourceExhausted &&
-                    st.message().find(mdb_strerror(MDB_MAP_FULL)) != std::string::npos;
+    const bool map_full = st.detail() == StatusDetail::kCatalogMapFull;
     if (!map_full || attempt >= 40) return st;
     lock.unlock();
     CKPT_RETURN_IF_ERROR(Grow());

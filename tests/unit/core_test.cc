@@ -50,6 +50,20 @@ TEST(Status, OkIsCheapAndErrorsCarryCodeAndMessage) {
   EXPECT_TRUE(Status::OK().WithContext("ignored").ok());
 }
 
+TEST(Status, ADetailIsKeptWithContextAndApartFromTheMessage) {
+  Status plain = Status::NotFound("bucket 'b' does not exist");
+  EXPECT_EQ(plain.detail(), StatusDetail::kNone);
+  Status missing = plain.WithDetail(StatusDetail::kBucketMissing);
+  EXPECT_EQ(missing.detail(), StatusDetail::kBucketMissing);
+  EXPECT_EQ(missing.code(), StatusCode::kNotFound);
+  EXPECT_EQ(missing.message(), plain.message());
+  EXPECT_EQ(plain.detail(), StatusDetail::kNone);  // a copy, the original unchanged
+  Status wrapped = missing.WithContext("reading ckptfs.json");
+  EXPECT_EQ(wrapped.detail(), StatusDetail::kBucketMissing);
+  EXPECT_EQ(wrapped.message(), "reading ckptfs.json: bucket 'b' does not exist");
+  EXPECT_EQ(Status::OK().WithDetail(StatusDetail::kCatalogMapFull).detail(), StatusDetail::kNone);
+}
+
 TEST(Status, ErrnoMapsToCodes) {
   EXPECT_EQ(Status::FromErrno(ENOSPC, "writing").code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(Status::FromErrno(EDQUOT, "writing").code(), StatusCode::kResourceExhausted);

@@ -1579,7 +1579,9 @@ TEST_F(LocalRepository, SecondOpenOfOneRepositoryInAProcessIsRefused) {
   auto second = Repository::Open(dir_.path());
   ASSERT_FALSE(second.ok());
   EXPECT_EQ(second.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(second.status().detail(), StatusDetail::kCatalogOpenInProcess);
   EXPECT_NE(second.status().message().find("already open in this process"), std::string::npos);
+  EXPECT_EQ(second.status().message().find("reindex"), std::string::npos) << second.status().ToString();
   // The child opens the catalog alone: it starts no thread (ThreadSanitizer
   // forbids that after a fork of a multi-threaded process).
   pid_t pid = fork();

@@ -510,8 +510,7 @@ class RepositoryCache {
         }
         auto repo = Repository::Open(path, options);
         const bool closing = it != open_.end() && !repo.ok() &&
-                             repo.status().code() == StatusCode::kFailedPrecondition &&
-                             repo.status().message().find("already open in this process") != std::string::npos;
+                             repo.status().detail() == StatusDetail::kCatalogOpenInProcess;
         if (!closing || attempt >= 300) {
           std::shared_ptr<Repository> out = Value(std::move(repo));
           open_[key] = Entry{out, identity};
