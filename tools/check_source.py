@@ -70,11 +70,12 @@ def private(name):
 def python_import_problems():
     """Private names of one package module used by another."""
     folder = os.path.join(ROOT, PACKAGE)
-    modules = {f[:-3] for f in os.listdir(folder) if f.endswith(".py") and f != "__init__.py"}
+    files = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder)
+                   for f in fs if f.endswith(".py"))
+    modules = {os.path.basename(f)[:-3] for f in files if not f.endswith("__init__.py")}
+    modules |= {os.path.dirname(f) for f in files if f.endswith(os.sep + "__init__.py")}
     problems = []
-    for f in sorted(os.listdir(folder)):
-        if not f.endswith(".py"):
-            continue
+    for f in files:
         rel = os.path.join(PACKAGE, f)
         with open(os.path.join(folder, f), encoding="utf-8") as src:
             tree = ast.parse(src.read(), rel)

@@ -50,7 +50,7 @@ def export_dying_at_the_second_shard(test, repo, name, out):
     shard, the progress file, then the second shard): the basenames of the
     writes begun, in order."""
     calls = []
-    real = formats._write_durable
+    real = formats.writing.write_durable
 
     def dies(path, write):
         calls.append(os.path.basename(path))
@@ -58,12 +58,12 @@ def export_dying_at_the_second_shard(test, repo, name, out):
             raise OSError("disk went away")
         return real(path, write)
 
-    formats._write_durable = dies
+    formats.writing.write_durable = dies
     try:
         with test.assertRaises(OSError):
             formats.export_checkpoint(repo, name, out, format="hf", max_shard_size="20KB", threads=1)
     finally:
-        formats._write_durable = real
+        formats.writing.write_durable = real
     return calls
 
 
@@ -164,9 +164,9 @@ class DcpDirectories(DcpTestCase):
         state = {f"optim.{i}.exp_avg": torch.randn(256, 1024, generator=gen) * 1e-3 for i in range(4)}
         src = self.path("moments")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(src), no_dist=True)
-        self.assertTrue(formats._on_the_repositorys_disk(self.r, src))
-        self.assertFalse(formats._on_the_repositorys_disk(ckptfs.Repository(type("S3", (), {"path": "s3://b/p"})()),
-                                                          src))
+        self.assertTrue(formats.importing.on_the_repositorys_disk(self.r, src))
+        on_s3 = ckptfs.Repository(type("S3", (), {"path": "s3://b/p"})())
+        self.assertFalse(formats.importing.on_the_repositorys_disk(on_s3, src))
         got = formats.import_checkpoint(self.r, "moments", src)
         logical = sum(t.numel() * 4 for t in state.values())
         self.assertLess(got["stored_bytes"], logical * 0.85, got)
@@ -206,7 +206,7 @@ class DcpDirectories(DcpTestCase):
         for fqn in ("plain", "half", "transposed"):
             info = md.storage_data[MetadataIndex(fqn, md.state_dict_metadata[fqn].chunks[0].offsets, 0)]
             with open(os.path.join(out, info.relative_path), "rb") as f:
-                where[fqn] = formats._raw_tensor_at(torch, f, info, sd[fqn].dtype, sd[fqn].shape)
+                where[fqn] = formats.dcp_in.raw_tensor_at(torch, f, info, sd[fqn].dtype, sd[fqn].shape)
                 if where[fqn] is not None:
                     f.seek(where[fqn])
                     raw = f.read(sd[fqn].numel() * sd[fqn].element_size())
@@ -673,14 +673,14 @@ class Exports(unittest.TestCase):
         state = {"w": torch.randn(100, 37, generator=gen), "h": torch.randn(3001, generator=gen).to(torch.bfloat16),
                  "i": torch.arange(5000, dtype=torch.int64), "e": torch.zeros(0, 4), "s": torch.tensor(2.5)}
         self.repo.save("m", state)
-        piece = formats._EXPORT_PIECE
-        formats._EXPORT_PIECE = 4096
+        piece = formats.writing.EXPORT_PIECE
+        formats.writing.EXPORT_PIECE = 4096
         try:
             out = formats.export_checkpoint(self.repo, "m", os.path.join(self.tmp, "plain"), format="hf")
             cast = formats.export_checkpoint(self.repo, "m", os.path.join(self.tmp, "bf16"), format="hf",
                                              dtype="bfloat16")
         finally:
-            formats._EXPORT_PIECE = piece
+            formats.writing.EXPORT_PIECE = piece
         self.assertEqual(out["files"], ["model.safetensors"])
         got = load_file(os.path.join(self.tmp, "plain", "model.safetensors"))
         self.assertEqual(set(got), set(state))
@@ -699,8 +699,8 @@ class Exports(unittest.TestCase):
         out = os.path.join(self.tmp, "out")
         calls = export_dying_at_the_second_shard(self, self.repo, "big", out)
         # The export stopped at the failure: no shard after it was started.
-        self.assertEqual(calls, [formats._PROGRESS_FILE, "model-00001-of-00008.safetensors",
-                                 formats._PROGRESS_FILE, "model-00002-of-00008.safetensors"])
+        self.assertEqual(calls, [formats.common.PROGRESS_FILE, "model-00001-of-00008.safetensors",
+                                 formats.common.PROGRESS_FILE, "model-00002-of-00008.safetensors"])
         self.assertFalse(os.path.exists(out))
         self.assertTrue(os.path.isdir(out + formats.PARTIAL_SUFFIX))
         # Other options: refused, naming the partial directory.
@@ -731,7 +731,7 @@ class Exports(unittest.TestCase):
         self.repo.save("big", {**state, "note": b"not a pickle"})
         out = os.path.join(self.tmp, "out")
         calls = []
-        real, size = formats._write_durable, formats._DCP_FILE_BYTES
+        real, size = formats.writing.write_durable, formats.export_dcp.DCP_FILE_BYTES
 
         def dies_on_the_second_file(path, write):
             calls.append(os.path.basename(path))
@@ -739,18 +739,18 @@ class Exports(unittest.TestCase):
                 raise OSError("disk went away")
             real(path, write)
 
-        formats._write_durable, formats._DCP_FILE_BYTES = dies_on_the_second_file, 40 << 10  # 2 layers a file
+        formats.writing.write_durable, formats.export_dcp.DCP_FILE_BYTES = dies_on_the_second_file, 40 << 10  # 2 layers a file
         try:
             with self.assertRaises(OSError):
                 formats.export_checkpoint(self.repo, "big", out, format="dcp", threads=1)
             # It stopped at the failure: no file after it was started.
-            self.assertEqual(calls, [formats._PROGRESS_FILE, "__0_0.distcp", formats._PROGRESS_FILE, "__0_1.distcp"])
+            self.assertEqual(calls, [formats.common.PROGRESS_FILE, "__0_0.distcp", formats.common.PROGRESS_FILE, "__0_1.distcp"])
             self.assertFalse(os.path.exists(out))
             self.assertFalse(os.path.exists(os.path.join(out + formats.PARTIAL_SUFFIX, ".metadata")))
-            formats._write_durable = real
+            formats.writing.write_durable = real
             done = formats.export_checkpoint(self.repo, "big", out, format="dcp")
         finally:
-            formats._write_durable, formats._DCP_FILE_BYTES = real, size
+            formats.writing.write_durable, formats.export_dcp.DCP_FILE_BYTES = real, size
         self.assertEqual(done["resumed_files"], 1)
         self.assertEqual(done["files"][-1], ".metadata")
         self.assertEqual(len(done["files"]), 5)  # 3 files of tensors, the blobs' file, .metadata
@@ -767,17 +767,17 @@ class Exports(unittest.TestCase):
         state = {f"layer{i}": torch.randn(32, 32, generator=gen) for i in range(3)}
         self.repo.save("small", state)
         out = os.path.join(self.tmp, "out")
-        real_commit = formats._Export.commit
+        real_commit = formats.writing.Export.commit
 
         def dies(self_):
             raise OSError("the machine went down before the rename")
 
-        formats._Export.commit = dies
+        formats.writing.Export.commit = dies
         try:
             with self.assertRaises(OSError):
                 formats.export_checkpoint(self.repo, "small", out, format="torch")
         finally:
-            formats._Export.commit = real_commit
+            formats.writing.Export.commit = real_commit
         self.assertFalse(os.path.exists(out))
         finished = os.stat(os.path.join(out + formats.PARTIAL_SUFFIX, "model.pt"))
         done = formats.export_checkpoint(self.repo, "small", out, format="torch")

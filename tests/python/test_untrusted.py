@@ -162,7 +162,7 @@ class ExportPartials(UntrustedTestCase):
         self.assertEqual(os.stat(partial).st_mode & 0o777, 0o700)
         done = self.export()
         self.assertEqual(done["resumed_files"], 1)
-        self.assertEqual(os.stat(self.out).st_mode & 0o777, 0o777 & ~formats._umask())
+        self.assertEqual(os.stat(self.out).st_mode & 0o777, 0o777 & ~formats.writing.umask())
 
     def test_a_finished_file_damaged_since_is_written_again(self):
         partial = self.interrupted()

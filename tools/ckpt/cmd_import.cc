@@ -81,7 +81,7 @@ const CommandSpec kImport{
     2, SIZE_MAX};
 
 // Formats the engine reads itself, and those read with torch through the
-// Python package (ckptfs/formats.py).
+// Python package (ckptfs/formats/).
 enum class InputKind { kNative, kDcp, kTorch, kTorchModelDir };
 
 InputKind KindOf(const std::string& path) {
