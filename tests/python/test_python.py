@@ -953,8 +953,10 @@ def _binding_parameters(doc):
     inner = line[line.index("(") + 1:line.rindex(") ->")]
     params, depth, cur = [], 0, ""
     for ch in inner:
-        depth += ch in "[(" and 1 or 0
-        depth -= ch in "])" and 1 or 0
+        if ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
         if ch == "," and depth == 0:
             params.append(cur)
             cur = ""

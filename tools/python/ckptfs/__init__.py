@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from . import _core
+from . import _core, memory
 from ._core import (  # noqa: F401  (re-exported)
     AlreadyExistsError,
     CorruptionError,
@@ -36,6 +36,7 @@ from ._core import (  # noqa: F401  (re-exported)
     StorageError,
     UnsupportedError,
 )
+from .shards import Box, Flat, Shard  # noqa: F401  (re-exported)
 
 __version__ = _core.__version__
 
@@ -63,28 +64,6 @@ def new_save_attempt() -> str:
     """A new save attempt for save's and async_save's `attempt`: make one
     per save, on one rank, and give it to every rank of that save."""
     return _core.new_save_attempt()
-
-
-from .memory import (  # noqa: E402  (the package's own names for them)
-    TORCH_TO_NAME as _torch_to_name,
-    NAME_TO_TORCH as _name_to_torch,
-    torch_module as _torch,
-    is_tensor as _is_tensor,
-    numpy_name as _numpy_name,
-    Memory as _Memory,
-    device_index as _device_index,
-    source_memory as _source_memory,
-    writable_mappings as _writable_mappings,
-    check_writable as _check_writable,
-    Target as _Target,
-    region as _region,
-    nbytes as _nbytes,
-    put_value as _put_value,
-    read_value as _read_value,
-    sync_cuda as _sync_cuda,
-)
-from .shards import Box, Flat, Shard  # noqa: E402,F401  (re-exported)
-
 
 
 def _group(group: Optional[str]) -> str:
@@ -217,15 +196,15 @@ class Repository:
             if writer is None:
                 group.agree("put", error)  # raises on every rank
         kept = []  # device memory must stay alive until the commit has copied it
-        total = sum(_nbytes(v) for v in state_dict.values()) if progress else 0
+        total = sum(memory.nbytes(v) for v in state_dict.values()) if progress else 0
         done = 0
         try:
             for key, value in state_dict.items():
                 if key in skip:
                     continue  # another rank of the group puts the same region
-                _put_value(writer, key, value, shards.get(key), key in shards, kept)
+                memory.put_value(writer, key, value, shards.get(key), key in shards, kept)
                 if progress:
-                    done += _nbytes(value)
+                    done += memory.nbytes(value)
                     progress(done, total)
         except BaseException as e:
             writer.abort()
@@ -258,7 +237,7 @@ class Repository:
             skip, plan = collective.plan_save(state_dict, dict(shards or {}), group, verify_replicas, name)
         writer, kept = self._put_all(name, state_dict, step, rank, world_size, shards, tags, progress, skip, group,
                                      attempt, overwrite)
-        _sync_cuda(kept)
+        memory.sync_cuda(kept)
         return writer.commit(snapshot=snapshot), plan, group
 
     def save(self, name: str, state_dict: Mapping[str, Any], *, step: Optional[int] = None, rank: int = 0,
@@ -379,30 +358,30 @@ class Repository:
             collective.load(self, name, targets, shards, group, progress)
             return targets
         reader = self._repo.open_checkpoint(name)
-        mappings = _writable_mappings()  # read once per load: targets may be any memory
-        total = sum(_nbytes(t) for t in targets.values()) if progress else 0
+        mappings = memory.writable_mappings()  # read once per load: targets may be any memory
+        total = sum(memory.nbytes(t) for t in targets.values()) if progress else 0
         done = 0
         for key, target in targets.items():
-            _read_value(reader, key, target, shards.get(key), mappings)
+            memory.read_value(reader, key, target, shards.get(key), mappings)
             if progress:
-                done += _nbytes(target)
+                done += memory.nbytes(target)
                 progress(done, total)
         return targets
 
     def tensor(self, name: str, tensor_name: str, *, device: Any = "cpu"):
         """The whole tensor `tensor_name` of checkpoint `name`, merged from
         its shards, as a new torch tensor of its stored dtype on `device`."""
-        torch = _torch()
+        torch = memory.torch_module()
         if torch is None:
             raise UnsupportedError("Repository.tensor needs torch; load into a NumPy array with Repository.load")
         reader = self._repo.open_checkpoint(name)
         dtype_name, shape = reader.tensor_info(tensor_name)
-        dtype = _name_to_torch.get(dtype_name)
+        dtype = memory.NAME_TO_TORCH.get(dtype_name)
         if dtype is None:
             raise UnsupportedError(
                 f"tensor '{tensor_name}' is {dtype_name}, which torch {torch.__version__} has no dtype for")
         out = torch.empty(tuple(shape), dtype=dtype, device=device)
-        _read_value(reader, tensor_name, out, None)
+        memory.read_value(reader, tensor_name, out, None)
         return out
 
     def resume_point(self, which: str = "latest", *, process_group: Any = None,

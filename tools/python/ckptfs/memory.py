@@ -9,7 +9,7 @@ import builtins
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from ._core import InvalidArgumentError, UnsupportedError
+from ._core import InvalidArgumentError
 from .shards import Box, Flat, Shard
 
 _TORCH_NAMES = [

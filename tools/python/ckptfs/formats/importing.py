@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from typing import Any, Callable, Dict, Mapping, Optional
 
 import ckptfs
