@@ -14,9 +14,11 @@
 //      on every host from this PUT on.
 //   5. Delete the rank objects (leftovers are ignored once the manifest
 //      exists, and removed by rm).
-// A commit that fails in step 4 (the shards disagree, the store fails)
-// deletes its own rank object and its claim: the checkpoint stays pending
-// without this rank, which may commit again.
+// A commit that fails after step 2 began (the shards disagree, the store
+// fails, an answer is lost) takes its own rank object and its claim back,
+// each only if it still holds this commit's bytes: the checkpoint stays
+// pending without this rank, which may commit again. A single lost answer
+// never leaves a rank "already committed" that nobody completes.
 // Ranks finishing together may all see every rank and all merge; the
 // manifest is written with a conditional PUT (If-None-Match), so exactly one
 // of them commits and the others stand down.
@@ -162,11 +164,13 @@ class StoreCommit : public CommitProtocol {
 
  private:
   Status PutOwnPart(const RankCommit& rank, const std::string& key, const std::string& encoded);
-  Status AwaitOwnAttempt(const RankCommit& rank, CommitResult* result);
+  // Deletes `key` if it holds exactly `ours` (best effort).
+  void TakeBack(const std::string& key, const std::string& ours);
+  Status AwaitOwnAttempt(const RankCommit& rank, const std::string& claim, CommitResult* result);
   std::vector<Result<PendingRank>> ReadParts(const std::string& name, uint32_t n);
   Result<bool> AllOfThisAttempt(const RankCommit& rank, const std::vector<Result<PendingRank>>& parts);
   // Steps 3 to 5, this rank's part being durable.
-  Status CommitListed(const RankCommit& rank, CommitResult* result);
+  Status CommitListed(const RankCommit& rank, const std::string& claim, CommitResult* result);
   Result<std::optional<Manifest>> MergeStoredRanks(const RankCommit& rank);
 
   RepositoryImpl& repo_;
@@ -262,12 +266,11 @@ Result<bool> StoreCommit::AllOfThisAttempt(const RankCommit& rank, const std::ve
 // more of them an older attempt's part: waits, reading the parts again
 // with backoff, until this attempt's ranks have replaced them (then
 // commits as the last rank would) or the wait runs out.
-Status StoreCommit::AwaitOwnAttempt(const RankCommit& rank, CommitResult* result) {
+Status StoreCommit::AwaitOwnAttempt(const RankCommit& rank, const std::string& claim, CommitResult* result) {
   const auto deadline = rank.options.await_ranks + std::chrono::steady_clock::now();
   for (int attempt = 0;; ++attempt) {
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
-      (void)repo_.backend->Delete(keys::PendingRankObject(rank.name, rank.options.rank));
       return Status::IOError("checkpoint '" + rank.name + "': an earlier save attempt's parts were not all replaced "
                              "by this attempt's ranks in time; it stays invisible");
     }
@@ -287,7 +290,7 @@ Status StoreCommit::AwaitOwnAttempt(const RankCommit& rank, CommitResult* result
     if (!ours) continue;
     RankCommit again = rank;
     again.role = RankCommit::Role::kAny;  // every part is in: commit as the last rank would
-    return CommitListed(again, result);
+    return CommitListed(again, claim, result);
   }
 }
 
@@ -355,23 +358,41 @@ Status StoreCommit::Commit(const RankCommit& rank, CommitResult* result) {
   header.tags = options.tags;
   header.attempt = options.attempt;
   const std::string encoded = EncodePendingRank(header, rank.record);
-  CKPT_RETURN_IF_ERROR(PutOwnPart(rank, own_key, encoded));
+  // The claim names this commit, so an answer lost on the way and a retry
+  // that finds the object still tell whose claim it is.
+  const std::string claim = "rank " + std::to_string(options.rank) + " " + RandomHex(16);
+  Status st = PutOwnPart(rank, own_key, encoded);
   // The catalog is this host's index of the store: the packs just written
   // go in as a sync would put them.
-  CKPT_RETURN_IF_ERROR(repo_.catalog->Update([&](WriteTxn& txn) -> Status {
-    for (const auto& p : rank.sealed) CKPT_RETURN_IF_ERROR(RecordPack(txn, p).status());
-    return Status::OK();
-  }));
-
-  if (rank.role == RankCommit::Role::kPartOnly) return Status::OK();  // the sharing rank completes
-  return CommitListed(rank, result);
+  if (st.ok()) {
+    st = repo_.catalog->Update([&](WriteTxn& txn) -> Status {
+      for (const auto& p : rank.sealed) CKPT_RETURN_IF_ERROR(RecordPack(txn, p).status());
+      return Status::OK();
+    });
+  }
+  if (st.ok() && rank.role == RankCommit::Role::kPartOnly) return Status::OK();  // the sharing rank completes
+  if (st.ok()) st = CommitListed(rank, claim, result);
+  if (!st.ok()) {
+    // Failed, maybe with this rank's part or claim in the store (a PUT
+    // whose answer was lost, a merge that failed): both are taken back, as
+    // a failed commit of a local repository leaves its rank out, so that
+    // the rank may commit again. A part or claim that is not this
+    // commit's (another rank run twice, a newer attempt's) stays.
+    TakeBack(own_key, encoded);
+    TakeBack(keys::CommitClaimObject(name), claim);
+  }
+  return st;
 }
 
-Status StoreCommit::CommitListed(const RankCommit& rank, CommitResult* result) {
+void StoreCommit::TakeBack(const std::string& key, const std::string& ours) {
+  auto there = repo_.backend->ReadAll(key, ours.size() + 1);
+  if (there.ok() && *there == ours) (void)repo_.backend->Delete(key);
+}
+
+Status StoreCommit::CommitListed(const RankCommit& rank, const std::string& claim, CommitResult* result) {
   const std::string& name = rank.name;
   const WriterOptions& options = rank.options;
   Backend& store = *repo_.backend;
-  const std::string own_key = keys::PendingRankObject(name, options.rank);
   std::set<uint32_t> ranks;
   std::vector<std::string> beyond;  // parts of ranks past the world size: an older attempt's
   const auto deadline = std::chrono::steady_clock::now() + options.await_ranks;
@@ -393,7 +414,6 @@ Status StoreCommit::CommitListed(const RankCommit& rank, CommitResult* result) {
     if (rank.role != RankCommit::Role::kCompleter) return Status::OK();  // another rank completes later
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
-      (void)store.Delete(own_key);  // as a failed commit leaves its rank out
       std::string missing;
       size_t shown = 0;
       for (uint32_t r = 0; r < options.world_size && shown < 8; ++r) {
@@ -417,8 +437,6 @@ Status StoreCommit::CommitListed(const RankCommit& rank, CommitResult* result) {
 
   // Ranks finishing together may all see every rank in: the one whose
   // claim lands first (a conditional PUT) commits, the others are done.
-  // The claim names this attempt, so an answer lost on the way and a retry
-  // that finds the object still tell whose claim it is.
   //
   // A claim another attempt holds is not taken for a commit: a committer
   // that failed after its claim, and whose clean-up failed too (or whose
@@ -430,7 +448,6 @@ Status StoreCommit::CommitListed(const RankCommit& rank, CommitResult* result) {
   // claim unchanged for as long as a lock object goes stale.
   const std::string claim_key = keys::CommitClaimObject(name);
   const std::string manifest_key = keys::ManifestObject(name);
-  const std::string claim = "rank " + std::to_string(options.rank) + " " + RandomHex(16);
   for (;;) {
     Status claimed = store.PutIfAbsent(claim_key, std::as_bytes(std::span(claim)));
     if (!claimed.IsAlreadyExists()) {
@@ -477,31 +494,22 @@ Status StoreCommit::CommitListed(const RankCommit& rank, CommitResult* result) {
   }
   if (!published.status().IsNotFound()) return published.status();
   // A commit that fails from here on (the ranks' shards disagree, the store
-  // fails) takes its rank object and its claim back, as a failed commit
-  // of a local repository leaves its rank out: the checkpoint stays
-  // pending, and this rank may commit again.
-  auto fail = [&](Status st) {
-    (void)store.Delete(own_key);
-    (void)store.Delete(claim_key);
-    return st;
-  };
+  // fails) gets its rank object and its claim taken back by Commit.
   auto manifest = MergeStoredRanks(rank);
   if (manifest.ok() && !*manifest) {
     // An older attempt's part still stands for some rank: this attempt's
     // rank replaces it when it commits, and completes the checkpoint then.
     (void)store.Delete(claim_key);
     if (rank.role != RankCommit::Role::kCompleter) return Status::OK();
-    return AwaitOwnAttempt(rank, result);
+    return AwaitOwnAttempt(rank, claim, result);
   }
-  if (!manifest.ok()) return fail(manifest.status());
-  if (rank.store_lock != nullptr) {
-    if (Status held = rank.store_lock->Check(); !held.ok()) return fail(held);
-  }
+  CKPT_RETURN_IF_ERROR(manifest.status());
+  if (rank.store_lock != nullptr) CKPT_RETURN_IF_ERROR(rank.store_lock->Check());
   const std::string manifest_bytes = EncodeManifest(**manifest);
   Status put = store.PutIfAbsent(manifest_key, std::as_bytes(std::span(manifest_bytes)));
   // Exists: this PUT's own, its answer lost and retried.
   if (put.IsAlreadyExists()) return Status::OK();
-  if (!put.ok()) return fail(put);
+  CKPT_RETURN_IF_ERROR(put);
   result->checkpoint_visible = true;
   // The checkpoint is committed: what follows is tidying, and its failure
   // (the store going away now) does not undo the commit. Rank objects left

@@ -1453,6 +1453,82 @@ TEST(RepositoryOnAStore, AChunkOfAGonePackComesBackFromAPackWhoseIndexFailedToRe
   }
 }
 
+// Fails one request, the first of kind `op` on a key containing `part`,
+// before it takes effect or after (the client sees an error for a write
+// that happened: its answer was lost).
+class OneLostAnswer : public BackendWrapper {
+ public:
+  OneLostAnswer(std::shared_ptr<Backend> inner, std::string op, std::string part, bool after)
+      : BackendWrapper(std::move(inner)), op_(std::move(op)), part_(std::move(part)), after_(after) {}
+  std::atomic<bool> armed{false}, fired{false};
+  Status PutIfAbsent(std::string_view key, std::span<const std::byte> data) override {
+    if (!Hit("PUT", key)) return BackendWrapper::PutIfAbsent(key, data);
+    if (!after_) return Lost(key);
+    Status st = BackendWrapper::PutIfAbsent(key, data);
+    return st.ok() ? Lost(key) : st;
+  }
+  Result<std::string> ReadAll(std::string_view key, uint64_t max_bytes) override {
+    if (Hit("GET", key)) return Lost(key);
+    return BackendWrapper::ReadAll(key, max_bytes);
+  }
+  Result<std::vector<std::string>> List(std::string_view prefix) override {
+    if (Hit("LIST", prefix)) return Lost(prefix);
+    return BackendWrapper::List(prefix);
+  }
+
+ private:
+  bool Hit(std::string_view op, std::string_view key) {
+    return armed && op == op_ && key.find(part_) != std::string_view::npos && !fired.exchange(true);
+  }
+  static Status Lost(std::string_view key) { return Status::IOError("connection lost on " + std::string(key) + " (test)"); }
+  const std::string op_, part_;
+  const bool after_;
+};
+
+// A commit that fails from one fault at any step after its part may be in
+// the store takes its part and its claim back, so a new save of the name
+// commits (a one-rank save no longer stays pending, "already committed",
+// until rm).
+TEST(RepositoryOnAStore, ACommitFailedByOneLostAnswerTakesItsPartBackAndTheNameSavesAgain) {
+  struct Case {
+    const char* op;
+    const char* part;
+    bool after;
+  };
+  for (const Case& c : {Case{"PUT", "pending/x/rank-0", true}, Case{"LIST", "pending/x/", false},
+                        Case{"PUT", "pending/x/commit", true}, Case{"GET", "pending/x/rank-0", false},
+                        Case{"PUT", "manifests/x.manifest", false}}) {
+    SCOPED_TRACE(std::string(c.op) + " " + c.part + (c.after ? ", after it took effect" : ", before"));
+    TempDir dir;
+    auto store = std::make_shared<OneLostAnswer>(NewMemoryBackend(), c.op, c.part, c.after);
+    ASSERT_OK(Repository::Init(*store, {}));
+    auto repo = OpenHost(store, dir / "a");
+    auto save = [&](const std::string& bytes) {
+      auto w = repo->BeginCheckpoint("x", {});
+      if (!w.ok()) return w.status();
+      EXPECT_OK((*w)->PutTensor({"t", DType::kU8, {bytes.size()}}, std::as_bytes(std::span(bytes))));
+      return (*w)->Commit().Wait().status();
+    };
+    store->armed = true;
+    Status failed = save(std::string(5000, 'a'));
+    store->armed = false;
+    ASSERT_TRUE(store->fired.load());
+    EXPECT_FALSE(failed.ok());
+    auto left = store->List("objects/pending/x/");
+    ASSERT_OK(left);
+    for (const auto& key : *left) {
+      EXPECT_TRUE(key.find("/rank-") == std::string::npos && key.find("/commit") == std::string::npos)
+          << key << " left by the failed commit";
+    }
+    ASSERT_OK(save(std::string(5000, 'b')));
+    auto r = repo->OpenCheckpoint("x");
+    ASSERT_OK(r);
+    std::string got(5000, '\0');
+    ASSERT_OK((*r)->ReadBytes(*(*r)->FindTensor("t"), 0, std::as_writable_bytes(std::span(got))));
+    EXPECT_EQ(got, std::string(5000, 'b'));
+  }
+}
+
 TEST(RepositoryOnAStore, HostileIdsAndForeignStateDirectoriesAreRefused) {
   TempDir dir;
   std::shared_ptr<Backend> store = NewMemoryBackend();
