@@ -1,6 +1,7 @@
 // ckpt-sim: runs simulated multi-host histories with injected faults
 // (simulation.h) for N seeds or for T minutes, and reports operations per
 // second and every anomaly, with the shortest history that shows it.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -14,7 +15,7 @@ void Usage(FILE* to) {
   std::fprintf(to,
                "usage: ckpt-sim [--seeds N] [--first-seed S] [--minutes T] [--ops N] [--hosts N]\n"
                "                [--no-faults] [--no-racy-sources] [--no-shrink] [--history] [--history-lines N]\n"
-               "                [--lock-stale-ms MS]\n"
+               "                [--lock-stale-ms MS] [--max-growth-mib-per-host N]\n"
                "Runs simulated histories of many hosts sharing one object store (in memory),\n"
                "with requests failing before and after they take effect, throttling and host\n"
                "crashes, and checks each against a model of what the protocol promises.\n"
@@ -23,7 +24,9 @@ void Usage(FILE* to) {
                "does and printed. Exits 1 when any seed finds one.\n"
                "--lock-stale-ms sets how long a lock or lease may go unrefreshed before\n"
                "other hosts take its holder for gone (default 400; shorter makes leases\n"
-               "expire under load more often).\n");
+               "expire under load more often).\n"
+               "--max-growth-mib-per-host bounds how far resident memory may grow over a\n"
+               "run, per host, beyond what it was with every host open (default 32; 0: off).\n");
 }
 }  // namespace
 
@@ -69,6 +72,8 @@ int main(int argc, char** argv) {
     } else if (a == "--lock-stale-ms") {
       options.lock_stale_ms = static_cast<int64_t>(number(value()));
       if (options.lock_stale_ms < 10) options.lock_stale_ms = 10;
+    } else if (a == "--max-growth-mib-per-host") {
+      options.max_growth_mib_per_host = static_cast<uint64_t>(number(value()));
     } else if (a == "--no-racy-sources") {
       options.racy_sources = false;
     } else if (a == "--no-faults") {
@@ -86,7 +91,7 @@ int main(int argc, char** argv) {
   if (seeds == 0 && minutes == 0) seeds = 10;
   const auto start = std::chrono::steady_clock::now();
   auto elapsed_min = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / 60; };
-  uint64_t ops = 0, failed = 0, reads = 0, crashes = 0, faults = 0, bad = 0, ran = 0;
+  uint64_t ops = 0, failed = 0, reads = 0, crashes = 0, faults = 0, bad = 0, ran = 0, pages = 0, growth = 0;
   double busy = 0;
   for (uint64_t seed = first;; ++seed) {
     if (seeds && ran >= seeds) break;
@@ -99,12 +104,15 @@ int main(int argc, char** argv) {
     reads += r.reads_checked;
     crashes += r.crashes;
     faults += r.faults_injected;
+    pages += r.listing_pages;
+    growth = std::max(growth, r.peak_growth_mib);
     busy += r.seconds;
     std::printf("seed %llu: %llu operations (%llu ended in an error), %llu reads checked, %llu faults, %llu crashes, "
-                "%.1f s: %s\n",
+                "%llu later listing pages, memory +%llu MiB, %.1f s: %s\n",
                 static_cast<unsigned long long>(seed), static_cast<unsigned long long>(r.operations),
                 static_cast<unsigned long long>(r.failed), static_cast<unsigned long long>(r.reads_checked),
                 static_cast<unsigned long long>(r.faults_injected), static_cast<unsigned long long>(r.crashes),
+                static_cast<unsigned long long>(r.listing_pages), static_cast<unsigned long long>(r.peak_growth_mib),
                 r.seconds, r.ok() ? "ok" : "ANOMALY");
     if (!r.ok() || history) {
       if (!r.ok()) {
@@ -117,10 +125,11 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
   std::printf("%llu seeds, %llu operations in %.1f s (%.0f operations/s), %llu reads checked, %llu faults injected, "
-              "%llu host crashes: %llu seeds with anomalies\n",
+              "%llu host crashes, %llu later listing pages, peak memory growth %llu MiB: %llu seeds with anomalies\n",
               static_cast<unsigned long long>(ran), static_cast<unsigned long long>(ops), busy,
               busy > 0 ? ops / busy : 0.0, static_cast<unsigned long long>(reads), static_cast<unsigned long long>(faults),
-              static_cast<unsigned long long>(crashes), static_cast<unsigned long long>(bad));
+              static_cast<unsigned long long>(crashes), static_cast<unsigned long long>(pages),
+              static_cast<unsigned long long>(growth), static_cast<unsigned long long>(bad));
   (void)failed;
   return bad ? 1 : 0;
 }

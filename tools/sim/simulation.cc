@@ -20,7 +20,9 @@
 #include "backend/backend.h"
 #include "ckpt/collective.h"
 #include "ckpt/communicator.h"
+#include "ckpt/layout.h"
 #include "ckpt/repository.h"
+#include "ckpt/repository_impl.h"
 #include "store/pack.h"
 
 namespace ckptfs::sim {
@@ -115,7 +117,7 @@ class FaultyStore final : public BackendWrapper {
   void Note(Fault f, std::string_view what) {
     static const char* names[] = {"", "failed before", "failed after", "throttled", "crashed at"};
     std::lock_guard lock(log_mu_);
-    if (log_.size() < 50) log_.push_back(std::string(names[static_cast<int>(f)]) + " " + std::string(what));
+    if (log_.size() < kMaxLog) log_.push_back(std::string(names[static_cast<int>(f)]) + " " + std::string(what));
   }
   static Status Injected(Fault f, std::string_view what) {
     switch (f) {
@@ -166,16 +168,43 @@ class FaultyStore final : public BackendWrapper {
     return Read("HEAD " + std::string(key), [&] { return inner().Tag(key); });
   }
   Result<std::vector<std::string>> List(std::string_view prefix) override {
-    return Read("LIST " + std::string(prefix), [&] { return inner().List(prefix); });
+    CKPT_ASSIGN_OR_RETURN(auto listed, ListTagged(prefix));
+    std::vector<std::string> keys;
+    keys.reserve(listed.size());
+    for (auto& o : listed) keys.push_back(std::move(o.key));
+    return keys;
   }
+  // A listing comes in pages, as S3 sends it: each page is a request of its
+  // own (its own fault draw), and the next one starts after the last key of
+  // the one before. So a listing is no snapshot: a key put or deleted while
+  // it runs may or may not be in it, as on S3, where only each page is
+  // current. Pages hold 10 to 100 keys (S3's 1,000 would leave the small
+  // listings of a simulation in one page).
   Result<std::vector<ListedObject>> ListTagged(std::string_view prefix) override {
-    return Read("LIST " + std::string(prefix), [&] { return inner().ListTagged(prefix); });
+    const size_t page = 10 + SplitMix(seed_ ^ requests_.load() ^ 0x9e37) % 91;
+    std::vector<ListedObject> out;
+    std::string after;
+    for (;;) {
+      const std::string what = "LIST " + std::string(prefix) + (after.empty() ? "" : " after " + after);
+      CKPT_ASSIGN_OR_RETURN(auto all, Read(what, [&] { return inner().ListTagged(prefix); }));
+      auto from = after.empty() ? all.begin()
+                                : std::upper_bound(all.begin(), all.end(), after,
+                                                   [](const std::string& k, const ListedObject& o) { return k < o.key; });
+      const size_t n = std::min<size_t>(page, static_cast<size_t>(all.end() - from));
+      for (size_t i = 0; i < n; ++i) out.push_back(std::move(from[i]));
+      if (static_cast<size_t>(all.end() - from) <= page) return out;
+      after = out.back().key;
+      ++pages_;
+      std::this_thread::yield();  // other threads of the process move on between pages
+    }
   }
+  uint64_t pages() const { return pages_.load(); }
   Status Delete(std::string_view key) override {
     return Write("DELETE " + std::string(key), [&] { return inner().Delete(key); });
   }
 
  private:
+  static constexpr size_t kMaxLog = 50;
   const uint64_t seed_;
   const SimOptions& options_;
   std::atomic<uint64_t> requests_{0};
@@ -183,6 +212,7 @@ class FaultyStore final : public BackendWrapper {
   std::atomic<bool> armed_{false};
   std::atomic<bool> dead_{false};
   std::atomic<uint64_t> injected_{0};
+  std::atomic<uint64_t> pages_{0};  // listing pages after the first
   std::mutex log_mu_;
   std::vector<std::string> log_;  // guarded by log_mu_
 };
@@ -214,6 +244,16 @@ Result<std::unique_ptr<ObjectWriter>> FaultyStore::Create(std::string_view key) 
   if (f != Fault::kNone) return Injected(f, "an upload of " + std::string(key));
   CKPT_ASSIGN_OR_RETURN(auto w, inner().Create(key));
   return std::unique_ptr<ObjectWriter>(new FaultyWriter(*this, std::move(w), std::string(key)));
+}
+
+// The process's resident memory, in MiB (0 where /proc is not there).
+uint64_t ResidentMiB() {
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  if (!f) return 0;
+  unsigned long long size = 0, resident = 0;
+  const int n = std::fscanf(f, "%llu %llu", &size, &resident);
+  std::fclose(f);
+  return n == 2 ? resident * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)) >> 20 : 0;
 }
 
 std::optional<uint64_t> VersionOf(const CheckpointRecord& rec) {
@@ -280,6 +320,7 @@ class Simulation {
     const auto start = std::chrono::steady_clock::now();
     std::filesystem::create_directories(root_);
     store_ = NewMemoryBackend();
+    objects_ = NewPrefixedBackend(store_, keys::kObjectsDir);
     // Another store, named apart from the first (a copy refuses a
     // destination that names itself as the source does).
     copy_store_ = NewPrefixedBackend(std::shared_ptr<Backend>(NewMemoryBackend()), "copy");
@@ -298,11 +339,26 @@ class Simulation {
     if (!copy.ok()) return Fail("open of the copy: " + copy.status().ToString());
     copy_repo_ = std::move(copy).value();
 
-    for (int i = 0; i < options_.operations; ++i) Step(i);
+    // Memory is bounded: what the process holds beyond what it held with
+    // every host open may not grow past a bound per host, however many
+    // operations run (caches, catalogs' maps, held readers and their
+    // leases are all bounded; a leak per operation is not).
+    const uint64_t base_mib = ResidentMiB();
+    for (int i = 0; i < options_.operations; ++i) {
+      Step(i);
+      const uint64_t now = ResidentMiB();
+      result_.peak_growth_mib = std::max(result_.peak_growth_mib, now > base_mib ? now - base_mib : 0);
+    }
+    if (options_.max_growth_mib_per_host && base_mib &&
+        result_.peak_growth_mib > options_.max_growth_mib_per_host * static_cast<uint64_t>(options_.hosts)) {
+      Anomaly("resident memory grew by " + std::to_string(result_.peak_growth_mib) + " MiB over the run, more than " +
+              std::to_string(options_.max_growth_mib_per_host) + " MiB per host");
+    }
     FinalChecks();
     result_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     for (const Host& h : hosts_) {
       if (h.store) result_.faults_injected += h.store->injected();
+      if (h.store) result_.listing_pages += h.store->pages();
     }
     result_.faults_injected += retired_faults_;
     return std::move(result_);
@@ -345,6 +401,7 @@ class Simulation {
   bool StartHost(int h) {
     Host& host = hosts_[h];
     if (host.store) retired_faults_ += host.store->injected();
+    if (host.store) result_.listing_pages += host.store->pages();
     host.store = std::make_shared<FaultyStore>(store_, SplitMix(options_.seed * 131 + h * 7919 + host.incarnation),
                                                options_);
     ++host.incarnation;
@@ -449,6 +506,29 @@ class Simulation {
       return false;
     }
     return true;
+  }
+
+  // A save's commit failed. One lost answer must not strand it: with at
+  // most one fault injected into its host's requests while it ran (and the
+  // host alive), the commit took its rank's part back unless it took
+  // effect (the manifest is there), so the rank may commit again. Two
+  // faults in a row (the failure, then the take-back's request) may leave
+  // the part: the name may then stay pending until rm. `faults_before` is
+  // the host's count of injected faults when the commit began.
+  void CheckFailedCommit(int h, uint64_t faults_before, const std::string& name, uint32_t rank, uint64_t v) {
+    Host& host = hosts_[h];
+    const uint64_t faults = host.store && !host.store->dead() ? host.store->injected() - faults_before : UINT64_MAX;
+    if (faults > 1) {
+      Model(name).maybe_pending = true;
+      return;
+    }
+    auto part = ReadPendingRank(*objects_, name, rank);
+    if (!part.ok() || VersionOf(part->header) != v) return;
+    if (!objects_->Size(keys::ManifestObject(name)).status().IsNotFound()) return;  // committed after all
+    Anomaly("the commit of rank " + std::to_string(rank) + " of '" + name + "' v" + std::to_string(v) + " failed with " +
+            std::to_string(faults) + " fault(s) injected and left its part there: the rank stays "
+            "'already committed' and the checkpoint pending");
+    Model(name).maybe_pending = true;
   }
 
   // ---- operations
@@ -562,6 +642,7 @@ class Simulation {
     Status st = (*w)->PutTensor({"w", DType::kF32, {kRows, kCols}}, weights);
     if (st.ok()) st = (*w)->PutTensor({"base", DType::kU8, {kBaseBytes}}, base);
     if (!st.ok()) return Failed("save " + name + " v" + std::to_string(v), st);
+    const uint64_t faults_before = hosts_[h].store->injected();
     auto c = (*w)->Commit().Wait();
     if (c.ok()) {
       Committed(name, v);
@@ -571,6 +652,9 @@ class Simulation {
     // have, or not; the old version stays possible).
     m.possible.insert(v);
     m.definite.reset();
+    // (An overwriting save commits under a name of its own, with an
+    // attempt the next overwriting save supersedes.)
+    if (!overwrite) CheckFailedCommit(h, faults_before, name, 0, v);
     return Failed("save " + name + " v" + std::to_string(v) + again + " (outcome unknown)", c.status());
   }
 
@@ -603,10 +687,12 @@ class Simulation {
       if (saved.ok()) saved = (*w)->PutTensor({"w", DType::kF32, {kRows, kCols}}, WeightsOf(v));
       if (saved.ok()) saved = (*w)->PutTensor({"base", DType::kU8, {kBaseBytes}}, BaseOf(v));
       bool committing = saved.ok();
+      const uint64_t faults_before = hosts_[h].store->injected();
       if (committing) saved = (*w)->Commit().Wait().status();
       if (committing && !saved.ok()) {
         m.possible.insert(v);  // the commit may have taken effect
         m.definite.reset();
+        CheckFailedCommit(h, faults_before, name, 0, v);
       }
     }
     gc_thread.join();
@@ -706,12 +792,14 @@ class Simulation {
     stop = true;
     writer.join();
     if (!st.ok()) return Failed("racy save " + name, st);
+    const uint64_t faults_before = hosts_[h].store->injected();
     auto c = (*w)->Commit().Wait();
     if (c.ok()) {
       Committed(name, v);
       return "racy save " + name + " v" + std::to_string(v) + ": committed";
     }
     Model(name).possible.insert(v);  // the commit may have taken effect
+    CheckFailedCommit(h, faults_before, name, 0, v);
     return Failed("racy save " + name + " (outcome unknown)", c.status());
   }
 
@@ -784,9 +872,11 @@ class Simulation {
         p.state = RankState::kNever;
         what += ": rank died before its commit";
       } else {
+        const uint64_t faults_before = hosts_[h].store->injected();
         auto c = p.writer->Commit().Wait();
         p.writer.reset();
         p.state = c.ok() ? RankState::kCommitted : RankState::kUncertain;
+        if (!c.ok()) CheckFailedCommit(h, faults_before, s.name, static_cast<uint32_t>(r), s.version);
         what = c.ok() ? what + ": committed" + (c->checkpoint_visible ? " (visible)" : "")
                       : Failed(what + " commit (outcome unknown)", c.status());
       }
@@ -1135,6 +1225,7 @@ class Simulation {
   SimResult result_;
   std::filesystem::path root_;
   std::shared_ptr<Backend> store_, copy_store_;
+  std::shared_ptr<Backend> objects_;  // store_ as a repository's objects (the driver's own look: no faults)
   std::vector<Host> hosts_;
   std::unique_ptr<Repository> copy_repo_;
   std::vector<SaveInFlight> saves_;

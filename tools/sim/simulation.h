@@ -36,7 +36,12 @@
 //   - after faults stop and every host syncs, hosts list different
 //     checkpoints, a checkpoint does not read back bit-exact, or verify
 //     finds a problem;
-//   - an operation takes longer than its deadline.
+//   - an operation takes longer than its deadline;
+//   - a commit that failed from one fault on its pending objects left its
+//     rank's part behind (one lost answer strands no checkpoint);
+//   - resident memory grows past a bound per host.
+// Listings come in pages, each a request of its own, so a listing is no
+// snapshot of the store (as on S3).
 // The first operations' choices are a function of the seed alone, so a
 // failing seed is shrunk by running shorter prefixes of its history.
 #pragma once
@@ -69,6 +74,9 @@ struct SimOptions {
   int64_t lock_stale_ms = 400;
   // An operation that takes longer is an anomaly.
   double deadline_s = 60;
+  // Resident memory may grow by at most this much per host over the run
+  // (beyond what the process held once every host was open); 0: no bound.
+  uint64_t max_growth_mib_per_host = 32;
   // Lines of history kept for a failure's report.
   size_t history_lines = 400;
 };
@@ -80,6 +88,8 @@ struct SimResult {
   uint64_t reads_checked = 0;  // reads compared with the model, bit for bit
   uint64_t crashes = 0;
   uint64_t faults_injected = 0;
+  uint64_t listing_pages = 0;    // listings' pages after their first
+  uint64_t peak_growth_mib = 0;  // resident memory, over what it was with every host open
   double seconds = 0;
   std::vector<std::string> anomalies;
   std::vector<std::string> history;  // the last history_lines operations and results
