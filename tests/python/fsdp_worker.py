@@ -10,6 +10,15 @@ environment):
         builds the job at this world size, restores 'step-3' from one of the
         two with dcp.load, and trains 2 more steps
 
+    fsdp_worker.py job REPO STEPS CRASH_AT
+        a training job as a user writes one: resumes from the repository's
+        latest checkpoint when it has one, then trains up to step STEPS,
+        starting dcp.async_save of model and optimizer as 'step-N' after
+        each step (waiting for the save before it, as torchtitan does). At
+        step CRASH_AT (0: never) the job dies in the middle of that save:
+        rank 3 before it writes, the others once their parts are committed,
+        so the checkpoint stays pending with parts of some ranks
+
     fsdp_worker.py hf REPO
         wraps test_huggingface's tiny Llama with fully_shard and saves its
         model state with dcp.save as checkpoint 'fsdp-hf', its config.json
@@ -18,7 +27,8 @@ environment):
 Rank 0 prints one JSON line: digests of the whole model and optimizer state
 (after training for 'train', right after the restore for 'resume'), the
 per-step global losses as float.hex, and for 'resume' the digests after
-the 2 steps.
+the 2 steps. For 'job': the step it resumed from, the digests right after
+that restore, and the digests after each step it trained.
 """
 import hashlib
 import json
@@ -123,6 +133,52 @@ def full_digests(model, opt):
     return digest(msd), digest(osd)
 
 
+def run_job(model, opt, repo, steps, crash_at, rank):
+    import os
+
+    import ckptfs
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    out = {"resumed_from": None, "after": {}}
+    latest = ckptfs.open(repo).resume_point("latest", process_group=dist.group.WORLD)
+    first = 1
+    if latest is not None:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, storage_reader=StorageReader(repo, latest["name"]))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        out["resumed_from"] = latest["step"]
+        out["restored"] = full_digests(model, opt)
+        first = latest["step"] + 1
+    # The saves run on a thread of their own while training goes on: their
+    # collectives get a group of their own (as torchtitan's async saves do),
+    # or the two threads' collectives would interleave on one group.
+    saves_group = dist.new_group(backend="gloo")
+    saving = None
+    for step in range(first, steps + 1):
+        train(model, opt, step - 1, 1, rank)
+        out["after"][step] = full_digests(model, opt)
+        if saving is not None:
+            saving.result()
+        model_sd, optim_sd = get_state_dict(model, opt)
+        writer = StorageWriter(repo, f"step-{step}", step=step)
+        if step == crash_at:
+            wrote = writer.write_data
+
+            def dying(plan, planner, wrote=wrote):
+                if dist.get_rank() == 3:
+                    os._exit(0)
+                wrote(plan, planner).value()
+                os._exit(0)  # this rank's part is committed; the job dies before DCP's finish
+            writer.write_data = dying
+        saving = dcp.async_save({"model": model_sd, "optim": optim_sd}, storage_writer=writer,
+                                process_group=saves_group, async_checkpointer_type=AsyncCheckpointerType.THREAD)
+    if saving is not None:
+        saving.result()
+    if rank == 0:
+        print(json.dumps(out))
+
+
 def save_hugging_face_model(repo):
     from test_huggingface import tiny_model
 
@@ -148,6 +204,9 @@ def main():
         leave()
     model, opt = build(world)
     out = {}
+    if action == "job":
+        run_job(model, opt, sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), rank)
+        leave()
     if action == "train":
         repo, fsdir = sys.argv[2], sys.argv[3]
         out["initial"] = full_digests(model, opt)[0]

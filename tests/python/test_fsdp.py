@@ -35,6 +35,13 @@ class Fsdp2(CkptTestCase):
         [line] = [o for o in outs[0].splitlines() if o.startswith("{")]
         return json.loads(line)
 
+    def run_job_outputs(self, world, *args):
+        port = free_port()
+        outs = run_ranks(self, lambda r: [sys.executable, WORKER, *args], world,
+                         lambda r: dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+        return [o.strip() for o in outs]
+
     def test_saved_at_4_ranks_restored_at_2_and_3_trains_on_exactly_as_from_dcps_own_checkpoint(self):
         ckptfs.init(self.repo)
         fsdir = self.path("dcp-fs")
@@ -59,6 +66,46 @@ class Fsdp2(CkptTestCase):
                 self.assertEqual(ours, theirs)
                 self.assertNotEqual(ours["model_after"], ours["model"])
         self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
+
+    def test_a_job_killed_during_async_save_resumes_from_its_last_checkpoint_bit_exact_at_4_ranks_and_at_2(self):
+        # The same job, never killed: the state after every step.
+        reference = self.path("reference")
+        ckptfs.init(reference)
+        never_killed = self.run_job(4, "job", reference, "6", "0")
+        self.assertIsNone(never_killed["resumed_from"])
+        # Killed in the middle of step 4's async save.
+        ckptfs.init(self.repo)
+        outs = self.run_job_outputs(4, "job", self.repo, "6", "4")
+        self.assertEqual(outs, [""] * 4, "every rank should have died in the save")
+        repo = ckptfs.open(self.repo)
+        self.assertEqual([c["name"] for c in repo.checkpoints()], ["step-1", "step-2", "step-3"])
+        [pending] = [c for c in repo.checkpoints(include_pending=True) if c["state"] == "pending"]
+        self.assertTrue(pending["name"].startswith("step-4"), pending)
+        self.assertEqual(pending["world_size"], 4)
+        # The same crash, for the restart at 2 ranks.
+        shutil.copytree(self.repo, self.path("for-2-ranks"), symlinks=True)
+        for world, repo_dir in ((4, self.repo), (2, self.path("for-2-ranks"))):
+            with self.subTest(restarted_at=world):
+                resumed = self.run_job(world, "job", repo_dir, "6", "0")
+                # Resumed from the last committed step, with exactly what it held.
+                self.assertEqual(resumed["resumed_from"], 3)
+                self.assertEqual(resumed["restored"], never_killed["after"]["3"])
+                if world == 4:
+                    # At the same world size, training goes on bit-exact:
+                    # steps 4-6 give what the job never killed got.
+                    for step in ("4", "5", "6"):
+                        self.assertEqual(resumed["after"][step], never_killed["after"][step], step)
+                else:
+                    self.assertNotEqual(resumed["after"]["6"], resumed["restored"], "training changed nothing")
+                # Step 4 saved again over the crashed attempt, never mixed
+                # with it: at the restarted world size, every rank's part.
+                repo = ckptfs.open(repo_dir)
+                listed = {c["name"]: c for c in repo.checkpoints(include_pending=True)}
+                self.assertEqual(sorted(listed), [f"step-{i}" for i in range(1, 7)])
+                for step in (4, 5, 6):
+                    c = listed[f"step-{step}"]
+                    self.assertEqual((c["state"], c["world_size"], c["step"]), ("committed", world, step))
+                self.assertIn("ok", self.run_ckpt("verify", env={"CKPT_REPO": repo_dir}).stdout.decode())
 
     @unittest.skipUnless(HAVE_FUSE, "no FUSE here (/dev/fuse, fusermount3)")
     def test_a_hugging_face_model_saved_from_fsdp2_with_its_config_loads_with_from_pretrained_when_mounted(self):
