@@ -25,7 +25,8 @@ process_group=), run by test_collective.py, one process per rank over gloo
     collective_worker.py dcp-load REPO NAME - [alone]
         dcp.load of full() into DTensors (Replicate x Shard(0) on a 2 x N/2
         mesh) through ckptfs.torch.StorageReader with the process group
-        ("alone": without it); prints the stored bytes it fetched.
+        ("alone": without it), each rank with a catalog of its own on S3; prints
+        the stored bytes it fetched and its PUT requests (read leases).
     collective_worker.py resume REPO - -
         resume_point("latest") and resume_point("no-such") through the group,
         with only rank 0 allowed to ask the repository; prints the answers.
@@ -197,6 +198,8 @@ def main():
 
         from ckptfs.torch import StorageReader  # noqa: PLC0415
 
+        if repo_path.startswith("s3://"):  # each rank a host of its own (a catalog each), as on a cluster
+            os.environ["CKPT_CACHE_DIR"] = os.path.join(os.environ["CKPT_CACHE_DIR"], "dcp-" + mode, f"rank{rank}")
         mesh = init_device_mesh("cpu", (2, world // 2))
         want = full()
         target = {k: distribute_tensor(torch.zeros_like(v), mesh, [Replicate(), Shard(0)]) for k, v in want.items()}
@@ -206,7 +209,7 @@ def main():
         for k, v in want.items():
             assert torch.equal(target[k].full_tensor(), v), k
         c = reader._repo.store_counters()
-        print(json.dumps({"fetched": c["stored_bytes_fetched"], "chunks": c["chunks_fetched"]}))
+        print(json.dumps({"fetched": c["stored_bytes_fetched"], "chunks": c["chunks_fetched"], "puts": c["put_requests"]}))
         leave()
     if action in ("save", "die-save", "die-commit"):
         values, shards = part(layout, rank, world)

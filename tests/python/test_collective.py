@@ -219,6 +219,17 @@ class Collective(CkptTestCase):
         # Without the group, each of the 2 replica groups fetches it all.
         self.assertGreater(sum(g["fetched"] for g in alone), 1.9 * stored, alone)
 
+    def test_dcp_load_through_the_storage_reader_takes_one_read_lease_for_the_job_on_s3(self):
+        self.use_s3()
+        self.job(WORLD, "save", "d", "hsdp")
+        together = [json.loads(x) for x in self.job(WORLD, "dcp-load", "d", "-")]
+        alone = [json.loads(x) for x in self.job(WORLD, "dcp-load", "d", "-", "alone")]
+        # Alone, every rank (a host) leases the checkpoint: a PUT each.
+        self.assertTrue(all(a["puts"] >= 1 for a in alone), alone)
+        # With the group, rank 0's lease is the job's: the others PUT nothing.
+        self.assertGreaterEqual(together[0]["puts"], 1, together)
+        self.assertEqual([t["puts"] for t in together[1:]], [0] * (WORLD - 1), together)
+
     def test_rank_0_resolves_the_resume_point_for_every_rank(self):
         # Rank 0's error on every rank; the others say whose it was.
         missing = "NotFoundError: no committed checkpoint named 'no-such'"

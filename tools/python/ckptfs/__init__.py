@@ -459,7 +459,9 @@ class Repository:
     def show(self, name: str) -> Dict[str, Any]:
         """Checkpoint `name` with its tensors, shards and blobs: the fields of
         `ckpt show --json`."""
-        return self._repo.open_checkpoint(name).show()
+        # The manifest alone: no chunk is read, so no read lease is taken
+        # (a lease costs a PUT and a DELETE on an object store).
+        return self._repo.open_checkpoint(name, lease=False).show()
 
     def rm(self, *names: str) -> None:
         """Removes checkpoints, all or none (NotFoundError when any is

@@ -111,6 +111,12 @@ def _rank_and_world() -> "tuple[int, int]":
     return 0, 1
 
 
+def _rank_in(group) -> int:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    return dist.get_rank(group)
+
+
 if _REASON is None:
     import torch
     from torch.distributed.checkpoint import storage as _storage
@@ -372,7 +378,12 @@ class StorageReader(_ReaderBase):
         return plans
 
     def read_data(self, plan, planner):
-        reader = self._repo._repo.open_checkpoint(self.name)
+        # With a process group the job holds one read lease, rank 0's
+        # (ckptfs.collective takes it for the tensors); the other ranks read
+        # their blobs under it, or fail clearly if the checkpoint was
+        # removed and collected first, never with other bytes.
+        lease = self.process_group is None or _rank_in(self.process_group) == 0
+        reader = self._repo._repo.open_checkpoint(self.name, lease=lease)
         mappings = writable_mappings()
         together = []  # (item, tensor name, target, box) for a collective read
         for item in plan.items:
