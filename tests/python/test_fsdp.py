@@ -27,20 +27,18 @@ WORKER = os.path.join(HERE, "fsdp_worker.py")
 
 @unittest.skipIf(DCP_REASON, DCP_REASON or "")
 class Fsdp2(CkptTestCase):
-    def run_job(self, world, *args):
-        port = free_port()
-        outs = run_ranks(self, lambda r: [sys.executable, WORKER, *args], world,
-                         lambda r: dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
-        [line] = [o for o in outs[0].splitlines() if o.startswith("{")]
-        return json.loads(line)
-
     def run_job_outputs(self, world, *args):
+        """Every rank's stdout, stripped."""
         port = free_port()
         outs = run_ranks(self, lambda r: [sys.executable, WORKER, *args], world,
                          lambda r: dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
                                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
         return [o.strip() for o in outs]
+
+    def run_job(self, world, *args):
+        """Rank 0's JSON line."""
+        [line] = [o for o in self.run_job_outputs(world, *args)[0].splitlines() if o.startswith("{")]
+        return json.loads(line)
 
     def test_saved_at_4_ranks_restored_at_2_and_3_trains_on_exactly_as_from_dcps_own_checkpoint(self):
         ckptfs.init(self.repo)
