@@ -255,13 +255,16 @@ TEST_F(S3Repository, RanksCommittingAtTheSameInstantCommitOnce) {
       // the claim costs two more, no merge, and a HEAD of the manifest
       // each poll until the committer has published it (polls 10 ms
       // doubling to a second: about a dozen while a committer under a
-      // sanitizer takes a second or two).
+      // sanitizer takes a second or two). A loser reads the claim to see
+      // whose it is: once, or twice when the committer let go of it and
+      // another late rank claimed meanwhile (seen once in 20 runs under
+      // TSan); never a rank object.
       if (results[r]->checkpoint_visible) {
         EXPECT_LE(cost[r].total(), 5 * kRanks + 24) << "committer, rank " << r;
       } else {
         EXPECT_LE(cost[r].total(), 28u) << "rank " << r;
         EXPECT_LE(cost[r].head, 18u) << "rank " << r;
-        EXPECT_LE(cost[r].get, 1u) << "rank " << r << " read rank objects without committing";
+        EXPECT_LE(cost[r].get, 2u) << "rank " << r << " read rank objects without committing";
       }
     }
     EXPECT_EQ(visible, 1);
