@@ -211,7 +211,38 @@ void SavePipeline::Process(Job& job) {
   // a wait for the disk.
   job.keep.reset();
   copy.Reset();
+  if (enc.size <= kBatchBytes) return AddSmall(std::move(enc));
   Enqueue(std::move(enc));
+}
+
+void SavePipeline::AddSmall(Encoded enc) {
+  std::unique_lock lock(small_mu_);
+  if (small_.buffer.capacity() - small_.size < enc.size && !small_.batch.empty()) {
+    Encoded full = std::move(small_);
+    small_ = Encoded{};
+    lock.unlock();
+    Enqueue(std::move(full));
+    lock.lock();
+  }
+  if (small_.buffer.capacity() == 0) small_.buffer = settings_.buffers->Acquire(settings_.buffers->buffer_size());
+  if (small_.buffer.capacity() - small_.size < enc.size) {  // only a chunk larger than a pooled buffer
+    lock.unlock();
+    return Enqueue(std::move(enc));
+  }
+  std::memcpy(small_.buffer.data() + small_.size, enc.buffer.data(), enc.size);
+  small_.batch.push_back(Small{enc.id, enc.codec, enc.raw_len, small_.size, enc.size});
+  small_.size += enc.size;
+}
+
+void SavePipeline::FlushSmall() {
+  Encoded batch;
+  {
+    std::lock_guard lock(small_mu_);
+    if (small_.batch.empty()) return;
+    batch = std::move(small_);
+    small_ = Encoded{};
+  }
+  Enqueue(std::move(batch));
 }
 
 void SavePipeline::NoteNew(bool is_new) {
@@ -255,22 +286,28 @@ void SavePipeline::WriterLoop() {
       queued_.fetch_sub(1);
     }
     queue_cv_.notify_all();
-    if (!error().ok()) continue;  // drain without writing after an error
-    auto loc = packs_.Add(enc.id, enc.codec, enc.raw_len, enc.buffer.first(enc.size));
-    enc.buffer.Reset();  // back to the pool for the next chunk
-    if (!loc.ok()) {
-      Fail(loc.status());
-      continue;
+    if (enc.batch.empty()) {
+      Store(enc.id, enc.codec, enc.raw_len, enc.buffer.first(enc.size));
+    } else {
+      for (const Small& s : enc.batch) Store(s.id, s.codec, s.raw_len, enc.buffer.first(enc.size).subspan(s.offset, s.size));
     }
-    std::lock_guard lock(mu_);
-    stored_[enc.id] = *loc;
-    ++stats_.chunks_written;
-    stats_.stored_bytes += enc.size;
+    enc.buffer.Reset();  // back to the pool for the next chunk
   }
+}
+
+void SavePipeline::Store(const ChunkId& id, Codec codec, uint32_t raw_len, std::span<const std::byte> bytes) {
+  if (!error().ok()) return;  // drain without writing after an error
+  auto loc = packs_.Add(id, codec, raw_len, bytes);
+  if (!loc.ok()) return Fail(loc.status());
+  std::lock_guard lock(mu_);
+  stored_[id] = *loc;
+  ++stats_.chunks_written;
+  stats_.stored_bytes += bytes.size();
 }
 
 void SavePipeline::Shutdown() {
   inflight_wg_.Wait();
+  FlushSmall();
   {
     std::lock_guard lock(queue_mu_);
     stop_writer_ = true;
@@ -285,6 +322,18 @@ Status SavePipeline::Stream(const std::vector<uint64_t>& bounds, DType dtype, Sh
   chunks.resize(bounds.size() - 1);
   const std::byte* host = source.HostData();
   if (!host) source.PlanChunks(bounds);
+  // A shard of one chunk in host memory is processed on the caller's
+  // thread, which would only wait for a worker to do it: the hand-off there
+  // and back (two wake-ups) costs more than hashing a small chunk, and a
+  // state of many tiny tensors would pay it for every tensor.
+  if (host && bounds.size() == 2) {
+    Job job;
+    job.dtype = dtype;
+    job.slot = &chunks[0];
+    job.data = {host, bounds[1]};
+    Process(job);
+    return error();
+  }
   WaitGroup shard_wg;
   Status st;
   for (size_t i = 0; i + 1 < bounds.size(); ++i) {

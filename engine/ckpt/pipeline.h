@@ -7,7 +7,11 @@
 // The caller's thread cuts a stream into chunks (aligned to the tensor's
 // global byte offsets for flat ranges) and hands them to the compute pool,
 // which hashes each chunk, skips chunks already stored, encodes the rest and
-// queues them for a single pack-writer thread that appends to packs. A chunk
+// queues them for a single pack-writer thread that appends to packs. A shard
+// of one chunk in host memory is processed on the caller's thread, which
+// waits for it anyway, and small encoded chunks reach the pack writer in
+// batches: a state of many tiny tensors would otherwise pay thread wake-ups
+// for every tensor. A chunk
 // is stored under the id of exactly the bytes that were encoded: bytes the
 // caller may still change are copied before they are hashed and encoded
 // (Process), so a source changed during a save never stores a chunk that
@@ -119,12 +123,22 @@ class SavePipeline {
     ChunkRef* slot;
     WaitGroup* shard_wg;  // waited on by Stream for zero-copy jobs
   };
+  // One of the chunks an Encoded batch holds: buffer.data() + offset.
+  struct Small {
+    ChunkId id;
+    Codec codec;
+    uint32_t raw_len;
+    size_t offset, size;
+  };
   struct Encoded {
     ChunkId id;
     Codec codec;
     uint32_t raw_len;
     BufferPool::Lease buffer;  // the stored bytes: buffer.first(size)
     size_t size = 0;
+    // A batch of small chunks instead (id, codec and raw_len unused): one
+    // hand-off to the pack writer for many of them.
+    std::vector<Small> batch;
   };
   void Submit(Job job);
   void Process(Job& job);
@@ -135,6 +149,12 @@ class SavePipeline {
   // changeable source before or after hashing it (Process).
   void NoteNew(bool is_new);
   void Enqueue(Encoded enc);
+  // Adds a small encoded chunk to the batch, queueing the batch when it is
+  // full; Flush queues what the batch holds.
+  void AddSmall(Encoded enc);
+  void FlushSmall();
+  // Appends one encoded chunk to a pack and notes where it went.
+  void Store(const ChunkId& id, Codec codec, uint32_t raw_len, std::span<const std::byte> bytes);
   void WriterLoop();
 
   const PipelineSettings settings_;
@@ -142,6 +162,9 @@ class SavePipeline {
   // How many of the last chunks were new, as a score from 0 to
   // 2 * kRecentNewHalf (a save starts taking its chunks for new ones).
   static constexpr int kRecentNewHalf = 8;
+  // New chunks encoded to at most this size reach the pack writer in
+  // batches (a pooled buffer's worth), not one hand-off each.
+  static constexpr size_t kBatchBytes = 64 << 10;
   std::atomic<int> recent_new_{2 * kRecentNewHalf};
   std::atomic<int64_t>& queued_;
   PackWriter packs_;
@@ -169,6 +192,9 @@ class SavePipeline {
   std::condition_variable queue_cv_;  // with queue_mu_
   std::deque<Encoded> queue_;         // guarded by queue_mu_
   bool stop_writer_ = false;          // guarded by queue_mu_
+  // Small chunks not yet queued (a batch, kBatchBytes).
+  std::mutex small_mu_;
+  Encoded small_;  // guarded by small_mu_
   // Started by the first Stream or by Start (the caller's thread);
   // Shutdown joins it.
   // A thread of its own rather than a pool task: it runs as long as the
