@@ -3,6 +3,7 @@
 FileSystemWriter at several world sizes (each rank a process, gloo), and
 torch.save files; bad inputs give one clear error and leave nothing
 visible. The inputs are made by torch itself in the test."""
+import collections
 import json
 import os
 import subprocess
@@ -976,19 +977,130 @@ class TorchSaveFiles(unittest.TestCase):
         self.assertEqual(self.repo.checkpoints(include_pending=True), [])
 
     def test_the_package_without_torch_says_which_extra_to_install(self):
-        path = os.path.join(self.tmp, "state.pt")
-        torch.save({"w": torch.zeros(2)}, path)
+        # A legacy (not zip) torch.save file is read by torch.load only; an
+        # archive of plain tensors needs no torch.
+        legacy = os.path.join(self.tmp, "legacy.pt")
+        torch.save({"w": torch.zeros(2)}, legacy, _use_new_zipfile_serialization=False)
+        archive = os.path.join(self.tmp, "state.pt")
+        torch.save({"w": torch.arange(4.0)}, archive)
         # The same Python, with torch made unimportable (None in sys.modules).
         code = ("import sys; sys.modules['torch'] = None\n"
                 "import ckptfs, ckptfs.formats as f\n"
                 "try:\n"
-                "    f.import_checkpoint(ckptfs.open(sys.argv[1]), 't', sys.argv[2])\n"
+                "    f.import_checkpoint(ckptfs.open(sys.argv[1]), sys.argv[3], sys.argv[2])\n"
                 "except ckptfs.UnsupportedError as e:\n"
                 "    print(e); sys.exit(3)\n")
-        p = subprocess.run([sys.executable, "-c", code, os.path.join(self.tmp, "repo"), path],
+        repo = os.path.join(self.tmp, "repo")
+        p = subprocess.run([sys.executable, "-c", code, repo, legacy, "legacy"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
         self.assertEqual(p.returncode, 3, p.stderr.decode())
         self.assertIn("pip install 'ckptfs[torch]'", p.stdout.decode())
+        self.assertEqual(self.repo.checkpoints(include_pending=True), [])
+        p = subprocess.run([sys.executable, "-c", code, repo, archive, "archive"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+        self.assertEqual(p.returncode, 0, p.stderr.decode())
+        self.assertTrue(torch.equal(self.repo.tensor("archive", "w"), torch.arange(4.0)))
+
+
+class TorchArchiveReader(unittest.TestCase):
+    """torch.save archives read without torch.load (formats.torch_zip): the
+    same checkpoint as through torch.load, and damage refused."""
+
+    def setUp(self):
+        import tempfile  # noqa: PLC0415
+
+        self.tmp = tempfile.mkdtemp(prefix="ckptfs-torchzip-")
+        self.repo = ckptfs.init(os.path.join(self.tmp, "repo"), chunk_size=64 << 10)
+
+    def tearDown(self):
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def test_every_dtype_and_layout_imports_as_through_torch_load(self):
+        from unittest import mock  # noqa: PLC0415
+
+        from ckptfs.formats import torch_zip  # noqa: PLC0415
+
+        gen = torch.Generator().manual_seed(8)
+        base = torch.randn(6, 10, generator=gen)
+        tied = torch.randn(5, generator=gen)
+        state = collections.OrderedDict()
+        for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                   torch.int16, torch.int8, torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64,
+                   torch.float8_e4m3fn, torch.float8_e5m2):
+            state[f"dtype.{str(dt).split('.')[1]}"] = (base * 3).to(dt)
+        state["layout"] = {"transposed": base.t(), "row": base[2], "column": base[:, 3], "every_other": base[::2, 1::3],
+                           "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "param": torch.nn.Parameter(tied),
+                           "tied_a": tied, "tied_b": tied}
+        state["optimizer"] = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": base[1:3]}},
+                              "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0]}]}
+        state["epoch"] = 7
+        path = os.path.join(self.tmp, "state.pt")
+        torch.save(state, path)
+        with mock.patch.object(torch, "load", side_effect=AssertionError("torch.load was called")):
+            formats.import_checkpoint(self.repo, "reader", path)
+        with mock.patch.object(torch_zip, "load", side_effect=torch_zip.Fallback("test")):
+            formats.import_checkpoint(self.repo, "torch", path)
+        a, b = self.repo.show("reader"), self.repo.show("torch")
+        self.assertEqual(a["tensors"], b["tensors"])
+        self.assertEqual(len(a["tensors"]), 15 + 9 + 2)
+        def raw(t):
+            return t.reshape(-1).view(torch.uint8)
+
+        for t in a["tensors"]:
+            self.assertTrue(torch.equal(raw(self.repo.tensor("reader", t["name"])),
+                                        raw(self.repo.tensor("torch", t["name"]))), t["name"])
+        self.assertTrue(torch.equal(self.repo.tensor("reader", "layout.every_other"), base[::2, 1::3]))
+        self.assertEqual(a["blobs"], b["blobs"])
+        for blob in (x["name"] for x in a["blobs"]):
+            self.assertEqual(self.repo.blob("reader", blob), self.repo.blob("torch", blob), blob)
+        out = os.path.join(self.tmp, "out")
+        formats.export_checkpoint(self.repo, "reader", out, format="torch")
+        self.assertTrue(same(torch.load(path, weights_only=True), torch.load(os.path.join(out, "model.pt"),
+                                                                             weights_only=True)))
+
+    def test_what_the_reader_does_not_admit_is_read_by_torch_load_alike(self):
+        # torch.Size and a tensor inside a set are not in the reader's set
+        # of globals and places: torch.load(weights_only=True) reads them.
+        path = os.path.join(self.tmp, "other.pt")
+        torch.save({"w": torch.ones(3), "shape": torch.Size([2, 3]), "held": {torch.ones(1).sum().item()}}, path)
+        from ckptfs.formats import torch_zip  # noqa: PLC0415
+
+        with self.assertRaises(torch_zip.Fallback):
+            torch_zip.load(path)
+        formats.import_checkpoint(self.repo, "t", path)
+        self.assertTrue(torch.equal(self.repo.tensor("t", "w"), torch.ones(3)))
+        shape = torch.load(__import__("io").BytesIO(self.repo.blob("t", "shape")), weights_only=True)
+        self.assertEqual(shape, torch.Size([2, 3]))
+
+    def rewritten(self, state, edit):
+        """A torch.save archive of `state` whose records edit(name, bytes)
+        rewrites (None drops the record)."""
+        import zipfile  # noqa: PLC0415
+
+        src = os.path.join(self.tmp, "src.pt")
+        torch.save(state, src)
+        path = os.path.join(self.tmp, "damaged.pt")
+        with zipfile.ZipFile(src) as zin, zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zout:
+            for info in zin.infolist():
+                data = edit(info.filename, zin.read(info))
+                if data is not None:
+                    zout.writestr(info.filename, data)
+        return path
+
+    def test_a_damaged_archive_is_refused_naming_the_file_and_storing_nothing(self):
+        state = {"a": torch.arange(6.0), "b": torch.arange(4.0)}
+        cut = self.rewritten(state, lambda n, d: d[:8] if n.endswith("/data/0") else d)
+        with self.assertRaisesRegex(ckptfs.CorruptionError, "damaged.pt: a tensor reaches past the end of storage '0' "
+                                    r"\(24 bytes of 8\)"):
+            formats.import_checkpoint(self.repo, "t", cut)
+        missing = self.rewritten(state, lambda n, d: None if n.endswith("/data/1") else d)
+        with self.assertRaisesRegex(ckptfs.CorruptionError, "names storage '1', which the archive lacks"):
+            formats.import_checkpoint(self.repo, "t", missing)
+        garbled = self.rewritten(state, lambda n, d: d[:40] if n.endswith("/data.pkl") else d)
+        with self.assertRaisesRegex(ckptfs.CorruptionError, "data.pkl cannot be read"):
+            formats.import_checkpoint(self.repo, "t", garbled)
         self.assertEqual(self.repo.checkpoints(include_pending=True), [])
 
 

@@ -1,5 +1,6 @@
-"""Importing torch.save files and model directories of them
-(`torch.load(weights_only=True)`), and the progress lines of the command."""
+"""Importing torch.save files and model directories of them (read by
+torch_zip, or by `torch.load(weights_only=True)` where it cannot), and the
+progress lines of the command."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 import ckptfs
 from ckptfs import InvalidArgumentError
 from ckptfs.memory import put_value
+from . import torch_zip
 from .common import STRUCTURE_BLOB, ZIP_MAGIC, ckptfs_dtype, describe, torch_or_raise
 
 if TYPE_CHECKING:
@@ -82,17 +84,42 @@ class Progress:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
 
 
-def _holds_tensor(obj, torch) -> bool:
-    if isinstance(obj, torch.Tensor):
+def _tensor_types() -> tuple:
+    """The classes of a loaded file's tensors: torch_zip's, and torch's
+    once torch is imported (torch.load read the file)."""
+    torch = sys.modules.get("torch")
+    return (torch_zip.StoredTensor, torch.Tensor) if torch is not None else (torch_zip.StoredTensor,)
+
+
+def _holds_tensor(obj, types: tuple) -> bool:
+    if isinstance(obj, types):
         return True
     if isinstance(obj, Mapping):
-        return any(_holds_tensor(v, torch) for v in obj.values())
+        return any(_holds_tensor(v, types) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return any(_holds_tensor(v, torch) for v in obj)
+        return any(_holds_tensor(v, types) for v in obj)
     return False
 
 
-def _flatten(obj, prefix: str, tensors: Dict[str, Any], others: Dict[str, Any], torch) -> Any:
+def _dtype_name(t) -> str:
+    return t.dtype if isinstance(t, torch_zip.StoredTensor) else ckptfs_dtype(t.dtype)
+
+
+def _nbytes(t) -> int:
+    return t.nbytes if isinstance(t, torch_zip.StoredTensor) else t.numel() * t.element_size()
+
+
+def _put_tensor(writer, key: str, t, kept: list) -> None:
+    """Puts a loaded tensor whole: a torch_zip tensor from the mapped file."""
+    if isinstance(t, torch_zip.StoredTensor):
+        address, keep = t.host()
+        writer.put(key, t.dtype, list(t.shape), "whole", list(t.shape), [], 0, address, t.nbytes, -1)
+        del keep  # the put copied what it needs before it returned
+        return
+    put_value(writer, key, t.detach().contiguous(), None, False, kept)
+
+
+def _flatten(obj, prefix: str, tensors: Dict[str, Any], others: Dict[str, Any], types: tuple) -> Any:
     """The structure of `obj` (JSON), its tensors and other leaves by key.
     Dicts (str or int keys: an optimizer's state is keyed by parameter
     index), lists and tuples that hold tensors are walked, their entries
@@ -103,10 +130,10 @@ def _flatten(obj, prefix: str, tensors: Dict[str, Any], others: Dict[str, Any], 
             raise InvalidArgumentError(f"two entries flatten to the name '{prefix}'")
         into[prefix] = obj
 
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, types):
         leaf(tensors)
         return {"tensor": prefix}
-    walk = not prefix or _holds_tensor(obj, torch)
+    walk = not prefix or _holds_tensor(obj, types)
     if walk and isinstance(obj, Mapping):
         node = {"dict": []}
         for k, v in obj.items():
@@ -114,11 +141,11 @@ def _flatten(obj, prefix: str, tensors: Dict[str, Any], others: Dict[str, Any], 
                 raise InvalidArgumentError(f"key {k!r} under '{prefix}' is a {type(k).__name__}; only str and int "
                                            "keys are kept")
             key = f"{prefix}.{k}" if prefix else str(k)
-            node["dict"].append([k, _flatten(v, key, tensors, others, torch)])
+            node["dict"].append([k, _flatten(v, key, tensors, others, types)])
         return node
     if walk and isinstance(obj, (list, tuple)) and prefix:
         kind = "list" if isinstance(obj, list) else "tuple"
-        return {kind: [_flatten(v, f"{prefix}.{i}", tensors, others, torch) for i, v in enumerate(obj)]}
+        return {kind: [_flatten(v, f"{prefix}.{i}", tensors, others, types) for i, v in enumerate(obj)]}
     leaf(others)
     return {"value": prefix}
 
@@ -210,31 +237,41 @@ def paths_of_structure(structure: Dict[str, Any]) -> Dict[str, tuple]:
     return out
 
 
-def _load_dict(torch, path: str, what: str) -> Mapping:
-    """torch.load(weights_only=True) of the file at `path`, mapped where it
-    is a zip archive, which must hold a dict (`what` names one)."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=_is_zip(path))
-    except Exception as e:  # noqa: BLE001 - torch's refusal (weights_only) or a damaged file
-        raise ckptfs.CorruptionError(f"{path}: torch.load(weights_only=True) cannot read it: "
-                                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+def _load_dict(path: str, what: str) -> Mapping:
+    """The object of the torch.save file at `path`, which must be a dict
+    (`what` names one): read by torch_zip where it can (its tensors are
+    torch_zip.StoredTensors), else by torch.load(weights_only=True), mapped
+    where the file is a zip archive."""
+    zipped = _is_zip(path)
+    state: Any = None
+    if zipped:
+        try:
+            state = torch_zip.load(path)
+        except torch_zip.Fallback:
+            state = None
+    if state is None:
+        torch = torch_or_raise()
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+        except Exception as e:  # noqa: BLE001 - torch's refusal (weights_only) or a damaged file
+            raise ckptfs.CorruptionError(f"{path}: torch.load(weights_only=True) cannot read it: "
+                                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     if not isinstance(state, Mapping):
         raise InvalidArgumentError(f"{path}: holds a {type(state).__name__}, not {what}")
     return state
 
 
 def torch_plan(path: str):
-    torch = torch_or_raise()
     ckptfs._core.check_input_file(path)
-    state = _load_dict(torch, path, "a state dict")
+    state = _load_dict(path, "a state dict")
     tensors: Dict[str, Any] = {}
     others: Dict[str, Any] = {}
     try:
-        structure = _flatten(state, "", tensors, others, torch)
+        structure = _flatten(state, "", tensors, others, _tensor_types())
     except InvalidArgumentError as e:
         raise InvalidArgumentError(f"{path}: {e}") from None
-    entries = [{"name": k, "dtype": ckptfs_dtype(t.dtype), "shape": list(t.shape),
-                "bytes": t.numel() * t.element_size()} for k, t in tensors.items()]
+    entries = [{"name": k, "dtype": _dtype_name(t), "shape": list(t.shape), "bytes": _nbytes(t)}
+               for k, t in tensors.items()]
     blobs = [{"name": k, "bytes": 0} for k in others] + [{"name": STRUCTURE_BLOB, "bytes": 0}]
     return (tensors, others, structure), describe(entries, blobs)
 
@@ -258,12 +295,13 @@ def holds_torch_weights_only(path: str) -> bool:
     return not any(n.endswith(".safetensors") for n in names) and any(_is_torch_weights_name(n) for n in names)
 
 
-def _load_weights_file(torch, path: str, where: Dict[str, str], tensors: Dict[str, Any]) -> None:
+def _load_weights_file(path: str, where: Dict[str, str], tensors: Dict[str, Any]) -> None:
     """The tensors of one torch.save weights file of a model directory."""
     name = os.path.basename(path)
-    state = _load_dict(torch, path, "a dict of weights")
+    state = _load_dict(path, "a dict of weights")
+    types = _tensor_types()
     for key, value in state.items():
-        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+        if not isinstance(key, str) or not isinstance(value, types):
             raise InvalidArgumentError(f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor; a model's "
                                        "weights file holds tensors only (import other torch.save files alone)")
         if key in where:
@@ -276,7 +314,6 @@ def hf_torch_plan(path: str, inputs: "Directory"):
     """A model directory whose weights are torch.save files: its tensors,
     checked against pytorch_model.bin.index.json when there is one, and its
     other regular files as blobs (subdirectories and hidden files left out)."""
-    torch = torch_or_raise()
     weight_map = None
     index_path = os.path.join(path, _TORCH_WEIGHTS_INDEX)
     if os.path.isfile(index_path):
@@ -307,7 +344,7 @@ def hf_torch_plan(path: str, inputs: "Directory"):
     where: Dict[str, str] = {}
     tensors: Dict[str, Any] = {}
     for f in files:
-        _load_weights_file(torch, f, where, tensors)
+        _load_weights_file(f, where, tensors)
     if weight_map is not None:
         for key, f in weight_map.items():
             if key not in where:
@@ -318,8 +355,8 @@ def hf_torch_plan(path: str, inputs: "Directory"):
             if key not in weight_map:
                 raise ckptfs.CorruptionError(f"{index_path} does not name tensor '{key}' of {f}")
     blobs = [{"name": n, "bytes": os.path.getsize(full)} for n, full in blob_files]
-    entries = [{"name": k, "dtype": ckptfs_dtype(t.dtype), "shape": list(t.shape),
-                "bytes": t.numel() * t.element_size()} for k, t in tensors.items()]
+    entries = [{"name": k, "dtype": _dtype_name(t), "shape": list(t.shape), "bytes": _nbytes(t)}
+               for k, t in tensors.items()]
     described = describe(entries, blobs)
     described["left_out"] = left_out
     described["links"] = inputs.links
@@ -346,8 +383,8 @@ def import_hf_torch(writer, loaded, advance: Callable[[int], None]) -> None:
     tensors, blob_files = loaded
     kept: list = []
     for key, t in tensors.items():
-        put_value(writer, key, t.detach().contiguous(), None, False, kept)
-        advance(t.numel() * t.element_size())
+        _put_tensor(writer, key, t, kept)
+        advance(_nbytes(t))
     put_files(writer, blob_files)
 
 
@@ -357,16 +394,15 @@ def _is_zip(path: str) -> bool:
 
 
 def import_torch(writer, loaded, advance: Callable[[int], None]) -> None:
-    torch = torch_or_raise()
-    import io  # noqa: PLC0415
-
     tensors, others, structure = loaded
     kept: list = []
     for key, t in tensors.items():
-        put_value(writer, key, t.detach().contiguous(), None, False, kept)
-        advance(t.numel() * t.element_size())
-    for key, v in others.items():
-        buf = io.BytesIO()
-        torch.save(v, buf)
-        put_value(writer, key, buf.getvalue(), None, False, kept)
+        _put_tensor(writer, key, t, kept)
+        advance(_nbytes(t))
+    if others:
+        torch = torch_or_raise()
+        for key, v in others.items():
+            buf = io.BytesIO()
+            torch.save(v, buf)
+            put_value(writer, key, buf.getvalue(), None, False, kept)
     put_value(writer, STRUCTURE_BLOB, json.dumps(structure).encode(), None, False, kept)
