@@ -18,6 +18,9 @@
   another module's private name (`from .memory import _x`, `ckptfs._x`,
   `formats._x`); what modules share is public in the module that owns it.
   The binding module `_core` is the one private module they all use.
+- the package's face: ckptfs/__init__.py only re-exports (a docstring,
+  imports, __version__ and __all__); the code lives in the module of its
+  concept.
 
 Prints each violation as FILE:LINE: message and exits 1 when there is one.
 """
@@ -102,8 +105,28 @@ def python_import_problems():
     return problems
 
 
+def face_problems():
+    """The package's __init__.py re-exports and holds nothing else: a
+    docstring, imports, and assignments to __version__ and __all__."""
+    rel = os.path.join(PACKAGE, "__init__.py")
+    with open(os.path.join(ROOT, rel), encoding="utf-8") as src:
+        tree = ast.parse(src.read(), rel)
+    problems = []
+    for i, node in enumerate(tree.body):
+        if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id in ("__version__", "__all__")):
+            continue
+        problems.append(f"{rel}:{node.lineno}: the package's face only re-exports; put this in the module of "
+                        "its concept")
+    return problems
+
+
 def main():
-    problems = python_import_problems()
+    problems = python_import_problems() + face_problems()
     for layer, allowed in list(ENGINE_LAYERS.items()) + list(UPPER.items()):
         folder = layer if layer in UPPER else os.path.join("engine", layer)
         for path in sources(folder):
@@ -156,7 +179,8 @@ def main():
     if problems:
         print(f"check_source: {len(problems)} problems", file=sys.stderr)
         return 1
-    print("check_source: layers, protocol, commit protocol, configuration and Python import rules hold")
+    print("check_source: layers, protocol, commit protocol, configuration, Python import and package face "
+          "rules hold")
     return 0
 
 
