@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/collective.h"  // the public headers stand on their own once installed
 #include "ckpt/repository.h"
 #include "core/version.h"
 
