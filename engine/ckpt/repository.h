@@ -85,6 +85,17 @@ class Repository {
   // wrong with `path`; Unsupported for a newer format version.
   static Result<std::unique_ptr<Repository>> Open(const std::string& path,
                                                   const OpenOptions& options = {});
+  // The Repository this process has open at `path` with the same
+  // options.cache_dir, or else a new one (Open): LMDB allows one catalog
+  // environment per file per process, so every caller of one process that
+  // opens a repository this way shares one Repository (the Python package
+  // does, for every object it opens). A repository this process let go and
+  // whose catalog is still closing on another thread (its last reference
+  // dropped there) is waited for, a few seconds at most. Another repository
+  // made at the same local path since (the old one deleted or moved away)
+  // is opened anew; the holders of the old one keep it. After a fork, the
+  // child opens anew (the parent's belong to the parent). Thread-safe.
+  static Result<std::shared_ptr<Repository>> OpenShared(const std::string& path, const OpenOptions& options = {});
   // A repository on an object store handed over as a Backend instead of
   // named by an s3:// URL (embedding ckptfs in a program that brings its
   // own store; tests over NewMemoryBackend()). Laid out as on S3: the

@@ -1059,6 +1059,51 @@ TEST(RepositoryOpen, MissingForeignAndNewerRepositoriesAreRefused) {
   EXPECT_FALSE(Repository::Init(dir / "repo2", bad).ok());
 }
 
+// OpenShared: one Repository per repository per process, by any spelling
+// of its path; let go, it opens again; another repository made at the same
+// path is opened anew while the old one's holders keep theirs.
+TEST(RepositoryOpen, OpenSharedGivesEveryCallerOfAProcessTheSameRepository) {
+  TempDir dir;
+  const std::string path = dir / "repo";
+  ASSERT_OK(Repository::Init(path, {}));
+  auto a = Repository::OpenShared(path);
+  ASSERT_OK(a);
+  auto b = Repository::OpenShared(dir.path() + "/./repo/");
+  ASSERT_OK(b);
+  EXPECT_EQ(a->get(), b->get());
+  // A plain Open of the same path is refused: LMDB's rule the sharing keeps.
+  auto second = Repository::Open(path);
+  EXPECT_EQ(second.status().detail(), StatusDetail::kCatalogOpenInProcess);
+  auto save = [](Repository& repo, const std::string& name) {
+    auto w = repo.BeginCheckpoint(name, {});
+    ASSERT_OK(w);
+    std::vector<std::byte> bytes(100, std::byte{7});
+    ASSERT_OK((*w)->PutTensor({"t", DType::kU8, {100}}, bytes));
+    ASSERT_OK((*w)->Commit().Wait());
+  };
+  save(**a, "old");
+  b->reset();
+  // Another repository at the path (the first moved away while held).
+  std::filesystem::rename(path, dir / "moved");
+  ASSERT_OK(Repository::Init(path, {}));
+  auto c = Repository::OpenShared(path);
+  ASSERT_OK(c);
+  EXPECT_NE(a->get(), c->get());
+  auto listed = (*c)->ListCheckpoints();
+  ASSERT_OK(listed);
+  EXPECT_TRUE(listed->empty());
+  auto old = (*a)->OpenCheckpoint("old");
+  EXPECT_OK(old);
+  // Every holder gone: the next open makes a new Repository that works.
+  old = Status::NotFound("dropped");
+  a->reset();
+  c->reset();
+  auto d = Repository::OpenShared(path);
+  ASSERT_OK(d);
+  save(**d, "new");
+  EXPECT_FALSE(Repository::OpenShared(dir / "nothing").ok());
+}
+
 // The engine reads settings from the environment only through the lookup
 // its caller hands it; S3 settings are read only when an S3 URL is opened.
 TEST(RepositoryOpen, SettingsComeFromTheEnvironmentOnlyThroughTheLookupGiven) {

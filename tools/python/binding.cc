@@ -7,7 +7,6 @@
 // status code (ckptfs.NotFoundError is also a LookupError, InvalidArgument a
 // ValueError, I/O errors an OSError).
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -18,7 +17,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <filesystem>
 #include <functional>
 #include <future>
 #include <map>
@@ -467,80 +465,6 @@ class Reader {
 
 // ---- the repository ----------------------------------------------------------------
 
-// LMDB allows one environment per file per process, so every Python object
-// opened on one repository shares one engine Repository.
-class RepositoryCache {
- public:
-  static RepositoryCache& Get() {
-    static RepositoryCache* c = new RepositoryCache;
-    return *c;
-  }
-  std::shared_ptr<Repository> Open(const std::string& path, const OpenOptions& options) {
-    std::error_code ec;
-    std::string key = std::filesystem::weakly_canonical(path, ec).string();
-    if (ec) key = path;
-    // Another cache directory is another catalog: another Repository.
-    key += '\0' + options.cache_dir;
-    // A catalog this process had open and let go may still be closing: the
-    // last reference to its Repository can be dropped on another thread
-    // (a garbage-collected object, a framework's worker), whose destructor
-    // is still shutting the engine down. Opening it again waits for that, a
-    // few seconds at most, rather than fail. The wait holds neither the
-    // lock nor the GIL.
-    for (int attempt = 0;; ++attempt) {
-      {
-        std::lock_guard lock(mu_);
-        if (generation_ != ForkGeneration()) {
-          // Repositories of the parent refuse to work in a forked child:
-          // forget them (without destroying them) and open anew.
-          open_.clear();
-          generation_ = ForkGeneration();
-        }
-        const std::string identity = LocalIdentity(path);
-        auto it = open_.find(key);
-        if (it != open_.end() && it->second.identity != identity) {
-          // Another repository now lives at this path (the one this
-          // process has open was deleted or moved away, and a new one
-          // made): its holders keep the old one; this opens the new one.
-          open_.erase(it);
-          it = open_.end();
-        }
-        if (it != open_.end()) {
-          if (auto live = it->second.repo.lock()) return live;
-        }
-        auto repo = Repository::Open(path, options);
-        const bool closing = it != open_.end() && !repo.ok() &&
-                             repo.status().detail() == StatusDetail::kCatalogOpenInProcess;
-        if (!closing || attempt >= 300) {
-          std::shared_ptr<Repository> out = Value(std::move(repo));
-          open_[key] = Entry{out, identity};
-          return out;
-        }
-      }
-      py::gil_scoped_release nogil;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-  }
-
- private:
-  // Which repository lives at a local path: its config file's device,
-  // inode and modification time (written once, by init, through a rename).
-  // Empty for object stores and where there is none.
-  static std::string LocalIdentity(const std::string& path) {
-    struct stat sb;
-    if (::stat((path + "/ckptfs.json").c_str(), &sb) != 0) return {};
-    return std::to_string(sb.st_dev) + ':' + std::to_string(sb.st_ino) + ':' + std::to_string(sb.st_mtim.tv_sec) +
-           '.' + std::to_string(sb.st_mtim.tv_nsec);
-  }
-  struct Entry {
-    std::weak_ptr<Repository> repo;
-    std::string identity;
-  };
-  std::mutex mu_;
-  std::map<std::string, Entry> open_;  // guarded by mu_
-  uint64_t generation_ = ForkGeneration();                 // guarded by mu_
-};
-
 // A Python callable `fn` as a callback the engine calls on the calling
 // thread while the GIL is released: the GIL is taken for each call, and the
 // first exception is kept in `failed` (later calls are skipped) for the
@@ -601,7 +525,9 @@ class PyRepository {
     o.cache_bytes = cache_bytes;
     o.opening_sync = opening_sync;
     py::gil_scoped_release nogil;
-    return PyRepository(RepositoryCache::Get().Open(path, o));
+    // Every Python object opened on one repository shares one engine
+    // Repository (LMDB allows one catalog environment per file per process).
+    return PyRepository(Value(Repository::OpenShared(path, o)));
   }
 
   // The one place where the package reads the engine's settings from the
