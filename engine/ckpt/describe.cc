@@ -1,6 +1,7 @@
 #include "ckpt/describe.h"
 
 #include <algorithm>
+#include <cmath>
 #include <ctime>
 #include <set>
 
@@ -244,6 +245,144 @@ Json DescribeCopyReport(const CopyReport& r) {
   j.Set("stored_bytes_sent", r.stored_bytes_sent);
   j.Set("chunks_present", r.chunks_present);
   j.Set("raw_bytes_present", r.raw_bytes_present);
+  return j;
+}
+
+Json DescribeCommitResult(const CommitResult& r) {
+  Json j = Json::MakeObject();
+  j.Set("checkpoint_visible", r.checkpoint_visible);
+  j.Set("chunks_written", r.chunks_written);
+  j.Set("chunks_deduplicated", r.chunks_deduplicated);
+  j.Set("logical_bytes", r.logical_bytes);
+  j.Set("stored_bytes", r.stored_bytes);
+  return j;
+}
+
+namespace {
+Json DescribeBadChunks(const std::vector<VerifyReport::BadChunk>& chunks) {
+  Json out = Json::MakeArray();
+  for (const auto& bad : chunks) {
+    Json b = Json::MakeObject();
+    b.Set("chunk", bad.id.ToHex());
+    Json users = Json::MakeArray();
+    for (const auto& c : bad.checkpoints) users.Push(Json(c));
+    b.Set("checkpoints", std::move(users));
+    out.Push(std::move(b));
+  }
+  return out;
+}
+}  // namespace
+
+Json DescribeVerifyReport(const VerifyReport& report) {
+  Json j = Json::MakeObject();
+  j.Set("ok", report.ok());
+  j.Set("checkpoints", report.checkpoints);
+  j.Set("tensors", report.tensors);
+  j.Set("chunks", report.chunks);
+  j.Set("bytes", report.bytes);
+  Json problems = Json::MakeArray();
+  for (const auto& p : report.problems) {
+    Json pj = Json::MakeObject();
+    pj.Set("checkpoint", p.checkpoint);
+    pj.Set("what", p.what);
+    pj.Set("message", p.message);
+    problems.Push(std::move(pj));
+  }
+  j.Set("problems", std::move(problems));
+  j.Set("bad_chunks", DescribeBadChunks(report.bad_chunks));
+  return j;
+}
+
+Json DescribeRepairReport(const RepairReport& report) {
+  Json r = Json::MakeObject();
+  Json done = Json::MakeArray();
+  for (const auto& c : report.repaired) {
+    Json cj = Json::MakeObject();
+    cj.Set("chunk", c.id.ToHex());
+    cj.Set("from", c.from);
+    done.Push(std::move(cj));
+  }
+  r.Set("repaired", std::move(done));
+  r.Set("unrepaired", DescribeBadChunks(report.unrepaired));
+  r.Set("packs_rewritten", report.packs_rewritten);
+  return r;
+}
+
+const char* DiffKindName(TensorDiff::Kind k) {
+  switch (k) {
+    case TensorDiff::Kind::kUnchanged: return "unchanged";
+    case TensorDiff::Kind::kChanged: return "changed";
+    case TensorDiff::Kind::kOnlyInA: return "removed";
+    case TensorDiff::Kind::kOnlyInB: return "added";
+    case TensorDiff::Kind::kTypeChanged: return "dtype/shape changed";
+  }
+  return "?";
+}
+
+Json DescribeTensorDiff(const TensorDiff& d) {
+  auto number = [](const std::optional<double>& v) {
+    if (!v) return Json();
+    return std::isinf(*v) ? Json("inf") : Json(*v);
+  };
+  Json dj = Json::MakeObject();
+  dj.Set("name", d.name);
+  dj.Set("kind", d.blob ? "blob" : "tensor");
+  dj.Set("status", DiffKindName(d.kind));
+  dj.Set("changed", d.kind != TensorDiff::Kind::kUnchanged);
+  dj.Set("shared_fraction", d.shared_fraction);
+  dj.Set("chunks", d.chunks);
+  dj.Set("changed_chunks", d.changed_chunks);
+  dj.Set("max_abs_diff", number(d.max_abs_diff));
+  dj.Set("mean_abs_diff", number(d.mean_abs_diff));
+  dj.Set("relative_l2", number(d.relative_l2));
+  return dj;
+}
+
+uint64_t GarbageBytes(const UsageReport& r) {
+  const uint64_t kept = r.referenced_bytes + r.pending_bytes + r.retired_bytes;
+  return r.pack_bytes > kept ? r.pack_bytes - kept : 0;
+}
+
+Json DescribeUsageReport(const UsageReport& r, bool remote, uint64_t reclaimable) {
+  Json j = Json::MakeObject();
+  Json list = Json::MakeArray();
+  for (const auto& e : r.checkpoints) {
+    Json ej = Json::MakeObject();
+    ej.Set("name", e.name);
+    ej.Set("logical_bytes", e.logical_bytes);
+    ej.Set("referenced_bytes", e.referenced_bytes);
+    ej.Set("exclusive_bytes", e.exclusive_bytes);
+    list.Push(std::move(ej));
+  }
+  j.Set("checkpoints", std::move(list));
+  Json t = Json::MakeObject();
+  t.Set("logical_bytes", r.logical_bytes);
+  t.Set("unique_raw_bytes", r.unique_raw_bytes);
+  t.Set("referenced_bytes", r.referenced_bytes);
+  t.Set("pack_bytes", r.pack_bytes);
+  t.Set("pending_bytes", r.pending_bytes);
+  t.Set("unreferenced_bytes", r.unreferenced_bytes);
+  t.Set("removed_bytes", r.retired_bytes);
+  t.Set("removed_checkpoints", r.retired_checkpoints);
+  t.Set("garbage_bytes", GarbageBytes(r));
+  t.Set("reclaimable_bytes", reclaimable);
+  if (!remote) {
+    t.Set("unrecorded_packs", r.unrecorded_packs);
+    t.Set("unrecorded_pack_bytes", r.unrecorded_pack_bytes);
+  }
+  t.Set("dedup_ratio", r.dedup_ratio());
+  t.Set("compression_ratio", r.compression_ratio());
+  j.Set("total", std::move(t));
+  return j;
+}
+
+Result<Json> UsageSummary(Repository& repo, const std::vector<std::string>& names, GcReport* gc) {
+  CKPT_ASSIGN_OR_RETURN(UsageReport usage, repo.DiskUsage(names));
+  GcOptions dry;
+  dry.dry_run = true;
+  CKPT_ASSIGN_OR_RETURN(GcReport report, repo.CollectGarbage(dry));
+  Json j = DescribeUsageReport(usage, repo.remote(), report.bytes_reclaimed());
+  if (gc) *gc = std::move(report);
   return j;
 }
 

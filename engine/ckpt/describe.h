@@ -48,5 +48,42 @@ Json DescribeRetentionDecision(const RetentionDecision& decision);
 Json DescribePendingRanks(const std::vector<RankProgress>& ranks);
 // A copy's report, as `ckpt copy --json` prints it and ckptfs.copy returns it.
 Json DescribeCopyReport(const CopyReport& report);
+// What a rank's commit did, as `ckpt import --json` prints it (beside the
+// checkpoint, rank and world size) and Python's save, commit handles and
+// import_safetensors return it: checkpoint_visible, chunks_written,
+// chunks_deduplicated, logical_bytes, stored_bytes.
+Json DescribeCommitResult(const CommitResult& result);
+// A verify report, as `ckpt verify --json` prints it and Python's
+// Repository.verify returns it: ok, checkpoints, tensors, chunks, bytes,
+// problems [{checkpoint, what, message}], bad_chunks [{chunk, checkpoints}].
+Json DescribeVerifyReport(const VerifyReport& report);
+// What a repair did (`ckpt verify --repair --json`'s "repair"): repaired
+// [{chunk, from}], unrepaired [{chunk, checkpoints}], packs_rewritten.
+Json DescribeRepairReport(const RepairReport& report);
+// "unchanged", "changed", "removed" (only in A), "added" (only in B),
+// "dtype/shape changed".
+const char* DiffKindName(TensorDiff::Kind kind);
+// One entry of a diff, as `ckpt diff --json` prints it and Python's
+// Repository.diff returns it: name, kind ("tensor" or "blob"), status
+// (DiffKindName), changed, shared_fraction, chunks, changed_chunks,
+// max_abs_diff, mean_abs_diff, relative_l2 (null when not computed; an
+// infinite difference is the string "inf", JSON having no infinity).
+Json DescribeTensorDiff(const TensorDiff& diff);
+// Space used, as `ckpt du --json` prints it and Python's Repository.du
+// returns it: "checkpoints" [{name, logical_bytes, referenced_bytes,
+// exclusive_bytes}] and "total" (logical, unique raw, referenced, pack,
+// pending, unreferenced, removed bytes and checkpoints, garbage_bytes,
+// reclaimable_bytes: what a gc would reclaim now, dedup and compression
+// ratios; on a local repository, the unrecorded packs of killed saves).
+// `reclaimable` comes from a dry run of gc (UsageSummary does both).
+Json DescribeUsageReport(const UsageReport& report, bool remote, uint64_t reclaimable);
+// The space used by `names` (every committed checkpoint when empty) with
+// what gc would reclaim now (a dry run of it: packs at least half live keep
+// their dead chunks): DiskUsage and CollectGarbage in dry run, described.
+// `gc` receives the dry run's report when not null.
+Result<Json> UsageSummary(Repository& repo, const std::vector<std::string>& names, GcReport* gc = nullptr);
+// Pack bytes the catalog records beyond what live, pending and removed
+// checkpoints reference (dead chunks, whether or not gc reclaims them yet).
+uint64_t GarbageBytes(const UsageReport& report);
 
 }  // namespace ckptfs

@@ -531,6 +531,44 @@ class Maintenance(PythonTestCase):
         self.r.rm("again")
         self.assertIn("in 1 pack with no live chunk", self.run_ckpt("gc").stdout.decode())
 
+    def test_verify_diff_and_du_report_in_python_what_the_command_prints_as_json(self):
+        # Each report has one description in the engine (ckpt/describe.h),
+        # which the CLI's --json prints and the package returns.
+        gen = torch.Generator().manual_seed(12)
+        a = {"w": torch.randn(64, 32, generator=gen), "same": random_tensor(gen, torch.float32, (16,)),
+             "gone": random_tensor(gen, torch.float32, (4,)), "meta": b"one"}
+        b = dict(a, w=a["w"] + 1.0, meta=b"two", zero=torch.zeros(3))
+        b.pop("gone")
+        self.r.save("a", a)
+        self.r.save("b", b)
+        self.r.save("c", {"x": random_tensor(gen, torch.float32, (128 << 10,))})
+        self.r.rm("c")
+
+        def close(x, y):
+            if isinstance(x, float) or isinstance(y, float):
+                return isinstance(x, (int, float)) and isinstance(y, (int, float)) and abs(x - y) <= 1e-9 * max(1, abs(x))
+            if isinstance(x, dict):
+                return isinstance(y, dict) and x.keys() == y.keys() and all(close(x[k], y[k]) for k in x)
+            if isinstance(x, list):
+                return isinstance(y, list) and len(x) == len(y) and all(close(p, q) for p, q in zip(x, y))
+            return x == y
+
+        cli = json.loads(self.run_ckpt("diff", "--json", "--all", "a", "b").stdout)
+        py = self.r.diff("a", "b", all=True)
+        self.assertTrue(close(cli, py), (cli, py))
+        self.assertEqual({d["name"]: d["status"] for d in py},
+                         {"w": "changed", "same": "unchanged", "gone": "removed", "zero": "added", "meta": "changed"})
+        self.assertEqual([d["name"] for d in self.r.diff("a", "b")], [d["name"] for d in py if d["changed"]])
+        self.assertAlmostEqual(next(d for d in py if d["name"] == "w")["max_abs_diff"], 1.0, places=5)
+        cli = json.loads(self.run_ckpt("du", "--json").stdout)
+        self.assertTrue(close(cli, self.r.du()), (cli, self.r.du()))
+        self.assertGreater(cli["total"]["reclaimable_bytes"], 0)
+        self.assertEqual([c["name"] for c in self.r.du("a")["checkpoints"]], ["a"])
+        cli = json.loads(self.run_ckpt("verify", "--json").stdout)
+        self.assertTrue(close(cli, self.r.verify()), (cli, self.r.verify()))
+        self.assertTrue(cli["ok"])
+        self.assertEqual(cli["bad_chunks"], [])
+
     def test_a_load_in_progress_survives_rm_and_gc_from_another_process(self):
         gen = torch.Generator().manual_seed(6)
         old = {k: random_tensor(gen, torch.float32, (64 << 10,)) for k in ("a", "b")}

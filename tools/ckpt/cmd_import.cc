@@ -233,16 +233,11 @@ int CmdImport(const GlobalOptions& global, const Args& args) {
   progress.Finish();
   if (!result.ok()) return Fail(result.status().WithContext("commit of '" + name + "' failed"));
   if (args.Has("json")) {
-    Json j = Json::MakeObject();
+    Json j = DescribeCommitResult(*result);
     j.Set("checkpoint", name);
     j.Set("rank", static_cast<uint64_t>(wopts.rank));
     j.Set("world_size", static_cast<uint64_t>(wopts.world_size));
-    j.Set("checkpoint_visible", result->checkpoint_visible);  // the name Python uses
-    j.Set("visible", result->checkpoint_visible);             // the older name, kept
-    j.Set("logical_bytes", result->logical_bytes);
-    j.Set("stored_bytes", result->stored_bytes);
-    j.Set("chunks_written", result->chunks_written);
-    j.Set("chunks_deduplicated", result->chunks_deduplicated);
+    j.Set("visible", result->checkpoint_visible);  // the older name of checkpoint_visible, kept
     PrintJson(j);
   } else {
     std::printf("%s rank %u/%u: %s imported, %s stored (%llu new chunks, %llu deduplicated)%s\n", name.c_str(), wopts.rank,

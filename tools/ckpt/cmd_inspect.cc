@@ -223,11 +223,6 @@ const CommandSpec kDu{"du", "[NAME...]", "Show the space checkpoints use, and wh
 // What gc would reclaim inside recorded packs: referenced neither by a
 // committed checkpoint, nor by a pending rank, nor by a removed checkpoint
 // (which gc reclaims only once nobody reads it).
-uint64_t Reclaimable(const UsageReport& r) {
-  const uint64_t kept = r.referenced_bytes + r.pending_bytes + r.retired_bytes;
-  return r.pack_bytes > kept ? r.pack_bytes - kept : 0;
-}
-
 int CmdDu(const GlobalOptions& global, const Args& args) {
   int rc = kExitOk;
   auto repo = OpenRepoOr(global, &rc);
@@ -242,36 +237,7 @@ int CmdDu(const GlobalOptions& global, const Args& args) {
   if (!gc.ok()) return Fail(gc.status());
   const uint64_t reclaimable = gc->bytes_reclaimed();
   if (args.Has("json")) {
-    Json j = Json::MakeObject();
-    Json list = Json::MakeArray();
-    for (const auto& e : r->checkpoints) {
-      Json ej = Json::MakeObject();
-      ej.Set("name", e.name);
-      ej.Set("logical_bytes", e.logical_bytes);
-      ej.Set("referenced_bytes", e.referenced_bytes);
-      ej.Set("exclusive_bytes", e.exclusive_bytes);
-      list.Push(std::move(ej));
-    }
-    j.Set("checkpoints", std::move(list));
-    Json t = Json::MakeObject();
-    t.Set("logical_bytes", r->logical_bytes);
-    t.Set("unique_raw_bytes", r->unique_raw_bytes);
-    t.Set("referenced_bytes", r->referenced_bytes);
-    t.Set("pack_bytes", r->pack_bytes);
-    t.Set("pending_bytes", r->pending_bytes);
-    t.Set("unreferenced_bytes", r->unreferenced_bytes);
-    t.Set("removed_bytes", r->retired_bytes);
-    t.Set("removed_checkpoints", r->retired_checkpoints);
-    t.Set("garbage_bytes", Reclaimable(*r));
-    t.Set("reclaimable_bytes", reclaimable);
-    if (!repo->remote()) {
-      t.Set("unrecorded_packs", r->unrecorded_packs);
-      t.Set("unrecorded_pack_bytes", r->unrecorded_pack_bytes);
-    }
-    t.Set("dedup_ratio", r->dedup_ratio());
-    t.Set("compression_ratio", r->compression_ratio());
-    j.Set("total", std::move(t));
-    PrintJson(j);
+    PrintJson(DescribeUsageReport(*r, repo->remote(), reclaimable));
     return kExitOk;
   }
   std::printf("%-28s %12s %12s %12s\n", "NAME", "LOGICAL", "REFERENCED", "EXCLUSIVE");
@@ -282,9 +248,9 @@ int CmdDu(const GlobalOptions& global, const Args& args) {
   std::printf("\ntotal: %s logical, %s after dedup, %s stored (%s in packs: %s pending, %s dead)\n",
               HumanBytes(r->logical_bytes).c_str(), HumanBytes(r->unique_raw_bytes).c_str(),
               HumanBytes(r->referenced_bytes).c_str(), HumanBytes(r->pack_bytes).c_str(),
-              HumanBytes(r->pending_bytes).c_str(), HumanBytes(Reclaimable(*r)).c_str());
+              HumanBytes(r->pending_bytes).c_str(), HumanBytes(GarbageBytes(*r)).c_str());
   std::printf("gc would reclaim %s now%s\n", HumanBytes(reclaimable).c_str(),
-              Reclaimable(*r) > gc->dead_pack_bytes + gc->rewritten_pack_bytes - gc->rewritten_live_bytes
+              GarbageBytes(*r) > gc->dead_pack_bytes + gc->rewritten_pack_bytes - gc->rewritten_live_bytes
                   ? " (dead chunks in packs at least half live stay until their pack falls below half)"
                   : "");
   if (r->retired_checkpoints) {
@@ -309,17 +275,6 @@ const CommandSpec kDiff{"diff", "A B", "Compare two checkpoints tensor by tensor
                         {kJsonOpt, kWideOpt, {"all", 'a', false, false, "", "list unchanged tensors and blobs too"}},
                         2, 2};
 
-const char* DiffKindName(TensorDiff::Kind k) {
-  switch (k) {
-    case TensorDiff::Kind::kUnchanged: return "unchanged";
-    case TensorDiff::Kind::kChanged: return "changed";
-    case TensorDiff::Kind::kOnlyInA: return "removed";
-    case TensorDiff::Kind::kOnlyInB: return "added";
-    case TensorDiff::Kind::kTypeChanged: return "dtype/shape changed";
-  }
-  return "?";
-}
-
 int CmdDiff(const GlobalOptions& global, const Args& args) {
   int rc = kExitOk;
   auto repo = OpenRepoOr(global, &rc);
@@ -327,27 +282,11 @@ int CmdDiff(const GlobalOptions& global, const Args& args) {
   auto diffs = repo->Diff(args.positional[0], args.positional[1]);
   if (!diffs.ok()) return Fail(diffs.status());
   const bool all = args.Has("all");
-  // JSON numbers cannot be infinite: an infinite difference is the string "inf".
-  auto number = [](const std::optional<double>& v) {
-    if (!v) return Json();
-    return std::isinf(*v) ? Json("inf") : Json(*v);
-  };
   if (args.Has("json")) {
     Json j = Json::MakeArray();
     for (const auto& d : *diffs) {
       if (d.kind == TensorDiff::Kind::kUnchanged && !all) continue;
-      Json dj = Json::MakeObject();
-      dj.Set("name", d.name);
-      dj.Set("kind", d.blob ? "blob" : "tensor");
-      dj.Set("status", DiffKindName(d.kind));
-      dj.Set("changed", d.kind != TensorDiff::Kind::kUnchanged);
-      dj.Set("shared_fraction", d.shared_fraction);
-      dj.Set("chunks", d.chunks);
-      dj.Set("changed_chunks", d.changed_chunks);
-      dj.Set("max_abs_diff", number(d.max_abs_diff));
-      dj.Set("mean_abs_diff", number(d.mean_abs_diff));
-      dj.Set("relative_l2", number(d.relative_l2));
-      j.Push(std::move(dj));
+      j.Push(DescribeTensorDiff(d));
     }
     PrintJson(j);
     return kExitOk;

@@ -45,38 +45,6 @@ const CommandSpec kVerify{"verify", "[NAME]", "Re-read and re-hash every chunk; 
                            kJsonOpt},
                           0, 1};
 
-Json VerifyJson(const VerifyReport& report) {
-  Json j = Json::MakeObject();
-  j.Set("ok", report.ok());
-  j.Set("checkpoints", report.checkpoints);
-  j.Set("tensors", report.tensors);
-  j.Set("chunks", report.chunks);
-  j.Set("bytes", report.bytes);
-  Json problems = Json::MakeArray();
-  for (const auto& p : report.problems) {
-    Json pj = Json::MakeObject();
-    pj.Set("checkpoint", p.checkpoint);
-    pj.Set("what", p.what);
-    pj.Set("message", p.message);
-    problems.Push(std::move(pj));
-  }
-  j.Set("problems", std::move(problems));
-  return j;
-}
-
-Json BadChunksJson(const std::vector<VerifyReport::BadChunk>& chunks) {
-  Json out = Json::MakeArray();
-  for (const auto& bad : chunks) {
-    Json b = Json::MakeObject();
-    b.Set("chunk", bad.id.ToHex());
-    Json users = Json::MakeArray();
-    for (const auto& c : bad.checkpoints) users.Push(Json(c));
-    b.Set("checkpoints", std::move(users));
-    out.Push(std::move(b));
-  }
-  return out;
-}
-
 int CmdVerify(const GlobalOptions& global, const Args& args) {
   int rc = kExitOk;
   const bool repair = args.Has("repair");
@@ -114,21 +82,9 @@ int CmdVerify(const GlobalOptions& global, const Args& args) {
     }
   }
   if (args.Has("json")) {
-    Json j = VerifyJson(*report);
-    j.Set("bad_chunks", BadChunksJson(report->bad_chunks));
+    Json j = DescribeVerifyReport(*report);
     if (repaired) {
-      Json r = Json::MakeObject();
-      Json done = Json::MakeArray();
-      for (const auto& c : repaired->repaired) {
-        Json cj = Json::MakeObject();
-        cj.Set("chunk", c.id.ToHex());
-        cj.Set("from", c.from);
-        done.Push(std::move(cj));
-      }
-      r.Set("repaired", std::move(done));
-      r.Set("unrepaired", BadChunksJson(repaired->unrepaired));
-      r.Set("packs_rewritten", repaired->packs_rewritten);
-      j.Set("repair", std::move(r));
+      j.Set("repair", DescribeRepairReport(*repaired));
       j.Set("problems_left", static_cast<uint64_t>(left));
     }
     PrintJson(j);

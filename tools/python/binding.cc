@@ -179,15 +179,7 @@ class GpuRegistry {
 
 // What a commit did, as save(), commit handles and import_safetensors
 // return it.
-py::dict CommitResultDict(const CommitResult& r) {
-  py::dict d;
-  d["checkpoint_visible"] = r.checkpoint_visible;
-  d["chunks_written"] = r.chunks_written;
-  d["chunks_deduplicated"] = r.chunks_deduplicated;
-  d["logical_bytes"] = r.logical_bytes;
-  d["stored_bytes"] = r.stored_bytes;
-  return d;
-}
+py::dict CommitResultDict(const CommitResult& r) { return JsonToPython(DescribeCommitResult(r)).cast<py::dict>(); }
 
 // Runs `fn` on a thread of its own. Unlike std::async's, the future does not
 // block when dropped, so a caller may let go of a save's handle; the Python
@@ -752,22 +744,27 @@ class PyRepository {
       py::gil_scoped_release nogil;
       r = Value(repo_->Verify(name));
     }
-    py::dict d;
-    d["ok"] = r.ok();
-    d["checkpoints"] = r.checkpoints;
-    d["tensors"] = r.tensors;
-    d["chunks"] = r.chunks;
-    d["bytes"] = r.bytes;
-    py::list problems;
-    for (const auto& p : r.problems) {
-      py::dict pd;
-      pd["checkpoint"] = p.checkpoint;
-      pd["what"] = p.what;
-      pd["message"] = p.message;
-      problems.append(pd);
+    return JsonToPython(DescribeVerifyReport(r)).cast<py::dict>();
+  }
+
+  py::list diff(const std::string& a, const std::string& b) {
+    std::vector<TensorDiff> diffs;
+    {
+      py::gil_scoped_release nogil;
+      diffs = Value(repo_->Diff(a, b));
     }
-    d["problems"] = problems;
-    return d;
+    py::list out;
+    for (const auto& d : diffs) out.append(JsonToPython(DescribeTensorDiff(d)));
+    return out;
+  }
+
+  py::dict du(const std::vector<std::string>& names) {
+    Json j;
+    {
+      py::gil_scoped_release nogil;
+      j = Value(UsageSummary(*repo_, names));
+    }
+    return JsonToPython(j).cast<py::dict>();
   }
 
   py::dict buffer_stats() const {
@@ -1054,6 +1051,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("keep"), py::arg("allow_removing_newest"), py::arg("dry_run"),
            py::arg("rewrite_below"), py::arg("on_phase"), py::arg("progress"), py::arg("group") = "")
       .def("verify", &PyRepository::verify, py::arg("name"))
+      .def("diff", &PyRepository::diff, py::arg("a"), py::arg("b"))
+      .def("du", &PyRepository::du, py::arg("names"))
       .def("copy_to", &PyRepository::copy_to, py::arg("destination"), py::arg("names"), py::arg("all"),
            py::arg("last"), py::arg("on_phase"), py::arg("progress"))
       .def("buffer_stats", &PyRepository::buffer_stats)

@@ -469,8 +469,32 @@ class Repository:
     def verify(self, name: Optional[str] = None) -> Dict[str, Any]:
         """Re-reads and re-hashes every chunk (of `name`, or of every
         checkpoint) and checks every tensor is tiled; the report's `ok` is
-        False and `problems` lists what is wrong otherwise."""
+        False and `problems` lists what is wrong otherwise; `bad_chunks`
+        lists the stored chunks that fail their id, each with the
+        checkpoints using it. The same report as `ckpt verify --json`."""
         return self._repo.verify(name)
+
+    def diff(self, a: str, b: str, *, all: bool = False) -> List[Dict[str, Any]]:  # noqa: A002
+        """Compares checkpoints `a` and `b` tensor by tensor, then blob by
+        blob, as `ckpt diff --json` does: for each, name, kind ("tensor" or
+        "blob"), status ("unchanged", "changed", "removed", "added",
+        "dtype/shape changed"), changed, shared_fraction (of a's bytes, in
+        chunks b also holds), chunks and changed_chunks, and for float
+        tensors max_abs_diff, mean_abs_diff and relative_l2 (None when not
+        computed; "inf" for an infinite difference). Unchanged ones are
+        left out unless `all`. Tensors whose chunk lists are equal are not
+        read."""
+        return [d for d in self._repo.diff(a, b) if all or d["changed"]]
+
+    def du(self, *names: str) -> Dict[str, Any]:
+        """The space `names` use (every committed checkpoint when none are
+        given), as `ckpt du --json` reports it: "checkpoints" (each one's
+        logical, referenced and exclusive bytes) and "total" (logical,
+        unique, referenced and pack bytes, pending and removed ones,
+        garbage, what a gc would reclaim now, dedup and compression
+        ratios). Runs a dry run of gc to say what it would reclaim."""
+        _check_names("checkpoint", names)
+        return self._repo.du(list(names))
 
 
 def init(url: str, *, chunk_size: int = 4 << 20, pack_size: int = 256 << 20, compression: str = "zstd",
