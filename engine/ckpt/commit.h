@@ -105,8 +105,11 @@ class CommitProtocol {
   // One checkpoints sync for a group of processes: one makes it and gets
   // what it read, encoded (ShareSync); the others apply that (SyncFrom)
   // instead of listing the store. Empty and no-op for the catalog's
-  // protocol, which has nothing to bring in.
-  virtual Result<std::string> ShareSync() = 0;
+  // protocol, which has nothing to bring in. `with_pack_indexes`: the
+  // sharer also reads the indexes of the packs new to it (IndexPacks) and
+  // shares them, for a group about to read (not for one about to save,
+  // which would wait for those reads at its start).
+  virtual Result<std::string> ShareSync(bool with_pack_indexes) = 0;
   virtual Result<SyncReport> SyncFrom(std::string_view shared) = 0;
   // Reads the indexes of the packs the last sync listed but did not read,
   // so every chunk of every synced checkpoint has its location. Readers,

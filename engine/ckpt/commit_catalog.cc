@@ -38,7 +38,7 @@ class CatalogCommit : public CommitProtocol {
   // The catalog is the truth: nothing to bring in, no other host to lock
   // out, and chunks move only under this host's locks.
   Result<SyncReport> Sync(SyncScope, const PhaseFn&) override { return SyncReport{}; }
-  Result<std::string> ShareSync() override { return std::string(); }
+  Result<std::string> ShareSync(bool) override { return std::string(); }
   Result<SyncReport> SyncFrom(std::string_view shared) override {
     if (!shared.empty()) return Status::InvalidArgument("a store listing was given to a local repository");
     return SyncReport{};

@@ -71,9 +71,10 @@ class StoreCommit : public CommitProtocol {
     if (on_phase && scope == SyncScope::kReferences) on_phase("reading every reference from the store");
     return sync_.Sync(scope);
   }
-  Result<std::string> ShareSync() override {
+  Result<std::string> ShareSync(bool with_pack_indexes) override {
     StoreListing listing;
     CKPT_RETURN_IF_ERROR(sync_.Sync(SyncScope::kCheckpoints, &listing).status());
+    if (with_pack_indexes) CKPT_RETURN_IF_ERROR(sync_.IndexPacks(&listing.pack_indexes));
     return EncodeStoreListing(listing);
   }
   Result<SyncReport> SyncFrom(std::string_view shared) override {

@@ -196,7 +196,7 @@ Status Repository::Refresh() {
 
 Result<std::string> Repository::ShareSync() {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
-  return impl_->protocol->ShareSync();
+  return impl_->protocol->ShareSync(/*with_pack_indexes=*/true);
 }
 
 Status Repository::SyncFrom(std::string_view shared) {

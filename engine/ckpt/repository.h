@@ -130,7 +130,11 @@ class Repository {
   // store; what a host's catalog recorded after the listing was taken stays
   // (a HEAD confirms it). A manifest a host's catalog lacks that the sharer
   // already had is read by that host. Corruption naming the listing when
-  // `shared` is not what ShareSync returned.
+  // `shared` is not what ShareSync returned. The sharer also reads the
+  // indexes of the packs new to its catalog and shares them, so that a
+  // job's ranks read each new pack's index once between them, not once
+  // each (the packs new to another host and not to the sharer are read by
+  // that host).
   Result<std::string> ShareSync();
   Status SyncFrom(std::string_view shared);
   // The chunk-buffer pool's counters (allocations, reuses, bytes held): in

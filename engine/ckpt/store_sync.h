@@ -24,6 +24,9 @@ struct StoreListing {
   std::vector<std::string> pending, manifests, packs;               // object keys
   std::vector<std::string> manifest_tags;                           // manifests[i]'s (ListedObject)
   std::vector<std::pair<std::string, std::string>> manifest_objects;  // checkpoint name, object bytes
+  // Indexes of listed packs the sharer read (ShareSync with indexes): a
+  // host applying the listing records these instead of reading them.
+  std::vector<SealedPack> pack_indexes;
 };
 std::string EncodeStoreListing(const StoreListing& listing);
 // Corruption when `data` is not what EncodeStoreListing wrote.
@@ -40,7 +43,8 @@ class StoreSync {
   // recorded in between looks removed and leaves the catalog until the
   // next sync of this host lists it again (the store is not touched).
   Result<SyncReport> Sync(SyncScope scope, StoreListing* capture = nullptr, const StoreListing* given = nullptr);
-  Status IndexPacks();
+  // With `captured`, the indexes read are also appended there.
+  Status IndexPacks(std::vector<SealedPack>* captured = nullptr);
 
  private:
   RepositoryImpl& repo_;

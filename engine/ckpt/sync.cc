@@ -114,7 +114,7 @@ Result<Manifest> DecodeManifestObject(std::string_view data, const std::string& 
   return m;
 }
 
-constexpr uint32_t kListingMagic = 0x324b4343;  // "CCK2"
+constexpr uint32_t kListingMagic = 0x334b4343;  // "CCK3"
 }  // namespace
 
 Result<Manifest> ReadManifestObject(Backend& backend, const std::string& key, const std::string& name) {
@@ -136,6 +136,19 @@ std::string EncodeStoreListing(const StoreListing& listing) {
   }
   e.Varint(listing.manifest_tags.size());
   for (const auto& t : listing.manifest_tags) e.String(t);
+  e.Varint(listing.pack_indexes.size());
+  for (const SealedPack& pack : listing.pack_indexes) {
+    e.String(pack.id);
+    e.U64(pack.size);
+    e.Varint(pack.entries.size());
+    for (const PackIndexEntry& entry : pack.entries) {
+      e.Bytes(entry.id.bytes.data(), entry.id.bytes.size());
+      e.U64(entry.location.offset);
+      e.U32(entry.location.stored_len);
+      e.U32(entry.location.raw_len);
+      e.U8(static_cast<uint8_t>(entry.location.codec));
+    }
+  }
   return e.Take();
 }
 
@@ -169,6 +182,36 @@ Result<StoreListing> DecodeStoreListing(std::string_view data) {
   if (n != 0 && n != out.manifests.size()) return Status::Corruption("a store listing's tags do not match its manifests");
   out.manifest_tags.resize(n);
   for (auto& t : out.manifest_tags) CKPT_RETURN_IF_ERROR(d.String(&t));
+  // The packs' indexes, checked as a pack's own index is (an entry takes
+  // 33 bytes).
+  CKPT_RETURN_IF_ERROR(count(&n));
+  out.pack_indexes.resize(n);
+  for (SealedPack& pack : out.pack_indexes) {
+    CKPT_RETURN_IF_ERROR(d.String(&pack.id));
+    CKPT_RETURN_IF_ERROR(d.U64(&pack.size));
+    uint64_t entries = 0;
+    CKPT_RETURN_IF_ERROR(d.Varint(&entries));
+    if (entries > d.remaining() / 33 || pack.size < kPackHeaderSize + kPackFooterSize ||
+        entries > (pack.size - kPackHeaderSize - kPackFooterSize) / kPackIndexEntrySize) {
+      return Status::Corruption("a store listing's index of pack " + pack.id + " is malformed");
+    }
+    const uint64_t data_end = pack.size - kPackFooterSize - entries * kPackIndexEntrySize;
+    pack.entries.resize(entries);
+    for (uint64_t i = 0; i < entries; ++i) {
+      PackIndexEntry& entry = pack.entries[i];
+      uint8_t codec = 0;
+      CKPT_RETURN_IF_ERROR(d.Bytes(entry.id.bytes.data(), entry.id.bytes.size()));
+      CKPT_RETURN_IF_ERROR(d.U64(&entry.location.offset));
+      CKPT_RETURN_IF_ERROR(d.U32(&entry.location.stored_len));
+      CKPT_RETURN_IF_ERROR(d.U32(&entry.location.raw_len));
+      CKPT_RETURN_IF_ERROR(d.U8(&codec));
+      if (Status bad = CheckIndexEntry(entry, codec, data_end, i); !bad.ok()) {
+        return Status::Corruption("a store listing's index of pack " + pack.id + ": " + bad.message());
+      }
+      entry.location.codec = static_cast<Codec>(codec);
+      entry.location.pack = pack.id;
+    }
+  }
   if (!d.done()) return Status::Corruption("a store listing has trailing bytes");
   return out;
 }
@@ -287,13 +330,31 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
   }
   // Every listed pack the catalog lacks is read now, or left for IndexPacks.
   const bool reads_indexes = scope != SyncScope::kCheckpoints || !gone_packs.empty();
+  std::vector<Result<SealedPack>> indexes;
   if (!reads_indexes) {
-    unindexed_packs_ = std::move(fresh_packs);  // read when needed (IndexPacks)
-    fresh_packs.clear();
+    // Those whose index the listing's sharer read are recorded from it;
+    // the rest are read when needed (IndexPacks).
+    std::map<std::string, const SealedPack*> shared;
+    if (given) {
+      for (const SealedPack& pack : given->pack_indexes) shared[pack.id] = &pack;
+    }
+    std::vector<std::string> from_sharer;
+    unindexed_packs_.clear();
+    for (auto& id : fresh_packs) {
+      auto it = shared.find(id);
+      if (it == shared.end()) {
+        unindexed_packs_.push_back(std::move(id));
+      } else {
+        indexes.emplace_back(*it->second);
+        from_sharer.push_back(std::move(id));
+      }
+    }
+    fresh_packs = std::move(from_sharer);
+  } else {
+    indexes = FetchAll<SealedPack>(repo_, fresh_packs.size(),
+                                   [&](size_t i) { return ReadPackIndex(backend, fresh_packs[i]); });
+    objects_read += fresh_packs.size();
   }
-  auto indexes = FetchAll<SealedPack>(repo_, fresh_packs.size(),
-                                      [&](size_t i) { return ReadPackIndex(backend, fresh_packs[i]); });
-  objects_read += fresh_packs.size();
 
   // ---- manifests ----
   std::set<std::string> listed_committed;
@@ -595,7 +656,7 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
   return report;
 }
 
-Status StoreSync::IndexPacks() {
+Status StoreSync::IndexPacks(std::vector<SealedPack>* captured) {
   auto unreadable = [&](const std::string& why) {
     return Status::IOError("cannot read the index of " + std::to_string(unindexed_packs_.size()) + " pack(s) in " +
                            repo_.backend->Describe() + (why.empty() ? "" : ": " + why));
@@ -634,6 +695,11 @@ Status StoreSync::IndexPacks() {
       }
       return Status::OK();
     }));
+    if (captured) {
+      for (auto& index : indexes) {
+        if (index.ok()) captured->push_back(std::move(index).value());
+      }
+    }
     unindexed_packs_ = std::move(failed);
     if (!gone) return unindexed_packs_.empty() ? Status::OK() : unreadable(first_failure);
   }

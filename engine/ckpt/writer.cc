@@ -531,7 +531,7 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
   if (options.shared_sync != nullptr) {
     CKPT_RETURN_IF_ERROR(impl_->protocol->SyncFrom(*options.shared_sync).status());
   } else if (options.share_sync != nullptr) {
-    CKPT_ASSIGN_OR_RETURN(*options.share_sync, impl_->protocol->ShareSync());
+    CKPT_ASSIGN_OR_RETURN(*options.share_sync, impl_->protocol->ShareSync(/*with_pack_indexes=*/false));
   } else {
     CKPT_RETURN_IF_ERROR(impl_->protocol->Sync().status());
   }

@@ -118,6 +118,23 @@ namespace {
 constexpr uint64_t kPackTailProbe = 64 << 10;
 }  // namespace
 
+Status CheckIndexEntry(const PackIndexEntry& e, uint8_t codec, uint64_t data_end, uint64_t i) {
+  if (codec > static_cast<uint8_t>(Codec::kByteGroupZstd)) return Status::Corruption("unknown codec in index");
+  // Compared without adding, so an offset near 2^64 cannot wrap around.
+  if (e.location.offset < kPackHeaderSize || e.location.offset > data_end ||
+      e.location.stored_len > data_end - e.location.offset) {
+    return Status::Corruption("index entry " + std::to_string(i) + " points outside the data area");
+  }
+  if (e.location.raw_len == 0 || e.location.raw_len > kMaxChunkSize) {
+    return Status::Corruption("index entry " + std::to_string(i) + " has raw length " +
+                              std::to_string(e.location.raw_len));
+  }
+  if (codec == static_cast<uint8_t>(Codec::kRaw) && e.location.stored_len != e.location.raw_len) {
+    return Status::Corruption("index entry " + std::to_string(i) + " is a raw chunk whose stored and raw lengths differ");
+  }
+  return Status::OK();
+}
+
 Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id) {
   const std::string key = PackKey(pack_id);
   auto corrupt = [&](const std::string& what) {
@@ -172,18 +189,7 @@ Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id) {
     CKPT_RETURN_IF_ERROR(d.U32(&e.location.raw_len));
     CKPT_RETURN_IF_ERROR(d.U8(&codec));
     CKPT_RETURN_IF_ERROR(d.Bytes(pad, 7));
-    if (codec > static_cast<uint8_t>(Codec::kByteGroupZstd)) return corrupt("unknown codec in index");
-    // Compared without adding, so an offset near 2^64 cannot wrap around.
-    if (e.location.offset < kPackHeaderSize || e.location.offset > index_offset ||
-        e.location.stored_len > index_offset - e.location.offset) {
-      return corrupt("index entry " + std::to_string(i) + " points outside the data area");
-    }
-    if (e.location.raw_len == 0 || e.location.raw_len > kMaxChunkSize) {
-      return corrupt("index entry " + std::to_string(i) + " has raw length " + std::to_string(e.location.raw_len));
-    }
-    if (codec == static_cast<uint8_t>(Codec::kRaw) && e.location.stored_len != e.location.raw_len) {
-      return corrupt("index entry " + std::to_string(i) + " is a raw chunk whose stored and raw lengths differ");
-    }
+    if (Status bad = CheckIndexEntry(e, codec, index_offset, i); !bad.ok()) return corrupt(bad.message());
     e.location.codec = static_cast<Codec>(codec);
     e.location.pack = pack_id;
     pack.entries.push_back(std::move(e));

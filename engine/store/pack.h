@@ -93,6 +93,11 @@ class PackWriter {
 
 // Reads and checks a pack's index (footer, magic, checksum, bounds).
 Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id);
+// Checks one index entry of a pack whose data area ends at `data_end` (where
+// its index begins): a known codec, stored bytes inside the data area, a raw
+// length in (0, kMaxChunkSize], stored and raw lengths equal for a raw
+// chunk. The message names entry `i`; the caller adds the pack.
+Status CheckIndexEntry(const PackIndexEntry& entry, uint8_t codec, uint64_t data_end, uint64_t i);
 
 // What ReadChunk's destination is.
 enum class ChunkDestination {
