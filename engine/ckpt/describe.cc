@@ -343,7 +343,8 @@ uint64_t GarbageBytes(const UsageReport& r) {
   return r.pack_bytes > kept ? r.pack_bytes - kept : 0;
 }
 
-Json DescribeUsageReport(const UsageReport& r, bool remote, uint64_t reclaimable) {
+Json DescribeUsage(const UsageFigures& figures, bool remote) {
+  const UsageReport& r = figures.usage;
   Json j = Json::MakeObject();
   Json list = Json::MakeArray();
   for (const auto& e : r.checkpoints) {
@@ -365,7 +366,7 @@ Json DescribeUsageReport(const UsageReport& r, bool remote, uint64_t reclaimable
   t.Set("removed_bytes", r.retired_bytes);
   t.Set("removed_checkpoints", r.retired_checkpoints);
   t.Set("garbage_bytes", GarbageBytes(r));
-  t.Set("reclaimable_bytes", reclaimable);
+  t.Set("reclaimable_bytes", figures.dry_gc.bytes_reclaimed());
   if (!remote) {
     t.Set("unrecorded_packs", r.unrecorded_packs);
     t.Set("unrecorded_pack_bytes", r.unrecorded_pack_bytes);
@@ -376,14 +377,13 @@ Json DescribeUsageReport(const UsageReport& r, bool remote, uint64_t reclaimable
   return j;
 }
 
-Result<Json> UsageSummary(Repository& repo, const std::vector<std::string>& names, GcReport* gc) {
-  CKPT_ASSIGN_OR_RETURN(UsageReport usage, repo.DiskUsage(names));
+Result<UsageFigures> MeasureUsage(Repository& repo, const std::vector<std::string>& names) {
+  UsageFigures f;
+  CKPT_ASSIGN_OR_RETURN(f.usage, repo.DiskUsage(names));
   GcOptions dry;
   dry.dry_run = true;
-  CKPT_ASSIGN_OR_RETURN(GcReport report, repo.CollectGarbage(dry));
-  Json j = DescribeUsageReport(usage, repo.remote(), report.bytes_reclaimed());
-  if (gc) *gc = std::move(report);
-  return j;
+  CKPT_ASSIGN_OR_RETURN(f.dry_gc, repo.CollectGarbage(dry));
+  return f;
 }
 
 }  // namespace ckptfs

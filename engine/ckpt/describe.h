@@ -69,19 +69,22 @@ const char* DiffKindName(TensorDiff::Kind kind);
 // max_abs_diff, mean_abs_diff, relative_l2 (null when not computed; an
 // infinite difference is the string "inf", JSON having no infinity).
 Json DescribeTensorDiff(const TensorDiff& diff);
+// The space used by `names` (every committed checkpoint when empty), and a
+// dry run of gc: what it would reclaim now (packs at least half live keep
+// their dead chunks).
+struct UsageFigures {
+  UsageReport usage;
+  GcReport dry_gc;
+};
+Result<UsageFigures> MeasureUsage(Repository& repo, const std::vector<std::string>& names);
 // Space used, as `ckpt du --json` prints it and Python's Repository.du
 // returns it: "checkpoints" [{name, logical_bytes, referenced_bytes,
 // exclusive_bytes}] and "total" (logical, unique raw, referenced, pack,
 // pending, unreferenced, removed bytes and checkpoints, garbage_bytes,
-// reclaimable_bytes: what a gc would reclaim now, dedup and compression
-// ratios; on a local repository, the unrecorded packs of killed saves).
-// `reclaimable` comes from a dry run of gc (UsageSummary does both).
-Json DescribeUsageReport(const UsageReport& report, bool remote, uint64_t reclaimable);
-// The space used by `names` (every committed checkpoint when empty) with
-// what gc would reclaim now (a dry run of it: packs at least half live keep
-// their dead chunks): DiskUsage and CollectGarbage in dry run, described.
-// `gc` receives the dry run's report when not null.
-Result<Json> UsageSummary(Repository& repo, const std::vector<std::string>& names, GcReport* gc = nullptr);
+// reclaimable_bytes: what the dry run of gc would reclaim, dedup and
+// compression ratios; on a local repository, the unrecorded packs of
+// killed saves).
+Json DescribeUsage(const UsageFigures& figures, bool remote);
 // Pack bytes the catalog records beyond what live, pending and removed
 // checkpoints reference (dead chunks, whether or not gc reclaims them yet).
 uint64_t GarbageBytes(const UsageReport& report);

@@ -841,7 +841,9 @@ class Exports(unittest.TestCase):
                     self.assertTrue(torch.equal(bits(back[f"layer{i}.w"]), bits(want)), i)
 
 
-class TorchSaveFiles(unittest.TestCase):
+class RepositoryInTmp(unittest.TestCase):
+    """A repository (64 KiB chunks) in a temporary directory of its own."""
+
     def setUp(self):
         import tempfile  # noqa: PLC0415
 
@@ -852,6 +854,9 @@ class TorchSaveFiles(unittest.TestCase):
         import shutil  # noqa: PLC0415
 
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class TorchSaveFiles(RepositoryInTmp):
 
     def test_a_nested_state_dict_imports_with_its_shape_and_values(self):
         gen = torch.Generator().manual_seed(3)
@@ -1002,20 +1007,9 @@ class TorchSaveFiles(unittest.TestCase):
         self.assertTrue(torch.equal(self.repo.tensor("archive", "w"), torch.arange(4.0)))
 
 
-class TorchArchiveReader(unittest.TestCase):
+class TorchArchiveReader(RepositoryInTmp):
     """torch.save archives read without torch.load (formats.torch_zip): the
     same checkpoint as through torch.load, and damage refused."""
-
-    def setUp(self):
-        import tempfile  # noqa: PLC0415
-
-        self.tmp = tempfile.mkdtemp(prefix="ckptfs-torchzip-")
-        self.repo = ckptfs.init(os.path.join(self.tmp, "repo"), chunk_size=64 << 10)
-
-    def tearDown(self):
-        import shutil  # noqa: PLC0415
-
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def test_every_dtype_and_layout_imports_as_through_torch_load(self):
         from unittest import mock  # noqa: PLC0415

@@ -395,6 +395,19 @@ class ForkSafety(PythonTestCase):
 
 
 class Errors(PythonTestCase):
+    def test_a_state_or_targets_not_a_mapping_and_shards_of_missing_names_are_refused(self):
+        self.r.save("s", {"a": np.zeros(2)})
+        for call, message in ((lambda: self.r.save("x", [1]), "state_dict must be a mapping of names to values, not list"),
+                              (lambda: self.r.save("x", {"a": np.zeros(2)}, shards={"b": ckptfs.Flat((4,), 0)}),
+                               "shards names ['b'] that are not in the state dict"),
+                              (lambda: self.r.load("s", [1]), "targets must be a mapping of names to tensors, not list"),
+                              (lambda: self.r.load("s", {"a": np.zeros(2)}, shards={"b": ckptfs.Flat((4,), 0)}),
+                               "shards names ['b'] that are not in targets")):
+            with self.assertRaises(ckptfs.InvalidArgumentError) as e:
+                call()
+            self.assertEqual(str(e.exception), message)
+        self.assertEqual([c["name"] for c in self.r.checkpoints()], ["s"])
+
     def test_wrong_dtype_or_shape_on_load_names_the_tensor_and_both_values(self):
         self.r.save("s", {"w": torch.zeros(4, 3, dtype=torch.bfloat16)})
         with self.assertRaises(ckptfs.InvalidArgumentError) as e:

@@ -227,19 +227,15 @@ int CmdDu(const GlobalOptions& global, const Args& args) {
   int rc = kExitOk;
   auto repo = OpenRepoOr(global, &rc);
   if (!repo) return rc;
-  auto r = repo->DiskUsage(args.positional);
-  if (!r.ok()) return Fail(r.status());
-  // What gc would reclaim is what a dry run of it says: packs at least half
-  // live keep their dead chunks (they are rewritten once below half).
-  GcOptions dry;
-  dry.dry_run = true;
-  auto gc = repo->CollectGarbage(dry);
-  if (!gc.ok()) return Fail(gc.status());
-  const uint64_t reclaimable = gc->bytes_reclaimed();
+  auto figures = MeasureUsage(*repo, args.positional);
+  if (!figures.ok()) return Fail(figures.status());
   if (args.Has("json")) {
-    PrintJson(DescribeUsageReport(*r, repo->remote(), reclaimable));
+    PrintJson(DescribeUsage(*figures, repo->remote()));
     return kExitOk;
   }
+  const UsageReport* r = &figures->usage;
+  const GcReport* gc = &figures->dry_gc;
+  const uint64_t reclaimable = gc->bytes_reclaimed();
   std::printf("%-28s %12s %12s %12s\n", "NAME", "LOGICAL", "REFERENCED", "EXCLUSIVE");
   for (const auto& e : r->checkpoints) {
     std::printf("%-28s %12s %12s %12s\n", e.name.c_str(), HumanBytes(e.logical_bytes).c_str(),

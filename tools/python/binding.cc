@@ -759,12 +759,12 @@ class PyRepository {
   }
 
   py::dict du(const std::vector<std::string>& names) {
-    Json j;
+    UsageFigures figures;
     {
       py::gil_scoped_release nogil;
-      j = Value(UsageSummary(*repo_, names));
+      figures = Value(MeasureUsage(*repo_, names));
     }
-    return JsonToPython(j).cast<py::dict>();
+    return JsonToPython(DescribeUsage(figures, repo_->remote())).cast<py::dict>();
   }
 
   py::dict buffer_stats() const {

@@ -41,6 +41,19 @@ def _check_names(kind: str, names: Iterable[Any]) -> None:
 
 # ---- saves in flight ----------------------------------------------------------------
 
+def _checked_shards(values: Any, what: str, holding: str, where: str, shards: Optional[Mapping[str, Shard]]) -> dict:
+    """`shards` as a dict, once `values` is a mapping (`what`, of
+    `holding`) of valid tensor names and every shard names one of them."""
+    if not isinstance(values, Mapping):
+        raise InvalidArgumentError(f"{what} must be a mapping of {holding}, not {type(values).__name__}")
+    shards = dict(shards or {})
+    _check_names("tensor", values.keys())
+    unknown = sorted(set(shards) - set(values))
+    if unknown:
+        raise InvalidArgumentError(f"shards names {unknown} that are not in {where}")
+    return shards
+
+
 _in_flight: "set[SaveHandle]" = set()
 _in_flight_lock = threading.Lock()
 
@@ -131,13 +144,7 @@ class Repository:
 
     def _put_all(self, name, state_dict, step, rank, world_size, shards, tags, progress=None, skip=(), group=None,
                  attempt=None, overwrite=False):
-        if not isinstance(state_dict, Mapping):
-            raise InvalidArgumentError(f"state_dict must be a mapping of names to values, not {type(state_dict).__name__}")
-        shards = dict(shards or {})
-        _check_names("tensor", state_dict.keys())
-        unknown = sorted(set(shards) - set(state_dict))
-        if unknown:
-            raise InvalidArgumentError(f"shards names {unknown} that are not in the state dict")
+        shards = _checked_shards(state_dict, "state_dict", "names to values", "the state dict", shards)
         begin = (name, int(rank), int(world_size), None if step is None else int(step),
                  [(str(k), str(v)) for k, v in (tags or {}).items()])
         if attempt is not None and not isinstance(attempt, str):
@@ -301,13 +308,7 @@ class Repository:
         others over the group. Failures raise CollectiveError on every rank
         within `timeout` seconds, naming the step.
         """
-        if not isinstance(targets, Mapping):
-            raise InvalidArgumentError(f"targets must be a mapping of names to tensors, not {type(targets).__name__}")
-        shards = dict(shards or {})
-        _check_names("tensor", targets.keys())
-        unknown = sorted(set(shards) - set(targets))
-        if unknown:
-            raise InvalidArgumentError(f"shards names {unknown} that are not in targets")
+        shards = _checked_shards(targets, "targets", "names to tensors", "targets", shards)
         if process_group is not None:
             from . import collective  # noqa: PLC0415
 

@@ -112,9 +112,8 @@ def _nbytes(t) -> int:
 def _put_tensor(writer, key: str, t, kept: list) -> None:
     """Puts a loaded tensor whole: a torch_zip tensor from the mapped file."""
     if isinstance(t, torch_zip.StoredTensor):
-        address, keep = t.host()
+        address, _copy = t.host()  # _copy holds a non-contiguous tensor's bytes until the put returns
         writer.put(key, t.dtype, list(t.shape), "whole", list(t.shape), [], 0, address, t.nbytes, -1)
-        del keep  # the put copied what it needs before it returned
         return
     put_value(writer, key, t.detach().contiguous(), None, False, kept)
 
