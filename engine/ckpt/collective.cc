@@ -91,21 +91,6 @@ Status DecodePlan(std::string_view data, std::string* error, std::vector<PlanEnt
   return Status::OK();
 }
 
-// Every rank says how its step went; all return OK, or all an error: a
-// failing rank its own, the others one naming the first failing rank.
-Status Agree(Communicator& comm, const std::string& step, const Status& local) {
-  auto said = comm.AllGather(local.ok() ? std::string() : local.ToString());
-  if (!said.ok()) return said.status().WithContext("the step '" + step + "'");
-  if (!local.ok()) return local.WithContext("rank " + std::to_string(comm.rank()) + ", step '" + step + "'");
-  for (size_t r = 0; r < said->size(); ++r) {
-    if (!(*said)[r].empty()) {
-      return Status::IOError("rank " + std::to_string(r) + " of " + std::to_string(comm.size()) + " failed in '" +
-                             step + "': " + (*said)[r]);
-    }
-  }
-  return Status::OK();
-}
-
 void EncodeChunk(Encoder& e, const ChunkRef& c) {
   e.Bytes(c.id.bytes.data(), c.id.bytes.size());
   e.Varint(c.raw_len);
@@ -236,11 +221,21 @@ Status DecodeLoadPlan(std::string_view data, size_t entries, int ranks, RankLoad
 
 namespace {
 
-// What rank 0 computes from every rank's entries (and digests): each
-// rank's part of the plan, or why it cannot.
+Status Collective(StatusCode code, std::string message) {
+  return Status(code, std::move(message)).WithDetail(StatusDetail::kCollective);
+}
+
+// The group's transport failed in `step` on this rank.
+Status StepFailed(const Communicator& comm, const std::string& step, const Status& st) {
+  return Collective(st.code(), "the step '" + step + "' failed on rank " + std::to_string(comm.rank()) + " of " +
+                                   std::to_string(comm.size()) + ": " + st.message());
+}
+
+// What rank 0 computes from every rank's entries (and what each sent
+// beside them): each rank's part of the plan, or why it cannot.
 using PlanParts =
     std::function<Result<std::vector<std::string>>(const std::vector<std::vector<PlanEntry>>& plans,
-                                                    const std::vector<std::string>& digests)>;
+                                                    const std::vector<std::string>& extras)>;
 
 // A part of the plan as sent: a status code, then the part or the error.
 std::string PartMessage(const Status& st, std::string_view part) {
@@ -252,36 +247,40 @@ std::string PartMessage(const Status& st, std::string_view part) {
 // The plan is made once, at rank 0: every rank's entries are gathered
 // there, rank 0 computes every rank's part (`compute`) and sends each its
 // own. Returns this rank's part and how many bytes of plan it received, or
-// the agreed error: a failing rank its own, the others one naming the
-// first failing rank (or rank 0, when computing the plan failed).
+// the agreed error: naming the first failing rank (or rank 0's plan, when
+// computing it failed).
 Result<std::string> PlanAtRankZero(Communicator& comm, const std::string& step, const Status& local,
-                                   const std::vector<PlanEntry>& mine, std::string_view digests,
+                                   const std::vector<PlanEntry>& mine, std::string_view extra,
                                    const PlanParts& compute, uint64_t* received) {
-  const std::string n = std::to_string(comm.size());
-  auto said = comm.Gather(EncodePlan(local, local.ok() ? mine : std::vector<PlanEntry>{}, digests), 0);
-  if (!said.ok()) return said.status().WithContext("the step '" + step + "'");
+  auto said = comm.Gather(EncodePlan(local, local.ok() ? mine : std::vector<PlanEntry>{}, extra), 0);
+  if (!said.ok()) {
+    if (!local.ok()) return Collective(local.code(), "rank " + std::to_string(comm.rank()) + " failed in '" + step +
+                                                         "': " + local.ToString());
+    return StepFailed(comm, step, said.status());
+  }
   std::vector<std::string> parts;
   if (comm.rank() == 0) {
     Status failed;
     std::vector<std::vector<PlanEntry>> plans(said->size());
-    std::vector<std::string> all_digests(said->size());
+    std::vector<std::string> extras(said->size());
     if (said->size() != static_cast<size_t>(comm.size())) {
-      failed = Status::Internal("the communicator gathered " + std::to_string(said->size()) + " plans from " + n +
-                                " ranks");
+      failed = Status::Internal("the communicator gathered " + std::to_string(said->size()) + " plans from " +
+                                std::to_string(comm.size()) + " ranks");
     }
     for (size_t r = 0; failed.ok() && r < said->size(); ++r) {
       std::string error;
-      Status st = DecodePlan((*said)[r], &error, &plans[r], &all_digests[r]);
+      Status st = DecodePlan((*said)[r], &error, &plans[r], &extras[r]);
       if (!st.ok()) {
         failed = st.WithContext("the plan of rank " + std::to_string(r));
       } else if (!error.empty()) {
-        failed = Status::IOError("rank " + std::to_string(r) + " of " + n + " failed in '" + step + "': " + error);
+        failed = Status::IOError("rank " + std::to_string(r) + " failed in '" + step + "': " + error);
       }
     }
     Result<std::vector<std::string>> computed = failed;
-    if (failed.ok()) computed = compute(plans, all_digests);
+    if (failed.ok()) computed = compute(plans, extras);
     if (computed.ok() && computed->size() != static_cast<size_t>(comm.size())) {
-      computed = Status::Internal("the plan has " + std::to_string(computed->size()) + " parts for " + n + " ranks");
+      computed = Status::Internal("the plan has " + std::to_string(computed->size()) + " parts for " +
+                                  std::to_string(comm.size()) + " ranks");
     }
     parts.resize(static_cast<size_t>(comm.size()));
     for (size_t r = 0; r < parts.size(); ++r) {
@@ -290,46 +289,20 @@ Result<std::string> PlanAtRankZero(Communicator& comm, const std::string& step, 
       } else if (!failed.ok()) {
         parts[r] = PartMessage(failed, "");
       } else {
-        parts[r] = PartMessage(computed.status().WithContext("the step '" + step + "'"), "");
+        parts[r] = PartMessage(computed.status().WithContext("in '" + step + "'"), "");
       }
     }
   }
   auto part = comm.Scatter(parts, 0);
-  if (!part.ok()) return part.status().WithContext("the step '" + step + "'");
-  if (!local.ok()) return local.WithContext("rank " + std::to_string(comm.rank()) + ", step '" + step + "'");
-  if (part->empty()) return Status::Internal("rank 0 sent no plan in the step '" + step + "'");
+  if (!part.ok()) return StepFailed(comm, step, part.status());
+  if (part->empty()) return Collective(StatusCode::kInternal, "rank 0 sent no plan in the step '" + step + "'");
   *received = part->size();
   if (comm.rank() == 0) {
     for (const std::string& m : *said) *received += m.size();
   }
   const auto code = static_cast<StatusCode>(static_cast<unsigned char>((*part)[0]));
-  if (code != StatusCode::kOk) return Status(code, part->substr(1));
+  if (code != StatusCode::kOk) return Collective(code, part->substr(1));
   return part->substr(1);
-}
-
-// Rank 0's `shared` on every rank, in one all-gather, when rank 0's step
-// went well (`local`: rank 0's outcome; the other ranks' is not asked);
-// otherwise its error on every rank, with its code, naming rank 0 and the
-// step on the others.
-Result<std::string> FromRankZero(Communicator& comm, const std::string& step, const Status& local,
-                                 std::string_view shared) {
-  std::string mine;
-  if (comm.rank() == 0) {
-    mine.push_back(static_cast<char>(local.code()));
-    mine.append(local.ok() ? shared : std::string_view(local.message()));
-  }
-  auto said = comm.AllGather(mine);
-  if (!said.ok()) return said.status().WithContext("the step '" + step + "'");
-  if (comm.rank() == 0 && !local.ok()) return local.WithContext("rank 0, step '" + step + "'");
-  if (said->empty() || (*said)[0].empty()) return Status::Internal("rank 0 sent nothing in the step '" + step + "'");
-  std::string_view first = (*said)[0];
-  const auto code = static_cast<StatusCode>(static_cast<unsigned char>(first[0]));
-  first.remove_prefix(1);
-  if (code != StatusCode::kOk) {
-    return Status(code, "rank 0 of " + std::to_string(comm.size()) + " failed in '" + step + "': " +
-                            std::string(first));
-  }
-  return std::string(first);
 }
 
 std::string KeyOf(const TensorInfo& t) { return t.name + '\0' + std::string(DTypeName(t.dtype)); }
@@ -345,6 +318,21 @@ Status CheckRegion(const TensorInfo& t, const Region& region, size_t bytes) {
   return Status::OK();
 }
 
+// Every rank's regions checked against their tensors' shapes at rank 0 (a
+// tensor's entry is named "tensor NUL dtype"; a blob's has no NUL).
+Status CheckEveryRegion(const std::vector<std::vector<PlanEntry>>& plans) {
+  for (size_t r = 0; r < plans.size(); ++r) {
+    for (const PlanEntry& p : plans[r]) {
+      const size_t cut = p.name.find('\0');
+      if (cut == std::string::npos) continue;
+      CKPT_RETURN_IF_ERROR(ValidateRegion(p.shape, p.region)
+                               .WithContext("rank " + std::to_string(r) + ", '" + p.name.substr(0, cut) + "' (" +
+                                            p.name.substr(cut + 1) + ")"));
+    }
+  }
+  return Status::OK();
+}
+
 class HostMemory final : public CollectiveMemory {
  public:
   std::unique_ptr<ShardSource> Source(std::span<const std::byte> data) override {
@@ -356,13 +344,9 @@ class HostMemory final : public CollectiveMemory {
     return reader.ReadRegion(tensor, region, target);
   }
   Status Copy(std::span<std::byte> dst, std::span<const std::byte> src) override {
-    if (!src.empty()) std::memcpy(dst.data(), src.data(), src.size());
+    if (!src.empty() && dst.data() != src.data()) std::memcpy(dst.data(), src.data(), src.size());
     return Status::OK();
   }
-  Status SendHost(Communicator& comm, std::span<const std::byte> host, int peer) override {
-    return comm.Send(host, peer);
-  }
-  Status RecvHost(Communicator& comm, std::span<std::byte> host, int peer) override { return comm.Recv(host, peer); }
 };
 
 }  // namespace
@@ -372,56 +356,96 @@ CollectiveMemory& HostCollectiveMemory() {
   return memory;
 }
 
+Status AgreeCollective(Communicator& comm, const std::string& step, std::string_view error, StatusCode code) {
+  const std::string me = std::to_string(comm.rank());
+  auto own = [&] { return Collective(code, "rank " + me + " failed in '" + step + "': " + std::string(error)); };
+  // One all-reduce of a flag when all went well; the errors are gathered
+  // only when some rank failed.
+  uint64_t all_ok = error.empty() ? 1 : 0;
+  Status reduced = comm.AllReduceMin(std::span<uint64_t>(&all_ok, 1));
+  if (!reduced.ok()) return error.empty() ? StepFailed(comm, step, reduced) : own();
+  if (all_ok == 1) return Status::OK();
+  auto said = comm.AllGather(error);
+  if (!said.ok()) return error.empty() ? StepFailed(comm, step, said.status()) : own();
+  for (size_t r = 0; r < said->size(); ++r) {
+    if ((*said)[r].empty()) continue;
+    if (r == static_cast<size_t>(comm.rank())) return own();
+    return Collective(StatusCode::kIOError, "rank " + std::to_string(r) + " failed in '" + step + "': " + (*said)[r]);
+  }
+  return Collective(StatusCode::kInternal, "the step '" + step + "': a rank failed and none said why");
+}
+
+Status AgreeCollective(Communicator& comm, const std::string& step, const Status& local) {
+  return AgreeCollective(comm, step, local.ok() ? std::string() : local.ToString(), local.code());
+}
+
+Result<std::string> ShareFromRankZero(Communicator& comm, const std::string& step, const Status& rank0,
+                                      std::string_view data) {
+  std::string mine;
+  if (comm.rank() == 0) {
+    mine.push_back(static_cast<char>(rank0.code()));
+    mine.append(rank0.ok() ? data : std::string_view(rank0.message()));
+  }
+  auto said = comm.BroadcastMessage(std::move(mine), 0);
+  if (!said.ok()) return StepFailed(comm, step, said.status());
+  if (comm.rank() == 0 && !rank0.ok()) return rank0;
+  if (said->empty()) return Collective(StatusCode::kInternal, "rank 0 sent nothing in the step '" + step + "'");
+  std::string_view first = *said;
+  const auto code = static_cast<StatusCode>(static_cast<unsigned char>(first[0]));
+  first.remove_prefix(1);
+  if (code != StatusCode::kOk) {
+    return Status(code, std::string(first) + " (rank 0 of " + std::to_string(comm.size()) + ", in '" + step + "')");
+  }
+  return std::string(first);
+}
+
+Status ShareOpeningSync(Repository* repo, std::string_view open_error, Communicator& comm) {
+  CKPT_RETURN_IF_ERROR(AgreeCollective(comm, "open the repository", open_error));
+  if (repo == nullptr) return Collective(StatusCode::kInternal, "a repository opened without an error is missing");
+  Result<std::string> listing = comm.rank() == 0 ? repo->ShareSync() : Result<std::string>(std::string());
+  CKPT_ASSIGN_OR_RETURN(std::string shared,
+                        ShareFromRankZero(comm, "share the store listing", listing.status(),
+                                          listing.ok() ? std::string_view(*listing) : std::string_view()));
+  Status local = comm.rank() != 0 ? repo->SyncFrom(shared) : Status::OK();
+  return AgreeCollective(comm, "apply the store listing", local);
+}
+
 Result<std::unique_ptr<Repository>> OpenCollective(const std::string& url, OpenOptions options, Communicator& comm) {
   options.opening_sync = false;
   auto repo = Repository::Open(url, options);
-  CKPT_RETURN_IF_ERROR(Agree(comm, "open the repository", repo.status()));
-  Result<std::string> listing = comm.rank() == 0 ? (*repo)->ShareSync() : Result<std::string>(std::string());
-  CKPT_ASSIGN_OR_RETURN(std::string shared,
-                        FromRankZero(comm, "share the store listing", listing.status(),
-                                     listing.ok() ? std::string_view(*listing) : std::string_view()));
-  Status local = comm.rank() != 0 ? (*repo)->SyncFrom(shared) : Status::OK();
-  CKPT_RETURN_IF_ERROR(Agree(comm, "apply the store listing", local));
+  CKPT_RETURN_IF_ERROR(ShareOpeningSync(repo.ok() ? repo->get() : nullptr,
+                                        repo.ok() ? std::string() : repo.status().ToString(), comm));
   return std::move(repo).value();
 }
 
-Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string& name,
-                                            std::span<const CollectiveShard> shards,
-                                            std::span<const CollectiveBlob> blobs, Communicator& comm,
-                                            WriterOptions options, bool verify_replicas) {
-  return SaveCollective(repo, name, shards, blobs, comm, HostCollectiveMemory(), std::move(options), verify_replicas);
+bool DeliverOnDevice(std::span<const std::string> tokens) {
+  std::vector<std::string_view> seen;
+  for (const std::string& t : tokens) {
+    if (t.empty()) return false;
+    seen.push_back(t);
+  }
+  std::sort(seen.begin(), seen.end());
+  return std::adjacent_find(seen.begin(), seen.end()) == seen.end();
 }
 
-Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string& name,
-                                            std::span<const CollectiveShard> shards,
-                                            std::span<const CollectiveBlob> blobs, Communicator& comm,
-                                            CollectiveMemory& memory, WriterOptions options, bool verify_replicas) {
-  // 1. What this rank holds (and, to compare replicas, a hash of each),
-  // gathered at rank 0, which assigns the owners and sends each rank
-  // which of its values it puts.
-  std::vector<PlanEntry> mine;
-  Status local = ValidateMemberName("checkpoint name", name);
-  for (const CollectiveShard& s : shards) {
-    if (!local.ok()) break;
-    local = CheckRegion(s.tensor, s.region, s.data.size());
-    mine.push_back({KeyOf(s.tensor), s.tensor.shape, s.region, s.data.size()});
-  }
-  for (const CollectiveBlob& b : blobs) mine.push_back({b.name, {}, Region::OfFlat(0, 0), b.data.size()});
+Result<CollectiveSavePlan> PlanCollectiveSave(Communicator& comm, const std::string& name,
+                                              const std::vector<PlanEntry>& mine, const Status& local,
+                                              std::span<const ChunkId> digests, bool verify_replicas) {
   // What rank 0 gathers beside the entries: the checkpoint's name (ranks
   // naming different checkpoints would each leave a part of a checkpoint
   // that never completes), a NUL, and the replicas' hashes.
-  std::string digests = name + '\0';
-  auto add = [&](const ChunkId& id) {
-    digests.append(reinterpret_cast<const char*>(id.bytes.data()), id.bytes.size());
-  };
-  for (size_t i = 0; verify_replicas && local.ok() && i < shards.size(); ++i) {
-    auto id = memory.Digest(shards[i].data);
-    if (id.ok()) add(*id);
-    else local = id.status().WithContext("hashing '" + shards[i].tensor.name + "'");
+  std::string extra = name + '\0';
+  Status described = local;
+  if (described.ok() && verify_replicas && digests.size() != mine.size()) {
+    described = Status::InvalidArgument("the replicas' check needs a hash of each value: " +
+                                        std::to_string(digests.size()) + " for " + std::to_string(mine.size()));
   }
-  for (size_t i = 0; verify_replicas && local.ok() && i < blobs.size(); ++i) add(ChunkId::Of(blobs[i].data));
+  for (size_t i = 0; verify_replicas && described.ok() && i < digests.size(); ++i) {
+    extra.append(reinterpret_cast<const char*>(digests[i].bytes.data()), digests[i].bytes.size());
+  }
   auto plan = [&](const std::vector<std::vector<PlanEntry>>& plans,
                   const std::vector<std::string>& said) -> Result<std::vector<std::string>> {
+    CKPT_RETURN_IF_ERROR(CheckEveryRegion(plans));
     std::vector<std::string_view> every(said.size());
     std::string_view first_name;
     for (size_t r = 0; r < said.size(); ++r) {
@@ -468,27 +492,35 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
       e.Varint(owners.unique_bytes);
       e.Varint(owners.held_bytes);
       e.String(std::string_view(reinterpret_cast<const char*>(put.data()), put.size()));
+      e.Varint(owners.bytes_per_rank.size());
+      for (uint64_t b : owners.bytes_per_rank) e.Varint(b);
       parts.push_back(e.Take());
     }
     return parts;
   };
-  uint64_t plan_bytes = 0;
-  CKPT_ASSIGN_OR_RETURN(std::string part,
-                        PlanAtRankZero(comm, "describe the values", local, mine, digests, plan, &plan_bytes));
-  // 2. This rank's owners.
-  CollectiveSaveResult result;
-  result.plan_bytes_received = plan_bytes;
-  std::string put_bytes;
-  {
-    Decoder d(part);
-    Status st = d.Varint(&result.unique_bytes);
-    if (st.ok()) st = d.Varint(&result.held_bytes);
-    if (st.ok()) st = d.String(&put_bytes);
-    if (st.ok() && (!d.done() || put_bytes.size() != mine.size())) st = Status::Corruption("a malformed save plan");
-    CKPT_RETURN_IF_ERROR(st.WithContext("the save plan from rank 0"));
-  }
-  auto put = [&](size_t i) { return put_bytes[i] != 0; };
-  // 3. Each rank puts what it owns.
+  CollectiveSavePlan out;
+  CKPT_ASSIGN_OR_RETURN(std::string part, PlanAtRankZero(comm, kStepDescribeValues, described, mine, extra, plan,
+                                                         &out.plan_bytes_received));
+  Decoder d(part);
+  std::string put;
+  uint64_t ranks = 0;
+  Status st = d.Varint(&out.unique_bytes);
+  if (st.ok()) st = d.Varint(&out.held_bytes);
+  if (st.ok()) st = d.String(&put);
+  if (st.ok()) st = d.Varint(&ranks);
+  if (st.ok() && ranks != static_cast<uint64_t>(comm.size())) st = Status::Corruption("a save plan for other ranks");
+  out.bytes_per_rank.resize(st.ok() ? ranks : 0);
+  for (size_t r = 0; st.ok() && r < out.bytes_per_rank.size(); ++r) st = d.Varint(&out.bytes_per_rank[r]);
+  if (st.ok() && (!d.done() || put.size() != mine.size())) st = Status::Corruption("a malformed save plan");
+  CKPT_RETURN_IF_ERROR(st.WithContext("the save plan from rank 0"));
+  out.put.assign(put.begin(), put.end());
+  return out;
+}
+
+Result<std::unique_ptr<CheckpointWriter>> BeginCollectiveSave(Repository& repo, const std::string& name,
+                                                              Communicator& comm, WriterOptions options,
+                                                              Status* own) {
+  *own = Status::OK();
   options.rank = static_cast<uint32_t>(comm.rank());
   options.world_size = static_cast<uint32_t>(comm.size());
   // One store sync for the group: rank 0 begins, listing the store under
@@ -508,39 +540,86 @@ Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string&
     first.share_sync = &listing;
     writer = repo.BeginCheckpoint(name, first);
   }
-  CKPT_ASSIGN_OR_RETURN(
-      std::string shared,
-      FromRankZero(comm, "begin and share the store listing", writer.status(), options.attempt + '\n' + listing));
-  if (comm.rank() != 0) {
-    const size_t end = shared.find('\n');
-    if (end == std::string::npos) return Status::Internal("rank 0's store listing came without the save attempt");
-    WriterOptions rest = options;
-    rest.attempt = shared.substr(0, end);
-    shared.erase(0, end + 1);
-    rest.shared_sync = &shared;
-    writer = repo.BeginCheckpoint(name, rest);
+  CKPT_ASSIGN_OR_RETURN(std::string shared,
+                        ShareFromRankZero(comm, kStepBegin, writer.status(), options.attempt + '\n' + listing));
+  if (comm.rank() == 0) return writer;
+  const size_t end = shared.find('\n');
+  if (end == std::string::npos) {
+    *own = Status::Internal("rank 0's store listing came without the save attempt");
+    return std::unique_ptr<CheckpointWriter>();
   }
-  local = writer.status();
+  WriterOptions rest = options;
+  rest.attempt = shared.substr(0, end);
+  shared.erase(0, end + 1);
+  rest.shared_sync = &shared;
+  writer = repo.BeginCheckpoint(name, rest);
+  if (!writer.ok()) {
+    *own = writer.status();
+    return std::unique_ptr<CheckpointWriter>();
+  }
+  return writer;
+}
+
+Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string& name,
+                                            std::span<const CollectiveShard> shards,
+                                            std::span<const CollectiveBlob> blobs, Communicator& comm,
+                                            WriterOptions options, bool verify_replicas) {
+  return SaveCollective(repo, name, shards, blobs, comm, HostCollectiveMemory(), std::move(options), verify_replicas);
+}
+
+Result<CollectiveSaveResult> SaveCollective(Repository& repo, const std::string& name,
+                                            std::span<const CollectiveShard> shards,
+                                            std::span<const CollectiveBlob> blobs, Communicator& comm,
+                                            CollectiveMemory& memory, WriterOptions options, bool verify_replicas) {
+  // 1. What this rank holds (and, to compare replicas, a hash of each),
+  // gathered at rank 0, which assigns the owners and sends each rank
+  // which of its values it puts.
+  std::vector<PlanEntry> mine;
+  Status local = ValidateMemberName("checkpoint name", name);
+  for (const CollectiveShard& s : shards) {
+    if (!local.ok()) break;
+    local = CheckRegion(s.tensor, s.region, s.data.size());
+    mine.push_back({KeyOf(s.tensor), s.tensor.shape, s.region, s.data.size()});
+  }
+  for (const CollectiveBlob& b : blobs) mine.push_back({b.name, {}, Region::OfFlat(0, 0), b.data.size()});
+  std::vector<ChunkId> digests;
+  for (size_t i = 0; verify_replicas && local.ok() && i < shards.size(); ++i) {
+    auto id = memory.Digest(shards[i].data);
+    if (id.ok()) digests.push_back(*id);
+    else local = id.status().WithContext("hashing '" + shards[i].tensor.name + "'");
+  }
+  for (size_t i = 0; verify_replicas && local.ok() && i < blobs.size(); ++i) digests.push_back(ChunkId::Of(blobs[i].data));
+  CKPT_ASSIGN_OR_RETURN(CollectiveSavePlan plan, PlanCollectiveSave(comm, name, mine, local, digests, verify_replicas));
+  CollectiveSaveResult result;
+  result.unique_bytes = plan.unique_bytes;
+  result.held_bytes = plan.held_bytes;
+  result.bytes_per_rank = plan.bytes_per_rank;
+  result.plan_bytes_received = plan.plan_bytes_received;
+  // 2. Each rank begins its writer; 3. puts what it owns.
+  Status own;
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
+                        BeginCollectiveSave(repo, name, comm, std::move(options), &own));
+  local = own;
   for (size_t i = 0; local.ok() && i < shards.size(); ++i) {
-    if (!put(i)) continue;
+    if (!plan.put[i]) continue;
     const std::unique_ptr<ShardSource> source = memory.Source(shards[i].data);
-    local = (*writer)->PutShard(shards[i].tensor, shards[i].region, *source);
+    local = writer->PutShard(shards[i].tensor, shards[i].region, *source);
     result.put_bytes += shards[i].data.size();
   }
   for (size_t i = 0; local.ok() && i < blobs.size(); ++i) {
-    if (!put(shards.size() + i)) continue;
-    local = (*writer)->PutBlob(blobs[i].name, blobs[i].data);
+    if (!plan.put[shards.size() + i]) continue;
+    local = writer->PutBlob(blobs[i].name, blobs[i].data);
     result.put_bytes += blobs[i].data.size();
   }
-  Status agreed = Agree(comm, "put the values", local);
+  Status agreed = AgreeCollective(comm, kStepPut, local);
   if (!agreed.ok()) {
-    if (writer.ok()) (*writer)->Abort();
+    if (writer) writer->Abort();
     return agreed;
   }
   // 4. Commit: rank 0's, once every rank's part is in, makes the
   // checkpoint visible.
-  auto committed = (*writer)->Commit().Wait();
-  CKPT_RETURN_IF_ERROR(Agree(comm, "commit", committed.status()));
+  auto committed = writer->Commit().Wait();
+  CKPT_RETURN_IF_ERROR(AgreeCollective(comm, kStepCommit, committed.status()));
   result.commit = *committed;
   return result;
 }
@@ -558,12 +637,18 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
   // before it makes the plan and held until every rank agrees its fetches
   // are done; no rank fetches before it has its part of the plan. The
   // others open without one and send what they opened (its identity), for
-  // rank 0 to check that it is the checkpoint it leased.
-  ReadOptions read;
-  read.lease = comm.rank() == 0;
-  auto reader = repo.OpenCheckpoint(name, read);
-  Status local = reader.status();
-  const std::string identity = reader.ok() ? CheckpointIdentity((*reader)->info()) : std::string();
+  // rank 0 to check that it is the checkpoint it leased, and the device
+  // their targets are on.
+  Status local = memory.Ready();
+  Result<std::unique_ptr<CheckpointReader>> reader = Status::Internal("no reader opened");
+  if (local.ok()) {
+    ReadOptions read;
+    read.lease = comm.rank() == 0;
+    reader = repo.OpenCheckpoint(name, read);
+    local = reader.status();
+  }
+  const std::string extra =
+      (reader.ok() ? CheckpointIdentity((*reader)->info()) : std::string()) + '\0' + memory.DeliveryDevice();
   std::vector<const TensorRecord*> records(targets.size(), nullptr);
   std::vector<PlanEntry> mine;
   for (size_t i = 0; local.ok() && i < targets.size(); ++i) {
@@ -576,30 +661,41 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
     mine.push_back({KeyOf(t.tensor), t.tensor.shape, t.region, t.data.size()});
   }
   // 2. Rank 0 makes the plan once, its reader listing the chunks of
-  // every rank's regions, and sends each rank its part.
+  // every rank's regions, and sends each rank its part, with whether the
+  // regions travel over the device.
   auto plan = [&](const std::vector<std::vector<PlanEntry>>& plans,
-                  const std::vector<std::string>& identities) -> Result<std::vector<std::string>> {
+                  const std::vector<std::string>& extras) -> Result<std::vector<std::string>> {
     const CheckpointReader& r = **reader;  // rank 0's, open: its failure stops the plan before this
+    std::vector<std::string> identities, devices;
+    for (const std::string& x : extras) {
+      const size_t cut = x.find('\0');
+      if (cut == std::string::npos) return Status::Internal("a rank sent no delivery device");
+      identities.push_back(x.substr(0, cut));
+      devices.push_back(x.substr(cut + 1));
+    }
     for (size_t k = 1; k < identities.size(); ++k) {
       if (identities[k] != identities[0]) {
         return Status::FailedPrecondition("rank " + std::to_string(k) + "'s host knows another checkpoint named '" +
                                           name + "' than rank 0's: its catalog is behind the store (open the "
-                                          "repository with OpenCollective to bring every host's catalog up to date)");
+                                          "repository collectively to bring every host's catalog up to date)");
       }
     }
+    const char on_device = DeliverOnDevice(devices) ? 1 : 0;
     std::vector<std::string> parts;
     for (const RankLoadPlan& p : PlanLoadForRanks(
              plans, [&](std::string_view tensor) { return r.FindTensor(tensor); }, kHandoffWindowBytes)) {
-      parts.push_back(EncodeLoadPlan(p));
+      parts.push_back(std::string(1, on_device) + EncodeLoadPlan(p));
     }
     return parts;
   };
   uint64_t plan_bytes = 0;
   CKPT_ASSIGN_OR_RETURN(std::string part,
-                        PlanAtRankZero(comm, "describe the targets", local, mine, identity, plan, &plan_bytes));
+                        PlanAtRankZero(comm, kStepDescribeTargets, local, mine, extra, plan, &plan_bytes));
   RankLoadPlan routes;
-  CKPT_RETURN_IF_ERROR(
-      DecodeLoadPlan(part, mine.size(), comm.size(), &routes).WithContext("the load plan from rank 0"));
+  const bool on_device = !part.empty() && part[0] != 0;
+  CKPT_RETURN_IF_ERROR(DecodeLoadPlan(std::string_view(part).substr(part.empty() ? 0 : 1), mine.size(), comm.size(),
+                                      &routes)
+                           .WithContext("the load plan from rank 0"));
   const int me = comm.rank();
   CollectiveLoadResult result;
   result.unique_bytes = routes.unique_bytes;
@@ -618,7 +714,9 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
     any_handoff = any_handoff || w.exchange;
     for (const ChunkHandoff& h : w.handoffs) largest = std::max<size_t>(largest, h.chunk.raw_len);
   }
-  if (any_handoff) CKPT_RETURN_IF_ERROR(Agree(comm, "prepare the hand-offs", memory.PrepareHandoffs(largest)));
+  if (any_handoff) {
+    CKPT_RETURN_IF_ERROR(AgreeCollective(comm, "prepare the hand-offs", memory.PrepareHandoffs(largest)));
+  }
   Status failed;
   std::vector<std::byte> buffer;
   size_t begin = 0;
@@ -629,7 +727,7 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
         held = (*reader)->HoldChunk(c);
         if (!held.ok()) break;
       }
-      CKPT_RETURN_IF_ERROR(Agree(comm, "fetch the shared chunks", held));
+      CKPT_RETURN_IF_ERROR(AgreeCollective(comm, "fetch the shared chunks", held));
       // This rank's, in the plan's order, as its peers make them.
       for (const ChunkHandoff& h : w.handoffs) {
         buffer.resize(h.chunk.raw_len);
@@ -637,11 +735,11 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
           Status copied = (*reader)->CopyHeldChunk(h.chunk, buffer);
           if (!copied.ok() && failed.ok()) failed = copied;  // sent anyway: the receiver's check fails, none waits
           Status sent = memory.SendHost(comm, buffer, h.to);
-          if (!sent.ok() && failed.ok()) failed = sent.WithContext("the step 'hand over the shared chunks'");
+          if (!sent.ok() && failed.ok()) failed = StepFailed(comm, "hand over the shared chunks", sent);
           result.handoff_sent_bytes += buffer.size();
         } else {
           Status got = memory.RecvHost(comm, buffer, h.from);
-          if (!got.ok() && failed.ok()) failed = got.WithContext("the step 'hand over the shared chunks'");
+          if (!got.ok() && failed.ok()) failed = StepFailed(comm, "hand over the shared chunks", got);
           result.handoff_received_bytes += buffer.size();
           if (failed.ok()) failed = (*reader)->LendChunk(h.chunk, buffer);
         }
@@ -657,30 +755,31 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
     (*reader)->ReleaseChunks(w.release);
     begin = w.routes_end;
   }
-  CKPT_RETURN_IF_ERROR(Agree(comm, "fetch", failed));
-  // 5. Then sent to the other ranks needing it, in the routes' order on
-  // every rank (so a blocking transport pairs each send with its receive),
-  // and copied to this rank's other entries of the same region.
-  Status copied;
+  CKPT_RETURN_IF_ERROR(AgreeCollective(comm, kStepFetch, failed));
+  // 5. Then sent to the other ranks needing it, in one round, and copied
+  // to this rank's other entries of the same region.
+  std::vector<Communicator::Transfer> transfers;
   for (const RankRoute& route : routes.routes) {
-    const std::vector<size_t>& own = route.entries;
-    std::span<std::byte> first = targets[own.front()].data;
+    std::span<std::byte> first = targets[route.entries.front()].data;
     if (me == route.reader) {
       for (int peer : route.peers) {
-        local = comm.Send(first, peer);
-        if (!local.ok()) break;
+        transfers.push_back({.send = true, .peer = peer, .data = first, .tag = route.route});
         result.sent_bytes += first.size();
       }
     } else {
-      local = comm.Recv(first, route.reader);
+      transfers.push_back({.send = false, .peer = route.reader, .data = first, .tag = route.route});
       result.received_bytes += first.size();
     }
-    if (!local.ok()) break;
-    // A failed copy is said at the end: this rank keeps sending, so no
-    // peer waits for it.
-    for (size_t k = 1; copied.ok() && k < own.size(); ++k) copied = memory.Copy(targets[own[k]].data, first);
   }
-  CKPT_RETURN_IF_ERROR(Agree(comm, "deliver", local.ok() ? copied : local));
+  Status delivered = memory.Deliver(comm, transfers, on_device);
+  if (!delivered.ok()) delivered = StepFailed(comm, kStepDeliver, delivered);
+  for (const RankRoute& route : routes.routes) {
+    const std::vector<size_t>& own = route.entries;
+    for (size_t k = 1; delivered.ok() && k < own.size(); ++k) {
+      delivered = memory.Copy(targets[own[k]].data, targets[own.front()].data);
+    }
+  }
+  CKPT_RETURN_IF_ERROR(AgreeCollective(comm, kStepDeliver, delivered));
   return result;
 }
 

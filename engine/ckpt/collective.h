@@ -1,16 +1,20 @@
-// Collective saves and restores for C++ callers: the ranks of a
-// Communicator (ckpt/communicator.h) plan together (ckpt/collective_plan.h)
-// so that a region several ranks hold is hashed, encoded and written by one
-// of them, and a region several ranks need is fetched, verified and decoded
-// by one of them and sent to the others. The Python package does the same
-// over torch.distributed (ckptfs/collective.py).
+// Collective saves and restores: the ranks of a Communicator
+// (ckpt/communicator.h) plan together (ckpt/collective_plan.h) so that a
+// region several ranks hold is hashed, encoded and written by one of them,
+// and a region several ranks need is fetched, verified and decoded by one
+// of them and sent to the others. This is the one driver of the protocol:
+// C++ callers use SaveCollective and LoadCollective; the Python package
+// runs the same over torch.distributed (its binding's communicator and
+// memory, ckptfs/collective.py), putting its own values between the save's
+// steps (PlanCollectiveSave, BeginCollectiveSave, AgreeCollective).
 //
 // The tensors' memory is host memory, moved by a communicator that moves
 // host memory (the host group, or a caller's own over MPI, gloo and the
 // like), unless the caller passes a CollectiveMemory saying otherwise:
 // gpu/collective_device.h gives one for device memory and a communicator
-// that moves device memory (NCCL). Errors are agreed: when a step fails on one rank, every rank returns an error naming
-// that rank and the step, and nothing becomes visible.
+// that moves device memory (NCCL). Errors are agreed: when a step fails on
+// one rank, every rank returns an error naming that rank and the step
+// (StatusDetail::kCollective), and nothing becomes visible.
 #pragma once
 
 #include <chrono>
@@ -50,9 +54,27 @@ class CollectiveMemory {
   }
   // Host bytes (decoded chunks) over a communicator that moves this memory.
   // SendHost sends host.size() bytes even when staging them failed (then
-  // returning that error), so that the peer never waits for them.
-  virtual Status SendHost(Communicator& comm, std::span<const std::byte> host, int peer) = 0;
-  virtual Status RecvHost(Communicator& comm, std::span<std::byte> host, int peer) = 0;
+  // returning that error), so that the peer never waits for them. The
+  // default is for a communicator that moves host memory.
+  virtual Status SendHost(Communicator& comm, std::span<const std::byte> host, int peer) {
+    return comm.Send(host, peer);
+  }
+  virtual Status RecvHost(Communicator& comm, std::span<std::byte> host, int peer) { return comm.Recv(host, peer); }
+  // Whether the memory could take the targets it was given: a caller that
+  // failed to describe its targets says so here, and a load fails on every
+  // rank at its first step, naming this rank.
+  virtual Status Ready() const { return Status::OK(); }
+  // A token naming the one device whose memory holds every target of this
+  // rank, where the regions can travel device to device (a GPU's UUID);
+  // empty otherwise. A load delivers over the device when every rank gives
+  // one and no two the same (DeliverOnDevice).
+  virtual std::string DeliveryDevice() const { return {}; }
+  // Delivers the fetched regions: one round of transfers of the targets'
+  // bytes (Communicator::Exchange), `on_device` as the ranks agreed.
+  virtual Status Deliver(Communicator& comm, std::span<const Communicator::Transfer> transfers, bool on_device) {
+    (void)on_device;
+    return comm.Exchange(transfers);
+  }
 };
 // Host memory, moved as it is.
 CollectiveMemory& HostCollectiveMemory();
@@ -79,6 +101,7 @@ struct CollectiveSaveResult {
   uint64_t put_bytes = 0;      // what this rank hashed, encoded and wrote
   uint64_t unique_bytes = 0;   // each distinct region once, over the group
   uint64_t held_bytes = 0;     // every region of every rank
+  std::vector<uint64_t> bytes_per_rank;  // what each rank puts
   // What this rank received of the plan: its own part (rank 0: also every
   // rank's entries, which it gathers to make the plan).
   uint64_t plan_bytes_received = 0;
@@ -140,6 +163,74 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
 Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string& name,
                                             std::span<const CollectiveTarget> targets, Communicator& comm,
                                             CollectiveMemory& memory);
+
+// ---- The steps, for callers that put their own values ----------------------
+
+// The steps' names, as errors name them.
+inline constexpr char kStepDescribeValues[] = "describe the values";
+inline constexpr char kStepBegin[] = "begin and share the store listing";
+inline constexpr char kStepPut[] = "put the values";
+inline constexpr char kStepCommit[] = "commit";
+inline constexpr char kStepDescribeTargets[] = "describe the targets";
+inline constexpr char kStepFetch[] = "fetch from the store";
+inline constexpr char kStepDeliver[] = "deliver the fetched regions";
+
+// Every rank says how its part of `step` went (`error`: empty when it went
+// well). All return OK, or all an error with StatusDetail::kCollective:
+// "rank R failed in 'STEP': ERROR" for the first rank R that failed (on R
+// itself with its own code, given as `code`), or, when the exchange itself
+// failed, "the step 'STEP' failed on rank r of n: ...". A rank whose own
+// part failed reports its own error even when the exchange fails too.
+Status AgreeCollective(Communicator& comm, const std::string& step, std::string_view error,
+                       StatusCode code = StatusCode::kIOError);
+Status AgreeCollective(Communicator& comm, const std::string& step, const Status& local);
+
+// Rank 0's `data` on every rank, or rank 0's error (`rank0`, its outcome;
+// the other ranks' is not asked): on rank 0 itself unchanged, on the
+// others with its code and "MESSAGE (rank 0 of N, in 'STEP')".
+Result<std::string> ShareFromRankZero(Communicator& comm, const std::string& step, const Status& rank0,
+                                      std::string_view data);
+
+// OpenCollective after its opens: every rank says how its open went
+// (`repo`: null where it failed, and `open_error` says why), rank 0 syncs
+// with the store and shares what it listed, the others apply that.
+Status ShareOpeningSync(Repository* repo, std::string_view open_error, Communicator& comm);
+
+// The plan of a collective save: which of this rank's entries it puts.
+struct CollectiveSavePlan {
+  std::vector<uint8_t> put;  // one per entry of `mine`
+  uint64_t unique_bytes = 0;
+  uint64_t held_bytes = 0;
+  std::vector<uint64_t> bytes_per_rank;
+  uint64_t plan_bytes_received = 0;
+};
+// Step 1 of a save: every rank's entries (tensor name NUL dtype, global
+// shape, region, bytes; a blob: its name, no shape, an empty flat region)
+// gathered at rank 0, which checks every region against its tensor,
+// refuses ranks naming different checkpoints, with `verify_replicas`
+// compares the holders' `digests` (one per entry: ChunkId::Of its bytes)
+// of each region several ranks hold, assigns each region one owner and
+// sends every rank its part. `local`: this rank's failure to describe its
+// values, agreed on here.
+Result<CollectiveSavePlan> PlanCollectiveSave(Communicator& comm, const std::string& name,
+                                              const std::vector<PlanEntry>& mine, const Status& local,
+                                              std::span<const ChunkId> digests, bool verify_replicas);
+// Step 2: this rank's writer. Rank 0 begins, listing the store, and shares
+// the listing and the save's attempt (`options.attempt`, a new one unless
+// given); the others begin with them (WriterOptions::shared_sync). Rank
+// 0's failure is every rank's error; this rank's own failure to begin is
+// returned in `own` (with a null writer) for the puts' agreement.
+// options.rank and world_size are the communicator's; await_ranks is
+// kDefaultAwaitRanks unless given.
+Result<std::unique_ptr<CheckpointWriter>> BeginCollectiveSave(Repository& repo, const std::string& name,
+                                                              Communicator& comm, WriterOptions options,
+                                                              Status* own);
+// Then each rank puts the entries its plan gives it, agrees on kStepPut
+// (aborting its writer on a failure), commits, and agrees on kStepCommit.
+
+// Whether a load delivers over the device: every rank's DeliveryDevice
+// token given and no two the same.
+bool DeliverOnDevice(std::span<const std::string> tokens);
 
 // One rank's part of a load plan as rank 0 sends it (C++ and the Python
 // package alike), and read back on that rank: checked against the rank's

@@ -9,6 +9,21 @@
 #include <utility>
 
 namespace ckptfs {
+
+Status Communicator::Exchange(std::span<const Transfer> transfers) {
+  for (const Transfer& t : transfers) {
+    CKPT_RETURN_IF_ERROR(t.send ? Send(t.data, t.peer) : Recv(t.data, t.peer));
+  }
+  return Status::OK();
+}
+
+Result<std::string> Communicator::BroadcastMessage(std::string mine, int root) {
+  if (root < 0 || root >= size()) return Status::InvalidArgument("broadcast root out of range");
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> all, AllGather(rank() == root ? mine : std::string()));
+  if (all.size() != static_cast<size_t>(size())) return Status::Internal("an all-gather returned another group's size");
+  return std::move(all[static_cast<size_t>(root)]);
+}
+
 namespace {
 
 struct HostGroupState {

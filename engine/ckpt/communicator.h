@@ -5,9 +5,9 @@
 //
 // The engine links no transport. Implementations: the host group below
 // (threads of one process, for tests and single-process tools), NCCL for
-// C++ jobs on GPUs (gpu/replicated.h), and, from Python, torch.distributed,
-// which the package drives itself (ckptfs/collective.py) so that no engine
-// thread calls into Python.
+// C++ jobs on GPUs (gpu/replicated.h), and, for the Python package, one
+// over torch.distributed (the binding's, whose calls go to
+// ckptfs/collective.py on the rank's own thread).
 #pragma once
 
 #include <cstddef>
@@ -42,6 +42,10 @@ class Communicator {
   // Every rank's `mine` at `root`, in rank order; the other ranks get an
   // empty list. Small host messages.
   virtual Result<std::vector<std::string>> Gather(std::string_view mine, int root) = 0;
+  // `root`'s message (`mine` there; ignored elsewhere) on every rank: a
+  // host message of any size (a store listing). The default all-gathers;
+  // a transport with a broadcast of raw bytes overrides it.
+  virtual Result<std::string> BroadcastMessage(std::string mine, int root);
   // parts[r], given at `root` (one per rank; ignored elsewhere), on rank r.
   // A root given the wrong number of parts sends every rank an empty
   // message and returns InvalidArgument. Small host messages.
@@ -51,6 +55,21 @@ class Communicator {
   // the peer receives.
   virtual Status Send(std::span<const std::byte> data, int peer) = 0;
   virtual Status Recv(std::span<std::byte> data, int peer) = 0;
+
+  // One round of point-to-point transfers in the memory Send uses: `data`
+  // goes to `peer` (send) or comes from it. Each rank's list holds the
+  // transfers of every pair in the order the peer's list holds them;
+  // `tag` tells apart the transfers of one pair (a transport may match
+  // on it). Returns when all are done. The default makes them in order
+  // with Send and Recv; a transport that posts them together (torch's
+  // batch_isend_irecv, NCCL's group calls) overrides it.
+  struct Transfer {
+    bool send = false;
+    int peer = 0;
+    std::span<std::byte> data;
+    uint64_t tag = 0;
+  };
+  virtual Status Exchange(std::span<const Transfer> transfers);
 };
 
 // `size` communicators forming one group in this process, each to be used

@@ -42,6 +42,9 @@ enum class StatusDetail {
                           // (through another, maybe closing, Repository handle)
   kCatalogMapFull,        // ResourceExhausted: LMDB's map is full (grow it, retry)
   kBucketMissing,         // NotFound: the object store's bucket does not exist
+  kCollective,            // any code: a collective's ranks agreed on this failure
+                          // (another rank's, or the group's transport), as every
+                          // rank of the group reports it (ckpt/collective.h)
 };
 
 class [[nodiscard]] Status {

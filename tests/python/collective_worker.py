@@ -31,8 +31,8 @@ process_group=), run by test_collective.py, one process per rank over gloo
         resume_point("latest") and resume_point("no-such") through the group,
         with only rank 0 allowed to ask the repository; prints the answers.
     collective_worker.py die-save|die-load REPO NAME LAYOUT
-        rank 1 exits in the middle (after the plans are gathered); the other
-        ranks print "raised: MESSAGE".
+        rank 1 exits in the middle (once it has its part of the plan); the
+        other ranks print "raised: MESSAGE".
     collective_worker.py die-deliver REPO NAME LAYOUT [as-nccl]
         rank 1 exits as it begins sending fetched regions; the other ranks
         print "raised: MESSAGE".
@@ -127,9 +127,21 @@ def main():
             gone()
         return batch(ops)
     dist.batch_isend_irecv = watched
-    if mode == "stale" and rank == 2:
-        # Rank 2's host lists an older checkpoint of the same name.
-        ckptfs._core.Reader.identity = lambda self: "1:2:3"
+    if mode == "stale":
+        # Rank 2's host lists another checkpoint of the same name: it reads
+        # a copy of the repository in which the name was removed and saved
+        # again (made before any rank begins to load).
+        if rank == 2:
+            import shutil  # noqa: PLC0415
+
+            stale = repo_path.rstrip("/") + "-stale"
+            shutil.copytree(repo_path, stale)
+            other = ckptfs.open(stale)
+            other.rm(name)
+            other.save(name, full(), step=5)
+            del other
+            repo_path = stale
+        dist.barrier()
     if mode == "as-nccl":
         # The caller's NCCL path, with the job's gloo group standing in for
         # NCCL and host memory for the GPU's: ranks "on GPUs of their own".
@@ -170,13 +182,13 @@ def main():
         elif action == "die-deliver":
             pass  # in watched(), as it sends
         else:
-            # Once it has its part of the plan.
-            planned = ckptfs.collective.Group.plan_at_rank_0
+            # Once it has its part of the plan (the plan's scatter).
+            scattered = ckptfs.collective.Group.scatter
 
             def dies_after(*args, **kwargs):
-                planned(*args, **kwargs)
+                scattered(*args, **kwargs)
                 gone()
-            ckptfs.collective.Group.plan_at_rank_0 = dies_after
+            ckptfs.collective.Group.scatter = dies_after
     if action == "resume":
         if rank != 0:
             def asks(*_args, **_kwargs):

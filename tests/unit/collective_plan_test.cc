@@ -826,3 +826,123 @@ TEST_F(CollectiveSaveLoad, AFailingRankFailsEveryRankAndNothingShows) {
 }
 
 }  // namespace ckptfs
+
+namespace ckptfs {
+
+TEST(CollectiveSteps, AnAgreementNamesTheFirstFailingRankOnEveryRankAsTheGroupsError) {
+  std::vector<Status> agreed(4), fine(4);
+  OnGroup(4, [&](int r, Communicator& comm) {
+    fine[r] = AgreeCollective(comm, "a step", Status::OK());
+    Status local = r == 1   ? Status::InvalidArgument("one is odd")
+                   : r == 3 ? Status::NotFound("three is missing")
+                            : Status::OK();
+    agreed[r] = AgreeCollective(comm, "a step", local);
+  });
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_OK(fine[r]);
+    ASSERT_FALSE(agreed[r].ok()) << r;
+    EXPECT_EQ(agreed[r].detail(), StatusDetail::kCollective) << r;
+    EXPECT_EQ(agreed[r].message(), "rank 1 failed in 'a step': InvalidArgument: one is odd") << r;
+    // The failing rank keeps its own code; the others hear of another's.
+    EXPECT_EQ(agreed[r].code(), r == 1 ? StatusCode::kInvalidArgument : StatusCode::kIOError) << r;
+  }
+}
+
+TEST(CollectiveSteps, RankZerosErrorReachesEveryRankWithItsCodeAndRankZerosDataOtherwise) {
+  std::vector<Result<std::string>> shared(3, Status::Internal("not run")), failed = shared;
+  OnGroup(3, [&](int r, Communicator& comm) {
+    shared[r] = ShareFromRankZero(comm, "share", Status::OK(), r == 0 ? "listing" : "ignored");
+    failed[r] = ShareFromRankZero(comm, "share", r == 0 ? Status::AlreadyExists("'x' is taken") : Status::OK(), "");
+  });
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_OK(shared[r]);
+    EXPECT_EQ(*shared[r], "listing");
+    ASSERT_FALSE(failed[r].ok());
+    EXPECT_EQ(failed[r].status().code(), StatusCode::kAlreadyExists);
+    // Rank 0's error is its own, not the group's: it keeps its class.
+    EXPECT_NE(failed[r].status().detail(), StatusDetail::kCollective);
+    EXPECT_EQ(failed[r].status().message(), r == 0 ? "'x' is taken" : "'x' is taken (rank 0 of 3, in 'share')");
+  }
+}
+
+TEST(CollectiveSteps, RegionsTravelOverTheDeviceOnlyWhenEveryRankHasOneOfItsOwn) {
+  EXPECT_TRUE(DeliverOnDevice(std::vector<std::string>{"GPU-a", "GPU-b", "GPU-c"}));
+  EXPECT_TRUE(DeliverOnDevice(std::vector<std::string>{"GPU-a"}));
+  EXPECT_FALSE(DeliverOnDevice(std::vector<std::string>{"GPU-a", "GPU-b", "GPU-a"}));
+  EXPECT_FALSE(DeliverOnDevice(std::vector<std::string>{"GPU-a", ""}));
+}
+
+// Host memory that names a device per rank and records how the load
+// delivered its regions.
+class RecordingMemory final : public CollectiveMemory {
+ public:
+  RecordingMemory(std::string token, Status ready) : token_(std::move(token)), ready_(std::move(ready)) {}
+  std::unique_ptr<ShardSource> Source(std::span<const std::byte> data) override {
+    return HostCollectiveMemory().Source(data);
+  }
+  Result<ChunkId> Digest(std::span<const std::byte> data) override { return HostCollectiveMemory().Digest(data); }
+  Status Read(const CheckpointReader& reader, const TensorRecord& tensor, const Region& region,
+              std::span<std::byte> target) override {
+    return HostCollectiveMemory().Read(reader, tensor, region, target);
+  }
+  Status Copy(std::span<std::byte> dst, std::span<const std::byte> src) override {
+    return HostCollectiveMemory().Copy(dst, src);
+  }
+  Status Ready() const override { return ready_; }
+  std::string DeliveryDevice() const override { return token_; }
+  Status Deliver(Communicator& comm, std::span<const Communicator::Transfer> transfers, bool on_device) override {
+    rounds.push_back({on_device, transfers.size()});
+    return comm.Exchange(transfers);
+  }
+  std::vector<std::pair<bool, size_t>> rounds;  // (on_device, transfers) per call
+
+ private:
+  std::string token_;
+  Status ready_;
+};
+
+TEST_F(CollectiveSaveLoad, ALoadDeliversInOneRoundOverTheDeviceTheRanksAgreedOn) {
+  for (auto& s : Save("s")) ASSERT_OK(s);
+  // 2 ranks, each needing all of "norm": one reads it, the other receives.
+  auto load = [&](const std::vector<std::string>& tokens, int not_ready) {
+    std::vector<std::unique_ptr<RecordingMemory>> memory;
+    for (int r = 0; r < 2; ++r) {
+      memory.push_back(std::make_unique<RecordingMemory>(
+          tokens[r], r == not_ready ? Status::InvalidArgument("target 'norm' is not a tensor") : Status::OK()));
+    }
+    std::vector<std::vector<std::byte>> got(2, std::vector<std::byte>(h_.norm.size()));
+    std::vector<Status> loaded(2);
+    OnGroup(2, [&](int r, Communicator& comm) {
+      std::vector<CollectiveTarget> targets = {{h_.norm_info, Region::OfFlat(0, HsdpState::kCols), got[r]}};
+      loaded[r] = LoadCollective(*repo_, "s", targets, comm, *memory[r]).status();
+    });
+    for (int r = 0; not_ready < 0 && r < 2; ++r) {
+      EXPECT_OK(loaded[r]);
+      EXPECT_EQ(got[r], h_.norm) << r;
+    }
+    return std::pair(std::move(memory), loaded);
+  };
+  for (const auto& [tokens, on_device] :
+       std::vector<std::pair<std::vector<std::string>, bool>>{{{"GPU-0", "GPU-1"}, true},
+                                                              {{"GPU-0", "GPU-0"}, false},
+                                                              {{"GPU-0", ""}, false}}) {
+    auto [memory, loaded] = load(tokens, -1);
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_EQ(memory[r]->rounds.size(), 1u) << "one round of transfers";
+      EXPECT_EQ(memory[r]->rounds[0], std::pair(on_device, size_t{1})) << tokens[0] << " " << tokens[1];
+    }
+  }
+  // A rank whose memory could not take its targets fails every rank at
+  // the first step, naming it; nothing is read or delivered.
+  auto [memory, loaded] = load({"", ""}, 1);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_FALSE(loaded[r].ok()) << r;
+    EXPECT_EQ(loaded[r].detail(), StatusDetail::kCollective);
+    EXPECT_NE(loaded[r].message().find("rank 1 failed in 'describe the targets'"), std::string::npos)
+        << loaded[r].ToString();
+    EXPECT_NE(loaded[r].message().find("target 'norm' is not a tensor"), std::string::npos) << loaded[r].ToString();
+    EXPECT_TRUE(memory[r]->rounds.empty());
+  }
+}
+
+}  // namespace ckptfs

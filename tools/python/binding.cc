@@ -58,6 +58,7 @@ PyObject* g_exists = nullptr;
 PyObject* g_corruption = nullptr;
 PyObject* g_io = nullptr;
 PyObject* g_unsupported = nullptr;
+PyObject* g_collective = nullptr;
 
 PyObject* ErrorClassFor(StatusCode code) {
   switch (code) {
@@ -413,47 +414,220 @@ class Reader {
     return JsonToPython(j);
   }
 
-  // A collective load's shared chunks (id, length), as plan_load names
-  // them: fetched and held for this reader's reads (unless held), copied
-  // out to send, released (CheckpointReader::HoldChunk and the rest).
-  void hold_chunk(const std::tuple<py::bytes, uint32_t>& chunk) const {
-    const ChunkRef ref = ToChunkRef(chunk);
-    py::gil_scoped_release nogil;
-    Check(reader_->HoldChunk(ref));
-  }
-  void copy_held_chunk(const std::tuple<py::bytes, uint32_t>& chunk, uintptr_t address, uint64_t bytes) const {
-    const ChunkRef ref = ToChunkRef(chunk);
-    std::span<std::byte> dst = HostSpan(address, bytes);
-    py::gil_scoped_release nogil;
-    Check(reader_->CopyHeldChunk(ref, dst));
-  }
-  void release_chunks(const std::vector<std::tuple<py::bytes, uint32_t>>& chunks) const {
-    std::vector<ChunkRef> refs;
-    refs.reserve(chunks.size());
-    for (const auto& c : chunks) refs.push_back(ToChunkRef(c));
-    reader_->ReleaseChunks(refs);
-  }
-  // The decoded chunk another rank handed over, checked and held.
-  void lend_chunk(const std::tuple<py::bytes, uint32_t>& chunk, uintptr_t address, uint64_t bytes) const {
-    const ChunkRef ref = ToChunkRef(chunk);
-    std::span<const std::byte> src = HostSpan(address, bytes);
-    py::gil_scoped_release nogil;
-    Check(reader_->LendChunk(ref, src));
-  }
-  const CheckpointReader& core() const { return *reader_; }
 
  private:
-  static ChunkRef ToChunkRef(const std::tuple<py::bytes, uint32_t>& chunk) {
-    const std::string id = std::get<0>(chunk);
-    ChunkRef ref;
-    if (id.size() != ref.id.bytes.size()) throw StatusError{Status::InvalidArgument("a chunk id is 16 bytes")};
-    std::memcpy(ref.id.bytes.data(), id.data(), id.size());
-    ref.raw_len = std::get<1>(chunk);
-    return ref;
-  }
   std::shared_ptr<Repository> repo_;  // outlives the reader
   std::unique_ptr<CheckpointReader> reader_;
 };
+
+// ---- collectives over torch.distributed --------------------------------------------
+
+// A Python exception as one line: its type and the first line of its text.
+std::string FirstLine(const py::error_already_set& e) {
+  std::string what = e.what();
+  const size_t end = what.find('\n');
+  return end == std::string::npos ? what : what.substr(0, end);
+}
+
+// Calls `fn` with the GIL (the engine's calls come on the caller's thread,
+// which released it); a Python exception becomes an IOError saying it.
+template <typename F>
+Status WithGil(F&& fn) {
+  py::gil_scoped_acquire gil;
+  try {
+    fn();
+    return Status::OK();
+  } catch (py::error_already_set& e) {
+    return Status::IOError(FirstLine(e));
+  } catch (const py::cast_error& e) {
+    return Status::Internal(std::string("a collective call returned a value of the wrong type: ") + e.what());
+  }
+}
+
+py::memoryview HostView(std::span<const std::byte> data) {
+  return py::memoryview::from_memory(const_cast<std::byte*>(data.data()), static_cast<py::ssize_t>(data.size()));
+}
+
+// The engine's Communicator over torch.distributed: each call goes to the
+// package's group object (ckptfs.collective.Group), which makes it on
+// ckptfs's own gloo group. Made and destroyed with the GIL held; used by
+// the engine on the same thread with the GIL released.
+class TorchCommunicator final : public Communicator {
+ public:
+  explicit TorchCommunicator(py::object group)
+      : group_(std::move(group)), rank_(group_.attr("rank").cast<int>()), size_(group_.attr("size").cast<int>()) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string Describe() const override {
+    return "torch.distributed rank " + std::to_string(rank_) + " of " + std::to_string(size_);
+  }
+  Status Broadcast(std::byte* data, size_t bytes, int root) override {
+    if (bytes == 0) return Status::OK();
+    return WithGil([&] { group_.attr("broadcast")(HostView({data, bytes}), root); });
+  }
+  Status AllReduceMin(std::span<uint64_t> values) override {
+    if (values.size() > kMaxReduceValues) return Status::InvalidArgument("too many values to reduce");
+    return WithGil([&] {
+      auto out = group_.attr("all_reduce_min")(std::vector<uint64_t>(values.begin(), values.end()))
+                     .cast<std::vector<uint64_t>>();
+      if (out.size() != values.size()) throw py::cast_error("all_reduce_min returned another count");
+      std::copy(out.begin(), out.end(), values.begin());
+    });
+  }
+  Result<std::vector<std::string>> AllGather(std::string_view mine) override {
+    std::vector<std::string> out;
+    CKPT_RETURN_IF_ERROR(WithGil([&] {
+      out = group_.attr("all_gather")(py::bytes(mine.data(), mine.size())).cast<std::vector<std::string>>();
+    }));
+    return out;
+  }
+  Result<std::vector<std::string>> Gather(std::string_view mine, int root) override {
+    std::vector<std::string> out;
+    CKPT_RETURN_IF_ERROR(WithGil([&] {
+      out = group_.attr("gather")(py::bytes(mine.data(), mine.size()), root).cast<std::vector<std::string>>();
+    }));
+    return out;
+  }
+  Result<std::string> Scatter(const std::vector<std::string>& parts, int root) override {
+    std::string out;
+    CKPT_RETURN_IF_ERROR(WithGil([&] {
+      py::object given = py::none();
+      if (rank_ == root) {
+        py::list l;
+        for (const std::string& p : parts) l.append(py::bytes(p));
+        given = l;
+      }
+      out = group_.attr("scatter")(given, root).cast<std::string>();
+    }));
+    return out;
+  }
+  Result<std::string> BroadcastMessage(std::string mine, int root) override {
+    std::string out;
+    CKPT_RETURN_IF_ERROR(WithGil([&] {
+      out = group_.attr("broadcast_message")(py::bytes(mine), root).cast<std::string>();
+    }));
+    return out;
+  }
+  Status Send(std::span<const std::byte> data, int peer) override {
+    if (data.empty()) return Status::OK();
+    return WithGil([&] { group_.attr("send")(HostView(data), peer); });
+  }
+  Status Recv(std::span<std::byte> data, int peer) override {
+    if (data.empty()) return Status::OK();
+    return WithGil([&] { group_.attr("recv")(HostView(data), peer); });
+  }
+  Status Exchange(std::span<const Transfer> transfers) override {
+    return WithGil([&] {
+      py::list l;
+      for (const Transfer& t : transfers) {
+        if (!t.data.empty()) l.append(py::make_tuple(t.send, t.peer, HostView(t.data), t.tag));
+      }
+      group_.attr("exchange")(l);
+    });
+  }
+
+ private:
+  py::object group_;
+  const int rank_;
+  const int size_;
+};
+
+// A collective load's targets as the package gives them: host or device
+// memory (each target's device by its address), read here, delivered and
+// copied by the group object (torch moves device memory), which also hears
+// the load's progress.
+class TorchLoadMemory final : public CollectiveMemory {
+ public:
+  TorchLoadMemory(py::object group, Status ready, std::string device_token, std::map<const std::byte*, int> devices,
+                  bool progress)
+      : group_(std::move(group)),
+        ready_(std::move(ready)),
+        token_(std::move(device_token)),
+        devices_(std::move(devices)),
+        progress_(progress) {}
+
+  std::unique_ptr<ShardSource> Source(std::span<const std::byte> data) override {
+    return std::make_unique<HostSource>(data);
+  }
+  Result<ChunkId> Digest(std::span<const std::byte> data) override { return ChunkId::Of(data); }
+  Status Read(const CheckpointReader& reader, const TensorRecord& tensor, const Region& region,
+              std::span<std::byte> target) override {
+    const int device = DeviceOf(target.data());
+    if (device < 0) {
+      CKPT_RETURN_IF_ERROR(reader.ReadRegion(tensor, region, target));
+    } else {
+      DeviceStaging* staging = nullptr;
+      try {
+        staging = &GpuRegistry::Get().For(device);
+      } catch (const StatusError& e) {
+        return e.status;
+      }
+      CKPT_RETURN_IF_ERROR(gpu::LoadToDevice(reader, tensor, region, target.data(), *staging->engine, *staging->pool));
+    }
+    if (!progress_) return Status::OK();
+    return WithGil([&] { group_.attr("progress")(target.size()); });
+  }
+  Status Copy(std::span<std::byte> dst, std::span<const std::byte> src) override {
+    if (src.empty() || dst.data() == src.data()) return Status::OK();
+    if (DeviceOf(dst.data()) < 0 && DeviceOf(src.data()) < 0) {
+      std::memcpy(dst.data(), src.data(), src.size());
+      return Status::OK();
+    }
+    return WithGil([&] {
+      group_.attr("copy")(reinterpret_cast<uintptr_t>(dst.data()), reinterpret_cast<uintptr_t>(src.data()));
+    });
+  }
+  Status Ready() const override { return ready_; }
+  std::string DeliveryDevice() const override { return token_; }
+  Status Deliver(Communicator& comm, std::span<const Communicator::Transfer> transfers, bool on_device) override {
+    (void)comm;
+    return WithGil([&] {
+      py::list l;
+      for (const Communicator::Transfer& t : transfers) {
+        if (!t.data.empty()) {
+          l.append(py::make_tuple(t.send, t.peer, reinterpret_cast<uintptr_t>(t.data.data()), t.data.size(), t.tag));
+        }
+      }
+      group_.attr("deliver")(l, on_device);
+    });
+  }
+
+ private:
+  int DeviceOf(const std::byte* address) const {
+    auto it = devices_.find(address);
+    return it == devices_.end() ? -1 : it->second;
+  }
+  py::object group_;
+  const Status ready_;
+  const std::string token_;
+  const std::map<const std::byte*, int> devices_;
+  const bool progress_;
+};
+
+// A failed collective step as the package raises it: ckptfs.CollectiveError
+// (StatusDetail::kCollective) prefixed with what the caller was doing, or
+// rank 0's own error, as its own class.
+void CheckCollective(const Status& st, const std::string& what) {
+  if (st.ok()) return;
+  if (st.detail() != StatusDetail::kCollective) throw StatusError{st};
+  throw StatusError{Status(st.code(), what + ": " + st.message()).WithDetail(StatusDetail::kCollective)};
+}
+
+// A state-dict value or load target as the package describes it: (name,
+// global shape, kind, local shape, offsets, start, bytes), kind "whole",
+// "box", "flat" or "blob"; a tensor's name is "name NUL dtype".
+using PlanTuple = std::tuple<std::string, Shape, std::string, std::vector<uint64_t>, std::vector<uint64_t>, uint64_t,
+                             uint64_t>;
+
+PlanEntry ToPlanEntry(const PlanTuple& tuple) {
+  const auto& [name, shape, kind, local, offsets, start, bytes] = tuple;
+  PlanEntry e{name, {}, Region::OfFlat(0, 0), bytes};
+  if (kind != "blob") {
+    e.shape = shape;
+    e.region = MakeRegion(shape, kind, local, offsets, start);
+  }
+  return e;
+}
 
 // ---- the repository ----------------------------------------------------------------
 
@@ -544,43 +718,39 @@ class PyRepository {
     return d;
   }
 
-  // `shared_sync`: another rank's listing (begin_sharing's), applied
-  // instead of listing the store.
-  // `await_ranks` (seconds, with shared_sync): a part of a split commit
-  // (WriterOptions::await_ranks). `compress_every_chunk`: as
-  // WriterOptions's.
-  // `attempt`, `overwrite`: WriterOptions's.
+  // `compress_every_chunk`, `attempt`, `overwrite`: WriterOptions's.
   Writer begin(const std::string& name, uint32_t rank, uint32_t world_size, std::optional<int64_t> step,
-               const std::vector<std::pair<std::string, std::string>>& tags,
-               const std::optional<std::string>& shared_sync, double await_ranks, bool compress_every_chunk,
+               const std::vector<std::pair<std::string, std::string>>& tags, bool compress_every_chunk,
                const std::string& attempt, bool overwrite) {
     WriterOptions o = WriterOptionsOf(rank, world_size, step, tags);
     o.attempt = attempt;
     o.overwrite = overwrite;
-    if (shared_sync) o.shared_sync = &*shared_sync;
-    o.await_ranks = AwaitRanks(await_ranks);
     o.compress_every_chunk = compress_every_chunk;
     py::gil_scoped_release nogil;
     return Writer(repo_, Value(repo_->BeginCheckpoint(name, o)));
   }
-  // As begin, and what its store sync listed and fetched, for the others.
-  // With `await_ranks` (seconds), the commit waits that long for the
-  // other ranks' parts and completes the checkpoint.
-  py::tuple begin_sharing(const std::string& name, uint32_t rank, uint32_t world_size, std::optional<int64_t> step,
-                          const std::vector<std::pair<std::string, std::string>>& tags, double await_ranks,
-                          const std::string& attempt, bool overwrite) {
-    WriterOptions o = WriterOptionsOf(rank, world_size, step, tags);
+
+  // This rank's writer of a collective save (BeginCollectiveSave), and
+  // its own failure to begin (None when it began), which the puts'
+  // agreement hears; rank 0's failure raises on every rank. Rank 0's
+  // commit waits `await_ranks` seconds for the other ranks' parts.
+  py::tuple begin_collective(py::object group, const std::string& name, std::optional<int64_t> step,
+                             const std::vector<std::pair<std::string, std::string>>& tags, double await_ranks,
+                             const std::string& attempt, bool overwrite, const std::string& what) {
+    TorchCommunicator comm(std::move(group));
+    WriterOptions o = WriterOptionsOf(0, 1, step, tags);
     o.attempt = attempt;
     o.overwrite = overwrite;
-    std::string listing;
-    o.share_sync = &listing;
     o.await_ranks = AwaitRanks(await_ranks);
-    std::unique_ptr<CheckpointWriter> writer;
+    Status own;
+    Result<std::unique_ptr<CheckpointWriter>> writer = Status::Internal("not begun");
     {
       py::gil_scoped_release nogil;
-      writer = Value(repo_->BeginCheckpoint(name, o));
+      writer = BeginCollectiveSave(*repo_, name, comm, std::move(o), &own);
     }
-    return py::make_tuple(Writer(repo_, std::move(writer)), py::bytes(listing));
+    CheckCollective(writer.status(), what);
+    if (!own.ok()) return py::make_tuple(py::none(), own.message());
+    return py::make_tuple(Writer(repo_, std::move(writer).value()), py::none());
   }
 
   // An import of `paths` and `blob_files`; what a directory leaves out is
@@ -643,6 +813,59 @@ class PyRepository {
     if (!r.ok()) throw StatusError{r.status()};
     py::dict d = JsonToPython(*r).cast<py::dict>();
     d["left_out"] = left_out;
+    return d;
+  }
+
+  // This rank's part of a collective load (LoadCollective): `targets`
+  // (name, dtype, global shape, kind, local shape, offsets, start,
+  // address, bytes, device), filled through `group` (a
+  // ckptfs.collective.Group: its deliver, copy and progress); `error`,
+  // this rank's failure to describe its targets, fails every rank;
+  // `device_token` is CollectiveMemory::DeliveryDevice's. Returns the
+  // engine's figures.
+  using TargetTuple = std::tuple<std::string, std::string, Shape, std::string, std::vector<uint64_t>,
+                                 std::vector<uint64_t>, uint64_t, uintptr_t, uint64_t, int>;
+  py::dict load_collective(py::object group, const std::string& name, const std::vector<TargetTuple>& targets,
+                           const std::optional<std::string>& error, const std::string& device_token, bool progress,
+                           const std::string& what) {
+    Status ready = error ? Status::InvalidArgument(*error) : Status::OK();
+    std::vector<CollectiveTarget> wanted;
+    std::map<const std::byte*, int> devices;
+    for (size_t i = 0; ready.ok() && i < targets.size(); ++i) {
+      const auto& [key, dtype, shape, kind, local, offsets, start, address, bytes, device] = targets[i];
+      try {
+        const DType d = ParseDTypeOrThrow(dtype);
+        Region region = MakeRegion(shape, kind, local, offsets, start);
+        std::span<std::byte> data;
+        if (device >= 0) {
+          if (address == 0 && bytes > 0) throw StatusError{Status::InvalidArgument("null device pointer")};
+          data = {reinterpret_cast<std::byte*>(address), static_cast<size_t>(bytes)};
+          devices[data.data()] = device;
+        } else {
+          data = HostSpan(address, bytes);
+        }
+        wanted.push_back({TensorInfo{key, d, shape}, std::move(region), data});
+      } catch (const StatusError& e) {
+        ready = e.status.WithContext("target '" + key + "'");
+      }
+    }
+    if (!ready.ok()) wanted.clear();
+    TorchCommunicator comm(group);
+    TorchLoadMemory memory(group, ready, device_token, std::move(devices), progress);
+    Result<CollectiveLoadResult> r = Status::Internal("not run");
+    {
+      py::gil_scoped_release nogil;
+      r = LoadCollective(*repo_, name, wanted, comm, memory);
+    }
+    CheckCollective(r.status(), what);
+    py::dict d;
+    d["fetched_bytes"] = r->fetched_bytes;
+    d["received_bytes"] = r->received_bytes;
+    d["sent_bytes"] = r->sent_bytes;
+    d["unique_bytes"] = r->unique_bytes;
+    d["handoff_sent_bytes"] = r->handoff_sent_bytes;
+    d["handoff_received_bytes"] = r->handoff_received_bytes;
+    d["plan_bytes_received"] = r->plan_bytes_received;
     return d;
   }
 
@@ -776,18 +999,7 @@ class PyRepository {
     return d;
   }
 
-  py::bytes share_sync() {
-    std::string shared;
-    {
-      py::gil_scoped_release nogil;
-      shared = Value(repo_->ShareSync());
-    }
-    return py::bytes(shared);
-  }
-  void sync_from(const std::string& shared) {
-    py::gil_scoped_release nogil;
-    Check(repo_->SyncFrom(shared));
-  }
+  Repository& core() const { return *repo_; }
 
   py::dict store_counters() const {
     const FetchCounts f = repo_->fetch_counts();
@@ -806,108 +1018,103 @@ class PyRepository {
   std::shared_ptr<Repository> repo_;
 };
 
-// One rank's entries for the collective planner, as the package gathers
-// them: (name, global shape, kind, local shape, offsets, start, bytes),
-// kind "whole", "box", "flat" or "blob".
-using PlanTuple = std::tuple<std::string, Shape, std::string, std::vector<uint64_t>, std::vector<uint64_t>, uint64_t,
-                             uint64_t>;
+// Every rank's agreement on `step` (AgreeCollective): `error` None where
+// this rank's part went well.
+void CollectiveAgree(py::object group, const std::string& step, const std::optional<std::string>& error,
+                     const std::string& what) {
+  TorchCommunicator comm(std::move(group));
+  const std::string said = error ? (error->empty() ? std::string("(no message)") : *error) : std::string();
+  Status st;
+  {
+    py::gil_scoped_release nogil;
+    st = AgreeCollective(comm, step, said);
+  }
+  CheckCollective(st, what);
+}
 
-std::vector<std::vector<PlanEntry>> ToPlanEntries(const std::vector<std::vector<PlanTuple>>& ranks) {
-  std::vector<std::vector<PlanEntry>> out(ranks.size());
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    out[r].reserve(ranks[r].size());
-    for (const auto& [name, shape, kind, local, offsets, start, bytes] : ranks[r]) {
-      PlanEntry e{name, {}, Region::OfFlat(0, 0), bytes};
-      if (kind != "blob") {
-        e.shape = shape;
-        e.region = MakeRegion(shape, kind, local, offsets, start);
-        // The name is the tensor's, NUL, its dtype: said as "'w' (torch.float32)".
-        const size_t cut = name.find('\0');
-        const std::string said = cut == std::string::npos ? "'" + name + "'"
-                                                          : "'" + name.substr(0, cut) + "' (" + name.substr(cut + 1) + ")";
-        Check(ValidateRegion(shape, e.region).WithContext("rank " + std::to_string(r) + ", " + said));
-      }
-      out[r].push_back(std::move(e));
+// The status a ckptfs exception stands for: its class's code, its text.
+Status StatusOfException(const py::handle& e) {
+  StatusCode code = StatusCode::kIOError;
+  const std::pair<PyObject*, StatusCode> classes[] = {
+      {g_not_found, StatusCode::kNotFound},    {g_invalid, StatusCode::kInvalidArgument},
+      {g_exists, StatusCode::kAlreadyExists},  {g_corruption, StatusCode::kCorruption},
+      {g_unsupported, StatusCode::kUnsupported}, {g_error, StatusCode::kInternal}};
+  for (const auto& [cls, c] : classes) {
+    if (PyObject_IsInstance(e.ptr(), cls) == 1) {
+      code = c;
+      break;
     }
   }
-  return out;
+  if (code == StatusCode::kInternal && PyObject_IsInstance(e.ptr(), g_io) == 1) code = StatusCode::kIOError;
+  return Status(code, py::str(e).cast<std::string>());
 }
 
-// Every rank's part of a save plan, made once: ([(puts, unique, held,
-// bytes per rank)], routes), puts saying which of that rank's entries it
-// puts; with `routes`, also the grouping of equal regions the owners come
-// from, [(reader, bytes, [(rank, entry)])], for a replica check (else
-// None).
-py::tuple PlanSave(const std::vector<std::vector<PlanTuple>>& ranks, bool want_routes) {
-  LoadRoutes routes;
-  SaveOwners owners;
+// Rank 0's `data` on every rank (ShareFromRankZero), or, where rank 0
+// gives `error` (an exception), an error of its class on every rank.
+py::bytes CollectiveFromRankZero(py::object group, const std::string& step, const py::bytes& data,
+                                 const py::object& error, const std::string& what) {
+  TorchCommunicator comm(std::move(group));
+  const Status rank0 = error.is_none() ? Status::OK() : StatusOfException(error);
+  const std::string mine = data;
+  Result<std::string> got = Status::Internal("not run");
   {
-    auto entries = ToPlanEntries(ranks);
     py::gil_scoped_release nogil;
-    routes = AssignLoadReaders(entries);
-    owners = OwnersOfRoutes(routes, entries);
+    got = ShareFromRankZero(comm, step, rank0, mine);
   }
-  py::list parts;
-  py::list per_rank = py::cast(owners.bytes_per_rank);
-  for (const std::vector<uint8_t>& put : owners.put) {
-    parts.append(py::make_tuple(std::vector<bool>(put.begin(), put.end()), owners.unique_bytes, owners.held_bytes,
-                                per_rank));
-  }
-  py::object grouped = py::none();
-  if (want_routes) {
-    py::list out;
-    for (const LoadRoute& r : routes.routes) out.append(py::make_tuple(r.reader, r.bytes, r.needers));
-    grouped = out;
-  }
-  return py::make_tuple(parts, grouped);
+  CheckCollective(got.status(), what);
+  return py::bytes(*got);
 }
 
-py::tuple ChunkTuple(const ChunkRef& c) {
-  return py::make_tuple(py::bytes(reinterpret_cast<const char*>(c.id.bytes.data()), c.id.bytes.size()), c.raw_len);
-}
-
-// Every rank's part of a load plan, made once (PlanLoadForRanks; with a
-// reader of the checkpoint, the windows of chunk hand-offs too, else one
-// window of none): ([part], bytes per rank), each part the engine's
-// encoding (EncodeLoadPlan), which its rank reads with load_plan_part.
-// Encoded rather than made into Python objects here, so rank 0 does not
-// build every rank's tuples.
-py::tuple PlanLoad(const std::vector<std::vector<PlanTuple>>& ranks, const Reader* reader) {
-  std::vector<std::string> parts;
-  std::vector<uint64_t> per_rank;
+// The opening sync of a collective open (ShareOpeningSync): `repo` None
+// where this rank's open failed, `error` saying why.
+void CollectiveOpenSync(py::object group, PyRepository* repo, const std::optional<std::string>& error,
+                        const std::string& what) {
+  TorchCommunicator comm(std::move(group));
+  Repository* core = repo != nullptr ? &repo->core() : nullptr;
+  const std::string said = error.value_or("");
+  Status st;
   {
-    auto entries = ToPlanEntries(ranks);
     py::gil_scoped_release nogil;
-    std::function<const TensorRecord*(std::string_view)> find;
-    if (reader != nullptr) find = [&](std::string_view name) { return reader->core().FindTensor(name); };
-    for (const RankLoadPlan& p : PlanLoadForRanks(entries, find, kHandoffWindowBytes)) {
-      parts.push_back(EncodeLoadPlan(p));
-      per_rank.push_back(p.fetch_bytes);
+    st = ShareOpeningSync(error ? nullptr : core, said, comm);
+  }
+  CheckCollective(st, what);
+}
+
+// Step 1 of a collective save (PlanCollectiveSave): ([put each entry],
+// unique bytes, held bytes, [bytes per rank]). `error`: this rank's
+// failure to describe its values; `digests` (16 bytes each, one per
+// entry) with verify_replicas.
+py::tuple CollectivePlanSave(py::object group, const std::string& name, const std::vector<PlanTuple>& entries,
+                             const std::optional<std::string>& error, const std::vector<std::string>& digests,
+                             bool verify_replicas, const std::string& what) {
+  Status local = error ? Status::InvalidArgument(*error) : Status::OK();
+  std::vector<PlanEntry> mine;
+  for (size_t i = 0; local.ok() && i < entries.size(); ++i) {
+    try {
+      mine.push_back(ToPlanEntry(entries[i]));
+    } catch (const StatusError& e) {
+      local = e.status.WithContext("'" + std::get<0>(entries[i]).substr(0, std::get<0>(entries[i]).find('\0')) + "'");
     }
   }
-  py::list out;
-  for (const std::string& p : parts) out.append(py::bytes(p));
-  return py::make_tuple(out, per_rank);
-}
-
-// A rank's part of a load plan (from plan_load), for a rank of `entries`
-// entries in a group of `world`: (routes [(route, reader, bytes, [entry],
-// [peer])], windows [(routes_end, exchange, hold, [(index, from, to,
-// chunk)], release)], unique bytes, needed bytes), chunks as (id, length).
-py::tuple LoadPlanPart(const py::bytes& data, size_t entries, int world) {
-  RankLoadPlan p;
-  Check(DecodeLoadPlan(std::string_view(data), entries, world, &p).WithContext("a load plan's part"));
-  py::list routes;
-  for (const RankRoute& r : p.routes) routes.append(py::make_tuple(r.route, r.reader, r.bytes, r.entries, r.peers));
-  py::list windows;
-  for (const HandoffWindow& w : p.windows) {
-    py::list hold, given, release;
-    for (const ChunkRef& c : w.hold) hold.append(ChunkTuple(c));
-    for (const ChunkHandoff& h : w.handoffs) given.append(py::make_tuple(h.index, h.from, h.to, ChunkTuple(h.chunk)));
-    for (const ChunkRef& c : w.release) release.append(ChunkTuple(c));
-    windows.append(py::make_tuple(w.routes_end, w.exchange, hold, given, release));
+  std::vector<ChunkId> ids;
+  for (size_t i = 0; local.ok() && i < digests.size(); ++i) {
+    ChunkId id;
+    if (digests[i].size() != id.bytes.size()) {
+      local = Status::InvalidArgument("a digest is 16 bytes");
+      break;
+    }
+    std::memcpy(id.bytes.data(), digests[i].data(), id.bytes.size());
+    ids.push_back(id);
   }
-  return py::make_tuple(routes, windows, p.unique_bytes, p.needed_bytes);
+  TorchCommunicator comm(std::move(group));
+  Result<CollectiveSavePlan> plan = Status::Internal("not run");
+  {
+    py::gil_scoped_release nogil;
+    plan = PlanCollectiveSave(comm, name, mine, local, ids, verify_replicas);
+  }
+  CheckCollective(plan.status(), what);
+  return py::make_tuple(std::vector<bool>(plan->put.begin(), plan->put.end()), plan->unique_bytes,
+                        plan->held_bytes, plan->bytes_per_rank);
 }
 
 // The one line a command-line process prints when a memory-mapped input
@@ -939,25 +1146,34 @@ PYBIND11_MODULE(_core, m) {
   g_corruption = NewErrorClass(m, "CorruptionError", g_error, nullptr, "Stored bytes fail a check.");
   g_io = NewErrorClass(m, "StorageError", g_error, PyExc_OSError, "The operating system refused an operation (disk full, permissions).");
   g_unsupported = NewErrorClass(m, "UnsupportedError", g_error, nullptr, "Valid, but not handled by this build.");
+  g_collective = NewErrorClass(m, "CollectiveError", g_error, nullptr,
+                               "A collective save or load failed on some rank; raised on every rank.");
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const StatusError& e) {
-      PyErr_SetString(ErrorClassFor(e.status.code()), e.status.message().c_str());
+      PyObject* cls = e.status.detail() == StatusDetail::kCollective ? g_collective : ErrorClassFor(e.status.code());
+      PyErr_SetString(cls, e.status.message().c_str());
     }
   });
 
-  m.def("plan_save", &PlanSave, py::arg("ranks"), py::arg("routes") = false,
-        "Collective save plan, made once for the group: ([for each rank (puts, unique bytes, held bytes, bytes per "
-        "rank)], routes), puts saying which of its entries it writes; with routes=True also the distinct regions "
-        "[(reader, bytes, [(rank, entry)])] (else None).");
-  m.def("plan_load", &PlanLoad, py::arg("ranks"), py::arg("reader") = nullptr,
-        "Collective load plan, made once for the group: ([each rank's part, encoded], bytes per rank); the "
-        "hand-offs need a checkpoint reader (else one window of none). Read a part with load_plan_part.");
-  m.def("load_plan_part", &LoadPlanPart, py::arg("data"), py::arg("entries"), py::arg("world"),
-        "A rank's part of a load plan: (routes [(route, reader, bytes, [entry], [peer])], windows [(routes_end, "
-        "exchange, hold, [(index, from, to, chunk)], release)], unique bytes, needed bytes).");
+  m.def("collective_agree", &CollectiveAgree, py::arg("group"), py::arg("step"), py::arg("error"), py::arg("what"),
+        "Every rank's agreement on a collective step: raises CollectiveError on every rank when `error` is given "
+        "on any.");
+  m.def("collective_from_rank_0", &CollectiveFromRankZero, py::arg("group"), py::arg("step"), py::arg("data"),
+        py::arg("error"), py::arg("what"),
+        "Rank 0's bytes on every rank, or rank 0's `error` (an exception) raised as its class on every rank.");
+  m.def("collective_open_sync", &CollectiveOpenSync, py::arg("group"), py::arg("repo"), py::arg("error"),
+        py::arg("what"), "The opening sync of a collective open: one listing of the store for the group.");
+  m.def("collective_plan_save", &CollectivePlanSave, py::arg("group"), py::arg("name"), py::arg("entries"),
+        py::arg("error"), py::arg("digests"), py::arg("verify_replicas"), py::arg("what"),
+        "Step 1 of a collective save: ([put each entry], unique bytes, held bytes, [bytes per rank]).");
+  m.def("deliver_on_device", [](const std::vector<std::optional<std::string>>& tokens) {
+    std::vector<std::string> t;
+    for (const auto& x : tokens) t.push_back(x.value_or(""));
+    return DeliverOnDevice(t);
+  }, py::arg("tokens"), "Whether a collective load's regions travel device to device, given every rank's device token.");
   m.def("new_save_attempt", &NewSaveAttempt,
         "A new save attempt: every rank of one save passes the same to begin (WriterOptions::attempt).");
   m.def("digest", [](py::buffer data) {
@@ -1018,11 +1234,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("device"))
       .def("blob", &Reader::blob, py::arg("name"))
       .def("read_blob", &Reader::read_blob, py::arg("name"), py::arg("offset"), py::arg("out"))
-      .def("show", &Reader::show)
-      .def("hold_chunk", &Reader::hold_chunk, py::arg("chunk"))
-      .def("copy_held_chunk", &Reader::copy_held_chunk, py::arg("chunk"), py::arg("address"), py::arg("nbytes"))
-      .def("lend_chunk", &Reader::lend_chunk, py::arg("chunk"), py::arg("address"), py::arg("nbytes"))
-      .def("release_chunks", &Reader::release_chunks, py::arg("chunks"));
+      .def("show", &Reader::show);
 
   py::class_<PyRepository>(m, "Repository")
       .def_static("init", &PyRepository::Init, py::arg("path"), py::arg("chunk_size"), py::arg("pack_size"),
@@ -1037,11 +1249,12 @@ PYBIND11_MODULE(_core, m) {
            py::arg("blob_files"), py::arg("rank"), py::arg("world_size"), py::arg("step"), py::arg("tags"),
            py::arg("follow_symlinks") = false, py::arg("overwrite") = false)
       .def("begin", &PyRepository::begin, py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("step"),
-           py::arg("tags"), py::arg("shared_sync") = py::none(), py::arg("await_ranks") = 0.0,
-           py::arg("compress_every_chunk") = false, py::arg("attempt") = "", py::arg("overwrite") = false)
-      .def("begin_sharing", &PyRepository::begin_sharing, py::arg("name"), py::arg("rank"), py::arg("world_size"),
-           py::arg("step"), py::arg("tags"), py::arg("await_ranks") = 0.0, py::arg("attempt") = "",
+           py::arg("tags"), py::arg("compress_every_chunk") = false, py::arg("attempt") = "",
            py::arg("overwrite") = false)
+      .def("begin_collective", &PyRepository::begin_collective, py::arg("group"), py::arg("name"), py::arg("step"),
+           py::arg("tags"), py::arg("await_ranks"), py::arg("attempt"), py::arg("overwrite"), py::arg("what"))
+      .def("load_collective", &PyRepository::load_collective, py::arg("group"), py::arg("name"), py::arg("targets"),
+           py::arg("error"), py::arg("device_token"), py::arg("progress"), py::arg("what"))
       .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"), py::arg("lease") = true)
       .def("checkpoints", &PyRepository::checkpoints, py::arg("include_pending"))
       .def("pending_ranks", &PyRepository::pending_ranks, py::arg("name"))
@@ -1056,7 +1269,5 @@ PYBIND11_MODULE(_core, m) {
       .def("copy_to", &PyRepository::copy_to, py::arg("destination"), py::arg("names"), py::arg("all"),
            py::arg("last"), py::arg("on_phase"), py::arg("progress"))
       .def("buffer_stats", &PyRepository::buffer_stats)
-      .def("share_sync", &PyRepository::share_sync)
-      .def("sync_from", &PyRepository::sync_from, py::arg("shared"))
       .def("store_counters", &PyRepository::store_counters);
 }

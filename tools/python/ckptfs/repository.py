@@ -158,7 +158,7 @@ class Repository:
 
             writer, error = collective.begin(self._repo, begin, group, attempt or "", overwrite)
             if writer is None:
-                group.agree("put", error)  # raises on every rank
+                group.agree("put the values", error)  # raises on every rank
         kept = []  # device memory must stay alive until the commit has copied it
         total = sum(memory.nbytes(v) for v in state_dict.values()) if progress else 0
         done = 0
@@ -173,11 +173,11 @@ class Repository:
         except BaseException as e:
             writer.abort()
             if group is not None and isinstance(e, Error):
-                group.agree("put", str(e))  # raises on every rank
+                group.agree("put the values", str(e))  # raises on every rank
             raise
         if group is not None:
             try:
-                group.agree("put", None)  # no rank commits unless every rank's puts succeeded
+                group.agree("put the values", None)  # no rank commits unless every rank's puts succeeded
             except BaseException:
                 writer.abort()
                 raise
