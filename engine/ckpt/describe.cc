@@ -374,12 +374,29 @@ Json DescribeUsage(const UsageFigures& figures, bool remote) {
   t.Set("dedup_ratio", r.dedup_ratio());
   t.Set("compression_ratio", r.compression_ratio());
   j.Set("total", std::move(t));
+  if (!figures.kinds.empty()) {
+    Json kinds = Json::MakeArray();
+    for (const KindUsage& k : figures.kinds) {
+      Json kj = Json::MakeObject();
+      kj.Set("kind", k.kind);
+      kj.Set("tensors", k.tensors);
+      kj.Set("logical_bytes", k.logical_bytes);
+      kj.Set("unique_raw_bytes", k.unique_raw_bytes);
+      kj.Set("stored_bytes", k.stored_bytes);
+      kj.Set("stored_fraction", k.unique_raw_bytes ? double(k.stored_bytes) / double(k.unique_raw_bytes) : 0.0);
+      kinds.Push(std::move(kj));
+    }
+    j.Set("kinds", std::move(kinds));
+  }
   return j;
 }
 
-Result<UsageFigures> MeasureUsage(Repository& repo, const std::vector<std::string>& names) {
+Result<UsageFigures> MeasureUsage(Repository& repo, const std::vector<std::string>& names, bool by_kind) {
   UsageFigures f;
   CKPT_ASSIGN_OR_RETURN(f.usage, repo.DiskUsage(names));
+  if (by_kind) {
+    CKPT_ASSIGN_OR_RETURN(f.kinds, repo.UsageByKind(names));
+  }
   GcOptions dry;
   dry.dry_run = true;
   CKPT_ASSIGN_OR_RETURN(f.dry_gc, repo.CollectGarbage(dry));

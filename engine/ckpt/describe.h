@@ -75,15 +75,18 @@ Json DescribeTensorDiff(const TensorDiff& diff);
 struct UsageFigures {
   UsageReport usage;
   GcReport dry_gc;
+  std::vector<KindUsage> kinds;  // with `by_kind` only
 };
-Result<UsageFigures> MeasureUsage(Repository& repo, const std::vector<std::string>& names);
+Result<UsageFigures> MeasureUsage(Repository& repo, const std::vector<std::string>& names, bool by_kind = false);
 // Space used, as `ckpt du --json` prints it and Python's Repository.du
 // returns it: "checkpoints" [{name, logical_bytes, referenced_bytes,
 // exclusive_bytes}] and "total" (logical, unique raw, referenced, pack,
 // pending, unreferenced, removed bytes and checkpoints, garbage_bytes,
 // reclaimable_bytes: what the dry run of gc would reclaim, dedup and
 // compression ratios; on a local repository, the unrecorded packs of
-// killed saves).
+// killed saves); with kinds measured, "kinds" [{kind, tensors,
+// logical_bytes, unique_raw_bytes, stored_bytes, stored_fraction: stored
+// over unique raw}].
 Json DescribeUsage(const UsageFigures& figures, bool remote);
 // Pack bytes the catalog records beyond what live, pending and removed
 // checkpoints reference (dead chunks, whether or not gc reclaims them yet).

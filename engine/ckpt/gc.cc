@@ -307,6 +307,75 @@ Result<UsageReport> Repository::DiskUsage(const std::vector<std::string>& names)
   return report;
 }
 
+const char* StateKindOf(std::string_view name, DType dtype, bool blob) {
+  if (blob) return "other";
+  const size_t cut = name.find_last_of("./");
+  const std::string_view last = cut == std::string_view::npos ? name : name.substr(cut + 1);
+  if (last == "exp_avg_sq" || last == "max_exp_avg_sq") return "adam_exp_avg_sq";
+  if (last == "exp_avg" || last == "momentum_buffer") return "adam_exp_avg";
+  if (last == "step") return "other";
+  if (dtype == DType::kBF16 || dtype == DType::kF16) return "weights_16bit";
+  if (dtype == DType::kF32) return "weights_fp32";
+  return "other";
+}
+
+Result<std::vector<KindUsage>> Repository::UsageByKind(const std::vector<std::string>& names) {
+  CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
+  CKPT_ASSIGN_OR_RETURN(auto list, ListCheckpoints(false));
+  std::vector<std::string> chosen = names;
+  if (chosen.empty()) {
+    for (const auto& c : list) chosen.push_back(c.name);
+  }
+  for (const auto& n : chosen) {
+    if (std::none_of(list.begin(), list.end(), [&](const CheckpointRecord& c) { return c.name == n; })) {
+      return Status::NotFound("no committed checkpoint named '" + n + "'");
+    }
+  }
+  constexpr size_t kKinds = std::size(kStateKinds);
+  std::vector<KindUsage> out(kKinds);
+  for (size_t k = 0; k < kKinds; ++k) out[k].kind = kStateKinds[k];
+  auto index = [&](const char* kind) {
+    for (size_t k = 0; k < kKinds; ++k) {
+      if (std::string_view(kStateKinds[k]) == kind) return k;
+    }
+    return kKinds - 1;
+  };
+  // The distinct chunks of each kind, with their decoded length.
+  std::vector<std::unordered_map<ChunkId, uint32_t, ChunkIdHash>> chunks(kKinds);
+  ReadOptions read;
+  read.lease = false;  // the manifests only: no chunk is read
+  for (const auto& n : chosen) {
+    CKPT_ASSIGN_OR_RETURN(auto reader, OpenCheckpoint(n, read));
+    for (const TensorRecord& t : reader->tensors()) {
+      const size_t k = index(StateKindOf(t.name, t.dtype, false));
+      ++out[k].tensors;
+      out[k].logical_bytes += t.ByteSize();
+      for (const ShardRecord& s : t.shards) {
+        for (const ChunkRef& c : s.chunks) chunks[k].emplace(c.id, c.raw_len);
+      }
+    }
+    for (const BlobRecord& b : reader->blobs()) {
+      const size_t k = index(StateKindOf(b.name, DType::kU8, true));
+      ++out[k].tensors;
+      out[k].logical_bytes += b.size;
+      for (const ChunkRef& c : b.chunks) chunks[k].emplace(c.id, c.raw_len);
+    }
+  }
+  CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
+    for (size_t k = 0; k < kKinds; ++k) {
+      for (const auto& [id, raw_len] : chunks[k]) {
+        out[k].unique_raw_bytes += raw_len;
+        CKPT_ASSIGN_OR_RETURN(auto value, txn.Get(Table::kChunks, keys::Chunk(id)));
+        if (!value) continue;  // only another host's catalog records it yet
+        CKPT_ASSIGN_OR_RETURN(ChunkLocation loc, DecodeChunkLocation(*value));
+        out[k].stored_bytes += loc.stored_len;
+      }
+    }
+    return Status::OK();
+  }));
+  return out;
+}
+
 namespace {
 
 struct PackState {

@@ -135,6 +135,27 @@ struct UsageReport {
   double compression_ratio() const { return referenced_bytes ? double(unique_raw_bytes) / referenced_bytes : 1.0; }
 };
 
+// Space per kind of training state (`ckpt du --by-kind`), each tensor
+// sorted by its name and dtype (StateKindOf). A chunk that tensors of two
+// kinds reference counts in both.
+struct KindUsage {
+  std::string kind;
+  uint64_t tensors = 0;           // tensors and blobs, each checkpoint's counted
+  uint64_t logical_bytes = 0;     // their bytes, each checkpoint's counted
+  uint64_t unique_raw_bytes = 0;  // the distinct chunks they reference, decoded
+  uint64_t stored_bytes = 0;      // the same chunks as stored (compressed)
+};
+// The kinds, in the order reports list them.
+inline constexpr const char* kStateKinds[] = {"weights_16bit", "weights_fp32", "adam_exp_avg", "adam_exp_avg_sq",
+                                              "other"};
+// A tensor's kind: by the last part of its name (after the last '.' or
+// '/'), Adam's moments ("exp_avg", SGD's "momentum_buffer"; "exp_avg_sq",
+// "max_exp_avg_sq"); then by dtype, 16-bit floats as "weights_16bit" and
+// 32-bit as "weights_fp32" (model weights or an optimizer's fp32 master
+// copy), except counters named "step"; everything else (other dtypes,
+// blobs) "other".
+const char* StateKindOf(std::string_view name, DType dtype, bool blob);
+
 // One tensor (or blob) of two checkpoints compared. The figures of a float
 // tensor count NaN against NaN as equal and NaN against a number, or an
 // infinity against anything else, as an infinite difference.

@@ -198,6 +198,9 @@ class Repository {
   Result<std::vector<RetentionDecision>> ExplainRetention(const RetentionPolicy& policy);
   // Space per checkpoint (`names`, or every committed one) and in total.
   Result<UsageReport> DiskUsage(const std::vector<std::string>& names);
+  // Space per kind of state of `names` (every committed checkpoint when
+  // empty), one entry per kind in kStateKinds's order.
+  Result<std::vector<KindUsage>> UsageByKind(const std::vector<std::string>& names);
   // Statistics of the named tensors of committed checkpoint `name` (every
   // tensor when `tensors` is empty), each in one pass of 4 MiB at a time.
   // NotFound for a checkpoint or tensor that does not exist.

@@ -577,6 +577,20 @@ class Maintenance(PythonTestCase):
         self.assertTrue(close(cli, self.r.du()), (cli, self.r.du()))
         self.assertGreater(cli["total"]["reclaimable_bytes"], 0)
         self.assertEqual([c["name"] for c in self.r.du("a")["checkpoints"]], ["a"])
+        self.assertNotIn("kinds", cli)
+        cli = json.loads(self.run_ckpt("du", "--json", "--by-kind", "b").stdout)
+        py = self.r.du("b", by_kind=True)
+        self.assertTrue(close(cli, py), (cli, py))
+        kinds = {k["kind"]: k for k in py["kinds"]}
+        self.assertEqual(list(kinds), ["weights_16bit", "weights_fp32", "adam_exp_avg", "adam_exp_avg_sq", "other"])
+        # w, same, zero are fp32 tensors; meta a blob.
+        self.assertEqual((kinds["weights_fp32"]["tensors"], kinds["other"]["tensors"]), (3, 1))
+        self.assertEqual(kinds["weights_fp32"]["logical_bytes"], (64 * 32 + 16 + 3) * 4)
+        text = self.run_ckpt("du", "--by-kind").stdout.decode()
+        self.assertIn("weights_fp32", text)
+        self.assertNotIn("adam_exp_avg", text)  # no such tensors: not listed
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            self.r.du(by_kind="yes")
         cli = json.loads(self.run_ckpt("verify", "--json").stdout)
         self.assertTrue(close(cli, self.r.verify()), (cli, self.r.verify()))
         self.assertTrue(cli["ok"])

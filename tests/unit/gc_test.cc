@@ -72,6 +72,61 @@ INSTANTIATE_TEST_SUITE_P(Repositories, GarbageCollection, testing::AllRepository
 // a killed save left on its disk.
 class LocalGarbageCollection : public testing::LocalKind<GcFixture> {};
 
+TEST(StateKinds, TensorsAreSortedByTheLastPartOfTheirNameThenByDtype) {
+  EXPECT_STREQ(StateKindOf("optim.state.layers.0.w.exp_avg", DType::kF32, false), "adam_exp_avg");
+  EXPECT_STREQ(StateKindOf("optimizer_states/0/state/3/exp_avg_sq", DType::kF32, false), "adam_exp_avg_sq");
+  EXPECT_STREQ(StateKindOf("state.1.max_exp_avg_sq", DType::kBF16, false), "adam_exp_avg_sq");
+  EXPECT_STREQ(StateKindOf("state.1.momentum_buffer", DType::kF32, false), "adam_exp_avg");
+  EXPECT_STREQ(StateKindOf("optim.state.layers.0.w.step", DType::kF32, false), "other");
+  EXPECT_STREQ(StateKindOf("model.layers.0.w", DType::kBF16, false), "weights_16bit");
+  EXPECT_STREQ(StateKindOf("model.layers.0.w", DType::kF16, false), "weights_16bit");
+  EXPECT_STREQ(StateKindOf("model.layers.0.w", DType::kF32, false), "weights_fp32");
+  EXPECT_STREQ(StateKindOf("model.layers.0.w", DType::kF64, false), "other");
+  EXPECT_STREQ(StateKindOf("model.rope.inv_freq_exp_avg", DType::kF32, false), "weights_fp32");
+  EXPECT_STREQ(StateKindOf("exp_avg", DType::kU8, true), "other");
+}
+
+TEST_P(GarbageCollection, UsageByKindCountsEachKindsDistinctChunksOnceAndItsCompression) {
+  // 16-bit weights of little entropy (they compress), fp32 moments of
+  // random bytes (they do not), a blob; a second checkpoint shares the
+  // weights and changes the moments.
+  std::vector<std::byte> weights(256 << 10);
+  for (size_t i = 0; i < weights.size(); ++i) weights[i] = std::byte(i % 7 == 0 ? i / 7 : 0);
+  auto save = [&](const std::string& name, uint32_t seed) {
+    auto w = std::move(repo_->BeginCheckpoint(name, {0, 1, std::nullopt, {}})).value();
+    auto m1 = RandomBytes(128 << 10, seed), m2 = RandomBytes(128 << 10, seed + 1);
+    ASSERT_OK(w->PutTensor({"model.w", DType::kBF16, {weights.size() / 2}}, weights));
+    ASSERT_OK(w->PutTensor({"optim.state.model.w.exp_avg", DType::kF32, {m1.size() / 4}}, m1));
+    ASSERT_OK(w->PutTensor({"optim.state.model.w.exp_avg_sq", DType::kF32, {m2.size() / 4}}, m2));
+    ASSERT_OK(w->PutBlob("extra", RandomBytes(1000, seed + 2)));
+    ASSERT_OK(w->Commit().Wait());
+  };
+  save("a", 10);
+  save("b", 20);
+  auto kinds = repo_->UsageByKind({});
+  ASSERT_OK(kinds);
+  ASSERT_EQ(kinds->size(), std::size(kStateKinds));
+  std::map<std::string, KindUsage> by;
+  for (const KindUsage& k : *kinds) by[k.kind] = k;
+  EXPECT_EQ(by["weights_16bit"].tensors, 2u);
+  EXPECT_EQ(by["weights_16bit"].logical_bytes, 2 * weights.size());
+  EXPECT_EQ(by["weights_16bit"].unique_raw_bytes, weights.size()) << "the second checkpoint's are the same chunks";
+  EXPECT_LT(by["weights_16bit"].stored_bytes, weights.size() / 2) << "they compress";
+  for (const char* moment : {"adam_exp_avg", "adam_exp_avg_sq"}) {
+    EXPECT_EQ(by[moment].tensors, 2u) << moment;
+    EXPECT_EQ(by[moment].unique_raw_bytes, 2u * (128 << 10)) << moment;
+    EXPECT_GE(by[moment].stored_bytes, by[moment].unique_raw_bytes) << moment << ": random bytes stay raw";
+  }
+  EXPECT_EQ(by["weights_fp32"].tensors, 0u);
+  EXPECT_EQ(by["other"].tensors, 2u);
+  EXPECT_EQ(by["other"].logical_bytes, 2000u);
+  // One checkpoint alone; an unknown one is NotFound.
+  auto one = repo_->UsageByKind({"a"});
+  ASSERT_OK(one);
+  EXPECT_EQ((*one)[0].tensors, 1u);
+  EXPECT_TRUE(repo_->UsageByKind({"nope"}).status().IsNotFound());
+}
+
 TEST_P(GarbageCollection, RetentionByStepAndByCommitOrder) {
   auto base = RandomBytes(1000, 1);
   for (int i = 0; i < 6; ++i) Save("s" + std::to_string(i), i * 100, i + 10, base);

@@ -217,8 +217,12 @@ const CommandSpec kDu{"du", "[NAME...]", "Show the space checkpoints use, and wh
                       "Per checkpoint: logical bytes, the stored bytes of the chunks it references, and\n"
                       "the stored bytes only it references (what removing it alone would reclaim).\n"
                       "The total says what gc without a retention policy would reclaim now, as\n"
-                      "'ckpt gc --dry-run' does.",
-                      {kJsonOpt}, 0, SIZE_MAX};
+                      "'ckpt gc --dry-run' does. With --by-kind, the same per kind of state, each\n"
+                      "tensor sorted by its name and dtype: 16-bit weights, fp32 weights (or master\n"
+                      "copies), Adam's first and second moments, other; a kind's chunks counted\n"
+                      "once, stored against decoded (its compression).",
+                      {kJsonOpt, {"by-kind", 0, false, false, "", "also report space and compression per kind of state"}},
+                      0, SIZE_MAX};
 
 // What gc would reclaim inside recorded packs: referenced neither by a
 // committed checkpoint, nor by a pending rank, nor by a removed checkpoint
@@ -227,7 +231,7 @@ int CmdDu(const GlobalOptions& global, const Args& args) {
   int rc = kExitOk;
   auto repo = OpenRepoOr(global, &rc);
   if (!repo) return rc;
-  auto figures = MeasureUsage(*repo, args.positional);
+  auto figures = MeasureUsage(*repo, args.positional, args.Has("by-kind"));
   if (!figures.ok()) return Fail(figures.status());
   if (args.Has("json")) {
     PrintJson(DescribeUsage(*figures, repo->remote()));
@@ -259,6 +263,17 @@ int CmdDu(const GlobalOptions& global, const Args& args) {
   }
   std::printf("dedup ratio %.2fx, compression ratio %.2fx, overall %.2fx\n", r->dedup_ratio(), r->compression_ratio(),
               r->referenced_bytes ? double(r->logical_bytes) / r->referenced_bytes : 1.0);
+  if (!figures->kinds.empty()) {
+    std::printf("\n%-16s %8s %12s %12s %12s %8s\n", "KIND", "TENSORS", "LOGICAL", "UNIQUE", "STORED", "STORED/");
+    for (const KindUsage& k : figures->kinds) {
+      if (k.tensors == 0) continue;
+      std::printf("%-16s %8llu %12s %12s %12s %8.3f\n", k.kind.c_str(), static_cast<unsigned long long>(k.tensors),
+                  HumanBytes(k.logical_bytes).c_str(), HumanBytes(k.unique_raw_bytes).c_str(),
+                  HumanBytes(k.stored_bytes).c_str(),
+                  k.unique_raw_bytes ? double(k.stored_bytes) / double(k.unique_raw_bytes) : 0.0);
+    }
+    std::printf("(STORED/: stored over unique, the kind's compression; a chunk two kinds share counts in both)\n");
+  }
   return kExitOk;
 }
 

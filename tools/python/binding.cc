@@ -981,11 +981,11 @@ class PyRepository {
     return out;
   }
 
-  py::dict du(const std::vector<std::string>& names) {
+  py::dict du(const std::vector<std::string>& names, bool by_kind) {
     UsageFigures figures;
     {
       py::gil_scoped_release nogil;
-      figures = Value(MeasureUsage(*repo_, names));
+      figures = Value(MeasureUsage(*repo_, names, by_kind));
     }
     return JsonToPython(DescribeUsage(figures, repo_->remote())).cast<py::dict>();
   }
@@ -1265,7 +1265,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("rewrite_below"), py::arg("on_phase"), py::arg("progress"), py::arg("group") = "")
       .def("verify", &PyRepository::verify, py::arg("name"))
       .def("diff", &PyRepository::diff, py::arg("a"), py::arg("b"))
-      .def("du", &PyRepository::du, py::arg("names"))
+      .def("du", &PyRepository::du, py::arg("names"), py::arg("by_kind") = false)
       .def("copy_to", &PyRepository::copy_to, py::arg("destination"), py::arg("names"), py::arg("all"),
            py::arg("last"), py::arg("on_phase"), py::arg("progress"))
       .def("buffer_stats", &PyRepository::buffer_stats)

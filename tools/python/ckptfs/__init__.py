@@ -22,6 +22,7 @@ from __future__ import annotations
 from . import _core
 from ._core import (
     AlreadyExistsError,
+    CollectiveError,
     CorruptionError,
     Error,
     InvalidArgumentError,
@@ -52,4 +53,5 @@ __all__ = [
     "CorruptionError",
     "StorageError",
     "UnsupportedError",
+    "CollectiveError",
 ]

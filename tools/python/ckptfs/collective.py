@@ -33,9 +33,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from . import _core
-from ._core import CollectiveError, Error, InvalidArgumentError, UnsupportedError
-
-__all__ = ["CollectiveError", "DEFAULT_TIMEOUT", "Group"]
+from ._core import CollectiveError, Error, InvalidArgumentError, UnsupportedError  # noqa: F401 - CollectiveError: re-exported
 
 # Seconds a collective step may wait for the slowest rank.
 DEFAULT_TIMEOUT = 300.0

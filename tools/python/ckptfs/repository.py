@@ -487,15 +487,21 @@ class Repository:
         read."""
         return [d for d in self._repo.diff(a, b) if all or d["changed"]]
 
-    def du(self, *names: str) -> Dict[str, Any]:
+    def du(self, *names: str, by_kind: bool = False) -> Dict[str, Any]:
         """The space `names` use (every committed checkpoint when none are
         given), as `ckpt du --json` reports it: "checkpoints" (each one's
         logical, referenced and exclusive bytes) and "total" (logical,
         unique, referenced and pack bytes, pending and removed ones,
         garbage, what a gc would reclaim now, dedup and compression
-        ratios). Runs a dry run of gc to say what it would reclaim."""
+        ratios). Runs a dry run of gc to say what it would reclaim. With
+        `by_kind`, also "kinds" as `ckpt du --by-kind --json` gives them:
+        per kind of state (weights_16bit, weights_fp32, adam_exp_avg,
+        adam_exp_avg_sq, other) its tensors, logical bytes, the decoded and
+        stored bytes of its distinct chunks, and stored_fraction."""
         _check_names("checkpoint", names)
-        return self._repo.du(list(names))
+        if not isinstance(by_kind, bool):
+            raise InvalidArgumentError(f"by_kind must be True or False, not {type(by_kind).__name__}")
+        return self._repo.du(list(names), by_kind)
 
 
 def init(url: str, *, chunk_size: int = 4 << 20, pack_size: int = 256 << 20, compression: str = "zstd",
