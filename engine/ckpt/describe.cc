@@ -383,7 +383,7 @@ Json DescribeUsage(const UsageFigures& figures, bool remote) {
       kj.Set("logical_bytes", k.logical_bytes);
       kj.Set("unique_raw_bytes", k.unique_raw_bytes);
       kj.Set("stored_bytes", k.stored_bytes);
-      kj.Set("stored_fraction", k.unique_raw_bytes ? double(k.stored_bytes) / double(k.unique_raw_bytes) : 0.0);
+      kj.Set("stored_fraction", k.stored_fraction());
       kinds.Push(std::move(kj));
     }
     j.Set("kinds", std::move(kinds));

@@ -144,6 +144,8 @@ struct KindUsage {
   uint64_t logical_bytes = 0;     // their bytes, each checkpoint's counted
   uint64_t unique_raw_bytes = 0;  // the distinct chunks they reference, decoded
   uint64_t stored_bytes = 0;      // the same chunks as stored (compressed)
+  // Stored over decoded: the kind's compression (0 without chunks).
+  double stored_fraction() const { return unique_raw_bytes ? double(stored_bytes) / double(unique_raw_bytes) : 0.0; }
 };
 // The kinds, in the order reports list them.
 inline constexpr const char* kStateKinds[] = {"weights_16bit", "weights_fp32", "adam_exp_avg", "adam_exp_avg_sq",

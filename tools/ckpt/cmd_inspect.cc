@@ -269,8 +269,7 @@ int CmdDu(const GlobalOptions& global, const Args& args) {
       if (k.tensors == 0) continue;
       std::printf("%-16s %8llu %12s %12s %12s %8.3f\n", k.kind.c_str(), static_cast<unsigned long long>(k.tensors),
                   HumanBytes(k.logical_bytes).c_str(), HumanBytes(k.unique_raw_bytes).c_str(),
-                  HumanBytes(k.stored_bytes).c_str(),
-                  k.unique_raw_bytes ? double(k.stored_bytes) / double(k.unique_raw_bytes) : 0.0);
+                  HumanBytes(k.stored_bytes).c_str(), k.stored_fraction());
     }
     std::printf("(STORED/: stored over unique, the kind's compression; a chunk two kinds share counts in both)\n");
   }
