@@ -22,6 +22,7 @@ packages=(
   coreutils diffutils                      # cat, dd, sha256sum, timeout, sort; cmp (test_mount)
   bsdutils mawk                            # script (test_cli: a terminal for the build launcher); awk (dev.sh)
   locales                                  # localedef: a comma-decimal locale for the JSON tests
+  zstd                                     # the zstd command: kinds_bench.py's baseline
 )
 
 SUDO=""
