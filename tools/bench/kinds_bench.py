@@ -16,7 +16,10 @@ the weights ("model.*", weights_16bit), the fp32 master weights
   repository opened with one worker thread (hash, group, compress, write
   to the page cache), against `zstd -3 -T1` compressing the same bytes;
 - decode throughput on one thread: a load of it back (read, decompress,
-  ungroup, verify), against `zstd -d -T1`.
+  ungroup, verify), against `zstd -d -T1`;
+- the codec alone on a 4 MiB chunk of each kind's bytes, one thread
+  (`codec_bench --input`, when built): hash, zstd -1, ckptfs's encode and
+  decode, against memcpy.
 
 Medians of --runs for the throughputs; minor page faults of the ckptfs
 save beside it.
@@ -32,6 +35,7 @@ import resource
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -96,6 +100,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     ap.add_argument("--runs", type=int, default=3, help="runs of each throughput; medians are reported (default 3)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap.add_argument("--codec-bench", default=os.path.join(here, "..", "..", "build", "tools", "codec_bench"),
+                    help="the codec_bench program (default build/tools/codec_bench; skipped when missing)")
     ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp",
                     help="where the repositories and files go (default /dev/shm: the codec, not the disk)")
     args = ap.parse_args()
@@ -114,6 +121,7 @@ def main():
     work = tempfile.mkdtemp(prefix="ckptfs-kinds-bench-", dir=args.dir)
     try:
         kinds = {}
+        inputs = []  # codec_bench's --input of each kind's bytes
         for k, v in state.items():
             kinds.setdefault(kind_of(k), {})[k] = v
         repo_path = os.path.join(work, "all")
@@ -130,6 +138,7 @@ def main():
             with open(raw, "wb") as f:
                 for v in part.values():
                     f.write(v.contiguous().view(torch.uint8).numpy().tobytes())
+            inputs += ["--input", f"{'BF16' if kind == 'weights_16bit' else 'F32'}:{raw}:{kind}"]
             enc, dec, zenc, zdec, faults = [], [], [], [], []
             for run in range(args.runs):
                 one = ckptfs.init(os.path.join(work, f"{kind}-{run}"), chunk_size=1 << 20, adaptive=False, threads=1)
@@ -152,6 +161,12 @@ def main():
                   f"{m(enc):7.0f} / {m(zenc):7.0f}   {m(dec):7.0f} / {m(zdec):7.0f}   {m(faults):8.0f}")
         print("\n(ratio: ckptfs's stored fraction over zstd -3's; below 1 ckptfs stores less. Encode and decode "
               "on one thread, ckptfs's including the hash and the write to the page cache, zstd's a file to a file)")
+        if os.path.exists(args.codec_bench):
+            print("\nThe codec alone, on a 4 MiB chunk of each kind's bytes (codec_bench --input):")
+            sys.stdout.flush()
+            subprocess.run([args.codec_bench, "--mib", "4", "--runs", "50", *inputs], check=True)
+        else:
+            print(f"\n(codec_bench not found at {args.codec_bench}: the codec alone not measured)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
