@@ -516,15 +516,8 @@ class TorchCommunicator final : public Communicator {
     if (data.empty()) return Status::OK();
     return WithGil([&] { group_.attr("recv")(HostView(data), peer); });
   }
-  Status Exchange(std::span<const Transfer> transfers) override {
-    return WithGil([&] {
-      py::list l;
-      for (const Transfer& t : transfers) {
-        if (!t.data.empty()) l.append(py::make_tuple(t.send, t.peer, HostView(t.data), t.tag));
-      }
-      group_.attr("exchange")(l);
-    });
-  }
+  // Exchange: the default (in order). A load's one round of regions goes
+  // through TorchLoadMemory::Deliver, one batch_isend_irecv.
 
  private:
   py::object group_;
@@ -546,10 +539,11 @@ class TorchLoadMemory final : public CollectiveMemory {
         devices_(std::move(devices)),
         progress_(progress) {}
 
+  // A load puts nothing: Source and Digest are host memory's.
   std::unique_ptr<ShardSource> Source(std::span<const std::byte> data) override {
-    return std::make_unique<HostSource>(data);
+    return HostCollectiveMemory().Source(data);
   }
-  Result<ChunkId> Digest(std::span<const std::byte> data) override { return ChunkId::Of(data); }
+  Result<ChunkId> Digest(std::span<const std::byte> data) override { return HostCollectiveMemory().Digest(data); }
   Status Read(const CheckpointReader& reader, const TensorRecord& tensor, const Region& region,
               std::span<std::byte> target) override {
     const int device = DeviceOf(target.data());
