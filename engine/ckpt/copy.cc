@@ -39,21 +39,6 @@ bool SameContent(const CheckpointReader& a, uint32_t world, const CheckpointRead
   return true;
 }
 
-// Rank `rank`'s part of the checkpoint `reader` reads.
-RankRecord PartOfRank(const CheckpointReader& reader, uint32_t rank) {
-  RankRecord part;
-  part.rank = rank;
-  for (const TensorRecord& t : reader.tensors()) {
-    TensorRecord mine{t.name, t.dtype, t.shape, {}};
-    for (const ShardRecord& s : t.shards) {
-      if (std::find(s.ranks.begin(), s.ranks.end(), rank) != s.ranks.end()) mine.shards.push_back(s);
-    }
-    if (!mine.shards.empty()) part.tensors.push_back(std::move(mine));
-  }
-  if (rank == 0) part.blobs = reader.blobs();
-  return part;
-}
-
 // The world size a copy of the checkpoint gets: the source's, but no more
 // than its shards name (the highest rank any shard names, plus one; rank 0
 // holds the blobs). A source that claims 20,000 ranks for shards of four
@@ -66,6 +51,22 @@ uint32_t WorldNeeded(const CheckpointReader& reader) {
     }
   }
   return std::min(reader.info().world_size, highest + 1);
+}
+
+}  // namespace
+
+RankRecord PartOfRank(const std::vector<TensorRecord>& tensors, const std::vector<BlobRecord>& blobs, uint32_t rank) {
+  RankRecord part;
+  part.rank = rank;
+  for (const TensorRecord& t : tensors) {
+    TensorRecord mine{t.name, t.dtype, t.shape, {}};
+    for (const ShardRecord& s : t.shards) {
+      if (std::find(s.ranks.begin(), s.ranks.end(), rank) != s.ranks.end()) mine.shards.push_back(s);
+    }
+    if (!mine.shards.empty()) part.tensors.push_back(std::move(mine));
+  }
+  if (rank == 0) part.blobs = blobs;
+  return part;
 }
 
 // Every shard must name ranks of the checkpoint, or no rank would put it.
@@ -81,8 +82,6 @@ Status CheckShardRanks(const CheckpointReader& reader) {
   }
   return Status::OK();
 }
-
-}  // namespace
 
 Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, const CopyOptions& options,
                                    const ProgressFn& progress) {
@@ -207,9 +206,10 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
         wo.world_size = world;
         wo.step = info.step;
         wo.tags = info.tags;
+        wo.engine_tags = true;  // a thinned checkpoint stays marked
         *began = true;
         CKPT_ASSIGN_OR_RETURN(writers[i], destination.BeginCheckpoint(rec.name, wo));
-        parts[i] = PartOfRank(*reader, wo.rank);
+        parts[i] = PartOfRank(reader->tensors(), reader->blobs(), wo.rank);
       }
       // On an object store, packs an interrupted copy finished are listed
       // by the writers' sync; their indexes make their chunks present.

@@ -32,4 +32,14 @@ struct CopyCounters {
 Status PutStoredRank(CheckpointWriter& writer, const RankRecord& part, std::span<const ChunkRef> send,
                      DirectFetcher& source, ThreadPool& io, size_t threads, CopyCounters& counters);
 
+// Rank `rank`'s part of a checkpoint of these tensors and blobs: the
+// shards whose record names the rank (so that putting every rank's part
+// gives each shard the same ranks, in the same order), and, for rank 0,
+// the blobs.
+RankRecord PartOfRank(const std::vector<TensorRecord>& tensors, const std::vector<BlobRecord>& blobs, uint32_t rank);
+
+// Corruption unless every shard of `reader`'s checkpoint names ranks of its
+// world size (or no rank would put it).
+Status CheckShardRanks(const CheckpointReader& reader);
+
 }  // namespace ckptfs

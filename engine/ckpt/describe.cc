@@ -52,6 +52,11 @@ Json DescribeRecord(const CheckpointRecord& c) {
   Json tags = Json::MakeObject();
   for (const auto& [k, v] : c.tags) tags.Set(k, v);
   j.Set("tags", std::move(tags));
+  // A thinned checkpoint (thin retention) says when and what it dropped.
+  j.Set("thinned", Json());
+  for (const auto& [k, v] : c.tags) {
+    if (k == kThinnedTag) j.Set("thinned", v);
+  }
   if (!committed) {
     // What a pending checkpoint waits for; "created" is its first rank's commit.
     Json in = Json::MakeArray(), missing = Json::MakeArray();
@@ -194,6 +199,11 @@ Json DescribeRetentionDecision(const RetentionDecision& d) {
   }
   j.Set("keep", d.keep);
   j.Set("why", d.why);
+  j.Set("thin", d.thin);
+  j.Set("thin_why", d.thin_why);
+  j.Set("thin_tensors", d.thin_tensors);
+  j.Set("thin_blobs", d.thin_blobs);
+  j.Set("thin_bytes", d.thin_bytes);
   return j;
 }
 
@@ -203,6 +213,12 @@ Json DescribeGcReport(const GcReport& r, bool dry_run) {
   Json removed = Json::MakeArray();
   for (const auto& n : r.removed) removed.Push(n);
   j.Set("removed", std::move(removed));
+  Json thinned = Json::MakeArray();
+  for (const auto& n : r.thinned) thinned.Push(n);
+  j.Set("thinned", std::move(thinned));
+  Json skipped = Json::MakeArray();
+  for (const auto& n : r.thin_skipped) skipped.Push(n);
+  j.Set("thin_skipped", std::move(skipped));
   Json retention = Json::MakeArray();
   for (const auto& d : r.retention) retention.Push(DescribeRetentionDecision(d));
   j.Set("retention", std::move(retention));

@@ -88,6 +88,9 @@ Result<std::vector<RetentionDecision>> Repository::ExplainRetention(const Retent
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   if (policy.empty()) return std::vector<RetentionDecision>{};
   if (policy.keep_every && *policy.keep_every == 0) return Status::InvalidArgument("--keep-every must be at least 1");
+  if (policy.thin_older_than && *policy.thin_older_than == 0) {
+    return Status::InvalidArgument("--thin-older-than must be at least 1: the newest checkpoint stays whole");
+  }
   CKPT_ASSIGN_OR_RETURN(auto list, ListCheckpoints(false));  // commit order
   std::erase_if(list, [&](const CheckpointRecord& c) { return !InGroup(c.name, policy.group); });
   for (const auto& name : policy.keep) {
@@ -108,6 +111,35 @@ Result<std::vector<RetentionDecision>> Repository::ExplainRetention(const Retent
   uint64_t newest_ms = 0;
   for (const auto& c : list) newest_ms = std::max(newest_ms, c.committed_unix_ms);
   const std::set<std::string> named(policy.keep.begin(), policy.keep.end());
+  // Thin retention, for checkpoint `c`, kept, the `from_newest`-th newest.
+  auto decide_thin = [&](const CheckpointRecord& c, uint64_t from_newest, RetentionDecision& d) -> Status {
+    const uint64_t n = *policy.thin_older_than;
+    const std::string rule = "thin-older-than " + std::to_string(n) + ": ";
+    const std::string order = by_step ? " by step" : " by commit order";
+    if (from_newest <= n) {
+      d.thin_why = rule + "among the newest " + std::to_string(n) + order + ", whole";
+      return Status::OK();
+    }
+    ReadOptions manifest_only;
+    manifest_only.lease = false;
+    CKPT_ASSIGN_OR_RETURN(auto reader, OpenCheckpoint(c.name, manifest_only));
+    const ThinPlan plan = PlanThin(reader->tensors(), reader->blobs(), policy.thin_keep);
+    d.thin_why = rule + "the " + Ordinal(from_newest) + " newest" + order;
+    if (!plan.drops()) {
+      const bool before = std::any_of(c.tags.begin(), c.tags.end(), [](const auto& t) { return t.first == kThinnedTag; });
+      d.thin_why += before ? ", thinned before, nothing to drop" : ", nothing to drop";
+    } else if (plan.tensors.empty()) {
+      d.thin_why += ", left whole: thinning would keep none of its tensors (it drops " +
+                    DescribeThinRule(policy.thin_keep) + ")";
+    } else {
+      d.thin = true;
+      d.thin_tensors = plan.dropped_tensors;
+      d.thin_blobs = plan.dropped_blobs;
+      d.thin_bytes = plan.dropped_bytes;
+      d.thin_why += ", drops " + DescribeDropped(plan) + " of " + DescribeThinRule(policy.thin_keep);
+    }
+    return Status::OK();
+  };
   std::vector<RetentionDecision> out;
   uint64_t stepless_seen = 0;  // keep-every's count of checkpoints without a step, in commit order
   // Commit order of the ones without a step (list may be sorted by step).
@@ -164,10 +196,14 @@ Result<std::vector<RetentionDecision>> Repository::ExplainRetention(const Retent
     RetentionDecision d;
     d.name = c.name;
     d.step = c.step;
-    d.keep = !kept.empty();
-    const std::vector<std::string>& reasons = d.keep ? kept : not_kept;
+    d.keep = !kept.empty() || !policy.removes();
+    const std::vector<std::string>& reasons = kept.empty() ? not_kept : kept;
     for (size_t r = 0; r < reasons.size(); ++r) d.why += (r ? "; " : "") + reasons[r];
+    if (d.keep && d.why.empty()) d.why = "no --keep-* rule: nothing is removed";
     if (!d.keep && d.why.empty()) d.why = "no rule keeps it";
+    if (policy.thin_older_than && d.keep) {
+      CKPT_RETURN_IF_ERROR(decide_thin(c, list.size() - i, d));
+    }
     out.push_back(std::move(d));
   }
   // The newest is the last in keep-last's order, the one keep-last 1 keeps.
@@ -393,8 +429,10 @@ struct Liveness {
   uint64_t live_bytes = 0;
 };
 
-Result<Liveness> Analyze(LmdbEnv& catalog, const std::set<std::string>& excluded) {
+Result<Liveness> Analyze(LmdbEnv& catalog, const std::set<std::string>& excluded,
+                         const std::unordered_set<ChunkId, ChunkIdHash>& also_live = {}) {
   Liveness l;
+  l.live.insert(also_live.begin(), also_live.end());
   CKPT_RETURN_IF_ERROR(catalog.Read([&](const ReadTxn& txn) -> Status {
     CKPT_RETURN_IF_ERROR(ForEachReference(txn, [&](const std::string& ckpt, const ChunkRef& c) {
       if (!excluded.count(ckpt)) l.live.insert(c.id);
@@ -560,6 +598,38 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
       CKPT_RETURN_IF_ERROR(RemoveCheckpoints(report.removed));
     }
   }
+  // Thin retention: each thinned checkpoint's whole version is retired as a
+  // removed one is, and collected below once no reader holds it. A dry run
+  // counts the chunks its kept tensors and blobs name as live instead.
+  std::unordered_set<ChunkId, ChunkIdHash> kept_by_thinned;
+  for (const auto& d : report.retention) {
+    if (!d.keep || !d.thin) continue;
+    if (options.dry_run) {
+      ReadOptions manifest_only;
+      manifest_only.lease = false;
+      CKPT_ASSIGN_OR_RETURN(auto reader, OpenCheckpoint(d.name, manifest_only));
+      const ThinPlan plan = PlanThin(reader->tensors(), reader->blobs(), options.retention.thin_keep);
+      for (const TensorRecord& t : plan.tensors) {
+        for (const ShardRecord& sh : t.shards) {
+          for (const ChunkRef& c : sh.chunks) kept_by_thinned.insert(c.id);
+        }
+      }
+      for (const BlobRecord& b : plan.blobs) {
+        for (const ChunkRef& c : b.chunks) kept_by_thinned.insert(c.id);
+      }
+      excluded.insert(d.name);
+      report.thinned.push_back(d.name);
+      continue;
+    }
+    phase("thinning " + d.name);
+    CKPT_ASSIGN_OR_RETURN(bool thinned, ThinCheckpoint(*this, d.name, options.retention.thin_keep));
+    if (thinned) {
+      report.thinned.push_back(d.name);
+    } else {
+      phase(d.name + " changed while it was being thinned (saved again or removed meanwhile): left as it is");
+      report.thin_skipped.push_back(d.name);
+    }
+  }
   Backend* backend = impl_->backend.get();
   std::optional<RepoLock> run_lock;
   // On an object store, saves on other hosts hold shared lock objects: the
@@ -591,7 +661,7 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
   // 1. Without the gc lock (saves go on): find the mostly-dead packs and copy
   //    their live chunks into new packs, durably. A dry run stops after the
   //    estimate.
-  CKPT_ASSIGN_OR_RETURN(Liveness before, Analyze(*impl_->catalog, excluded));
+  CKPT_ASSIGN_OR_RETURN(Liveness before, Analyze(*impl_->catalog, excluded, kept_by_thinned));
   std::set<std::string> rewrite;
   uint64_t rewrite_bytes = 0;
   for (const auto& [id, p] : before.packs) {

@@ -199,18 +199,6 @@ Status PutRetiredManifest(Backend& backend, const Manifest& m) {
 Status RecordRetired(WriteTxn& txn, const Manifest& m) {
   return RecordManifestAs(txn, m, keys::RetiredCheckpoint(m.checkpoint.name, m.checkpoint.committed_unix_ms));
 }
-// The committed record the catalog keeps under catalog name `name`, if any.
-Result<std::optional<CheckpointRecord>> CommittedRecord(RepositoryImpl& repo, const std::string& name) {
-  std::optional<CheckpointRecord> rec;
-  CKPT_RETURN_IF_ERROR(repo.catalog->Read([&](const ReadTxn& txn) -> Status {
-    CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
-    if (!v) return Status::OK();
-    CKPT_ASSIGN_OR_RETURN(CheckpointRecord r, DecodeCheckpoint(*v));
-    if (r.state == CheckpointState::kCommitted) rec = std::move(r);
-    return Status::OK();
-  }));
-  return rec;
-}
 // Brings the catalog up to the store when what it holds under `name` is
 // not what the store holds now (another host saved, removed or replaced
 // it since this host's last sync): one request tells
@@ -223,6 +211,18 @@ Result<bool> CatchUpOn(RepositoryImpl& repo, const std::string& name) {
   return true;
 }
 }  // namespace
+
+Result<std::optional<CheckpointRecord>> CommittedRecord(RepositoryImpl& repo, const std::string& name) {
+  std::optional<CheckpointRecord> rec;
+  CKPT_RETURN_IF_ERROR(repo.catalog->Read([&](const ReadTxn& txn) -> Status {
+    CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kCheckpoints, keys::Checkpoint(name)));
+    if (!v) return Status::OK();
+    CKPT_ASSIGN_OR_RETURN(CheckpointRecord r, DecodeCheckpoint(*v));
+    if (r.state == CheckpointState::kCommitted) rec = std::move(r);
+    return Status::OK();
+  }));
+  return rec;
+}
 
 Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
@@ -288,12 +288,20 @@ Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
 // manifest object is written over, and the catalog changes in one
 // transaction: readers that hold the old version keep it (lease.h), and
 // every other reader sees the old or the new version, whole.
-Status PromoteReplacement(RepositoryImpl& repo, const std::string& name) {
+Status PromoteReplacement(RepositoryImpl& repo, const std::string& name, const WriterOptions& options) {
   const std::string staged = keys::ReplacementCheckpoint(name);
   // What the name holds on the store now (another host may have saved or
   // removed it since this host's last sync): the version to retire.
   CKPT_RETURN_IF_ERROR(CatchUpOn(repo, name).status());
   CKPT_ASSIGN_OR_RETURN(std::optional<CheckpointRecord> had, CommittedRecord(repo, name));
+  // A thinning replaces the version it read, and only that one.
+  if (options.thins && (!had || had->sequence != *options.thins ||
+                        had->committed_unix_ms != options.thins_committed_unix_ms)) {
+    CKPT_RETURN_IF_ERROR(DropCommittedReplacement(repo, name));
+    return Status::FailedPrecondition(std::string("checkpoint '") + name +
+                                      "' changed while it was being thinned (" +
+                                      (had ? "saved again" : "removed") + " meanwhile): it was left as it is");
+  }
   std::optional<Manifest> old;
   Manifest fresh;
   CKPT_RETURN_IF_ERROR(repo.catalog->Read([&](const ReadTxn& txn) -> Status {
@@ -314,6 +322,12 @@ Status PromoteReplacement(RepositoryImpl& repo, const std::string& name) {
   fresh.checkpoint.name = name;
   // Versions of one name retire under their commit times: distinct, and in
   // the order they were saved.
+  if (old && options.thins) {
+    // A thinned version keeps the whole one's place among the checkpoints.
+    fresh.checkpoint.sequence = old->checkpoint.sequence;
+    fresh.checkpoint.created_unix_ms = old->checkpoint.created_unix_ms;
+    fresh.checkpoint.committed_unix_ms = old->checkpoint.committed_unix_ms + 1;
+  }
   if (old) fresh.checkpoint.committed_unix_ms = std::max(fresh.checkpoint.committed_unix_ms, old->checkpoint.committed_unix_ms + 1);
   if (old) CKPT_RETURN_IF_ERROR(PutRetiredManifest(*repo.backend, *old));
   const std::string body = EncodeManifest(fresh);

@@ -18,6 +18,7 @@
 #include "backend/store_options.h"
 #include "codec/codec.h"
 #include "core/chunk_id.h"
+#include "core/dtype.h"
 #include "core/status.h"
 
 namespace ckptfs {
@@ -145,7 +146,25 @@ struct WriterOptions {
   // committed but not renamed is dropped by the next replacing save of the
   // name, or by gc.
   bool overwrite = false;
+  // With overwrite: this save thins the version of NAME whose commit made
+  // it the `thins` sequence number, committed at `thins_committed_unix_ms`
+  // (RetentionPolicy::thin_older_than). The thinned version keeps that
+  // version's place in the commit order (sequence and creation time), and
+  // its rename is refused (FailedPrecondition; the replacement is dropped)
+  // when NAME holds another version by then, saved again or removed meanwhile.
+  std::optional<uint64_t> thins;
+  uint64_t thins_committed_unix_ms = 0;
+  // Tags under "ckptfs." are the engine's (kThinnedTag): a save that gives
+  // one is refused, but for a copy and a thinning, which pass on what the
+  // source recorded.
+  bool engine_tags = false;
 };
+
+// The tag a thinned checkpoint carries: when, what it dropped and by which
+// rule ("2026-11-29 05:12 UTC: dropped 24 tensors and 2 blobs (1.1 GiB) of
+// optimizer and RNG state").
+inline constexpr char kThinnedTag[] = "ckptfs.thinned";
+inline constexpr char kEngineTagPrefix[] = "ckptfs.";
 
 struct ReadOptions {
   // Hold a read lease for the reader's lifetime. The mount opens its
@@ -176,8 +195,30 @@ struct RetentionPolicy {
   // run1/eval/step-3, ...); the others stay. Empty: every checkpoint.
   std::string group;
   bool allow_removing_newest = false;
-  bool empty() const { return !keep_last && !keep_every && !keep_within_s && keep.empty(); }
+  // Thin retention: of the checkpoints the rules above keep, every one but
+  // the newest `thin_older_than` (in keep_last's order, at least 1) keeps
+  // only its model: the tensors and blobs ThinKeeps keeps under
+  // `thin_keep`. The rest (optimizer state, RNG, schedulers) is dropped,
+  // and its space reclaimed by the same gc. A thinned checkpoint replaces
+  // the whole one atomically (readers of the whole one keep it until they
+  // close it), keeps its place in the commit order, and carries kThinnedTag.
+  // One whose thinning would keep no tensor stays whole.
+  std::optional<uint64_t> thin_older_than;
+  std::vector<std::string> thin_keep;  // shell patterns of names; empty: ThinKeeps's default rule
+  // Whether a --keep-* rule is given (without one nothing is removed).
+  bool removes() const { return keep_last || keep_every || keep_within_s || !keep.empty(); }
+  bool empty() const { return !removes() && !thin_older_than; }
 };
+
+// Whether thinning keeps tensor (or blob) `name`. With `patterns`: when the
+// name matches one of them (shell patterns as fnmatch(3) without flags:
+// '*' also matches '.' and '/'). Without: unless it is optimizer, scheduler
+// or RNG state, which is when a part of its name (split at '.' and '/') is
+// one of optim, optimizer, optimizers, optim_state, optimizer_state,
+// optimizer_states, lr_scheduler, lr_schedulers, scheduler, rng,
+// rng_states or rng_tracker, or begins with "rng_state" (rng_state_3.pth),
+// or when StateKindOf says it is an optimizer moment.
+bool ThinKeeps(std::string_view name, DType dtype, bool blob, const std::vector<std::string>& patterns);
 
 // Parses a duration such as "36h", "7d", "1w2d" or "90m" (units s, m, h, d,
 // w, summed; a bare number is seconds) into seconds. InvalidArgument names

@@ -66,6 +66,14 @@ struct RetentionDecision {
   std::optional<int64_t> step;
   bool keep = true;
   std::string why;
+  // Thin retention (RetentionPolicy::thin_older_than), for a checkpoint the
+  // policy keeps: whether it is thinned, why or why not ("the 3rd newest by
+  // step", "among the newest 2", "nothing to drop"), and what it drops.
+  bool thin = false;
+  std::string thin_why;
+  uint64_t thin_tensors = 0;  // tensors and blobs dropped
+  uint64_t thin_blobs = 0;
+  uint64_t thin_bytes = 0;    // their logical bytes
 };
 
 // A rank of a pending checkpoint on an object store that began its save.
@@ -79,6 +87,10 @@ struct RankProgress {
 
 struct GcReport {
   std::vector<std::string> removed;  // by the retention policy
+  std::vector<std::string> thinned;  // by thin retention
+  // Checkpoints that were to be thinned but changed meanwhile (saved again
+  // or removed on another host): left as they are.
+  std::vector<std::string> thin_skipped;
   std::vector<RetentionDecision> retention;  // every committed checkpoint, when a policy was given
   uint64_t dead_chunks = 0;
   uint64_t orphan_packs = 0;         // packs no catalog entry refers to (killed saves)

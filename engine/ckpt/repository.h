@@ -229,6 +229,8 @@ class Repository {
 
  private:
   friend Result<ReindexReport> ReindexRemote(const std::string& url, const OpenOptions& options);
+  friend Result<bool> ThinCheckpoint(Repository& repo, const std::string& name,
+                                     const std::vector<std::string>& patterns);
   friend Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, const CopyOptions& options,
                                             const ProgressFn& progress);
   explicit Repository(std::unique_ptr<RepositoryImpl> impl);

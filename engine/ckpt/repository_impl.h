@@ -112,8 +112,34 @@ Status DeleteCheckpointRecords(WriteTxn& txn, const std::string& name);
 // A save that replaces checkpoint `name` (WriterOptions::overwrite) was
 // committed as "NAME~" (keys::ReplacementCheckpoint): renames it over
 // `name`, retiring the version `name` holds on the store now, if any.
-// Called by the commit that made the replacement visible, under its locks.
-Status PromoteReplacement(RepositoryImpl& repo, const std::string& name);
+// Called by the commit that made the replacement visible, under its locks,
+// with the save's options: a thinning (WriterOptions::thins) renames only
+// over the version it thinned, and keeps its place in the commit order.
+Status PromoteReplacement(RepositoryImpl& repo, const std::string& name, const WriterOptions& options);
+// The committed record the catalog keeps under catalog name `name`, if any.
+Result<std::optional<CheckpointRecord>> CommittedRecord(RepositoryImpl& repo, const std::string& name);
+// What thinning keeps of a checkpoint's tensors and blobs (ThinKeeps
+// under `patterns`), and what it drops.
+struct ThinPlan {
+  std::vector<TensorRecord> tensors;
+  std::vector<BlobRecord> blobs;
+  uint64_t dropped_tensors = 0;
+  uint64_t dropped_blobs = 0;
+  uint64_t dropped_bytes = 0;  // logical
+  bool drops() const { return dropped_tensors > 0 || dropped_blobs > 0; }
+};
+ThinPlan PlanThin(const std::vector<TensorRecord>& tensors, const std::vector<BlobRecord>& blobs,
+                  const std::vector<std::string>& patterns);
+// What `plan` drops, counted in words ("3 tensors and 1 blob").
+std::string DescribeDropped(const ThinPlan& plan);
+// What a thinning under `patterns` drops, in words.
+std::string DescribeThinRule(const std::vector<std::string>& patterns);
+// Thins committed checkpoint `name` under `patterns` (thin.cc): its
+// ranks put again the kept tensors and blobs by reference (nothing is read
+// or written but records) as a replacing save whose rename checks that the
+// name still holds the version planned. False, with nothing changed, when
+// it does not (saved again or removed meanwhile) or nothing is left to drop.
+Result<bool> ThinCheckpoint(Repository& repo, const std::string& name, const std::vector<std::string>& patterns);
 // Removes a replacement of `name` that was committed but never renamed (its
 // save crashed in between); nothing when there is none. A save replacing
 // `name` begins with it, and gc runs it for every one it finds.

@@ -401,7 +401,7 @@ Status WriterImpl::CommitRank(const std::vector<SealedPack>& sealed, CommitResul
   CKPT_RETURN_IF_ERROR(repo_->protocol->Commit(rank, result));
   if (!options_.overwrite || !result->checkpoint_visible) return Status::OK();
   const std::string replaced = keys::ReplacedName(name_);
-  return PromoteReplacement(*repo_, replaced).WithContext("replacing checkpoint '" + replaced + "'");
+  return PromoteReplacement(*repo_, replaced, options_).WithContext("replacing checkpoint '" + replaced + "'");
 }
 
 // ---- public wrappers -------------------------------------------------------------
@@ -494,6 +494,10 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
   }
   for (const auto& [key, value] : options.tags) {
     CKPT_RETURN_IF_ERROR(ValidateMemberName("tag", key));
+    if (key.starts_with(kEngineTagPrefix) && !options.engine_tags) {
+      return Status::InvalidArgument("tag '" + key + "': tags beginning with '" + kEngineTagPrefix +
+                                     "' are ckptfs's own (" + kThinnedTag + " marks a thinned checkpoint)");
+    }
     CKPT_RETURN_IF_ERROR(ValidateMemberName("tag '" + key + "' value", value, /*allow_empty=*/true));
   }
   if (options.world_size == 0) return Status::InvalidArgument("world size must be at least 1");
@@ -511,6 +515,9 @@ Result<std::unique_ptr<CheckpointWriter>> Repository::BeginCheckpoint(const std:
   if (!IsValidSaveAttempt(options.attempt)) {
     return Status::InvalidArgument("a save attempt is at most " + std::to_string(kMaxAttemptSize) +
                                    " printable characters without spaces");
+  }
+  if (options.thins && !options.overwrite) {
+    return Status::InvalidArgument("a thinning of checkpoint '" + name + "' replaces it: it needs overwrite");
   }
   if (options.overwrite && options.attempt.empty() && options.world_size > 1) {
     return Status::InvalidArgument("replacing checkpoint '" + name + "' with a save of " +

@@ -127,6 +127,187 @@ TEST_P(GarbageCollection, UsageByKindCountsEachKindsDistinctChunksOnceAndItsComp
   EXPECT_TRUE(repo_->UsageByKind({"nope"}).status().IsNotFound());
 }
 
+TEST(ThinRetention, TheDefaultRuleDropsOptimizerSchedulerAndRngStateAndPatternsKeepWhatTheyMatch) {
+  const std::vector<std::string> none;
+  for (const char* model : {"model.layers.0.attn.wq.weight", "lm_head.weight", "state_dict.layer.bias",
+                            "config.json", "trainer_state.json", "model.optimum.weight", "rngx"}) {
+    EXPECT_TRUE(ThinKeeps(model, DType::kBF16, false, none)) << model;
+  }
+  for (const char* state : {"optim.state.layers.0.w.exp_avg", "optim.state.layers.0.w.step",
+                            "optim.param_groups.0.lr", "optimizer_states.0.state.3.exp_avg_sq",
+                            "lr_schedulers.0.last_epoch", "optimizer.pt", "scheduler.pt", "rng_state_3.pth",
+                            "extra/rng_states", "w.exp_avg", "w.momentum_buffer"}) {
+    EXPECT_FALSE(ThinKeeps(state, DType::kF32, false, none)) << state;
+  }
+  const std::vector<std::string> patterns = {"model.*", "config.json"};
+  EXPECT_TRUE(ThinKeeps("model.layers/0.w", DType::kF32, false, patterns));  // '*' crosses '.' and '/'
+  EXPECT_TRUE(ThinKeeps("config.json", DType::kU8, true, patterns));
+  EXPECT_FALSE(ThinKeeps("lm_head.weight", DType::kBF16, false, patterns));
+  EXPECT_FALSE(ThinKeeps("configXjson", DType::kU8, true, patterns));
+}
+
+// Thin retention: the checkpoints older than the newest N keep "base" and
+// drop "own"; each stays readable (and the newest N whole), keeps its
+// step and its place in the order, says it was thinned, and the dropped
+// bytes are reclaimed by the same gc. A reader of the whole version keeps
+// reading it, and a second run has nothing left to do.
+TEST_P(GarbageCollection, ThinningKeepsTheModelOfOldCheckpointsAndReclaimsTheRest) {
+  const auto base = RandomBytes(200 << 10, 21);
+  for (int i = 0; i < 4; ++i) Save("s" + std::to_string(i), i, 30 + i, base);
+  auto whole = std::move(repo_->OpenCheckpoint("s0")).value();
+  const auto before = std::move(repo_->ListCheckpoints()).value();
+  GcOptions o;
+  o.retention.thin_older_than = 2;
+  o.retention.thin_keep = {"base"};
+  auto dry = o;
+  dry.dry_run = true;
+  auto estimate = repo_->CollectGarbage(dry);
+  ASSERT_OK(estimate);
+  EXPECT_EQ(estimate->thinned, (std::vector<std::string>{"s0", "s1"}));
+  ASSERT_EQ(estimate->retention.size(), 4u);
+  EXPECT_TRUE(estimate->retention[1].thin);
+  EXPECT_EQ(estimate->retention[1].thin_tensors, 1u);
+  EXPECT_EQ(estimate->retention[1].thin_bytes, 300u << 10);
+  EXPECT_FALSE(estimate->retention[2].thin);
+  EXPECT_NE(estimate->retention[2].thin_why.find("among the newest 2"), std::string::npos);
+  EXPECT_EQ(repo_->OpenCheckpoint("s0").value()->tensors().size(), 2u);  // a dry run changes nothing
+
+  auto r = repo_->CollectGarbage(o);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->thinned, (std::vector<std::string>{"s0", "s1"}));
+  EXPECT_TRUE(r->removed.empty());
+  EXPECT_EQ(r->retired_kept, 1u);  // s0's whole version, which `whole` reads
+  const auto after = std::move(repo_->ListCheckpoints()).value();
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t i = 0; i < after.size(); ++i) {
+    EXPECT_EQ(after[i].name, before[i].name);  // the same order: s3 is still the newest
+    EXPECT_EQ(after[i].step, before[i].step);
+    EXPECT_EQ(after[i].sequence, before[i].sequence);
+    EXPECT_EQ(after[i].tensor_count, i < 2 ? 1u : 2u);
+    const bool marked = std::any_of(after[i].tags.begin(), after[i].tags.end(),
+                                    [](const auto& t) { return t.first == kThinnedTag; });
+    EXPECT_EQ(marked, i < 2) << after[i].name;
+  }
+  for (const char* name : {"s0", "s1"}) {
+    auto thin = std::move(repo_->OpenCheckpoint(name)).value();
+    ASSERT_EQ(thin->tensors().size(), 1u);
+    std::vector<std::byte> got(base.size());
+    ASSERT_OK(thin->ReadBytes(*thin->FindTensor("base"), 0, got));
+    EXPECT_EQ(got, base);
+    EXPECT_EQ(thin->FindTensor("own"), nullptr);
+  }
+  ExpectReadable("s2", base);
+  ExpectReadable("s3", base);
+  // The reader of the whole s0 still reads what it dropped.
+  std::vector<std::byte> got(owns_["s0"].size());
+  ASSERT_OK(whole->ReadBytes(*whole->FindTensor("own"), 0, got));
+  EXPECT_EQ(got, owns_["s0"]);
+  whole.reset();
+  LeasesLetGo();
+  const uint64_t packed = PackBytesOnDisk();
+  GcOptions again = o;
+  again.rewrite_below = 0.99;
+  r = repo_->CollectGarbage(again);
+  ASSERT_OK(r);
+  EXPECT_TRUE(r->thinned.empty());  // nothing left to drop
+  EXPECT_NE(r->retention[0].thin_why.find("thinned before, nothing to drop"), std::string::npos);
+  // s0's and s1's own tensors (300 KiB each, random) are gone from the packs.
+  EXPECT_GE(packed - PackBytesOnDisk() + (estimate->bytes_before - packed), 590u << 10);
+  auto verify = repo_->Verify(std::nullopt);
+  ASSERT_OK(verify);
+  EXPECT_TRUE(verify->ok());
+}
+
+// A thinning renames over the version it read and no other: when the name
+// was saved again (or removed) meanwhile, the thinned replacement is
+// dropped and the name keeps what it holds. Tags under "ckptfs." are the
+// engine's.
+TEST_P(GarbageCollection, AThinningOfAVersionThatChangedMeanwhileLeavesTheNameAsItIs) {
+  const auto base = RandomBytes(100 << 10, 22);
+  Save("x", 1, 40, base);
+  const auto first = std::move(repo_->ListCheckpoints()).value().at(0);
+  Save("y", 2, 41, base);
+  WriterOptions thin{0, 1, 1, {{kThinnedTag, "test"}}};
+  auto refused = repo_->BeginCheckpoint("x", thin);
+  EXPECT_TRUE(refused.status().code() == StatusCode::kInvalidArgument) << refused.status().ToString();
+  thin.engine_tags = true;
+  thin.overwrite = true;
+  thin.thins = first.sequence + 100;  // not the version x holds
+  thin.thins_committed_unix_ms = first.committed_unix_ms;
+  auto w = std::move(repo_->BeginCheckpoint("x", thin)).value();
+  ASSERT_OK(w->PutTensor({"base", DType::kU8, {base.size()}}, base));
+  auto committed = w->Commit().Wait();
+  EXPECT_TRUE(committed.status().code() == StatusCode::kFailedPrecondition) << committed.status().ToString();
+  EXPECT_NE(committed.status().message().find("changed while it was being thinned"), std::string::npos);
+  ExpectReadable("x", base);
+  auto all = std::move(repo_->ListCheckpoints(/*include_pending=*/true)).value();
+  EXPECT_EQ(all.size(), 2u);  // no replacement left behind
+  // The right version is renamed over, keeping its place.
+  thin.thins = first.sequence;
+  w = std::move(repo_->BeginCheckpoint("x", thin)).value();
+  ASSERT_OK(w->PutTensor({"base", DType::kU8, {base.size()}}, base));
+  ASSERT_OK(w->Commit().Wait());
+  auto list = std::move(repo_->ListCheckpoints()).value();
+  ASSERT_EQ(list.size(), 2u);
+  EXPECT_EQ(list[0].name, "x");
+  EXPECT_EQ(list[0].sequence, first.sequence);
+  EXPECT_EQ(list[0].tensor_count, 1u);
+}
+
+// A thinned checkpoint of several ranks keeps its world size and every
+// rank's shards of what it keeps; a policy that removes some and thins
+// others does both in one run; thinning that would keep no tensor leaves
+// a checkpoint whole.
+TEST_P(GarbageCollection, ThinningKeepsTheRanksOfAShardedCheckpointAndLeavesOneWithoutModelWhole) {
+  const auto base = RandomBytes(128 << 10, 23);
+  for (int step = 0; step < 3; ++step) {
+    WriterOptions wo{0, 2, step, {}};
+    wo.attempt = NewSaveAttempt();
+    for (uint32_t rank = 0; rank < 2; ++rank) {
+      wo.rank = rank;
+      auto w = std::move(repo_->BeginCheckpoint("t" + std::to_string(step), wo)).value();
+      const auto half = std::span(base).subspan(rank * (64 << 10), 64 << 10);
+      HostSource model(half);
+      ASSERT_OK(w->PutShard({"model.w", DType::kU8, {base.size()}}, Region::OfFlat(rank * (64 << 10), (rank + 1) * (64 << 10)), model));
+      const auto moment = RandomBytes(64 << 10, 100 + step * 2 + rank);
+      HostSource state(moment);
+      ASSERT_OK(w->PutShard({"optim.state.model.w.exp_avg", DType::kF32, {base.size() / 4}},
+                            Region::OfFlat(rank * (16 << 10), (rank + 1) * (16 << 10)), state));
+      if (rank == 0) ASSERT_OK(w->PutBlob("rng_state.pth", RandomBytes(100, 7)));
+      ASSERT_OK(w->Commit().Wait());
+    }
+  }
+  {
+    auto w = std::move(repo_->BeginCheckpoint("optim-only", {0, 1, 3, {}})).value();
+    ASSERT_OK(w->PutTensor({"optimizer.exp_avg", DType::kF32, {16}}, RandomBytes(64, 8)));
+    ASSERT_OK(w->Commit().Wait());
+  }
+  Save("newest", 4, 42, base);
+  GcOptions o;
+  o.retention.keep_last = 4;  // removes t0
+  o.retention.thin_older_than = 1;
+  auto r = repo_->CollectGarbage(o);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->removed, (std::vector<std::string>{"t0"}));
+  EXPECT_EQ(r->thinned, (std::vector<std::string>{"t1", "t2"}));
+  EXPECT_NE(r->retention[3].thin_why.find("left whole"), std::string::npos) << r->retention[3].thin_why;
+  for (const char* name : {"t1", "t2"}) {
+    auto thin = std::move(repo_->OpenCheckpoint(name)).value();
+    EXPECT_EQ(thin->info().world_size, 2u);
+    ASSERT_EQ(thin->tensors().size(), 1u);
+    EXPECT_TRUE(thin->blobs().empty());
+    EXPECT_EQ(thin->tensors()[0].shards.size(), 2u);
+    std::vector<std::byte> got(base.size());
+    ASSERT_OK(thin->ReadBytes(thin->tensors()[0], 0, got));
+    EXPECT_EQ(got, base);
+  }
+  EXPECT_EQ(repo_->OpenCheckpoint("optim-only").value()->tensors().size(), 1u);
+  ExpectReadable("newest", base);
+  RetentionPolicy zero;
+  zero.thin_older_than = 0;
+  EXPECT_TRUE(repo_->ExplainRetention(zero).status().code() == StatusCode::kInvalidArgument);
+}
+
 TEST_P(GarbageCollection, RetentionByStepAndByCommitOrder) {
   auto base = RandomBytes(1000, 1);
   for (int i = 0; i < 6; ++i) Save("s" + std::to_string(i), i * 100, i + 10, base);

@@ -180,7 +180,11 @@ int CmdShow(const GlobalOptions& global, const Args& args) {
   std::printf("  ranks:     %u\n", info.world_size);
   std::printf("  committed: %s\n", FormatUnixMs(info.committed_unix_ms).c_str());
   for (const auto& [k, v] : info.tags) {
-    std::printf("  tag:       %s=%s\n", EscapeForTerminal(k).c_str(), EscapeForTerminal(v).c_str());
+    if (k == kThinnedTag) {
+      std::printf("  thinned:   %s\n", EscapeForTerminal(v).c_str());
+    } else {
+      std::printf("  tag:       %s=%s\n", EscapeForTerminal(k).c_str(), EscapeForTerminal(v).c_str());
+    }
   }
   std::printf("  size:      %s logical, %s stored\n", HumanBytes(info.logical_bytes).c_str(), HumanBytes(stored->total).c_str());
   std::vector<std::string> names;

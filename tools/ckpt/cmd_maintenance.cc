@@ -190,13 +190,27 @@ const CommandSpec kGc{
     "has open (through a mount, on any host, or in a process) keeps its data until\n"
     "the first gc after it is closed. With --group, the policy applies to the\n"
     "checkpoints of that group only (a run: run1/step-100, run1/eval/step-3), and\n"
-    "\"newest\" means the group's newest; the other checkpoints stay.",
+    "\"newest\" means the group's newest; the other checkpoints stay.\n"
+    "\n"
+    "--thin-older-than N thins the checkpoints kept, but the newest N (in\n"
+    "--keep-last's order): each keeps its model and drops its optimizer, scheduler\n"
+    "and RNG state (a name with a part optim, optimizer, optimizer_states,\n"
+    "lr_scheduler, scheduler, rng, rng_state*, ..., or an Adam moment exp_avg,\n"
+    "exp_avg_sq), or, with --thin-keep, every tensor and blob whose name matches\n"
+    "none of the patterns. The thinned checkpoint replaces the whole one atomically\n"
+    "(readers of the whole one keep it until they close it), stays loadable and\n"
+    "mountable, keeps its step and place in the order, and says it was thinned\n"
+    "(ckpt show). One whose thinning would keep no tensor stays whole.",
     {{"keep-last", 0, true, false, "N", "keep the newest N checkpoints"},
      {"keep-every", 0, true, false, "K", "keep checkpoints whose step is a multiple of K"},
      {"keep-within", 0, true, false, "DURATION",
       "keep checkpoints committed within DURATION of the newest (s, m, h, d, w: 36h, 1w2d)"},
      {"keep", 0, true, true, "NAME", "keep this checkpoint (repeatable)"},
      {"group", 0, true, false, "GROUP", "apply the policy to the checkpoints of GROUP only"},
+     {"thin-older-than", 0, true, false, "N",
+      "keep only the model of checkpoints older than the newest N (drop optimizer and RNG state)"},
+     {"thin-keep", 0, true, true, "PATTERN",
+      "with --thin-older-than: keep the tensors and blobs matching PATTERN (shell pattern; repeatable)"},
      {"allow-removing-newest", 0, false, false, "",
       "let the policy remove the newest committed checkpoint (or every checkpoint)"},
      {"dry-run", 'n', false, false, "", "show what would be removed and reclaimed; change nothing"},
@@ -219,6 +233,13 @@ int CmdGc(const GlobalOptions& global, const Args& args) {
   o.retention.keep = args.All("keep");
   if (auto group = args.Get("group")) o.retention.group = *group;
   o.retention.allow_removing_newest = args.Has("allow-removing-newest");
+  auto thin = args.Int("thin-older-than", 1);
+  if (!thin.ok()) return UsageError(thin.status());
+  if (*thin) o.retention.thin_older_than = static_cast<uint64_t>(**thin);
+  o.retention.thin_keep = args.All("thin-keep");
+  if (!o.retention.thin_keep.empty() && !o.retention.thin_older_than) {
+    return UsageError(Status::InvalidArgument("--thin-keep says what thinning keeps: give --thin-older-than N too"));
+  }
   o.dry_run = args.Has("dry-run");
   int rc = kExitOk;
   auto repo = OpenRepoOr(global, &rc);
@@ -228,9 +249,15 @@ int CmdGc(const GlobalOptions& global, const Args& args) {
   if (!args.Has("json")) {
     // A dry run shows every checkpoint's fate; a run, what it removes.
     for (const auto& d : *plan) {
+      if (d.thin) {
+        std::printf("%s %s (%s; %s)\n", o.dry_run ? "would thin" : "thinning", d.name.c_str(), d.why.c_str(),
+                    (d.thin_why + ", " + HumanBytes(d.thin_bytes)).c_str());
+        continue;
+      }
       if (d.keep && !o.dry_run) continue;
       const char* verb = d.keep ? "would keep" : o.dry_run ? "would remove" : "removing";
-      std::printf("%s %s (%s)\n", verb, d.name.c_str(), d.why.c_str());
+      std::printf("%s %s (%s%s)\n", verb, d.name.c_str(), d.why.c_str(),
+                  d.keep && !d.thin_why.empty() ? ("; " + d.thin_why).c_str() : "");
     }
   }
   Progress progress("rewriting packs");

@@ -900,8 +900,12 @@ class PyRepository {
   py::object gc(std::optional<uint64_t> keep_last, std::optional<uint64_t> keep_every,
                 std::optional<std::string> keep_within, const std::vector<std::string>& keep,
                 bool allow_removing_newest, bool dry_run, double rewrite_below, py::object on_phase,
-                py::object progress, const std::string& group) {
+                py::object progress, const std::string& group, std::optional<uint64_t> thin_older_than,
+                const std::vector<std::string>& thin_keep) {
     if (keep_every && *keep_every == 0) throw StatusError{Status::InvalidArgument("keep_every must be at least 1")};
+    if (!thin_keep.empty() && !thin_older_than) {
+      throw StatusError{Status::InvalidArgument("thin_keep says what thinning keeps: give thin_older_than too")};
+    }
     GcOptions o;
     o.retention.keep_last = keep_last;
     o.retention.keep_every = keep_every;
@@ -909,6 +913,8 @@ class PyRepository {
     o.retention.keep = keep;
     o.retention.allow_removing_newest = allow_removing_newest;
     o.retention.group = group;
+    o.retention.thin_older_than = thin_older_than;
+    o.retention.thin_keep = thin_keep;
     o.dry_run = dry_run;
     o.rewrite_below = rewrite_below;
     // The callbacks run on this thread, between gc's steps: the GIL is taken
@@ -1256,7 +1262,8 @@ PYBIND11_MODULE(_core, m) {
       .def("stats", &PyRepository::stats, py::arg("name"), py::arg("tensors"))
       .def("gc", &PyRepository::gc, py::arg("keep_last"), py::arg("keep_every"), py::arg("keep_within"),
            py::arg("keep"), py::arg("allow_removing_newest"), py::arg("dry_run"),
-           py::arg("rewrite_below"), py::arg("on_phase"), py::arg("progress"), py::arg("group") = "")
+           py::arg("rewrite_below"), py::arg("on_phase"), py::arg("progress"), py::arg("group") = "",
+           py::arg("thin_older_than") = std::nullopt, py::arg("thin_keep") = std::vector<std::string>{})
       .def("verify", &PyRepository::verify, py::arg("name"))
       .def("diff", &PyRepository::diff, py::arg("a"), py::arg("b"))
       .def("du", &PyRepository::du, py::arg("names"), py::arg("by_kind") = false)

@@ -433,7 +433,8 @@ class Repository:
            keep_within: Union[str, int, float, None] = None, keep: Sequence[str] = (),
            allow_removing_newest: bool = False, dry_run: bool = False,
            rewrite_below: float = 0.5, on_phase: Optional[Callable[[str], None]] = None,
-           progress: Optional[Callable[[int, int], None]] = None, group: Optional[str] = None) -> Dict[str, Any]:
+           progress: Optional[Callable[[int, int], None]] = None, group: Optional[str] = None,
+           thin_older_than: Optional[int] = None, thin_keep: Sequence[str] = ()) -> Dict[str, Any]:
         """Applies a retention policy (keep the newest `keep_last`, steps that
         are multiples of `keep_every`, those committed within `keep_within`
         of the newest — a duration such as "36h" or "1w2d", or seconds — and
@@ -446,15 +447,29 @@ class Repository:
         total_bytes)` while packs are rewritten; both run between gc's steps
         and must not use the repository. With `group` ("run1"), the policy
         applies to the checkpoints of that group only (run1/step-100, ...),
-        and the newest is the group's. Returns the fields of `ckpt gc --json`."""
+        and the newest is the group's.
+
+        With `thin_older_than` N, every checkpoint kept but the newest N
+        keeps only its model: its optimizer, scheduler and RNG state are
+        dropped (or, with `thin_keep`, every tensor and blob whose name
+        matches none of those shell patterns), and their space reclaimed.
+        A thinned checkpoint replaces the whole one atomically, stays
+        loadable, and carries the tag "ckptfs.thinned" (`show(name)["thinned"]`, `checkpoints()`).
+        Returns the fields of `ckpt gc --json` ("thinned" lists the
+        checkpoints thinned)."""
         if isinstance(keep, str):
             keep = [keep]
+        if isinstance(thin_keep, str):
+            thin_keep = [thin_keep]
+        if thin_older_than is not None and (isinstance(thin_older_than, bool) or thin_older_than < 1):
+            raise InvalidArgumentError(f"thin_older_than: {thin_older_than!r} is not at least 1")
         if keep_within is not None and not isinstance(keep_within, str):
             if isinstance(keep_within, bool) or keep_within < 0:
                 raise InvalidArgumentError(f"keep_within: {keep_within!r} is not a duration")
             keep_within = f"{int(keep_within)}s"
         return self._repo.gc(keep_last, keep_every, keep_within, list(keep), bool(allow_removing_newest),
-                             bool(dry_run), float(rewrite_below), on_phase, progress, _group(group))
+                             bool(dry_run), float(rewrite_below), on_phase, progress, _group(group),
+                             thin_older_than, list(thin_keep))
 
     def stats(self, name: str, tensors: Sequence[str] = ()) -> List[Dict[str, Any]]:
         """Statistics of the tensors `tensors` of checkpoint `name` (every
