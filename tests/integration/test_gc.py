@@ -117,6 +117,37 @@ class DedupAndReports(CkptTestCase):
         self.assertIn("nothing was removed", self.error_of("rm", "step-0", "nope"))
         self.assertEqual(len(json.loads(self.run_ckpt("ls", "--json").stdout)), 4)
 
+    def test_thin_retention_from_the_cli_says_what_it_drops_and_show_and_copy_keep_the_mark(self):
+        for step in range(3):
+            st.write(self.path("s.safetensors"), [
+                ("model.w", "BF16", st.random_array(self.rng, "BF16", (256, 64))),
+                ("optimizer_states.0.state.0.exp_avg", "F32", self.rng.standard_normal((256, 64)).astype(np.float32))])
+            self.run_ckpt("import", f"step-{step}", self.path("s.safetensors"), "--step", str(step))
+        p = self.run_ckpt("gc", "--thin-keep", "model.*", ok=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("--thin-older-than", p.stderr.decode())
+        self.assertIn("--thin-older-than N", self.run_ckpt("gc", "--help").stdout.decode())
+        text = self.run_ckpt("gc", "--thin-older-than", "2", "--dry-run").stdout.decode()
+        self.assertIn("would thin step-0 (no --keep-* rule: nothing is removed; thin-older-than 2: the 3rd newest "
+                      "by step, drops 1 tensor of optimizer, scheduler and RNG state, 64.0 KiB)", text)
+        self.assertIn("would keep step-1 (no --keep-* rule: nothing is removed; thin-older-than 2: among the newest 2 "
+                      "by step, whole)", text)
+        out = self.run_ckpt("gc", "--thin-older-than", "2").stdout.decode()
+        self.assertIn("thinning step-0 (", out)
+        shown = self.run_ckpt("show", "step-0").stdout.decode()
+        self.assertRegex(shown, r"thinned: +\d{4}-\d\d-\d\dT[0-9:]+Z: dropped 1 tensor \(65536 bytes\) of "
+                                r"optimizer, scheduler and RNG state")
+        self.assertNotIn("exp_avg", shown)
+        p = self.run_ckpt("import", "forged", self.path("s.safetensors"), "--tag", "ckptfs.thinned=no", ok=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("ckptfs's own", p.stderr.decode())
+        other = self.path("copy")
+        self.run_ckpt("-r", other, "init")
+        self.run_ckpt("copy", self.repo, other, "step-0")
+        copied = json.loads(self.run_ckpt("-r", other, "show", "step-0", "--json").stdout)
+        self.assertIsNotNone(copied["thinned"])
+        self.assertEqual([t["name"] for t in copied["tensors"]], ["model.w"])
+
     def test_an_import_without_a_step_keeps_keep_every_on_steps_and_the_dry_run_says_why(self):
         st.write(self.path("s.safetensors"), [("x", "F32", self.rng.standard_normal(1000).astype(np.float32))])
         self.run_ckpt("import", "imported", self.path("s.safetensors"))  # no step
@@ -128,7 +159,8 @@ class DedupAndReports(CkptTestCase):
         self.assertEqual(dry["removed"], ["step-000005", "step-000015"])
         why = {d["name"]: d for d in dry["retention"]}
         self.assertEqual(why["step-000010"], {"name": "step-000010", "step": 10, "keep": True,
-                                              "why": "keep-every 10: step 10"})
+                                              "why": "keep-every 10: step 10", "thin": False, "thin_why": "",
+                                              "thin_tensors": 0, "thin_blobs": 0, "thin_bytes": 0})
         self.assertIsNone(why["imported"]["step"])
         text = self.run_ckpt(*args).stdout.decode().splitlines()
         self.assertIn("would keep step-000020 (keep-last 2: the 2nd newest by commit order; keep-every 10: step 20)",
@@ -280,6 +312,33 @@ class CrashSafety(unittest.TestCase):
             survivors = [n for n in self.NAMES if n in names]
             self.check_survivors(repo, survivors)
             self.collect_and_check(repo, survivors)
+
+    def test_killed_thin(self):
+        # thins 14 checkpoints (each a replacing save and a rename), then
+        # collects their dropped tensors; every checkpoint is at each point
+        # whole or thinned, never a mix, and the next run finishes the job
+        args = ["gc", "--thin-older-than", "2", "--thin-keep", "shared"]
+        for i, pt in enumerate(self.points(args)):
+            repo = self.fresh(i)
+            self.kill_at(repo, args, pt)
+            run(repo, "verify")
+            listed = {c["name"]: c for c in json.loads(run(repo, "ls", "--json").stdout)}
+            self.assertEqual(sorted(listed), self.NAMES)
+            for n, c in listed.items():
+                thinned = c["thinned"] is not None
+                self.assertEqual(c["tensors"], 1 if thinned else 2, n)
+                self.assertFalse(thinned and n in self.NAMES[-2:], n)
+            for n in self.NAMES[::5]:
+                self.assertEqual(digest(repo, n, "shared"), self.digests[n]["shared"], n)
+                if listed[n]["thinned"] is None:
+                    self.assertEqual(digest(repo, n, "own"), self.digests[n]["own"], n)
+            run(repo, *args)
+            listed = {c["name"]: c for c in json.loads(run(repo, "ls", "--json").stdout)}
+            self.assertEqual([n for n in self.NAMES if listed[n]["thinned"]], self.NAMES[:-2])
+            self.assertEqual(self.names(repo, pending=True), self.NAMES)  # no replacement left pending
+            self.collect_and_check(repo, self.NAMES[-2:])
+            for n in self.NAMES[:-2:4]:
+                self.assertEqual(digest(repo, n, "shared"), self.digests[n]["shared"], n)
 
     def test_killed_sweep_after_a_killed_save(self):
         # a save killed half-way leaves orphans; a gc sweeping them is killed too

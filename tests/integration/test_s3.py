@@ -580,6 +580,66 @@ class GcRacingSaves(S3Case):
             self.assertEqual(fresh.digest(self.repo, n, "frozen"), sha(frozen), n)
 
 
+class ThinRacingSaves(S3Case):
+    @unittest.skipUnless(HAVE_FUSE, "no /dev/fuse or fusermount3: FUSE tests need them")
+    def test_thinning_on_one_host_while_two_others_save_and_a_fourth_reads_loses_nothing(self):
+        a, b, c = (self.host(n) for n in "abc")
+        d = Host(self.tmp, "mounting", namespace=False)  # its mount must be visible here
+        self.hosts.append(d)
+        a.run("-r", self.repo, "init", "--chunk-size", "64K", "--pack-size", "256K")
+        frozen = self.rng.standard_normal((256, 256)).astype(np.float32)
+        digests, files = {}, {}
+        for h in (b, c):
+            for i in range(5):
+                moment = self.rng.standard_normal((128, 256)).astype(np.float32)
+                name = f"{h.name}{i}"
+                files[name] = self.path(name + ".safetensors")
+                st.write(files[name], [("model.w", "F32", frozen), ("optim.state.model.w.exp_avg", "F32", moment)])
+                digests[name] = sha(moment)
+        b.run("-r", self.repo, "import", "b0", files["b0"], "--step", "0")
+        # a reader on host d holds b0 whole (a mount) through its thinning
+        mnt = self.path("mnt")
+        os.makedirs(mnt)
+        d.run("-r", self.repo, "mount", "--poll", "1", mnt)
+        held = np.load(os.path.join(mnt, "b0", "optim.state.model.w.exp_avg.npy"), mmap_mode="r")
+        def saves(h):
+            first = 1 if h.name == "b" else 0
+            return " && ".join(" ".join(h.command("-r", self.repo, "import", f"{h.name}{i}", files[f"{h.name}{i}"],
+                                                  "--step", str(10 * i + (h.name == "c"))))
+                               for i in range(first, 5))
+        savers = [subprocess.Popen(["sh", "-c", saves(h)], env=h.env(), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE) for h in (b, c)]
+        runs = 0
+        while any(p.poll() is None for p in savers):
+            a.run("-r", self.repo, "gc", "--thin-older-than", "2")
+            runs += 1
+        for p in savers:
+            self.assertEqual(p.wait(), 0, p.stderr.read().decode())
+            p.stderr.close()
+        self.assertGreaterEqual(runs, 1)
+        out = json.loads(a.run("-r", self.repo, "gc", "--thin-older-than", "2", "--json").stdout)
+        self.assertEqual(out["thin_skipped"], [])
+        self.assertEqual(sha(held), digests["b0"])  # every page, after b0 was thinned
+        del held
+        fresh = self.host("e")
+        fresh.run("-r", self.repo, "verify")
+        listed = json.loads(fresh.run("-r", self.repo, "ls", "--json").stdout)
+        self.assertEqual(sorted(c["name"] for c in listed), sorted(digests))
+        by_step = sorted(listed, key=lambda c: c["step"])
+        for c in by_step[:-2]:
+            self.assertIsNotNone(c["thinned"], c["name"])
+            self.assertEqual(c["tensors"], 1, c["name"])
+        for c in by_step[-2:]:
+            self.assertIsNone(c["thinned"], c["name"])
+            self.assertEqual(fresh.digest(self.repo, c["name"], "optim.state.model.w.exp_avg"), digests[c["name"]])
+        for c in listed:
+            self.assertEqual(fresh.digest(self.repo, c["name"], "model.w"), sha(frozen), c["name"])
+        # the dropped moments are reclaimed: what stays is the frozen weights
+        # and the newest two checkpoints' moments
+        du = json.loads(fresh.run("-r", self.repo, "du", "--json").stdout)["total"]
+        self.assertLess(du["referenced_bytes"], frozen.nbytes + 3 * 128 * 256 * 4)
+
+
 class Copy(S3Case):
     """ckpt copy between a local repository and S3, and back."""
 

@@ -671,7 +671,8 @@ class Maintenance(PythonTestCase):
         self.assertEqual(phases, ["finding live chunks"])
         self.assertEqual(dry["removed"], ["step-0", "step-1"])
         self.assertEqual(dry["retention"][3], {"name": "step-3", "step": 3, "keep": True,
-                                               "why": "keep-last 2: the newest by step"})
+                                               "why": "keep-last 2: the newest by step", "thin": False,
+                                               "thin_why": "", "thin_tensors": 0, "thin_blobs": 0, "thin_bytes": 0})
         self.assertEqual(dry["retention"][0]["why"], "keep-last 2: the 4th newest by step")
         self.assertEqual(len(self.r.checkpoints()), 4)
         report = self.r.gc(keep_last=2, on_phase=phases.append, progress=lambda d, t: done.append((d, t)),
@@ -697,6 +698,49 @@ class Maintenance(PythonTestCase):
             self.r.gc(keep_within="soon")
         self.assertEqual(self.r.gc(keep_last=0, allow_removing_newest=True)["removed"], ["step-3"])
         self.assertEqual(self.r.checkpoints(), [])
+
+    def test_gc_thins_old_checkpoints_of_a_trained_model_to_weights_that_load(self):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        weights = []
+        for step in range(4):
+            opt.zero_grad()
+            model(torch.randn(16, 64)).square().mean().backward()
+            opt.step()
+            state = {f"model.{k}": v for k, v in model.state_dict().items()}
+            for param, moments in opt.state_dict()["state"].items():
+                state.update({f"optim.state.{param}.{k}": v for k, v in moments.items()})
+            state["optim.param_groups"] = json.dumps(opt.state_dict()["param_groups"]).encode()
+            state["rng"] = torch.get_rng_state()
+            self.r.save(f"step-{step}", state, step=step)
+            weights.append({k: v.clone() for k, v in model.state_dict().items()})
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            self.r.gc(thin_older_than=0)
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            self.r.gc(thin_keep="model.*")
+        before = self.r.du()["total"]["referenced_bytes"]
+        report = self.r.gc(thin_older_than=1)
+        self.assertEqual(report["thinned"], ["step-0", "step-1", "step-2"])
+        self.assertTrue(all(d["thin_tensors"] > 0 for d in report["retention"][:3]))
+        self.assertLess(self.r.du()["total"]["referenced_bytes"], before * 0.6)
+        listed = self.r.checkpoints()
+        self.assertEqual([c["name"] for c in listed], [f"step-{i}" for i in range(4)])
+        self.assertIsNone(listed[-1]["thinned"])
+        for step in range(3):
+            shown = self.r.show(f"step-{step}")
+            self.assertRegex(shown["thinned"], r"dropped \d+ tensors .* of optimizer, scheduler and RNG state")
+            names = [t["name"] for t in shown["tensors"]]
+            self.assertTrue(names and all(n.startswith("model.") for n in names), names)
+            fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+            target = fresh.state_dict()
+            self.r.load(f"step-{step}", {f"model.{k}": v for k, v in target.items()})
+            for k, v in weights[step].items():
+                self.assertTrue(torch.equal(target[k], v), k)
+        # the newest keeps everything; a second run has nothing to do
+        self.assertIn("rng", {t["name"] for t in self.r.show("step-3")["tensors"]})
+        self.assertEqual(self.r.gc(thin_older_than=1)["thinned"], [])
+        self.assertTrue(self.r.verify()["ok"])
 
     def test_checkpoints_and_show_have_the_fields_of_the_clis_json(self):
         import json

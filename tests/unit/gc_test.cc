@@ -283,6 +283,17 @@ TEST_P(GarbageCollection, ThinningKeepsTheRanksOfAShardedCheckpointAndLeavesOneW
     ASSERT_OK(w->Commit().Wait());
   }
   Save("newest", 4, 42, base);
+  {
+    // A thinning of t1 killed after its first rank's commit left a pending
+    // replacement: the next thinning's newer attempt abandons it.
+    WriterOptions killed{0, 2, 1, {}};
+    killed.overwrite = true;
+    killed.attempt = NewSaveAttempt();
+    auto w = std::move(repo_->BeginCheckpoint("t1", killed)).value();
+    ASSERT_OK(w->PutBlob("rng_state.pth", RandomBytes(10, 9)));
+    ASSERT_OK(w->Commit().Wait());
+    if (where_.kind() == RepoKind::kLocal) EXPECT_EQ(repo_->ListCheckpoints(/*include_pending=*/true).value().size(), 6u);
+  }
   GcOptions o;
   o.retention.keep_last = 4;  // removes t0
   o.retention.thin_older_than = 1;
@@ -303,6 +314,7 @@ TEST_P(GarbageCollection, ThinningKeepsTheRanksOfAShardedCheckpointAndLeavesOneW
   }
   EXPECT_EQ(repo_->OpenCheckpoint("optim-only").value()->tensors().size(), 1u);
   ExpectReadable("newest", base);
+  EXPECT_EQ(repo_->ListCheckpoints(/*include_pending=*/true).value().size(), 4u);  // nothing pending
   RetentionPolicy zero;
   zero.thin_older_than = 0;
   EXPECT_TRUE(repo_->ExplainRetention(zero).status().code() == StatusCode::kInvalidArgument);
