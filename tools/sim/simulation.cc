@@ -484,14 +484,19 @@ class Simulation {
     }
     const TensorRecord* w = reader.FindTensor("w");
     const TensorRecord* base = reader.FindTensor("base");
-    if (!w || !base) {
-      Anomaly(what + ": version " + std::to_string(*v) + " lacks a tensor");
+    // A thinned version (gc's thin retention keeps "w") has "w" alone.
+    const auto& tags = reader.info().tags;
+    const bool thinned =
+        std::any_of(tags.begin(), tags.end(), [](const auto& t) { return t.first == kThinnedTag; });
+    if (!w || (!base && !thinned) || (base && thinned)) {
+      Anomaly(what + ": version " + std::to_string(*v) + (thinned ? " (thinned)" : "") +
+              (w && !base ? " lacks a tensor" : " has the wrong tensors"));
       return false;
     }
     std::vector<std::byte> got(kRows * kCols * 4);
     Status st = reader.ReadBytes(*w, 0, got);
-    std::vector<std::byte> got_base(kBaseBytes);
-    if (st.ok()) st = reader.ReadBytes(*base, 0, got_base);
+    std::vector<std::byte> got_base(thinned ? 0 : kBaseBytes);
+    if (st.ok() && base) st = reader.ReadBytes(*base, 0, got_base);
     if (!st.ok()) {
       if (hosts_[h].store && hosts_[h].store->dead()) return false;
       if (must_read) Anomaly(what + " cannot read: " + st.ToString());
@@ -501,7 +506,7 @@ class Simulation {
     }
     ++result_.reads_checked;
     if (racy_.count(*v)) return true;  // any mix of old and new values; read, so every chunk verified
-    if (got != WeightsOf(*v) || got_base != BaseOf(*v)) {
+    if (got != WeightsOf(*v) || (!thinned && got_base != BaseOf(*v))) {
       Anomaly(what + ": bytes other than version " + std::to_string(*v) + "'s");
       return false;
     }
@@ -674,6 +679,10 @@ class Simulation {
     gc_host.store->set_armed(armed_);
     GcOptions gc;
     gc.retention.keep_last = 3 + choose_.Below(4);
+    if (choose_.Chance(0.5)) {  // thinning the older ones while the save runs
+      gc.retention.thin_older_than = 1 + choose_.Below(2);
+      gc.retention.thin_keep = {"w"};
+    }
     const uint64_t v = ++next_version_;
     Result<GcReport> collected = Status::Internal("not run");
     std::thread gc_thread([&] { collected = gc_host.repo->CollectGarbage(gc); });
@@ -941,6 +950,10 @@ class Simulation {
       gc.retention.keep_last = 3 + choose_.Below(4);
       gc.retention.allow_removing_newest = false;
     }
+    if (choose_.Chance(0.3)) {  // thin retention: the older ones keep "w"
+      gc.retention.thin_older_than = 1 + choose_.Below(3);
+      gc.retention.thin_keep = {"w"};
+    }
     auto r = hosts_[h].repo->CollectGarbage(gc);
     if (!r.ok()) {
       if (gc.retention.keep_last) {
@@ -953,8 +966,11 @@ class Simulation {
       Removed(name);
       removed += " " + name;
     }
-    return "gc: removed" + (removed.empty() ? std::string(" nothing") : removed) + ", " +
-           std::to_string(r->packs_deleted) + " packs deleted";
+    std::string thinned;
+    for (const auto& name : r->thinned) thinned += " " + name;
+    return "gc: removed" + (removed.empty() ? std::string(" nothing") : removed) +
+           (thinned.empty() ? std::string() : ", thinned" + thinned) + ", " + std::to_string(r->packs_deleted) +
+           " packs deleted";
   }
 
   // Opens a name and checks what it got against the model; NotFound is an

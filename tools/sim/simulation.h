@@ -8,7 +8,8 @@
 // ranks on different hosts whose begins, puts and commits interleave with
 // other hosts' operations (some ranks never commit: a crashed rank), rm, a
 // name saved again after rm or replaced by an overwriting save, gc with
-// retention, readers opened and held
+// retention and thin retention (older versions keep their "w" alone),
+// readers opened and held
 // across gc and read later, saves whose source another thread rewrites
 // meanwhile, mount-style reads (an open without a lease,
 // then a lease per file), copies into a second repository, collective
@@ -29,7 +30,8 @@
 //   - a reader gets bytes other than those of the version it opened (each
 //     version's bytes are a function of its id, which it carries as a
 //     tag), or a version the model says is not current (removed, or never
-//     fully committed);
+//     fully committed); a thinned version has "w" alone, a whole one both
+//     tensors;
 //   - a listed checkpoint is a version some rank of which never committed;
 //   - a reader held across gc cannot read its checkpoint (with faults
 //     paused);
