@@ -35,3 +35,21 @@ def disk_bytes(path):
     except OSError:
         pass
     return None
+
+
+def markov_batches(torch, vocab, seq, seed=1):
+    """A function n -> (inputs, targets): n sequences of `seq` tokens of a
+    fixed random Markov chain over `vocab` tokens, with 4 likely successors
+    per token (learnable, unlike random tokens). The same seed gives the
+    same chain and the same batches."""
+    gen = torch.Generator().manual_seed(seed)
+    succ = torch.randint(0, vocab, (vocab, 4), generator=gen)
+
+    def batch(n):
+        x = torch.empty(n, seq + 1, dtype=torch.long)
+        x[:, 0] = torch.randint(0, vocab, (n,), generator=gen)
+        for t in range(seq):
+            x[:, t + 1] = succ[x[:, t], torch.randint(0, 4, (n,), generator=gen)]
+        return x[:, :-1], x[:, 1:]
+
+    return batch

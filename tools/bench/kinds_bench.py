@@ -39,22 +39,15 @@ import sys
 import tempfile
 import time
 
+from bench_util import markov_batches
+
 VOCAB, WIDTH, LAYERS, SEQ = 512, 256, 4, 64
 
 
 def train(steps, torch):
     """The state dict of a mixed-precision job after `steps` AdamW steps."""
     torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1)
-    # A Markov chain with a few likely successors per token: learnable.
-    succ = torch.randint(0, VOCAB, (VOCAB, 4), generator=gen)
-
-    def batch(n):
-        x = torch.empty(n, SEQ + 1, dtype=torch.long)
-        x[:, 0] = torch.randint(0, VOCAB, (n,), generator=gen)
-        for t in range(SEQ):
-            x[:, t + 1] = succ[x[:, t], torch.randint(0, 4, (n,), generator=gen)]
-        return x[:, :-1], x[:, 1:]
+    batch = markov_batches(torch, VOCAB, SEQ)
 
     layer = torch.nn.TransformerEncoderLayer(WIDTH, 4, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=True)
     body = torch.nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
