@@ -352,7 +352,7 @@ Result<SyncReport> StoreSync::Sync(SyncScope scope, StoreListing* capture, const
     fresh_packs = std::move(from_sharer);
   } else {
     indexes = FetchAll<SealedPack>(repo_, fresh_packs.size(),
-                                   [&](size_t i) { return ReadPackIndex(backend, fresh_packs[i]); });
+                                   [&](size_t i) { return ReadPackIndex(backend, fresh_packs[i], repo_.config.chunk_size); });
     objects_read += fresh_packs.size();
   }
 
@@ -673,7 +673,9 @@ Status StoreSync::IndexPacks(std::vector<SealedPack>* captured) {
     // catalog still lacks.
     const std::vector<std::string> todo = unindexed_packs_;
     auto indexes = FetchAll<SealedPack>(repo_, todo.size(),
-                                        [&](size_t i) { return ReadPackIndex(repo_.backend.get(), todo[i]); });
+                                        [&](size_t i) {
+                                          return ReadPackIndex(repo_.backend.get(), todo[i], repo_.config.chunk_size);
+                                        });
     std::vector<std::string> failed;
     std::string first_failure;
     CKPT_RETURN_IF_ERROR(repo_.catalog->Update([&](WriteTxn& txn) -> Status {

@@ -1,5 +1,6 @@
 #include "store/pack.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/buffer_pool.h"
@@ -113,9 +114,10 @@ Result<std::vector<SealedPack>> PackWriter::Finish() {
 }
 
 namespace {
-// Bytes read from a pack's end to find its index: the footer and an index
-// of up to about 1,600 chunks.
+// Bytes read from a pack's end to find its index: at most the footer and
+// an index of about 1,600 chunks, at least 4 KiB (about 100).
 constexpr uint64_t kPackTailProbe = 64 << 10;
+constexpr uint64_t kPackTailProbeMin = 4 << 10;
 }  // namespace
 
 Status CheckIndexEntry(const PackIndexEntry& e, uint8_t codec, uint64_t data_end, uint64_t i) {
@@ -135,7 +137,7 @@ Status CheckIndexEntry(const PackIndexEntry& e, uint8_t codec, uint64_t data_end
   return Status::OK();
 }
 
-Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id) {
+Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id, uint64_t chunk_size) {
   const std::string key = PackKey(pack_id);
   auto corrupt = [&](const std::string& what) {
     return Status::Corruption("pack " + pack_id + ": " + what);
@@ -150,7 +152,13 @@ Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id) {
   if (version != kPackVersion) return corrupt("unknown pack version " + std::to_string(version));
   // The footer and, for all but huge packs, the whole index in one read of
   // the pack's tail: on an object store each read is a request.
-  std::string tail(std::min<uint64_t>(size - kPackHeaderSize, kPackTailProbe), '\0');
+  uint64_t probe = kPackTailProbe;
+  if (chunk_size > 0) {
+    const uint64_t full_chunks = size / chunk_size + 1;
+    probe = std::clamp<uint64_t>(2 * full_chunks * kPackIndexEntrySize + kPackFooterSize, kPackTailProbeMin,
+                                 kPackTailProbe);
+  }
+  std::string tail(std::min<uint64_t>(size - kPackHeaderSize, probe), '\0');
   const uint64_t tail_start = size - tail.size();
   CKPT_RETURN_IF_ERROR(
       backend->ReadRange(key, tail_start, std::as_writable_bytes(std::span(tail.data(), tail.size()))));

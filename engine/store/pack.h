@@ -91,8 +91,13 @@ class PackWriter {
   Status error_;  // sticky: after a failed append nothing more is written
 };
 
-// Reads and checks a pack's index (footer, magic, checksum, bounds).
-Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id);
+// Reads and checks a pack's index (footer, magic, checksum, bounds). The
+// footer and index are read from the pack's tail in one request when they
+// fit in the tail read: with `chunk_size` (the repository's; 0: unknown),
+// a tail sized for twice the chunks a pack of full chunks holds (at least
+// 4 KiB, at most 64 KiB), so that a restore's download stays near the
+// bytes it needs; a pack of many smaller chunks takes a second read.
+Result<SealedPack> ReadPackIndex(Backend* backend, const std::string& pack_id, uint64_t chunk_size = 0);
 // Checks one index entry of a pack whose data area ends at `data_end` (where
 // its index begins): a known codec, stored bytes inside the data area, a raw
 // length in (0, kMaxChunkSize], stored and raw lengths equal for a raw

@@ -1,9 +1,11 @@
 // A TCP proxy in front of a real server that breaks some connections the
-// way networks and overloaded servers do: a 503 answer, a reset before any
-// answer, an answer cut off midway, or silence. Used to test the S3
-// backend's retries against a real S3 server. One request per connection
+// way networks and overloaded servers do: a 503 SlowDown or 429 answer, a
+// reset before any answer, an answer cut off midway, or silence. Used to
+// test the S3 backend's retries against a real S3 server, and, with a
+// RateLimit in its plan, to throttle like a store's request-rate limit
+// (tools/bench/restart_storm_bench.cc). One request per connection
 // (clients set ObjectStoreOptions::reuse_connections = false), so the fault plan
-// chooses per request.
+// chooses per request. Counts the bytes each way.
 #pragma once
 
 #include <arpa/inet.h>
@@ -16,6 +18,8 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <algorithm>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -25,7 +29,7 @@ namespace ckptfs::testing {
 
 class FaultProxy {
  public:
-  enum class Fault { kNone, kServiceUnavailable, kResetBeforeAnswer, kCutAnswer, kSilence };
+  enum class Fault { kNone, kServiceUnavailable, kTooManyRequests, kResetBeforeAnswer, kCutAnswer, kSilence };
 
   // Forwards 127.0.0.1:port() to 127.0.0.1:upstream_port; plan(n) decides
   // the fate of the n-th connection (from 0).
@@ -38,7 +42,7 @@ class FaultProxy {
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     a.sin_port = 0;
     ::bind(listener_, reinterpret_cast<sockaddr*>(&a), sizeof a);
-    ::listen(listener_, 64);
+    ::listen(listener_, 1024);
     socklen_t len = sizeof a;
     ::getsockname(listener_, reinterpret_cast<sockaddr*>(&a), &len);
     port_ = ntohs(a.sin_port);
@@ -49,11 +53,15 @@ class FaultProxy {
     accept_thread_.join();
     ::close(listener_);
     std::lock_guard lock(mu_);
-    for (auto& t : workers_) t.join();
+    for (auto& w : workers_) w.thread.join();
   }
   int port() const { return port_; }
   int faults() const { return faults_; }
   int connections() const { return connections_; }
+  // Bytes the server answered (what clients downloaded, at the wire:
+  // headers included) and bytes clients sent.
+  uint64_t bytes_down() const { return bytes_down_; }
+  uint64_t bytes_up() const { return bytes_up_; }
 
  private:
   void AcceptLoop() {
@@ -65,7 +73,18 @@ class FaultProxy {
       const Fault f = plan_(connections_++);
       if (f != Fault::kNone) ++faults_;
       std::lock_guard lock(mu_);
-      workers_.emplace_back([this, client, f] { Serve(client, f); });
+      // Threads of connections that ended are joined as new ones come.
+      std::erase_if(workers_, [](Worker& w) {
+        if (!w.done->load()) return false;
+        w.thread.join();
+        return true;
+      });
+      auto done = std::make_shared<std::atomic<bool>>(false);
+      workers_.push_back({std::thread([this, client, f, done] {
+                            Serve(client, f);
+                            done->store(true);
+                          }),
+                          done});
     }
   }
 
@@ -90,11 +109,15 @@ class FaultProxy {
 
   void Serve(int client, Fault f) {
     switch (f) {
-      case Fault::kServiceUnavailable: {
+      case Fault::kServiceUnavailable:
+      case Fault::kTooManyRequests: {
         ReadHeaders(client);
         const char* answer =
-            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\nContent-Length: 64\r\n"
-            "Connection: close\r\n\r\n<Error><Code>SlowDown</Code><Message></Message></Error>\n        ";
+            f == Fault::kServiceUnavailable
+                ? "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\nContent-Length: 64\r\n"
+                  "Connection: close\r\n\r\n<Error><Code>SlowDown</Code><Message></Message></Error>\n        "
+                : "HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/xml\r\nContent-Length: 64\r\n"
+                  "Connection: close\r\n\r\n<Error><Code>TooManyRequests</Code><Message></Message></Error> ";
         (void)!::write(client, answer, std::strlen(answer));
         Reset(client);
         return;
@@ -151,6 +174,7 @@ class FaultProxy {
           }
           done += static_cast<size_t>(w);
         }
+        (from == server ? bytes_down_ : bytes_up_) += send;
         if (f == Fault::kCutAnswer && answered >= 200) open = false;
       }
     }
@@ -166,8 +190,33 @@ class FaultProxy {
   std::atomic<int> connections_{0};
   std::atomic<int> faults_{0};
   std::thread accept_thread_;
+  std::atomic<uint64_t> bytes_down_{0}, bytes_up_{0};
   std::mutex mu_;
-  std::vector<std::thread> workers_;
+  struct Worker {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::vector<Worker> workers_;
+};
+
+// A request-rate limit for a FaultProxy's plan: a token bucket admitting
+// `per_second` requests a second on average and `burst` at once. Admit() is
+// called from the proxy's accept thread only.
+class RateLimit {
+ public:
+  RateLimit(double per_second, double burst) : rate_(per_second), burst_(burst), tokens_(burst) {}
+  bool Admit() {
+    const auto now = std::chrono::steady_clock::now();
+    tokens_ = std::min(burst_, tokens_ + rate_ * std::chrono::duration<double>(now - last_).count());
+    last_ = now;
+    if (tokens_ < 1) return false;
+    tokens_ -= 1;
+    return true;
+  }
+
+ private:
+  double rate_, burst_, tokens_;
+  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
 };
 
 }  // namespace ckptfs::testing

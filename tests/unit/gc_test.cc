@@ -292,7 +292,9 @@ TEST_P(GarbageCollection, ThinningKeepsTheRanksOfAShardedCheckpointAndLeavesOneW
     auto w = std::move(repo_->BeginCheckpoint("t1", killed)).value();
     ASSERT_OK(w->PutBlob("rng_state.pth", RandomBytes(10, 9)));
     ASSERT_OK(w->Commit().Wait());
-    if (where_.kind() == RepoKind::kLocal) EXPECT_EQ(repo_->ListCheckpoints(/*include_pending=*/true).value().size(), 6u);
+    if (where_.kind() == RepoKind::kLocal) {
+      EXPECT_EQ(repo_->ListCheckpoints(/*include_pending=*/true).value().size(), 6u);
+    }
   }
   GcOptions o;
   o.retention.keep_last = 4;  // removes t0

@@ -695,6 +695,71 @@ TEST_F(S3Repository, ACollectiveLoadLeasesTheCheckpointOnceAndAHostThatKnowsAnOl
   }
 }
 
+// A restart through a store that throttles by request rate (503 SlowDown,
+// then 429): every request over the rate is retried with backoff and
+// jitter, and the job's 8 ranks restore bit-exact, with one read lease,
+// each pack index read once, and at most 1.05x the stored bytes
+// downloaded, counted at the wire (indexes, listings and headers too).
+TEST_F(S3Repository, AThrottledCollectiveRestoreRetriesAndEveryRankRestoresBitExact) {
+  constexpr int kRanks = 8;
+  const uint64_t rows = 512, cols = 2048;  // 4 MiB of f32: 64 chunks in 16 packs
+  const auto w = RandomBytes(rows * cols * 4, 41);
+  auto writer = Host("writer");
+  for (uint32_t r = 0; r < 2; ++r) ASSERT_OK(SaveRows(*writer, "s", r, 2, w, rows, cols));
+  const uint64_t stored = writer->DiskUsage({}).value().referenced_bytes;
+  for (const Fault mode : {Fault::kServiceUnavailable, Fault::kTooManyRequests}) {
+    SCOPED_TRACE(mode == Fault::kServiceUnavailable ? "503 SlowDown" : "429");
+    testing::RateLimit limit(/*per_second=*/60, /*burst=*/8);
+    testing::FaultProxy proxy(UpstreamPort(), [&](int) { return limit.Admit() ? Fault::kNone : mode; });
+    std::vector<std::unique_ptr<Repository>> repos(kRanks);
+    std::vector<Status> opened(kRanks);
+    std::vector<Result<CollectiveLoadResult>> loaded(kRanks, Status::Internal("not run"));
+    std::vector<std::vector<std::byte>> got(kRanks);
+    auto comms = NewHostGroup(kRanks);
+    std::vector<std::thread> threads;
+    const std::string tag = mode == Fault::kServiceUnavailable ? "503" : "429";
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        OpenOptions o;
+        o.cache_dir = dir_.path() + "/throttled-" + tag + "-" + std::to_string(r);
+        o.threads = 1;
+        o.s3 = s3_;
+        o.s3->endpoint = "http://127.0.0.1:" + std::to_string(proxy.port());
+        o.s3->reuse_connections = false;
+        auto repo = OpenCollective(url_, o, *comms[r]);
+        opened[r] = repo.status();
+        if (!repo.ok()) return;
+        repos[r] = std::move(repo).value();
+        const uint64_t first = r * rows / kRanks, n = rows / kRanks;
+        got[r].resize(n * cols * 4);
+        std::vector<CollectiveTarget> targets = {
+            {{"w", DType::kF32, {rows, cols}}, Region::OfBox(Box{{first, 0}, {n, cols}}), got[r]}};
+        loaded[r] = LoadCollective(*repos[r], "s", targets, *comms[r]);
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_OK(opened[r]);
+      ASSERT_OK(loaded[r]);
+      const uint64_t first = r * rows / kRanks;
+      EXPECT_TRUE(std::equal(got[r].begin(), got[r].end(), w.begin() + first * cols * 4)) << "rank " << r;
+      // Counted per attempt: a throttled request counts again when retried.
+      const RequestCounts c = repos[r]->store_requests();
+      EXPECT_EQ(c.put > 0, r == 0) << "rank " << r << ": one read lease per job";
+      EXPECT_EQ(c.list > 0, r == 0) << "rank " << r << ": the group lists the store once";
+    }
+    EXPECT_GT(proxy.faults(), 0) << "the rate limit throttled nothing";
+    // Answered: 16 pack indexes of 3 requests each, read once for the job
+    // (once per rank would be 384); 64 chunks; per rank 4 requests to open
+    // the repository and check that the checkpoint's manifest is current;
+    // the listing, the lease and the manifest.
+    const int answered = proxy.connections() - proxy.faults();
+    EXPECT_LE(answered, 16 * 3 + 64 + kRanks * 4 + 8) << proxy.faults() << " throttled";
+    EXPECT_LE(static_cast<double>(proxy.bytes_down()), 1.05 * static_cast<double>(stored))
+        << proxy.bytes_down() << " bytes downloaded for " << stored << " stored";
+  }
+}
+
 TEST_F(S3Repository, ACollectiveSaveListsTheStoreOnceForTheGroup) {
   const uint64_t rows = 64, cols = 256;
   const auto w = RandomBytes(rows * cols * 4, 23);
