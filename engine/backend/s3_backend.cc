@@ -250,7 +250,8 @@ class S3Client {
   Result<Response> Perform(const Request& req) {
     std::string last_error;
     using Clock = std::chrono::steady_clock;
-    const auto deadline = Clock::now() + std::chrono::seconds(std::max(1, opt_.request_deadline_s));
+    const auto began = Clock::now();
+    const auto deadline = began + std::chrono::seconds(std::max(1, opt_.request_deadline_s));
     auto past_deadline = [&] {
       return Status::IOError("S3 " + req.method + " " + req.path + " at " + shown_ +
                              ": no complete answer within " + std::to_string(opt_.request_deadline_s) +
@@ -294,11 +295,17 @@ class S3Client {
       }
       last_error = code != CURLE_OK ? std::string(curl_easy_strerror(code))
                                     : "HTTP " + std::to_string(resp.status) + " " + XmlFirst(resp.body, "Code");
-      if (attempt >= opt_.max_retries) {
+      const bool throttled = code == CURLE_OK && (resp.status == 429 || resp.status == 503);
+      const bool waits = throttled && Clock::now() < began + std::chrono::seconds(opt_.throttle_wait_s);
+      if (attempt >= opt_.max_retries && !waits) {
         return Status::IOError("S3 " + req.method + " " + req.path + " at " + shown_ + " failed after " +
-                               std::to_string(attempt + 1) + " attempts: " + last_error);
+                               std::to_string(attempt + 1) + " attempts: " + last_error +
+                               (throttled && opt_.throttle_wait_s > 0
+                                    ? " (throttled for " + std::to_string(opt_.throttle_wait_s) +
+                                          " s; CKPT_S3_THROTTLE_WAIT sets how long a throttled request waits)"
+                                    : ""));
       }
-      const int64_t base_ms = std::min<int64_t>(100ll << attempt, 5000);
+      const int64_t base_ms = std::min<int64_t>(100ll << std::min(attempt, 6), 5000);
       const auto pause = std::chrono::milliseconds(base_ms / 2 + int64_t(RandomU64() % uint64_t(base_ms / 2 + 1)));
       if (Clock::now() + pause >= deadline) return past_deadline();
       std::this_thread::sleep_for(pause);
@@ -969,6 +976,15 @@ Result<ObjectStoreOptions> ObjectStoreOptions::FromEnvironment(const Environment
                                      "'");
     }
     o.max_list_keys = keys;
+  }
+  if (std::string t = env("CKPT_S3_THROTTLE_WAIT"); !t.empty()) {
+    char* end = nullptr;
+    const long seconds = std::strtol(t.c_str(), &end, 10);
+    if (*end != '\0' || seconds < 0 || seconds > 86400) {
+      return Status::InvalidArgument("CKPT_S3_THROTTLE_WAIT must be a number of seconds from 0 to 86400, not '" + t +
+                                     "'");
+    }
+    o.throttle_wait_s = static_cast<int>(seconds);
   }
   if (std::string d = env("CKPT_S3_REQUEST_DEADLINE"); !d.empty()) {
     char* end = nullptr;

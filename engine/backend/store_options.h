@@ -37,6 +37,12 @@ struct ObjectStoreOptions {
   std::function<Result<ObjectStoreCredentials>()> reload_credentials;
   uint64_t part_size = 16ull << 20;  // multipart part size, >= 5 MiB
   int max_retries = 5;               // after the first attempt; backoff 0.1 s doubling
+  // A throttled request (429 Too Many Requests, 503 SlowDown) is retried
+  // beyond max_retries until this many seconds after it began (within
+  // request_deadline_s), its backoff growing to 5 s, with jitter: a store
+  // that limits the request rate slows a restart storm down rather than
+  // failing it. 0: throttling counts as any other failed attempt.
+  int throttle_wait_s = 120;
   int connect_timeout_ms = 5000;
   int stall_timeout_s = 30;          // a transfer making no progress this long fails (and is retried)
   // One request, all its retries included, ends within this many seconds:

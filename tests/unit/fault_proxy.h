@@ -94,6 +94,18 @@ class FaultProxy {
     ::close(fd);
   }
 
+  // Ends a connection whose answer was sent the way a server does: the
+  // client reads the whole answer, where a reset could reach it first.
+  static void CloseAfterAnswer(int fd) {
+    ::shutdown(fd, SHUT_WR);
+    char buf[4096];
+    for (int i = 0; i < 20; ++i) {
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 50) > 0 && ::read(fd, buf, sizeof buf) <= 0) break;
+    }
+    ::close(fd);
+  }
+
   // Reads until the end of the request's headers (or the client goes).
   static void ReadHeaders(int fd) {
     std::string seen;
@@ -117,9 +129,9 @@ class FaultProxy {
                 ? "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\nContent-Length: 64\r\n"
                   "Connection: close\r\n\r\n<Error><Code>SlowDown</Code><Message></Message></Error>\n        "
                 : "HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/xml\r\nContent-Length: 64\r\n"
-                  "Connection: close\r\n\r\n<Error><Code>TooManyRequests</Code><Message></Message></Error> ";
+                  "Connection: close\r\n\r\n<Error><Code>TooManyRequests</Code><Message></Message></Error>  ";
         (void)!::write(client, answer, std::strlen(answer));
-        Reset(client);
+        CloseAfterAnswer(client);
         return;
       }
       case Fault::kResetBeforeAnswer:

@@ -274,6 +274,7 @@ TEST_F(S3Backend, AnUploadThatKeepsFailingFailsCleanlyAndLeavesNoObject) {
   faulty.endpoint = "http://127.0.0.1:" + std::to_string(proxy.port());
   faulty.reuse_connections = false;
   faulty.max_retries = 2;
+  faulty.throttle_wait_s = 0;  // 503 forever
   auto opened = OpenS3Backend(location_, faulty);
   ASSERT_OK(opened);
   auto w = (*opened)->Create("obj/doomed");
@@ -288,6 +289,48 @@ TEST_F(S3Backend, AnUploadThatKeepsFailingFailsCleanlyAndLeavesNoObject) {
   EXPECT_TRUE(backend_->Size("obj/doomed").status().IsNotFound());
   EXPECT_TRUE(backend_->List("")->empty());
   ASSERT_OK(backend_->RemoveIncomplete());
+}
+
+// A store that throttles (429, 503 SlowDown) slows a request down rather
+// than failing it: the request is retried past max_retries, with backoff
+// and jitter, until throttle_wait_s has passed; then it fails, saying so.
+TEST_F(S3Backend, AThrottledRequestWaitsPastMaxRetriesForTheThrottleWait) {
+  using Fault = testing::FaultProxy::Fault;
+  const int upstream = std::stoi(options_.endpoint.substr(options_.endpoint.rfind(':') + 1));
+  ASSERT_OK(backend_->Put("obj/x", std::as_bytes(std::span("payload", 7))));
+  for (const Fault mode : {Fault::kTooManyRequests, Fault::kServiceUnavailable}) {
+    std::atomic<int> throttle_from{1 << 30}, throttle_until{1 << 30};
+    testing::FaultProxy proxy(upstream, [&](int n) {
+      return n >= throttle_from && n < throttle_until ? mode : Fault::kNone;
+    });
+    ObjectStoreOptions throttled = options_;
+    throttled.endpoint = "http://127.0.0.1:" + std::to_string(proxy.port());
+    throttled.reuse_connections = false;
+    throttled.max_retries = 2;
+    throttled.throttle_wait_s = 60;
+    auto opened = OpenS3Backend(location_, throttled);
+    ASSERT_OK(opened);
+    // 8 throttled answers in a row, past max_retries: the read still succeeds.
+    throttle_from = proxy.connections();
+    throttle_until = throttle_from + 8;
+    std::vector<std::byte> got(7);
+    ASSERT_OK((*opened)->ReadRange("obj/x", 0, got));
+    EXPECT_EQ(std::memcmp(got.data(), "payload", 7), 0);
+    EXPECT_EQ(proxy.faults(), 8);
+    // Throttled for good: it fails once the throttle wait is over, and says so.
+    throttled.throttle_wait_s = 1;
+    auto impatient = OpenS3Backend(location_, throttled);
+    ASSERT_OK(impatient);
+    throttle_from = proxy.connections();
+    throttle_until = 1 << 30;
+    const auto t0 = std::chrono::steady_clock::now();
+    Status st = (*impatient)->ReadRange("obj/x", 0, got);
+    EXPECT_EQ(st.code(), StatusCode::kIOError) << st.ToString();
+    EXPECT_FALSE(st.IsNotFound());
+    EXPECT_NE(st.message().find("CKPT_S3_THROTTLE_WAIT"), std::string::npos) << st.message();
+    EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+  }
 }
 
 }  // namespace

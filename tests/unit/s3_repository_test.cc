@@ -65,6 +65,7 @@ class S3Repository : public ::testing::Test {
       o.s3->endpoint = "http://127.0.0.1:" + std::to_string(endpoint_port);
       o.s3->reuse_connections = false;  // the proxy's plan is per connection
       o.s3->max_retries = 3;
+      o.s3->throttle_wait_s = 0;  // some plans answer 503 forever
     }
     auto r = Repository::Open(url_, o);
     EXPECT_OK(r);
@@ -524,6 +525,7 @@ TEST_F(S3Repository, AThrottledListingIsNeverTakenAsNoCheckpointsOrNotFound) {
   o.s3->endpoint = "http://127.0.0.1:" + std::to_string(proxy.port());
   o.s3->reuse_connections = false;
   o.s3->max_retries = 2;
+  o.s3->throttle_wait_s = 0;
   auto fresh = Repository::Open(url_, o);
   ASSERT_FALSE(fresh.ok());
   EXPECT_FALSE(fresh.status().IsNotFound()) << fresh.status().ToString();
