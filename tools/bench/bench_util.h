@@ -1,6 +1,7 @@
 // Helpers shared by the benchmarks.
 #pragma once
 
+#include <sys/resource.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -152,6 +153,13 @@ inline double TimedReadInto(const std::string& path, std::span<std::byte> dst, s
     std::exit(1);
   }
   return seconds;
+}
+
+// CPU seconds this process has used (user + system, every thread).
+inline double CpuSeconds() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
 }
 
 inline double Median(std::vector<double> v) {

@@ -48,12 +48,6 @@ namespace {
 
 constexpr const char* kBucket = "ckptfs-bench";
 
-// CPU seconds this process has used (user + system, all threads).
-double CpuSeconds() {
-  rusage u{};
-  ::getrusage(RUSAGE_SELF, &u);
-  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
-}
 
 struct Options {
   double gib = 0.5;
@@ -156,7 +150,7 @@ void TransferRuns(const Options& o, const ObjectStoreOptions& s3) {
     // is built from the store) and read at another world size.
     std::vector<std::vector<std::vector<std::byte>>> loaded(o.load_ranks);
     for (int r = 0; r < o.load_ranks; ++r) loaded[r] = bench::RankBuffers(state, r, o.load_ranks);
-    double cpu0 = CpuSeconds();
+    double cpu0 = bench::CpuSeconds();
     t0 = Clock::now();
     auto reader_host = OpenHost(url, work + "/run" + std::to_string(run) + "-reader", s3, o.load_threads);
     auto reader = std::move(reader_host->OpenCheckpoint("step-1")).value();
@@ -166,7 +160,7 @@ void TransferRuns(const Options& o, const ObjectStoreOptions& s3) {
     }
     for (auto& t : loaders) t.join();
     const double tl = Seconds(t0);
-    const double load_cpu = CpuSeconds() - cpu0;
+    const double load_cpu = bench::CpuSeconds() - cpu0;
     const RequestCounts load_requests = reader_host->store_requests();
     const uint64_t stored = std::move(reader->StoredBytes()).value().total;
     reader.reset();
@@ -178,11 +172,11 @@ void TransferRuns(const Options& o, const ObjectStoreOptions& s3) {
     // and s3cmd get.
     auto raw_backend = std::move(OpenObjectStore(std::string("s3://") + kBucket + "/" + prefix + "-raw", s3)).value();
     std::vector<std::byte> out(total);
-    cpu0 = CpuSeconds();
+    cpu0 = bench::CpuSeconds();
     t0 = Clock::now();
     bench::ReadInPieces(*raw_backend, "raw.bin", out, o.get_threads);
     const double tget = Seconds(t0);
-    const double get_cpu = CpuSeconds() - cpu0;
+    const double get_cpu = bench::CpuSeconds() - cpu0;
     // One thread, in order (on a loaded 2-core server often the fastest).
     t0 = Clock::now();
     bench::ReadInPieces(*raw_backend, "raw.bin", out, 1);

@@ -6,6 +6,8 @@
 // buffer, and the same read straight into memory of the state's size that
 // already exists (what loading into existing tensors takes without ckptfs);
 // page cache dropped before each read when possible.
+#include <sys/resource.h>
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -27,6 +29,7 @@
 #include "io/safetensors.h"
 
 using namespace ckptfs;
+
 using bench::Check;
 using bench::DropCaches;
 using bench::Median;
@@ -110,7 +113,8 @@ int main(int argc, char** argv) {
   const std::string work = o.dir + "/ckptfs-bench-" + std::to_string(::getpid());
   std::filesystem::create_directories(work);
   bool cold = true;
-  std::vector<double> raw_w, raw_r, raw_m, save, load, ratio_all, ratio_w, save_fpg, load_fpg;
+  std::vector<double> raw_w, raw_r, raw_m, save, load, ratio_all, ratio_w, save_fpg, load_fpg, save_of_limit,
+      load_of_limit, save_cores, load_cores;
   std::printf("a first touch of a 4 KiB page costs %.2f us here\n", bench::PageFaultMicros());
   for (int run = 0; run < o.runs; ++run) {
     const std::string raw = work + "/raw.bin", repo_dir = work + "/repo";
@@ -136,6 +140,7 @@ int main(int argc, char** argv) {
     for (int r = 0; r < o.save_ranks; ++r) parts[r] = bench::RankBoxes(state, r, o.save_ranks);
     ::sync();
     const long long faults_before_save = bench::MinorFaults(::getpid());
+    const double cpu_before_save = bench::CpuSeconds();
     auto t0 = Clock::now();
     std::vector<std::thread> ranks;
     for (int r = 0; r < o.save_ranks; ++r) {
@@ -144,6 +149,7 @@ int main(int argc, char** argv) {
     for (auto& t : ranks) t.join();
     double ts = Seconds(t0);
     const long long save_faults = bench::MinorFaults(::getpid()) - faults_before_save;
+    const double save_cpu = bench::CpuSeconds() - cpu_before_save;
     parts.clear();
 
     // Stored bytes, overall and for the bf16 weights.
@@ -164,6 +170,7 @@ int main(int argc, char** argv) {
     for (int r = 0; r < o.load_ranks; ++r) loaded[r] = bench::RankBuffers(state, r, o.load_ranks);
     repo = std::move(Repository::Open(repo_dir)).value();
     const long long faults_before_load = bench::MinorFaults(::getpid());
+    const double cpu_before_load = bench::CpuSeconds();
     auto t1 = Clock::now();
     reader = std::move(repo->OpenCheckpoint("step-1")).value();
     std::vector<std::thread> loaders;
@@ -172,6 +179,7 @@ int main(int argc, char** argv) {
     }
     for (auto& t : loaders) t.join();
     double tl = Seconds(t1);
+    const double load_cpu = bench::CpuSeconds() - cpu_before_load;
     const long long load_faults = bench::MinorFaults(::getpid()) - faults_before_load;
     if (!bench::LoadedRight(state, loaded)) return 1;
     reader.reset();
@@ -179,11 +187,22 @@ int main(int argc, char** argv) {
     std::filesystem::remove_all(repo_dir);
     const double gb = total / 1e9;
     const double gib = total / double(1ull << 30);
-    std::printf("run %d: raw write %.2f GB/s, raw read %.2f GB/s (into memory %.2f GB/s), save %.2f GB/s (%.2fx), "
-                "load %.2f GB/s (%.2fx; %.2fx the read into memory), stored %.3f of raw (bf16 weights %.3f); "
-                "minor page faults per GiB: save %.0f, load %.0f; all bytes checked\n",
-                run + 1, gb / tw, gb / tr, gb / tm, gb / ts, tw / ts, gb / tl, tr / tl, tm / tl,
+    // The physical limits: the stored bytes written (and fsync'd) at the
+    // raw write rate, and read at the raw read rate, measured above.
+    const double save_limit = double(stored) / total * tw / ts;
+    const double load_limit = double(stored) / total * tr / tl;
+    std::printf("run %d: raw write %.2f GB/s, raw read %.2f GB/s (into memory %.2f GB/s), save %.2f GB/s (%.2fx; "
+                "%.2f of its limit), load %.2f GB/s (%.2fx; %.2fx the read into memory; %.2f of its limit), stored "
+                "%.3f of raw (bf16 weights %.3f); minor page faults per GiB: save %.0f, load %.0f; all bytes checked\n",
+                run + 1, gb / tw, gb / tr, gb / tm, gb / ts, tw / ts, save_limit, gb / tl, tr / tl, tm / tl, load_limit,
                 double(stored) / total, double(stored_w) / weight_bytes, save_faults / gib, load_faults / gib);
+    // Which resource binds: CPU seconds per wall second (the cores busy).
+    std::printf("       cores busy: save %.2f, load %.2f of %u\n", save_cpu / ts, load_cpu / tl,
+                std::thread::hardware_concurrency());
+    save_cores.push_back(save_cpu / ts);
+    load_cores.push_back(load_cpu / tl);
+    save_of_limit.push_back(save_limit);
+    load_of_limit.push_back(load_limit);
     save_fpg.push_back(save_faults / gib);
     load_fpg.push_back(load_faults / gib);
     std::fflush(stdout);
@@ -210,6 +229,12 @@ int main(int argc, char** argv) {
   std::printf("  resharded load   %6.2f GB/s   ratio to raw read  %.2f, to raw read into memory %.2f\n", Median(load),
               Median(load_ratio), Median(load_ratio_m));
   std::printf("  stored / raw     %6.3f        bf16 weights %.3f\n", Median(ratio_all), Median(ratio_w));
+  std::printf("  save, of its limit %.2f (the stored bytes at the raw write+fsync rate; target >= 0.9)\n",
+              Median(save_of_limit));
+  std::printf("  load, of its limit %.2f (the stored bytes at the raw read rate; target >= 0.9)\n",
+              Median(load_of_limit));
+  std::printf("  cores busy (CPU seconds per second): save %.2f, load %.2f of %u\n", Median(save_cores),
+              Median(load_cores), std::thread::hardware_concurrency());
   std::printf("  minor page faults per GiB: save %.0f, load %.0f (whole runs, warm-up included)\n", Median(save_fpg),
               Median(load_fpg));
   return 0;
