@@ -155,6 +155,19 @@ inline double TimedReadInto(const std::string& path, std::span<std::byte> dst, s
   return seconds;
 }
 
+// "1,8,32" as {1, 8, 32} (an option's list of counts).
+inline std::vector<int> ParseIntList(const std::string& s) {
+  std::vector<int> out;
+  size_t pos = 0;
+  while (pos <= s.size()) {
+    size_t comma = s.find(',', pos);
+    if (comma == std::string::npos) comma = s.size();
+    if (comma > pos) out.push_back(std::atoi(s.substr(pos, comma - pos).c_str()));
+    pos = comma + 1;
+  }
+  return out;
+}
+
 // CPU seconds this process has used (user + system, every thread).
 inline double CpuSeconds() {
   rusage u{};

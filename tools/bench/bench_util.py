@@ -53,3 +53,10 @@ def markov_batches(torch, vocab, seq, seed=1):
         return x[:, :-1], x[:, 1:]
 
     return batch
+
+
+def add_scratch_dir_option(parser):
+    """--dir: where a benchmark's repositories and files go, /dev/shm by
+    default (the code's speed, not the disk's), /tmp without it."""
+    parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp",
+                        help="where the repositories and files go (default /dev/shm)")

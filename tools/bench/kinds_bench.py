@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 
-from bench_util import markov_batches
+from bench_util import add_scratch_dir_option, markov_batches
 
 VOCAB, WIDTH, LAYERS, SEQ = 512, 256, 4, 64
 
@@ -96,8 +96,7 @@ def main():
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--codec-bench", default=os.path.join(here, "..", "..", "build", "tools", "codec_bench"),
                     help="the codec_bench program (default build/tools/codec_bench; skipped when missing)")
-    ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp",
-                    help="where the repositories and files go (default /dev/shm: the codec, not the disk)")
+    add_scratch_dir_option(ap)
     args = ap.parse_args()
     if not shutil.which("zstd"):
         raise SystemExit("kinds_bench: the zstd command is needed (apt-get install zstd)")

@@ -67,17 +67,6 @@ struct Options {
   std::string dir = "/tmp";
 };
 
-std::vector<int> ParseList(const std::string& s) {
-  std::vector<int> out;
-  size_t pos = 0;
-  while (pos <= s.size()) {
-    size_t comma = s.find(',', pos);
-    if (comma == std::string::npos) comma = s.size();
-    if (comma > pos) out.push_back(std::atoi(s.substr(pos, comma - pos).c_str()));
-    pos = comma + 1;
-  }
-  return out;
-}
 
 struct Figures {
   double seconds = 0, open_seconds = 0;
@@ -167,7 +156,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&] { return bench::NextArg(argc, argv, i); };
-    if (a == "--ranks") o.ranks = ParseList(next());
+    if (a == "--ranks") o.ranks = bench::ParseIntList(next());
     else if (a == "--rate") o.rate = std::atof(next().c_str());
     else if (a == "--burst") o.burst = std::atof(next().c_str());
     else if (a == "--mode") o.mode = next() == "429" ? Fault::kTooManyRequests : Fault::kServiceUnavailable;

@@ -62,17 +62,6 @@ struct Options {
   std::string dir = "/tmp";
 };
 
-std::vector<int> ParseList(const std::string& s) {
-  std::vector<int> out;
-  size_t pos = 0;
-  while (pos <= s.size()) {
-    size_t comma = s.find(',', pos);
-    if (comma == std::string::npos) comma = s.size();
-    if (comma > pos) out.push_back(std::atoi(s.substr(pos, comma - pos).c_str()));
-    pos = comma + 1;
-  }
-  return out;
-}
 
 void RemovePrefix(const ObjectStoreOptions& s3, const std::string& prefix) {
   bench::RemovePrefix(s3, kBucket, prefix);
@@ -359,7 +348,7 @@ int main(int argc, char** argv) {
     else if (a == "--load-ranks") o.load_ranks = std::atoi(next().c_str());
     else if (a == "--get-threads") o.get_threads = std::atoi(next().c_str());
     else if (a == "--load-threads") o.load_threads = std::atoi(next().c_str());
-    else if (a == "--scale") o.scale = ParseList(next());
+    else if (a == "--scale") o.scale = bench::ParseIntList(next());
     else if (a == "--steps") o.steps = std::atoi(next().c_str());
     else if (a == "--scale-only") o.transfers = false;
     else if (a == "--dir") o.dir = next();

@@ -43,7 +43,7 @@ import subprocess
 import tempfile
 import time
 
-from bench_util import markov_batches
+from bench_util import add_scratch_dir_option, markov_batches
 
 VOCAB, WIDTH, BLOCKS, HEADS, SEQ, RANK = 8192, 256, 4, 4, 64, 8
 
@@ -157,8 +157,7 @@ def main():
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--cdc-bench", default=os.path.join(here, "..", "..", "build", "tools", "cdc_bench"),
                     help="the cdc_bench program (default build/tools/cdc_bench)")
-    ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp",
-                    help="where the repositories and files go (default /dev/shm)")
+    add_scratch_dir_option(ap)
     args = ap.parse_args()
     if not os.path.exists(args.cdc_bench):
         raise SystemExit(f"step_dedup_bench: {args.cdc_bench} not found (ninja -C build cdc_bench)")
