@@ -324,6 +324,22 @@ inline void ReadInPieces(Backend& backend, const std::string& key, std::span<std
   for (auto& th : pool) th.join();
 }
 
+// Writes `data` as objects KEY-0, KEY-1, ... of 16 MiB from `threads`
+// threads, each a whole PUT (or multipart upload) of its own.
+inline void WriteInPieces(Backend& backend, const std::string& key, std::span<const std::byte> data, int threads) {
+  constexpr uint64_t kPiece = 16 << 20;
+  auto run = [&](int t) {
+    for (uint64_t off = uint64_t(t) * kPiece; off < data.size(); off += uint64_t(threads) * kPiece) {
+      const uint64_t n = std::min<uint64_t>(kPiece, data.size() - off);
+      Check(backend.Put(key + "-" + std::to_string(off / kPiece), data.subspan(off, n)), "put");
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(run, t);
+  run(0);
+  for (auto& th : pool) th.join();
+}
+
 // Removes every object under s3://BUCKET/PREFIX (the test server keeps its
 // data in memory); errors are ignored.
 inline void RemovePrefix(const ObjectStoreOptions& s3, const std::string& bucket, const std::string& prefix) {

@@ -177,16 +177,29 @@ void TransferRuns(const Options& o, const ObjectStoreOptions& s3) {
     }
     const double tcget = Seconds(t0);
     const double tdown = std::min({tget, tseq, tcget});
+    // The same bytes uploaded as the fastest plain client would: 16 MiB
+    // objects put from the threads a ranged download uses (the save's 4
+    // hosts keep as many requests in flight).
+    t0 = Clock::now();
+    bench::WriteInPieces(*raw_backend, "put", out, o.get_threads);
+    const double tpar = Seconds(t0);
+    // The limits: the bytes the checkpoint stores, moved at those rates.
+    const double save_limit = double(stored) / total * std::min(tpar, tput) / ts;
+    const double load_limit = double(stored) / total * tdown / tl;
     RemovePrefix(s3, prefix);
     RemovePrefix(s3, prefix + "-raw");
 
     const double mb = total / 1e6;
-    std::printf("run %d: save %.0f MB/s, s3cmd put %.0f MB/s (%.2fx), stored %.3f of the bytes; load %.0f MB/s "
-                "(%llu requests), ranged GETs %.0f MB/s (%d threads) %.0f MB/s (1 thread), s3cmd get %.0f MB/s "
-                "(%.2fx the fastest); client CPU %.2f s for the load, %.2f s for the %d-thread GETs; bytes checked\n",
-                run + 1, mb / ts, mb / tput, tput / ts, double(stored) / total, mb / tl,
+    std::printf("run %d: save %.0f MB/s, s3cmd put %.0f MB/s (%.2fx), %d-thread puts %.0f MB/s, stored %.3f of the "
+                "bytes; load %.0f MB/s (%llu requests), ranged GETs %.0f MB/s (%d threads) %.0f MB/s (1 thread), s3cmd "
+                "get %.0f MB/s (%.2fx the fastest); of their limits: save %.2f, load %.2f; client CPU %.2f s for the "
+                "load, %.2f s for the %d-thread GETs; bytes checked\n",
+                run + 1, mb / ts, mb / tput, tput / ts, o.get_threads, mb / tpar, double(stored) / total, mb / tl,
                 static_cast<unsigned long long>(load_requests.total()), mb / tget, o.get_threads, mb / tseq,
-                mb / tcget, tdown / tl, load_cpu, get_cpu, o.get_threads);
+                mb / tcget, tdown / tl, save_limit, load_limit, load_cpu, get_cpu, o.get_threads);
+    fig.Add("parallel_put", mb / tpar);
+    fig.Add("save_limit", save_limit);
+    fig.Add("load_limit", load_limit);
     std::fflush(stdout);
     fig.Add("save", mb / ts);
     fig.Add("put", mb / tput);
@@ -211,6 +224,11 @@ void TransferRuns(const Options& o, const ObjectStoreOptions& s3) {
   std::printf("  ranged GETs, %d threads %6.0f MB/s\n", o.get_threads, fig.Median("get"));
   std::printf("  ranged GETs, 1 thread  %6.0f MB/s\n", fig.Median("get_seq"));
   std::printf("  s3cmd get              %6.0f MB/s\n", fig.Median("cmd_get"));
+  std::printf("  %d-thread 16 MiB puts %6.0f MB/s\n", o.get_threads, fig.Median("parallel_put"));
+  std::printf("  save, of its limit %.2f (the stored bytes at the fastest plain upload; target >= 0.9)\n",
+              fig.Median("save_limit"));
+  std::printf("  load, of its limit %.2f (the stored bytes at the fastest plain download; target >= 0.9)\n",
+              fig.Median("load_limit"));
   std::printf("  client CPU: load %.2f s, %d-thread ranged GETs %.2f s (the server shares the machine)\n\n",
               fig.Median("load_cpu"), o.get_threads, fig.Median("get_cpu"));
 }
