@@ -621,6 +621,13 @@ class ThinRacingSaves(S3Case):
         self.assertEqual(out["thin_skipped"], [])
         self.assertEqual(sha(held), digests["b0"])  # every page, after b0 was thinned
         del held
+        # the mount shows the thinned b0 (its poll picks it up): the model alone, readable
+        deadline = time.monotonic() + 20
+        while "optim.state.model.w.exp_avg.npy" in os.listdir(os.path.join(mnt, "b0")) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        shown = os.listdir(os.path.join(mnt, "b0"))
+        self.assertEqual(sorted(f for f in shown if f.endswith(".npy")), ["model.w.npy"])
+        self.assertEqual(sha(np.load(os.path.join(mnt, "b0", "model.w.npy"))), sha(frozen))
         fresh = self.host("e")
         fresh.run("-r", self.repo, "verify")
         listed = json.loads(fresh.run("-r", self.repo, "ls", "--json").stdout)
