@@ -53,10 +53,8 @@ Json DescribeRecord(const CheckpointRecord& c) {
   for (const auto& [k, v] : c.tags) tags.Set(k, v);
   j.Set("tags", std::move(tags));
   // A thinned checkpoint (thin retention) says when and what it dropped.
-  j.Set("thinned", Json());
-  for (const auto& [k, v] : c.tags) {
-    if (k == kThinnedTag) j.Set("thinned", v);
-  }
+  const std::string* thinned = ThinnedNote(c.tags);
+  j.Set("thinned", thinned ? Json(*thinned) : Json());
   if (!committed) {
     // What a pending checkpoint waits for; "created" is its first rank's commit.
     Json in = Json::MakeArray(), missing = Json::MakeArray();

@@ -126,8 +126,7 @@ Result<std::vector<RetentionDecision>> Repository::ExplainRetention(const Retent
     const ThinPlan plan = PlanThin(reader->tensors(), reader->blobs(), policy.thin_keep);
     d.thin_why = rule + "the " + Ordinal(from_newest) + " newest" + order;
     if (!plan.drops()) {
-      const bool before = std::any_of(c.tags.begin(), c.tags.end(), [](const auto& t) { return t.first == kThinnedTag; });
-      d.thin_why += before ? ", thinned before, nothing to drop" : ", nothing to drop";
+      d.thin_why += ThinnedNote(c.tags) ? ", thinned before, nothing to drop" : ", nothing to drop";
     } else if (plan.tensors.empty()) {
       d.thin_why += ", left whole: thinning would keep none of its tensors (it drops " +
                     DescribeThinRule(policy.thin_keep) + ")";

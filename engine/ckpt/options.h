@@ -164,6 +164,13 @@ struct WriterOptions {
 // rule ("2026-11-29 05:12 UTC: dropped 24 tensors and 2 blobs (1.1 GiB) of
 // optimizer and RNG state").
 inline constexpr char kThinnedTag[] = "ckptfs.thinned";
+// The kThinnedTag line of a checkpoint with these tags; null when whole.
+inline const std::string* ThinnedNote(const std::vector<std::pair<std::string, std::string>>& tags) {
+  for (const auto& [key, value] : tags) {
+    if (key == kThinnedTag) return &value;
+  }
+  return nullptr;
+}
 inline constexpr char kEngineTagPrefix[] = "ckptfs.";
 
 struct ReadOptions {

@@ -127,6 +127,9 @@ struct ThinPlan {
   uint64_t dropped_blobs = 0;
   uint64_t dropped_bytes = 0;  // logical
   bool drops() const { return dropped_tensors > 0 || dropped_blobs > 0; }
+  // Thinning happens: something is dropped and a tensor stays (one that
+  // would lose every tensor stays whole).
+  bool thins() const { return drops() && !tensors.empty(); }
 };
 ThinPlan PlanThin(const std::vector<TensorRecord>& tensors, const std::vector<BlobRecord>& blobs,
                   const std::vector<std::string>& patterns);

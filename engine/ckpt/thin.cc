@@ -112,7 +112,7 @@ Result<bool> ThinCheckpoint(Repository& repo, const std::string& name, const std
   CKPT_RETURN_IF_ERROR(CheckShardRanks(*reader));
   const CheckpointRecord info = reader->info();
   const ThinPlan plan = PlanThin(reader->tensors(), reader->blobs(), patterns);
-  if (!plan.drops() || plan.tensors.empty()) return false;
+  if (!plan.thins()) return false;
 
   WriterOptions wo;
   wo.world_size = info.world_size;

@@ -184,9 +184,7 @@ TEST_P(GarbageCollection, ThinningKeepsTheModelOfOldCheckpointsAndReclaimsTheRes
     EXPECT_EQ(after[i].step, before[i].step);
     EXPECT_EQ(after[i].sequence, before[i].sequence);
     EXPECT_EQ(after[i].tensor_count, i < 2 ? 1u : 2u);
-    const bool marked = std::any_of(after[i].tags.begin(), after[i].tags.end(),
-                                    [](const auto& t) { return t.first == kThinnedTag; });
-    EXPECT_EQ(marked, i < 2) << after[i].name;
+    EXPECT_EQ(ThinnedNote(after[i].tags) != nullptr, i < 2) << after[i].name;
   }
   for (const char* name : {"s0", "s1"}) {
     auto thin = std::move(repo_->OpenCheckpoint(name)).value();

@@ -485,9 +485,7 @@ class Simulation {
     const TensorRecord* w = reader.FindTensor("w");
     const TensorRecord* base = reader.FindTensor("base");
     // A thinned version (gc's thin retention keeps "w") has "w" alone.
-    const auto& tags = reader.info().tags;
-    const bool thinned =
-        std::any_of(tags.begin(), tags.end(), [](const auto& t) { return t.first == kThinnedTag; });
+    const bool thinned = ThinnedNote(reader.info().tags) != nullptr;
     if (!w || (!base && !thinned) || (base && thinned)) {
       Anomaly(what + ": version " + std::to_string(*v) + (thinned ? " (thinned)" : "") +
               (w && !base ? " lacks a tensor" : " has the wrong tensors"));
