@@ -89,19 +89,65 @@ std::string RanksToString(const std::vector<uint32_t>& ranks) {
   return out.empty() ? "-" : out;
 }
 
+namespace {
+// The boxes the writers were given, where the shards say: a box shard
+// that is not contiguous is stored as the grid tiles it meets (GridTile),
+// one record each, consecutive in the record, of the same ranks, in
+// row-major order of their cells; what a user asks is how the tensor was
+// cut. So a run of box records of the same ranks whose corners increase
+// (lexicographically) is one box as far as it fills its bounding box
+// exactly: the longest such run that does. Every other shard is one piece.
+// Empty when a shard is not one box (flat ranges, as FSDP's).
+std::vector<Box> PiecesOf(const TensorRecord& t) {
+  std::vector<Box> out;
+  const auto& shards = t.shards;
+  auto bounding = [](Box& all, const Box& b) {
+    for (size_t d = 0; d < b.rank(); ++d) {
+      const uint64_t lo = std::min(all.offsets[d], b.offsets[d]);
+      const uint64_t hi = std::max(all.offsets[d] + all.lengths[d], b.offsets[d] + b.lengths[d]);
+      all.offsets[d] = lo;
+      all.lengths[d] = hi - lo;
+    }
+  };
+  for (size_t i = 0; i < shards.size();) {
+    const std::vector<Box> boxes = RegionToBoxes(t.shape, shards[i].region);
+    if (boxes.size() != 1) return {};
+    Box best = boxes[0], all = boxes[0];
+    size_t next = i + 1;
+    uint64_t filled = all.NumElements();
+    for (size_t j = i + 1; j < shards.size(); ++j) {
+      const ShardRecord& s = shards[j];
+      if (s.region.kind != Region::Kind::kBox || shards[i].region.kind != Region::Kind::kBox ||
+          s.ranks != shards[i].ranks || !(shards[j - 1].region.box.offsets < s.region.box.offsets)) {
+        break;
+      }
+      bounding(all, s.region.box);
+      filled += s.region.box.NumElements();
+      if (filled == all.NumElements()) {
+        best = all;
+        next = j + 1;
+      }
+    }
+    out.push_back(std::move(best));
+    i = next;
+  }
+  return out;
+}
+}  // namespace
+
 std::string DescribePlacement(const TensorRecord& t) {
-  const size_t n = t.shards.size();
-  if (n == 0) return "no shards";
+  if (t.shards.empty()) return "no shards";
   size_t copies = 1;
   for (const auto& s : t.shards) copies = std::max(copies, s.ranks.size());
   const std::string replicated = copies > 1 ? ", replicated x" + std::to_string(copies) : "";
-  // Each shard as one box where it is one; the dimensions the boxes split.
+  const std::vector<Box> boxes = PiecesOf(t);
+  const size_t n = boxes.empty() ? t.shards.size() : boxes.size();
+  if (boxes.empty()) return std::to_string(n) + " flat ranges" + replicated;
+  // The dimensions the boxes split.
   std::set<size_t> split;
-  for (const auto& s : t.shards) {
-    const std::vector<Box> boxes = RegionToBoxes(t.shape, s.region);
-    if (boxes.size() != 1) return std::to_string(n) + " flat ranges" + replicated;
+  for (const Box& b : boxes) {
     for (size_t d = 0; d < t.shape.size(); ++d) {
-      if (boxes[0].offsets[d] != 0 || boxes[0].lengths[d] != t.shape[d]) split.insert(d);
+      if (b.offsets[d] != 0 || b.lengths[d] != t.shape[d]) split.insert(d);
     }
   }
   const std::string count = std::to_string(n);

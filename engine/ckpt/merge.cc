@@ -38,6 +38,43 @@ Status CompareOverlap(const TensorRecord& t, const ShardRecord& a, const ShardRe
   return Status::OK();
 }
 
+// Regions as keys: the merge finds a region's earlier replica among a
+// tensor's shards (thousands, for tiles) by hashing, not by walking them.
+struct RegionHash {
+  size_t operator()(const Region& r) const {
+    uint64_t h = 0x9e3779b97f4a7c15ULL * (static_cast<uint64_t>(r.kind) + 1);
+    auto mix = [&h](uint64_t v) { h = (h ^ v) * 0xff51afd7ed558ccdULL; h ^= h >> 32; };
+    if (r.kind == Region::Kind::kFlat) {
+      mix(r.flat.start);
+      mix(r.flat.end);
+    } else {
+      for (uint64_t v : r.box.offsets) mix(v);
+      for (uint64_t v : r.box.lengths) mix(v);
+    }
+    return static_cast<size_t>(h);
+  }
+};
+
+// Whether two of the tensor's shards overlap, found through its ShardIndex:
+// a tensor saved as grid tiles has thousands of shards, which the walk of
+// every pair in CheckTiling would take quadratic time over.
+bool AnyOverlap(const TensorRecord& t) {
+  const ShardIndex index(t);
+  std::vector<size_t> candidates;
+  for (size_t i = 0; i < t.shards.size(); ++i) {
+    for (const Box& b : RegionToBoxes(t.shape, t.shards[i].region)) {
+      index.Candidates(b, candidates);
+      for (size_t j : candidates) {
+        if (j == i) continue;
+        for (const Box& o : RegionToBoxes(t.shape, t.shards[j].region)) {
+          if (Intersect(b, o)) return true;
+        }
+      }
+    }
+  }
+  return false;
+}
+
 Status GapError(const TensorRecord& t, const std::string& where, uint64_t missing) {
   return Status::InvalidArgument("tensor '" + t.name + "' " + ShapeToString(t.shape) +
                                  " is not fully covered by its shards: " + std::to_string(missing) +
@@ -91,8 +128,15 @@ Status CheckTiling(const TensorRecord& t, ChunkFetcher& fetcher) {
     return Status::OK();
   }
 
-  // General case: keep a list of disjoint covered boxes, each owned by the
-  // shard that first covered it.
+  // Shards that do not overlap (tiles, one box per rank) cover the tensor
+  // when their sizes add up to it.
+  if (!AnyOverlap(t)) {
+    uint64_t sum = 0;
+    for (const auto& s : t.shards) sum += s.region.NumElements();
+    if (sum == total) return Status::OK();
+  }
+  // General case (and where a gap is, for the error): keep a list of
+  // disjoint covered boxes, each owned by the shard that first covered it.
   struct Covered {
     Box box;
     const ShardRecord* shard;
@@ -155,6 +199,7 @@ Result<std::vector<TensorRecord>> MergeRankTensors(const std::vector<RankRecord>
                                                    ChunkFetcher& fetcher) {
   CKPT_RETURN_IF_ERROR(CheckTensorsAgree(ranks));
   std::map<std::string, TensorRecord> merged;
+  std::map<std::string, std::unordered_map<Region, size_t, RegionHash>> regions;  // by tensor: shard index
   // Ranks in rank order, whatever order they committed in: the merged
   // records are the same for the same inputs.
   std::vector<const RankRecord*> ordered;
@@ -166,14 +211,17 @@ Result<std::vector<TensorRecord>> MergeRankTensors(const std::vector<RankRecord>
       auto [it, inserted] = merged.try_emplace(t.name);
       TensorRecord& m = it->second;
       if (inserted) m = TensorRecord{t.name, t.dtype, t.shape, {}};
+      auto& where = regions[t.name];
       for (const ShardRecord& s : t.shards) {
-        auto same = std::find_if(m.shards.begin(), m.shards.end(),
-                                 [&](const ShardRecord& x) { return x.region == s.region; });
-        if (same == m.shards.end()) {
+        auto [at, fresh] = where.try_emplace(s.region, m.shards.size());
+        if (fresh) {
           ShardRecord copy = s;
           copy.ranks = {rank.rank};
           m.shards.push_back(std::move(copy));
-        } else if (same->chunks == s.chunks) {
+          continue;
+        }
+        ShardRecord* same = &m.shards[at->second];
+        if (same->chunks == s.chunks) {
           if (std::find(same->ranks.begin(), same->ranks.end(), rank.rank) == same->ranks.end()) {
             same->ranks.push_back(rank.rank);
           }

@@ -107,6 +107,46 @@ std::chrono::nanoseconds CommitHandle::total_time() const {
   return std::chrono::nanoseconds(total_ns_ ? total_ns_->load() : 0);
 }
 
+namespace {
+// A piece of a tile: `bytes` bytes at `from` in the source read from, at
+// `to` in the tile.
+struct TileRun {
+  uint64_t from;
+  uint64_t to;
+  uint64_t bytes;
+};
+
+// One tile of a box shard, row-major over the tile, gathered from the box's
+// row-major stream (or the band of it read into memory) by its runs.
+class TileSource final : public ShardSource {
+ public:
+  TileSource(ShardSource& from, std::span<const TileRun> runs, uint64_t size)
+      : from_(from), runs_(runs), size_(size) {}
+  uint64_t size() const override { return size_; }
+  bool RandomAccess() const override { return true; }
+  Status Read(uint64_t offset, std::span<std::byte> dst) override {
+    if (offset > size_ || dst.size() > size_ - offset) {
+      return Status::InvalidArgument("read past the end of a tile");
+    }
+    auto it = std::upper_bound(runs_.begin(), runs_.end(), offset,
+                               [](uint64_t off, const TileRun& r) { return off < r.to + r.bytes; });
+    uint64_t done = 0;
+    for (; done < dst.size() && it != runs_.end(); ++it) {
+      const uint64_t skip = offset + done - it->to;
+      const uint64_t n = std::min(it->bytes - skip, dst.size() - done);
+      CKPT_RETURN_IF_ERROR(from_.Read(it->from + skip, dst.subspan(done, n)));
+      done += n;
+    }
+    return Status::OK();
+  }
+
+ private:
+  ShardSource& from_;
+  std::span<const TileRun> runs_;
+  uint64_t size_;
+};
+}  // namespace
+
 class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
  public:
   WriterImpl(std::shared_ptr<RepositoryImpl> repo, std::string name, WriterOptions options, RepoLock lock,
@@ -135,6 +175,11 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   }
 
   Status PutShard(const TensorInfo& info, const Region& region, ShardSource& source);
+  // Stores one shard record's bytes: a flat range, or a box chunked from
+  // its start.
+  Status PutPiece(const TensorInfo& info, const Region& region, ShardSource& source);
+  // Stores a box that is not contiguous as its grid tiles (GridTile).
+  Status PutTiles(const TensorInfo& info, const Box& box, ShardSource& source);
   Status PutBlob(const std::string& name, std::span<const std::byte> data);
   Status PutStored(const RankRecord& part, std::span<const ChunkRef> send, DirectFetcher& source, ThreadPool& io,
                    size_t threads, CopyCounters& counters);
@@ -194,6 +239,8 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
 
   const uint64_t created_unix_ms_ = WallClockUnixMs();
   std::chrono::steady_clock::time_point first_put_{};  // the caller's thread only
+  std::vector<TileRun> tile_runs_;                     // the caller's thread only (PutTiles)
+  std::vector<std::byte> band_;                        // the caller's thread only (PutTiles)
   std::chrono::nanoseconds blocking_{0};               // the caller's thread only
 };
 
@@ -240,6 +287,19 @@ Status WriterImpl::PutShard(const TensorInfo& info, const Region& region_in, Sha
                                      ShapeToString(info.shape));
     }
   }
+  if (region.kind == Region::Kind::kBox) {
+    const Status st = PutTiles(info, region.box, source);
+    // Tiles already put may still be on their way to a pack, so they stay;
+    // this rank's save cannot go on without the rest.
+    if (!st.ok()) pipeline_.Fail(st);
+    return st;
+  }
+  return PutPiece(info, region, source);
+}
+
+Status WriterImpl::PutPiece(const TensorInfo& info, const Region& region, ShardSource& source) {
+  const uint64_t w = DTypeSize(info.dtype);
+  const uint64_t bytes = region.NumElements() * w;
   const uint64_t global_start = region.kind == Region::Kind::kFlat ? region.flat.start * w : 0;
   ShardRecord shard;
   shard.region = region;
@@ -248,6 +308,66 @@ Status WriterImpl::PutShard(const TensorInfo& info, const Region& region_in, Sha
   std::lock_guard lock(mu_);
   logical_bytes_ += bytes;
   record_.tensors[tensor_index_[info.name]].shards.push_back(std::move(shard));
+  return Status::OK();
+}
+
+Status WriterImpl::PutTiles(const TensorInfo& info, const Box& box, ShardSource& source) {
+  const size_t n = box.rank();
+  const uint64_t w = DTypeSize(info.dtype);
+  const Shape tile = GridTile(info.shape, w, repo_->config.chunk_size);
+  // The grid cells the box meets: indices first[d] to last[d].
+  std::vector<uint64_t> first(n), last(n);
+  for (size_t d = 0; d < n; ++d) {
+    first[d] = box.offsets[d] / tile[d];
+    last[d] = (box.offsets[d] + box.lengths[d] - 1) / tile[d];
+  }
+  uint64_t row = w;  // bytes of one step along dimension 0 of the box
+  for (size_t d = 1; d < n; ++d) row *= box.lengths[d];
+  const LinearSpace box_space = SpaceOfBox(box);
+  // A source that reads forward only gives a band of rows (the cells of
+  // one index along dimension 0) at a time, in order.
+  const bool banded = !source.RandomAccess();
+  std::vector<uint64_t> index = first;
+  Box cell;
+  cell.offsets.resize(n);
+  cell.lengths.resize(n);
+  for (uint64_t i0 = first[0]; i0 <= last[0]; ++i0) {
+    const uint64_t r0 = std::max(i0 * tile[0], box.offsets[0]);
+    const uint64_t r1 = std::min((i0 + 1) * tile[0], box.offsets[0] + box.lengths[0]);
+    ShardSource* from = &source;
+    uint64_t from_base = 0;
+    std::optional<HostSource> band;
+    if (banded) {
+      from_base = (r0 - box.offsets[0]) * row;
+      band_.resize((r1 - r0) * row);
+      CKPT_RETURN_IF_ERROR(source.Read(from_base, band_));
+      band.emplace(band_);
+      from = &*band;
+    }
+    index = first;
+    index[0] = i0;
+    while (true) {
+      for (size_t d = 0; d < n; ++d) {
+        const uint64_t lo = std::max(index[d] * tile[d], box.offsets[d]);
+        const uint64_t hi = std::min((index[d] + 1) * tile[d], box.offsets[d] + box.lengths[d]);
+        cell.offsets[d] = lo;
+        cell.lengths[d] = hi - lo;
+      }
+      tile_runs_.clear();
+      ForEachRun(cell, box_space, SpaceOfBox(cell), [&](uint64_t src, uint64_t dst, uint64_t count) {
+        tile_runs_.push_back({src * w - from_base, dst * w, count * w});
+      });
+      TileSource piece(*from, tile_runs_, cell.NumElements() * w);
+      CKPT_RETURN_IF_ERROR(PutPiece(info, Normalize(info.shape, Region::OfBox(cell)), piece));
+      // The next cell of this band, last dimension fastest.
+      size_t d = n;
+      while (--d > 0) {
+        if (++index[d] <= last[d]) break;
+        index[d] = first[d];
+      }
+      if (d == 0) break;
+    }
+  }
   return Status::OK();
 }
 

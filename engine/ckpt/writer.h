@@ -46,6 +46,10 @@ class ShardSource {
   // change gives a mix of old and new values, never a chunk that fails its
   // id.
   virtual const std::byte* HostData() const { return nullptr; }
+  // Whether Read may be called at any offsets in any order. A source that
+  // streams (from a device) reads forward only, and the writer then takes
+  // a box shard that it cuts into tiles a band of rows at a time.
+  virtual bool RandomAccess() const { return HostData() != nullptr; }
   // Zero-copy for sources that stage through their own buffers: the writer
   // first announces its chunk boundaries (offsets into the source, from 0 to
   // size()), then asks to borrow each chunk. A source that cannot lend one
@@ -82,6 +86,7 @@ class MappedSource final : public ShardSource {
   uint64_t size() const override { return data_.size(); }
   Status Read(uint64_t offset, std::span<std::byte> dst) override;
   Result<BorrowedBytes> Borrow(uint64_t offset, uint64_t n) override;
+  bool RandomAccess() const override { return true; }
 
  private:
   MappedSource(std::shared_ptr<const MappedFile> file, std::span<const std::byte> data)
@@ -158,6 +163,9 @@ class CheckpointWriter {
 
   // Stores a shard of `tensor` covering `region` (a box or a flat range of
   // the global tensor). `source` yields the region's elements row-major.
+  // A box that is not contiguous in row-major order is stored as the tiles
+  // of the tensor's grid (GridTile) that it meets, one shard record each,
+  // so that the same region gives the same chunks whatever the cut.
   // Returns once the source's bytes have been consumed (hashed and encoded or
   // copied into the pipeline); hashing, compression and pack writes run on
   // the worker pool. InvalidArgument for a region that does not fit the shape,

@@ -110,6 +110,64 @@ Region Normalize(const Shape& shape, const Region& region) {
 }
 
 namespace {
+// Bytes of a tile of these extents, saturating at 2^64 - 1.
+uint64_t TileBytes(const Shape& tile, uint64_t element_size) {
+  unsigned __int128 bytes = element_size;
+  for (uint64_t e : tile) {
+    bytes *= e;
+    if (bytes > UINT64_MAX) return UINT64_MAX;
+  }
+  return static_cast<uint64_t>(bytes);
+}
+uint64_t CeilDiv(uint64_t a, uint64_t b) { return a / b + (a % b != 0); }
+}  // namespace
+
+Shape GridTile(const Shape& shape, uint64_t element_size, uint64_t chunk_size) {
+  const size_t n = shape.size();
+  Shape tile = shape;
+  if (n == 0) return tile;
+  std::vector<uint64_t> parts(n, 1);
+  const uint64_t least = std::max<uint64_t>(chunk_size / kGridMinFraction, 1);
+  // Whether dimension i may be halved again: a tile's rows (its extent
+  // along the last dimension) stay at least kGridMinRow bytes long, so
+  // that gathering and scattering a tile copies runs, not elements.
+  auto halved = [&](size_t i) { return CeilDiv(shape[i], parts[i] * 2); };
+  auto may_halve = [&](size_t i) {
+    return tile[i] >= 2 && (i + 1 < n || halved(i) * element_size >= kGridMinRow);
+  };
+  // Equal parts first, up to kGridParts a dimension, while tiles stay large
+  // enough to compress well and cost little to index.
+  for (uint64_t round = 1; round < kGridParts; round *= 2) {
+    for (size_t i = n; i-- > 0;) {
+      if (!may_halve(i)) continue;
+      Shape next = tile;
+      next[i] = halved(i);
+      if (TileBytes(next, element_size) < least) continue;
+      tile[i] = next[i];
+      parts[i] *= 2;
+    }
+  }
+  // Then no tile larger than a chunk: halve the longest extent that may be
+  // halved (the last such dimension), which keeps the parts a power of two;
+  // rows shorter than kGridMinRow only when nothing else is left.
+  while (TileBytes(tile, element_size) > chunk_size) {
+    size_t longest = n;
+    for (size_t i = 0; i < n; ++i) {
+      if (may_halve(i) && (longest == n || tile[i] >= tile[longest])) longest = i;
+    }
+    if (longest == n) {
+      for (size_t i = 0; i < n; ++i) {
+        if (tile[i] >= 2 && (longest == n || tile[i] >= tile[longest])) longest = i;
+      }
+    }
+    if (longest == n) break;
+    tile[longest] = halved(longest);
+    parts[longest] *= 2;
+  }
+  return tile;
+}
+
+namespace {
 void Decompose(const Shape& shape, size_t dim, std::vector<uint64_t>& prefix, uint64_t s,
                uint64_t e, std::vector<Box>& out) {
   if (s >= e) return;

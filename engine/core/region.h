@@ -68,6 +68,21 @@ Status ValidateRegion(const Shape& shape, const Region& region);
 // storage form, whose chunks align to the tensor's global byte offsets);
 // a flat range or a non-contiguous box is returned unchanged.
 Region Normalize(const Shape& shape, const Region& region);
+// The grid that a box shard which is not contiguous is chunked on
+// (docs/FORMAT.md, "Chunks"): a tile's extent along each dimension. It
+// depends on the tensor's shape, its element size and the chunk size only,
+// never on the shards, so a region of a tensor is cut into the same tiles
+// whatever the world size and placements that saved it. Each dimension is
+// split into up to kGridParts equal parts (ceil(extent / parts) elements,
+// the last dimension first) while a tile keeps at least chunk_size /
+// kGridMinFraction bytes; then the longest extent is halved until a tile
+// holds at most chunk_size bytes. The last dimension is not cut into rows
+// shorter than kGridMinRow bytes unless nothing else can be cut.
+// chunk_size >= element_size.
+inline constexpr uint64_t kGridParts = 8;
+inline constexpr uint64_t kGridMinFraction = 16;
+inline constexpr uint64_t kGridMinRow = 128;
+Shape GridTile(const Shape& shape, uint64_t element_size, uint64_t chunk_size);
 // Row-major flat index of the box's first element.
 uint64_t FlatIndexOf(const Shape& shape, const std::vector<uint64_t>& coords);
 // Splits a flat range into the fewest boxes (at most 2*rank-1) whose union it

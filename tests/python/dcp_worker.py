@@ -66,6 +66,8 @@ def big():
     return {
         "layers.0.weight": torch.randn(2048, 512, generator=gen),                       # Shard(0): 4 MiB
         "embed.weight": torch.randn(1024, 256, generator=gen).to(torch.bfloat16),      # Replicate
+        "layers.0.out.weight": torch.randn(256, 1024, generator=gen),                   # Shard(1): 1 MiB
+        "layers.0.mlp.weight": torch.randn(512, 512, generator=gen).to(torch.bfloat16),  # (Shard(0), Shard(1))
     }
 
 
@@ -158,8 +160,12 @@ def main():
         mesh = init_device_mesh("cpu", (world,))
         if sys.argv[3] == "big":
             b = big()
+            grid = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
             sd = {"layers.0.weight": distribute_tensor(b["layers.0.weight"], mesh, [Shard(0)]),
-                  "embed.weight": distribute_tensor(b["embed.weight"], mesh, [Replicate()]), "step": 77}
+                  "embed.weight": distribute_tensor(b["embed.weight"], mesh, [Replicate()]),
+                  "layers.0.out.weight": distribute_tensor(b["layers.0.out.weight"], mesh, [Shard(1)]),
+                  "layers.0.mlp.weight": distribute_tensor(b["layers.0.mlp.weight"], grid, [Shard(0), Shard(1)]),
+                  "step": 77}
         else:
             sd = state(world, True, False)
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(repo))

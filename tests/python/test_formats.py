@@ -101,7 +101,8 @@ class DcpDirectories(DcpTestCase):
         # A dry run lists what would come in and writes nothing.
         dry = json.loads(self.ckpt("import", "w4", four, "--dry-run", "--json").stdout)
         self.assertEqual(dry["format"], "dcp")
-        self.assertEqual({t["name"]: t["shards"] for t in dry["tensors"]}, {"layers.0.weight": 4, "embed.weight": 1})
+        self.assertEqual({t["name"]: t["shards"] for t in dry["tensors"]},
+                         {"layers.0.weight": 4, "embed.weight": 1, "layers.0.out.weight": 4, "layers.0.mlp.weight": 4})
         self.assertEqual([c["name"] for c in self.r.checkpoints()], [])
         # Through the CLI (which hands DCP to the Python package) and the API.
         p = self.ckpt("import", "w4", four, "--step", "77", "--progress=json")
@@ -121,8 +122,18 @@ class DcpDirectories(DcpTestCase):
             self.assertEqual(torch.load(__import__("io").BytesIO(self.r.blob(name, "step")), weights_only=True), 77)
         shards = {t["name"]: len(t["shards"]) for t in self.r.show("w4")["tensors"]}
         self.assertEqual(shards["layers.0.weight"], 4)
-        # The world-size-2 copy stored almost nothing new: its chunks are
-        # the world-size-4 copy's (the blob holds DCP's pickle, a few bytes).
+        # Column blocks and a 2-D mesh's boxes are kept as tiles of a grid
+        # of the tensor (more shard records than ranks), shown as the ranks cut it.
+        self.assertGreater(shards["layers.0.out.weight"], 4)
+        for name, want_placement in (("w4", {"layers.0.weight": "4 row blocks", "layers.0.out.weight": "4 column blocks",
+                                             "layers.0.mlp.weight": "4 boxes"}),
+                                     ("w2", {"layers.0.weight": "2 row blocks", "layers.0.out.weight": "2 column blocks",
+                                             "layers.0.mlp.weight": "2 column blocks"})):
+            placement = {t["name"]: t["placement"] for t in self.r.show(name)["tensors"]}
+            self.assertEqual({k: placement[k] for k in want_placement}, want_placement, name)
+        # The world-size-2 copy stored almost nothing new, whatever the
+        # placement (rows, columns, a 2-D mesh): its chunks are the
+        # world-size-4 copy's (the blob holds DCP's pickle, a few bytes).
         logical = sum(t.numel() * t.element_size() for t in want.values())
         self.assertLess(first["stored_bytes"], logical * 0.01, first)
         du = {c["name"]: c for c in json.loads(self.ckpt("du", "--json").stdout)["checkpoints"]}

@@ -6,7 +6,8 @@
 //
 // The fixture was made by this file's DISABLED_WriteTheFixture, built with
 // the code of its time and run with CKPTFS_FIXTURE_OUT=DIR and
-// --gtest_also_run_disabled_tests --gtest_filter='FormatFixture.DISABLED_*'.
+// --gtest_also_run_disabled_tests --gtest_filter='FormatFixture.DISABLED_*';
+// tests/fixtures/format-1-boxes likewise by DISABLED_WriteTheBoxFixture.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -233,6 +235,120 @@ TEST(FormatFixture, TodaysCodeReadsVerifiesAndCollectsAStoreRepositoryOfFormat1)
   auto repo = Repository::Open(store, o);
   ASSERT_OK(repo.status());
   CheckRepository(**repo);
+}
+
+// Box shards that are not contiguous, as builds before the tile grid
+// stored them (tests/fixtures/format-1-boxes): each chunked from its own
+// start, rows running on from one chunk into the next. Four ranks: "tp"
+// in column blocks (each box two chunks, cut inside a row), "mesh" in the
+// boxes of a 2 x 2 mesh.
+constexpr const char* kBoxFixtures = CKPTFS_TEST_FIXTURES "/format-1-boxes";
+constexpr uint32_t kBoxRanks = 4;
+
+std::vector<Expected> BoxTensors() {
+  return {{"tp", DType::kBF16, {1536, 96}, Pattern(1536 * 96 * 2, 31)},
+          {"mesh", DType::kF32, {32, 40}, Pattern(32 * 40 * 4, 32)}};
+}
+
+Box BoxOfRank(const Expected& t, uint32_t rank) {
+  if (t.name == "tp") return Box{{0, 24 * rank}, {1536, 24}};
+  return Box{{16 * (rank / 2), 20 * (rank % 2)}, {16, 20}};
+}
+
+RepositoryConfig BoxFixtureConfig() {
+  RepositoryConfig c;
+  c.chunk_size = 64 << 10;
+  c.pack_size = 256 << 10;
+  c.adaptive = false;
+  return c;
+}
+
+void SaveBoxes(Repository& repo, const std::string& name = "boxes") {
+  for (uint32_t rank = 0; rank < kBoxRanks; ++rank) {
+    WriterOptions wo;
+    wo.rank = rank;
+    wo.world_size = kBoxRanks;
+    auto w = repo.BeginCheckpoint(name, wo);
+    ASSERT_OK(w.status());
+    for (const auto& t : BoxTensors()) {
+      const Box box = BoxOfRank(t, rank);
+      const uint64_t width = DTypeSize(t.dtype);
+      std::string bytes;
+      for (uint64_t r = 0; r < box.lengths[0]; ++r) {
+        const uint64_t at = ((box.offsets[0] + r) * t.shape[1] + box.offsets[1]) * width;
+        bytes += t.bytes.substr(at, box.lengths[1] * width);
+      }
+      HostSource src(std::as_bytes(std::span(bytes)));
+      ASSERT_OK((*w)->PutShard(TensorInfo{t.name, t.dtype, t.shape}, Region::OfBox(box), src));
+    }
+    ASSERT_OK((*w)->Commit().Wait().status());
+  }
+}
+
+TEST(FormatFixture, DISABLED_WriteTheBoxFixture) {
+  const char* out = std::getenv("CKPTFS_FIXTURE_OUT");
+  ASSERT_TRUE(out) << "set CKPTFS_FIXTURE_OUT to an empty directory";
+  const fs::path dir = out;
+  ASSERT_OK(Repository::Init((dir / "local").string(), BoxFixtureConfig()));
+  {
+    auto repo = Repository::Open((dir / "local").string());
+    ASSERT_OK(repo.status());
+    SaveBoxes(**repo);
+  }
+  fs::remove_all(dir / "local" / "leases");
+  fs::remove_all(dir / "local" / "locks");
+  fs::remove(dir / "local" / "catalog" / "lock.mdb");
+}
+
+// The old box shards read back whole and in any region, verify, and a save
+// of the same state today stores it as tiles beside them.
+TEST(FormatFixture, TodaysCodeReadsBoxShardsChunkedFromTheirStart) {
+  ASSERT_TRUE(fs::exists(fs::path(kBoxFixtures) / "local" / "ckptfs.json")) << kBoxFixtures;
+  TempDir dir;
+  fs::copy(fs::path(kBoxFixtures) / "local", dir / "repo", fs::copy_options::recursive);
+  auto repo = Repository::Open(dir / "repo");
+  ASSERT_OK(repo.status());
+  auto reader = (*repo)->OpenCheckpoint("boxes");
+  ASSERT_OK(reader.status());
+  std::mt19937 rng(3);
+  for (const auto& t : BoxTensors()) {
+    SCOPED_TRACE(t.name);
+    auto rec = (*reader)->FindTarget(t.name, t.dtype, t.shape);
+    ASSERT_OK(rec.status());
+    // As the old builds stored them: one shard a rank, chunked from its start.
+    ASSERT_EQ((*rec)->shards.size(), kBoxRanks);
+    if (t.name == "tp") {
+      EXPECT_EQ((*rec)->shards[0].chunks.size(), 2u);
+    }
+    std::string got(t.bytes.size(), '\0');
+    ASSERT_OK((*reader)->ReadRegion(**rec, Region::OfFlat(0, t.bytes.size() / DTypeSize(t.dtype)),
+                                    std::as_writable_bytes(std::span(got))));
+    EXPECT_TRUE(got == t.bytes);
+    for (int i = 0; i < 50; ++i) {
+      Box box;
+      for (uint64_t d : t.shape) {
+        const uint64_t lo = rng() % d;
+        box.offsets.push_back(lo);
+        box.lengths.push_back(1 + rng() % (d - lo));
+      }
+      const uint64_t width = DTypeSize(t.dtype);
+      std::string want;
+      for (uint64_t r = 0; r < box.lengths[0]; ++r) {
+        want += t.bytes.substr(((box.offsets[0] + r) * t.shape[1] + box.offsets[1]) * width, box.lengths[1] * width);
+      }
+      std::string part(want.size(), '\0');
+      ASSERT_OK((*reader)->ReadBox(**rec, box, std::as_writable_bytes(std::span(part))));
+      ASSERT_TRUE(part == want) << box.ToString();
+    }
+  }
+  reader->reset();
+  SaveBoxes(**repo, "again");  // the same state today: in tiles
+  auto again = (*repo)->OpenCheckpoint("again");
+  ASSERT_OK(again.status());
+  EXPECT_GT((*again)->FindTensor("tp")->shards.size(), kBoxRanks);
+  auto verified = (*repo)->Verify(std::nullopt);
+  ASSERT_OK(verified.status());
+  EXPECT_TRUE(verified->ok());
 }
 
 }  // namespace

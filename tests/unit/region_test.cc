@@ -116,5 +116,42 @@ TEST(Region, ForEachRunMatchesElementwiseMapping) {
   }
 }
 
+// The grid box shards are chunked on: a function of the shape, element
+// size and chunk size alone; up to 8 equal parts a dimension while tiles
+// keep chunk_size / 16 bytes, and never a tile larger than a chunk.
+TEST(Region, GridTilesSplitEachDimensionInEqualPartsAndFitAChunk) {
+  EXPECT_EQ(GridTile({4096, 4096}, 2, 4 << 20), (Shape{512, 512}));        // 8 x 8 tiles of 512 KiB
+  EXPECT_EQ(GridTile({4096, 11008}, 4, 4 << 20), (Shape{512, 1376}));      // 2.7 MiB
+  EXPECT_EQ(GridTile({2048, 512}, 4, 64 << 10), (Shape{256, 64}));
+  EXPECT_EQ(GridTile({100, 70}, 4, 64 << 10), (Shape{50, 35}));            // 4 KiB at least
+  EXPECT_EQ(GridTile({8, 4096, 4096}, 2, 4 << 20), (Shape{1, 512, 512}));  // 8 x 8 x 8
+  EXPECT_EQ(GridTile({1 << 20, 8}, 4, 64 << 10), (Shape{2048, 8}));        // rows of 128 B at least
+  EXPECT_EQ(GridTile({64, 4096}, 1, 1024), (Shape{8, 128}));               // a chunk at most
+  EXPECT_EQ(GridTile({1, 4096}, 1, 64), (Shape{1, 64}));                   // short rows when nothing else is left
+  EXPECT_EQ(GridTile({3, 5}, 8, 4 << 20), (Shape{3, 5}));                  // small: one tile
+  std::mt19937_64 rng(5);
+  for (int i = 0; i < 2000; ++i) {
+    Shape shape(2 + rng() % 3);
+    for (auto& d : shape) d = 1 + rng() % (rng() % 2 ? 100000 : 64);
+    const uint64_t w = uint64_t{1} << (rng() % 4), chunk = uint64_t{8} << (rng() % 20);
+    const Shape tile = GridTile(shape, w, chunk);
+    ASSERT_EQ(tile.size(), shape.size());
+    uint64_t bytes = w;
+    for (size_t d = 0; d < shape.size(); ++d) {
+      ASSERT_GE(tile[d], 1u);
+      ASSERT_LE(tile[d], shape[d]);
+      // ceil(shape / parts) for a power-of-two number of parts
+      bool found = false;
+      for (uint64_t parts = 1; parts <= shape[d] * 2 && !found; parts *= 2) {
+        found = tile[d] == (shape[d] + parts - 1) / parts;
+      }
+      ASSERT_TRUE(found) << ShapeToString(shape) << " " << ShapeToString(tile);
+      bytes *= tile[d];
+    }
+    ASSERT_LE(bytes, chunk) << ShapeToString(shape) << " " << ShapeToString(tile);
+    EXPECT_EQ(GridTile(shape, w, chunk), tile);
+  }
+}
+
 }  // namespace
 }  // namespace ckptfs
