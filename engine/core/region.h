@@ -80,7 +80,7 @@ Region Normalize(const Shape& shape, const Region& region);
 // shorter than kGridMinRow bytes unless nothing else can be cut.
 // chunk_size >= element_size.
 inline constexpr uint64_t kGridParts = 8;
-inline constexpr uint64_t kGridMinFraction = 16;
+inline constexpr uint64_t kGridMinFraction = 4;
 inline constexpr uint64_t kGridMinRow = 128;
 Shape GridTile(const Shape& shape, uint64_t element_size, uint64_t chunk_size);
 // Row-major flat index of the box's first element.

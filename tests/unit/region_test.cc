@@ -118,13 +118,13 @@ TEST(Region, ForEachRunMatchesElementwiseMapping) {
 
 // The grid box shards are chunked on: a function of the shape, element
 // size and chunk size alone; up to 8 equal parts a dimension while tiles
-// keep chunk_size / 16 bytes, and never a tile larger than a chunk.
+// keep chunk_size / 4 bytes, and never a tile larger than a chunk.
 TEST(Region, GridTilesSplitEachDimensionInEqualPartsAndFitAChunk) {
-  EXPECT_EQ(GridTile({4096, 4096}, 2, 4 << 20), (Shape{512, 512}));        // 8 x 8 tiles of 512 KiB
+  EXPECT_EQ(GridTile({4096, 4096}, 2, 4 << 20), (Shape{1024, 512}));       // 4 x 8 tiles of 1 MiB
   EXPECT_EQ(GridTile({4096, 11008}, 4, 4 << 20), (Shape{512, 1376}));      // 2.7 MiB
   EXPECT_EQ(GridTile({2048, 512}, 4, 64 << 10), (Shape{256, 64}));
-  EXPECT_EQ(GridTile({100, 70}, 4, 64 << 10), (Shape{50, 35}));            // 4 KiB at least
-  EXPECT_EQ(GridTile({8, 4096, 4096}, 2, 4 << 20), (Shape{1, 512, 512}));  // 8 x 8 x 8
+  EXPECT_EQ(GridTile({100, 70}, 4, 64 << 10), (Shape{100, 70}));           // 16 KiB at least
+  EXPECT_EQ(GridTile({8, 4096, 4096}, 2, 4 << 20), (Shape{2, 512, 512}));  // 4 x 8 x 8
   EXPECT_EQ(GridTile({1 << 20, 8}, 4, 64 << 10), (Shape{2048, 8}));        // rows of 128 B at least
   EXPECT_EQ(GridTile({64, 4096}, 1, 1024), (Shape{8, 128}));               // a chunk at most
   EXPECT_EQ(GridTile({1, 4096}, 1, 64), (Shape{1, 64}));                   // short rows when nothing else is left
