@@ -4,6 +4,7 @@
 #include "ckpt/collective.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -639,6 +640,8 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
   // others open without one and send what they opened (its identity), for
   // rank 0 to check that it is the checkpoint it leased, and the device
   // their targets are on.
+  const auto called = std::chrono::steady_clock::now();
+  double make_seconds = 0;
   Status local = memory.Ready();
   Result<std::unique_ptr<CheckpointReader>> reader = Status::Internal("no reader opened");
   if (local.ok()) {
@@ -665,6 +668,7 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
   // regions travel over the device.
   auto plan = [&](const std::vector<std::vector<PlanEntry>>& plans,
                   const std::vector<std::string>& extras) -> Result<std::vector<std::string>> {
+    const auto making = std::chrono::steady_clock::now();
     const CheckpointReader& r = **reader;  // rank 0's, open: its failure stops the plan before this
     std::vector<std::string> identities, devices;
     for (const std::string& x : extras) {
@@ -686,11 +690,13 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
              plans, [&](std::string_view tensor) { return r.FindTensor(tensor); }, kHandoffWindowBytes)) {
       parts.push_back(std::string(1, on_device) + EncodeLoadPlan(p));
     }
+    make_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - making).count();
     return parts;
   };
   uint64_t plan_bytes = 0;
   CKPT_ASSIGN_OR_RETURN(std::string part,
                         PlanAtRankZero(comm, kStepDescribeTargets, local, mine, extra, plan, &plan_bytes));
+  const double plan_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - called).count();
   RankLoadPlan routes;
   const bool on_device = !part.empty() && part[0] != 0;
   CKPT_RETURN_IF_ERROR(DecodeLoadPlan(std::string_view(part).substr(part.empty() ? 0 : 1), mine.size(), comm.size(),
@@ -700,6 +706,8 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
   CollectiveLoadResult result;
   result.unique_bytes = routes.unique_bytes;
   result.plan_bytes_received = plan_bytes;
+  result.plan_seconds = plan_seconds;
+  result.plan_make_seconds = make_seconds;
   const std::vector<HandoffWindow>& windows = routes.windows;
   // 3. Chunks that regions with different readers share are fetched by one
   // of them and handed over decoded before those regions are read, in

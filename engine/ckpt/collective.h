@@ -149,6 +149,11 @@ struct CollectiveLoadResult {
   uint64_t handoff_sent_bytes = 0;
   uint64_t handoff_received_bytes = 0;
   uint64_t plan_bytes_received = 0;  // as CollectiveSaveResult's
+  // Seconds from this rank's call until it held its part of the plan
+  // (its reader open, the targets gathered at rank 0, the plan made and
+  // sent); at rank 0, plan_make_seconds of them went into making it.
+  double plan_seconds = 0;
+  double plan_make_seconds = 0;
 };
 // Every rank calls it with the regions it needs (at any world size and
 // replication). Each distinct region is read by one of the ranks needing

@@ -36,7 +36,7 @@ struct RepositoryConfig {
 
 struct OpenOptions {
   size_t threads = 0;                     // workers; 0 = hardware concurrency
-  size_t cache_bytes = 512ull << 20;      // decoded-chunk cache bound
+  size_t cache_bytes = 512ull << 20;      // decoded-chunk cache bound (the memory of its buffers)
   // Repositories on an object store: the directory where this host keeps
   // the repository's catalog. Empty: CACHE_ROOT/ID, a directory per
   // repository under `cache_root`; with that empty too, Open fails

@@ -38,7 +38,7 @@ void ChunkCache::Clear() {
 }
 
 void ChunkCache::EraseLocked(std::unordered_map<ChunkId, Entry, ChunkIdHash>::iterator it) {
-  bytes_ -= it->second.data->size();
+  bytes_ -= it->second.data->footprint();
   lru_.erase(it->second.lru);
   map_.erase(it);
 }
@@ -61,7 +61,7 @@ void ChunkCache::Consumed(const ChunkId& id, uint64_t bytes) {
 void ChunkCache::EvictLocked() {
   while (bytes_ > capacity_ && !lru_.empty()) {
     auto it = map_.find(lru_.back());
-    bytes_ -= it->second.data->size();
+    bytes_ -= it->second.data->footprint();
     map_.erase(it);
     lru_.pop_back();
   }
@@ -90,7 +90,7 @@ Result<ChunkData> ChunkCache::Get(const ChunkId& id, const std::function<Result<
     it->second.data = r.value();
     lru_.push_front(id);
     it->second.lru = lru_.begin();
-    bytes_ += r.value()->size();
+    bytes_ += r.value()->footprint();
     EvictLocked();
   }
   loaded_.notify_all();

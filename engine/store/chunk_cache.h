@@ -1,6 +1,7 @@
 // A cache of decoded chunks shared by reader threads.
 //
-// Bounded by bytes (LRU). Concurrent requests for the same chunk decode it
+// Bounded by the memory its buffers hold (LRU; a small chunk in a pooled,
+// chunk-sized buffer counts as the buffer). Concurrent requests for the same chunk decode it
 // once: later callers wait for the first. Errors are not cached. Readers
 // say how many bytes they copied out of an entry (Consumed); an entry whose
 // every byte has been copied out once leaves the cache, so a one-pass load
@@ -37,6 +38,8 @@ class ChunkBuffer {
   std::byte* data() { return lease_ ? lease_.data() : owned_.get(); }
   const std::byte* data() const { return lease_ ? lease_.data() : owned_.get(); }
   size_t size() const { return size_; }
+  // The memory it holds: a pooled buffer is chunk-sized whatever the chunk.
+  size_t footprint() const { return lease_ ? lease_.capacity() : size_; }
   std::span<std::byte> span() { return {data(), size_}; }
 
  private:
@@ -66,7 +69,7 @@ class ChunkCache {
   // Counts `bytes` copied out of the chunk's entry; drops the entry once
   // the count reaches its size. No-op when the chunk is not cached.
   void Consumed(const ChunkId& id, uint64_t bytes);
-  size_t bytes() const;
+  size_t bytes() const;  // the footprint of the entries held
   size_t capacity() const { return capacity_; }
 
  private:

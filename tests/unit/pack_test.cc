@@ -266,6 +266,22 @@ TEST(ChunkCache, LoadsOnceAndEvictsByBytes) {
   EXPECT_EQ(loads, 6);
 }
 
+// A small chunk decoded into a pooled buffer holds the whole buffer: the
+// cache counts that, so that chunks smaller than the pool's buffers (grid
+// cells, the tails of shards) cannot hold several times its capacity.
+TEST(ChunkCache, PooledBuffersCountWhole) {
+  BufferPool pool(64 << 10, 8);
+  ChunkCache cache(2 * (64 << 10));
+  auto small = [&]() -> Result<ChunkData> { return ChunkData(std::make_shared<ChunkBuffer>(pool.Acquire(1000), 1000)); };
+  const ChunkId a = ChunkId::Of(RandomBytes(10, 1)), b = ChunkId::Of(RandomBytes(10, 2)), c = ChunkId::Of(RandomBytes(10, 3));
+  ASSERT_OK(cache.Get(a, small));
+  ASSERT_OK(cache.Get(b, small));
+  EXPECT_EQ(cache.bytes(), 2u * (64 << 10));
+  ASSERT_OK(cache.Get(c, small));  // a third buffer: the least recent goes
+  EXPECT_FALSE(cache.Contains(a));
+  EXPECT_EQ(cache.bytes(), 2u * (64 << 10));
+}
+
 TEST(ChunkCache, AnEntryLeavesOnceEveryByteWasCopiedOut) {
   ChunkCache cache(1 << 20);
   int loads = 0;

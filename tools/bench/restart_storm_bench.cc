@@ -15,7 +15,9 @@
 //   alone:      each rank opens the repository and reads its rows itself,
 //               as a job without ckptfs's collective restore does.
 //
-// For each it reports the time to restore (open and load), requests
+// For each it reports the time to restore (open and load), for a
+// collective one the planning time (the longest any rank waited for its
+// part of the plan, and rank 0's time making it), requests
 // answered per rank, LIST pages per restart, bytes downloaded at the wire
 // (headers, listings and indexes included) over the bytes stored,
 // requests throttled (each retried with backoff and jitter by the client),
@@ -70,6 +72,9 @@ struct Options {
 
 struct Figures {
   double seconds = 0, open_seconds = 0;
+  // Collective only: the longest any rank waited for its part of the plan
+  // (from its LoadCollective call), and rank 0's time making it.
+  double plan_seconds = 0, plan_make_seconds = 0;
   double requests_per_rank = 0;
   uint64_t lists = 0;
   double down_over_stored = 0;
@@ -98,7 +103,7 @@ Figures Restore(const Options& opt, const ObjectStoreOptions& s3, const std::str
   const std::string caches = opt.dir + "/ckptfs-storm-" + std::to_string(::getpid()) + "-" + std::to_string(n);
   std::vector<std::unique_ptr<Repository>> repos(n);
   std::vector<std::string> errors(n);
-  std::vector<double> opened(n);
+  std::vector<double> opened(n), planned(n), made(n);
   std::atomic<int> exact{0};
   auto comms = collective ? NewHostGroup(n) : std::vector<std::unique_ptr<Communicator>>{};
   const auto t0 = Clock::now();
@@ -119,7 +124,12 @@ Figures Restore(const Options& opt, const ObjectStoreOptions& s3, const std::str
       if (collective) {
         std::vector<CollectiveTarget> targets = {
             {{"w", DType::kF32, {rows, cols}}, Region::OfBox(Box{{first, 0}, {count, cols}}), got}};
-        st = LoadCollective(*repos[r], "s", targets, *comms[r]).status();
+        auto loaded = LoadCollective(*repos[r], "s", targets, *comms[r]);
+        st = loaded.status();
+        if (loaded.ok()) {
+          planned[r] = loaded->plan_seconds;
+          made[r] = loaded->plan_make_seconds;
+        }
       } else {
         auto reader = repos[r]->OpenCheckpoint("s");
         st = reader.status();
@@ -136,6 +146,8 @@ Figures Restore(const Options& opt, const ObjectStoreOptions& s3, const std::str
   Figures f;
   f.seconds = Seconds(t0);
   f.open_seconds = *std::max_element(opened.begin(), opened.end());
+  f.plan_seconds = *std::max_element(planned.begin(), planned.end());
+  f.plan_make_seconds = made[0];
   for (int r = 0; r < n; ++r) {
     if (!errors[r].empty() && f.error.empty()) f.error = "rank " + std::to_string(r) + ": " + errors[r];
     if (repos[r]) f.lists += repos[r]->store_requests().list;
@@ -220,15 +232,20 @@ int main(int argc, char** argv) {
               double(w.size()) / (1 << 20), static_cast<unsigned long long>(rows), o.save_ranks,
               double(stored) / (1 << 20), o.rate, o.burst,
               o.mode == Fault::kTooManyRequests ? "429 Too Many Requests" : "503 SlowDown");
-  std::printf("%6s %-11s %9s %8s %10s %7s %12s %10s %10s\n", "ranks", "restore", "time s", "open s", "req/rank",
-              "LISTs", "down/stored", "throttled", "bit-exact");
+  std::printf("%6s %-11s %9s %8s %8s %8s %10s %7s %12s %10s %10s\n", "ranks", "restore", "time s", "open s",
+              "plan s", "make s", "req/rank", "LISTs", "down/stored", "throttled", "bit-exact");
   int failures = 0;
   for (int n : o.ranks) {
     for (bool collective : {true, false}) {
       if (!collective && !o.alone) continue;
       const Figures f = Restore(o, *s3, url, upstream, n, collective, rows, cols, w, stored);
-      std::printf("%6d %-11s %9.2f %8.2f %10.1f %7llu %12.3f %10d %6d/%-4d%s\n", n,
-                  collective ? "collective" : "alone", f.seconds, f.open_seconds, f.requests_per_rank,
+      char plan[32] = "-", make[32] = "-";
+      if (collective) {
+        std::snprintf(plan, sizeof plan, "%.2f", f.plan_seconds);
+        std::snprintf(make, sizeof make, "%.3f", f.plan_make_seconds);
+      }
+      std::printf("%6d %-11s %9.2f %8.2f %8s %8s %10.1f %7llu %12.3f %10d %6d/%-4d%s\n", n,
+                  collective ? "collective" : "alone", f.seconds, f.open_seconds, plan, make, f.requests_per_rank,
                   static_cast<unsigned long long>(f.lists), f.down_over_stored, f.throttled, f.exact, n,
                   f.error.empty() ? "" : ("  " + f.error).c_str());
       std::fflush(stdout);

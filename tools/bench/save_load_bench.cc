@@ -150,6 +150,7 @@ int main(int argc, char** argv) {
     double ts = Seconds(t0);
     const long long save_faults = bench::MinorFaults(::getpid()) - faults_before_save;
     const double save_cpu = bench::CpuSeconds() - cpu_before_save;
+    const uint64_t save_buffers = repo->buffer_stats().allocations;
     parts.clear();
 
     // Stored bytes, overall and for the bf16 weights.
@@ -181,6 +182,7 @@ int main(int argc, char** argv) {
     double tl = Seconds(t1);
     const double load_cpu = bench::CpuSeconds() - cpu_before_load;
     const long long load_faults = bench::MinorFaults(::getpid()) - faults_before_load;
+    const uint64_t load_buffers = repo->buffer_stats().allocations;
     if (!bench::LoadedRight(state, loaded)) return 1;
     reader.reset();
     repo.reset();
@@ -196,6 +198,9 @@ int main(int argc, char** argv) {
                 "%.3f of raw (bf16 weights %.3f); minor page faults per GiB: save %.0f, load %.0f; all bytes checked\n",
                 run + 1, gb / tw, gb / tr, gb / tm, gb / ts, tw / ts, save_limit, gb / tl, tr / tl, tm / tl, load_limit,
                 double(stored) / total, double(stored_w) / weight_bytes, save_faults / gib, load_faults / gib);
+    // Buffers the repository's pool allocated (fresh memory) rather than reused.
+    std::printf("       chunk buffers allocated: save %llu, load %llu\n",
+                static_cast<unsigned long long>(save_buffers), static_cast<unsigned long long>(load_buffers));
     // Which resource binds: CPU seconds per wall second (the cores busy).
     std::printf("       cores busy: save %.2f, load %.2f of %u\n", save_cpu / ts, load_cpu / tl,
                 std::thread::hardware_concurrency());

@@ -860,6 +860,8 @@ class PyRepository {
     d["handoff_sent_bytes"] = r->handoff_sent_bytes;
     d["handoff_received_bytes"] = r->handoff_received_bytes;
     d["plan_bytes_received"] = r->plan_bytes_received;
+    d["plan_seconds"] = r->plan_seconds;
+    d["plan_make_seconds"] = r->plan_make_seconds;
     return d;
   }
 
