@@ -181,6 +181,9 @@ int main(int argc, char** argv) {
     for (auto& t : loaders) t.join();
     double tl = Seconds(t1);
     const double load_cpu = bench::CpuSeconds() - cpu_before_load;
+    // The load phase on the clock `perf record -k CLOCK_MONOTONIC` stamps
+    // samples with, for a profile of the load alone (perf report --time).
+    const auto load_end = Clock::now();
     const long long load_faults = bench::MinorFaults(::getpid()) - faults_before_load;
     const uint64_t load_buffers = repo->buffer_stats().allocations;
     if (!bench::LoadedRight(state, loaded)) return 1;
@@ -198,6 +201,9 @@ int main(int argc, char** argv) {
                 "%.3f of raw (bf16 weights %.3f); minor page faults per GiB: save %.0f, load %.0f; all bytes checked\n",
                 run + 1, gb / tw, gb / tr, gb / tm, gb / ts, tw / ts, save_limit, gb / tl, tr / tl, tm / tl, load_limit,
                 double(stored) / total, double(stored_w) / weight_bytes, save_faults / gib, load_faults / gib);
+    std::printf("       load phase, CLOCK_MONOTONIC: %.6f,%.6f\n",
+                std::chrono::duration<double>(t1.time_since_epoch()).count(),
+                std::chrono::duration<double>(load_end.time_since_epoch()).count());
     // Buffers the repository's pool allocated (fresh memory) rather than reused.
     std::printf("       chunk buffers allocated: save %llu, load %llu\n",
                 static_cast<unsigned long long>(save_buffers), static_cast<unsigned long long>(load_buffers));
