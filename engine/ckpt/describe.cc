@@ -141,8 +141,8 @@ std::string DescribePlacement(const TensorRecord& t) {
   for (const auto& s : t.shards) copies = std::max(copies, s.ranks.size());
   const std::string replicated = copies > 1 ? ", replicated x" + std::to_string(copies) : "";
   const std::vector<Box> boxes = PiecesOf(t);
-  const size_t n = boxes.empty() ? t.shards.size() : boxes.size();
-  if (boxes.empty()) return std::to_string(n) + " flat ranges" + replicated;
+  if (boxes.empty()) return std::to_string(t.shards.size()) + " flat ranges" + replicated;
+  const size_t n = boxes.size();
   // The dimensions the boxes split.
   std::set<size_t> split;
   for (const Box& b : boxes) {

@@ -60,13 +60,17 @@ struct RegionHash {
 // every pair in CheckTiling would take quadratic time over.
 bool AnyOverlap(const TensorRecord& t) {
   const ShardIndex index(t);
+  std::vector<std::vector<Box>> boxes;
+  boxes.reserve(t.shards.size());
+  for (const ShardRecord& s : t.shards) boxes.push_back(RegionToBoxes(t.shape, s.region));
   std::vector<size_t> candidates;
-  for (size_t i = 0; i < t.shards.size(); ++i) {
-    for (const Box& b : RegionToBoxes(t.shape, t.shards[i].region)) {
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    for (const Box& b : boxes[i]) {
       index.Candidates(b, candidates);
+      // Meeting is symmetric: each pair once, from its first shard.
       for (size_t j : candidates) {
-        if (j == i) continue;
-        for (const Box& o : RegionToBoxes(t.shape, t.shards[j].region)) {
+        if (j <= i) continue;
+        for (const Box& o : boxes[j]) {
           if (Intersect(b, o)) return true;
         }
       }

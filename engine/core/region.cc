@@ -150,16 +150,16 @@ Shape GridTile(const Shape& shape, uint64_t element_size, uint64_t chunk_size) {
   // Then no tile larger than a chunk: halve the longest extent that may be
   // halved (the last such dimension), which keeps the parts a power of two;
   // rows shorter than kGridMinRow only when nothing else is left.
-  while (TileBytes(tile, element_size) > chunk_size) {
-    size_t longest = n;
+  auto longest_of = [&](auto&& eligible) {
+    size_t best = n;
     for (size_t i = 0; i < n; ++i) {
-      if (may_halve(i) && (longest == n || tile[i] >= tile[longest])) longest = i;
+      if (eligible(i) && (best == n || tile[i] >= tile[best])) best = i;
     }
-    if (longest == n) {
-      for (size_t i = 0; i < n; ++i) {
-        if (tile[i] >= 2 && (longest == n || tile[i] >= tile[longest])) longest = i;
-      }
-    }
+    return best;
+  };
+  while (TileBytes(tile, element_size) > chunk_size) {
+    size_t longest = longest_of(may_halve);
+    if (longest == n) longest = longest_of([&](size_t i) { return tile[i] >= 2; });
     if (longest == n) break;
     tile[longest] = halved(longest);
     parts[longest] *= 2;

@@ -263,6 +263,16 @@ RepositoryConfig BoxFixtureConfig() {
   return c;
 }
 
+// Row-major bytes of a box of a 2-d tensor.
+std::string BoxBytes(const Expected& t, const Box& box) {
+  const uint64_t width = DTypeSize(t.dtype);
+  std::string out;
+  for (uint64_t r = 0; r < box.lengths[0]; ++r) {
+    out += t.bytes.substr(((box.offsets[0] + r) * t.shape[1] + box.offsets[1]) * width, box.lengths[1] * width);
+  }
+  return out;
+}
+
 void SaveBoxes(Repository& repo, const std::string& name = "boxes") {
   for (uint32_t rank = 0; rank < kBoxRanks; ++rank) {
     WriterOptions wo;
@@ -272,12 +282,7 @@ void SaveBoxes(Repository& repo, const std::string& name = "boxes") {
     ASSERT_OK(w.status());
     for (const auto& t : BoxTensors()) {
       const Box box = BoxOfRank(t, rank);
-      const uint64_t width = DTypeSize(t.dtype);
-      std::string bytes;
-      for (uint64_t r = 0; r < box.lengths[0]; ++r) {
-        const uint64_t at = ((box.offsets[0] + r) * t.shape[1] + box.offsets[1]) * width;
-        bytes += t.bytes.substr(at, box.lengths[1] * width);
-      }
+      const std::string bytes = BoxBytes(t, box);
       HostSource src(std::as_bytes(std::span(bytes)));
       ASSERT_OK((*w)->PutShard(TensorInfo{t.name, t.dtype, t.shape}, Region::OfBox(box), src));
     }
@@ -331,11 +336,7 @@ TEST(FormatFixture, TodaysCodeReadsBoxShardsChunkedFromTheirStart) {
         box.offsets.push_back(lo);
         box.lengths.push_back(1 + rng() % (d - lo));
       }
-      const uint64_t width = DTypeSize(t.dtype);
-      std::string want;
-      for (uint64_t r = 0; r < box.lengths[0]; ++r) {
-        want += t.bytes.substr(((box.offsets[0] + r) * t.shape[1] + box.offsets[1]) * width, box.lengths[1] * width);
-      }
+      const std::string want = BoxBytes(t, box);
       std::string part(want.size(), '\0');
       ASSERT_OK((*reader)->ReadBox(**rec, box, std::as_writable_bytes(std::span(part))));
       ASSERT_TRUE(part == want) << box.ToString();
