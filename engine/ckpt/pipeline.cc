@@ -4,6 +4,9 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <span>
+
+#include "core/content_cuts.h"
 
 namespace ckptfs {
 namespace {
@@ -58,6 +61,13 @@ std::vector<uint64_t> SavePipeline::ChunkBounds(uint64_t global_start, uint64_t 
     bounds.push_back(pos);
   }
   return bounds;
+}
+
+std::vector<uint64_t> SavePipeline::ContentBounds(std::span<const std::byte> data) const {
+  std::vector<uint64_t> ends;
+  ContentCuts(data, settings_.chunk_size / kBlobChunkFraction, ends);
+  ends.insert(ends.begin(), 0);
+  return ends;
 }
 
 void SavePipeline::Submit(Job job) {

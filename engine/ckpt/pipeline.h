@@ -26,6 +26,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -81,6 +82,13 @@ class SavePipeline {
   // tensor's coordinates, so a flat range chunks the same whatever the
   // world size. Starts with 0 and ends with size.
   std::vector<uint64_t> ChunkBounds(uint64_t global_start, uint64_t size) const;
+
+  // Chunk boundaries of a blob's bytes: content-defined (core/content_cuts.h)
+  // aiming at chunk_size/16 bytes a chunk (at most chunk_size/8), so a
+  // region that did not change keeps its chunks when bytes before it were
+  // inserted or removed. Starts with 0 and ends with data.size().
+  std::vector<uint64_t> ContentBounds(std::span<const std::byte> data) const;
+  static constexpr uint64_t kBlobChunkFraction = 16;
 
   // Chunks `source` at `bounds` and sets `chunks` to the chunks' refs.
   // Returns once it no longer needs the source's bytes; the chunks may

@@ -382,7 +382,7 @@ Status WriterImpl::PutBlob(const std::string& name, std::span<const std::byte> d
   }
   BlobRecord blob{name, data.size(), {}};
   HostSource source(data);
-  CKPT_RETURN_IF_ERROR(pipeline_.Stream(pipeline_.ChunkBounds(0, data.size()), DType::kU8, source, blob.chunks));
+  CKPT_RETURN_IF_ERROR(pipeline_.Stream(pipeline_.ContentBounds(data), DType::kU8, source, blob.chunks));
   std::lock_guard lock(mu_);
   logical_bytes_ += data.size();
   record_.blobs.push_back(std::move(blob));

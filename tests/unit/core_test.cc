@@ -1,4 +1,4 @@
-// Status, dtypes, random ids and chunk ids.
+// Status, dtypes, random ids, chunk ids and content-defined cuts.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -13,6 +13,7 @@
 #include <set>
 
 #include "core/chunk_id.h"
+#include "core/content_cuts.h"
 #include "core/dtype.h"
 #include "core/random.h"
 #include "core/status.h"
@@ -117,6 +118,63 @@ TEST(ChunkHasher, PiecesHashLikeTheirConcatenation) {
   h.Reset();
   h.Update(data);
   EXPECT_NE(h.Finish(), whole);
+}
+
+// Cuts depend on the bytes, not on their offset: after an insertion the
+// cuts past it are the old ones shifted, once they agree again.
+TEST(ContentCuts, ChunksStayWithinTheirBoundsAndFollowTheBytesWhenTheyMove) {
+  std::vector<std::byte> data(3 << 20);
+  uint64_t x = 7;
+  for (auto& b : data) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    b = std::byte(x >> 56);
+  }
+  for (size_t target : {size_t{4096}, size_t{65536}, size_t{100000}}) {
+    std::vector<uint64_t> ends;
+    ContentCuts(data, target, ends);
+    const size_t t = size_t{1} << (63 - __builtin_clzll(target));
+    EXPECT_EQ(ContentCutsMaxChunk(target), 2 * t);
+    ASSERT_FALSE(ends.empty());
+    EXPECT_EQ(ends.back(), data.size());
+    uint64_t start = 0;
+    for (size_t i = 0; i < ends.size(); ++i) {
+      ASSERT_GT(ends[i], start);
+      EXPECT_LE(ends[i] - start, 2 * t);
+      if (i + 1 < ends.size()) {
+        EXPECT_GT(ends[i] - start, t / 8);
+      }
+      start = ends[i];
+    }
+    // The mean is near the target (random bytes): between a half and twice.
+    const double mean = double(data.size()) / double(ends.size());
+    EXPECT_GT(mean, t / 2.0);
+    EXPECT_LT(mean, 2.0 * t);
+
+    // 777 bytes inserted at 1 MiB: the cuts after 1 MiB + 4 x the largest
+    // chunk are the old ones, 777 bytes later.
+    std::vector<std::byte> moved(data.begin(), data.begin() + (1 << 20));
+    moved.insert(moved.end(), 777, std::byte{0x5a});
+    moved.insert(moved.end(), data.begin() + (1 << 20), data.end());
+    std::vector<uint64_t> moved_ends;
+    ContentCuts(moved, target, moved_ends);
+    std::set<uint64_t> old_after, new_after;
+    for (uint64_t e : ends) {
+      if (e > (1u << 20) + 8 * t) old_after.insert(e + 777);
+    }
+    for (uint64_t e : moved_ends) {
+      if (e > (1u << 20) + 777 + 8 * t) new_after.insert(e);
+    }
+    EXPECT_EQ(old_after, new_after) << "target " << target;
+    // And before the insertion, nothing moved.
+    for (size_t i = 0; i < ends.size() && ends[i] < (1u << 20); ++i) {
+      EXPECT_EQ(ends[i], moved_ends[i]);
+    }
+  }
+  std::vector<uint64_t> none;
+  ContentCuts({}, 4096, none);
+  EXPECT_TRUE(none.empty());
+  ContentCuts(std::span(data).first(100), 4096, none);  // under the least chunk: one
+  EXPECT_EQ(none, std::vector<uint64_t>{100});
 }
 
 TEST(RandomHex, DistinctAndForkSafe) {

@@ -16,6 +16,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "backend/store_url.h"
@@ -699,6 +700,50 @@ TEST_P(SaveAndLoad, BlobsRoundTrip) {
   ASSERT_OK(reader->ReadBlob(*b, 0, got));
   EXPECT_EQ(got, rng_state);
   EXPECT_EQ(reader->FindBlob("empty")->size, 0u);
+}
+
+// Blobs are chunked by their content: bytes inserted or removed in one
+// place cost the chunks around that place, and every other chunk is the
+// one the last save stored (a file whose header grew, a log with lines
+// added in the middle).
+TEST_P(SaveAndLoad, ABlobKeepsTheChunksOfItsUnchangedBytesWhenBytesBeforeThemChangeLength) {
+  const auto first = RandomBytes(1 << 20, 41);
+  std::vector<std::byte> second(first.begin(), first.begin() + (300 << 10));
+  const auto inserted = RandomBytes(1000, 42);
+  second.insert(second.end(), inserted.begin(), inserted.end());
+  second.insert(second.end(), first.begin() + (300 << 10), first.begin() + (700 << 10));
+  second.insert(second.end(), first.begin() + (700 << 10) + 2000, first.end());  // 2000 bytes removed
+  const uint64_t chunk_size = repo_->config().chunk_size;
+  std::vector<std::vector<ChunkRef>> chunks;
+  for (const std::vector<std::byte>* bytes : {&first, const_cast<const std::vector<std::byte>*>(&second)}) {
+    const std::string name = "cdc-" + std::to_string(chunks.size());
+    auto w = Begin(name);
+    ASSERT_OK(w->PutBlob("log", *bytes));
+    ASSERT_OK(w->Commit().Wait());
+    auto reader = std::move(repo_->OpenCheckpoint(name)).value();
+    const BlobRecord* b = reader->FindBlob("log");
+    ASSERT_NE(b, nullptr);
+    std::vector<std::byte> got(b->size);
+    ASSERT_OK(reader->ReadBlob(*b, 0, got));
+    EXPECT_TRUE(got == *bytes);
+    for (size_t i = 0; i < b->chunks.size(); ++i) {
+      EXPECT_LE(b->chunks[i].raw_len, chunk_size / 8);
+      if (i + 1 < b->chunks.size()) {
+        EXPECT_GE(b->chunks[i].raw_len, chunk_size / 16 / 8);
+      }
+    }
+    chunks.push_back(b->chunks);
+  }
+  std::set<ChunkId> before;
+  for (const ChunkRef& c : chunks[0]) before.insert(c.id);
+  uint64_t new_bytes = 0;
+  for (const ChunkRef& c : chunks[1]) {
+    if (!before.count(c.id)) new_bytes += c.raw_len;
+  }
+  // Each edit costs the chunk it falls in and, at worst, a few after it
+  // until the cuts agree again: here at most 4 of the largest chunks each.
+  EXPECT_LE(new_bytes, 1000 + 2 * 4 * (chunk_size / 8)) << new_bytes << " new bytes";
+  EXPECT_LT(new_bytes, second.size() / 10);
 }
 
 TEST_P(SaveAndLoad, HandlesWritersAndReadersOutliveTheirRepository) {
