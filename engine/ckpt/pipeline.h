@@ -168,12 +168,17 @@ class SavePipeline {
   const PipelineSettings settings_;
   std::atomic<int64_t> own_queued_{0};
   // How many of the last chunks were new, as a score from 0 to
-  // 2 * kRecentNewHalf (a save starts taking its chunks for new ones).
+  // 2 * kRecentNewHalf. A save starts just below the half: its first chunk
+  // is hashed in place, and one new chunk turns it to copying first. A
+  // save after a save (most chunks stored already) then copies none of
+  // its stored chunks, where starting from "new" copied the first
+  // kRecentNewHalf + 1 chunks of every writer; a first save pays one
+  // extra hash of one chunk.
   static constexpr int kRecentNewHalf = 8;
   // New chunks encoded to at most this size reach the pack writer in
   // batches (a pooled buffer's worth), not one hand-off each.
   static constexpr size_t kBatchBytes = 64 << 10;
-  std::atomic<int> recent_new_{2 * kRecentNewHalf};
+  std::atomic<int> recent_new_{kRecentNewHalf - 1};
   std::atomic<int64_t>& queued_;
   PackWriter packs_;
 
