@@ -157,6 +157,17 @@ class Repository {
   // again at commit, since other ranks may commit meanwhile.
   Result<std::unique_ptr<CheckpointWriter>> BeginCheckpoint(const std::string& name,
                                                             const WriterOptions& options);
+  // Commits checkpoint `name` (rank 0 of world size 1; the other fields of
+  // `options` as for BeginCheckpoint) made of blobs of other committed
+  // checkpoints of this repository, each under the name `as` gives it.
+  // Nothing is read or written but the manifests: the new checkpoint
+  // references the same chunks, whatever their size, so that renaming a
+  // directory of files (ckptfs.filesystem) costs one commit. NotFound for
+  // an unknown checkpoint or blob; InvalidArgument for two blobs of one
+  // name; FailedPrecondition when a source was removed or saved again
+  // before the commit (nothing is committed then).
+  Result<CommitResult> ComposeCheckpoint(const std::string& name, const std::vector<BlobFrom>& blobs,
+                                         WriterOptions options);
   // Committed checkpoints only; NotFound otherwise. The reader holds a read
   // lease (unless options.lease is false): removing the checkpoint while it
   // is open takes the name away, but its bytes stay until the reader goes.

@@ -149,6 +149,14 @@ class CommitHandle {
   std::shared_ptr<std::atomic<int64_t>> total_ns_;
 };
 
+// A blob of a committed checkpoint that a new checkpoint takes, under a
+// name of its own (Repository::ComposeCheckpoint).
+struct BlobFrom {
+  std::string checkpoint;  // a committed checkpoint of the same repository
+  std::string blob;        // one of its blobs
+  std::string as;          // the blob's name in the new checkpoint
+};
+
 class RepositoryImpl;
 class WriterImpl;
 struct ChunkSlice;

@@ -746,6 +746,65 @@ TEST_P(SaveAndLoad, ABlobKeepsTheChunksOfItsUnchangedBytesWhenBytesBeforeThemCha
   EXPECT_LT(new_bytes, second.size() / 10);
 }
 
+// A checkpoint made of blobs other checkpoints stored (a directory of
+// staged files renamed into place): nothing but the manifest is written,
+// it reads back bit-exact, and it keeps its chunks when its sources go.
+TEST_P(SaveAndLoad, AComposedCheckpointTakesStoredBlobsWithoutStoringAByte) {
+  const auto x = RandomBytes(300 << 10, 51), y = RandomBytes(5000, 52), z = RandomBytes(100 << 10, 53);
+  auto a = Begin("staged/a");
+  ASSERT_OK(a->PutBlob("x", x));
+  ASSERT_OK(a->PutBlob("y", y));
+  ASSERT_OK(a->Commit().Wait());
+  auto b = Begin("staged/b");
+  ASSERT_OK(b->PutBlob("z", z));
+  ASSERT_OK(b->Commit().Wait());
+  a.reset();
+  b.reset();
+  WriterOptions o;
+  o.step = 9;
+  auto made = repo_->ComposeCheckpoint("run/step-9", {{"staged/a", "x", "one"}, {"staged/b", "z", "sub/two"}}, o);
+  ASSERT_OK(made);
+  EXPECT_TRUE(made->checkpoint_visible);
+  EXPECT_EQ(made->chunks_written, 0u);
+  EXPECT_EQ(made->stored_bytes, 0u);
+  EXPECT_EQ(made->logical_bytes, x.size() + z.size());
+  ASSERT_OK(repo_->RemoveCheckpoints({"staged/a", "staged/b"}));
+  ASSERT_OK(repo_->CollectGarbage(GcOptions{}));
+  Reopen();
+  auto reader = std::move(repo_->OpenCheckpoint("run/step-9")).value();
+  EXPECT_EQ(reader->info().step, std::optional<int64_t>(9));
+  for (const auto& [name, bytes] : {std::pair{"one", &x}, std::pair{"sub/two", &z}}) {
+    const BlobRecord* rec = reader->FindBlob(name);
+    ASSERT_NE(rec, nullptr) << name;
+    std::vector<std::byte> got(rec->size);
+    ASSERT_OK(reader->ReadBlob(*rec, 0, got));
+    EXPECT_TRUE(got == *bytes) << name;
+  }
+  EXPECT_EQ(reader->blobs().size(), 2u);
+  auto verified = repo_->Verify(std::nullopt);
+  ASSERT_OK(verified);
+  EXPECT_TRUE(verified->ok());
+
+  // What is refused, with nothing committed.
+  EXPECT_TRUE(repo_->ComposeCheckpoint("c", {{"gone", "x", "x"}}, {}).status().IsNotFound());
+  EXPECT_TRUE(repo_->ComposeCheckpoint("c", {{"run/step-9", "nothing", "x"}}, {}).status().IsNotFound());
+  EXPECT_EQ(repo_->ComposeCheckpoint("c", {{"run/step-9", "one", "same"}, {"run/step-9", "sub/two", "same"}}, {})
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_TRUE(repo_->ComposeCheckpoint("run/step-9", {{"run/step-9", "one", "one"}}, {}).status().IsAlreadyExists());
+  EXPECT_TRUE(repo_->OpenCheckpoint("c").status().IsNotFound());
+  // With overwrite, a checkpoint made again of its own blobs (one dropped).
+  WriterOptions replace;
+  replace.overwrite = true;
+  ASSERT_OK(repo_->ComposeCheckpoint("run/step-9", {{"run/step-9", "sub/two", "two"}}, replace));
+  auto again = std::move(repo_->OpenCheckpoint("run/step-9")).value();
+  ASSERT_EQ(again->blobs().size(), 1u);
+  std::vector<std::byte> got(z.size());
+  ASSERT_OK(again->ReadBlob(*again->FindBlob("two"), 0, got));
+  EXPECT_TRUE(got == z);
+}
+
 TEST_P(SaveAndLoad, HandlesWritersAndReadersOutliveTheirRepository) {
   auto first = MakeRef("w", DType::kF32, {4 << 20}, 21);  // 16 MiB
   auto w = Begin("first");

@@ -760,6 +760,25 @@ class PyRepository {
     return in;
   }
 
+  // Repository::ComposeCheckpoint: checkpoint `name` made of blobs of other
+  // checkpoints, given as (checkpoint, blob, name in the new one).
+  py::dict compose(const std::string& name, const std::vector<std::tuple<std::string, std::string, std::string>>& blobs,
+                   std::optional<int64_t> step, const std::vector<std::pair<std::string, std::string>>& tags,
+                   bool overwrite) {
+    std::vector<BlobFrom> from;
+    from.reserve(blobs.size());
+    for (const auto& [checkpoint, blob, as] : blobs) from.push_back(BlobFrom{checkpoint, blob, as});
+    WriterOptions o = WriterOptionsOf(0, 1, step, tags);
+    o.overwrite = overwrite;
+    o.attempt = NewSaveAttempt();
+    Result<CommitResult> r = [&] {
+      py::gil_scoped_release nogil;
+      return repo_->ComposeCheckpoint(name, from, o);
+    }();
+    if (!r.ok()) throw StatusError{r.status()};
+    return CommitResultDict(*r);
+  }
+
   // What `ckpt import` does (ckpt/import.h): every input checked first, then
   // written and committed as one rank's part.
   py::dict import_safetensors(const std::string& name, const std::vector<std::string>& paths,
@@ -881,6 +900,11 @@ class PyRepository {
       ranks = Value(repo_->PendingRanks(name));
     }
     return JsonToPython(DescribePendingRanks(ranks));
+  }
+
+  void refresh() {
+    py::gil_scoped_release nogil;
+    Check(repo_->Refresh());
   }
 
   py::object checkpoints(bool include_pending) {
@@ -1259,8 +1283,11 @@ PYBIND11_MODULE(_core, m) {
            py::arg("error"), py::arg("device_token"), py::arg("progress"), py::arg("what"))
       .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"), py::arg("lease") = true)
       .def("checkpoints", &PyRepository::checkpoints, py::arg("include_pending"))
+      .def("refresh", &PyRepository::refresh)
       .def("pending_ranks", &PyRepository::pending_ranks, py::arg("name"))
       .def("rm", &PyRepository::rm, py::arg("names"))
+      .def("compose", &PyRepository::compose, py::arg("name"), py::arg("blobs"), py::arg("step"), py::arg("tags"),
+           py::arg("overwrite"))
       .def("stats", &PyRepository::stats, py::arg("name"), py::arg("tensors"))
       .def("gc", &PyRepository::gc, py::arg("keep_last"), py::arg("keep_every"), py::arg("keep_within"),
            py::arg("keep"), py::arg("allow_removing_newest"), py::arg("dry_run"),
