@@ -25,6 +25,10 @@ test_dcp (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment):
     dcp_worker.py save-files DIR big|placements
         (any world size) saves with stock dcp.save and FileSystemWriter into
         DIR: BIG() sharded by rows, or the DTensors of every placement
+    dcp_worker.py url-save URL / url-load URL / url-async-save URL
+        (any world size) as save / load, through a ckptfs:// URL as DCP's
+        checkpoint_id (fsspec; no ckptfs class named); url-async-save
+        saves with dcp.async_save and waits on its future
     dcp_worker.py save-hf DIR
         (any world size) saves the DTensors of every placement with stock
         dcp.save and torch's HuggingFaceStorageWriter, one safetensors file
@@ -152,6 +156,18 @@ def main():
         sd = state(world, False, True)
         dcp.load(sd, storage_reader=StorageReader(repo, name))
         check(sd)
+    elif action in ("url-save", "url-load", "url-async-save"):
+        import ckptfs.filesystem  # noqa: PLC0415
+
+        ckptfs.filesystem.register()  # an installed package does it through its entry point
+        if action == "url-save":
+            dcp.save(state(world, True, False), checkpoint_id=repo)
+        elif action == "url-async-save":
+            dcp.async_save(state(world, True, False), checkpoint_id=repo).result()
+        else:
+            sd = state(world, False, True)
+            dcp.load(sd, checkpoint_id=repo)
+            check(sd)
     elif action == "load-files":
         sd = state(world, False, True)
         dcp.load(sd, storage_reader=dcp.FileSystemReader(repo))

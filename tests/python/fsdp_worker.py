@@ -5,7 +5,8 @@ environment):
     fsdp_worker.py train REPO FSDIR
         trains 3 steps, then saves model and optimizer state with dcp.save
         twice: into checkpoint 'step-3' of the ckptfs repository REPO, and
-        with DCP's own FileSystemWriter into FSDIR
+        with DCP's own FileSystemWriter into FSDIR (or, FSDIR a ckptfs:// URL,
+        FsspecWriter through it)
     fsdp_worker.py resume ckptfs|fs REPO FSDIR
         builds the job at this world size, restores 'step-3' from one of the
         two with dcp.load, and trains 2 more steps
@@ -194,6 +195,10 @@ def save_hugging_face_model(repo):
 
 def main():
     action = sys.argv[1]
+    if any(a.startswith("ckptfs://") for a in sys.argv):
+        import ckptfs.filesystem  # noqa: PLC0415
+
+        ckptfs.filesystem.register()  # an installed package does it through its entry point
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -65,6 +65,21 @@ class Fsdp2(CkptTestCase):
                 self.assertNotEqual(ours["model_after"], ours["model"])
         self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
 
+    def test_saved_at_4_ranks_through_a_ckptfs_url_and_restored_at_2_exactly(self):
+        """Stock dcp.save/dcp.load with checkpoint_id="ckptfs://..." (fsspec)
+        and FSDP2: the same state, the same training after the restore."""
+        ckptfs.init(self.repo)
+        url = f"ckptfs://{self.repo}/fsdp/step-3"
+        trained = self.run_job(4, "train", self.repo, url)
+        names = sorted(c["name"] for c in ckptfs.open(self.repo).checkpoints())
+        self.assertEqual(names, ["fsdp/step-3", "step-3"])
+        ours = self.run_job(2, "resume", "ckptfs", self.repo, url)
+        through_url = self.run_job(2, "resume", "fs", self.repo, url)
+        self.assertEqual(through_url["model"], trained["model"])
+        self.assertEqual(through_url["optim"], trained["optim"])
+        self.assertEqual(through_url, ours)
+        self.assertIn("ok", self.run_ckpt("verify").stdout.decode())
+
     def test_a_job_killed_during_async_save_resumes_from_its_last_checkpoint_bit_exact_at_4_ranks_and_at_2(self):
         # The same job, never killed: the state after every step.
         reference = self.path("reference")

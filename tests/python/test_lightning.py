@@ -223,5 +223,49 @@ class Lightning(CkptTestCase):
             checkpoint_name("x" * 201)
 
 
+@unittest.skipIf(LIGHTNING_REASON, LIGHTNING_REASON or "")
+class LightningUrl(CkptTestCase):
+    """ModelCheckpoint(dirpath="ckptfs://...") with no plugin: Lightning
+    writes its .ckpt files through fsspec, removes the ones save_top_k
+    drops, and fit resumes from last.ckpt bit-identically."""
+
+    def test_a_ckptfs_url_as_dirpath_saves_removes_and_resumes_from_last_ckpt(self):
+        import ckptfs.filesystem
+
+        ckptfs.filesystem.register()
+        ckptfs.init(self.repo)
+        dirpath = f"ckptfs://{self.repo}/run1/ckpts"
+
+        def trainer(epochs, checkpointing=True):
+            callbacks = [ModelCheckpoint(dirpath=dirpath, filename="{epoch}-{step}", monitor="train_loss",
+                                         mode="min", save_top_k=2, save_last=True)] if checkpointing else []
+            return L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, deterministic=True,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                             enable_checkpointing=checkpointing)
+
+        L.seed_everything(0)
+        straight = TinyModule()
+        trainer(5, checkpointing=False).fit(straight, data())
+        L.seed_everything(0)
+        trainer(3).fit(TinyModule(), data())
+        import fsspec
+        fs = fsspec.filesystem("ckptfs", skip_instance_cache=True)
+        files = sorted(os.path.basename(p) for p in fs.ls(dirpath, detail=False))
+        self.assertEqual(len(files), 3, files)  # save_top_k=2 and last: the first epoch's file was removed
+        self.assertIn("last.ckpt", files)
+        self.assertNotIn("epoch=0-step=8.ckpt", files)
+        L.seed_everything(1)
+        resumed = TinyModule()
+        t = trainer(5)
+        # Lightning 2.6 passes the names its filesystem lists through
+        # os.path.normpath, which folds the '//' of any URL, so ckpt_path="last"
+        # finds no remote checkpoint; the URL of last.ckpt is what works.
+        t.fit(resumed, data(), ckpt_path=f"{dirpath}/last.ckpt")
+        self.assertEqual(t.global_step, 40)
+        for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+            self.assertEqual(bits(a), bits(b), name)
+        self.run_ckpt("verify")
+
+
 if __name__ == "__main__":
     unittest.main()

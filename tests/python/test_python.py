@@ -1019,6 +1019,16 @@ class Wheel(unittest.TestCase):
         ls = subprocess.run([ckpt, "-r", repo, "ls", "--json"], capture_output=True, text=True, timeout=60,
                             check=True).stdout
         self.assertIn('"s"', ls)
+        # fsspec finds ckptfs:// through the package's entry point, with
+        # nothing imported or registered first.
+        code = ("import sys, fsspec\n"
+                "fs = fsspec.filesystem('ckptfs')\n"
+                "fs.pipe('ckptfs://' + sys.argv[1] + '/d/f.txt', b'hello')\n"
+                "print(type(fs).__module__, fsspec.open('ckptfs://' + sys.argv[1] + '/d/f.txt').open().read())\n")
+        p = subprocess.run([sys.executable, "-c", code, repo], env=without_pythonpath(), capture_output=True,
+                           text=True, timeout=60)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(p.stdout.strip(), "ckptfs.filesystem b'hello'")
 
     def test_torch_is_an_extra_and_never_a_plain_dependency(self):
         code = ("import json, importlib.metadata as m\n"

@@ -116,6 +116,32 @@ class SaveHandle:
 # ---- the repository ------------------------------------------------------------------
 
 
+class CheckpointBlobs:
+    """The blobs of one committed checkpoint (Repository.blobs)."""
+
+    def __init__(self, core_reader, name: str):
+        self._reader = core_reader
+        self.name = name
+        self.sizes: Dict[str, int] = dict(core_reader.blobs())
+        """Blob name -> size in bytes."""
+
+    def read(self, blob: str, offset: int = 0, size: Optional[int] = None) -> bytes:
+        """`size` bytes of `blob` from `offset` (to its end when None),
+        verified against their chunks' ids."""
+        total = self.sizes.get(blob)
+        if total is None:
+            raise NotFoundError(f"checkpoint '{self.name}' has no blob '{blob}'")
+        if size is None:
+            size = total - offset
+        if offset < 0 or size < 0 or offset + size > total:
+            raise InvalidArgumentError(f"bytes {offset}..{offset + size} are outside blob '{blob}' "
+                                       f"({total} bytes) of checkpoint '{self.name}'")
+        out = bytearray(size)
+        if size:
+            self._reader.read_blob(blob, offset, out)
+        return bytes(out)
+
+
 class Repository:
     """A ckptfs repository. Obtain one with ckptfs.init or ckptfs.open.
 
@@ -370,7 +396,31 @@ class Repository:
         """The bytes of blob `blob_name` of checkpoint `name`."""
         return self._repo.open_checkpoint(name).blob(blob_name)
 
+    def blobs(self, name: str, *, lease: bool = True) -> "CheckpointBlobs":
+        """The blobs of checkpoint `name`, their sizes and their bytes by
+        range. With `lease` (the default) the bytes stay readable while the
+        object lives, even if the checkpoint is removed meanwhile."""
+        return CheckpointBlobs(self._repo.open_checkpoint(name, lease=bool(lease)), name)
+
+    def compose(self, name: str, blobs: Sequence[Tuple[str, str, str]], *, step: Optional[int] = None,
+                tags: Optional[Mapping[str, str]] = None, overwrite: bool = False) -> Dict[str, Any]:
+        """Commits checkpoint `name` made of blobs of other committed
+        checkpoints: each of `blobs` is (checkpoint, blob, name in the new
+        one). No byte is copied: the new checkpoint references the same
+        chunks, so this costs one commit whatever the sizes. Returns what
+        save returns. `overwrite` is as for save."""
+        return self._repo.compose(name, [(str(c), str(b), str(a)) for c, b, a in blobs],
+                                  None if step is None else int(step),
+                                  [(str(k), str(v)) for k, v in (tags or {}).items()], bool(overwrite))
+
     # -- inspect and maintain --
+
+    def refresh(self) -> None:
+        """Brings this host's view of an S3 repository up to date with the
+        store (one listing), so that checkpoints other hosts committed or
+        removed since it was opened show in checkpoints(). Nothing to do for
+        a local repository, which every process sees as it is."""
+        self._repo.refresh()
 
     def checkpoints(self, *, include_pending: bool = False, group: Optional[str] = None) -> List[Dict[str, Any]]:
         """Committed checkpoints in commit order (pending ones too when asked),

@@ -1,0 +1,281 @@
+"""ckptfs:// as an fsspec filesystem: files written and read back byte-exact,
+directories committed as checkpoints (DCP's metadata, a rename), fsspec's
+usual calls and errors, and DCP saving and loading through a URL, on a
+local repository and, where an S3 endpoint is configured, on S3."""
+import os
+import sys
+import time
+import unittest
+
+import fsspec
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "../integration"))
+
+import ckptfs  # noqa: E402
+import ckptfs.filesystem  # noqa: E402
+from helpers import CkptTestCase  # noqa: E402
+from test_python import run_ranks  # noqa: E402
+from test_python_device import free_port  # noqa: E402
+
+DCP_WORKER = os.path.join(HERE, "dcp_worker.py")
+
+ckptfs.filesystem.register()
+
+
+def random_bytes(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+class Filesystem(CkptTestCase):
+    """On a local repository; the S3 case below runs the same tests."""
+
+    def setUp(self):
+        super().setUp()
+        self.repository = ckptfs.init(self.make_repository(), chunk_size=64 << 10)
+        self.fs = fsspec.filesystem("ckptfs", skip_instance_cache=True)
+
+    def make_repository(self):
+        self.base = "ckptfs://" + self.repo
+        return self.repo
+
+    def url(self, rel):
+        return f"{self.base}/{rel}"
+
+    def names(self):
+        return sorted(c["name"] for c in self.repository.checkpoints())
+
+    def test_files_read_back_byte_exact_whole_and_by_range(self):
+        data = random_bytes(300_000, 1)
+        with self.fs.open(self.url("run1/step-1/model.bin"), "wb") as f:
+            f.write(data[:100_000])
+            f.write(data[100_000:])
+        self.fs.pipe(self.url("run1/step-1/sub/config.json"), b'{"a": 1}')
+        self.fs.pipe(self.url("run1/step-1/empty"), b"")
+        self.assertEqual(self.fs.cat_file(self.url("run1/step-1/model.bin")), data)
+        self.assertEqual(self.fs.cat_file(self.url("run1/step-1/model.bin"), start=12345, end=200_000),
+                         data[12345:200_000])
+        self.assertEqual(self.fs.cat_file(self.url("run1/step-1/model.bin"), start=-10), data[-10:])
+        self.assertEqual(self.fs.cat_file(self.url("run1/step-1/empty")), b"")
+        with self.fs.open(self.url("run1/step-1/model.bin"), "rb") as f:
+            f.seek(250_000)
+            self.assertEqual(f.read(1000), data[250_000:251_000])
+            self.assertEqual(f.size, len(data))
+        info = self.fs.info(self.url("run1/step-1/model.bin"))
+        self.assertEqual((info["type"], info["size"]), ("file", len(data)))
+        self.assertEqual(self.fs.info(self.url("run1/step-1"))["type"], "directory")
+        # Listed names are whole URLs, which open anywhere.
+        self.assertEqual(self.fs.ls(self.url("run1/step-1"), detail=False),
+                         [self.url("run1/step-1/empty"), self.url("run1/step-1/model.bin"),
+                          self.url("run1/step-1/sub")])
+        self.assertEqual(sorted(self.fs.find(self.url("run1"))),
+                         [self.url("run1/step-1/empty"), self.url("run1/step-1/model.bin"),
+                          self.url("run1/step-1/sub/config.json")])
+        self.assertEqual(self.fs.glob(self.url("run1/step-1/*.bin")), [self.url("run1/step-1/model.bin")])
+        self.assertLess(abs(self.fs.modified(self.url("run1/step-1/empty")).timestamp() - time.time()), 600)
+        self.assertTrue(self.fs.isdir(self.url("run1")))
+        self.assertTrue(self.fs.exists(self.url("run1/step-1/sub/config.json")))
+        self.assertFalse(self.fs.exists(self.url("run1/step-1/nothing")))
+        # Until the directory is committed its files are staged, each a
+        # checkpoint of its own, and another filesystem object sees them.
+        other = fsspec.filesystem("ckptfs", skip_instance_cache=True)
+        self.assertEqual(other.cat_file(self.url("run1/step-1/sub/config.json")), b'{"a": 1}')
+        self.assertTrue(all(n.startswith("_fsspec/") for n in self.names()))
+        self.fs.commit(self.url("run1/step-1"))
+        self.assertEqual(self.names(), ["run1/step-1"])
+        self.assertEqual(sorted(self.repository.blobs("run1/step-1").sizes),
+                         ["empty", "model.bin", "sub/config.json"])
+        self.assertEqual(self.fs.cat_file(self.url("run1/step-1/model.bin")), data)
+        self.assertEqual(self.fs.cat_file(self.url("run1/step-1/sub/config.json")), b'{"a": 1}')
+        self.run_ckpt("verify", env={"CKPT_REPO": self.repository.path})
+
+    def test_usual_errors(self):
+        with self.assertRaises(FileNotFoundError):
+            self.fs.cat_file(self.url("step-1/missing"))
+        with self.assertRaises(FileNotFoundError):
+            self.fs.open(self.url("step-1/missing"), "rb")
+        with self.assertRaises(FileNotFoundError):
+            self.fs.info(self.url("nothing/here"))
+        with self.assertRaises(ckptfs.InvalidArgumentError):
+            self.fs.pipe(self.url("at-the-root"), b"x")  # a file needs a directory: the checkpoint
+        with self.assertRaises(NotImplementedError):
+            self.fs.open(self.url("step-1/a"), "ab")
+        self.fs.pipe(self.url("step-1/a"), b"x")
+        with self.assertRaises(FileExistsError):
+            self.fs.open(self.url("step-1/a"), "xb")
+        with self.assertRaises(OSError):
+            self.fs.rm(self.url("step-1"))  # a directory, without recursive
+        if self.base.startswith("ckptfs:///"):
+            with self.assertRaises(FileNotFoundError):
+                fsspec.filesystem("ckptfs").ls("ckptfs://" + self.tmp)  # no repository above it
+
+    def test_a_directory_is_committed_when_dcp_metadata_lands_and_when_it_is_renamed(self):
+        state = random_bytes(200_000, 2)
+        self.fs.pipe(self.url("step-1/__0_0.distcp"), state)
+        self.fs.pipe(self.url("step-1/.metadata.tmp"), b"meta")
+        self.assertNotIn("step-1", self.names())
+        self.fs.mv(self.url("step-1/.metadata.tmp"), self.url("step-1/.metadata"))
+        self.assertEqual(self.names(), ["step-1"])
+        self.assertEqual(sorted(self.repository.blobs("step-1").sizes), [".metadata", "__0_0.distcp"])
+
+        # A temporary directory renamed into place: one commit, no byte stored again.
+        self.fs.pipe(self.url("tmp-2/a.bin"), state)
+        self.fs.pipe(self.url("tmp-2/b.bin"), random_bytes(50_000, 3))
+        self.fs.commit(self.url("tmp-2"))
+        before = self.repository.du()["total"]
+        started = time.monotonic()
+        self.fs.mv(self.url("tmp-2"), self.url("step-2"), recursive=True)
+        took = time.monotonic() - started
+        after = self.repository.du()["total"]
+        self.assertEqual(self.names(), ["step-1", "step-2"])
+        self.assertEqual(after["unique_raw_bytes"], before["unique_raw_bytes"])
+        self.assertEqual(self.fs.cat_file(self.url("step-2/a.bin")), state)
+        self.assertLess(took, 30)
+        # Renamed again onto a checkpoint that exists: refused while it has files.
+        self.fs.pipe(self.url("tmp-3/a.bin"), b"new")
+        with self.assertRaises(FileExistsError):
+            self.fs.mv(self.url("tmp-3"), self.url("step-2"), recursive=True)
+
+    def test_rm_of_a_file_and_of_a_directory(self):
+        self.fs.pipe(self.url("step-1/a"), b"a")
+        self.fs.pipe(self.url("step-1/b"), b"b")
+        self.fs.commit(self.url("step-1"))
+        self.fs.rm(self.url("step-1/a"))
+        self.assertEqual(sorted(self.repository.blobs("step-1").sizes), ["b"])
+        self.fs.pipe(self.url("step-2/c"), b"c")  # staged only
+        self.fs.rm(self.url("step-2/c"))
+        self.assertFalse(self.fs.exists(self.url("step-2/c")))
+        self.fs.rm(self.url("step-1"), recursive=True)
+        self.assertEqual(self.names(), [])
+        with self.assertRaises(FileNotFoundError):
+            self.fs.rm(self.url("step-1"), recursive=True)
+
+    def test_a_second_save_with_an_unchanged_half_stores_about_half(self):
+        """A file whose first half changed (and grew) stores its second half once."""
+        frozen = random_bytes(1 << 20, 4)
+        self.fs.pipe(self.url("step-1/state.bin"), random_bytes(1 << 20, 5) + frozen)
+        self.fs.commit(self.url("step-1"))
+        first = self.repository.du()["total"]["unique_raw_bytes"]
+        self.fs.pipe(self.url("step-2/state.bin"), random_bytes((1 << 20) + 333, 6) + frozen)
+        self.fs.commit(self.url("step-2"))
+        added = self.repository.du()["total"]["unique_raw_bytes"] - first
+        self.assertLessEqual(added, 0.55 * first, f"{added} bytes added to {first}")
+
+    def test_dcp_saves_and_loads_through_a_url(self):
+        gen = torch.Generator().manual_seed(7)
+        state = {"w": torch.randn(256, 512, generator=gen), "b": torch.randn(512, generator=gen),
+                 "step": torch.tensor(3), "extra": {"lr": 0.1, "name": "run"}}
+        dcp.save(state, checkpoint_id=self.url("dcp/step-3"))
+        self.assertIn("dcp/step-3", self.names())
+        got = {"w": torch.zeros(256, 512), "b": torch.zeros(512), "step": torch.tensor(0),
+               "extra": {"lr": 0.0, "name": ""}}
+        dcp.load(got, checkpoint_id=self.url("dcp/step-3"))
+        self.assertTrue(torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"]))
+        self.assertEqual(int(got["step"]), 3)
+        self.assertEqual(got["extra"], {"lr": 0.1, "name": "run"})
+        # Saved again over itself: a new version replaces the old.
+        state["b"] += 1
+        dcp.save(state, checkpoint_id=self.url("dcp/step-3"))
+        dcp.load(got, checkpoint_id=self.url("dcp/step-3"))
+        self.assertTrue(torch.equal(got["b"], state["b"]))
+        self.assertEqual(self.names(), ["dcp/step-3"])
+
+
+class DcpRanks(CkptTestCase):
+    """DTensors of every placement saved by 4 gloo ranks through a
+    ckptfs:// URL (stock dcp.save: FsspecWriter), loaded at 2 with other
+    placements, element by element."""
+
+    def setUp(self):
+        super().setUp()
+        self.repository = ckptfs.init(self.repo)
+
+    def run_job(self, world, *args):
+        port = free_port()
+        outs = run_ranks(self, lambda r: [sys.executable, DCP_WORKER, *args], world,
+                         lambda r: dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+        return [o.strip().splitlines()[-1] if o.strip() else "" for o in outs]
+
+    def test_four_ranks_save_and_two_load_through_a_url(self):
+        url = "ckptfs://" + self.repo + "/run1/step-5"
+        self.assertEqual(self.run_job(4, "url-save", url), ["ok"] * 4)
+        names = [c["name"] for c in self.repository.checkpoints()]
+        self.assertEqual(names, ["run1/step-5"])  # every rank's file in one commit, nothing staged
+        self.assertEqual(sorted(self.repository.blobs("run1/step-5").sizes),
+                         [".metadata"] + [f"__{r}_0.distcp" for r in range(4)])
+        self.assertEqual(self.run_job(2, "url-load", url), ["ok"] * 2)
+        # dcp.async_save to the same URL replaces it.
+        self.assertEqual(self.run_job(2, "url-async-save", url), ["ok"] * 2)
+        self.assertEqual(self.run_job(2, "url-load", url), ["ok"] * 2)
+        self.assertEqual([c["name"] for c in self.repository.checkpoints()], ["run1/step-5"])
+        self.run_ckpt("verify")
+
+
+class TorchCheckpointing(CkptTestCase):
+    """torch_checkpointing's own CheckpointManager with the ckptfs backend:
+    a model and its optimizer saved (synchronously and in the background)
+    and loaded back bit-exact; the commit is its rename, one manifest."""
+
+    def setUp(self):
+        super().setUp()
+        try:
+            from torch_checkpointing.checkpoint_manager import CheckpointManager
+        except ImportError as e:
+            self.skipTest(f"torch_checkpointing is not installed: {e}")
+        from ckptfs.torch_checkpointing import CkptfsStorageConfig
+
+        self.repository = ckptfs.init(self.repo, chunk_size=64 << 10)
+        self.config = CkptfsStorageConfig(self.repo)
+        self.Manager = CheckpointManager
+
+    def model_and_optimizer(self, seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        return model, opt
+
+    def test_save_and_load_with_its_checkpoint_manager(self):
+        model, opt = self.model_and_optimizer(1)
+        for name, config in (("sync", self.Manager.Config.with_sync_save()),
+                             ("async", self.Manager.Config.with_async_save())):
+            config.storage_config = self.config
+            manager = config.build()
+            future = manager.save(os.path.join(self.repo, "run", name),
+                                  {"model": model.state_dict(), "optim": opt.state_dict()})
+            if future is not None:
+                future.result()
+            other, other_opt = self.model_and_optimizer(2)
+            got = manager.load(os.path.join(self.repo, "run", name),
+                               into={"model": other.state_dict(), "optim": other_opt.state_dict()})
+            for k, v in model.state_dict().items():
+                self.assertTrue(torch.equal(got["model"][k], v), k)
+            saved_state = opt.state_dict()["state"]
+            for i, st in got["optim"]["state"].items():
+                self.assertTrue(torch.equal(st["exp_avg"], saved_state[i]["exp_avg"]))
+            manager.close()
+        names = [c["name"] for c in self.repository.checkpoints()]
+        self.assertIn("run/sync", names)
+        self.assertIn("run/async", names)
+        self.assertFalse([n for n in names if n.startswith("_fsspec/")], names)
+        self.run_ckpt("verify")
+
+
+class FilesystemOnS3(Filesystem):
+    def make_repository(self):
+        if not os.environ.get("AWS_ENDPOINT_URL"):
+            if os.environ.get("CKPTFS_REQUIRE_S3"):
+                self.fail("CKPTFS_REQUIRE_S3 is set but no S3 endpoint is configured")
+            self.skipTest("no S3 endpoint configured (AWS_ENDPOINT_URL)")
+        prefix = f"py-fs-{os.getpid()}-{time.time_ns()}"
+        self.base = f"ckptfs://ckptfs-test/{prefix}"
+        return f"s3://ckptfs-test/{prefix}"
+
+
+if __name__ == "__main__":
+    unittest.main()
