@@ -29,6 +29,20 @@ class CkptTestCase(unittest.TestCase):
     def path(self, name):
         return os.path.join(self.tmp, name)
 
+    def have_s3(self):
+        """Whether an S3 endpoint is configured (AWS_ENDPOINT_URL); a failure
+        instead of False where CKPTFS_REQUIRE_S3 says the run must have one."""
+        if os.environ.get("AWS_ENDPOINT_URL"):
+            return True
+        if os.environ.get("CKPTFS_REQUIRE_S3"):
+            self.fail("CKPTFS_REQUIRE_S3 is set but no S3 endpoint is configured")
+        return False
+
+    def require_s3(self):
+        """Skips the test, saying why, unless an S3 endpoint is configured."""
+        if not self.have_s3():
+            self.skipTest("no S3 endpoint configured (AWS_ENDPOINT_URL)")
+
     def run_ckpt(self, *args, ok=True, env=None, stdout=subprocess.PIPE, use_repo=True):
         cmd = [CKPT, *args]
         e = dict(os.environ)

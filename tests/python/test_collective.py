@@ -55,10 +55,7 @@ class Collective(CkptTestCase):
         self.env = {}
 
     def use_s3(self):
-        if not os.environ.get("AWS_ENDPOINT_URL"):
-            if os.environ.get("CKPTFS_REQUIRE_S3"):
-                self.fail("CKPTFS_REQUIRE_S3 is set but no S3 endpoint is configured")
-            self.skipTest("no S3 endpoint configured (AWS_ENDPOINT_URL)")
+        self.require_s3()
         self.url = f"s3://ckptfs-test/py-collective-{os.getpid()}-{time.time_ns()}"
         self.env = {"CKPT_CACHE_DIR": self.path("cache")}
         os.environ["CKPT_CACHE_DIR"] = self.env["CKPT_CACHE_DIR"]

@@ -18,10 +18,7 @@ sys.path.insert(0, os.path.join(HERE, "../integration"))
 import ckptfs  # noqa: E402
 import ckptfs.filesystem  # noqa: E402
 from helpers import CkptTestCase  # noqa: E402
-from test_python import run_ranks  # noqa: E402
-from test_python_device import free_port  # noqa: E402
-
-DCP_WORKER = os.path.join(HERE, "dcp_worker.py")
+from test_dcp import DcpTestCase  # noqa: E402
 
 ckptfs.filesystem.register()
 
@@ -184,34 +181,23 @@ class Filesystem(CkptTestCase):
         self.assertEqual(self.names(), ["dcp/step-3"])
 
 
-class DcpRanks(CkptTestCase):
+class DcpRanks(DcpTestCase):
     """DTensors of every placement saved by 4 gloo ranks through a
     ckptfs:// URL (stock dcp.save: FsspecWriter), loaded at 2 with other
-    placements, element by element."""
-
-    def setUp(self):
-        super().setUp()
-        self.repository = ckptfs.init(self.repo)
-
-    def run_job(self, world, *args):
-        port = free_port()
-        outs = run_ranks(self, lambda r: [sys.executable, DCP_WORKER, *args], world,
-                         lambda r: dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
-        return [o.strip().splitlines()[-1] if o.strip() else "" for o in outs]
+    placements, element by element (dcp_worker.py)."""
 
     def test_four_ranks_save_and_two_load_through_a_url(self):
         url = "ckptfs://" + self.repo + "/run1/step-5"
         self.assertEqual(self.run_job(4, "url-save", url), ["ok"] * 4)
-        names = [c["name"] for c in self.repository.checkpoints()]
+        names = [c["name"] for c in self.r.checkpoints()]
         self.assertEqual(names, ["run1/step-5"])  # every rank's file in one commit, nothing staged
-        self.assertEqual(sorted(self.repository.blobs("run1/step-5").sizes),
+        self.assertEqual(sorted(self.r.blobs("run1/step-5").sizes),
                          [".metadata"] + [f"__{r}_0.distcp" for r in range(4)])
         self.assertEqual(self.run_job(2, "url-load", url), ["ok"] * 2)
         # dcp.async_save to the same URL replaces it.
         self.assertEqual(self.run_job(2, "url-async-save", url), ["ok"] * 2)
         self.assertEqual(self.run_job(2, "url-load", url), ["ok"] * 2)
-        self.assertEqual([c["name"] for c in self.repository.checkpoints()], ["run1/step-5"])
+        self.assertEqual([c["name"] for c in self.r.checkpoints()], ["run1/step-5"])
         self.run_ckpt("verify")
 
 
@@ -268,10 +254,7 @@ class TorchCheckpointing(CkptTestCase):
 
 class FilesystemOnS3(Filesystem):
     def make_repository(self):
-        if not os.environ.get("AWS_ENDPOINT_URL"):
-            if os.environ.get("CKPTFS_REQUIRE_S3"):
-                self.fail("CKPTFS_REQUIRE_S3 is set but no S3 endpoint is configured")
-            self.skipTest("no S3 endpoint configured (AWS_ENDPOINT_URL)")
+        self.require_s3()
         prefix = f"py-fs-{os.getpid()}-{time.time_ns()}"
         self.base = f"ckptfs://ckptfs-test/{prefix}"
         return f"s3://ckptfs-test/{prefix}"

@@ -308,10 +308,7 @@ class LongLivedProcessOnS3(PythonTestCase):
     one's bytes."""
 
     def test_tensor_load_and_open_read_the_checkpoint_the_store_holds_now(self):
-        if not os.environ.get("AWS_ENDPOINT_URL"):
-            if os.environ.get("CKPTFS_REQUIRE_S3"):
-                self.fail("CKPTFS_REQUIRE_S3 is set but no S3 endpoint is configured")
-            self.skipTest("no S3 endpoint configured (AWS_ENDPOINT_URL)")
+        self.require_s3()
         url = f"s3://ckptfs-test/py-stale-{os.getpid()}-{time.time_ns()}"
         here, there = self.path("cache-here"), self.path("cache-there")
         repo = ckptfs.init(url, cache_dir=here, chunk_size=64 << 10)
@@ -627,9 +624,7 @@ class Maintenance(PythonTestCase):
         self.assertEqual(self.r.pending_ranks("p"), [])  # a local repository: every rank is on this host
         with self.assertRaises(ckptfs.NotFoundError):
             self.r.pending_ranks("nope")
-        if not os.environ.get("AWS_ENDPOINT_URL"):
-            if os.environ.get("CKPTFS_REQUIRE_S3"):
-                self.fail("CKPTFS_REQUIRE_S3 is set but no S3 endpoint is configured")
+        if not self.have_s3():
             return
         os.environ["CKPT_CACHE_DIR"] = os.path.join(self.tmp, "cache")
         try:
@@ -645,9 +640,7 @@ class Maintenance(PythonTestCase):
     def test_open_and_init_take_the_cache_directory_as_the_cli_does(self):
         with self.assertRaises(ValueError):
             ckptfs.open(self.tmp, cache_dir="")
-        if not os.environ.get("AWS_ENDPOINT_URL"):
-            if os.environ.get("CKPTFS_REQUIRE_S3"):
-                self.fail("CKPTFS_REQUIRE_S3 is set but no S3 endpoint is configured")
+        if not self.have_s3():
             return
         url = f"s3://ckptfs-test/py-cache-{os.getpid()}-{time.time_ns()}"
         by_init, by_open, by_variable = (os.path.join(self.tmp, d) for d in ("init", "open", "variable"))
