@@ -71,7 +71,16 @@ def dir_bytes(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def bench_dcp(args, work, repo_path, state):
+def fresh_repository(work, label):
+    """A new repository (a new path: a process keeps the repositories it
+    opened), so that no save deduplicates against an earlier run's."""
+    path = tempfile.mkdtemp(prefix=label + "-", dir=work)
+    os.rmdir(path)
+    ckptfs.init(path)
+    return path
+
+
+def bench_dcp(args, work, state):
     from ckptfs.torch import StorageWriter
 
     size = nbytes(state)
@@ -81,23 +90,25 @@ def bench_dcp(args, work, repo_path, state):
         order = ["url", "writer", "fs"] if run % 2 == 0 else ["fs", "writer", "url"]
         for path in order:
             if path == "url":
-                s, f = timed(lambda: dcp.save(state, checkpoint_id=f"ckptfs://{repo_path}/url/step-{run}"))
+                repo_path = fresh_repository(work, "url-repo")
+                s, f = timed(lambda: dcp.save(state, checkpoint_id=f"ckptfs://{repo_path}/step-1"))
             elif path == "writer":
-                s, f = timed(lambda: dcp.save(state, storage_writer=StorageWriter(repo_path, f"writer/step-{run}")))
+                writer_repo = fresh_repository(work, "writer-repo")
+                s, f = timed(lambda: dcp.save(state, storage_writer=StorageWriter(writer_repo, "step-1")))
             else:
+                shutil.rmtree(os.path.join(work, "fs"), ignore_errors=True)
                 s, f = timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(
-                    os.path.join(work, f"fs-{run}"), sync_files=True)))
+                    os.path.join(work, "fs"), sync_files=True)))
             figs[path].append(s)
             faults[path].append(f / (size / (1 << 30)))
         target = {k: torch.empty_like(v) for k, v in state.items()}
-        figs["url_load"].append(timed(lambda: dcp.load(target, checkpoint_id=f"ckptfs://{repo_path}/url/step-{run}"))[0])
+        figs["url_load"].append(timed(lambda: dcp.load(target, checkpoint_id=f"ckptfs://{repo_path}/step-1"))[0])
         assert all(torch.equal(target[k], state[k]) for k in state)
         figs["fs_load"].append(timed(lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(
-            os.path.join(work, f"fs-{run}"))))[0])
-        shutil.rmtree(os.path.join(work, f"fs-{run}"))
+            os.path.join(work, "fs"))))[0])
     med = {k: statistics.median(v) for k, v in figs.items()}
     gib = size / (1 << 30)
-    print(f"dcp.save of {size / 2**20:.0f} MiB, durable, medians of {args.runs}:")
+    print(f"dcp.save of {size / 2**20:.0f} MiB into a new repository or directory, durable, medians of {args.runs}:")
     for k, label in (("url", "checkpoint_id=ckptfs://"), ("writer", "ckptfs.torch.StorageWriter"),
                      ("fs", "FileSystemWriter")):
         print(f"  {label:30s} {med[k]:.3f} s  {gib / med[k]:.2f} GiB/s  faults/GiB {statistics.median(faults[k]):.0f}")
@@ -107,7 +118,7 @@ def bench_dcp(args, work, repo_path, state):
           f"{med['fs_load'] / med['url_load']:.3f} (speed ratio)")
 
 
-def bench_torch_checkpointing(args, work, repo_path, state):
+def bench_torch_checkpointing(args, work, state):
     try:
         from torch_checkpointing.checkpoint_manager import CheckpointManager
         from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
@@ -118,25 +129,27 @@ def bench_torch_checkpointing(args, work, repo_path, state):
 
     size = nbytes(state)
     figs = {k: [] for k in ("ckptfs_save", "fs_save", "ckptfs_load", "fs_load")}
-    managers = {}
-    for which, storage in (("ckptfs", CkptfsStorageConfig(repo_path)),
-                           ("fs", LocalFileSystemStorageConfig(use_direct_io=False))):
+    def manager(storage):
         config = CheckpointManager.Config.with_sync_save()
         config.storage_config = storage
-        managers[which] = config.build()
+        return config.build()
+
+    managers = {"fs": manager(LocalFileSystemStorageConfig(use_direct_io=False))}
     for run in range(args.runs):
+        repo_path = fresh_repository(work, "tc-repo")
+        managers["ckptfs"] = manager(CkptfsStorageConfig(repo_path))
         for which in (("ckptfs", "fs") if run % 2 == 0 else ("fs", "ckptfs")):
-            path = (os.path.join(repo_path, f"tc/step-{run}") if which == "ckptfs"
-                    else os.path.join(work, f"tc-{run}"))
+            path = os.path.join(repo_path, "step-1") if which == "ckptfs" else os.path.join(work, f"tc-{run}")
             figs[f"{which}_save"].append(timed(lambda: managers[which].save(path, {"state": state}))[0])
             into = {"state": {k: torch.empty_like(v) for k, v in state.items()}}
             figs[f"{which}_load"].append(timed(lambda: managers[which].load(path, into=into))[0])
             assert all(torch.equal(into["state"][k], state[k]) for k in state)
         shutil.rmtree(os.path.join(work, f"tc-{run}"), ignore_errors=True)
-    for m in managers.values():
-        m.close()
+        managers.pop("ckptfs").close()
+    managers["fs"].close()
     med = {k: statistics.median(v) for k, v in figs.items()}
-    print(f"torch_checkpointing CheckpointManager (sync save) of {size / 2**20:.0f} MiB, medians of {args.runs}:")
+    print(f"torch_checkpointing CheckpointManager (sync save, into a new repository or directory) of "
+          f"{size / 2**20:.0f} MiB, medians of {args.runs}:")
     print(f"  save: ckptfs backend {med['ckptfs_save']:.3f} s, LocalFileSystemStorage {med['fs_save']:.3f} s: "
           f"{med['fs_save'] / med['ckptfs_save']:.3f} (speed ratio, target >= 1.0)")
     print(f"  load: ckptfs backend {med['ckptfs_load']:.3f} s, LocalFileSystemStorage {med['fs_load']:.3f} s: "
@@ -170,13 +183,17 @@ def bench_rename_on_s3(args, work):
     print(f"  ckptfs:// mv (one manifest, staged files removed): {ms:.0f} ms, {requests} requests "
           f"(this process's repository object)")
     plain = f"s3://ckptfs-test/{prefix}-plain"
-    subprocess.run(["s3cmd", "-q", "put", "--recursive", local + "/", plain + "/tmp_step-1/"], check=True)
+    host = os.environ["AWS_ENDPOINT_URL"].split("://", 1)[1]
+    s3cmd = ["s3cmd", "-q", "--no-ssl", f"--host={host}", f"--host-bucket={host}",
+             f"--access_key={os.environ['AWS_ACCESS_KEY_ID']}", f"--secret_key={os.environ['AWS_SECRET_ACCESS_KEY']}",
+             f"--region={os.environ.get('AWS_REGION', 'us-east-1')}", "--no-check-md5"]
+    subprocess.run(s3cmd + ["put", "--recursive", local + "/", plain + "/tmp_step-1/"], check=True)
     t0 = time.monotonic()
-    subprocess.run(["s3cmd", "-q", "mv", "--recursive", plain + "/tmp_step-1/", plain + "/step-1/"], check=True)
+    subprocess.run(s3cmd + ["mv", "--recursive", plain + "/tmp_step-1/", plain + "/step-1/"], check=True)
     plain_ms = (time.monotonic() - t0) * 1e3
     print(f"  s3cmd mv of the same files as objects (a copy and a delete each): {plain_ms:.0f} ms, "
           f"at least {2 * files} requests; ckptfs:// / s3cmd time {ms / plain_ms:.3f}")
-    subprocess.run(["s3cmd", "-q", "del", "--recursive", plain + "/"], check=False)
+    subprocess.run(s3cmd + ["del", "--recursive", plain + "/"], check=False)
     repo.rm(*[c["name"] for c in repo.checkpoints()])
 
 
@@ -237,15 +254,13 @@ def main():
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="ckptfs-fsspec-bench-", dir=args.dir)
     try:
-        repo_path = os.path.join(work, "repo")
-        ckptfs.init(repo_path)
         state = llm_state(args.mib, 1)
         only = set(args.only or ("dcp", "torch_checkpointing", "rename", "dedup"))
         print(f"torch {torch.__version__}, fsspec {fsspec.__version__}, {os.cpu_count()} CPUs, in {args.dir}")
         if "dcp" in only:
-            bench_dcp(args, work, repo_path, state)
+            bench_dcp(args, work, state)
         if "torch_checkpointing" in only:
-            bench_torch_checkpointing(args, work, repo_path, state)
+            bench_torch_checkpointing(args, work, state)
         if "rename" in only:
             bench_rename_on_s3(args, work)
         if "dedup" in only:

@@ -471,6 +471,25 @@ class _ReadFile(AbstractBufferedFile):
         start, end = _range(start, end, self.size)
         return self._blobs.read(self._blob, start, end - start)
 
+    def read(self, length=-1):
+        # A read of at least a block goes straight from the engine to the
+        # caller (DCP reads each tensor whole); smaller ones use the
+        # read-ahead cache.
+        if self.closed or length is None or length < self.blocksize:
+            return super().read(length)
+        data = self._blobs.read(self._blob, self.loc, max(0, min(length, self.size - self.loc)))
+        self.loc += len(data)
+        return data
+
+    def readinto(self, b):
+        view = memoryview(b).cast("B")
+        if self.closed or len(view) < self.blocksize:
+            return super().readinto(b)
+        n = max(0, min(len(view), self.size - self.loc))
+        self._blobs.read_into(self._blob, self.loc, view[:n])
+        self.loc += n
+        return n
+
 
 class _WriteFile(AbstractBufferedFile):
     """Buffers a file's bytes and stores them, whole, on close: in memory up
@@ -481,21 +500,23 @@ class _WriteFile(AbstractBufferedFile):
 
     def __init__(self, fs, path, repo: Repository, directory: str, base: str, block_size):
         self._repo, self._directory, self._base = repo, directory, base
-        self._memory: Optional[bytearray] = bytearray()
+        self._parts: Optional[List[bytes]] = []  # the blocks written, joined once on close
+        self._held = 0
         self._spool = None
         super().__init__(fs, path, mode="wb", block_size=block_size or "default")
 
     def _upload_chunk(self, final=False):
-        data = self.buffer.getbuffer()
-        if self._memory is not None and len(self._memory) + len(data) > self.SPOOL_IN_MEMORY:
+        data = self.buffer.getvalue()
+        if self._parts is not None and self._held + len(data) > self.SPOOL_IN_MEMORY:
             self._spool = tempfile.TemporaryFile(prefix="ckptfs-file-")
-            self._spool.write(self._memory)
-            self._memory = None
-        if self._memory is not None:
-            self._memory += data
+            for part in self._parts:
+                self._spool.write(part)
+            self._parts = None
+        if self._parts is not None:
+            self._parts.append(data)
+            self._held += len(data)
         else:
             self._spool.write(data)
-        del data
         if final:
             self._store()
         return True
@@ -503,9 +524,10 @@ class _WriteFile(AbstractBufferedFile):
     def _store(self):
         import mmap  # noqa: PLC0415
 
-        if self._memory is not None:
-            data, self._memory = self._memory, None
-            self.fs._staged(self._repo, self._directory, self._base, memoryview(data))
+        if self._parts is not None:
+            data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+            self._parts = None
+            self.fs._staged(self._repo, self._directory, self._base, data)
             return
         try:
             size = self._spool.seek(0, io.SEEK_END)
@@ -520,7 +542,7 @@ class _WriteFile(AbstractBufferedFile):
             self._spool.close()
 
     def discard(self):
-        self._memory = None
+        self._parts = None
         if self._spool is not None:
             self._spool.close()
         super().discard()

@@ -127,7 +127,8 @@ class CheckpointBlobs:
 
     def read(self, blob: str, offset: int = 0, size: Optional[int] = None) -> bytes:
         """`size` bytes of `blob` from `offset` (to its end when None),
-        verified against their chunks' ids."""
+        verified against their chunks' ids (a bytearray: bytes-like, and
+        not copied once more)."""
         total = self.sizes.get(blob)
         if total is None:
             raise NotFoundError(f"checkpoint '{self.name}' has no blob '{blob}'")
@@ -137,9 +138,20 @@ class CheckpointBlobs:
             raise InvalidArgumentError(f"bytes {offset}..{offset + size} are outside blob '{blob}' "
                                        f"({total} bytes) of checkpoint '{self.name}'")
         out = bytearray(size)
-        if size:
-            self._reader.read_blob(blob, offset, out)
-        return bytes(out)
+        self.read_into(blob, offset, out)
+        return out  # type: ignore[return-value]  # bytes-like, not copied again
+
+    def read_into(self, blob: str, offset: int, out: Any) -> None:
+        """Fills the writable buffer `out` with bytes of `blob` from `offset`."""
+        view = memoryview(out).cast("B")
+        total = self.sizes.get(blob)
+        if total is None:
+            raise NotFoundError(f"checkpoint '{self.name}' has no blob '{blob}'")
+        if offset < 0 or offset + len(view) > total:
+            raise InvalidArgumentError(f"bytes {offset}..{offset + len(view)} are outside blob '{blob}' "
+                                       f"({total} bytes) of checkpoint '{self.name}'")
+        if len(view):
+            self._reader.read_blob(blob, offset, view)
 
 
 class Repository:
