@@ -415,6 +415,12 @@ class CkptfsFileSystem(AbstractFileSystem):
         if not recursive and self._entries(root, view, rel):
             raise OSError(f"{self.unstrip_protocol(self._join(root, rel))}: a directory; give recursive=True")
         doomed = {c for c in view.committed if not rel or c == rel or c.startswith(rel + "/")}
+        checkpoint = view.checkpoint_of(rel)
+        if checkpoint is not None and checkpoint != rel:
+            # A directory inside a checkpoint: a version without its files.
+            inside = rel[len(checkpoint) + 1:] + "/"
+            self._commit(repo, checkpoint, {b: (checkpoint, b) for b in view.sizes(checkpoint)
+                                            if not b.startswith(inside)})
         for directory, files in view.staged.items():
             if not rel or directory == rel or directory.startswith(rel + "/"):
                 doomed.update(s for s, _ in files.values())
