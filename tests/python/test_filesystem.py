@@ -87,6 +87,13 @@ class Filesystem(CkptTestCase):
                          ["empty", "model.bin", "sub/config.json"])
         self.assertEqual(self.fs.cat_file(self.url("run1/step-1/model.bin")), data)
         self.assertEqual(self.fs.cat_file(self.url("run1/step-1/sub/config.json")), b'{"a": 1}')
+        blobs = self.repository.blobs("run1/step-1")
+        self.assertEqual(bytes(blobs.read("model.bin", 1000, 10)), data[1000:1010])
+        for bad in ((len(data) - 5, 10), (-1, 4), (0, -1), (len(data) + 1, None)):
+            with self.assertRaises(ckptfs.InvalidArgumentError, msg=str(bad)):
+                blobs.read("model.bin", *bad)
+        with self.assertRaises(ckptfs.NotFoundError):
+            blobs.read("nothing")
         self.run_ckpt("verify", env={"CKPT_REPO": self.repository.path})
 
     def test_usual_errors(self):

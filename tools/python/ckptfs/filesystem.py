@@ -82,6 +82,7 @@ class _View:
         # directory -> {file name: (staged checkpoint, size)}
         self.staged: Dict[str, Dict[str, Tuple[str, int]]] = {}
         self._sizes: Dict[str, Dict[str, int]] = {}
+        self._directories: Optional[set] = None
         self.committed_at: Dict[str, str] = {}  # checkpoint -> its commit time, as ckpt ls gives it
         for c in repo.checkpoints():
             name = c["name"]
@@ -113,12 +114,13 @@ class _View:
 
     def directories(self) -> set:
         """Every directory: checkpoints, their groups, staging directories, and their parents."""
-        out = set()
-        for d in list(self.committed) + list(self.staged):
-            while d:
-                out.add(d)
-                d = posixpath.dirname(d)
-        return out
+        if self._directories is None:
+            self._directories = set()
+            for d in list(self.committed) + list(self.staged):
+                while d:
+                    self._directories.add(d)
+                    d = posixpath.dirname(d)
+        return self._directories
 
 
 class CkptfsFileSystem(AbstractFileSystem):
@@ -222,7 +224,7 @@ class CkptfsFileSystem(AbstractFileSystem):
         view = _View(repo)
         entries = self._entries(root, view, rel)
         if not entries and not self._is_directory(root, view, rel):
-            info = self.info(path)
+            info = self._info(root, view, rel)
             return [info] if detail else [info["name"]]
         listed = sorted(entries.values(), key=lambda e: e["name"])
         return listed if detail else [e["name"] for e in listed]
@@ -235,6 +237,16 @@ class CkptfsFileSystem(AbstractFileSystem):
             return False
         inside = rel[len(checkpoint):].strip("/")
         return any(b.startswith(inside + "/") for b in view.sizes(checkpoint))
+
+    def _existing_file(self, path) -> Tuple[str, Repository, _View, Tuple[str, str, int]]:
+        """(URL, repository, view, what `_file` finds) of file `path`;
+        FileNotFoundError when there is none."""
+        root, repo, rel = self._locate(path)
+        view = _View(repo)
+        found = self._file(view, rel)
+        if found is None:
+            raise FileNotFoundError(self.unstrip_protocol(self._join(root, rel)))
+        return self._join(root, rel), repo, view, found
 
     def _file(self, view: _View, rel: str) -> Optional[Tuple[str, str, int]]:
         """(checkpoint, blob, size) that file `rel` reads from, or None."""
@@ -251,7 +263,9 @@ class CkptfsFileSystem(AbstractFileSystem):
 
     def info(self, path, **kwargs):
         root, repo, rel = self._locate(path)
-        view = _View(repo)
+        return self._info(root, _View(repo), rel)
+
+    def _info(self, root: str, view: _View, rel: str) -> Dict[str, Any]:
         found = self._file(view, rel) if rel else None
         if found is not None:
             return {"name": self._join(root, rel), "type": "file", "size": found[2],
@@ -261,11 +275,7 @@ class CkptfsFileSystem(AbstractFileSystem):
         raise FileNotFoundError(self.unstrip_protocol(self._join(root, rel)))
 
     def cat_file(self, path, start=None, end=None, **kwargs):
-        root, repo, rel = self._locate(path)
-        found = self._file(_View(repo), rel)
-        if found is None:
-            raise FileNotFoundError(self.unstrip_protocol(self._join(root, rel)))
-        checkpoint, blob, size = found
+        _, repo, _, (checkpoint, blob, size) = self._existing_file(path)
         start, end = _range(start, end, size)
         return repo.blobs(checkpoint).read(blob, start, end - start)
 
@@ -288,12 +298,10 @@ class CkptfsFileSystem(AbstractFileSystem):
         self._made.discard(self._join(root, rel))
 
     def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None, **kwargs):
-        root, repo, rel = self._locate(path)
         if mode == "rb":
-            found = self._file(_View(repo), rel)
-            if found is None:
-                raise FileNotFoundError(self.unstrip_protocol(self._join(root, rel)))
-            return _ReadFile(self, self._join(root, rel), repo, found, block_size, cache_options)
+            url, repo, _, found = self._existing_file(path)
+            return _ReadFile(self, url, repo, found, block_size, cache_options)
+        root, repo, rel = self._locate(path)
         if mode not in ("wb", "xb"):
             raise NotImplementedError(f"ckptfs:// files open as 'rb', 'wb' or 'xb', not {mode!r}")
         directory, base = posixpath.split(rel)
@@ -327,8 +335,11 @@ class CkptfsFileSystem(AbstractFileSystem):
         return members
 
     def _commit(self, repo: Repository, rel: str, members: Optional[Dict[str, Tuple[str, str]]] = None,
-                drop: Tuple[str, ...] = ()) -> Dict[str, Any]:
-        view = _View(repo)
+                drop: Tuple[str, ...] = (), view: Optional[_View] = None) -> Dict[str, Any]:
+        """Commits `rel` of `members` (by default what `view` shows of it; a
+        new view when none is given) and removes the staged files taken."""
+        if view is None:
+            view = _View(repo)
         if members is None:
             members = self._members(view, rel)
         if not rel or rel.startswith(STAGING + "/") or rel == STAGING:
@@ -358,12 +369,9 @@ class CkptfsFileSystem(AbstractFileSystem):
             source, blob, _ = found
             repo.compose(_staged_name(directory, base), [(source, blob, base)], tags={_FILE_TAG: base},
                          overwrite=True)
-            if source.startswith(STAGING + "/"):
-                repo.rm(source)
-            else:
-                self._commit(repo, source, {b: (source, b) for b in repo.blobs(source, lease=False).sizes if b != blob})
+            self._remove_file(repo, view, found)
             if base == ".metadata":
-                self._commit(repo, directory)
+                self._commit(repo, directory)  # a new view: it holds the file just staged
             return
         if not self._is_directory(root1, view, rel1) or not rel1:
             raise FileNotFoundError(self.unstrip_protocol(path1))
@@ -373,12 +381,13 @@ class CkptfsFileSystem(AbstractFileSystem):
             raise FileExistsError(f"{self.unstrip_protocol(self._join(root2, rel2))}: a directory that is not empty")
         _check_directory(rel2, self.unstrip_protocol(self._join(root2, rel2)))
         if rel1 in view.committed or not any(c.startswith(rel1 + "/") for c in view.committed):
-            self._commit(repo, rel2, self._members(view, rel1), drop=(rel1,) if rel1 in view.committed else ())
+            self._commit(repo, rel2, self._members(view, rel1), drop=(rel1,) if rel1 in view.committed else (),
+                         view=view)
         else:
             # A group of checkpoints: each checkpoint below it is renamed, and
             # each staged file below it moves with it.
             for c in sorted(c for c in view.committed if c.startswith(rel1 + "/")):
-                self._commit(repo, rel2 + c[len(rel1):], self._members(view, c), drop=(c,))
+                self._commit(repo, rel2 + c[len(rel1):], self._members(view, c), drop=(c,), view=view)
             for directory, files in _View(repo).staged.items():
                 if directory == rel1 or directory.startswith(rel1 + "/"):
                     for base, (staged, _) in files.items():
@@ -391,15 +400,17 @@ class CkptfsFileSystem(AbstractFileSystem):
     rename = mv
 
     def rm_file(self, path):
-        root, repo, rel = self._locate(path)
-        found = self._file(_View(repo), rel)
-        if found is None:
-            raise FileNotFoundError(self.unstrip_protocol(self._join(root, rel)))
+        _, repo, view, found = self._existing_file(path)
+        self._remove_file(repo, view, found)
+
+    def _remove_file(self, repo: Repository, view: _View, found: Tuple[str, str, int]) -> None:
+        """Removes a file as `_file` found it: its staged checkpoint, or a
+        version of its checkpoint without it."""
         source, blob, _ = found
         if source.startswith(STAGING + "/"):
             repo.rm(source)
         else:
-            self._commit(repo, source, {b: (source, b) for b in repo.blobs(source, lease=False).sizes if b != blob})
+            self._commit(repo, source, {b: (source, b) for b in view.sizes(source) if b != blob}, view=view)
 
     def rm(self, path, recursive=False, maxdepth=None):
         if isinstance(path, list):
@@ -408,8 +419,9 @@ class CkptfsFileSystem(AbstractFileSystem):
             return
         root, repo, rel = self._locate(path)
         view = _View(repo)
-        if self._file(view, rel) is not None:
-            return self.rm_file(path)
+        found = self._file(view, rel)
+        if found is not None:
+            return self._remove_file(repo, view, found)
         if not self._is_directory(root, view, rel):
             raise FileNotFoundError(self.unstrip_protocol(self._join(root, rel)))
         if not recursive and self._entries(root, view, rel):
@@ -420,7 +432,7 @@ class CkptfsFileSystem(AbstractFileSystem):
             # A directory inside a checkpoint: a version without its files.
             inside = rel[len(checkpoint) + 1:] + "/"
             self._commit(repo, checkpoint, {b: (checkpoint, b) for b in view.sizes(checkpoint)
-                                            if not b.startswith(inside)})
+                                            if not b.startswith(inside)}, view=view)
         for directory, files in view.staged.items():
             if not rel or directory == rel or directory.startswith(rel + "/"):
                 doomed.update(s for s, _ in files.values())
@@ -430,11 +442,7 @@ class CkptfsFileSystem(AbstractFileSystem):
 
     def modified(self, path):
         """When the file was committed (staged or in its checkpoint), to the second."""
-        root, repo, rel = self._locate(path)
-        view = _View(repo)
-        found = self._file(view, rel)
-        if found is None:
-            raise FileNotFoundError(self.unstrip_protocol(self._join(root, rel)))
+        _, _, view, found = self._existing_file(path)
         stamp = view.committed_at.get(found[0], "")
         return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
 
@@ -506,13 +514,15 @@ class _WriteFile(AbstractBufferedFile):
 
     def __init__(self, fs, path, repo: Repository, directory: str, base: str, block_size):
         self._repo, self._directory, self._base = repo, directory, base
-        self._parts: Optional[List[bytes]] = []  # the blocks written, joined once on close
+        self._parts: Optional[List[memoryview]] = []  # the blocks written, joined once on close
         self._held = 0
         self._spool = None
         super().__init__(fs, path, mode="wb", block_size=block_size or "default")
 
     def _upload_chunk(self, final=False):
-        data = self.buffer.getvalue()
+        # fsspec starts a new buffer after each block, so this one's bytes
+        # can be kept as they are: no copy until the blocks are joined.
+        data = self.buffer.getbuffer()
         if self._parts is not None and self._held + len(data) > self.SPOOL_IN_MEMORY:
             self._spool = tempfile.TemporaryFile(prefix="ckptfs-file-")
             for part in self._parts:

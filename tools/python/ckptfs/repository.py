@@ -129,24 +129,25 @@ class CheckpointBlobs:
         """`size` bytes of `blob` from `offset` (to its end when None),
         verified against their chunks' ids (a bytearray: bytes-like, and
         not copied once more)."""
-        total = self.sizes.get(blob)
-        if total is None:
-            raise NotFoundError(f"checkpoint '{self.name}' has no blob '{blob}'")
         if size is None:
-            size = total - offset
-        if offset < 0 or size < 0 or offset + size > total:
-            raise InvalidArgumentError(f"bytes {offset}..{offset + size} are outside blob '{blob}' "
-                                       f"({total} bytes) of checkpoint '{self.name}'")
+            size = self._size(blob) - offset
+        if size < 0:
+            raise InvalidArgumentError(f"a read of {size} bytes at {offset} of blob '{blob}' of checkpoint "
+                                       f"'{self.name}'")
         out = bytearray(size)
         self.read_into(blob, offset, out)
         return out  # type: ignore[return-value]  # bytes-like, not copied again
 
-    def read_into(self, blob: str, offset: int, out: Any) -> None:
-        """Fills the writable buffer `out` with bytes of `blob` from `offset`."""
-        view = memoryview(out).cast("B")
+    def _size(self, blob: str) -> int:
         total = self.sizes.get(blob)
         if total is None:
             raise NotFoundError(f"checkpoint '{self.name}' has no blob '{blob}'")
+        return total
+
+    def read_into(self, blob: str, offset: int, out: Any) -> None:
+        """Fills the writable buffer `out` with bytes of `blob` from `offset`."""
+        view = memoryview(out).cast("B")
+        total = self._size(blob)
         if offset < 0 or offset + len(view) > total:
             raise InvalidArgumentError(f"bytes {offset}..{offset + len(view)} are outside blob '{blob}' "
                                        f"({total} bytes) of checkpoint '{self.name}'")
