@@ -71,7 +71,10 @@ std::vector<uint64_t> SavePipeline::ContentBounds(std::span<const std::byte> dat
 }
 
 void SavePipeline::Submit(Job job) {
-  {
+  // Resident bytes (a copy staged for this save) are in memory already:
+  // queueing all of them costs nothing, and lets PutShard return at once.
+  const bool bounded = !job.resident;
+  if (bounded) {
     std::unique_lock lock(mu_);
     inflight_cv_.wait(lock, [&] { return inflight_ < max_inflight_; });
     ++inflight_;
@@ -79,17 +82,19 @@ void SavePipeline::Submit(Job job) {
   inflight_wg_.Add();
   if (job.shard_wg) job.shard_wg->Add();
   // Shared: the pool's tasks must be copyable, and a job owns a lease.
-  settings_.pool->Submit([this, shared = std::make_shared<Job>(std::move(job))] {
+  settings_.pool->Submit([this, bounded, shared = std::make_shared<Job>(std::move(job))] {
     Job& job = *shared;
     Process(job);
     job.keep.reset();  // lent bytes go back to their source now, not when the task is freed
     job.owned.Reset();
     if (job.shard_wg) job.shard_wg->Done();
-    {
-      std::lock_guard lock(mu_);
-      --inflight_;
+    if (bounded) {
+      {
+        std::lock_guard lock(mu_);
+        --inflight_;
+      }
+      inflight_cv_.notify_one();
     }
-    inflight_cv_.notify_one();
     inflight_wg_.Done();
   });
 }
@@ -368,6 +373,7 @@ Status SavePipeline::Stream(const std::vector<uint64_t>& bounds, DType dtype, Sh
         job.data = lent->bytes;
         job.keep = std::move(lent->keep);
         job.stable = lent->stable;
+        job.resident = lent->resident;
       } else {
         job.owned = settings_.buffers->Acquire(len);
         st = source.Read(bounds[i], job.owned.first(len));

@@ -17,7 +17,9 @@
 // (Process), so a source changed during a save never stores a chunk that
 // fails its id. Memory
 // in flight is bounded: at most 2 * workers + 2 chunks are being hashed or
-// encoded, and at most 2 * workers + 1 encoded chunks wait for the disk.
+// encoded, and at most 2 * workers + 1 encoded chunks wait for the disk;
+// chunks of a private copy staged for the save (StableSource) are queued
+// all at once, since their bytes are in memory already.
 #pragma once
 
 #include <atomic>
@@ -127,6 +129,9 @@ class SavePipeline {
     // or bytes lent as stable): hashed and encoded in place. Otherwise a new
     // chunk is copied first, and the copy is hashed and encoded.
     bool stable = false;
+    // Lent as resident (BorrowedBytes::resident): not counted against the
+    // in-flight bound.
+    bool resident = false;
     DType dtype;
     ChunkRef* slot;
     WaitGroup* shard_wg;  // waited on by Stream for zero-copy jobs

@@ -56,6 +56,24 @@ Result<BorrowedBytes> MappedSource::Borrow(uint64_t offset, uint64_t n) {
   return BorrowedBytes{data_.subspan(offset, n), file_};
 }
 
+Status StableSource::Read(uint64_t offset, std::span<std::byte> dst) {
+  if (offset > data_.size() || dst.size() > data_.size() - offset) {
+    return Status::InvalidArgument("read past the end of a staged source");
+  }
+  std::memcpy(dst.data(), data_.data() + offset, dst.size());
+  return Status::OK();
+}
+
+Result<BorrowedBytes> StableSource::Borrow(uint64_t offset, uint64_t n) {
+  if (offset > data_.size() || n > data_.size() - offset) {
+    return Status::InvalidArgument("borrow past the end of a staged source");
+  }
+  BorrowedBytes lent{data_.subspan(offset, n), keep_};
+  lent.stable = true;
+  lent.resident = true;
+  return lent;
+}
+
 void CommitHandle::ReleaseFuture() {
   // In a forked child, the commit thread of the parent does not exist: the
   // future's state would wait for it forever (core/fork.h).
@@ -138,6 +156,14 @@ class TileSource final : public ShardSource {
       done += n;
     }
     return Status::OK();
+  }
+  // Bytes of one run are lent as the source lends them (a tile of whole
+  // rows is one run); bytes across runs are read.
+  Result<BorrowedBytes> Borrow(uint64_t offset, uint64_t n) override {
+    auto it = std::upper_bound(runs_.begin(), runs_.end(), offset,
+                               [](uint64_t off, const TileRun& r) { return off < r.to + r.bytes; });
+    if (it == runs_.end() || offset < it->to || n > it->bytes - (offset - it->to)) return BorrowedBytes{};
+    return from_.Borrow(it->from + (offset - it->to), n);
   }
 
  private:

@@ -28,6 +28,10 @@ struct BorrowedBytes {
   // place. Otherwise (a mapped file another process may rewrite) the writer
   // copies each chunk it stores before hashing and encoding it.
   bool stable = false;
+  // The bytes are a copy made for this save alone (StableSource): they stay
+  // in memory whatever the writer does, so it need not bound how many of
+  // them its jobs hold, and PutShard returns without waiting for them.
+  bool resident = false;
 };
 
 // Where a shard's bytes come from. Read and Borrow are called from one
@@ -92,6 +96,25 @@ class MappedSource final : public ShardSource {
   MappedSource(std::shared_ptr<const MappedFile> file, std::span<const std::byte> data)
       : file_(std::move(file)), data_(data) {}
   std::shared_ptr<const MappedFile> file_;
+  std::span<const std::byte> data_;
+};
+
+// A ShardSource over a private copy of a shard's bytes, such as an
+// asynchronous save stages: nothing changes them while `keep` is held. They
+// are lent to the writer as stable and resident, so its threads hash and
+// encode them in place, with no copy of their own, and PutShard returns as
+// soon as every chunk is queued.
+class StableSource final : public ShardSource {
+ public:
+  StableSource(std::shared_ptr<const void> keep, std::span<const std::byte> data)
+      : keep_(std::move(keep)), data_(data) {}
+  uint64_t size() const override { return data_.size(); }
+  Status Read(uint64_t offset, std::span<std::byte> dst) override;
+  Result<BorrowedBytes> Borrow(uint64_t offset, uint64_t n) override;
+  bool RandomAccess() const override { return true; }
+
+ private:
+  std::shared_ptr<const void> keep_;
   std::span<const std::byte> data_;
 };
 

@@ -51,6 +51,11 @@ from ckptfs.torch import StorageReader, StorageWriter
 from worker_exit import leave
 
 
+def staged_rows():
+    """A tensor of 1 MiB."""
+    return torch.randn(1024, 256, generator=torch.Generator().manual_seed(8))
+
+
 def full():
     """The whole tensors; their sizes divide unevenly by 3 and 4."""
     gen = torch.Generator().manual_seed(7)
@@ -64,7 +69,7 @@ def full():
     }
 
 
-def big():
+def large():
     """Tensors much larger than a 64 KiB chunk, for dedup across world sizes."""
     gen = torch.Generator().manual_seed(11)
     return {
@@ -194,10 +199,16 @@ def main():
         dcp.save(sd, storage_writer=HuggingFaceStorageWriter(path=repo, save_distributed=True))
     elif action == "async-save":
         kind = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}[sys.argv[4]]
-        sd = {"w": distribute_tensor(full()["rows"], init_device_mesh("cpu", (world,)), [Shard(0)]), "step": 5}
+        mesh = init_device_mesh("cpu", (world,))
+        # "big" is large enough for the writer's own staging buffers
+        # (_core.STAGE_MIN_BYTES a rank); both change once async_save returns.
+        sd = {"w": distribute_tensor(full()["rows"], mesh, [Shard(0)]),
+              "big": distribute_tensor(staged_rows(), mesh, [Shard(0)]), "step": 5}
         overwrite = len(sys.argv) <= 5 or sys.argv[5] != "no-overwrite"
         future = dcp.async_save(sd, storage_writer=StorageWriter(repo, name, overwrite=overwrite),
                                 async_checkpointer_type=kind)
+        sd["w"].to_local().fill_(-1.0)
+        sd["big"].to_local().fill_(-1.0)
         try:
             future.result()
         except BaseException as e:  # DCP's CheckpointException is a BaseException

@@ -112,11 +112,14 @@ class Interop(DcpTestCase):
 
 class AsyncSave(DcpTestCase):
     def test_async_save_in_a_thread_and_in_a_process_commits_the_checkpoint(self):
+        # The workers change their tensors once async_save returns: what
+        # was staged is saved.
         want = dcp_worker.full()["rows"]
         for kind in ("thread", "process"):
             with self.subTest(kind=kind):
                 self.assertEqual(self.run_job(2, "async-save", self.repo, f"async-{kind}", kind), ["ok"] * 2)
                 self.assertEqual(bits(ckptfs.open(self.repo).tensor(f"async-{kind}", "w")), bits(want))
+                self.assertEqual(bits(ckptfs.open(self.repo).tensor(f"async-{kind}", "big")), bits(dcp_worker.staged_rows()))
         self.assertEqual(sorted(c["name"] for c in ckptfs.open(self.repo).checkpoints()),
                          ["async-process", "async-thread"])
 

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -222,6 +223,51 @@ TEST(SavePipeline, BytesLentFromAMappedFileStayMappedUntilTheThreadsAreDone) {
     std::vector<std::byte> want(bytes.begin() + at + bounds[i], bytes.begin() + at + bounds[i + 1]);
     EXPECT_EQ(back[refs[i].id], want) << i;
   }
+}
+
+TEST(SavePipeline, AStagedCopyIsQueuedWholeWithoutWaitingForTheThreadsAndReleasedWhenEncoded) {
+  Harness h;
+  // Every worker is busy until `go`: a stream that waited for them (as one
+  // over the caller's memory does, past 2 * workers + 2 chunks) would hang.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool go = false;
+  for (size_t i = 0; i < h.pool.size(); ++i) {
+    h.pool.Submit([&] {
+      std::unique_lock lock(mu);
+      cv.wait(lock, [&] { return go; });
+    });
+  }
+  auto copy = std::make_shared<std::vector<std::byte>>(RandomBytes(20 * kChunk, 12));
+  SavePipeline p(h.settings);
+  std::vector<ChunkRef> refs;
+  {
+    StableSource src(copy, *copy);
+    ASSERT_OK(p.Stream(p.ChunkBounds(0, copy->size()), DType::kF32, src, refs));
+  }
+  EXPECT_GT(copy.use_count(), 1);  // the queued chunks hold the copy
+  {
+    std::lock_guard lock(mu);
+    go = true;
+  }
+  cv.notify_all();
+  p.Shutdown();
+  EXPECT_EQ(copy.use_count(), 1);  // released once every chunk was encoded
+  auto sealed = p.Finish();
+  ASSERT_OK(sealed);
+  auto back = ReadBack(*h.store, *sealed);
+  ASSERT_EQ(refs.size(), 20u);
+  for (size_t i = 0; i < refs.size(); ++i) {
+    std::vector<std::byte> want(copy->begin() + i * kChunk, copy->begin() + (i + 1) * kChunk);
+    EXPECT_EQ(refs[i].id, ChunkId::Of(want)) << i;
+    EXPECT_EQ(back[refs[i].id], want) << i;
+  }
+  std::vector<std::byte> dst(100);
+  StableSource src(copy, *copy);
+  ASSERT_OK(src.Read(kChunk - 50, dst));
+  EXPECT_TRUE(std::equal(dst.begin(), dst.end(), copy->begin() + kChunk - 50));
+  EXPECT_EQ(src.Borrow(copy->size() - 10, 11).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(src.Read(copy->size() - 10, dst).code(), StatusCode::kInvalidArgument);
 }
 
 TEST(SavePipeline, AMappedSourceOutsideItsFileOrOfNoRegularFileIsRefused) {

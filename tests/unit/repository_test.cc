@@ -177,6 +177,27 @@ TEST_P(SaveAndLoad, BoxAndFlatShardsFromManyRanksReshardOnLoad) {
   }
 }
 
+TEST_P(SaveAndLoad, StagedCopiesOfBoxShardsAreLentTileByTileOrReadAndReadBackWhole) {
+  // Row blocks: each tile of the grid is a run of whole rows, lent as it
+  // is. Column blocks of rows longer than a chunk: tiles gather pieces of
+  // many rows, read into buffers of the writer's.
+  Ref rows = MakeRef("rows", DType::kF32, {512, 64}, 4);
+  Ref wide = MakeRef("wide", DType::kF32, {8, 40000}, 5);
+  const uint32_t world = 2;
+  for (uint32_t r = 0; r < world; ++r) {
+    auto w = Begin("staged", r, world);
+    for (auto [ref, box] : {std::pair{&rows, Box{{256 * r, 0}, {256, 64}}},
+                            std::pair{&wide, Box{{0, 20000 * r}, {8, 20000}}}}) {
+      auto copy = std::make_shared<std::vector<std::byte>>(ref->Box(box));
+      StableSource src(copy, *copy);
+      ASSERT_OK(w->PutShard(ref->info, Region::OfBox(box), src));
+    }  // the writer keeps the copies while it needs them
+    ASSERT_OK(w->Commit().Wait());
+  }
+  ExpectWhole("staged", rows);
+  ExpectWhole("staged", wide);
+}
+
 // A source that reads forward only, as one streaming from a device does:
 // a read before the end of the one before fails.
 class ForwardOnlySource final : public ShardSource {

@@ -142,6 +142,57 @@ void CheckDeviceMemory(const std::string& name, const Shape& shape, const Region
   }
 }
 
+// ---- host staging: private copies for asynchronous saves ----
+
+// A private copy of bytes being saved. While one is alive it is known by its
+// address, so that a put of bytes inside it (a tensor of a state dict that
+// StorageWriter.stage copied) lends them to the writer as stable, and the
+// writer does not copy each chunk again.
+class StagedCopy {
+ public:
+  // Shares of 256 KiB and more are staged; smaller ones are hashed and
+  // encoded at once, on the caller's thread, which costs less than a hand-off.
+  static constexpr uint64_t kMinBytes = 256 << 10;
+
+  // Memory for `size` bytes, registered; content unspecified.
+  static std::shared_ptr<StagedCopy> Make(size_t size) {
+    // A buffer of its own for each copy, freed with it: mappings advised as
+    // huge pages from 2 MiB on (one fault per 2 MiB of a first touch).
+    static BufferPool* pool = new BufferPool(4096, 0);  // never destroyed: leases may outlive exit
+    auto copy = std::shared_ptr<StagedCopy>(new StagedCopy(pool->Acquire(size), size));
+    std::lock_guard lock(mu_);
+    live_[reinterpret_cast<uintptr_t>(copy->data())] = copy;
+    return copy;
+  }
+  ~StagedCopy() {
+    std::lock_guard lock(mu_);
+    live_.erase(reinterpret_cast<uintptr_t>(data()));  // the memory is freed after this
+  }
+  StagedCopy(const StagedCopy&) = delete;
+  StagedCopy& operator=(const StagedCopy&) = delete;
+
+  // The live copy that holds all of [address, address + bytes), if any.
+  static std::shared_ptr<StagedCopy> Holding(uintptr_t address, uint64_t bytes) {
+    std::lock_guard lock(mu_);
+    auto it = live_.upper_bound(address);
+    if (it == live_.begin()) return nullptr;
+    --it;
+    std::shared_ptr<StagedCopy> copy = it->second.lock();
+    if (!copy || address - it->first > copy->size_ || bytes > copy->size_ - (address - it->first)) return nullptr;
+    return copy;
+  }
+
+  std::byte* data() const { return lease_.data(); }
+  size_t size() const { return size_; }
+
+ private:
+  StagedCopy(BufferPool::Lease lease, size_t size) : lease_(std::move(lease)), size_(size) {}
+  BufferPool::Lease lease_;
+  size_t size_;
+  static inline std::mutex mu_;
+  static inline std::map<uintptr_t, std::weak_ptr<StagedCopy>> live_;
+};
+
 // ---- GPU staging: one copy engine, pinned pool and snapshot buffer per device ----
 
 struct DeviceStaging {
@@ -233,18 +284,47 @@ class SaveHandle {
   uint64_t fork_generation_ = ForkGeneration();
 };
 
+// A StagedCopy for Python (StorageWriter.stage): writable bytes that torch
+// tensors are made over; a save that puts them lends them to its writer.
+class StagingBuffer {
+ public:
+  explicit StagingBuffer(uint64_t nbytes) : copy_(StagedCopy::Make(std::max<uint64_t>(nbytes, 1))), size_(nbytes) {}
+  // Copies `nbytes` of host memory at `address` to the start of the buffer.
+  void copy_from(uintptr_t address, uint64_t nbytes) {
+    if (nbytes > size_) {
+      throw StatusError{Status::InvalidArgument("copy of " + std::to_string(nbytes) + " bytes into a staging buffer of " +
+                                                std::to_string(size_))};
+    }
+    std::span<std::byte> from = HostSpan(address, nbytes);
+    py::gil_scoped_release nogil;
+    if (nbytes) std::memcpy(copy_->data(), from.data(), nbytes);
+  }
+  uintptr_t address() const { return reinterpret_cast<uintptr_t>(copy_->data()); }
+  std::byte* data() const { return copy_->data(); }
+  uint64_t size() const { return size_; }
+
+ private:
+  std::shared_ptr<StagedCopy> copy_;
+  uint64_t size_;
+};
+
 // One rank's part of a checkpoint. Host tensors and blobs are consumed (hashed
-// and encoded) when put, so the caller may change them afterwards; device
-// tensors are put when committed: streamed through pinned buffers by a
-// blocking commit, or copied out at once by an asynchronous one.
+// and encoded, or copied when staged) when put, so the caller may change them
+// afterwards; device tensors are put when committed: streamed through pinned
+// buffers by a blocking commit, or copied out at once by an asynchronous one.
 class Writer {
  public:
   Writer(std::shared_ptr<Repository> repo, std::unique_ptr<CheckpointWriter> w)
       : repo_(std::move(repo)), writer_(std::move(w)) {}
 
+  // With `stage` (an asynchronous save), host bytes of StagedCopy::kMinBytes
+  // and more are copied into a StagedCopy and put from there: this returns
+  // once they are copied, and the engine's threads hash and encode them in
+  // the background. Bytes inside a live StagedCopy are put from it as they
+  // are, staged or not.
   void put(const std::string& name, const std::string& dtype, const Shape& shape, const std::string& kind,
            const std::vector<uint64_t>& local_shape, const std::vector<uint64_t>& offsets, uint64_t start,
-           uintptr_t address, uint64_t bytes, int device) {
+           uintptr_t address, uint64_t bytes, int device, bool stage) {
     TensorInfo info{name, ParseDTypeOrThrow(dtype), shape};
     Region region = MakeRegion(shape, kind, local_shape, offsets, start);
     if (device >= 0) {
@@ -255,6 +335,18 @@ class Writer {
     }
     std::span<std::byte> data = HostSpan(address, bytes);
     py::gil_scoped_release nogil;
+    if (std::shared_ptr<StagedCopy> held = bytes ? StagedCopy::Holding(address, bytes) : nullptr) {
+      StableSource source(held, data);
+      Check(Live().PutShard(info, region, source));
+      return;
+    }
+    if (stage && bytes >= StagedCopy::kMinBytes) {
+      std::shared_ptr<StagedCopy> copy = StagedCopy::Make(bytes);
+      std::memcpy(copy->data(), data.data(), bytes);
+      StableSource source(copy, {copy->data(), bytes});
+      Check(Live().PutShard(info, region, source));
+      return;
+    }
     HostSource source(data);
     Check(Live().PutShard(info, region, source));
   }
@@ -1162,6 +1254,7 @@ using namespace ckptfs::python;
 PYBIND11_MODULE(_core, m) {
   m.doc() = "C++ core of ckptfs (use the ckptfs package, not this module)";
   m.attr("__version__") = CKPTFS_VERSION;
+  m.attr("STAGE_MIN_BYTES") = StagedCopy::kMinBytes;
 
   g_error = NewErrorClass(m, "Error", PyExc_Exception, nullptr, "An error from ckptfs; str() is a one-line message.");
   g_not_found = NewErrorClass(m, "NotFoundError", g_error, PyExc_LookupError,
@@ -1242,13 +1335,23 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Writer>(m, "Writer")
       .def("put", &Writer::put, py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("kind"),
            py::arg("local_shape"), py::arg("offsets"), py::arg("start"), py::arg("address"), py::arg("nbytes"),
-           py::arg("device"))
+           py::arg("device"), py::arg("stage") = false)
       .def("put_file", &Writer::put_file, py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("kind"),
            py::arg("local_shape"), py::arg("offsets"), py::arg("start"), py::arg("path"), py::arg("file_offset"),
            py::arg("bytes"))
       .def("put_blob", &Writer::put_blob, py::arg("name"), py::arg("data"))
       .def("commit", &Writer::commit, py::arg("snapshot"))
       .def("abort", &Writer::abort);
+
+  py::class_<StagingBuffer>(m, "StagingBuffer", py::buffer_protocol())
+      .def(py::init<uint64_t>(), py::arg("nbytes"))
+      .def("copy_from", &StagingBuffer::copy_from, py::arg("address"), py::arg("nbytes"))
+      .def_property_readonly("address", &StagingBuffer::address)
+      .def("__len__", &StagingBuffer::size)
+      .def_buffer([](StagingBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.size())}, {static_cast<py::ssize_t>(1)});
+      });
 
   py::class_<Reader>(m, "Reader")
       .def("tensors", &Reader::tensors)

@@ -219,9 +219,12 @@ def nbytes(value) -> int:
     return int(getattr(value, "nbytes", 0))
 
 
-def put_value(writer, key: str, value, shard: Optional[Shard], sharded: bool, kept: List[Memory]) -> None:
+def put_value(writer, key: str, value, shard: Optional[Shard], sharded: bool, kept: List[Memory],
+              stage: bool = False) -> None:
     """Puts one state-dict entry into a core writer; device memory that the
-    commit still has to copy is appended to `kept`."""
+    commit still has to copy is appended to `kept`. With `stage` (an
+    asynchronous save), large host values are copied and hashed and encoded
+    from the copy in the background."""
     what = f"'{key}'"
     if isinstance(value, (bytes, bytearray, memoryview)):
         if sharded:
@@ -235,7 +238,7 @@ def put_value(writer, key: str, value, shard: Optional[Shard], sharded: bool, ke
     if memory.device >= 0:
         kept.append(memory)
     writer.put(key, memory.dtype, list(global_shape), kind, list(memory.shape), offsets, start, memory.address,
-               memory.nbytes, memory.device)
+               memory.nbytes, memory.device, stage)
 
 
 def read_value(reader, key: str, target, shard: Optional[Shard],

@@ -182,7 +182,7 @@ class Repository:
     # -- save --
 
     def _put_all(self, name, state_dict, step, rank, world_size, shards, tags, progress=None, skip=(), group=None,
-                 attempt=None, overwrite=False):
+                 attempt=None, overwrite=False, stage=False):
         shards = _checked_shards(state_dict, "state_dict", "names to values", "the state dict", shards)
         begin = (name, int(rank), int(world_size), None if step is None else int(step),
                  [(str(k), str(v)) for k, v in (tags or {}).items()])
@@ -205,7 +205,7 @@ class Repository:
             for key, value in state_dict.items():
                 if key in skip:
                     continue  # another rank of the group puts the same region
-                memory.put_value(writer, key, value, shards.get(key), key in shards, kept)
+                memory.put_value(writer, key, value, shards.get(key), key in shards, kept, stage)
                 if progress:
                     done += memory.nbytes(value)
                     progress(done, total)
@@ -239,7 +239,7 @@ class Repository:
             rank, world_size = group.rank, group.size
             skip, plan = collective.plan_save(state_dict, dict(shards or {}), group, verify_replicas, name)
         writer, kept = self._put_all(name, state_dict, step, rank, world_size, shards, tags, progress, skip, group,
-                                     attempt, overwrite)
+                                     attempt, overwrite, stage=snapshot)
         memory.sync_cuda(kept)
         return writer.commit(snapshot=snapshot), plan, group
 
@@ -310,9 +310,12 @@ class Repository:
                    verify_replicas: bool = False, timeout: Optional[float] = None,
                    attempt: Optional[str] = None, overwrite: bool = False) -> SaveHandle:
         """Like save, but returns as soon as the caller may modify its
-        tensors: CPU tensors, arrays and blobs have been hashed and encoded,
-        CUDA tensors copied to pinned host memory. The rest (compression
-        not yet done, writes, fsync, commit) runs in the background; wait for
+        tensors: CPU tensors and arrays of 256 KiB and more have been copied
+        to host memory of the save's own, smaller ones and blobs hashed and
+        encoded, CUDA tensors copied to pinned host memory. The rest
+        (hashing and compressing the copies, writes, fsync, commit) runs in
+        the background, and the copies are freed as their chunks are
+        encoded; wait for
         it with the handle's result(). Saves still running when the
         interpreter exits are finished first. `process_group`,
         `verify_replicas`, `timeout`, `attempt` and `overwrite` are as for save: the

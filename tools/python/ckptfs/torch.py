@@ -282,6 +282,26 @@ class StorageWriter(_WriterBase):
     def storage_meta(self):
         return None
 
+    # DCP's AsyncStager: dcp.async_save stages the state dict through the
+    # writer. Tensors' storages are copied into buffers of the save's own
+    # (_core.StagingBuffer, at the blocking copy's cost), which the writer
+    # then lends to the engine as they are: nothing changes them, so its
+    # threads hash and encode them in place rather than copy each chunk.
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict):
+        return _stager().stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     def _commit(self) -> None:
         writer, self._writer = self._writer, None
         if writer is None:
@@ -297,6 +317,30 @@ class StorageWriter(_WriterBase):
             self._writer.abort()
         self._writer = None
         self._kept = []
+
+
+def _stager():
+    """A new stager for one dcp.async_save: DCP's StateDictStager (which
+    copies any state dict: nested containers, DTensors, shared storages),
+    with every storage of _core.STAGE_MIN_BYTES and more copied into a
+    _core.StagingBuffer. A new one per save: a stager reused would copy the
+    next save into buffers the last one may still be encoding."""
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager  # noqa: PLC0415
+
+    class Stager(StateDictStager):
+        def _stage_untyped_storage(self, storage, non_blocking=False):
+            n = storage.nbytes()
+            if n < _core.STAGE_MIN_BYTES:
+                return super()._stage_untyped_storage(storage, non_blocking=non_blocking)
+            buffer = _core.StagingBuffer(n)
+            staged = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()  # keeps `buffer`
+            if storage.device.type == "cpu":
+                buffer.copy_from(storage.data_ptr(), n)  # without the GIL
+            else:
+                staged.copy_(storage)
+            return staged
+
+    return Stager()
 
 
 def _stored_dtype_buffer(fqn: str, stored: str, target):
