@@ -70,7 +70,7 @@ Result<BorrowedBytes> StableSource::Borrow(uint64_t offset, uint64_t n) {
   }
   BorrowedBytes lent{data_.subspan(offset, n), keep_};
   lent.stable = true;
-  lent.resident = true;
+  lent.resident = resident_;
   return lent;
 }
 
@@ -210,6 +210,9 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   Status PutStored(const RankRecord& part, std::span<const ChunkRef> send, DirectFetcher& source, ThreadPool& io,
                    size_t threads, CopyCounters& counters);
   CommitHandle Commit();
+  Status BeginBlob(const std::string& name);
+  Status AppendBlob(std::span<const std::byte> data);
+  Status EndBlob();
   const RepositoryImpl& repo() const { return *repo_; }
 
  private:
@@ -220,6 +223,11 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
     }
     return pipeline_.error();
   }
+  // Streams the chunks of the open blob's pending bytes that end before
+  // them (all of them when `last`), and keeps the rest pending.
+  Status CutPending(bool last);
+  // Adds the streamed blobs' records to record_; after pipeline_.Shutdown.
+  void TakeStreamedBlobs();
   // Hands the finished rank to the repository's commit protocol.
   Status CommitRank(const std::vector<SealedPack>& sealed, CommitResult* result);
   static PipelineSettings PipelineSettingsOf(RepositoryImpl& repo, const WriterOptions& options) {
@@ -262,6 +270,19 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   std::map<std::string, size_t> tensor_index_;    // guarded by mu_
   std::set<std::string> blob_names_;              // guarded by mu_
   uint64_t logical_bytes_ = 0;                    // guarded by mu_
+  // Streamed blobs (BeginBlob ... EndBlob). Each round of cuts streams its
+  // chunks into a vector of its own, which the pipeline's jobs fill in: a
+  // blob's record is assembled from its rounds once they are done
+  // (TakeStreamedBlobs, after the pipeline's Shutdown).
+  struct StreamedBlob {
+    std::string name;
+    uint64_t size = 0;
+    std::shared_ptr<BufferPool::Lease> pending;  // the bytes since the last cut: first pending_len
+    size_t pending_len = 0;
+    std::vector<std::vector<ChunkRef>> rounds;
+  };
+  std::optional<StreamedBlob> open_blob_;         // the caller's thread only
+  std::vector<StreamedBlob> streamed_;            // guarded by mu_
 
   const uint64_t created_unix_ms_ = WallClockUnixMs();
   std::chrono::steady_clock::time_point first_put_{};  // the caller's thread only
@@ -415,6 +436,85 @@ Status WriterImpl::PutBlob(const std::string& name, std::span<const std::byte> d
   return Status::OK();
 }
 
+Status WriterImpl::BeginBlob(const std::string& name) {
+  CKPT_RETURN_IF_ERROR(CheckUsable());
+  if (first_put_ == std::chrono::steady_clock::time_point{}) first_put_ = std::chrono::steady_clock::now();
+  CKPT_RETURN_IF_ERROR(ValidateMemberName("blob name", name));
+  if (open_blob_) return Status::FailedPrecondition("blob '" + open_blob_->name + "' is still being written");
+  {
+    std::lock_guard lock(mu_);
+    if (!blob_names_.insert(name).second) return Status::InvalidArgument("blob '" + name + "' was put twice");
+  }
+  open_blob_.emplace();
+  open_blob_->name = name;
+  return Status::OK();
+}
+
+Status WriterImpl::AppendBlob(std::span<const std::byte> data) {
+  BlockTimer timer(&blocking_);
+  CKPT_RETURN_IF_ERROR(CheckUsable());
+  if (!open_blob_) return Status::FailedPrecondition("no blob is being written (BeginBlob first)");
+  StreamedBlob& b = *open_blob_;
+  BufferPool& buffers = *repo_->buffers;
+  while (!data.empty()) {
+    if (!b.pending) b.pending = std::make_shared<BufferPool::Lease>(buffers.Acquire(buffers.buffer_size()));
+    const size_t n = std::min(data.size(), b.pending->capacity() - b.pending_len);
+    std::memcpy(b.pending->data() + b.pending_len, data.data(), n);
+    b.pending_len += n;
+    b.size += n;
+    data = data.subspan(n);
+    if (b.pending_len == b.pending->capacity()) CKPT_RETURN_IF_ERROR(CutPending(false));
+  }
+  return Status::OK();
+}
+
+Status WriterImpl::CutPending(bool last) {
+  StreamedBlob& b = *open_blob_;
+  if (b.pending_len == 0) return Status::OK();
+  std::span<const std::byte> bytes(b.pending->data(), b.pending_len);
+  // Cuts depend only on the bytes since the chunk's start, so a cut found
+  // before the end of the pending bytes is where the whole blob's would
+  // be; the last end is only where the bytes stop, unless this is the end.
+  std::vector<uint64_t> bounds = pipeline_.ContentBounds(bytes);
+  if (!last && bounds.size() > 2) bounds.pop_back();
+  const uint64_t taken = bounds.back();
+  std::shared_ptr<BufferPool::Lease> full = std::move(b.pending);
+  b.pending_len -= taken;
+  if (b.pending_len > 0) {
+    b.pending = std::make_shared<BufferPool::Lease>(repo_->buffers->Acquire(repo_->buffers->buffer_size()));
+    std::memcpy(b.pending->data(), full->data() + taken, b.pending_len);
+  }
+  // Not resident: the pipeline bounds the chunks in flight, and with them
+  // the buffers a stream holds.
+  StableSource source(full, bytes.first(taken), /*resident=*/false);
+  b.rounds.emplace_back();
+  return pipeline_.Stream(bounds, DType::kU8, source, b.rounds.back());
+}
+
+Status WriterImpl::EndBlob() {
+  BlockTimer timer(&blocking_);
+  CKPT_RETURN_IF_ERROR(CheckUsable());
+  if (!open_blob_) return Status::FailedPrecondition("no blob is being written (BeginBlob first)");
+  Status st = CutPending(true);
+  StreamedBlob done = std::move(*open_blob_);
+  open_blob_.reset();
+  CKPT_RETURN_IF_ERROR(st);
+  std::lock_guard lock(mu_);
+  logical_bytes_ += done.size;
+  streamed_.push_back(std::move(done));
+  return Status::OK();
+}
+
+void WriterImpl::TakeStreamedBlobs() {
+  std::lock_guard lock(mu_);
+  for (StreamedBlob& b : streamed_) {
+    BlobRecord blob{b.name, b.size, {}};
+    for (const auto& round : b.rounds) blob.chunks.insert(blob.chunks.end(), round.begin(), round.end());
+    record_.blobs.push_back(std::move(blob));
+  }
+  streamed_.clear();
+}
+
 Status WriterImpl::PutStored(const RankRecord& part, std::span<const ChunkRef> send, DirectFetcher& source,
                              ThreadPool& io, size_t threads, CopyCounters& counters) {
   BlockTimer timer(&blocking_);
@@ -493,6 +593,12 @@ CommitHandle WriterImpl::Commit() {
       handle.future_ = p.get_future().share();
       return handle;
     }
+    if (open_blob_) {
+      std::promise<Result<CommitResult>> p;
+      p.set_value(Status::FailedPrecondition("blob '" + open_blob_->name + "' is still being written"));
+      handle.future_ = p.get_future().share();
+      return handle;
+    }
     committed_ = true;
   }
   if (first_put_ == std::chrono::steady_clock::time_point{}) first_put_ = std::chrono::steady_clock::now();
@@ -510,6 +616,7 @@ CommitHandle WriterImpl::Commit() {
   io.Submit([this, self = shared_from_this(), total, start, promise]() mutable {
     promise->set_value([&]() -> Result<CommitResult> {
                      pipeline_.Shutdown();
+                     TakeStreamedBlobs();
                      Status st = pipeline_.error();
                      CommitResult result;
                      if (st.ok()) {
@@ -570,6 +677,24 @@ Status CheckpointWriter::PutBlob(const std::string& name, std::span<const std::b
   if (!impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
   CKPT_RETURN_IF_ERROR(impl_->repo().CheckProcess());
   return impl_->PutBlob(name, data);
+}
+
+Status CheckpointWriter::BeginBlob(const std::string& name) {
+  if (!impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
+  CKPT_RETURN_IF_ERROR(impl_->repo().CheckProcess());
+  return impl_->BeginBlob(name);
+}
+
+Status CheckpointWriter::AppendBlob(std::span<const std::byte> data) {
+  if (!impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
+  CKPT_RETURN_IF_ERROR(impl_->repo().CheckProcess());
+  return impl_->AppendBlob(data);
+}
+
+Status CheckpointWriter::EndBlob() {
+  if (!impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
+  CKPT_RETURN_IF_ERROR(impl_->repo().CheckProcess());
+  return impl_->EndBlob();
 }
 
 CommitHandle CheckpointWriter::Commit() {

@@ -104,10 +104,14 @@ class MappedSource final : public ShardSource {
 // are lent to the writer as stable and resident, so its threads hash and
 // encode them in place, with no copy of their own, and PutShard returns as
 // soon as every chunk is queued.
+//
+// A source that is not `resident` (a buffer of a stream that goes on
+// filling others) is lent as stable only: the writer then bounds how many
+// of its chunks are in flight, and so how many buffers the stream holds.
 class StableSource final : public ShardSource {
  public:
-  StableSource(std::shared_ptr<const void> keep, std::span<const std::byte> data)
-      : keep_(std::move(keep)), data_(data) {}
+  StableSource(std::shared_ptr<const void> keep, std::span<const std::byte> data, bool resident = true)
+      : keep_(std::move(keep)), data_(data), resident_(resident) {}
   uint64_t size() const override { return data_.size(); }
   Status Read(uint64_t offset, std::span<std::byte> dst) override;
   Result<BorrowedBytes> Borrow(uint64_t offset, uint64_t n) override;
@@ -116,6 +120,7 @@ class StableSource final : public ShardSource {
  private:
   std::shared_ptr<const void> keep_;
   std::span<const std::byte> data_;
+  bool resident_;
 };
 
 struct TensorInfo {
@@ -208,6 +213,16 @@ class CheckpointWriter {
   Status PutTensor(const TensorInfo& tensor, std::span<const std::byte> data);
   // Named non-tensor bytes (RNG state, data loader position, config).
   Status PutBlob(const std::string& name, std::span<const std::byte> data);
+  // A blob whose bytes arrive in pieces (a file written through fsspec):
+  // BeginBlob, AppendBlob as often as needed, EndBlob. Each piece is copied
+  // into the writer's pooled buffers and cut by content there, with the
+  // same chunks PutBlob would give the whole, so no piece is held whole and
+  // no fresh memory is touched. AppendBlob returns once the piece is copied,
+  // waiting only while the pipeline is full. One streamed blob at a time;
+  // Commit fails while one is open.
+  Status BeginBlob(const std::string& name);
+  Status AppendBlob(std::span<const std::byte> data);
+  Status EndBlob();
   // Seals this rank's packs (durable), then records its part in the catalog.
   // The checkpoint becomes visible, atomically, with the last rank's commit;
   // that commit fails if the ranks' shards do not tile every tensor, and the

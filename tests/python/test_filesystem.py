@@ -96,6 +96,28 @@ class Filesystem(CkptTestCase):
             blobs.read("nothing")
         self.run_ckpt("verify", env={"CKPT_REPO": self.repository.path})
 
+    def test_a_file_written_in_pieces_of_any_size_stores_the_chunks_of_the_whole(self):
+        data = random_bytes(3 << 20, 9)
+        sizes = [1, 7, 4096, 65537, 1 << 20, 3]
+        with self.fs.open(self.url("a/state.bin"), "wb") as f:
+            at, i = 0, 0
+            while at < len(data):
+                n = sizes[i % len(sizes)]
+                self.assertEqual(f.write(memoryview(data)[at:at + n]), min(n, len(data) - at))
+                at, i = at + n, i + 1
+            self.assertEqual(f.tell(), len(data))
+            self.assertEqual(self.names(), [])  # nothing of it before it is closed
+            f.write(memoryview(b"0123456789")[::3])  # not contiguous: written as its bytes
+        with self.assertRaises(ValueError):
+            f.write(b"closed")
+        self.fs.commit(self.url("a"))
+        self.assertEqual(self.fs.cat_file(self.url("a/state.bin")), data + b"0369")
+        first = self.repository.du()["total"]["unique_raw_bytes"]
+        self.fs.pipe(self.url("b/state.bin"), data)  # one write: the same chunks, but the last
+        self.fs.commit(self.url("b"))
+        self.assertLessEqual(self.repository.du()["total"]["unique_raw_bytes"] - first, 16 << 10)
+        self.assertEqual(self.fs.cat_file(self.url("b/state.bin")), data)
+
     def test_usual_errors(self):
         with self.assertRaises(FileNotFoundError):
             self.fs.cat_file(self.url("step-1/missing"))

@@ -723,6 +723,50 @@ TEST_P(SaveAndLoad, BlobsRoundTrip) {
   EXPECT_EQ(reader->FindBlob("empty")->size, 0u);
 }
 
+// A blob written in pieces of any size (a file written through fsspec)
+// has the chunks of the same bytes put whole, so each dedups against the
+// other.
+TEST_P(SaveAndLoad, ABlobStreamedInPiecesHasTheChunksOfTheWholeAndReadsBack) {
+  const auto bytes = RandomBytes(3 << 20, 43);
+  auto whole = Begin("whole");
+  ASSERT_OK(whole->PutBlob("state.bin", bytes));
+  ASSERT_OK(whole->Commit().Wait());
+  auto w = Begin("streamed");
+  EXPECT_EQ(w->AppendBlob(bytes).code(), StatusCode::kFailedPrecondition);  // no blob begun
+  ASSERT_OK(w->BeginBlob("state.bin"));
+  EXPECT_EQ(w->BeginBlob("other").code(), StatusCode::kFailedPrecondition);  // one at a time
+  std::mt19937 rng(44);
+  for (size_t at = 0; at < bytes.size();) {
+    // Mostly small writes, some larger than a pooled buffer.
+    const size_t n = std::min<size_t>(bytes.size() - at, rng() % 8 == 0 ? rng() % (3 << 20) : rng() % 5000);
+    ASSERT_OK(w->AppendBlob(std::span(bytes).subspan(at, n)));
+    at += n;
+  }
+  ASSERT_OK(w->EndBlob());
+  ASSERT_OK(w->BeginBlob("empty"));
+  ASSERT_OK(w->EndBlob());
+  EXPECT_EQ(w->BeginBlob("state.bin").code(), StatusCode::kInvalidArgument);  // put twice
+  auto res = w->Commit().Wait();
+  ASSERT_OK(res);
+  EXPECT_EQ(res->chunks_written, 0u);  // every chunk was the whole blob's
+  EXPECT_EQ(res->logical_bytes, bytes.size());
+  auto a = std::move(repo_->OpenCheckpoint("whole")).value();
+  auto b = std::move(repo_->OpenCheckpoint("streamed")).value();
+  ASSERT_NE(b->FindBlob("state.bin"), nullptr);
+  EXPECT_EQ(b->FindBlob("state.bin")->chunks, a->FindBlob("state.bin")->chunks);
+  std::vector<std::byte> got(bytes.size());
+  ASSERT_OK(b->ReadBlob(*b->FindBlob("state.bin"), 0, got));
+  EXPECT_EQ(got, bytes);
+  EXPECT_EQ(b->FindBlob("empty")->size, 0u);
+  // A writer whose blob is still open cannot commit, and leaves nothing.
+  auto open = Begin("open");
+  ASSERT_OK(open->BeginBlob("x"));
+  ASSERT_OK(open->AppendBlob(std::span(bytes).first(1000)));
+  EXPECT_EQ(open->Commit().Wait().status().code(), StatusCode::kFailedPrecondition);
+  open.reset();
+  EXPECT_TRUE(repo_->OpenCheckpoint("open").status().IsNotFound());
+}
+
 // Blobs are chunked by their content: bytes inserted or removed in one
 // place cost the chunks around that place, and every other chunk is the
 // one the last save stored (a file whose header grew, a log with lines

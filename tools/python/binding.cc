@@ -380,6 +380,23 @@ class Writer {
     Check(Live().PutBlob(name, bytes));
   }
 
+  // A blob written in pieces (CheckpointWriter::BeginBlob): each piece is
+  // copied into the engine's pooled buffers before append_blob returns.
+  void begin_blob(const std::string& name) { Check(Live().BeginBlob(name)); }
+  void append_blob(py::buffer data) {
+    py::buffer_info b = data.request();
+    if (!PyBuffer_IsContiguous(b.view(), 'C')) {
+      throw StatusError{Status::InvalidArgument("a piece of a blob is not contiguous memory")};
+    }
+    std::span<const std::byte> bytes(static_cast<const std::byte*>(b.ptr), static_cast<size_t>(b.size * b.itemsize));
+    py::gil_scoped_release nogil;
+    Check(Live().AppendBlob(bytes));
+  }
+  void end_blob() {
+    py::gil_scoped_release nogil;
+    Check(Live().EndBlob());
+  }
+
   // Commits; with `snapshot`, device shards are copied to pinned host memory
   // before this returns and persisted in the background.
   SaveHandle commit(bool snapshot) {
@@ -1340,6 +1357,9 @@ PYBIND11_MODULE(_core, m) {
            py::arg("local_shape"), py::arg("offsets"), py::arg("start"), py::arg("path"), py::arg("file_offset"),
            py::arg("bytes"))
       .def("put_blob", &Writer::put_blob, py::arg("name"), py::arg("data"))
+      .def("begin_blob", &Writer::begin_blob, py::arg("name"))
+      .def("append_blob", &Writer::append_blob, py::arg("data"))
+      .def("end_blob", &Writer::end_blob)
       .def("commit", &Writer::commit, py::arg("snapshot"))
       .def("abort", &Writer::abort);
 

@@ -14,7 +14,9 @@ directory is a checkpoint (a group of them above: ``run1/step-100``), and a
 file is one of the checkpoint's blobs, under its path inside the directory.
 
 Writing: a file becomes visible, whole, when it is closed; until then
-nothing of it is. It is kept as a checkpoint of its own, staged under
+nothing of it is. Its bytes stream into the repository as they are
+written (copied into the engine's pooled buffers and cut there, never held
+whole). It is kept as a checkpoint of its own, staged under
 ``_fsspec/`` (so other processes and hosts see it). A directory becomes a
 checkpoint (``ckpt ls``, the mount, ``load``) in one commit of its manifest,
 with no byte copied, when
@@ -35,11 +37,9 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import io
 import os
 import posixpath
 import re
-import tempfile
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -310,11 +310,6 @@ class CkptfsFileSystem(AbstractFileSystem):
             raise FileExistsError(self.unstrip_protocol(self._join(root, rel)))
         return _WriteFile(self, self._join(root, rel), repo, directory, base, block_size)
 
-    def _staged(self, repo: Repository, directory: str, base: str, data) -> None:
-        repo.save(_staged_name(directory, base), {base: data}, tags={_FILE_TAG: base}, overwrite=True)
-        if base == ".metadata":
-            self._commit(repo, directory)
-
     def commit(self, path) -> Dict[str, Any]:
         """Makes directory `path` (its files written so far, and those of the
         checkpoint it already is) the checkpoint of that name, in one commit."""
@@ -506,61 +501,62 @@ class _ReadFile(AbstractBufferedFile):
 
 
 class _WriteFile(AbstractBufferedFile):
-    """Buffers a file's bytes and stores them, whole, on close: in memory up
-    to SPOOL_IN_MEMORY bytes, in a temporary file (mapped to be stored) past
-    that."""
-
-    SPOOL_IN_MEMORY = 256 << 20
+    """Streams a file's bytes into the repository as they are written: each
+    write is copied into the engine's pooled buffers and cut by content
+    there, so no file is held whole. Closing commits the file as a staged
+    checkpoint of its own; a directory's `.metadata` landing then commits
+    the directory. A file discarded, or whose writing failed, leaves
+    nothing."""
 
     def __init__(self, fs, path, repo: Repository, directory: str, base: str, block_size):
         self._repo, self._directory, self._base = repo, directory, base
-        self._parts: Optional[List[memoryview]] = []  # the blocks written, joined once on close
-        self._held = 0
-        self._spool = None
+        self._writer = None
         super().__init__(fs, path, mode="wb", block_size=block_size or "default")
+        writer = repo._repo.begin(_staged_name(directory, base), 0, 1, None, [(_FILE_TAG, base)], attempt="",
+                                  overwrite=True)
+        try:
+            writer.begin_blob(base)
+        except BaseException:
+            writer.abort()
+            raise
+        self._writer = writer
+
+    def write(self, data):
+        if self.closed:
+            raise ValueError("I/O operation on closed file.")
+        if self.forced:
+            raise ValueError("This file has been force-flushed, can only close")
+        view = memoryview(data)
+        if not view.c_contiguous:
+            view = memoryview(view.tobytes())
+        try:
+            self._writer.append_blob(view)
+        except BaseException:
+            self.discard()
+            raise
+        self.loc += view.nbytes
+        return view.nbytes
 
     def _upload_chunk(self, final=False):
-        # fsspec starts a new buffer after each block, so this one's bytes
-        # can be kept as they are: no copy until the blocks are joined.
-        data = self.buffer.getbuffer()
-        if self._parts is not None and self._held + len(data) > self.SPOOL_IN_MEMORY:
-            self._spool = tempfile.TemporaryFile(prefix="ckptfs-file-")
-            for part in self._parts:
-                self._spool.write(part)
-            self._parts = None
-        if self._parts is not None:
-            self._parts.append(data)
-            self._held += len(data)
-        else:
-            self._spool.write(data)
-        if final:
-            self._store()
+        if not final:
+            return True  # write() streams: fsspec's buffer stays empty
+        writer, self._writer = self._writer, None
+        try:
+            writer.end_blob()
+            handle = writer.commit(snapshot=False)
+        except BaseException:
+            writer.abort()
+            raise
+        handle.wait(None)
+        handle.result()
+        if self._base == ".metadata":
+            self.fs._commit(self._repo, self._directory)
         return True
 
-    def _store(self):
-        import mmap  # noqa: PLC0415
-
-        if self._parts is not None:
-            data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
-            self._parts = None
-            self.fs._staged(self._repo, self._directory, self._base, data)
-            return
-        try:
-            size = self._spool.seek(0, io.SEEK_END)
-            self._spool.flush()
-            with mmap.mmap(self._spool.fileno(), size, access=mmap.ACCESS_READ) as mapped:
-                view = memoryview(mapped)
-                try:
-                    self.fs._staged(self._repo, self._directory, self._base, view)
-                finally:
-                    view.release()
-        finally:
-            self._spool.close()
-
     def discard(self):
-        self._parts = None
-        if self._spool is not None:
-            self._spool.close()
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
         super().discard()
 
 
