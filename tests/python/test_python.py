@@ -205,6 +205,14 @@ class AsyncSave(PythonTestCase):
         self.r.load("a", {"a": out})
         np.testing.assert_array_equal(out, expected_a)
 
+    def test_the_staging_memory_is_kept_for_the_next_save_until_released(self):
+        weights = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: staged
+        for i in range(2):
+            self.r.async_save(f"kept-{i}", {"w": weights}).result(timeout=120)
+            self.assertTrue(torch.equal(self.r.tensor(f"kept-{i}", "w"), weights))
+        self.assertGreaterEqual(ckptfs.release_staging_memory(), 4 << 20)
+        self.assertEqual(ckptfs.release_staging_memory(), 0)
+
     def test_the_handle_raises_the_saves_error(self):
         self.r.save("taken", {"x": torch.zeros(2)})
         with self.assertRaises(ckptfs.AlreadyExistsError):

@@ -144,29 +144,102 @@ void CheckDeviceMemory(const std::string& name, const Shape& shape, const Region
 
 // ---- host staging: private copies for asynchronous saves ----
 
+// Memory for staged copies, kept from one asynchronous save for the next.
+// A first touch of fresh memory is what a copy costs most on a virtual
+// machine (two to four times the copy itself, even in huge pages), and a
+// training job saves the same tensors every few steps: the buffers its
+// last save freed serve the next one. The cache keeps at most the most
+// bytes one save staged (NoteSave, raised as a save stages), so it holds
+// one save's worth at most; Release() frees them all.
+class StagingCache {
+ public:
+  static StagingCache& Get() {
+    static StagingCache* cache = new StagingCache;  // never destroyed: leases may outlive exit
+    return *cache;
+  }
+  // A buffer of at least `size` bytes: a kept one of at most twice the
+  // size when there is one, else a new one (a mapping advised as huge pages
+  // from 2 MiB on).
+  BufferPool::Lease Take(size_t size) {
+    {
+      std::lock_guard lock(mu_);
+      auto it = kept_.lower_bound(size);
+      if (it != kept_.end() && it->first <= 2 * size) {
+        BufferPool::Lease lease = std::move(it->second);
+        kept_bytes_ -= it->first;
+        kept_.erase(it);
+        return lease;
+      }
+    }
+    return pool_.Acquire(size);
+  }
+  // Keeps a buffer a staged copy used, while the kept bytes stay within
+  // what one save staged; frees it otherwise.
+  void Give(BufferPool::Lease lease) {
+    BufferPool::Lease dropped;  // freed outside the lock
+    std::lock_guard lock(mu_);
+    if (kept_bytes_ + lease.capacity() > limit_bytes_) {
+      dropped = std::move(lease);
+      return;
+    }
+    kept_bytes_ += lease.capacity();
+    const size_t capacity = lease.capacity();
+    kept_.emplace(capacity, std::move(lease));
+  }
+  // A save has staged `bytes` so far: the cache may keep that much for the
+  // next one (the largest save's, when they differ).
+  void NoteSave(uint64_t bytes) {
+    std::lock_guard lock(mu_);
+    limit_bytes_ = std::max(limit_bytes_, bytes);
+  }
+  // Frees every kept buffer, and keeps none until the next save; returns
+  // the bytes freed.
+  uint64_t Release() {
+    std::multimap<size_t, BufferPool::Lease> dropped;
+    std::lock_guard lock(mu_);
+    dropped.swap(kept_);
+    const uint64_t bytes = kept_bytes_;
+    kept_bytes_ = 0;
+    limit_bytes_ = 0;
+    return bytes;
+  }
+  uint64_t kept_bytes() {
+    std::lock_guard lock(mu_);
+    return kept_bytes_;
+  }
+
+ private:
+  BufferPool pool_{4096, 0};  // every request is larger: a buffer of its own each
+  std::mutex mu_;
+  std::multimap<size_t, BufferPool::Lease> kept_;  // by capacity
+  uint64_t kept_bytes_ = 0;
+  uint64_t limit_bytes_ = 0;  // the most bytes one save staged (NoteSave)
+};
+
 // A private copy of bytes being saved. While one is alive it is known by its
 // address, so that a put of bytes inside it (a tensor of a state dict that
 // StorageWriter.stage copied) lends them to the writer as stable, and the
-// writer does not copy each chunk again.
+// writer does not copy each chunk again. Its memory goes back to the
+// StagingCache when the last chunk using it is encoded.
 class StagedCopy {
  public:
   // Shares of 256 KiB and more are staged; smaller ones are hashed and
   // encoded at once, on the caller's thread, which costs less than a hand-off.
   static constexpr uint64_t kMinBytes = 256 << 10;
 
-  // Memory for `size` bytes, registered; content unspecified.
+  // Memory for `size` bytes (StagingCache), registered; content unspecified.
   static std::shared_ptr<StagedCopy> Make(size_t size) {
-    // A buffer of its own for each copy, freed with it: mappings advised as
-    // huge pages from 2 MiB on (one fault per 2 MiB of a first touch).
-    static BufferPool* pool = new BufferPool(4096, 0);  // never destroyed: leases may outlive exit
-    auto copy = std::shared_ptr<StagedCopy>(new StagedCopy(pool->Acquire(size), size));
+    auto copy = std::shared_ptr<StagedCopy>(new StagedCopy(StagingCache::Get().Take(size), size));
     std::lock_guard lock(mu_);
     live_[reinterpret_cast<uintptr_t>(copy->data())] = copy;
     return copy;
   }
   ~StagedCopy() {
-    std::lock_guard lock(mu_);
-    live_.erase(reinterpret_cast<uintptr_t>(data()));  // the memory is freed after this
+    {
+      std::lock_guard lock(mu_);
+      live_.erase(reinterpret_cast<uintptr_t>(data()));
+    }
+    StagingCache::Get().Give(std::move(lease_));
   }
   StagedCopy(const StagedCopy&) = delete;
   StagedCopy& operator=(const StagedCopy&) = delete;
@@ -343,6 +416,8 @@ class Writer {
     if (stage && bytes >= StagedCopy::kMinBytes) {
       std::shared_ptr<StagedCopy> copy = StagedCopy::Make(bytes);
       std::memcpy(copy->data(), data.data(), bytes);
+      staged_bytes_ += bytes;
+      StagingCache::Get().NoteSave(staged_bytes_);
       StableSource source(copy, {copy->data(), bytes});
       Check(Live().PutShard(info, region, source));
       return;
@@ -447,6 +522,7 @@ class Writer {
   }
   std::shared_ptr<Repository> repo_;
   std::unique_ptr<CheckpointWriter> writer_;
+  uint64_t staged_bytes_ = 0;  // copied into staged copies by put
   std::vector<std::pair<int, gpu::DeviceShard>> device_shards_;
   std::map<std::string, std::shared_ptr<const MappedFile>> mapped_;
 };
@@ -1272,6 +1348,9 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "C++ core of ckptfs (use the ckptfs package, not this module)";
   m.attr("__version__") = CKPTFS_VERSION;
   m.attr("STAGE_MIN_BYTES") = StagedCopy::kMinBytes;
+  m.def("release_staging_memory", [] { return StagingCache::Get().Release(); });
+  m.def("note_staged_save", [](uint64_t bytes) { StagingCache::Get().NoteSave(bytes); }, py::arg("nbytes"));
+  m.def("staging_memory_kept", [] { return StagingCache::Get().kept_bytes(); });
 
   g_error = NewErrorClass(m, "Error", PyExc_Exception, nullptr, "An error from ckptfs; str() is a one-line message.");
   g_not_found = NewErrorClass(m, "NotFoundError", g_error, PyExc_LookupError,

@@ -30,7 +30,16 @@ from ._core import (
     StorageError,
     UnsupportedError,
 )
-from .repository import Repository, SaveHandle, copy, cuda_available, init, new_save_attempt, open  # noqa: A004
+from .repository import (  # noqa: A004
+    Repository,
+    SaveHandle,
+    copy,
+    cuda_available,
+    init,
+    new_save_attempt,
+    open,
+    release_staging_memory,
+)
 from .shards import Box, Flat, Shard
 
 __version__ = _core.__version__
@@ -38,6 +47,7 @@ __version__ = _core.__version__
 __all__ = [
     "Box",
     "new_save_attempt",
+    "release_staging_memory",
     "Flat",
     "Shard",
     "Repository",

@@ -23,6 +23,14 @@ def new_save_attempt() -> str:
     return _core.new_save_attempt()
 
 
+def release_staging_memory() -> int:
+    """Frees the host memory that async_save keeps from one save for the
+    next (its copies of CPU tensors, kept so that the next save touches no
+    new memory; at most what the process ever staged at once). Returns the
+    bytes freed. Saves in flight keep theirs."""
+    return _core.release_staging_memory()
+
+
 def _group(group: Optional[str]) -> str:
     """A group of checkpoint names as given ("run1", "run1/"), as the
     engine takes it ("run1"; "" for none)."""

@@ -323,15 +323,20 @@ def _stager():
     """A new stager for one dcp.async_save: DCP's StateDictStager (which
     copies any state dict: nested containers, DTensors, shared storages),
     with every storage of _core.STAGE_MIN_BYTES and more copied into a
-    _core.StagingBuffer. A new one per save: a stager reused would copy the
-    next save into buffers the last one may still be encoding."""
+    _core.StagingBuffer (memory kept from the last save, when there is).
+    A new one per save: a stager reused would copy the next save into
+    buffers the last one may still be encoding."""
     from torch.distributed.checkpoint._state_dict_stager import StateDictStager  # noqa: PLC0415
 
     class Stager(StateDictStager):
+        staged_bytes = 0
+
         def _stage_untyped_storage(self, storage, non_blocking=False):
             n = storage.nbytes()
             if n < _core.STAGE_MIN_BYTES:
                 return super()._stage_untyped_storage(storage, non_blocking=non_blocking)
+            self.staged_bytes += n
+            _core.note_staged_save(self.staged_bytes)  # as much may be kept for the next save
             buffer = _core.StagingBuffer(n)
             staged = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()  # keeps `buffer`
             if storage.device.type == "cpu":
