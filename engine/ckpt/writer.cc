@@ -41,35 +41,20 @@ Result<MappedSource> MappedSource::Make(std::shared_ptr<const MappedFile> file, 
   return MappedSource(std::move(file), data);
 }
 
-Status MappedSource::Read(uint64_t offset, std::span<std::byte> dst) {
+Status LentSource::Read(uint64_t offset, std::span<std::byte> dst) {
   if (offset > data_.size() || dst.size() > data_.size() - offset) {
-    return Status::InvalidArgument("read past the end of a mapped source");
+    return Status::InvalidArgument(std::string("read past the end of a ") + kind_ + " source");
   }
   std::memcpy(dst.data(), data_.data() + offset, dst.size());
   return Status::OK();
 }
 
-Result<BorrowedBytes> MappedSource::Borrow(uint64_t offset, uint64_t n) {
+Result<BorrowedBytes> LentSource::Borrow(uint64_t offset, uint64_t n) {
   if (offset > data_.size() || n > data_.size() - offset) {
-    return Status::InvalidArgument("borrow past the end of a mapped source");
-  }
-  return BorrowedBytes{data_.subspan(offset, n), file_};
-}
-
-Status StableSource::Read(uint64_t offset, std::span<std::byte> dst) {
-  if (offset > data_.size() || dst.size() > data_.size() - offset) {
-    return Status::InvalidArgument("read past the end of a staged source");
-  }
-  std::memcpy(dst.data(), data_.data() + offset, dst.size());
-  return Status::OK();
-}
-
-Result<BorrowedBytes> StableSource::Borrow(uint64_t offset, uint64_t n) {
-  if (offset > data_.size() || n > data_.size() - offset) {
-    return Status::InvalidArgument("borrow past the end of a staged source");
+    return Status::InvalidArgument(std::string("borrow past the end of a ") + kind_ + " source");
   }
   BorrowedBytes lent{data_.subspan(offset, n), keep_};
-  lent.stable = true;
+  lent.stable = stable_;
   lent.resident = resident_;
   return lent;
 }

@@ -78,25 +78,43 @@ class HostSource final : public ShardSource {
   std::span<const std::byte> data_;
 };
 
-// A ShardSource over bytes of a mapped file, which it lends to the writer:
-// the writer's threads keep the mapping while they hash and encode them, so
-// PutShard returns without waiting for them, and a caller putting many
-// shards keeps every thread busy.
-class MappedSource final : public ShardSource {
+// A ShardSource over one span of host memory that `keep` holds, lent to
+// the writer as it is (Borrow) for as long as the writer needs it.
+class LentSource : public ShardSource {
  public:
-  // Bytes [offset, offset + size) of `file`; InvalidArgument from Make when
-  // they are not inside it.
-  static Result<MappedSource> Make(std::shared_ptr<const MappedFile> file, uint64_t offset, uint64_t size);
   uint64_t size() const override { return data_.size(); }
   Status Read(uint64_t offset, std::span<std::byte> dst) override;
   Result<BorrowedBytes> Borrow(uint64_t offset, uint64_t n) override;
   bool RandomAccess() const override { return true; }
 
+ protected:
+  // `stable` and `resident` as in BorrowedBytes; `kind` names the source
+  // in errors.
+  LentSource(std::shared_ptr<const void> keep, std::span<const std::byte> data, bool stable, bool resident,
+             const char* kind)
+      : keep_(std::move(keep)), data_(data), stable_(stable), resident_(resident), kind_(kind) {}
+
+ private:
+  std::shared_ptr<const void> keep_;
+  std::span<const std::byte> data_;
+  bool stable_, resident_;
+  const char* kind_;
+};
+
+// A ShardSource over bytes of a mapped file, which it lends to the writer:
+// the writer's threads keep the mapping while they hash and encode them, so
+// PutShard returns without waiting for them, and a caller putting many
+// shards keeps every thread busy. Another process may rewrite the file, so
+// the bytes are not stable: the writer copies each chunk it stores.
+class MappedSource final : public LentSource {
+ public:
+  // Bytes [offset, offset + size) of `file`; InvalidArgument from Make when
+  // they are not inside it.
+  static Result<MappedSource> Make(std::shared_ptr<const MappedFile> file, uint64_t offset, uint64_t size);
+
  private:
   MappedSource(std::shared_ptr<const MappedFile> file, std::span<const std::byte> data)
-      : file_(std::move(file)), data_(data) {}
-  std::shared_ptr<const MappedFile> file_;
-  std::span<const std::byte> data_;
+      : LentSource(std::move(file), data, /*stable=*/false, /*resident=*/false, "mapped") {}
 };
 
 // A ShardSource over a private copy of a shard's bytes, such as an
@@ -108,19 +126,10 @@ class MappedSource final : public ShardSource {
 // A source that is not `resident` (a buffer of a stream that goes on
 // filling others) is lent as stable only: the writer then bounds how many
 // of its chunks are in flight, and so how many buffers the stream holds.
-class StableSource final : public ShardSource {
+class StableSource final : public LentSource {
  public:
   StableSource(std::shared_ptr<const void> keep, std::span<const std::byte> data, bool resident = true)
-      : keep_(std::move(keep)), data_(data), resident_(resident) {}
-  uint64_t size() const override { return data_.size(); }
-  Status Read(uint64_t offset, std::span<std::byte> dst) override;
-  Result<BorrowedBytes> Borrow(uint64_t offset, uint64_t n) override;
-  bool RandomAccess() const override { return true; }
-
- private:
-  std::shared_ptr<const void> keep_;
-  std::span<const std::byte> data_;
-  bool resident_;
+      : LentSource(std::move(keep), data, /*stable=*/true, resident, "staged") {}
 };
 
 struct TensorInfo {
