@@ -117,6 +117,13 @@ class Filesystem(CkptTestCase):
         self.fs.commit(self.url("b"))
         self.assertLessEqual(self.repository.du()["total"]["unique_raw_bytes"] - first, 16 << 10)
         self.assertEqual(self.fs.cat_file(self.url("b/state.bin")), data)
+        # A file discarded before it is closed leaves nothing.
+        f = self.fs.open(self.url("c/gone.bin"), "wb")
+        f.write(data[:100_000])
+        f.discard()
+        f.close()
+        self.assertFalse(self.fs.exists(self.url("c/gone.bin")))
+        self.assertEqual(self.names(), ["a", "b"])
 
     def test_usual_errors(self):
         with self.assertRaises(FileNotFoundError):

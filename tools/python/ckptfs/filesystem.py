@@ -541,6 +541,8 @@ class _WriteFile(AbstractBufferedFile):
         if not final:
             return True  # write() streams: fsspec's buffer stays empty
         writer, self._writer = self._writer, None
+        if writer is None:
+            return True  # discarded, or a write failed (and raised): nothing to commit
         try:
             writer.end_blob()
             handle = writer.commit(snapshot=False)
