@@ -69,7 +69,7 @@ def full():
     }
 
 
-def large():
+def big():
     """Tensors much larger than a 64 KiB chunk, for dedup across world sizes."""
     gen = torch.Generator().manual_seed(11)
     return {
