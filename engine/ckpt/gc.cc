@@ -594,7 +594,8 @@ Result<GcReport> Repository::CollectGarbage(const GcOptions& options, const Prog
       excluded.insert(report.removed.begin(), report.removed.end());
     } else {
       phase("removing " + std::to_string(report.removed.size()) + " checkpoints");
-      CKPT_RETURN_IF_ERROR(RemoveCheckpoints(report.removed));
+      // Another gc may have removed some since retention read the list.
+      CKPT_RETURN_IF_ERROR(RemoveCheckpoints(report.removed, /*missing_ok=*/true));
     }
   }
   // Thin retention: each thinned checkpoint's whole version is retired as a

@@ -224,7 +224,7 @@ Result<std::optional<CheckpointRecord>> CommittedRecord(RepositoryImpl& repo, co
   return rec;
 }
 
-Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
+Status Repository::RemoveCheckpoints(const std::vector<std::string>& names, bool missing_ok) {
   CKPT_RETURN_IF_ERROR(impl_->CheckProcess());
   std::set<std::string> unique(names.begin(), names.end());
   // What is removed is what the store holds under each name now: a host
@@ -240,10 +240,15 @@ Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
   // All must exist before anything is touched. Committed ones are retired
   // (lease.h): their manifests, as the catalog has them, go to retired/.
   std::map<std::string, Manifest> committed;
+  std::set<std::string> gone;  // with missing_ok: names no longer there
   CKPT_RETURN_IF_ERROR(impl_->catalog->Read([&](const ReadTxn& txn) -> Status {
     for (const auto& n : unique) {
       if (keys::IsRetiredCheckpoint(n)) return Status::NotFound("no checkpoint named '" + n + "'; nothing was removed");
       CKPT_ASSIGN_OR_RETURN(auto v, txn.Get(Table::kCheckpoints, keys::Checkpoint(n)));
+      if (!v && missing_ok) {
+        gone.insert(n);
+        continue;
+      }
       if (!v) return Status::NotFound("no checkpoint named '" + n + "'; nothing was removed");
       CKPT_ASSIGN_OR_RETURN(CheckpointRecord rec, DecodeCheckpoint(*v));
       if (rec.state != CheckpointState::kCommitted) continue;
@@ -257,6 +262,8 @@ Status Repository::RemoveCheckpoints(const std::vector<std::string>& names) {
     }
     return Status::OK();
   }));
+  for (const auto& n : gone) unique.erase(n);
+  if (unique.empty()) return Status::OK();
   // Writing retired manifests is writing objects: like a save, rm holds the
   // gc lock shared (and on an object store a shared lock object), so gc's
   // sweep of temporary files never takes one it is writing.

@@ -186,7 +186,9 @@ class Repository {
   // a committed checkpoint is retired (its manifest moved to retired/, its
   // records kept under a retired name) and gc drops it, and reclaims its
   // chunks, once no read lease on it is held. Pending ones are deleted.
-  Status RemoveCheckpoints(const std::vector<std::string>& names);
+  // With `missing_ok`, names that are gone already (another process removed
+  // them meanwhile, as when two gc runs' retention race) are skipped.
+  Status RemoveCheckpoints(const std::vector<std::string>& names, bool missing_ok = false);
   // Applies the retention policy (unless dry_run), copies the live chunks of
   // mostly-dead packs into new packs while saves go on, then, holding the gc
   // lock (repo_lock.h), re-checks liveness, deletes chunks no checkpoint

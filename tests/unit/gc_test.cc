@@ -640,6 +640,24 @@ TEST_P(GarbageCollection, ReaderOpenedBeforeARewriteKeepsReading) {
   EXPECT_EQ(got, owns_["s3"]);
 }
 
+// Two gc runs whose retention read the same list: the second finds some of
+// its names removed by the first, and removes the rest (missing_ok); rm
+// still refuses an unknown name and removes nothing.
+TEST_P(GarbageCollection, RemovalOfNamesAnotherProcessRemovedSkipsThemWhenAsked) {
+  auto base = RandomBytes(1000, 2);
+  Save("s0", 0, 10, base);
+  Save("s1", 1, 11, base);
+  Save("s2", 2, 12, base);
+  ASSERT_OK(repo_->RemoveCheckpoints({"s0"}));
+  EXPECT_TRUE(repo_->RemoveCheckpoints({"s0", "s1"}).IsNotFound());
+  EXPECT_EQ(repo_->ListCheckpoints().value().size(), 2u);  // nothing was removed
+  ASSERT_OK(repo_->RemoveCheckpoints({"s0", "s1"}, /*missing_ok=*/true));
+  auto left = repo_->ListCheckpoints().value();
+  ASSERT_EQ(left.size(), 1u);
+  EXPECT_EQ(left[0].name, "s2");
+  ASSERT_OK(repo_->RemoveCheckpoints({"s0", "s1"}, /*missing_ok=*/true));  // all gone: nothing to do
+}
+
 TEST_P(GarbageCollection, AnOpenReaderKeepsARemovedCheckpointsBytesUntilItGoes) {
   auto base = RandomBytes(1000, 1);
   Save("s0", 0, 10, base);
