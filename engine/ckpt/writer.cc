@@ -158,6 +158,18 @@ class TileSource final : public ShardSource {
 };
 }  // namespace
 
+// A blob being streamed into a writer (BeginBlob ... EndBlob). Each round
+// of cuts streams its chunks into a vector of its own, which the pipeline's
+// jobs fill in: the blob's record is assembled from its rounds once they are
+// done (WriterImpl::TakeStreamedBlobs, after the pipeline's Shutdown).
+struct StreamedBlob {
+  std::string name;
+  uint64_t size = 0;
+  std::shared_ptr<BufferPool::Lease> pending;  // the bytes since the last cut: first pending_len
+  size_t pending_len = 0;
+  std::vector<std::vector<ChunkRef>> rounds;
+};
+
 class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
  public:
   WriterImpl(std::shared_ptr<RepositoryImpl> repo, std::string name, WriterOptions options, RepoLock lock,
@@ -255,17 +267,7 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
   std::map<std::string, size_t> tensor_index_;    // guarded by mu_
   std::set<std::string> blob_names_;              // guarded by mu_
   uint64_t logical_bytes_ = 0;                    // guarded by mu_
-  // Streamed blobs (BeginBlob ... EndBlob). Each round of cuts streams its
-  // chunks into a vector of its own, which the pipeline's jobs fill in: a
-  // blob's record is assembled from its rounds once they are done
-  // (TakeStreamedBlobs, after the pipeline's Shutdown).
-  struct StreamedBlob {
-    std::string name;
-    uint64_t size = 0;
-    std::shared_ptr<BufferPool::Lease> pending;  // the bytes since the last cut: first pending_len
-    size_t pending_len = 0;
-    std::vector<std::vector<ChunkRef>> rounds;
-  };
+  // Streamed blobs (BeginBlob ... EndBlob; StreamedBlob above).
   std::optional<StreamedBlob> open_blob_;         // the caller's thread only
   std::vector<StreamedBlob> streamed_;            // guarded by mu_
 
