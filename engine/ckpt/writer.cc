@@ -574,17 +574,10 @@ CommitHandle WriterImpl::Commit() {
   handle.total_ns_ = std::make_shared<std::atomic<int64_t>>(0);
   {
     std::lock_guard lock(mu_);
-    if (committed_) {
-      std::promise<Result<CommitResult>> p;
-      p.set_value(Status::FailedPrecondition("checkpoint writer already committed"));
-      handle.future_ = p.get_future().share();
-      return handle;
-    }
+    if (committed_) return CommitHandle::Failed(Status::FailedPrecondition("checkpoint writer already committed"));
     if (open_blob_) {
-      std::promise<Result<CommitResult>> p;
-      p.set_value(Status::FailedPrecondition("blob '" + open_blob_->name + "' is still being written"));
-      handle.future_ = p.get_future().share();
-      return handle;
+      return CommitHandle::Failed(
+          Status::FailedPrecondition("blob '" + open_blob_->name + "' is still being written"));
     }
     committed_ = true;
   }
@@ -650,9 +643,8 @@ CheckpointWriter::CheckpointWriter(std::shared_ptr<WriterImpl> impl) : impl_(std
 CheckpointWriter::~CheckpointWriter() { Abort(); }
 
 Status CheckpointWriter::PutShard(const TensorInfo& tensor, const Region& region, ShardSource& source) {
-  if (!impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
-  CKPT_RETURN_IF_ERROR(impl_->repo().CheckProcess());
-  return impl_->PutShard(tensor, region, source);
+  CKPT_ASSIGN_OR_RETURN(WriterImpl * w, Usable());
+  return w->PutShard(tensor, region, source);
 }
 
 Status CheckpointWriter::PutTensor(const TensorInfo& tensor, std::span<const std::byte> data) {
@@ -661,49 +653,49 @@ Status CheckpointWriter::PutTensor(const TensorInfo& tensor, std::span<const std
 }
 
 Status CheckpointWriter::PutBlob(const std::string& name, std::span<const std::byte> data) {
-  if (!impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
-  CKPT_RETURN_IF_ERROR(impl_->repo().CheckProcess());
-  return impl_->PutBlob(name, data);
+  CKPT_ASSIGN_OR_RETURN(WriterImpl * w, Usable());
+  return w->PutBlob(name, data);
 }
 
 Status CheckpointWriter::BeginBlob(const std::string& name) {
-  if (!impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
-  CKPT_RETURN_IF_ERROR(impl_->repo().CheckProcess());
-  return impl_->BeginBlob(name);
+  CKPT_ASSIGN_OR_RETURN(WriterImpl * w, Usable());
+  return w->BeginBlob(name);
 }
 
 Status CheckpointWriter::AppendBlob(std::span<const std::byte> data) {
-  if (!impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
-  CKPT_RETURN_IF_ERROR(impl_->repo().CheckProcess());
-  return impl_->AppendBlob(data);
+  CKPT_ASSIGN_OR_RETURN(WriterImpl * w, Usable());
+  return w->AppendBlob(data);
 }
 
 Status CheckpointWriter::EndBlob() {
-  if (!impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
-  CKPT_RETURN_IF_ERROR(impl_->repo().CheckProcess());
-  return impl_->EndBlob();
+  CKPT_ASSIGN_OR_RETURN(WriterImpl * w, Usable());
+  return w->EndBlob();
 }
 
 CommitHandle CheckpointWriter::Commit() {
-  if (!impl_) {
-    CommitHandle h;
-    return h;
-  }
-  if (Status forked = impl_->repo().CheckProcess(); !forked.ok()) {
-    CommitHandle h;
-    std::promise<Result<CommitResult>> p;
-    p.set_value(forked);
-    h.future_ = p.get_future().share();
-    return h;
-  }
+  if (!impl_) return CommitHandle();
+  if (Status forked = impl_->repo().CheckProcess(); !forked.ok()) return CommitHandle::Failed(forked);
   return impl_->Commit();
+}
+
+CommitHandle CommitHandle::Failed(Status st) {
+  CommitHandle h;
+  std::promise<Result<CommitResult>> p;
+  p.set_value(std::move(st));
+  h.future_ = p.get_future().share();
+  return h;
+}
+
+Result<WriterImpl*> CheckpointWriter::Usable() const {
+  if (!impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
+  CKPT_RETURN_IF_ERROR(impl_->repo().CheckProcess());
+  return impl_.get();
 }
 
 Status PutStoredRank(CheckpointWriter& writer, const RankRecord& part, std::span<const ChunkRef> send,
                      DirectFetcher& source, ThreadPool& io, size_t threads, CopyCounters& counters) {
-  if (!writer.impl_) return Status::FailedPrecondition("checkpoint writer was aborted");
-  CKPT_RETURN_IF_ERROR(writer.impl_->repo().CheckProcess());
-  return writer.impl_->PutStored(part, send, source, io, threads, counters);
+  CKPT_ASSIGN_OR_RETURN(WriterImpl * w, writer.Usable());
+  return w->PutStored(part, send, source, io, threads, counters);
 }
 
 void CheckpointWriter::Abort() {

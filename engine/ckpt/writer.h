@@ -176,6 +176,8 @@ class CommitHandle {
  private:
   friend class CheckpointWriter;
   friend class WriterImpl;
+  // A handle whose Wait returns `st` (not OK): a commit that never started.
+  static CommitHandle Failed(Status st);
   // Lets go of future_; in a forked child, without destroying its state
   // (a thread of the parent, absent here, may have held its lock at the
   // fork).
@@ -245,6 +247,8 @@ class CheckpointWriter {
   friend Status PutStoredRank(CheckpointWriter& writer, const RankRecord& part, std::span<const ChunkRef> send,
                               DirectFetcher& source, ThreadPool& io, size_t threads, CopyCounters& counters);
   explicit CheckpointWriter(std::shared_ptr<WriterImpl> impl);
+  // The writer, unless it was aborted or this is a forked child (an error).
+  Result<WriterImpl*> Usable() const;
   std::shared_ptr<WriterImpl> impl_;  // shared with a commit in flight
 };
 

@@ -121,6 +121,8 @@ class Filesystem(CkptTestCase):
         f = self.fs.open(self.url("c/gone.bin"), "wb")
         f.write(data[:100_000])
         f.discard()
+        with self.assertRaises(ValueError):
+            f.write(b"after")
         f.close()
         self.assertFalse(self.fs.exists(self.url("c/gone.bin")))
         self.assertEqual(self.names(), ["a", "b"])

@@ -203,10 +203,6 @@ class StagingCache {
     limit_bytes_ = 0;
     return bytes;
   }
-  uint64_t kept_bytes() {
-    std::lock_guard lock(mu_);
-    return kept_bytes_;
-  }
 
  private:
   BufferPool pool_{4096, 0};  // every request is larger: a buffer of its own each
@@ -372,7 +368,6 @@ class StagingBuffer {
     py::gil_scoped_release nogil;
     if (nbytes) std::memcpy(copy_->data(), from.data(), nbytes);
   }
-  uintptr_t address() const { return reinterpret_cast<uintptr_t>(copy_->data()); }
   std::byte* data() const { return copy_->data(); }
   uint64_t size() const { return size_; }
 
@@ -1350,7 +1345,6 @@ PYBIND11_MODULE(_core, m) {
   m.attr("STAGE_MIN_BYTES") = StagedCopy::kMinBytes;
   m.def("release_staging_memory", [] { return StagingCache::Get().Release(); });
   m.def("note_staged_save", [](uint64_t bytes) { StagingCache::Get().NoteSave(bytes); }, py::arg("nbytes"));
-  m.def("staging_memory_kept", [] { return StagingCache::Get().kept_bytes(); });
 
   g_error = NewErrorClass(m, "Error", PyExc_Exception, nullptr, "An error from ckptfs; str() is a one-line message.");
   g_not_found = NewErrorClass(m, "NotFoundError", g_error, PyExc_LookupError,
@@ -1445,8 +1439,6 @@ PYBIND11_MODULE(_core, m) {
   py::class_<StagingBuffer>(m, "StagingBuffer", py::buffer_protocol())
       .def(py::init<uint64_t>(), py::arg("nbytes"))
       .def("copy_from", &StagingBuffer::copy_from, py::arg("address"), py::arg("nbytes"))
-      .def_property_readonly("address", &StagingBuffer::address)
-      .def("__len__", &StagingBuffer::size)
       .def_buffer([](StagingBuffer& b) {
         return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(b.size())}, {static_cast<py::ssize_t>(1)});

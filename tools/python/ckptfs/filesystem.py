@@ -526,6 +526,8 @@ class _WriteFile(AbstractBufferedFile):
             raise ValueError("I/O operation on closed file.")
         if self.forced:
             raise ValueError("This file has been force-flushed, can only close")
+        if self._writer is None:
+            raise ValueError("this file was discarded (or a write to it failed): nothing more can be written")
         view = memoryview(data)
         if not view.c_contiguous:
             view = memoryview(view.tobytes())

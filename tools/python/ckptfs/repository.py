@@ -26,8 +26,8 @@ def new_save_attempt() -> str:
 def release_staging_memory() -> int:
     """Frees the host memory that async_save keeps from one save for the
     next (its copies of CPU tensors, kept so that the next save touches no
-    new memory; at most what the process ever staged at once). Returns the
-    bytes freed. Saves in flight keep theirs."""
+    new memory; at most what one save staged). Returns the bytes freed.
+    Saves in flight keep theirs."""
     return _core.release_staging_memory()
 
 
@@ -322,9 +322,9 @@ class Repository:
         to host memory of the save's own, smaller ones and blobs hashed and
         encoded, CUDA tensors copied to pinned host memory. The rest
         (hashing and compressing the copies, writes, fsync, commit) runs in
-        the background, and the copies are freed as their chunks are
-        encoded; wait for
-        it with the handle's result(). Saves still running when the
+        the background; the copies' memory is kept for the next save
+        (release_staging_memory frees it). Wait for it with the handle's
+        result(). Saves still running when the
         interpreter exits are finished first. `process_group`,
         `verify_replicas`, `timeout`, `attempt` and `overwrite` are as for save: the
         planning and the puts happen before this returns.
