@@ -208,7 +208,7 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
                    size_t threads, CopyCounters& counters);
   CommitHandle Commit();
   Status BeginBlob(const std::string& name);
-  Status AppendBlob(std::span<const std::byte> data);
+  Status AppendBlob(std::span<const std::byte> data, BlobPiece piece);
   Status EndBlob();
   const RepositoryImpl& repo() const { return *repo_; }
 
@@ -437,12 +437,29 @@ Status WriterImpl::BeginBlob(const std::string& name) {
   return Status::OK();
 }
 
-Status WriterImpl::AppendBlob(std::span<const std::byte> data) {
+Status WriterImpl::AppendBlob(std::span<const std::byte> data, BlobPiece piece) {
   BlockTimer timer(&blocking_);
   CKPT_RETURN_IF_ERROR(CheckUsable());
   if (!open_blob_) return Status::FailedPrecondition("no blob is being written (BeginBlob first)");
   StreamedBlob& b = *open_blob_;
   BufferPool& buffers = *repo_->buffers;
+  if (piece == BlobPiece::kUnit) {
+    // The bytes before the unit end where it starts; each pooled buffer
+    // (the chunk size) then holds one chunk of it, and the bytes after it
+    // start afresh.
+    CKPT_RETURN_IF_ERROR(CutPending(true));
+    while (!data.empty()) {
+      auto lease = std::make_shared<BufferPool::Lease>(buffers.Acquire(buffers.buffer_size()));
+      const size_t n = std::min<size_t>(data.size(), lease->capacity());
+      std::memcpy(lease->data(), data.data(), n);
+      b.size += n;
+      data = data.subspan(n);
+      StableSource source(lease, std::span<const std::byte>(lease->data(), n), /*resident=*/false);
+      b.rounds.emplace_back();
+      CKPT_RETURN_IF_ERROR(pipeline_.Stream({0, n}, DType::kU8, source, b.rounds.back()));
+    }
+    return Status::OK();
+  }
   while (!data.empty()) {
     if (!b.pending) b.pending = std::make_shared<BufferPool::Lease>(buffers.Acquire(buffers.buffer_size()));
     const size_t n = std::min(data.size(), b.pending->capacity() - b.pending_len);
@@ -662,9 +679,9 @@ Status CheckpointWriter::BeginBlob(const std::string& name) {
   return w->BeginBlob(name);
 }
 
-Status CheckpointWriter::AppendBlob(std::span<const std::byte> data) {
+Status CheckpointWriter::AppendBlob(std::span<const std::byte> data, BlobPiece piece) {
   CKPT_ASSIGN_OR_RETURN(WriterImpl * w, Usable());
-  return w->AppendBlob(data);
+  return w->AppendBlob(data, piece);
 }
 
 Status CheckpointWriter::EndBlob() {

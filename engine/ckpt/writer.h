@@ -132,6 +132,12 @@ class StableSource final : public LentSource {
       : LentSource(std::move(keep), data, /*stable=*/true, resident, "staged") {}
 };
 
+// How AppendBlob cuts a piece of a streamed blob.
+enum class BlobPiece {
+  kContent,  // by content, with the bytes around it
+  kUnit,     // at its ends, and at fixed offsets inside (see AppendBlob)
+};
+
 struct TensorInfo {
   std::string name;
   DType dtype = DType::kU8;
@@ -231,8 +237,14 @@ class CheckpointWriter {
   // no fresh memory is touched. AppendBlob returns once the piece is copied,
   // waiting only while the pipeline is full. One streamed blob at a time;
   // Commit fails while one is open.
+  //
+  // A piece given as BlobPiece::kUnit (a tensor's bytes inside a file of a
+  // format ckptfs knows) is cut at both its ends and at fixed offsets of
+  // the chunk size from its start, as a tensor's bytes are: the unit keeps
+  // its chunks whatever came before it, needs no content cuts, and its
+  // chunks are those of the same bytes put as a flat tensor.
   Status BeginBlob(const std::string& name);
-  Status AppendBlob(std::span<const std::byte> data);
+  Status AppendBlob(std::span<const std::byte> data, BlobPiece piece = BlobPiece::kContent);
   Status EndBlob();
   // Seals this rank's packs (durable), then records its part in the catalog.
   // The checkpoint becomes visible, atomically, with the last rank's commit;

@@ -205,6 +205,69 @@ class Filesystem(CkptTestCase):
         added = self.repository.du()["total"]["unique_raw_bytes"] - first
         self.assertLessEqual(added, 0.55 * first, f"{added} bytes added to {first}")
 
+    def added_by(self, write):
+        """Unique raw bytes the repository gained while `write` ran."""
+        before = self.repository.du()["total"]["unique_raw_bytes"]
+        write()
+        return self.repository.du()["total"]["unique_raw_bytes"] - before
+
+    def test_tensors_in_files_of_known_formats_keep_the_chunks_of_the_tensors(self):
+        """A tensor's bytes in a torch.save archive (streamed, or written in
+        one piece), a safetensors file or a DCP .distcp file are cut as a
+        tensor's are: the tensor saved before costs no byte again, whatever
+        the bytes around it."""
+        import io
+
+        from safetensors.torch import save as safetensors_save
+
+        gen = torch.Generator().manual_seed(11)
+        t = torch.randn(300, 256, generator=gen)  # 300 KiB: chunks of 64 KiB, and a short one
+        self.repository.save("plain", {"t": t})
+
+        def streamed():
+            with self.fs.open(self.url("a/model.pt"), "wb") as f:
+                torch.save({"step": 3, "t": t}, f)
+
+        def in_one_write():
+            buf = io.BytesIO()
+            torch.save({"other": torch.arange(10), "t": t}, buf)
+            self.fs.pipe(self.url("a/whole.pt"), buf.getvalue())
+
+        def safetensors_file():
+            self.fs.pipe(self.url("a/model.safetensors"), safetensors_save({"a": torch.ones(7), "t": t}))
+
+        def distcp():
+            dcp.save({"t": t, "n": torch.tensor(5)}, checkpoint_id=self.url("d/step-1"))
+
+        for write in (streamed, in_one_write, safetensors_file, distcp):
+            self.assertLessEqual(self.added_by(write), 8 << 10, write.__name__)
+        self.fs.commit(self.url("a"))
+        got = torch.load(io.BytesIO(self.fs.cat_file(self.url("a/model.pt"))), weights_only=True)
+        self.assertTrue(torch.equal(got["t"], t))
+        got = torch.load(io.BytesIO(self.fs.cat_file(self.url("a/whole.pt"))), weights_only=True)
+        self.assertTrue(torch.equal(got["t"], t))
+        from safetensors.torch import load as safetensors_load
+
+        self.assertTrue(torch.equal(safetensors_load(self.fs.cat_file(self.url("a/model.safetensors")))["t"], t))
+        back = {"t": torch.zeros_like(t), "n": torch.tensor(0)}
+        dcp.load(back, checkpoint_id=self.url("d/step-1"))
+        self.assertTrue(torch.equal(back["t"], t))
+        # Files that only look like these formats are stored byte for byte.
+        odd = [b"PK\x03\x04" + random_bytes(200_000, 12), (2).to_bytes(8, "little") + b"{}" + random_bytes(99, 1),
+               (40).to_bytes(8, "little") + b'{"t": {"data_offsets": [90, 10]}}' + random_bytes(70_000, 13)]
+        for i, data in enumerate(odd):
+            self.fs.pipe(self.url(f"odd/{i}.bin"), data)
+            self.assertEqual(self.fs.cat_file(self.url(f"odd/{i}.bin")), data)
+        self.run_ckpt("verify", env={"CKPT_REPO": self.repository.path})
+
+    def test_a_second_dcp_save_with_a_frozen_half_stores_about_half(self):
+        gen = torch.Generator().manual_seed(8)
+        state = {"embedding": torch.randn(512, 512, generator=gen), "layer": torch.randn(512, 512, generator=gen)}
+        first = self.added_by(lambda: dcp.save(state, checkpoint_id=self.url("run/step-1")))
+        state["layer"] = torch.randn(512, 512, generator=gen)
+        added = self.added_by(lambda: dcp.save(state, checkpoint_id=self.url("run/step-2")))
+        self.assertLessEqual(added, 0.55 * first, f"{added} bytes added to {first}")
+
     def test_dcp_saves_and_loads_through_a_url(self):
         gen = torch.Generator().manual_seed(7)
         state = {"w": torch.randn(256, 512, generator=gen), "b": torch.randn(512, generator=gen),
@@ -294,6 +357,25 @@ class TorchCheckpointing(CkptTestCase):
         self.assertIn("run/async", names)
         self.assertFalse([n for n in names if n.startswith("_fsspec/")], names)
         self.run_ckpt("verify")
+
+
+    def test_a_second_save_with_a_frozen_half_stores_about_half(self):
+        gen = torch.Generator().manual_seed(9)
+        model = {"embedding": torch.randn(512, 512, generator=gen), "layer": torch.randn(512, 512, generator=gen)}
+        manager = self.Manager.Config.with_sync_save()
+        manager.storage_config = self.config
+        manager = manager.build()
+
+        def save(name):
+            before = self.repository.du()["total"]["unique_raw_bytes"]
+            manager.save(os.path.join(self.repo, "run", name), {"model": model})
+            return self.repository.du()["total"]["unique_raw_bytes"] - before
+
+        first = save("step-1")
+        model["layer"] = torch.randn(512, 512, generator=gen)
+        added = save("step-2")
+        manager.close()
+        self.assertLessEqual(added, 0.55 * first, f"{added} bytes added to {first}")
 
 
 class FilesystemOnS3(Filesystem):

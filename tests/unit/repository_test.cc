@@ -767,6 +767,55 @@ TEST_P(SaveAndLoad, ABlobStreamedInPiecesHasTheChunksOfTheWholeAndReadsBack) {
   EXPECT_TRUE(repo_->OpenCheckpoint("open").status().IsNotFound());
 }
 
+// A unit inside a streamed blob (a tensor's bytes in a torch.save or
+// safetensors file) is cut at its ends and at fixed offsets from its start:
+// it keeps its chunks when the bytes before it change length, and they are
+// the chunks of the same bytes put as a flat tensor.
+TEST_P(SaveAndLoad, AUnitInAStreamedBlobHasTheChunksOfTheSameBytesPutAsATensor) {
+  const uint64_t chunk_size = repo_->config().chunk_size;
+  const auto unit = RandomBytes(2 * chunk_size + 12345, 45);
+  auto t = Begin("tensor");
+  ASSERT_OK(t->PutTensor({"u", DType::kU8, {unit.size()}}, unit));
+  ASSERT_OK(t->Commit().Wait());
+  const std::vector<ChunkRef> tensor_chunks =
+      std::move(repo_->OpenCheckpoint("tensor")).value()->FindTensor("u")->shards.at(0).chunks;
+  ASSERT_EQ(tensor_chunks.size(), 3u);
+  std::vector<std::byte> whole[2];
+  for (int round = 0; round < 2; ++round) {
+    const auto head = RandomBytes(round == 0 ? 1000 : 1777, 46 + round);  // other bytes, another length
+    const auto tail = RandomBytes(5000, 48);
+    const std::string name = "file-" + std::to_string(round);
+    auto w = Begin(name);
+    ASSERT_OK(w->BeginBlob("f"));
+    ASSERT_OK(w->AppendBlob(std::span(head).first(600)));
+    ASSERT_OK(w->AppendBlob(std::span(head).subspan(600)));
+    ASSERT_OK(w->AppendBlob(unit, BlobPiece::kUnit));
+    ASSERT_OK(w->AppendBlob(tail));
+    ASSERT_OK(w->EndBlob());
+    auto res = w->Commit().Wait();
+    ASSERT_OK(res);
+    auto reader = std::move(repo_->OpenCheckpoint(name)).value();
+    const BlobRecord* b = reader->FindBlob("f");
+    ASSERT_NE(b, nullptr);
+    // The head's chunks end where the unit starts, and the unit's are the tensor's.
+    size_t at = 0;
+    for (uint64_t bytes = 0; bytes < head.size() && at < b->chunks.size(); ++at) bytes += b->chunks[at].raw_len;
+    ASSERT_LE(at + 3, b->chunks.size());
+    uint64_t head_bytes = 0;
+    for (size_t i = 0; i < at; ++i) head_bytes += b->chunks[i].raw_len;
+    EXPECT_EQ(head_bytes, head.size());
+    EXPECT_EQ(std::vector<ChunkRef>(b->chunks.begin() + at, b->chunks.begin() + at + 3), tensor_chunks);
+    // New chunks: the head and the tail the first time, the head alone the second.
+    EXPECT_EQ(res->chunks_written, round == 0 ? b->chunks.size() - 3 : at);
+    whole[round] = head;
+    whole[round].insert(whole[round].end(), unit.begin(), unit.end());
+    whole[round].insert(whole[round].end(), tail.begin(), tail.end());
+    std::vector<std::byte> got(whole[round].size());
+    ASSERT_OK(reader->ReadBlob(*b, 0, got));
+    EXPECT_EQ(got, whole[round]);
+  }
+}
+
 // Blobs are chunked by their content: bytes inserted or removed in one
 // place cost the chunks around that place, and every other chunk is the
 // one the last save stored (a file whose header grew, a log with lines

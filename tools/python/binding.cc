@@ -452,15 +452,16 @@ class Writer {
 
   // A blob written in pieces (CheckpointWriter::BeginBlob): each piece is
   // copied into the engine's pooled buffers before append_blob returns.
+  // `unit`: the piece is one unit (BlobPiece::kUnit), a tensor's bytes.
   void begin_blob(const std::string& name) { Check(Live().BeginBlob(name)); }
-  void append_blob(py::buffer data) {
+  void append_blob(py::buffer data, bool unit) {
     py::buffer_info b = data.request();
     if (!PyBuffer_IsContiguous(b.view(), 'C')) {
       throw StatusError{Status::InvalidArgument("a piece of a blob is not contiguous memory")};
     }
     std::span<const std::byte> bytes(static_cast<const std::byte*>(b.ptr), static_cast<size_t>(b.size * b.itemsize));
     py::gil_scoped_release nogil;
-    Check(Live().AppendBlob(bytes));
+    Check(Live().AppendBlob(bytes, unit ? BlobPiece::kUnit : BlobPiece::kContent));
   }
   void end_blob() {
     py::gil_scoped_release nogil;
@@ -587,6 +588,22 @@ class Reader {
     std::span<std::byte> dst(static_cast<std::byte*>(b.ptr), static_cast<size_t>(b.size * b.itemsize));
     py::gil_scoped_release nogil;
     Check(reader_->ReadBlob(*rec, offset, dst));
+  }
+
+  // Bytes [offset, offset + size) of blob `name` as a bytes object, read
+  // into it in place (no copy on the way out).
+  py::bytes read_blob_bytes(const std::string& name, uint64_t offset, uint64_t size) const {
+    const BlobRecord* rec = Value(reader_->GetBlob(name));
+    if (size > static_cast<uint64_t>(PY_SSIZE_T_MAX)) throw StatusError{Status::InvalidArgument("read too large")};
+    PyObject* raw = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(size));
+    if (raw == nullptr) throw py::error_already_set();
+    py::bytes out = py::reinterpret_steal<py::bytes>(raw);
+    std::span<std::byte> dst(reinterpret_cast<std::byte*>(PyBytes_AS_STRING(raw)), static_cast<size_t>(size));
+    {
+      py::gil_scoped_release nogil;
+      Check(reader_->ReadBlob(*rec, offset, dst));
+    }
+    return out;
   }
 
   py::object show() const {
@@ -1431,7 +1448,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("bytes"))
       .def("put_blob", &Writer::put_blob, py::arg("name"), py::arg("data"))
       .def("begin_blob", &Writer::begin_blob, py::arg("name"))
-      .def("append_blob", &Writer::append_blob, py::arg("data"))
+      .def("append_blob", &Writer::append_blob, py::arg("data"), py::arg("unit") = false)
       .def("end_blob", &Writer::end_blob)
       .def("commit", &Writer::commit, py::arg("snapshot"))
       .def("abort", &Writer::abort);
@@ -1454,6 +1471,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("device"))
       .def("blob", &Reader::blob, py::arg("name"))
       .def("read_blob", &Reader::read_blob, py::arg("name"), py::arg("offset"), py::arg("out"))
+      .def("read_blob_bytes", &Reader::read_blob_bytes, py::arg("name"), py::arg("offset"), py::arg("size"))
       .def("show", &Reader::show);
 
   py::class_<PyRepository>(m, "Repository")

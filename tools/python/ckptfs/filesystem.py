@@ -46,6 +46,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from ._core import InvalidArgumentError, NotFoundError
+from ._units import UnitFinder
 from .repository import Repository, open as open_repository
 
 STAGING = "_fsspec"
@@ -502,8 +503,9 @@ class _ReadFile(AbstractBufferedFile):
 
 class _WriteFile(AbstractBufferedFile):
     """Streams a file's bytes into the repository as they are written: each
-    write is copied into the engine's pooled buffers and cut by content
-    there, so no file is held whole. Closing commits the file as a staged
+    write is copied into the engine's pooled buffers and cut there, by
+    content, or as a tensor's bytes where a format ckptfs knows puts one
+    (ckptfs._units), so no file is held whole. Closing commits the file as a staged
     checkpoint of its own; a directory's `.metadata` landing then commits
     the directory. A file discarded, or whose writing failed, leaves
     nothing."""
@@ -511,6 +513,7 @@ class _WriteFile(AbstractBufferedFile):
     def __init__(self, fs, path, repo: Repository, directory: str, base: str, block_size):
         self._repo, self._directory, self._base = repo, directory, base
         self._writer = None
+        self._units = UnitFinder()
         super().__init__(fs, path, mode="wb", block_size=block_size or "default")
         writer = repo._repo.begin(_staged_name(directory, base), 0, 1, None, [(_FILE_TAG, base)], attempt="",
                                   overwrite=True)
@@ -529,10 +532,10 @@ class _WriteFile(AbstractBufferedFile):
         if self._writer is None:
             raise ValueError("this file was discarded (or a write to it failed): nothing more can be written")
         view = memoryview(data)
-        if not view.c_contiguous:
-            view = memoryview(view.tobytes())
+        view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
         try:
-            self._writer.append_blob(view)
+            for piece, unit in self._units.split(view):
+                self._writer.append_blob(piece, unit)
         except BaseException:
             self.discard()
             raise

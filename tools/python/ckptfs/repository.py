@@ -135,16 +135,14 @@ class CheckpointBlobs:
 
     def read(self, blob: str, offset: int = 0, size: Optional[int] = None) -> bytes:
         """`size` bytes of `blob` from `offset` (to its end when None),
-        verified against their chunks' ids (a bytearray: bytes-like, and
-        not copied once more)."""
+        verified against their chunks' ids."""
+        total = self._size(blob)
         if size is None:
-            size = self._size(blob) - offset
-        if size < 0:
+            size = total - offset
+        if size < 0 or offset < 0 or offset + size > total:
             raise InvalidArgumentError(f"a read of {size} bytes at {offset} of blob '{blob}' of checkpoint "
-                                       f"'{self.name}'")
-        out = bytearray(size)
-        self.read_into(blob, offset, out)
-        return out  # type: ignore[return-value]  # bytes-like, not copied again
+                                       f"'{self.name}' ({total} bytes)")
+        return self._reader.read_blob_bytes(blob, offset, size) if size else b""
 
     def _size(self, blob: str) -> int:
         total = self.sizes.get(blob)
