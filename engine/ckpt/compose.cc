@@ -3,33 +3,84 @@
 #include <map>
 
 #include "ckpt/copy.h"
+#include "core/region.h"
 #include "ckpt/repository.h"
 #include "ckpt/repository_impl.h"
 #include "core/thread_pool.h"
 
 namespace ckptfs {
 
+namespace {
+// The chunks of `blob` that hold bytes [offset, offset + size) exactly;
+// `what` names the tensor in the error.
+Result<std::vector<ChunkRef>> ChunksOfRange(const BlobRecord& blob, uint64_t offset, uint64_t size,
+                                            const std::string& what) {
+  const std::vector<ChunkRef>& chunks = blob.chunks;
+  const uint64_t end = offset + size;
+  size_t i = 0;
+  uint64_t at = 0;
+  while (i < chunks.size() && at < offset) at += chunks[i++].raw_len;
+  const size_t first = i;
+  const bool starts = at == offset;
+  while (i < chunks.size() && at < end) at += chunks[i++].raw_len;
+  if (!starts || at != end || end < offset) {
+    return Status::InvalidArgument(what + ": bytes " + std::to_string(offset) + ".." + std::to_string(end) + " of blob '" +
+                                   blob.name + "' (" + std::to_string(blob.size) +
+                                   " bytes) do not start and end at chunk boundaries");
+  }
+  return std::vector<ChunkRef>(chunks.begin() + first, chunks.begin() + i);
+}
+}  // namespace
+
 Result<CommitResult> Repository::ComposeCheckpoint(const std::string& name, const std::vector<BlobFrom>& blobs,
-                                                   WriterOptions options) {
+                                                   WriterOptions options, const std::vector<TensorFrom>& tensors) {
   RepositoryImpl& impl = *impl_;
   options.rank = 0;
   options.world_size = 1;
   // Each source's record, read once: the manifest only, no chunk.
   std::map<std::string, std::unique_ptr<CheckpointReader>> sources;
-  RankRecord part;
-  for (const BlobFrom& from : blobs) {
-    auto it = sources.find(from.checkpoint);
+  auto find_blob = [&](const std::string& checkpoint, const std::string& name) -> Result<const BlobRecord*> {
+    auto it = sources.find(checkpoint);
     if (it == sources.end()) {
       ReadOptions manifest_only;
       manifest_only.lease = false;
-      CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, OpenCheckpoint(from.checkpoint, manifest_only));
-      it = sources.emplace(from.checkpoint, std::move(reader)).first;
+      CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, OpenCheckpoint(checkpoint, manifest_only));
+      it = sources.emplace(checkpoint, std::move(reader)).first;
     }
-    const BlobRecord* blob = it->second->FindBlob(from.blob);
-    if (blob == nullptr) {
-      return Status::NotFound("checkpoint '" + from.checkpoint + "' has no blob '" + from.blob + "'");
-    }
+    const BlobRecord* blob = it->second->FindBlob(name);
+    if (blob == nullptr) return Status::NotFound("checkpoint '" + checkpoint + "' has no blob '" + name + "'");
+    return blob;
+  };
+  RankRecord part;
+  for (const BlobFrom& from : blobs) {
+    CKPT_ASSIGN_OR_RETURN(const BlobRecord* blob, find_blob(from.checkpoint, from.blob));
     part.blobs.push_back(BlobRecord{from.as, blob->size, blob->chunks});
+  }
+  std::map<std::string, size_t> tensor_at;  // name -> index in part.tensors
+  for (const TensorFrom& from : tensors) {
+    const std::string what = "tensor '" + from.tensor.name + "'";
+    CKPT_ASSIGN_OR_RETURN(const uint64_t elements, CheckedNumElements(from.tensor.shape));
+    if (elements > (uint64_t{1} << 63) / DTypeSize(from.tensor.dtype)) {
+      return Status::InvalidArgument(what + ": its shape " + ShapeToString(from.tensor.shape) + " is too large");
+    }
+    CKPT_RETURN_IF_ERROR(ValidateRegion(from.tensor.shape, from.region).WithContext(what));
+    CKPT_ASSIGN_OR_RETURN(const BlobRecord* blob, find_blob(from.checkpoint, from.blob));
+    const uint64_t size = from.region.NumElements() * DTypeSize(from.tensor.dtype);
+    CKPT_ASSIGN_OR_RETURN(std::vector<ChunkRef> chunks, ChunksOfRange(*blob, from.offset, size, what));
+    auto [it, added] = tensor_at.emplace(from.tensor.name, part.tensors.size());
+    if (added) {
+      part.tensors.push_back(TensorRecord{from.tensor.name, from.tensor.dtype, from.tensor.shape, {}});
+    }
+    TensorRecord& t = part.tensors[it->second];
+    if (t.dtype != from.tensor.dtype || t.shape != from.tensor.shape) {
+      return Status::InvalidArgument(what + ": its shards disagree on its dtype or shape");
+    }
+    ShardRecord shard;
+    shard.region = Normalize(t.shape, from.region);
+    shard.ranks = {0};
+    shard.chunks = std::move(chunks);
+    shard.ComputeStarts();
+    t.shards.push_back(std::move(shard));
   }
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer, BeginCheckpoint(name, options));
   // Under the writer's lock no gc deletes a chunk. Each source must still

@@ -165,9 +165,13 @@ class Repository {
   // directory of files (ckptfs.filesystem) costs one commit. NotFound for
   // an unknown checkpoint or blob; InvalidArgument for two blobs of one
   // name; FailedPrecondition when a source was removed or saved again
-  // before the commit (nothing is committed then).
+  // before the commit (nothing is committed then). `tensors` adds tensors
+  // whose shards are byte ranges of such blobs (TensorFrom): InvalidArgument
+  // when a range does not start and end at chunk boundaries, or one
+  // tensor's shards disagree on its dtype or shape; the commit fails, as a
+  // save's does, when the shards do not tile each tensor.
   Result<CommitResult> ComposeCheckpoint(const std::string& name, const std::vector<BlobFrom>& blobs,
-                                         WriterOptions options);
+                                         WriterOptions options, const std::vector<TensorFrom>& tensors = {});
   // Committed checkpoints only; NotFound otherwise. The reader holds a read
   // lease (unless options.lease is false): removing the checkpoint while it
   // is open takes the name away, but its bytes stay until the reader goes.

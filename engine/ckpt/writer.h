@@ -202,6 +202,19 @@ struct BlobFrom {
   std::string as;          // the blob's name in the new checkpoint
 };
 
+// A shard of a tensor for Repository::ComposeCheckpoint whose bytes (its
+// region's elements in row-major order) lie in a blob of another committed
+// checkpoint, from `offset` on, starting and ending at chunk boundaries of
+// the blob: a tensor inside a file written through ckptfs://, stored as a
+// unit (BlobPiece::kUnit). The shard references the blob's chunks.
+struct TensorFrom {
+  TensorInfo tensor;
+  Region region;
+  std::string checkpoint;
+  std::string blob;
+  uint64_t offset = 0;
+};
+
 class RepositoryImpl;
 class WriterImpl;
 struct ChunkSlice;

@@ -3,7 +3,9 @@ directories committed as checkpoints (DCP's metadata, a rename), fsspec's
 usual calls and errors, and DCP saving and loading through a URL, on a
 local repository and, where an S3 endpoint is configured, on S3."""
 import os
+import subprocess
 import sys
+import tempfile
 import time
 import unittest
 
@@ -18,7 +20,8 @@ sys.path.insert(0, os.path.join(HERE, "../integration"))
 import ckptfs  # noqa: E402
 import ckptfs.filesystem  # noqa: E402
 from helpers import CkptTestCase  # noqa: E402
-from test_dcp import DcpTestCase  # noqa: E402
+from test_dcp import HAVE_FUSE, DcpTestCase, bits  # noqa: E402
+import dcp_worker  # noqa: E402
 
 ckptfs.filesystem.register()
 
@@ -260,6 +263,24 @@ class Filesystem(CkptTestCase):
             self.assertEqual(self.fs.cat_file(self.url(f"odd/{i}.bin")), data)
         self.run_ckpt("verify", env={"CKPT_REPO": self.repository.path})
 
+    def test_a_hostile_dcp_metadata_landing_runs_nothing(self):
+        """The commit a .metadata file sets off reads it with the restricted
+        unpickler: a pickle that would run code is left a file."""
+        import pickle
+
+        marker = os.path.join(self.tmp, "ran")
+
+        class Payload:
+            def __reduce__(self):
+                return (os.system, (f"touch {marker}",))
+
+        self.fs.pipe(self.url("h/step-1/__0_0.distcp"), b"x" * 100)
+        self.fs.pipe(self.url("h/step-1/.metadata"), pickle.dumps(Payload()))
+        self.assertIn("h/step-1", self.names())
+        self.assertFalse(os.path.exists(marker))
+        self.assertEqual(self.repository.show("h/step-1")["tensors"], [])
+        self.assertEqual(sorted(self.repository.blobs("h/step-1").sizes), [".metadata", "__0_0.distcp"])
+
     def test_a_second_dcp_save_with_a_frozen_half_stores_about_half(self):
         gen = torch.Generator().manual_seed(8)
         state = {"embedding": torch.randn(512, 512, generator=gen), "layer": torch.randn(512, 512, generator=gen)}
@@ -274,6 +295,9 @@ class Filesystem(CkptTestCase):
                  "step": torch.tensor(3), "extra": {"lr": 0.1, "name": "run"}}
         dcp.save(state, checkpoint_id=self.url("dcp/step-3"))
         self.assertIn("dcp/step-3", self.names())
+        # Its tensors are the checkpoint's too (the files stay as they are).
+        self.assertTrue(torch.equal(torch.as_tensor(self.repository.tensor("dcp/step-3", "w")), state["w"]))
+        self.assertEqual(sorted(t["name"] for t in self.repository.show("dcp/step-3")["tensors"]), ["b", "step", "w"])
         got = {"w": torch.zeros(256, 512), "b": torch.zeros(512), "step": torch.tensor(0),
                "extra": {"lr": 0.0, "name": ""}}
         dcp.load(got, checkpoint_id=self.url("dcp/step-3"))
@@ -300,11 +324,30 @@ class DcpRanks(DcpTestCase):
         self.assertEqual(names, ["run1/step-5"])  # every rank's file in one commit, nothing staged
         self.assertEqual(sorted(self.r.blobs("run1/step-5").sizes),
                          [".metadata"] + [f"__{r}_0.distcp" for r in range(4)])
+        # The files' tensors are the checkpoint's too, whole, referencing the
+        # chunks the files hold: the API, the mount and ckpt export read them.
+        want = dcp_worker.full()
+        for name, tensor in want.items():
+            self.assertEqual(bits(self.r.tensor("run1/step-5", name)), bits(tensor), name)
+        self.assertEqual(sorted(t["name"] for t in self.r.show("run1/step-5")["tensors"]), sorted(want))
+        if HAVE_FUSE:
+            mnt = tempfile.mkdtemp(prefix="ckptfs-url-mnt-")
+            self.run_ckpt("mount", mnt)
+            try:
+                got = np.load(os.path.join(mnt, "run1", "step-5", "rows.npy"))
+                np.testing.assert_array_equal(got, want["rows"].numpy())
+                with open(os.path.join(mnt, "run1", "step-5", "__2_0.distcp"), "rb") as f:
+                    self.assertEqual(f.read(), self.r.blobs("run1/step-5").read("__2_0.distcp"))
+            finally:
+                subprocess.run(["fusermount3", "-u", mnt])
+                os.rmdir(mnt)
         self.assertEqual(self.run_job(2, "url-load", url), ["ok"] * 2)
         # dcp.async_save to the same URL replaces it.
         self.assertEqual(self.run_job(2, "url-async-save", url), ["ok"] * 2)
         self.assertEqual(self.run_job(2, "url-load", url), ["ok"] * 2)
         self.assertEqual([c["name"] for c in self.r.checkpoints()], ["run1/step-5"])
+        for name, tensor in want.items():
+            self.assertEqual(bits(self.r.tensor("run1/step-5", name)), bits(tensor), name)
         self.run_ckpt("verify")
 
 

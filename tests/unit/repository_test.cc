@@ -919,6 +919,65 @@ TEST_P(SaveAndLoad, AComposedCheckpointTakesStoredBlobsWithoutStoringAByte) {
   EXPECT_TRUE(got == z);
 }
 
+// Tensors of a checkpoint made of files (a DCP directory written through
+// ckptfs://): each shard is a unit of a streamed blob, referenced in place,
+// and reads back as the tensor; a range off the chunk boundaries, shards
+// that disagree, or shards that do not tile the tensor are refused.
+TEST_P(SaveAndLoad, AComposedCheckpointTakesTensorsFromUnitsOfStoredBlobs) {
+  const uint64_t chunk_size = repo_->config().chunk_size;
+  const uint64_t rows = 3, cols = chunk_size / 4 / 2 + 5;  // f32 rows: a shard of 2 rows spans 2 chunks and a bit
+  const auto all = RandomBytes(rows * cols * 4, 54);
+  const auto head = RandomBytes(777, 55);
+  const uint64_t split = 2 * cols * 4;  // rows [0, 2) in the first unit, row 2 in the second
+  auto w = Begin("_fsspec/f");
+  ASSERT_OK(w->BeginBlob("file"));
+  ASSERT_OK(w->AppendBlob(head));
+  ASSERT_OK(w->AppendBlob(std::span(all).first(split), BlobPiece::kUnit));
+  ASSERT_OK(w->AppendBlob(head));
+  ASSERT_OK(w->AppendBlob(std::span(all).subspan(split), BlobPiece::kUnit));
+  ASSERT_OK(w->EndBlob());
+  ASSERT_OK(w->Commit().Wait());
+  w.reset();
+  const TensorInfo info{"layer.weight", DType::kF32, {rows, cols}};
+  auto box = [&](uint64_t row, uint64_t n) { return Region::OfBox(Box{{row, 0}, {n, cols}}); };
+  const uint64_t second = head.size() + split + head.size();
+  const std::vector<TensorFrom> shards = {{info, box(0, 2), "_fsspec/f", "file", head.size()},
+                                          {info, box(2, 1), "_fsspec/f", "file", second}};
+  auto made = repo_->ComposeCheckpoint("dcp/step-1", {{"_fsspec/f", "file", "__0_0.distcp"}}, {}, shards);
+  ASSERT_OK(made);
+  EXPECT_EQ(made->chunks_written, 0u);
+  auto reader = std::move(repo_->OpenCheckpoint("dcp/step-1")).value();
+  const TensorRecord* t = reader->FindTensor("layer.weight");
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->shape, info.shape);
+  std::vector<std::byte> got(all.size());
+  ASSERT_OK(reader->ReadRegion(*t, Region::OfFlat(0, rows * cols), got));
+  EXPECT_TRUE(got == all);
+  ASSERT_NE(reader->FindBlob("__0_0.distcp"), nullptr);
+  auto verified = repo_->Verify(std::nullopt);
+  ASSERT_OK(verified);
+  EXPECT_TRUE(verified->ok());
+
+  // What is refused, with nothing committed.
+  const std::vector<BlobFrom> file = {{"_fsspec/f", "file", "f"}};
+  auto refused = [&](std::vector<TensorFrom> tensors) {
+    return repo_->ComposeCheckpoint("bad", file, {}, tensors).status().code();
+  };
+  EXPECT_EQ(refused({{info, box(0, 2), "_fsspec/f", "file", head.size() + 4}, shards[1]}),
+            StatusCode::kInvalidArgument);  // not at a chunk boundary
+  EXPECT_EQ(refused({{info, box(0, 1), "_fsspec/f", "file", head.size()}, shards[1]}),
+            StatusCode::kInvalidArgument);  // ends inside a chunk
+  TensorInfo other = info;
+  other.dtype = DType::kI32;
+  EXPECT_EQ(refused({shards[0], {other, box(2, 1), "_fsspec/f", "file", second}}), StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused({{info, box(2, 2), "_fsspec/f", "file", second}}), StatusCode::kInvalidArgument);  // outside
+  EXPECT_NE(refused({shards[0]}), StatusCode::kOk);  // row 2 missing: the shards do not tile the tensor
+  EXPECT_TRUE(repo_->ComposeCheckpoint("bad", file, {}, {{info, box(2, 1), "_fsspec/f", "nothing", 0}})
+                  .status()
+                  .IsNotFound());
+  EXPECT_TRUE(repo_->OpenCheckpoint("bad").status().IsNotFound());
+}
+
 TEST_P(SaveAndLoad, HandlesWritersAndReadersOutliveTheirRepository) {
   auto first = MakeRef("w", DType::kF32, {4 << 20}, 21);  // 16 MiB
   auto w = Begin("first");

@@ -958,19 +958,29 @@ class PyRepository {
   }
 
   // Repository::ComposeCheckpoint: checkpoint `name` made of blobs of other
-  // checkpoints, given as (checkpoint, blob, name in the new one).
+  // checkpoints, given as (checkpoint, blob, name in the new one), and of
+  // tensor shards in them (TensorFrom), given as (tensor name, dtype, shape,
+  // box offsets, box lengths, checkpoint, blob, byte offset in the blob).
+  using TensorFromTuple = std::tuple<std::string, std::string, Shape, std::vector<uint64_t>, std::vector<uint64_t>,
+                                     std::string, std::string, uint64_t>;
   py::dict compose(const std::string& name, const std::vector<std::tuple<std::string, std::string, std::string>>& blobs,
                    std::optional<int64_t> step, const std::vector<std::pair<std::string, std::string>>& tags,
-                   bool overwrite) {
+                   bool overwrite, const std::vector<TensorFromTuple>& tensors) {
     std::vector<BlobFrom> from;
     from.reserve(blobs.size());
     for (const auto& [checkpoint, blob, as] : blobs) from.push_back(BlobFrom{checkpoint, blob, as});
+    std::vector<TensorFrom> shards;
+    shards.reserve(tensors.size());
+    for (const auto& [tensor, dtype, shape, offsets, lengths, checkpoint, blob, offset] : tensors) {
+      shards.push_back(TensorFrom{TensorInfo{tensor, ParseDTypeOrThrow(dtype), shape},
+                                  Region::OfBox(Box{offsets, lengths}), checkpoint, blob, offset});
+    }
     WriterOptions o = WriterOptionsOf(0, 1, step, tags);
     o.overwrite = overwrite;
     o.attempt = NewSaveAttempt();
     Result<CommitResult> r = [&] {
       py::gil_scoped_release nogil;
-      return repo_->ComposeCheckpoint(name, from, o);
+      return repo_->ComposeCheckpoint(name, from, o, shards);
     }();
     if (!r.ok()) throw StatusError{r.status()};
     return CommitResultDict(*r);
@@ -1499,7 +1509,7 @@ PYBIND11_MODULE(_core, m) {
       .def("pending_ranks", &PyRepository::pending_ranks, py::arg("name"))
       .def("rm", &PyRepository::rm, py::arg("names"))
       .def("compose", &PyRepository::compose, py::arg("name"), py::arg("blobs"), py::arg("step"), py::arg("tags"),
-           py::arg("overwrite"))
+           py::arg("overwrite"), py::arg("tensors") = std::vector<PyRepository::TensorFromTuple>{})
       .def("stats", &PyRepository::stats, py::arg("name"), py::arg("tensors"))
       .def("gc", &PyRepository::gc, py::arg("keep_last"), py::arg("keep_every"), py::arg("keep_within"),
            py::arg("keep"), py::arg("allow_removing_newest"), py::arg("dry_run"),

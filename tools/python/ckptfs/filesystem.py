@@ -45,7 +45,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
-from ._core import InvalidArgumentError, NotFoundError
+from ._core import Error, InvalidArgumentError, NotFoundError
+from ._file_tensors import dcp_tensors
 from ._units import UnitFinder
 from .repository import Repository, open as open_repository
 
@@ -341,7 +342,15 @@ class CkptfsFileSystem(AbstractFileSystem):
         if not rel or rel.startswith(STAGING + "/") or rel == STAGING:
             raise InvalidArgumentError(f"'{rel}' cannot be a checkpoint of ckptfs://")
         blobs = [(source, blob, name) for name, (source, blob) in sorted(members.items())]
-        result = repo.compose(rel, blobs, overwrite=rel in view.committed)
+        tensors = dcp_tensors(repo, members)
+        try:
+            result = repo.compose(rel, blobs, overwrite=rel in view.committed, tensors=tensors)
+        except Error:
+            if not tensors:
+                raise
+            # Tensors that do not fit (a name a file has too, shards that do
+            # not tile): the files alone, as they were written.
+            result = repo.compose(rel, blobs, overwrite=rel in view.committed)
         staged = sorted({s for s, _ in members.values() if s.startswith(STAGING + "/")} | set(drop))
         if staged:
             repo.rm(*staged)

@@ -425,15 +425,26 @@ class Repository:
         return CheckpointBlobs(self._repo.open_checkpoint(name, lease=bool(lease)), name)
 
     def compose(self, name: str, blobs: Sequence[Tuple[str, str, str]], *, step: Optional[int] = None,
-                tags: Optional[Mapping[str, str]] = None, overwrite: bool = False) -> Dict[str, Any]:
+                tags: Optional[Mapping[str, str]] = None, overwrite: bool = False,
+                tensors: Sequence[Tuple[str, str, Sequence[int], Sequence[int], Sequence[int], str, str, int]] = (),
+                ) -> Dict[str, Any]:
         """Commits checkpoint `name` made of blobs of other committed
         checkpoints: each of `blobs` is (checkpoint, blob, name in the new
         one). No byte is copied: the new checkpoint references the same
         chunks, so this costs one commit whatever the sizes. Returns what
-        save returns. `overwrite` is as for save."""
+        save returns. `overwrite` is as for save.
+
+        `tensors` adds tensor shards whose bytes lie in such blobs, each
+        (tensor, dtype, shape, box offsets, box lengths, checkpoint, blob,
+        byte offset): the box's elements in row-major order from that offset,
+        starting and ending at chunk boundaries of the blob (a tensor of a
+        file written through ckptfs://). The shards of each tensor must tile
+        it."""
+        shards = [(str(t), str(d), [int(x) for x in shape], [int(x) for x in offsets], [int(x) for x in lengths],
+                   str(c), str(b), int(at)) for t, d, shape, offsets, lengths, c, b, at in tensors]
         return self._repo.compose(name, [(str(c), str(b), str(a)) for c, b, a in blobs],
                                   None if step is None else int(step),
-                                  [(str(k), str(v)) for k, v in (tags or {}).items()], bool(overwrite))
+                                  [(str(k), str(v)) for k, v in (tags or {}).items()], bool(overwrite), shards)
 
     # -- inspect and maintain --
 

@@ -195,16 +195,22 @@ class _FileSlice(io.RawIOBase):
 
 
 def raw_tensor_at(torch, f, info, dtype, sizes) -> Optional[int]:
-    """Where a DCP tensor item's element bytes lie in its file, or None when
-    they cannot be taken as they are. A FileSystemWriter item is a torch.save
-    archive of one tensor; torch.load with map_location="meta" reads its
-    pickle (torch's reader) but not its data, and gives the record's offset
-    in the archive. Only a contiguous tensor filling its storage, with the
-    dtype and sizes the metadata states, saved without a transform
-    (compression) and in little-endian order, is taken."""
+    """Where a DCP tensor item's element bytes lie in its open file `f`
+    (raw_tensor_in)."""
+    return raw_tensor_in(torch, _FileSlice(f, info.offset, info.length), info, dtype, sizes)
+
+
+def raw_tensor_in(torch, view, info, dtype, sizes) -> Optional[int]:
+    """Where a DCP tensor item's element bytes lie in its file, given the
+    item's bytes as a seekable stream `view`, or None when they cannot be
+    taken as they are. A FileSystemWriter item is a torch.save archive of
+    one tensor; torch.load with map_location="meta" reads its pickle
+    (torch's reader) but not its data, and gives the record's offset in the
+    archive. Only a contiguous tensor filling its storage, with the dtype
+    and sizes the metadata states, saved without a transform (compression)
+    and in little-endian order, is taken."""
     if getattr(info, "transform_descriptors", None) or sys.byteorder != "little":
         return None
-    view = _FileSlice(f, info.offset, info.length)
     try:
         archive = torch._C.PyTorchFileReader(view)
         for record in archive.get_all_records():

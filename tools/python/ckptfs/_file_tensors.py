@@ -1,0 +1,112 @@
+"""The tensors of a directory of files written through ``ckptfs://``, for
+its commit: a DCP directory's (its ``.metadata`` names each saved chunk's
+file and archive) become tensors of the checkpoint, whose shards reference
+the chunks the files already hold. The files stay as they are, so the
+directory reads back byte for byte, and the checkpoint also shows whole
+tensors (the mount, ``load``, ``ckpt export``).
+
+A tensor is taken only when every saved chunk of it lies raw in its file
+(one torch.save archive per chunk, as DCP's file writers save it) and was
+stored as a unit (ckptfs._units): anything else (another writer's layout,
+compressed items, files written by builds that cut them by content) leaves
+that tensor to the files alone.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Dict, List, Tuple
+
+from .pickles import load_dcp_metadata
+
+TensorShard = Tuple[str, str, List[int], List[int], List[int], str, str, int]
+
+
+class _BlobSlice(io.RawIOBase):
+    """Bytes [offset, offset + length) of a stored blob as a seekable stream
+    (one DCP item), each read checked against its chunks' ids."""
+
+    def __init__(self, blobs: Any, blob: str, offset: int, length: int):
+        super().__init__()
+        self._blobs, self._blob, self._start, self._len, self._pos = blobs, blob, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        view = memoryview(b).cast("B")
+        n = max(0, min(view.nbytes, self._len - self._pos))
+        if n:
+            self._blobs.read_into(self._blob, self._start + self._pos, view[:n])
+        self._pos += n
+        return n
+
+
+def dcp_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[TensorShard]:
+    """Shards (Repository.compose's `tensors`) of the tensors of a DCP
+    directory whose files are `members` (name in the directory ->
+    (checkpoint, blob) holding it); [] when it is not one, or none can be
+    taken. The metadata is read with the restricted unpickler: a hostile
+    ``.metadata`` runs nothing."""
+    where = members.get(".metadata")
+    if where is None:
+        return []
+    try:
+        import torch  # noqa: PLC0415 - DCP directories come from torch
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata  # noqa: PLC0415
+
+        from .formats.common import ckptfs_dtype  # noqa: PLC0415
+        from .formats.dcp_in import raw_tensor_in  # noqa: PLC0415
+    except ImportError:
+        return []
+    opened: Dict[str, Any] = {}
+
+    def blobs_of(checkpoint: str) -> Any:
+        if checkpoint not in opened:
+            opened[checkpoint] = repo.blobs(checkpoint)
+        return opened[checkpoint]
+
+    try:
+        metadata = load_dcp_metadata(blobs_of(where[0]).read(where[1]), ".metadata")
+        state = metadata.state_dict_metadata
+        storage = metadata.storage_data or {}
+    except Exception:  # noqa: BLE001 - not DCP metadata this build reads: the files alone
+        return []
+    shards: List[TensorShard] = []
+    for fqn, m in state.items():
+        if not isinstance(m, TensorStorageMetadata):
+            continue
+        try:
+            dtype = ckptfs_dtype(m.properties.dtype)
+        except Exception:  # noqa: BLE001 - a dtype ckptfs has no name for
+            continue
+        shape = [int(s) for s in m.size]
+        taken: List[TensorShard] = []
+        for i, chunk in enumerate(m.chunks):
+            info = storage.get(MetadataIndex(fqn, chunk.offsets, i))
+            source = members.get(getattr(info, "relative_path", None) or "")
+            if info is None or source is None:
+                break
+            view = _BlobSlice(blobs_of(source[0]), source[1], int(info.offset), int(info.length))
+            at = raw_tensor_in(torch, view, info, m.properties.dtype, chunk.sizes)
+            if at is None:
+                break
+            taken.append((fqn, dtype, shape, [int(o) for o in chunk.offsets], [int(s) for s in chunk.sizes],
+                          source[0], source[1], at))
+        else:
+            shards.extend(taken)
+    return shards
+
+
+__all__ = ["dcp_tensors"]
