@@ -29,6 +29,11 @@ test_dcp (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment):
         (any world size) as save / load, through a ckptfs:// URL as DCP's
         checkpoint_id (fsspec; no ckptfs class named); url-async-save
         saves with dcp.async_save and waits on its future
+    dcp_worker.py tc-save REPO NAME / tc-load REPO NAME
+        (any world size) saves the DTensors of every placement with
+        torch_checkpointing's CheckpointManager and the ckptfs backend
+        (DefaultResharder), or loads them at other placements and checks
+        every element
     dcp_worker.py save-hf DIR
         (any world size) saves the DTensors of every placement with stock
         dcp.save and torch's HuggingFaceStorageWriter, one safetensors file
@@ -117,6 +122,31 @@ def state(world, saving, zero):
     return out
 
 
+def gather_metadata_on_cpu():
+    """torch_checkpointing 0.1.1 gathers its sharding metadata across ranks
+    in CUDA tensors (DefaultMetadataManager._all_gather_pickled_data asks for
+    device="cuda"), which a CPU-only job has not: for that one call, tensors
+    asked for on CUDA are made on the CPU (gloo gathers them). Nothing else
+    of torch_checkpointing is changed."""
+    from torch_checkpointing.metadata_manager import DefaultMetadataManager  # noqa: PLC0415
+
+    gather = DefaultMetadataManager._all_gather_pickled_data
+    if torch.cuda.is_available() or getattr(gather, "on_cpu", False):
+        return
+
+    def on_cpu(self, *args, **kwargs):
+        make, to_cuda = torch.tensor, torch.Tensor.cuda
+        torch.tensor = lambda *a, device=None, **k: make(*a, **k)
+        torch.Tensor.cuda = lambda t, *a, **k: t
+        try:
+            return gather(self, *args, **kwargs)
+        finally:
+            torch.tensor, torch.Tensor.cuda = make, to_cuda
+
+    on_cpu.on_cpu = True
+    DefaultMetadataManager._all_gather_pickled_data = on_cpu
+
+
 def same(a, b):
     return torch.equal(a.view(torch.int16), b.view(torch.int16)) if a.dtype == torch.bfloat16 else torch.equal(a, b)
 
@@ -173,6 +203,28 @@ def main():
             sd = state(world, False, True)
             dcp.load(sd, checkpoint_id=repo)
             check(sd)
+    elif action in ("tc-save", "tc-load"):
+        # torch_checkpointing's CheckpointManager with the ckptfs backend:
+        # REPO a repository, NAME the checkpoint's path in it.
+        from torch_checkpointing.checkpoint_manager import CheckpointManager, ItemSpec  # noqa: PLC0415
+        from torch_checkpointing.default_resharder import DefaultResharder  # noqa: PLC0415
+
+        from ckptfs.torch_checkpointing import CkptfsStorageConfig  # noqa: PLC0415
+
+        gather_metadata_on_cpu()
+        config = CheckpointManager.Config.with_sync_save()
+        config.items = {"model": ItemSpec(resharder=DefaultResharder())}
+        config.storage_config = CkptfsStorageConfig(repo)
+        manager = config.build()
+        tensors = {k: v for k, v in state(world, action == "tc-save", action == "tc-load").items()
+                   if isinstance(v, torch.Tensor)}
+        if action == "tc-save":
+            manager.save(name, {"model": tensors})
+        else:
+            got = manager.load(name, into={"model": tensors})["model"]
+            for key, tensor in full().items():
+                assert same(got[key].full_tensor(), tensor), key
+        manager.close()
     elif action == "load-files":
         sd = state(world, False, True)
         dcp.load(sd, storage_reader=dcp.FileSystemReader(repo))

@@ -351,6 +351,23 @@ class DcpRanks(DcpTestCase):
         self.run_ckpt("verify")
 
 
+class TorchCheckpointingRanks(DcpTestCase):
+    """torch_checkpointing's CheckpointManager with the ckptfs backend, run
+    by 4 gloo ranks saving DTensors of every placement, and by 2 loading
+    them at other placements (its DefaultResharder), element by element."""
+
+    def test_four_ranks_save_and_two_load(self):
+        try:
+            import torch_checkpointing  # noqa: F401
+        except ImportError as e:
+            self.skipTest(f"torch_checkpointing is not installed: {e}")
+        self.assertEqual(self.run_job(4, "tc-save", self.repo, "run/step-7"), ["ok"] * 4)
+        names = [c["name"] for c in self.r.checkpoints()]
+        self.assertEqual(names, ["run/step-7"])  # its rename: one commit, nothing staged
+        self.assertEqual(self.run_job(2, "tc-load", self.repo, "run/step-7"), ["ok"] * 2)
+        self.run_ckpt("verify")
+
+
 class TorchCheckpointing(CkptTestCase):
     """torch_checkpointing's own CheckpointManager with the ckptfs backend:
     a model and its optimizer saved (synchronously and in the background)
