@@ -78,6 +78,7 @@ python_env() {
     echo "python env: no local wheel for $torch_pin; pip takes it from the package index"
   fi
   "$VENV/bin/pip" install -q -r tests/python/requirements.txt
+  "$VENV/bin/pip" install -q --no-deps -r tests/python/requirements-no-deps.txt
   "$VENV/bin/python" -c 'import sys, torch, numpy
 print(f"python env: Python {sys.version.split()[0]}, torch {torch.__version__}, numpy {numpy.__version__}")'
   stage_end

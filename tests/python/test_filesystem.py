@@ -2,6 +2,7 @@
 directories committed as checkpoints (DCP's metadata, a rename), fsspec's
 usual calls and errors, and DCP saving and loading through a URL, on a
 local repository and, where an S3 endpoint is configured, on S3."""
+import json
 import os
 import subprocess
 import sys
@@ -436,6 +437,43 @@ class TorchCheckpointing(CkptTestCase):
         added = save("step-2")
         manager.close()
         self.assertLessEqual(added, 0.55 * first, f"{added} bytes added to {first}")
+
+
+class Torchtitan(CkptTestCase):
+    """torchtitan's own checkpoint manager (DCP through fsspec), its folder a
+    ckptfs:// URL: a job killed after step 5 resumes from step 4 and trains
+    on with the losses of a job never killed (titan_worker.py)."""
+
+    def run_steps(self, folder, *args):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        done = subprocess.run([sys.executable, os.path.join(HERE, "titan_worker.py"), folder, *map(str, args)],
+                              env=env, capture_output=True, text=True, timeout=300)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        self.assertTrue(lines, f"rc {done.returncode}: {done.stderr[-3000:]}")
+        return done.returncode, json.loads(lines[-1])
+
+    def test_a_killed_job_resumes_with_the_losses_of_one_never_killed(self):
+        try:
+            import torchtitan  # noqa: F401
+        except ImportError as e:
+            self.skipTest(f"torchtitan is not installed: {e}")
+        repository = ckptfs.init(self.repo, chunk_size=64 << 10)
+        folder = f"ckptfs://{self.repo}/run/checkpoint"
+        rc, killed = self.run_steps(folder, 8, 5)
+        self.assertEqual((rc, killed["resumed_from"]), (3, 0))
+        rc, resumed = self.run_steps(folder, 8)
+        self.assertEqual((rc, resumed["resumed_from"]), (0, 4))
+        ckptfs.init(self.path("other"), chunk_size=64 << 10)
+        rc, whole = self.run_steps(f"ckptfs://{self.path('other')}/run/checkpoint", 8)
+        self.assertEqual(rc, 0)
+        self.assertEqual(resumed["losses"], {k: v for k, v in whole["losses"].items() if int(k) > 4})
+        self.assertEqual(killed["losses"], {k: v for k, v in whole["losses"].items() if int(k) <= 5})
+        names = [c["name"] for c in repository.checkpoints()]
+        self.assertIn("run/checkpoint/step-8", names)
+        self.assertFalse([n for n in names if n.startswith("_fsspec/")], names)
+        # Each is a DCP directory, so its tensors are the checkpoint's too.
+        self.assertTrue(repository.show("run/checkpoint/step-8")["tensors"])
+        self.run_ckpt("verify", env={"CKPT_REPO": self.repo})
 
 
 class FilesystemOnS3(Filesystem):
