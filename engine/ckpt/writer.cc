@@ -208,7 +208,7 @@ class WriterImpl : public std::enable_shared_from_this<WriterImpl> {
                    size_t threads, CopyCounters& counters);
   CommitHandle Commit();
   Status BeginBlob(const std::string& name);
-  Status AppendBlob(std::span<const std::byte> data, BlobPiece piece);
+  Status AppendBlob(std::span<const std::byte> data, BlobPiece piece, DType dtype);
   Status EndBlob();
   const RepositoryImpl& repo() const { return *repo_; }
 
@@ -437,16 +437,20 @@ Status WriterImpl::BeginBlob(const std::string& name) {
   return Status::OK();
 }
 
-Status WriterImpl::AppendBlob(std::span<const std::byte> data, BlobPiece piece) {
+Status WriterImpl::AppendBlob(std::span<const std::byte> data, BlobPiece piece, DType dtype) {
   BlockTimer timer(&blocking_);
   CKPT_RETURN_IF_ERROR(CheckUsable());
   if (!open_blob_) return Status::FailedPrecondition("no blob is being written (BeginBlob first)");
   StreamedBlob& b = *open_blob_;
   BufferPool& buffers = *repo_->buffers;
   if (piece == BlobPiece::kUnit) {
+    if (data.size() % DTypeSize(dtype) != 0) {
+      return Status::InvalidArgument("a unit of " + std::to_string(data.size()) + " bytes is not whole " +
+                                     std::string(DTypeName(dtype)) + " elements");
+    }
     // The bytes before the unit end where it starts; each pooled buffer
-    // (the chunk size) then holds one chunk of it, and the bytes after it
-    // start afresh.
+    // (the chunk size, a multiple of every element size) then holds one
+    // chunk of it, and the bytes after it start afresh.
     CKPT_RETURN_IF_ERROR(CutPending(true));
     while (!data.empty()) {
       auto lease = std::make_shared<BufferPool::Lease>(buffers.Acquire(buffers.buffer_size()));
@@ -456,7 +460,7 @@ Status WriterImpl::AppendBlob(std::span<const std::byte> data, BlobPiece piece) 
       data = data.subspan(n);
       StableSource source(lease, std::span<const std::byte>(lease->data(), n), /*resident=*/false);
       b.rounds.emplace_back();
-      CKPT_RETURN_IF_ERROR(pipeline_.Stream({0, n}, DType::kU8, source, b.rounds.back()));
+      CKPT_RETURN_IF_ERROR(pipeline_.Stream({0, n}, dtype, source, b.rounds.back()));
     }
     return Status::OK();
   }
@@ -679,9 +683,9 @@ Status CheckpointWriter::BeginBlob(const std::string& name) {
   return w->BeginBlob(name);
 }
 
-Status CheckpointWriter::AppendBlob(std::span<const std::byte> data, BlobPiece piece) {
+Status CheckpointWriter::AppendBlob(std::span<const std::byte> data, BlobPiece piece, DType dtype) {
   CKPT_ASSIGN_OR_RETURN(WriterImpl * w, Usable());
-  return w->AppendBlob(data, piece);
+  return w->AppendBlob(data, piece, dtype);
 }
 
 Status CheckpointWriter::EndBlob() {

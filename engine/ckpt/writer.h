@@ -255,9 +255,12 @@ class CheckpointWriter {
   // format ckptfs knows) is cut at both its ends and at fixed offsets of
   // the chunk size from its start, as a tensor's bytes are: the unit keeps
   // its chunks whatever came before it, needs no content cuts, and its
-  // chunks are those of the same bytes put as a flat tensor.
+  // chunks are those of the same bytes put as a flat tensor. `dtype` (a
+  // unit's elements, which its size must be a multiple of) lets the codec
+  // group its bytes as a tensor's are; it does not change the chunks.
   Status BeginBlob(const std::string& name);
-  Status AppendBlob(std::span<const std::byte> data, BlobPiece piece = BlobPiece::kContent);
+  Status AppendBlob(std::span<const std::byte> data, BlobPiece piece = BlobPiece::kContent,
+                    DType dtype = DType::kU8);
   Status EndBlob();
   // Seals this rank's packs (durable), then records its part in the catalog.
   // The checkpoint becomes visible, atomically, with the last rank's commit;

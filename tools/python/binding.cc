@@ -452,16 +452,18 @@ class Writer {
 
   // A blob written in pieces (CheckpointWriter::BeginBlob): each piece is
   // copied into the engine's pooled buffers before append_blob returns.
-  // `unit`: the piece is one unit (BlobPiece::kUnit), a tensor's bytes.
+  // `unit`: the piece is one unit (BlobPiece::kUnit), a tensor's bytes of
+  // elements `dtype`.
   void begin_blob(const std::string& name) { Check(Live().BeginBlob(name)); }
-  void append_blob(py::buffer data, bool unit) {
+  void append_blob(py::buffer data, bool unit, const std::string& dtype) {
+    const DType elements = ParseDTypeOrThrow(dtype);
     py::buffer_info b = data.request();
     if (!PyBuffer_IsContiguous(b.view(), 'C')) {
       throw StatusError{Status::InvalidArgument("a piece of a blob is not contiguous memory")};
     }
     std::span<const std::byte> bytes(static_cast<const std::byte*>(b.ptr), static_cast<size_t>(b.size * b.itemsize));
     py::gil_scoped_release nogil;
-    Check(Live().AppendBlob(bytes, unit ? BlobPiece::kUnit : BlobPiece::kContent));
+    Check(Live().AppendBlob(bytes, unit ? BlobPiece::kUnit : BlobPiece::kContent, elements));
   }
   void end_blob() {
     py::gil_scoped_release nogil;
@@ -1458,7 +1460,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("bytes"))
       .def("put_blob", &Writer::put_blob, py::arg("name"), py::arg("data"))
       .def("begin_blob", &Writer::begin_blob, py::arg("name"))
-      .def("append_blob", &Writer::append_blob, py::arg("data"), py::arg("unit") = false)
+      .def("append_blob", &Writer::append_blob, py::arg("data"), py::arg("unit") = false, py::arg("dtype") = "U8")
       .def("end_blob", &Writer::end_blob)
       .def("commit", &Writer::commit, py::arg("snapshot"))
       .def("abort", &Writer::abort);

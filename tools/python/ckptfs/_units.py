@@ -13,6 +13,11 @@ Two ways a file arrives:
   ``save``): a zip archive's storage records, found through its central
   directory, and a safetensors file's tensors, found through its header.
 
+A unit's element type, where the file says it (a storage's class in the
+archive's ``data.pkl``, a tensor's dtype in a safetensors header), lets the
+engine encode it as a tensor's bytes (byte grouping), which is about twice
+as fast as encoding bytes of no known type.
+
 What is found only places cuts: a file that merely looks like one of these
 is stored byte for byte all the same.
 """
@@ -21,18 +26,34 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import re
 import struct
 import zipfile
-from typing import Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 _LOCAL_HEADER = b"PK\x03\x04"
-_STORAGE_RECORD = re.compile(rb"(?:^|/)data/\d+$")
+_STORAGE_RECORD = re.compile(rb"(?:^|/)data/(\d+)$")
+_PICKLE_RECORD = re.compile(rb"(?:^|/)data\.pkl$")
 _MAX_SAFETENSORS_HEADER = 100 << 20
+_MAX_PICKLE = 64 << 20  # a data.pkl larger than this is not read for its storages' types
+
+# torch's typed storage classes, as torch.save names them in data.pkl.
+_STORAGE_TYPES = {
+    "BoolStorage": "BOOL", "ByteStorage": "U8", "CharStorage": "I8", "ShortStorage": "I16", "IntStorage": "I32",
+    "LongStorage": "I64", "HalfStorage": "F16", "BFloat16Storage": "BF16", "FloatStorage": "F32",
+    "DoubleStorage": "F64",
+}
+_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8, "I64": 8, "F16": 2,
+          "BF16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+
+Unit = Tuple[int, int, str]  # start, end, dtype
 
 
 class UnitFinder:
-    """Splits each write of one file into (piece, is_unit) in order."""
+    """Splits each write of one file into (piece, dtype) in order: dtype is
+    the element type of a unit ("U8" where the file does not say), None
+    for bytes cut by content."""
 
     def __init__(self) -> None:
         self._pos = 0  # bytes of the file written so far
@@ -40,8 +61,9 @@ class UnitFinder:
         self._name_at = 0  # where that name starts
         self._name_len = 0
         self._data_at = -1  # where that record's data starts
+        self._types: Dict[str, str] = {}  # storage key -> dtype, from the archive's data.pkl
 
-    def split(self, view: memoryview) -> Iterator[Tuple[memoryview, bool]]:
+    def split(self, view: memoryview) -> Iterator[Tuple[memoryview, Optional[str]]]:
         pos, n = self._pos, view.nbytes
         self._pos += n
         if n == 0:
@@ -52,36 +74,102 @@ class UnitFinder:
             if lo < hi:
                 self._name += view[lo - pos:hi - pos]
         if pos == self._data_at and self._name is not None:
-            storage = bool(_STORAGE_RECORD.search(bytes(self._name)))
+            name = bytes(self._name)
             self._name, self._data_at = None, -1
+            storage = _STORAGE_RECORD.search(name)
             if storage:
-                yield view, True
+                yield view, _whole(self._types.get(storage.group(1).decode(), "U8"), n)
                 return
+            if _PICKLE_RECORD.search(name):
+                self._types = storage_types(view)  # a new archive (DCP's files hold one per tensor)
         if n == 30 and view[:4] == _LOCAL_HEADER:
             name_len, extra_len = struct.unpack_from("<HH", view, 26)
             self._name, self._name_at, self._name_len = bytearray(), pos + 30, name_len
             self._data_at = pos + 30 + name_len + extra_len
-            yield view, False
+            yield view, None
             return
         yield from _split_whole(view)
 
 
-def _split_whole(view: memoryview) -> Iterator[Tuple[memoryview, bool]]:
+def _whole(dtype: str, n: int) -> str:
+    """`dtype` if `n` bytes are whole elements of it, else U8."""
+    return dtype if n % _SIZES.get(dtype, 1) == 0 else "U8"
+
+
+class _Stub:
+    """What every global of a pickle read by storage_types stands for:
+    nothing is imported or called, whatever the pickle names."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_Stub":
+        return _Stub()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+class _StorageType:
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+
+
+class _StorageTypes(pickle.Unpickler):
+    def __init__(self, data: memoryview):
+        super().__init__(io.BytesIO(data))
+        self.types: Dict[str, str] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and name in _STORAGE_TYPES:
+            return _StorageType(_STORAGE_TYPES[name])
+        return _Stub
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage" and isinstance(pid[2], str):
+            if isinstance(pid[1], _StorageType):
+                self.types[pid[2]] = pid[1].dtype
+        return _Stub()
+
+
+def storage_types(data: memoryview) -> Dict[str, str]:
+    """Storage key -> dtype of a torch.save archive's data.pkl, for the
+    storages of a typed class; {} for anything it cannot read. The pickle's
+    globals all stand for stubs: nothing it names is imported or run."""
+    if data.nbytes > _MAX_PICKLE:
+        return {}
+    reader = _StorageTypes(data)
+    try:
+        reader.load()
+    except Exception:  # noqa: BLE001 - any pickle at all: what was read so far stands
+        pass
+    return reader.types
+
+
+def _split_whole(view: memoryview) -> Iterator[Tuple[memoryview, Optional[str]]]:
     """A write that may hold a whole archive or safetensors file."""
-    units = _units_of_whole(view)
     at = 0
-    for start, end in units:
+    for start, end, dtype in _units_of_whole(view):
         if start > at:
-            yield view[at:start], False
-        yield view[start:end], True
+            yield view[at:start], None
+        yield view[start:end], _whole(dtype, end - start)
         at = end
     if at < view.nbytes:
-        yield view[at:], False
+        yield view[at:], None
 
 
-def _units_of_whole(view: memoryview) -> List[Tuple[int, int]]:
-    """Sorted, disjoint (start, end) of the tensors in `view`; [] when none
-    are found or it is neither format."""
+def _units_of_whole(view: memoryview) -> List[Unit]:
+    """Sorted, disjoint units of the tensors in `view`; [] when none are
+    found or it is neither format."""
     n = view.nbytes
     if n < 64:
         return []
@@ -93,12 +181,12 @@ def _units_of_whole(view: memoryview) -> List[Tuple[int, int]]:
     except (ValueError, KeyError, TypeError, struct.error, zipfile.BadZipFile, OverflowError,
             UnicodeDecodeError, RecursionError):
         return []
-    found = sorted((s, e) for s, e in found if 0 <= s < e <= n)
-    disjoint: List[Tuple[int, int]] = []
-    for s, e in found:
-        if disjoint and s < disjoint[-1][1]:
+    found = sorted(u for u in found if 0 <= u[0] < u[1] <= n)
+    disjoint: List[Unit] = []
+    for unit in found:
+        if disjoint and unit[0] < disjoint[-1][1]:
             return []  # overlapping: not a file this module understands
-        disjoint.append((s, e))
+        disjoint.append(unit)
     return disjoint
 
 
@@ -131,24 +219,30 @@ class _ViewReader(io.RawIOBase):
         return got.nbytes
 
 
-def _zip_storages(view: memoryview) -> List[Tuple[int, int]]:
+def _zip_storages(view: memoryview) -> List[Unit]:
     found = []
-    with zipfile.ZipFile(_ViewReader(view)) as archive:  # reads the central directory only
+    with zipfile.ZipFile(_ViewReader(view)) as archive:  # reads the central directory
+        types: Dict[str, str] = {}
+        for info in archive.infolist():
+            if (_PICKLE_RECORD.search(info.filename.encode("utf-8", "surrogateescape"))
+                    and info.file_size <= _MAX_PICKLE):
+                types = storage_types(memoryview(archive.read(info)))
         for info in archive.infolist():
             if info.compress_type != zipfile.ZIP_STORED or info.file_size == 0:
                 continue
-            if not _STORAGE_RECORD.search(info.filename.encode("utf-8", "surrogateescape")):
+            storage = _STORAGE_RECORD.search(info.filename.encode("utf-8", "surrogateescape"))
+            if not storage:
                 continue
             at = info.header_offset
             if view[at:at + 4] != _LOCAL_HEADER:
                 raise ValueError("no local header where the central directory says")
             name_len, extra_len = struct.unpack_from("<HH", view, at + 26)
             start = at + 30 + name_len + extra_len
-            found.append((start, start + info.file_size))
+            found.append((start, start + info.file_size, types.get(storage.group(1).decode(), "U8")))
     return found
 
 
-def _safetensors_tensors(view: memoryview) -> List[Tuple[int, int]]:
+def _safetensors_tensors(view: memoryview) -> List[Unit]:
     (header_len,) = struct.unpack_from("<Q", view, 0)
     if not 2 <= header_len <= min(_MAX_SAFETENSORS_HEADER, view.nbytes - 8) or view[8] != ord("{"):
         return []
@@ -161,7 +255,8 @@ def _safetensors_tensors(view: memoryview) -> List[Tuple[int, int]]:
         begin, end = entry["data_offsets"]
         if not (isinstance(begin, int) and isinstance(end, int)):
             raise TypeError("data_offsets are not integers")
-        found.append((base + begin, base + end))
+        dtype = entry.get("dtype")
+        found.append((base + begin, base + end, dtype if dtype in _SIZES else "U8"))
     return found
 
 

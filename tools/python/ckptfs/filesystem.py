@@ -543,8 +543,11 @@ class _WriteFile(AbstractBufferedFile):
         view = memoryview(data)
         view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
         try:
-            for piece, unit in self._units.split(view):
-                self._writer.append_blob(piece, unit)
+            for piece, dtype in self._units.split(view):
+                if dtype is None:
+                    self._writer.append_blob(piece)
+                else:
+                    self._writer.append_blob(piece, True, dtype)
         except BaseException:
             self.discard()
             raise
