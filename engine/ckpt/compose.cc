@@ -16,6 +16,7 @@ namespace {
 Result<std::vector<ChunkRef>> ChunksOfRange(const BlobRecord& blob, uint64_t offset, uint64_t size,
                                             const std::string& what) {
   const std::vector<ChunkRef>& chunks = blob.chunks;
+  if (size == 0 && offset <= blob.size) return std::vector<ChunkRef>{};  // an empty shard holds no chunk
   const uint64_t end = offset + size;
   size_t i = 0;
   uint64_t at = 0;

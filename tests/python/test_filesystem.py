@@ -238,7 +238,8 @@ class Filesystem(CkptTestCase):
             self.fs.pipe(self.url("a/whole.pt"), buf.getvalue())
 
         def safetensors_file():
-            self.fs.pipe(self.url("a/model.safetensors"), safetensors_save({"a": torch.ones(7), "t": t}))
+            self.fs.pipe(self.url("a/model.safetensors"),
+                         safetensors_save({"a": torch.ones(7), "t": t, "empty": torch.zeros(0, 3)}))
 
         def distcp():
             dcp.save({"t": t, "n": torch.tensor(5)}, checkpoint_id=self.url("d/step-1"))
@@ -253,6 +254,9 @@ class Filesystem(CkptTestCase):
         from safetensors.torch import load as safetensors_load
 
         self.assertTrue(torch.equal(safetensors_load(self.fs.cat_file(self.url("a/model.safetensors")))["t"], t))
+        # The safetensors file's tensors are the checkpoint's too.
+        self.assertEqual(sorted(x["name"] for x in self.repository.show("a")["tensors"]), ["a", "empty", "t"])
+        self.assertTrue(torch.equal(torch.as_tensor(self.repository.tensor("a", "t")), t))
         back = {"t": torch.zeros_like(t), "n": torch.tensor(0)}
         dcp.load(back, checkpoint_id=self.url("d/step-1"))
         self.assertTrue(torch.equal(back["t"], t))
@@ -281,6 +285,24 @@ class Filesystem(CkptTestCase):
         self.assertFalse(os.path.exists(marker))
         self.assertEqual(self.repository.show("h/step-1")["tensors"], [])
         self.assertEqual(sorted(self.repository.blobs("h/step-1").sizes), [".metadata", "__0_0.distcp"])
+        # An archive whose data.pkl would run code, written whole and
+        # streamed: its storages' types are looked for, and nothing runs.
+        import io
+        import zipfile
+
+        whole = io.BytesIO()
+        with zipfile.ZipFile(whole, "w") as z:
+            z.writestr("archive/data.pkl", pickle.dumps(Payload()))
+            z.writestr("archive/data/0", random_bytes(100_000, 3))
+        self.fs.pipe(self.url("h/z/whole.pt"), whole.getvalue())
+        with self.fs.open(self.url("h/z/streamed.pt"), "wb") as f:
+            with zipfile.ZipFile(f, "w") as z:
+                z.writestr("archive/data.pkl", pickle.dumps(Payload()))
+                z.writestr("archive/data/0", random_bytes(100_000, 3))
+        self.assertFalse(os.path.exists(marker))
+        self.assertEqual(self.fs.cat_file(self.url("h/z/whole.pt")), whole.getvalue())
+        with zipfile.ZipFile(io.BytesIO(self.fs.cat_file(self.url("h/z/streamed.pt")))) as z:
+            self.assertEqual(z.read("archive/data/0"), random_bytes(100_000, 3))
 
     def test_a_second_dcp_save_with_a_frozen_half_stores_about_half(self):
         gen = torch.Generator().manual_seed(8)

@@ -943,7 +943,10 @@ TEST_P(SaveAndLoad, AComposedCheckpointTakesTensorsFromUnitsOfStoredBlobs) {
   const uint64_t second = head.size() + split + head.size();
   const std::vector<TensorFrom> shards = {{info, box(0, 2), "_fsspec/f", "file", head.size()},
                                           {info, box(2, 1), "_fsspec/f", "file", second}};
-  auto made = repo_->ComposeCheckpoint("dcp/step-1", {{"_fsspec/f", "file", "__0_0.distcp"}}, {}, shards);
+  std::vector<TensorFrom> with_empty = shards;  // an empty tensor holds no chunk, wherever it is said to lie
+  with_empty.push_back({TensorInfo{"empty", DType::kF32, {0, 3}}, Region::OfBox(Box{{0, 0}, {0, 3}}), "_fsspec/f",
+                        "file", 1});
+  auto made = repo_->ComposeCheckpoint("dcp/step-1", {{"_fsspec/f", "file", "__0_0.distcp"}}, {}, with_empty);
   ASSERT_OK(made);
   EXPECT_EQ(made->chunks_written, 0u);
   auto reader = std::move(repo_->OpenCheckpoint("dcp/step-1")).value();
@@ -954,6 +957,7 @@ TEST_P(SaveAndLoad, AComposedCheckpointTakesTensorsFromUnitsOfStoredBlobs) {
   ASSERT_OK(reader->ReadRegion(*t, Region::OfFlat(0, rows * cols), got));
   EXPECT_TRUE(got == all);
   ASSERT_NE(reader->FindBlob("__0_0.distcp"), nullptr);
+  ASSERT_NE(reader->FindTensor("empty"), nullptr);
   auto verified = repo_->Verify(std::nullopt);
   ASSERT_OK(verified);
   EXPECT_TRUE(verified->ok());

@@ -1,7 +1,8 @@
 """The tensors of a directory of files written through ``ckptfs://``, for
 its commit: a DCP directory's (its ``.metadata`` names each saved chunk's
-file and archive) become tensors of the checkpoint, whose shards reference
-the chunks the files already hold. The files stay as they are, so the
+file and archive), and those of its safetensors files (their headers),
+become tensors of the checkpoint, whose shards reference the chunks the
+files already hold. The files stay as they are, so the
 directory reads back byte for byte, and the checkpoint also shows whole
 tensors (the mount, ``load``, ``ckpt export``).
 
@@ -15,6 +16,7 @@ that tensor to the files alone.
 from __future__ import annotations
 
 import io
+import json
 from typing import Any, Dict, List, Tuple
 
 from .pickles import load_dcp_metadata
@@ -127,4 +129,44 @@ def dcp_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[TensorSh
     return shards
 
 
-__all__ = ["dcp_tensors"]
+_SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8, "I64": 8,
+                       "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+_MAX_SAFETENSORS_HEADER = 100 << 20
+
+
+def safetensors_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[TensorShard]:
+    """Shards (Repository.compose's `tensors`) of the tensors of the
+    directory's safetensors files, each whole, named as in its file; a name
+    two files share is left to the files, as is any file whose header this
+    build does not read."""
+    found: Dict[str, List[TensorShard]] = {}
+    for member, (checkpoint, blob) in sorted(members.items()):
+        if not member.endswith(".safetensors"):
+            continue
+        try:
+            blobs = repo.blobs(checkpoint)
+            size = blobs.sizes[blob]
+            header_len = int.from_bytes(blobs.read(blob, 0, 8), "little") if size >= 8 else 0
+            if not 2 <= header_len <= min(_MAX_SAFETENSORS_HEADER, size - 8):
+                continue
+            header = json.loads(blobs.read(blob, 8, header_len))
+            base = 8 + header_len
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype, shape = entry["dtype"], [int(d) for d in entry["shape"]]
+                begin, end = (int(x) for x in entry["data_offsets"])
+                count = 1
+                for d in shape:
+                    count *= d
+                if dtype not in _SAFETENSORS_DTYPES or min(shape, default=0) < 0 or \
+                        end - begin != count * _SAFETENSORS_DTYPES[dtype] or begin < 0 or base + end > size:
+                    continue
+                found.setdefault(name, []).append((name, dtype, shape, [0] * len(shape), shape, checkpoint, blob,
+                                                   base + begin))
+        except Exception:  # noqa: BLE001 - not a safetensors file this build reads: the file alone
+            continue
+    return [shards[0] for shards in found.values() if len(shards) == 1]
+
+
+__all__ = ["dcp_tensors", "safetensors_tensors"]
