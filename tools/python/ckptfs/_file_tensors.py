@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any, Dict, List, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Tuple
 
 from .pickles import load_dcp_metadata
 
 TensorShard = Tuple[str, str, List[int], List[int], List[int], str, str, int]
+_READERS = 8  # archives read at once from an object store
 
 
 class _BlobSlice(io.RawIOBase):
@@ -103,7 +105,9 @@ def dcp_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[TensorSh
         storage = metadata.storage_data or {}
     except Exception:  # noqa: BLE001 - not DCP metadata this build reads: the files alone
         return []
-    shards: List[TensorShard] = []
+    # Each saved chunk's archive is read on its own: a few small reads,
+    # many at a time where each is a request to an object store.
+    jobs = []  # (fqn, dtype, shape, chunk, info, checkpoint, blob, blobs)
     for fqn, m in state.items():
         if not isinstance(m, TensorStorageMetadata):
             continue
@@ -112,21 +116,33 @@ def dcp_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[TensorSh
         except Exception:  # noqa: BLE001 - a dtype ckptfs has no name for
             continue
         shape = [int(s) for s in m.size]
-        taken: List[TensorShard] = []
         for i, chunk in enumerate(m.chunks):
             info = storage.get(MetadataIndex(fqn, chunk.offsets, i))
             source = members.get(getattr(info, "relative_path", None) or "")
             if info is None or source is None:
-                break
-            view = _BlobSlice(blobs_of(source[0]), source[1], int(info.offset), int(info.length))
-            at = raw_tensor_in(torch, view, info, m.properties.dtype, chunk.sizes)
-            if at is None:
-                break
-            taken.append((fqn, dtype, shape, [int(o) for o in chunk.offsets], [int(s) for s in chunk.sizes],
-                          source[0], source[1], at))
-        else:
-            shards.extend(taken)
-    return shards
+                jobs.append((fqn, dtype, shape, chunk, None, "", "", None))
+            else:
+                jobs.append((fqn, dtype, shape, chunk, info, source[0], source[1], blobs_of(source[0])))
+
+    def locate(job) -> Optional[TensorShard]:
+        fqn, dtype, shape, chunk, info, checkpoint, blob, blobs = job
+        if info is None:
+            return None
+        view = _BlobSlice(blobs, blob, int(info.offset), int(info.length))
+        at = raw_tensor_in(torch, view, info, state[fqn].properties.dtype, chunk.sizes)
+        if at is None:
+            return None
+        return (fqn, dtype, shape, [int(o) for o in chunk.offsets], [int(s) for s in chunk.sizes], checkpoint, blob,
+                at)
+
+    if str(getattr(repo, "path", "")).startswith("s3://"):
+        with ThreadPoolExecutor(max_workers=_READERS) as pool:
+            located = list(pool.map(locate, jobs))
+    else:  # local reads are quick: threads would only contend for the GIL
+        located = [locate(job) for job in jobs]
+    # A tensor is taken only with every one of its saved chunks.
+    missing = {job[0] for job, shard in zip(jobs, located) if shard is None}
+    return [shard for shard in located if shard is not None and shard[0] not in missing]
 
 
 _SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8, "I64": 8,
