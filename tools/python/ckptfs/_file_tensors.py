@@ -15,18 +15,18 @@ that tensor to the files alone.
 
 from __future__ import annotations
 
-import io
 import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Tuple
 
+from ._streams import RangeReader
 from .pickles import load_dcp_metadata
 
 TensorShard = Tuple[str, str, List[int], List[int], List[int], str, str, int]
 _READERS = 8  # archives read at once from an object store
 
 
-class _BlobSlice(io.RawIOBase):
+class _BlobSlice(RangeReader):
     """Bytes [offset, offset + length) of a stored blob as a seekable stream
     (one DCP item), each read checked against its chunks' ids. torch's
     archive reader makes dozens of small reads at its start and its end:
@@ -35,32 +35,16 @@ class _BlobSlice(io.RawIOBase):
     _WINDOW = 16 << 10
 
     def __init__(self, blobs: Any, blob: str, offset: int, length: int):
-        super().__init__()
-        self._blobs, self._blob, self._start, self._len, self._pos = blobs, blob, offset, length, 0
+        super().__init__(length)
+        self._blobs, self._blob, self._start = blobs, blob, offset
         self._windows: List[Tuple[int, bytes]] = []  # (start in the slice, bytes), newest last
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, b) -> int:
-        view = memoryview(b).cast("B")
-        n = max(0, min(view.nbytes, self._len - self._pos))
-        if 0 < n <= self._WINDOW // 4:
-            view[:n] = self._window(self._pos, n)
-        elif n:
-            self._blobs.read_into(self._blob, self._start + self._pos, view[:n])
-        self._pos += n
+    def _fill(self, pos: int, out: memoryview) -> int:
+        n = out.nbytes
+        if n <= self._WINDOW // 4:
+            out[:] = self._window(pos, n)
+        else:
+            self._blobs.read_into(self._blob, self._start + pos, out)
         return n
 
     def _window(self, pos: int, n: int) -> memoryview:

@@ -32,6 +32,8 @@ import struct
 import zipfile
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from ._streams import ViewReader
+
 _LOCAL_HEADER = b"PK\x03\x04"
 _STORAGE_RECORD = re.compile(rb"(?:^|/)data/(\d+)$")
 _PICKLE_RECORD = re.compile(rb"(?:^|/)data\.pkl$")
@@ -190,38 +192,9 @@ def _units_of_whole(view: memoryview) -> List[Unit]:
     return disjoint
 
 
-class _ViewReader(io.RawIOBase):
-    """A read-only, seekable file over a memoryview, without a copy of it."""
-
-    def __init__(self, view: memoryview):
-        super().__init__()
-        self._view, self._pos = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, b) -> int:
-        out = memoryview(b).cast("B")
-        got = self._view[self._pos:self._pos + out.nbytes]
-        out[:got.nbytes] = got
-        self._pos += got.nbytes
-        return got.nbytes
-
-
 def _zip_storages(view: memoryview) -> List[Unit]:
     found = []
-    with zipfile.ZipFile(_ViewReader(view)) as archive:  # reads the central directory
+    with zipfile.ZipFile(ViewReader(view)) as archive:  # reads the central directory
         types: Dict[str, str] = {}
         for info in archive.infolist():
             if (_PICKLE_RECORD.search(info.filename.encode("utf-8", "surrogateescape"))

@@ -3,7 +3,6 @@ chunk a box shard of its tensor, read through DCP's own reader."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import sys
@@ -14,6 +13,7 @@ import ckptfs
 from ckptfs import InvalidArgumentError, UnsupportedError
 from ckptfs.memory import put_value
 from ckptfs.pickles import load_dcp_metadata
+from ckptfs._streams import RangeReader
 from .common import DCP_FILES_BLOB, INTERNAL_BLOBS, STRUCTURE_BLOB, ckptfs_dtype, describe, torch_or_raise
 from .torch_in import structure_of_dcp_metadata
 
@@ -163,35 +163,16 @@ def dcp_plan(path: str, trust_pickle: bool, inputs: "Directory"):
     return reader, metadata, described, (beside, structure)
 
 
-class _FileSlice(io.RawIOBase):
+class _FileSlice(RangeReader):
     """Bytes [offset, offset + length) of an open file as a seekable stream
     of their own (one DCP item), read without copying the rest."""
 
     def __init__(self, f, offset: int, length: int):
-        super().__init__()
-        self._f, self._start, self._len, self._pos = f, offset, length, 0
+        super().__init__(length)
+        self._f, self._start = f, offset
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), self._len - self._pos))
-        if n == 0:
-            return 0
-        got = os.preadv(self._f.fileno(), [memoryview(b)[:n]], self._start + self._pos)
-        self._pos += got
-        return got
+    def _fill(self, pos: int, out: memoryview) -> int:
+        return os.preadv(self._f.fileno(), [out], self._start + pos)
 
 
 def raw_tensor_at(torch, f, info, dtype, sizes) -> Optional[int]:
