@@ -254,9 +254,11 @@ class Filesystem(CkptTestCase):
         from safetensors.torch import load as safetensors_load
 
         self.assertTrue(torch.equal(safetensors_load(self.fs.cat_file(self.url("a/model.safetensors")))["t"], t))
-        # The safetensors file's tensors are the checkpoint's too.
-        self.assertEqual(sorted(x["name"] for x in self.repository.show("a")["tensors"]), ["a", "empty", "t"])
-        self.assertTrue(torch.equal(torch.as_tensor(self.repository.tensor("a", "t")), t))
+        # The tensors of its safetensors and torch.save files are the
+        # checkpoint's too, named as in the files; "t", in all three, stays
+        # in the files.
+        self.assertEqual(sorted(x["name"] for x in self.repository.show("a")["tensors"]), ["a", "empty", "other"])
+        self.assertTrue(torch.equal(torch.as_tensor(self.repository.tensor("a", "other")), torch.arange(10)))
         back = {"t": torch.zeros_like(t), "n": torch.tensor(0)}
         dcp.load(back, checkpoint_id=self.url("d/step-1"))
         self.assertTrue(torch.equal(back["t"], t))
@@ -266,6 +268,25 @@ class Filesystem(CkptTestCase):
         for i, data in enumerate(odd):
             self.fs.pipe(self.url(f"odd/{i}.bin"), data)
             self.assertEqual(self.fs.cat_file(self.url(f"odd/{i}.bin")), data)
+        self.run_ckpt("verify", env={"CKPT_REPO": self.repository.path})
+
+    def test_a_torch_save_file_gives_the_checkpoint_its_tensors(self):
+        w = torch.randn(100, 64)
+        state = {"model": {"w": w, "tied": w, "b": torch.arange(5, dtype=torch.int32)}, "step": 5,
+                 "view": torch.randn(50, 8)[::2]}
+        with self.fs.open(self.url("b/last.ckpt"), "wb") as f:
+            torch.save(state, f)
+        self.fs.commit(self.url("b"))
+        # Named as ckpt import names them; the strided view's storage is
+        # larger than it, so it stays in the file.
+        self.assertEqual(sorted(x["name"] for x in self.repository.show("b")["tensors"]),
+                         ["model.b", "model.tied", "model.w"])
+        for name, want in (("model.w", w), ("model.tied", w), ("model.b", state["model"]["b"])):
+            self.assertTrue(torch.equal(torch.as_tensor(self.repository.tensor("b", name)), want), name)
+        import io
+
+        got = torch.load(io.BytesIO(self.fs.cat_file(self.url("b/last.ckpt"))), weights_only=True)
+        self.assertTrue(torch.equal(got["view"], state["view"]))
         self.run_ckpt("verify", env={"CKPT_REPO": self.repository.path})
 
     def test_a_hostile_dcp_metadata_landing_runs_nothing(self):

@@ -1,7 +1,8 @@
 """The tensors of a directory of files written through ``ckptfs://``, for
 its commit: a DCP directory's (its ``.metadata`` names each saved chunk's
-file and archive), and those of its safetensors files (their headers),
-become tensors of the checkpoint, whose shards reference the chunks the
+file and archive), or those of its safetensors files (their headers) and
+torch.save files (their pickles, read restricted), become tensors of the
+checkpoint, whose shards reference the chunks the
 files already hold. The files stay as they are, so the
 directory reads back byte for byte, and the checkpoint also shows whole
 tensors (the mount, ``load``, ``ckpt export``).
@@ -136,10 +137,9 @@ _MAX_SAFETENSORS_HEADER = 100 << 20
 
 def safetensors_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[TensorShard]:
     """Shards (Repository.compose's `tensors`) of the tensors of the
-    directory's safetensors files, each whole, named as in its file; a name
-    two files share is left to the files, as is any file whose header this
-    build does not read."""
-    found: Dict[str, List[TensorShard]] = {}
+    directory's safetensors files, each whole, named as in its file; a file
+    whose header this build does not read is left out."""
+    found: List[TensorShard] = []
     for member, (checkpoint, blob) in sorted(members.items()):
         if not member.endswith(".safetensors"):
             continue
@@ -162,11 +162,59 @@ def safetensors_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[
                 if dtype not in _SAFETENSORS_DTYPES or min(shape, default=0) < 0 or \
                         end - begin != count * _SAFETENSORS_DTYPES[dtype] or begin < 0 or base + end > size:
                     continue
-                found.setdefault(name, []).append((name, dtype, shape, [0] * len(shape), shape, checkpoint, blob,
-                                                   base + begin))
+                found.append((name, dtype, shape, [0] * len(shape), shape, checkpoint, blob, base + begin))
         except Exception:  # noqa: BLE001 - not a safetensors file this build reads: the file alone
             continue
-    return [shards[0] for shards in found.values() if len(shards) == 1]
+    return found
 
 
-__all__ = ["dcp_tensors", "safetensors_tensors"]
+def torch_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[TensorShard]:
+    """Shards (Repository.compose's `tensors`) of the tensors of the
+    directory's torch.save files (zip archives), each whole, named as
+    ``ckpt import`` names them (keys joined with "."). A tensor is taken
+    when it fills its storage, contiguous; a file the restricted reader
+    leaves to torch.load (other globals than a state dict holds) is left
+    out. Two tensors of one storage (tied weights) share its chunks."""
+    try:
+        from .formats import torch_zip  # noqa: PLC0415
+        from .formats.torch_in import tensors_of  # noqa: PLC0415
+    except ImportError:
+        return []
+    found: List[TensorShard] = []
+    for member, (checkpoint, blob) in sorted(members.items()):
+        try:
+            blobs = repo.blobs(checkpoint)
+            size = blobs.sizes[blob]
+            if size < 22 or blobs.read(blob, 0, 4) != b"PK\x03\x04" or member.endswith(".distcp"):
+                continue
+            stream = _BlobSlice(blobs, blob, 0, size)
+            obj = torch_zip.load(member, stream, size)
+            archive_tensors = tensors_of(obj, member)
+        except Exception:  # noqa: BLE001 - not an archive this reader takes: the file alone
+            continue
+        for name, t in archive_tensors.items():
+            if not name or not isinstance(t, torch_zip.StoredTensor):
+                continue
+            record = t.archive.records.get(t.key)
+            if record is None or t.offset != 0 or not t.contiguous() or t.nbytes != record[1]:
+                continue
+            shape = [int(d) for d in t.shape]
+            found.append((name, t.dtype, shape, [0] * len(shape), shape, checkpoint, blob, t.archive.start(t.key)))
+    return found
+
+
+def directory_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[TensorShard]:
+    """The tensors a directory's commit gives its checkpoint: a DCP
+    directory's, else those of its safetensors and torch.save files, where a
+    name more than one file holds stays in the files."""
+    shards = dcp_tensors(repo, members)
+    if shards:
+        return shards
+    shards = safetensors_tensors(repo, members) + torch_tensors(repo, members)
+    files: Dict[str, set] = {}
+    for shard in shards:
+        files.setdefault(shard[0], set()).add((shard[5], shard[6]))
+    return [shard for shard in shards if len(files[shard[0]]) == 1]
+
+
+__all__ = ["dcp_tensors", "directory_tensors", "safetensors_tensors", "torch_tensors"]

@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 from ._core import Error, InvalidArgumentError, NotFoundError
-from ._file_tensors import dcp_tensors, safetensors_tensors
+from ._file_tensors import directory_tensors
 from ._units import UnitFinder
 from .repository import Repository, open as open_repository
 
@@ -342,7 +342,7 @@ class CkptfsFileSystem(AbstractFileSystem):
         if not rel or rel.startswith(STAGING + "/") or rel == STAGING:
             raise InvalidArgumentError(f"'{rel}' cannot be a checkpoint of ckptfs://")
         blobs = [(source, blob, name) for name, (source, blob) in sorted(members.items())]
-        tensors = dcp_tensors(repo, members) or safetensors_tensors(repo, members)
+        tensors = directory_tensors(repo, members)
         try:
             result = repo.compose(rel, blobs, overwrite=rel in view.committed, tensors=tensors)
         except Error:

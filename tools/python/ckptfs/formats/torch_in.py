@@ -236,6 +236,18 @@ def paths_of_structure(structure: Dict[str, Any]) -> Dict[str, tuple]:
     return out
 
 
+def tensors_of(state: Any, what: str) -> Dict[str, Any]:
+    """The tensors of a loaded torch.save object by the names an import
+    gives them (keys and indices joined with "."); InvalidArgumentError
+    naming `what` where two entries take one name."""
+    tensors: Dict[str, Any] = {}
+    try:
+        _flatten(state, "", tensors, {}, _tensor_types())
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{what}: {e}") from None
+    return tensors
+
+
 def _load_dict(path: str, what: str) -> Mapping:
     """The object of the torch.save file at `path`, which must be a dict
     (`what` names one): read by torch_zip where it can (its tensors are

@@ -19,6 +19,7 @@ are a superset of these, so the result is the same either way.
 from __future__ import annotations
 
 import collections
+import contextlib
 import mmap
 import os
 import pickle
@@ -118,14 +119,19 @@ class StoredTensor:
 
 
 class Archive:
-    """A torch.save archive mapped for reading, its records by storage key."""
+    """A torch.save archive mapped for reading, its records by storage key.
+    Given `stream` (a seekable file object of `size` bytes; `path` then only
+    names it in errors), the archive is read from it and not mapped: its
+    records and tensors are described, but host() cannot be used."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, stream: Any = None, size: int = 0):
         import numpy as np  # noqa: PLC0415
 
         self.path = path
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        self._stream = stream
+        with (open(path, "rb") if stream is None else contextlib.nullcontext(stream)) as f:
+            if stream is None:
+                size = os.fstat(f.fileno()).st_size
             try:
                 zf = zipfile.ZipFile(f)
             except (zipfile.BadZipFile, OSError, ValueError) as e:
@@ -151,7 +157,7 @@ class Archive:
             except (zipfile.BadZipFile, OSError, ValueError) as e:
                 raise ckptfs.CorruptionError(f"{path}: cannot read {pickles[0].filename}: {e}") from None
             self.size = size
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size and stream is None else None
         self.array = np.frombuffer(self.map, dtype=np.uint8) if self.map is not None else np.zeros(0, np.uint8)
         self.address = self.array.__array_interface__["data"][0]
         self._starts: Dict[str, int] = {}
@@ -161,12 +167,21 @@ class Archive:
         start = self._starts.get(key)
         if start is None:
             header, _size = self.records[key]
-            if header + 30 > self.size or self.map is None or self.map[header:header + 4] != b"PK\x03\x04":
+            local = self._bytes(header, 30) if header + 30 <= self.size else b""
+            if len(local) != 30 or local[:4] != b"PK\x03\x04":
                 raise ckptfs.CorruptionError(f"{self.path}: the record of storage '{key}' has no local header")
-            name_len, extra_len = struct.unpack_from("<HH", self.map, header + 26)
+            name_len, extra_len = struct.unpack_from("<HH", local, 26)
             start = header + 30 + name_len + extra_len
             self._starts[key] = start
         return start
+
+    def _bytes(self, at: int, n: int) -> bytes:
+        if self.map is not None:
+            return self.map[at:at + n]
+        if self._stream is None:
+            return b""
+        self._stream.seek(at)
+        return self._stream.read(n)
 
     def check(self, t: StoredTensor) -> None:
         """Raises CorruptionError unless every element of `t` lies in its
@@ -250,12 +265,12 @@ class _Unpickler(pickle.Unpickler):
         return data
 
 
-def load(path: str) -> Any:
+def load(path: str, stream: Any = None, size: int = 0) -> Any:
     """The object of the torch.save archive at `path`, its tensors
-    StoredTensors of the mapped file (the object keeps the mapping).
-    Raises Fallback where torch.load should read it instead, and
-    CorruptionError naming the file where it is damaged."""
-    archive = Archive(path)
+    StoredTensors of the mapped file (the object keeps the mapping), or of
+    `stream` (Archive). Raises Fallback where torch.load should read it
+    instead, and CorruptionError naming the file where it is damaged."""
+    archive = Archive(path, stream, size)
     unpickler = _Unpickler(archive)
     try:
         obj = unpickler.load()
