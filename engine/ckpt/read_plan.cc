@@ -325,25 +325,60 @@ void ShardIndex::Candidates(const Box& box, std::vector<size_t>& out) const {
 }
 
 Status ReadBlobBytes(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst,
-                     ChunkFetcher& fetcher) {
+                     ChunkFetcher& fetcher, ThreadPool* pool) {
   if (offset > blob.size || dst.size() > blob.size - offset) {
     return Status::InvalidArgument("byte range past the end of blob '" + blob.name + "'");
   }
+  // The chunks the range touches: each one's part of it, and where that
+  // goes in `dst`.
+  struct Piece {
+    const ChunkRef* chunk;
+    uint64_t from;  // in the chunk
+    uint64_t to;    // in dst
+    uint64_t n;
+  };
+  std::vector<Piece> pieces;
   uint64_t chunk_start = 0, done = 0;
   for (const ChunkRef& c : blob.chunks) {
-    uint64_t chunk_end = chunk_start + c.raw_len;
-    uint64_t pos = offset + done;
+    const uint64_t chunk_end = chunk_start + c.raw_len;
+    const uint64_t pos = offset + done;
     if (done < dst.size() && pos < chunk_end) {
-      CKPT_ASSIGN_OR_RETURN(ChunkData data, fetcher.Fetch(c));
-      uint64_t n = std::min<uint64_t>(chunk_end - pos, dst.size() - done);
-      std::memcpy(dst.data() + done, data->data() + (pos - chunk_start), n);
-      fetcher.Consumed(c, n);
+      const uint64_t n = std::min<uint64_t>(chunk_end - pos, dst.size() - done);
+      pieces.push_back({&c, pos - chunk_start, done, n});
       done += n;
     }
     chunk_start = chunk_end;
   }
   if (done != dst.size()) return Status::Corruption("blob '" + blob.name + "' is shorter than recorded");
-  return Status::OK();
+  auto copy = [&](const Piece& p) -> Status {
+    CKPT_ASSIGN_OR_RETURN(ChunkData data, fetcher.Fetch(*p.chunk));
+    if (data->size() < p.from + p.n) return Status::Corruption("a chunk of blob '" + blob.name + "' is short");
+    std::memcpy(dst.data() + p.to, data->data() + p.from, p.n);
+    fetcher.Consumed(*p.chunk, p.n);
+    return Status::OK();
+  };
+  // Small reads (a FUSE request, a header) run inline, as tensor reads do.
+  constexpr uint64_t kParallelMinBytes = 8 << 20;
+  if (pool == nullptr || pieces.size() <= 1 || ThreadPool::OnPoolThread() || dst.size() < kParallelMinBytes) {
+    for (const Piece& p : pieces) CKPT_RETURN_IF_ERROR(copy(p));
+    return Status::OK();
+  }
+  WaitGroup wg;
+  std::mutex mu;
+  Status first_error;
+  wg.Add(pieces.size());
+  for (const Piece& p : pieces) {
+    pool->Submit([&, pp = &p] {
+      Status st = copy(*pp);
+      if (!st.ok()) {
+        std::lock_guard lock(mu);
+        if (first_error.ok()) first_error = st;
+      }
+      wg.Done();
+    });
+  }
+  wg.Wait();
+  return first_error;
 }
 
 }  // namespace ckptfs

@@ -96,8 +96,9 @@ class ShardIndex {
 Result<std::vector<ChunkRef>> ChunksForRegion(const TensorRecord& tensor, const Region& region,
                                               const ShardIndex* index = nullptr);
 
-// Copies bytes [offset, offset + dst.size()) of a blob.
+// Copies bytes [offset, offset + dst.size()) of a blob; a read of many
+// chunks fetches and decodes them on `pool`'s threads too, as tensor reads do.
 Status ReadBlobBytes(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst,
-                     ChunkFetcher& fetcher);
+                     ChunkFetcher& fetcher, ThreadPool* pool = nullptr);
 
 }  // namespace ckptfs

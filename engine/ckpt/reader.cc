@@ -193,7 +193,7 @@ Status CheckpointReader::ReadBytes(const TensorRecord& tensor, uint64_t offset, 
 
 Status CheckpointReader::ReadBlob(const BlobRecord& blob, uint64_t offset, std::span<std::byte> dst) const {
   CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
-  return ReadBlobBytes(blob, offset, dst, *impl_->fetcher());
+  return ReadBlobBytes(blob, offset, dst, *impl_->fetcher(), impl_->repo->pool.get());
 }
 
 Status CheckpointReader::HoldChunk(const ChunkRef& chunk) const {

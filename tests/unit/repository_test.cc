@@ -816,6 +816,28 @@ TEST_P(SaveAndLoad, AUnitInAStreamedBlobHasTheChunksOfTheSameBytesPutAsATensor) 
   }
 }
 
+// A read of a blob of many chunks (a file of a checkpoint read through
+// ckptfs://) fetches and decodes them on the repository's threads: the
+// bytes are the blob's, from any offset.
+TEST_P(SaveAndLoad, ALargeBlobReadAcrossManyChunksIsItsBytes) {
+  const auto bytes = RandomBytes(20 << 20, 57);
+  auto w = Begin("big");
+  ASSERT_OK(w->PutBlob("f", bytes));
+  ASSERT_OK(w->Commit().Wait());
+  auto reader = std::move(repo_->OpenCheckpoint("big")).value();
+  const BlobRecord* b = reader->FindBlob("f");
+  ASSERT_NE(b, nullptr);
+  ASSERT_GT(b->chunks.size(), 8u);
+  for (const auto& [offset, n] : {std::pair<uint64_t, uint64_t>{0, bytes.size()}, {12345, (9 << 20) + 7},
+                                  {bytes.size() - (8 << 20), 8 << 20}}) {
+    std::vector<std::byte> got(n);
+    ASSERT_OK(reader->ReadBlob(*b, offset, got));
+    EXPECT_TRUE(std::equal(got.begin(), got.end(), bytes.begin() + offset)) << offset;
+  }
+  std::vector<std::byte> past(2);
+  EXPECT_EQ(reader->ReadBlob(*b, bytes.size() - 1, past).code(), StatusCode::kInvalidArgument);
+}
+
 // Blobs are chunked by their content: bytes inserted or removed in one
 // place cost the chunks around that place, and every other chunk is the
 // one the last save stored (a file whose header grew, a log with lines

@@ -54,6 +54,7 @@ STAGING = "_fsspec"
 """The group of checkpoints that hold files written but not yet committed."""
 
 _FILE_TAG = "fsspec.file"
+_READ_AHEAD = 256 << 10
 _CONFIG_FILE = "ckptfs.json"
 
 
@@ -483,7 +484,11 @@ class _ReadFile(AbstractBufferedFile):
     def __init__(self, fs, path, repo: Repository, found: Tuple[str, str, int], block_size, cache_options):
         checkpoint, self._blob, size = found
         self._blobs = repo.blobs(checkpoint)  # a read lease for as long as the file is open
-        super().__init__(fs, path, mode="rb", block_size=block_size or "default",
+        # A small read-ahead: readers of archives (torch.load, DCP) read
+        # headers in small pieces and data in large ones, which go straight
+        # to the engine (read below); fsspec's 5 MiB blocks would decode data
+        # only to drop it.
+        super().__init__(fs, path, mode="rb", block_size=block_size or _READ_AHEAD,
                          cache_options=cache_options, size=size)
 
     def _fetch_range(self, start, end):
