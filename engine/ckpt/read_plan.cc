@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -116,6 +117,34 @@ Status PlanElements(const TensorRecord& tensor, uint64_t first, uint64_t end, st
   return Status::OK();
 }
 
+// fn(i) for i in [0, n): inline for a small read (`bytes` under 8 MiB: a
+// FUSE request, a header, whose callers are already concurrent and whose
+// chunks prefetching has usually decoded), else on `pool`'s threads.
+// Returns the first error.
+Status ForEachPart(ThreadPool* pool, size_t n, uint64_t bytes, const std::function<Status(size_t)>& fn) {
+  constexpr uint64_t kParallelMinBytes = 8 << 20;
+  if (pool == nullptr || n <= 1 || ThreadPool::OnPoolThread() || bytes < kParallelMinBytes) {
+    for (size_t i = 0; i < n; ++i) CKPT_RETURN_IF_ERROR(fn(i));
+    return Status::OK();
+  }
+  WaitGroup wg;
+  std::mutex mu;
+  Status first_error;
+  wg.Add(n);
+  for (size_t i = 0; i < n; ++i) {
+    pool->Submit([&, i] {
+      Status st = fn(i);
+      if (!st.ok()) {
+        std::lock_guard lock(mu);
+        if (first_error.ok()) first_error = st;
+      }
+      wg.Done();
+    });
+  }
+  wg.Wait();
+  return first_error;
+}
+
 }  // namespace
 
 Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<std::byte> dst,
@@ -130,29 +159,7 @@ Status ReadTensorBox(const TensorRecord& tensor, const Box& request, std::span<s
   std::vector<ChunkGroup> groups;
   CKPT_RETURN_IF_ERROR(PlanBox(tensor, request, groups, 0, index));
 
-  // Small reads (a FUSE request) run inline: their callers are already
-  // concurrent, and prefetching has usually decoded their chunks.
-  constexpr uint64_t kParallelMinBytes = 8 << 20;
-  if (pool == nullptr || groups.size() <= 1 || ThreadPool::OnPoolThread() || dst.size() < kParallelMinBytes) {
-    for (const auto& g : groups) CKPT_RETURN_IF_ERROR(RunGroup(g, dst, fetcher));
-    return Status::OK();
-  }
-  WaitGroup wg;
-  std::mutex mu;
-  Status first_error;
-  wg.Add(groups.size());
-  for (const auto& g : groups) {
-    pool->Submit([&, gp = &g] {
-      Status st = RunGroup(*gp, dst, fetcher);
-      if (!st.ok()) {
-        std::lock_guard lock(mu);
-        if (first_error.ok()) first_error = st;
-      }
-      wg.Done();
-    });
-  }
-  wg.Wait();
-  return first_error;
+  return ForEachPart(pool, groups.size(), dst.size(), [&](size_t i) { return RunGroup(groups[i], dst, fetcher); });
 }
 
 Status ReadTensorBytes(const TensorRecord& tensor, uint64_t offset, std::span<std::byte> dst,
@@ -357,28 +364,7 @@ Status ReadBlobBytes(const BlobRecord& blob, uint64_t offset, std::span<std::byt
     fetcher.Consumed(*p.chunk, p.n);
     return Status::OK();
   };
-  // Small reads (a FUSE request, a header) run inline, as tensor reads do.
-  constexpr uint64_t kParallelMinBytes = 8 << 20;
-  if (pool == nullptr || pieces.size() <= 1 || ThreadPool::OnPoolThread() || dst.size() < kParallelMinBytes) {
-    for (const Piece& p : pieces) CKPT_RETURN_IF_ERROR(copy(p));
-    return Status::OK();
-  }
-  WaitGroup wg;
-  std::mutex mu;
-  Status first_error;
-  wg.Add(pieces.size());
-  for (const Piece& p : pieces) {
-    pool->Submit([&, pp = &p] {
-      Status st = copy(*pp);
-      if (!st.ok()) {
-        std::lock_guard lock(mu);
-        if (first_error.ok()) first_error = st;
-      }
-      wg.Done();
-    });
-  }
-  wg.Wait();
-  return first_error;
+  return ForEachPart(pool, pieces.size(), dst.size(), [&](size_t i) { return copy(pieces[i]); });
 }
 
 }  // namespace ckptfs
