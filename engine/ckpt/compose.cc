@@ -1,5 +1,6 @@
 // Repository::ComposeCheckpoint (repository.h): a checkpoint made of blobs
 // already stored, as thinning (thin.cc) makes one of records already stored.
+#include <algorithm>
 #include <map>
 
 #include "ckpt/copy.h"
@@ -11,25 +12,29 @@
 namespace ckptfs {
 
 namespace {
-// The chunks of `blob` that hold bytes [offset, offset + size) exactly;
-// `what` names the tensor in the error.
-Result<std::vector<ChunkRef>> ChunksOfRange(const BlobRecord& blob, uint64_t offset, uint64_t size,
-                                            const std::string& what) {
-  const std::vector<ChunkRef>& chunks = blob.chunks;
+// Where each chunk of a blob starts, and where the last one ends.
+std::vector<uint64_t> ChunkStarts(const BlobRecord& blob) {
+  std::vector<uint64_t> starts = {0};
+  starts.reserve(blob.chunks.size() + 1);
+  for (const ChunkRef& c : blob.chunks) starts.push_back(starts.back() + c.raw_len);
+  return starts;
+}
+
+// The chunks of `blob` (whose ChunkStarts are `starts`) that hold bytes
+// [offset, offset + size) exactly; `what` names the tensor in the error.
+Result<std::vector<ChunkRef>> ChunksOfRange(const BlobRecord& blob, const std::vector<uint64_t>& starts,
+                                            uint64_t offset, uint64_t size, const std::string& what) {
   if (size == 0 && offset <= blob.size) return std::vector<ChunkRef>{};  // an empty shard holds no chunk
   const uint64_t end = offset + size;
-  size_t i = 0;
-  uint64_t at = 0;
-  while (i < chunks.size() && at < offset) at += chunks[i++].raw_len;
-  const size_t first = i;
-  const bool starts = at == offset;
-  while (i < chunks.size() && at < end) at += chunks[i++].raw_len;
-  if (!starts || at != end || end < offset) {
-    return Status::InvalidArgument(what + ": bytes " + std::to_string(offset) + ".." + std::to_string(end) + " of blob '" +
-                                   blob.name + "' (" + std::to_string(blob.size) +
+  const auto first = std::lower_bound(starts.begin(), starts.end(), offset);
+  const auto last = std::lower_bound(starts.begin(), starts.end(), end);
+  if (end < offset || first == starts.end() || *first != offset || last == starts.end() || *last != end) {
+    return Status::InvalidArgument(what + ": bytes " + std::to_string(offset) + ".." + std::to_string(end) +
+                                   " of blob '" + blob.name + "' (" + std::to_string(blob.size) +
                                    " bytes) do not start and end at chunk boundaries");
   }
-  return std::vector<ChunkRef>(chunks.begin() + first, chunks.begin() + i);
+  return std::vector<ChunkRef>(blob.chunks.begin() + (first - starts.begin()),
+                               blob.chunks.begin() + (last - starts.begin()));
 }
 }  // namespace
 
@@ -58,6 +63,7 @@ Result<CommitResult> Repository::ComposeCheckpoint(const std::string& name, cons
     part.blobs.push_back(BlobRecord{from.as, blob->size, blob->chunks});
   }
   std::map<std::string, size_t> tensor_at;  // name -> index in part.tensors
+  std::map<const BlobRecord*, std::vector<uint64_t>> chunk_starts;  // each blob's, found once (many tensors to a file)
   for (const TensorFrom& from : tensors) {
     const std::string what = "tensor '" + from.tensor.name + "'";
     CKPT_ASSIGN_OR_RETURN(const uint64_t elements, CheckedNumElements(from.tensor.shape));
@@ -67,7 +73,9 @@ Result<CommitResult> Repository::ComposeCheckpoint(const std::string& name, cons
     CKPT_RETURN_IF_ERROR(ValidateRegion(from.tensor.shape, from.region).WithContext(what));
     CKPT_ASSIGN_OR_RETURN(const BlobRecord* blob, find_blob(from.checkpoint, from.blob));
     const uint64_t size = from.region.NumElements() * DTypeSize(from.tensor.dtype);
-    CKPT_ASSIGN_OR_RETURN(std::vector<ChunkRef> chunks, ChunksOfRange(*blob, from.offset, size, what));
+    auto starts = chunk_starts.find(blob);
+    if (starts == chunk_starts.end()) starts = chunk_starts.emplace(blob, ChunkStarts(*blob)).first;
+    CKPT_ASSIGN_OR_RETURN(std::vector<ChunkRef> chunks, ChunksOfRange(*blob, starts->second, from.offset, size, what));
     auto [it, added] = tensor_at.emplace(from.tensor.name, part.tensors.size());
     if (added) {
       part.tensors.push_back(TensorRecord{from.tensor.name, from.tensor.dtype, from.tensor.shape, {}});

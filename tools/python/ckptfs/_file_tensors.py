@@ -16,11 +16,11 @@ that tensor to the files alone.
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Tuple
 
 from ._streams import RangeReader
+from ._units import safetensors_entries, safetensors_header_length
 from .pickles import load_dcp_metadata
 
 TensorShard = Tuple[str, str, List[int], List[int], List[int], str, str, int]
@@ -60,7 +60,22 @@ class _BlobSlice(RangeReader):
         return memoryview(data)[pos - start:pos - start + n]
 
 
-def dcp_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[TensorShard]:
+class _Files:
+    """The checkpoints a directory's files lie in, each opened once (its
+    manifest read, a read lease taken) for everything that looks into them."""
+
+    def __init__(self, repo: Any):
+        self.remote = str(getattr(repo, "path", "")).startswith("s3://")
+        self._repo = repo
+        self._opened: Dict[str, Any] = {}
+
+    def __call__(self, checkpoint: str) -> Any:
+        if checkpoint not in self._opened:
+            self._opened[checkpoint] = self._repo.blobs(checkpoint)
+        return self._opened[checkpoint]
+
+
+def _dcp_tensors(blobs_of: _Files, members: Dict[str, Tuple[str, str]]) -> List[TensorShard]:
     """Shards (Repository.compose's `tensors`) of the tensors of a DCP
     directory whose files are `members` (name in the directory ->
     (checkpoint, blob) holding it); [] when it is not one, or none can be
@@ -77,13 +92,6 @@ def dcp_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[TensorSh
         from .formats.dcp_in import raw_tensor_in  # noqa: PLC0415
     except ImportError:
         return []
-    opened: Dict[str, Any] = {}
-
-    def blobs_of(checkpoint: str) -> Any:
-        if checkpoint not in opened:
-            opened[checkpoint] = repo.blobs(checkpoint)
-        return opened[checkpoint]
-
     try:
         metadata = load_dcp_metadata(blobs_of(where[0]).read(where[1]), ".metadata")
         state = metadata.state_dict_metadata
@@ -120,7 +128,7 @@ def dcp_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[TensorSh
         return (fqn, dtype, shape, [int(o) for o in chunk.offsets], [int(s) for s in chunk.sizes], checkpoint, blob,
                 at)
 
-    if str(getattr(repo, "path", "")).startswith("s3://"):
+    if blobs_of.remote:
         with ThreadPoolExecutor(max_workers=_READERS) as pool:
             located = list(pool.map(locate, jobs))
     else:  # local reads are quick: threads would only contend for the GIL
@@ -130,12 +138,7 @@ def dcp_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[TensorSh
     return [shard for shard in located if shard is not None and shard[0] not in missing]
 
 
-_SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8, "I64": 8,
-                       "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
-_MAX_SAFETENSORS_HEADER = 100 << 20
-
-
-def safetensors_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[TensorShard]:
+def _safetensors_tensors(blobs_of: _Files, members: Dict[str, Tuple[str, str]]) -> List[TensorShard]:
     """Shards (Repository.compose's `tensors`) of the tensors of the
     directory's safetensors files, each whole, named as in its file; a file
     whose header this build does not read is left out."""
@@ -144,31 +147,19 @@ def safetensors_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[
         if not member.endswith(".safetensors"):
             continue
         try:
-            blobs = repo.blobs(checkpoint)
+            blobs = blobs_of(checkpoint)
             size = blobs.sizes[blob]
-            header_len = int.from_bytes(blobs.read(blob, 0, 8), "little") if size >= 8 else 0
-            if not 2 <= header_len <= min(_MAX_SAFETENSORS_HEADER, size - 8):
+            header_len = safetensors_header_length(blobs.read(blob, 0, 8) if size >= 8 else b"", size)
+            if not header_len:
                 continue
-            header = json.loads(blobs.read(blob, 8, header_len))
-            base = 8 + header_len
-            for name, entry in header.items():
-                if name == "__metadata__":
-                    continue
-                dtype, shape = entry["dtype"], [int(d) for d in entry["shape"]]
-                begin, end = (int(x) for x in entry["data_offsets"])
-                count = 1
-                for d in shape:
-                    count *= d
-                if dtype not in _SAFETENSORS_DTYPES or min(shape, default=0) < 0 or \
-                        end - begin != count * _SAFETENSORS_DTYPES[dtype] or begin < 0 or base + end > size:
-                    continue
-                found.append((name, dtype, shape, [0] * len(shape), shape, checkpoint, blob, base + begin))
+            for name, dtype, shape, start, _ in safetensors_entries(blobs.read(blob, 8, header_len), size):
+                found.append((name, dtype, shape, [0] * len(shape), shape, checkpoint, blob, start))
         except Exception:  # noqa: BLE001 - not a safetensors file this build reads: the file alone
             continue
     return found
 
 
-def torch_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[TensorShard]:
+def _torch_tensors(blobs_of: _Files, members: Dict[str, Tuple[str, str]]) -> List[TensorShard]:
     """Shards (Repository.compose's `tensors`) of the tensors of the
     directory's torch.save files (zip archives), each whole, named as
     ``ckpt import`` names them (keys joined with "."). A tensor is taken
@@ -182,10 +173,12 @@ def torch_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[Tensor
         return []
     found: List[TensorShard] = []
     for member, (checkpoint, blob) in sorted(members.items()):
+        if member.endswith((".distcp", ".safetensors", ".metadata")):
+            continue
         try:
-            blobs = repo.blobs(checkpoint)
+            blobs = blobs_of(checkpoint)
             size = blobs.sizes[blob]
-            if size < 22 or blobs.read(blob, 0, 4) != b"PK\x03\x04" or member.endswith(".distcp"):
+            if size < 22 or blobs.read(blob, 0, 4) != b"PK\x03\x04":
                 continue
             stream = _BlobSlice(blobs, blob, 0, size)
             obj = torch_zip.load(member, stream, size)
@@ -207,14 +200,15 @@ def directory_tensors(repo: Any, members: Dict[str, Tuple[str, str]]) -> List[Te
     """The tensors a directory's commit gives its checkpoint: a DCP
     directory's, else those of its safetensors and torch.save files, where a
     name more than one file holds stays in the files."""
-    shards = dcp_tensors(repo, members)
+    blobs_of = _Files(repo)
+    shards = _dcp_tensors(blobs_of, members)
     if shards:
         return shards
-    shards = safetensors_tensors(repo, members) + torch_tensors(repo, members)
+    shards = _safetensors_tensors(blobs_of, members) + _torch_tensors(blobs_of, members)
     files: Dict[str, set] = {}
     for shard in shards:
         files.setdefault(shard[0], set()).add((shard[5], shard[6]))
     return [shard for shard in shards if len(files[shard[0]]) == 1]
 
 
-__all__ = ["dcp_tensors", "directory_tensors", "safetensors_tensors", "torch_tensors"]
+__all__ = ["directory_tensors"]

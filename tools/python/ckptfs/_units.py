@@ -32,6 +32,7 @@ import struct
 import zipfile
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from ._dtypes import ELEMENT_SIZE, STORAGE_CLASSES
 from ._streams import ViewReader
 
 _LOCAL_HEADER = b"PK\x03\x04"
@@ -39,15 +40,6 @@ _STORAGE_RECORD = re.compile(rb"(?:^|/)data/(\d+)$")
 _PICKLE_RECORD = re.compile(rb"(?:^|/)data\.pkl$")
 _MAX_SAFETENSORS_HEADER = 100 << 20
 _MAX_PICKLE = 64 << 20  # a data.pkl larger than this is not read for its storages' types
-
-# torch's typed storage classes, as torch.save names them in data.pkl.
-_STORAGE_TYPES = {
-    "BoolStorage": "BOOL", "ByteStorage": "U8", "CharStorage": "I8", "ShortStorage": "I16", "IntStorage": "I32",
-    "LongStorage": "I64", "HalfStorage": "F16", "BFloat16Storage": "BF16", "FloatStorage": "F32",
-    "DoubleStorage": "F64",
-}
-_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8, "I64": 8, "F16": 2,
-          "BF16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
 
 Unit = Tuple[int, int, str]  # start, end, dtype
 
@@ -95,7 +87,7 @@ class UnitFinder:
 
 def _whole(dtype: str, n: int) -> str:
     """`dtype` if `n` bytes are whole elements of it, else U8."""
-    return dtype if n % _SIZES.get(dtype, 1) == 0 else "U8"
+    return dtype if n % ELEMENT_SIZE.get(dtype, 1) == 0 else "U8"
 
 
 class _Stub:
@@ -132,8 +124,8 @@ class _StorageTypes(pickle.Unpickler):
         self.types: Dict[str, str] = {}
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and name in _STORAGE_TYPES:
-            return _StorageType(_STORAGE_TYPES[name])
+        if module == "torch" and name in STORAGE_CLASSES:
+            return _StorageType(STORAGE_CLASSES[name])
         return _Stub
 
     def persistent_load(self, pid: Any) -> Any:
@@ -215,22 +207,46 @@ def _zip_storages(view: memoryview) -> List[Unit]:
     return found
 
 
-def _safetensors_tensors(view: memoryview) -> List[Unit]:
-    (header_len,) = struct.unpack_from("<Q", view, 0)
-    if not 2 <= header_len <= min(_MAX_SAFETENSORS_HEADER, view.nbytes - 8) or view[8] != ord("{"):
-        return []
-    header = json.loads(bytes(view[8:8 + header_len]))
-    base = 8 + header_len
+def safetensors_header_length(first: bytes, size: int) -> int:
+    """The length of a safetensors file's JSON header from its first 8
+    bytes, for a file of `size` bytes; 0 when it cannot be one."""
+    if len(first) < 8 or size < 10:
+        return 0
+    (n,) = struct.unpack_from("<Q", first, 0)
+    return n if 2 <= n <= min(_MAX_SAFETENSORS_HEADER, size - 8) else 0
+
+
+def safetensors_entries(header: bytes, size: int) -> List[Tuple[str, str, List[int], int, int]]:
+    """(name, dtype, shape, start, end) of each tensor a safetensors header
+    (its JSON, the file being `size` bytes) names, start and end offsets in
+    the file; a tensor whose dtype, shape or offsets do not agree, or that
+    reaches past the file, is left out. Raises ValueError (or TypeError,
+    KeyError) for a header that is not JSON of the format."""
+    entries = json.loads(header)
+    if not isinstance(entries, dict):
+        raise ValueError("a safetensors header is a JSON object")
+    base = 8 + len(header)
     found = []
-    for name, entry in header.items():
+    for name, entry in entries.items():
         if name == "__metadata__":
             continue
-        begin, end = entry["data_offsets"]
-        if not (isinstance(begin, int) and isinstance(end, int)):
-            raise TypeError("data_offsets are not integers")
-        dtype = entry.get("dtype")
-        found.append((base + begin, base + end, dtype if dtype in _SIZES else "U8"))
+        dtype, shape = entry["dtype"], [int(d) for d in entry["shape"]]
+        begin, end = (int(x) for x in entry["data_offsets"])
+        count = 1
+        for d in shape:
+            count *= d
+        if (dtype in ELEMENT_SIZE and min(shape, default=0) >= 0 and begin >= 0
+                and end - begin == count * ELEMENT_SIZE[dtype] and base + end <= size):
+            found.append((name, dtype, shape, base + begin, base + end))
     return found
 
 
-__all__ = ["UnitFinder"]
+def _safetensors_tensors(view: memoryview) -> List[Unit]:
+    header_len = safetensors_header_length(bytes(view[:8]), view.nbytes)
+    if not header_len or view[8] != ord("{"):
+        return []
+    return [(start, end, dtype) for _, dtype, _, start, end in
+            safetensors_entries(bytes(view[8:8 + header_len]), view.nbytes)]
+
+
+__all__ = ["UnitFinder", "safetensors_entries", "safetensors_header_length", "storage_types"]

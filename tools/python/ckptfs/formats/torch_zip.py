@@ -28,6 +28,7 @@ import zipfile
 from typing import Any, Dict, List, Optional, Tuple
 
 import ckptfs
+from ckptfs._dtypes import ELEMENT_SIZE, STORAGE_CLASSES
 
 
 class Fallback(Exception):  # noqa: N818 - a signal, not an error
@@ -36,18 +37,13 @@ class Fallback(Exception):  # noqa: N818 - a signal, not an error
 
 # The legacy storage classes (typed) and the dtypes named beside an
 # untyped storage (torch.save of dtypes without a legacy class).
-_STORAGES = {
-    "BoolStorage": "BOOL", "ByteStorage": "U8", "CharStorage": "I8", "ShortStorage": "I16", "IntStorage": "I32",
-    "LongStorage": "I64", "HalfStorage": "F16", "BFloat16Storage": "BF16", "FloatStorage": "F32",
-    "DoubleStorage": "F64",
-}
+_STORAGES = STORAGE_CLASSES
 _DTYPES = {
     "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64", "uint16": "U16",
     "uint32": "U32", "uint64": "U64", "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
     "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
 }
-ITEM_SIZE = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "U16": 2, "U32": 4, "U64": 8, "F16": 2,
-             "BF16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+ITEM_SIZE = ELEMENT_SIZE
 
 
 class _StorageType:
