@@ -83,6 +83,90 @@ Status CheckShardRanks(const CheckpointReader& reader) {
   return Status::OK();
 }
 
+Status PutRanks(RepositoryImpl& src, DirectFetcher& fetcher, Repository& destination, RepositoryImpl& dst,
+                const std::string& name,
+                const WriterOptions& header, std::span<const RankRecord> parts, size_t ranks_at_once,
+                HandledChunks& handled, CopyCounters& counters, uint32_t* ranks_committed, uint64_t* stored_sent,
+                const std::function<void()>& after_wave) {
+  // Ranks are put `ranks_at_once` at a time (their packs written side by
+  // side) and committed in the order given. Each chunk the destination
+  // lacks is sent by the first rank of the wave that names it; the others
+  // only reference it, and commit after that rank did. A rank whose put
+  // failed stops the commits there: the ranks before it are kept
+  // (resumption).
+  const size_t at_once = std::max<size_t>(1, ranks_at_once);
+  for (size_t first = 0; first < parts.size(); first += at_once) {
+    if (counters.cancelled && counters.cancelled()) return Status::FailedPrecondition("cancelled");
+    const size_t n = std::min(at_once, parts.size() - first);
+    std::vector<std::unique_ptr<CheckpointWriter>> writers(n);
+    std::vector<std::vector<ChunkRef>> sends(n);
+    for (size_t i = 0; i < n; ++i) {
+      WriterOptions wo = header;
+      wo.rank = parts[first + i].rank;
+      CKPT_ASSIGN_OR_RETURN(writers[i], destination.BeginCheckpoint(name, wo));
+    }
+    // On an object store, packs an interrupted copy finished are listed
+    // by the writers' sync; their indexes make their chunks present.
+    CKPT_RETURN_IF_ERROR(dst.protocol->IndexPacks());
+    for (size_t i = 0; i < n; ++i) {
+      // A reference names a chunk by id and length; the length must be
+      // the chunk's wherever it is named, or the copy would commit a
+      // checkpoint that cannot be read.
+      auto consider = [&](const ChunkRef& c, const std::string& member) -> Status {
+        auto [first_ref, fresh] = handled.emplace(c.id, c.raw_len);
+        if (!fresh) {  // sent or counted for an earlier reference
+          if (first_ref->second == c.raw_len) return Status::OK();
+          return Status::Corruption("checkpoint '" + name + "' " + member + " references chunk " + c.id.ToHex() +
+                                    " with length " + std::to_string(c.raw_len) + ", elsewhere with length " +
+                                    std::to_string(first_ref->second));
+        }
+        auto known = dst.LookupChunk(c.id);
+        if (known.ok() && known->raw_len != c.raw_len) {
+          return Status::Corruption("checkpoint '" + name + "' " + member + " references chunk " + c.id.ToHex() +
+                                    " with length " + std::to_string(c.raw_len) +
+                                    ", but the destination's chunk of that id has length " +
+                                    std::to_string(known->raw_len) + "; nothing of it was committed");
+        }
+        if (known.ok()) {
+          counters.chunks_present.fetch_add(1);
+          counters.raw_bytes_present.fetch_add(c.raw_len);
+          return Status::OK();
+        }
+        if (!known.status().IsNotFound()) return known.status();
+        sends[i].push_back(c);
+        return Status::OK();
+      };
+      const RankRecord& part = parts[first + i];
+      for (const TensorRecord& t : part.tensors) {
+        for (const ShardRecord& s : t.shards) {
+          for (const ChunkRef& c : s.chunks) CKPT_RETURN_IF_ERROR(consider(c, "tensor '" + t.name + "'"));
+        }
+      }
+      for (const BlobRecord& b : part.blobs) {
+        for (const ChunkRef& c : b.chunks) CKPT_RETURN_IF_ERROR(consider(c, "blob '" + b.name + "'"));
+      }
+    }
+    std::vector<Status> put(n);
+    const size_t threads = std::max<size_t>(1, src.io_threads / n);
+    ParallelFor(src.IoPool(), n, n, [&](size_t i) {
+      put[i] = PutStoredRank(*writers[i], parts[first + i], sends[i], fetcher, src.IoPool(), threads, counters)
+                   .WithContext("copying checkpoint '" + name + "' rank " + std::to_string(parts[first + i].rank));
+    });
+    for (size_t i = 0; i < n; ++i) {
+      CKPT_RETURN_IF_ERROR(put[i]);
+      auto committed_rank = writers[i]->Commit().Wait();
+      if (!committed_rank.ok()) {
+        return committed_rank.status().WithContext("committing checkpoint '" + name + "' rank " +
+                                                   std::to_string(parts[first + i].rank) + " at the destination");
+      }
+      *stored_sent += committed_rank->stored_bytes;
+      ++*ranks_committed;
+    }
+    if (after_wave) after_wave();
+  }
+  return Status::OK();
+}
+
 Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, const CopyOptions& options,
                                    const ProgressFn& progress) {
   RepositoryImpl& src = *source.impl_;
@@ -179,99 +263,25 @@ Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, 
           (done_ranks.empty() ? "" : ", " + std::to_string(done_ranks.size()) + " committed before") + ")");
     CopyCounters counters;
     counters.cancelled = options.cancelled;
-    // Chunks of this checkpoint sent or counted as present already, so
-    // that a chunk several ranks name is sent and counted once.
-    // Each with the length it was first referenced with.
-    std::unordered_map<ChunkId, uint32_t, ChunkIdHash> handled;
-    uint64_t stored_sent = 0;
-    std::vector<uint32_t> todo;
+    HandledChunks handled;
+    std::vector<RankRecord> parts;
     for (uint32_t rank = 0; rank < world; ++rank) {
-      if (!done_ranks.count(rank)) todo.push_back(rank);
+      if (!done_ranks.count(rank)) parts.push_back(PartOfRank(reader->tensors(), reader->blobs(), rank));
     }
-    // Ranks are put `ranks_at_once` at a time (their packs written side by
-    // side) and committed in rank order. Each chunk the destination lacks
-    // is sent by the first rank of the wave that names it; the others only
-    // reference it, and commit after that rank did. A rank whose put failed
-    // stops the commits there: the ranks before it are kept (resumption).
-    const size_t at_once = std::max<size_t>(1, options.ranks_at_once);
-    for (size_t first = 0; first < todo.size(); first += at_once) {
-      if (options.cancelled && options.cancelled()) return Status::FailedPrecondition("cancelled");
-      const size_t n = std::min(at_once, todo.size() - first);
-      std::vector<std::unique_ptr<CheckpointWriter>> writers(n);
-      std::vector<RankRecord> parts(n);
-      std::vector<std::vector<ChunkRef>> sends(n);
-      for (size_t i = 0; i < n; ++i) {
-        WriterOptions wo;
-        wo.rank = todo[first + i];
-        wo.world_size = world;
-        wo.step = info.step;
-        wo.tags = info.tags;
-        wo.engine_tags = true;  // a thinned checkpoint stays marked
-        *began = true;
-        CKPT_ASSIGN_OR_RETURN(writers[i], destination.BeginCheckpoint(rec.name, wo));
-        parts[i] = PartOfRank(reader->tensors(), reader->blobs(), wo.rank);
-      }
-      // On an object store, packs an interrupted copy finished are listed
-      // by the writers' sync; their indexes make their chunks present.
-      CKPT_RETURN_IF_ERROR(dst.protocol->IndexPacks());
-      for (size_t i = 0; i < n; ++i) {
-        // A reference names a chunk by id and length; the length must be
-        // the chunk's wherever it is named, or the copy would commit a
-        // checkpoint that cannot be read.
-        auto consider = [&](const ChunkRef& c, const std::string& member) -> Status {
-          auto [first_ref, fresh] = handled.emplace(c.id, c.raw_len);
-          if (!fresh) {  // sent or counted for an earlier reference
-            if (first_ref->second == c.raw_len) return Status::OK();
-            return Status::Corruption("checkpoint '" + rec.name + "' " + member + " references chunk " + c.id.ToHex() +
-                                      " with length " + std::to_string(c.raw_len) + ", elsewhere with length " +
-                                      std::to_string(first_ref->second));
-          }
-          auto known = dst.LookupChunk(c.id);
-          if (known.ok() && known->raw_len != c.raw_len) {
-            return Status::Corruption("checkpoint '" + rec.name + "' " + member + " references chunk " + c.id.ToHex() +
-                                      " with length " + std::to_string(c.raw_len) +
-                                      ", but the destination's chunk of that id has length " +
-                                      std::to_string(known->raw_len) + "; nothing of it was committed");
-          }
-          if (known.ok()) {
-            counters.chunks_present.fetch_add(1);
-            counters.raw_bytes_present.fetch_add(c.raw_len);
-            return Status::OK();
-          }
-          if (!known.status().IsNotFound()) return known.status();
-          sends[i].push_back(c);
-          return Status::OK();
-        };
-        for (const TensorRecord& t : parts[i].tensors) {
-          for (const ShardRecord& s : t.shards) {
-            for (const ChunkRef& c : s.chunks) CKPT_RETURN_IF_ERROR(consider(c, "tensor '" + t.name + "'"));
-          }
-        }
-        for (const BlobRecord& b : parts[i].blobs) {
-          for (const ChunkRef& c : b.chunks) CKPT_RETURN_IF_ERROR(consider(c, "blob '" + b.name + "'"));
-        }
-      }
-      std::vector<Status> put(n);
-      const size_t threads = std::max<size_t>(1, src.io_threads / n);
-      ParallelFor(src.IoPool(), n, n, [&](size_t i) {
-        put[i] = PutStoredRank(*writers[i], parts[i], sends[i], fetcher, src.IoPool(), threads, counters)
-                     .WithContext("copying checkpoint '" + rec.name + "' rank " + std::to_string(todo[first + i]));
-      });
-      for (size_t i = 0; i < n; ++i) {
-        CKPT_RETURN_IF_ERROR(put[i]);
-        auto committed_rank = writers[i]->Commit().Wait();
-        if (!committed_rank.ok()) {
-          return committed_rank.status().WithContext("committing checkpoint '" + rec.name + "' rank " +
-                                                     std::to_string(todo[first + i]) + " at the destination");
-        }
-        stored_sent += committed_rank->stored_bytes;
-        ++out.ranks_copied;
-      }
-      if (progress) {
-        const uint64_t handled_bytes = counters.raw_bytes_sent.load() + counters.raw_bytes_present.load();
-        progress(done_before + std::min(handled_bytes, rec.logical_bytes), total);
-      }
-    }
+    WriterOptions header;
+    header.world_size = world;
+    header.step = info.step;
+    header.tags = info.tags;
+    header.engine_tags = true;  // a thinned checkpoint stays marked
+    *began = !parts.empty();
+    uint64_t stored_sent = 0;
+    CKPT_RETURN_IF_ERROR(PutRanks(src, fetcher, destination, dst, rec.name, header, parts, options.ranks_at_once, handled,
+                                  counters, &out.ranks_copied, &stored_sent, [&] {
+                                    if (!progress) return;
+                                    const uint64_t handled_bytes =
+                                        counters.raw_bytes_sent.load() + counters.raw_bytes_present.load();
+                                    progress(done_before + std::min(handled_bytes, rec.logical_bytes), total);
+                                  }));
     out.chunks_sent = counters.chunks_sent.load();
     out.raw_bytes_sent = counters.raw_bytes_sent.load();
     out.stored_bytes_sent = stored_sent;

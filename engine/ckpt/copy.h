@@ -6,12 +6,15 @@
 #include <functional>
 #include <cstdint>
 #include <span>
+#include <unordered_map>
 
 #include "ckpt/repository.h"
 #include "core/thread_pool.h"
 #include "store/chunk_fetcher.h"
 
 namespace ckptfs {
+
+class RepositoryImpl;
 
 // Counted while a rank is put; read by the copy's progress. `cancelled`,
 // when set, is asked (from the I/O threads) before each chunk is fetched:
@@ -31,6 +34,26 @@ struct CopyCounters {
 // commits as after PutShard.
 Status PutStoredRank(CheckpointWriter& writer, const RankRecord& part, std::span<const ChunkRef> send,
                      DirectFetcher& source, ThreadPool& io, size_t threads, CopyCounters& counters);
+
+// Chunks one checkpoint's copy handled already (sent, or found present),
+// each with the length it was first referenced with.
+using HandledChunks = std::unordered_map<ChunkId, uint32_t, ChunkIdHash>;
+
+// Puts `parts` (ranks of checkpoint `name` as the repository `src` stored
+// them; `fetcher` reads its chunks as stored) at `destination` (whose internals `dst` are) as ranks of
+// checkpoint `name` with `header`'s world size, step, tags and attempt:
+// `ranks_at_once` ranks side by side, committed in the order given. Each
+// chunk the destination lacks (and `handled` does not name) is read,
+// checked and sent once; the others are only referenced. Counts the ranks
+// committed and their stored bytes, and calls `after_wave` after each
+// group of ranks. The first failure stops it; the ranks committed before
+// it stay committed. FailedPrecondition ("cancelled") when
+// counters.cancelled says so.
+Status PutRanks(RepositoryImpl& src, DirectFetcher& fetcher, Repository& destination, RepositoryImpl& dst,
+                const std::string& name,
+                const WriterOptions& header, std::span<const RankRecord> parts, size_t ranks_at_once,
+                HandledChunks& handled, CopyCounters& counters, uint32_t* ranks_committed, uint64_t* stored_sent,
+                const std::function<void()>& after_wave);
 
 // Rank `rank`'s part of a checkpoint of these tensors and blobs: the
 // shards whose record names the rank (so that putting every rank's part

@@ -23,6 +23,8 @@
 
 namespace ckptfs {
 
+class Repository;
+
 inline constexpr uint32_t kFormatVersion = 1;
 
 struct RepositoryConfig {
@@ -177,6 +179,13 @@ struct ReadOptions {
   // Hold a read lease for the reader's lifetime. The mount opens its
   // directory views without one and leases a checkpoint per open file.
   bool lease = true;
+  // Repositories to read chunks from first, nearest first (two tiers: this
+  // host's fast tier in front of the shared one; tiers.h). A chunk one of
+  // them holds is read there and checked against its id; a chunk none
+  // holds, or none gives intact, is read from the checkpoint's own
+  // repository. The reader keeps their internals alive as it does its own
+  // repository's.
+  std::vector<const Repository*> nearer;
 };
 
 // Which checkpoints to keep; the rest are removed by garbage collection. An

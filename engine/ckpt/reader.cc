@@ -54,6 +54,41 @@ class HeldChunks : public ChunkFetcher {
   std::unordered_map<ChunkId, ChunkData, ChunkIdHash> held_;
 };
 
+// Chunks from the nearest tier that has them (ReadOptions::nearer): each
+// nearer repository whose catalog knows the chunk is asked first, in
+// order, and the reader's own repository last. A chunk a nearer tier
+// fails to give (its bytes do not match the id, its pack is gone or
+// unreadable) is taken from the next tier: every fetcher checks what it
+// decodes against the chunk's id. Each repository counts what it read.
+class NearestTier : public ChunkFetcher {
+ public:
+  NearestTier(std::vector<std::shared_ptr<RepositoryImpl>> nearer, ChunkFetcher* last)
+      : nearer_(std::move(nearer)), last_(last) {}
+  Result<ChunkData> Fetch(const ChunkRef& chunk) override {
+    for (const auto& tier : nearer_) {
+      if (!tier->LookupChunk(chunk.id).ok()) continue;
+      auto data = tier->fetcher()->Fetch(chunk);
+      if (data.ok()) return data;
+    }
+    return last_->Fetch(chunk);
+  }
+  Status FetchInto(const ChunkRef& chunk, std::span<std::byte> dst) override {
+    for (const auto& tier : nearer_) {
+      if (!tier->LookupChunk(chunk.id).ok()) continue;
+      if (tier->fetcher()->FetchInto(chunk, dst).ok()) return Status::OK();
+    }
+    return last_->FetchInto(chunk, dst);
+  }
+  void Consumed(const ChunkRef& chunk, uint64_t bytes) override {
+    for (const auto& tier : nearer_) tier->fetcher()->Consumed(chunk, bytes);
+    last_->Consumed(chunk, bytes);
+  }
+
+ private:
+  std::vector<std::shared_ptr<RepositoryImpl>> nearer_;  // kept alive while the reader lives
+  ChunkFetcher* last_;
+};
+
 // Reads of a tensor stored in at least this many shards find the shards a
 // region meets through the tensor's ShardIndex; fewer are scanned.
 constexpr size_t kIndexedShards = 16;
@@ -63,8 +98,11 @@ class ReaderImpl {
   std::shared_ptr<RepositoryImpl> repo;  // a reader may outlive its Repository
   Manifest manifest;  // tensors and blobs sorted by name (catalog key order)
   std::unique_ptr<HeldChunks> held;  // set when the reader opens
+  std::shared_ptr<ChunkFetcher> tiers;  // set when the reader reads nearer tiers first
+  // Where chunks come from: the nearer tiers, then the repository.
+  ChunkFetcher* source() const { return tiers ? tiers.get() : repo->fetcher(); }
   // What reads go through: the held chunks when there are any.
-  ChunkFetcher* fetcher() const { return held->empty() ? repo->fetcher() : held.get(); }
+  ChunkFetcher* fetcher() const { return held->empty() ? source() : held.get(); }
   // The ShardIndex of one of this checkpoint's tensors with many shards,
   // built at its first read (by one thread; the others wait for it), or
   // null: few shards, or a record that is not this reader's (a caller's
@@ -200,7 +238,7 @@ Status CheckpointReader::HoldChunk(const ChunkRef& chunk) const {
   CKPT_RETURN_IF_ERROR(impl_->repo->CheckProcess());
   HeldChunks& held = *impl_->held;
   if (held.Find(chunk.id)) return Status::OK();
-  CKPT_ASSIGN_OR_RETURN(ChunkData data, impl_->repo->fetcher()->Fetch(chunk));
+  CKPT_ASSIGN_OR_RETURN(ChunkData data, impl_->source()->Fetch(chunk));
   held.Hold(chunk, std::move(data));
   return Status::OK();
 }
@@ -239,7 +277,11 @@ void CheckpointReader::Prefetch(const TensorRecord& tensor, uint64_t offset, uin
   for (const ChunkRef& c : *chunks) {
     if (repo->cache->Contains(c.id)) continue;
     // Errors surface to the reader that needs the chunk; a prefetch only warms.
-    repo->pool->Submit([repo, c] { (void)repo->fetcher()->Fetch(c); });
+    if (impl_->tiers) {
+      repo->pool->Submit([tiers = impl_->tiers, c] { (void)tiers->Fetch(c); });
+    } else {
+      repo->pool->Submit([repo, c] { (void)repo->fetcher()->Fetch(c); });
+    }
   }
 }
 
@@ -271,7 +313,8 @@ std::unique_ptr<CheckpointReader> CheckpointReader::Subset(
     std::string_view prefix, const std::function<bool(const BlobRecord&)>& keep_blob) const {
   auto impl = std::make_unique<ReaderImpl>();
   impl->repo = impl_->repo;
-  impl->held = std::make_unique<HeldChunks>(impl_->repo->fetcher());
+  impl->tiers = impl_->tiers;
+  impl->held = std::make_unique<HeldChunks>(impl->source());
   Manifest& m = impl->manifest;
   m.checkpoint = impl_->manifest.checkpoint;
   m.checkpoint.logical_bytes = 0;
@@ -395,7 +438,16 @@ Result<std::unique_ptr<CheckpointReader>> Repository::OpenCheckpoint(const std::
   CKPT_RETURN_IF_ERROR(impl_->protocol->IndexPacks());
   auto impl = std::make_unique<ReaderImpl>();
   impl->repo = impl_;
-  impl->held = std::make_unique<HeldChunks>(impl_->fetcher());
+  if (!options.nearer.empty()) {
+    std::vector<std::shared_ptr<RepositoryImpl>> nearer;
+    for (const Repository* tier : options.nearer) {
+      if (tier == nullptr || tier->impl_ == impl_) return Status::InvalidArgument("a nearer tier must be another repository");
+      CKPT_RETURN_IF_ERROR(tier->impl_->CheckProcess());
+      nearer.push_back(tier->impl_);
+    }
+    impl->tiers = std::make_shared<NearestTier>(std::move(nearer), impl_->fetcher());
+  }
+  impl->held = std::make_unique<HeldChunks>(impl->source());
   // The lease comes first: what the catalog says afterwards stays readable
   // (a local gc collects a name only while holding its lease file).
   bool first = false;

@@ -1,0 +1,301 @@
+// Two tiers (ckpt/tiers.h): saves go to a host's fast tier (a local
+// directory) and drain to a shared one (an object store); reads take each
+// chunk from the nearest tier that holds it intact; the fast tier drops
+// only checkpoints that are durable in the shared one.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "backend/backend.h"
+#include "ckpt/tiers.h"
+#include "test_backends.h"
+#include "test_util.h"
+
+namespace ckptfs {
+namespace {
+
+using testing::RandomBytes;
+using testing::TempDir;
+
+RepositoryConfig SmallConfig() {
+  RepositoryConfig config;
+  config.chunk_size = 64 << 10;
+  config.pack_size = 1 << 20;
+  return config;
+}
+
+constexpr uint64_t kRows = 256, kCols = 256;
+
+// The bytes of matrix "w" of checkpoint `seed`.
+std::vector<std::byte> Matrix(uint32_t seed) { return RandomBytes(kRows * kCols * 4, seed); }
+
+// Saves rank `rank` of `world` of checkpoint `name` (rows of "w" split
+// evenly between the ranks; rank 0 adds a blob).
+void SaveRank(Repository& repo, const std::string& name, int64_t step, uint32_t rank, uint32_t world, uint32_t seed,
+              const std::string& attempt = "") {
+  const std::vector<std::byte> w = Matrix(seed);
+  WriterOptions wo;
+  wo.rank = rank;
+  wo.world_size = world;
+  wo.step = step;
+  wo.attempt = attempt;
+  auto writer = repo.BeginCheckpoint(name, wo);
+  ASSERT_OK(writer);
+  const uint64_t rows = kRows / world;
+  const uint64_t bytes = rows * kCols * 4;
+  HostSource part(std::span<const std::byte>(w).subspan(rank * bytes, bytes));
+  ASSERT_OK((*writer)->PutShard({"w", DType::kF32, {kRows, kCols}}, Region::OfBox(Box{{rank * rows, 0}, {rows, kCols}}),
+                                part));
+  if (rank == 0) ASSERT_OK((*writer)->PutBlob("rng", testing::AsBytes("state " + std::to_string(seed))));
+  auto done = (*writer)->Commit().Wait();
+  ASSERT_OK(done);
+}
+
+// Checkpoint `name` read through `reader` is checkpoint `seed`'s matrix.
+void ExpectMatrix(const CheckpointReader& reader, uint32_t seed) {
+  auto t = reader.GetTensor("w");
+  ASSERT_OK(t);
+  std::vector<std::byte> got(kRows * kCols * 4);
+  ASSERT_OK(reader.ReadBytes(**t, 0, got));
+  EXPECT_TRUE(got == Matrix(seed));
+}
+
+// A fast tier on this host and a shared object store, opened as hosts do.
+struct Tiers {
+  TempDir dir;
+  std::shared_ptr<Backend> store = NewMemoryBackend();
+  Tiers() { EXPECT_OK(Repository::Init(*store, SmallConfig())); }
+  std::string FastPath(const std::string& host) const { return dir / ("fast-" + host); }
+  std::unique_ptr<Repository> Fast(const std::string& host) {
+    const std::string path = FastPath(host);
+    if (!std::filesystem::exists(path + "/ckptfs.json")) EXPECT_OK(Repository::Init(path, SmallConfig()));
+    return std::move(Repository::Open(path)).value();
+  }
+  std::unique_ptr<Repository> Shared(const std::string& host) {
+    OpenOptions o;
+    o.cache_dir = dir / ("cache-" + host);
+    return std::move(Repository::Open(store, o)).value();
+  }
+};
+
+TEST(Tiers, ACheckpointSavedOnOneHostDrainsOnceAndReadsFromTheFastTier) {
+  Tiers tiers;
+  auto fast = tiers.Fast("a");
+  auto shared = tiers.Shared("a");
+  SaveRank(*fast, "step-1", 1, 0, 2, 7);
+  SaveRank(*fast, "step-1", 1, 1, 2, 7);
+  auto status = TierStatus(*fast, *shared);
+  ASSERT_OK(status);
+  ASSERT_EQ(status->size(), 1u);
+  EXPECT_EQ(status->front().state(), "local");
+  EXPECT_TRUE(status->front().complete_here);
+
+  auto drained = Drain(*fast, *shared, {});
+  ASSERT_OK(drained);
+  ASSERT_EQ(drained->checkpoints.size(), 1u);
+  EXPECT_TRUE(drained->checkpoints[0].durable);
+  EXPECT_EQ(drained->checkpoints[0].sent.ranks_copied, 2u);
+  EXPECT_GE(drained->raw_bytes_sent, kRows * kCols * 4);
+  status = TierStatus(*fast, *shared);
+  ASSERT_OK(status);
+  EXPECT_EQ(status->front().state(), "durable");
+
+  // Nothing is left to send.
+  auto again = Drain(*fast, *shared, {});
+  ASSERT_OK(again);
+  EXPECT_TRUE(again->checkpoints.empty());
+  DrainOptions named;
+  named.names = {"step-1"};
+  again = Drain(*fast, *shared, named);
+  ASSERT_OK(again);
+  ASSERT_EQ(again->checkpoints.size(), 1u);
+  EXPECT_EQ(again->checkpoints[0].sent.outcome, CopiedCheckpoint::Outcome::kPresent);
+  EXPECT_EQ(again->chunks_sent, 0u);
+
+  // Another host reads the shared tier alone.
+  {
+    auto other = tiers.Shared("b");
+    auto reader = other->OpenCheckpoint("step-1");
+    ASSERT_OK(reader);
+    ExpectMatrix(**reader, 7);
+    EXPECT_GT(other->fetch_counts().chunks, 0u);
+  }
+  // This host reads every chunk from its fast tier: none from the store.
+  ReadOptions nearest;
+  nearest.nearer = {fast.get()};
+  auto reader = shared->OpenCheckpoint("step-1", nearest);
+  ASSERT_OK(reader);
+  ExpectMatrix(**reader, 7);
+  EXPECT_EQ(shared->fetch_counts().chunks, 0u);
+  EXPECT_GT(fast->fetch_counts().chunks, 0u);
+}
+
+// Each host's fast tier holds its own ranks: the checkpoint is pending
+// there, each host drains its part, and the last makes it visible.
+TEST(Tiers, EachHostDrainsItsRanksAndTheLastMakesTheCheckpointVisible) {
+  Tiers tiers;
+  auto fast_a = tiers.Fast("a");
+  auto fast_b = tiers.Fast("b");
+  auto shared_a = tiers.Shared("a");
+  auto shared_b = tiers.Shared("b");
+  SaveRank(*fast_a, "step-5", 5, 0, 2, 11, "attempt-1");
+  SaveRank(*fast_b, "step-5", 5, 1, 2, 11, "attempt-1");
+  auto status = TierStatus(*fast_a, *shared_a);
+  ASSERT_OK(status);
+  ASSERT_EQ(status->size(), 1u);
+  EXPECT_FALSE(status->front().complete_here);
+  EXPECT_EQ(status->front().ranks_here, std::vector<uint32_t>{0});
+
+  auto drained = Drain(*fast_a, *shared_a, {});
+  ASSERT_OK(drained);
+  EXPECT_FALSE(drained->checkpoints.at(0).durable);
+  EXPECT_TRUE(shared_a->GetCheckpoint("step-5").status().IsNotFound());
+  status = TierStatus(*fast_a, *shared_a);
+  ASSERT_OK(status);
+  EXPECT_EQ(status->front().state(), "drained");
+
+  drained = Drain(*fast_b, *shared_b, {});
+  ASSERT_OK(drained);
+  EXPECT_TRUE(drained->checkpoints.at(0).durable);
+  ASSERT_OK(shared_a->Refresh());
+  auto reader = shared_a->OpenCheckpoint("step-5");
+  ASSERT_OK(reader);
+  ExpectMatrix(**reader, 11);
+  auto blob = (*reader)->FindBlob("rng");
+  ASSERT_NE(blob, nullptr);
+
+  // Host a reads its rows from its fast tier, the others from the store.
+  ReadOptions nearest;
+  nearest.nearer = {fast_a.get()};
+  auto near = shared_a->OpenCheckpoint("step-5", nearest);
+  ASSERT_OK(near);
+  const uint64_t before = shared_a->fetch_counts().chunks;
+  ExpectMatrix(**near, 11);
+  EXPECT_GT(fast_a->fetch_counts().chunks, 0u);
+  EXPECT_GT(shared_a->fetch_counts().chunks, before);
+}
+
+// A drain stopped part way leaves only whole ranks in the shared tier,
+// nothing visible, and the next drain sends only the rest.
+TEST(Tiers, AStoppedDrainLeavesNothingVisibleAndResumes) {
+  Tiers tiers;
+  auto fast = tiers.Fast("a");
+  auto shared = tiers.Shared("a");
+  for (uint32_t r = 0; r < 4; ++r) SaveRank(*fast, "step-2", 2, r, 4, 3);
+  DrainOptions stop;
+  stop.ranks_at_once = 1;
+  std::atomic<int> fetched{0};
+  stop.cancelled = [&] { return fetched.fetch_add(1) >= 5; };
+  auto stopped = Drain(*fast, *shared, stop);
+  ASSERT_FALSE(stopped.ok());
+  EXPECT_NE(stopped.status().message().find("cancelled"), std::string::npos) << stopped.status().ToString();
+  EXPECT_TRUE(shared->GetCheckpoint("step-2").status().IsNotFound());
+  auto status = TierStatus(*fast, *shared);
+  ASSERT_OK(status);
+  const size_t before = status->front().ranks_shared.size();
+  EXPECT_GE(before, 1u);
+  EXPECT_LT(before, 4u);
+
+  auto resumed = Drain(*fast, *shared, {});
+  ASSERT_OK(resumed);
+  ASSERT_EQ(resumed->checkpoints.size(), 1u);
+  EXPECT_TRUE(resumed->checkpoints[0].durable);
+  EXPECT_EQ(resumed->checkpoints[0].sent.ranks_copied, 4u - before);
+  auto reader = shared->OpenCheckpoint("step-2");
+  ASSERT_OK(reader);
+  ExpectMatrix(**reader, 3);
+}
+
+// A chunk whose bytes in the fast tier fail their id is read from the
+// shared tier instead: the reader gets the right bytes.
+TEST(Tiers, AChunkCorruptInTheFastTierIsReadFromTheSharedTier) {
+  Tiers tiers;
+  {
+    auto fast = tiers.Fast("a");
+    auto shared = tiers.Shared("a");
+    SaveRank(*fast, "step-1", 1, 0, 1, 21);
+    ASSERT_OK(Drain(*fast, *shared, {}));
+  }
+  // Flip bytes in the middle of every pack of the fast tier.
+  int packs = 0;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(tiers.FastPath("a") + "/objects/packs")) {
+    if (!entry.is_regular_file()) continue;
+    std::fstream f(entry.path(), std::ios::in | std::ios::out | std::ios::binary);
+    for (uint64_t at = 4096; at + 1 < entry.file_size() / 2; at += 32 << 10) {
+      f.seekp(static_cast<std::streamoff>(at));
+      f.put('\x5a');
+    }
+    ++packs;
+  }
+  ASSERT_GT(packs, 0);
+  auto fast = tiers.Fast("a");
+  auto shared = tiers.Shared("a");
+  ReadOptions nearest;
+  nearest.nearer = {fast.get()};
+  auto reader = shared->OpenCheckpoint("step-1", nearest);
+  ASSERT_OK(reader);
+  ExpectMatrix(**reader, 21);
+  EXPECT_GT(shared->fetch_counts().chunks, 0u);
+}
+
+// The fast tier's retention keeps the newest and never names a checkpoint
+// that is not durable in the shared tier, however old.
+TEST(Tiers, TrimmingTheFastTierNeverDropsACheckpointNotDurable) {
+  Tiers tiers;
+  auto fast = tiers.Fast("a");
+  auto shared = tiers.Shared("a");
+  for (int step = 1; step <= 4; ++step) SaveRank(*fast, "step-" + std::to_string(step), step, 0, 1, step);
+  DrainOptions some;
+  some.names = {"step-1", "step-3"};
+  ASSERT_OK(Drain(*fast, *shared, some));
+  auto plan = PlanFastTierTrim(*fast, *shared, 1);
+  ASSERT_OK(plan);
+  EXPECT_EQ(*plan, (std::vector<std::string>{"step-1", "step-3"}));
+  plan = PlanFastTierTrim(*fast, *shared, 2);
+  ASSERT_OK(plan);
+  EXPECT_EQ(*plan, (std::vector<std::string>{"step-1"}));
+  ASSERT_OK(fast->RemoveCheckpoints(*plan));
+  ASSERT_OK(fast->CollectGarbage({}));
+  // What stays in the fast tier reads; what left it reads from the store.
+  ReadOptions nearest;
+  nearest.nearer = {fast.get()};
+  auto reader = shared->OpenCheckpoint("step-1", nearest);
+  ASSERT_OK(reader);
+  ExpectMatrix(**reader, 1);
+  auto kept = fast->OpenCheckpoint("step-2");
+  ASSERT_OK(kept);
+  ExpectMatrix(**kept, 2);
+}
+
+TEST(Tiers, TheFastTierNamesOneSharedTier) {
+  TempDir dir;
+  auto none = ReadSharedTier(dir.path());
+  ASSERT_OK(none);
+  EXPECT_FALSE(none->has_value());
+  ASSERT_OK(WriteSharedTier(dir.path(), "s3://bucket/shared"));
+  ASSERT_OK(WriteSharedTier(dir.path(), "s3://bucket/shared"));
+  auto named = ReadSharedTier(dir.path());
+  ASSERT_OK(named);
+  EXPECT_EQ(named->value(), "s3://bucket/shared");
+  Status other = WriteSharedTier(dir.path(), "s3://bucket/other");
+  EXPECT_TRUE(other.code() == StatusCode::kInvalidArgument) << other.ToString();
+  EXPECT_NE(other.message().find("s3://bucket/shared"), std::string::npos) << other.ToString();
+  EXPECT_TRUE(WriteSharedTier(dir.path(), "").code() == StatusCode::kInvalidArgument);
+}
+
+TEST(Tiers, AFastTierMustBeALocalDirectoryOtherThanTheSharedOne) {
+  Tiers tiers;
+  auto shared = tiers.Shared("a");
+  auto again = tiers.Shared("b");
+  auto st = TierStatus(*shared, *again);
+  EXPECT_TRUE(st.status().code() == StatusCode::kInvalidArgument) << st.status().ToString();
+  auto fast = tiers.Fast("a");
+  st = TierStatus(*fast, *fast);
+  EXPECT_TRUE(st.status().code() == StatusCode::kInvalidArgument) << st.status().ToString();
+}
+
+}  // namespace
+}  // namespace ckptfs
