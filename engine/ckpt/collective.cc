@@ -632,7 +632,7 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
 
 Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string& name,
                                             std::span<const CollectiveTarget> targets, Communicator& comm,
-                                            CollectiveMemory& memory) {
+                                            CollectiveMemory& memory, std::span<const Repository* const> nearer) {
   // 1. What each rank needs, gathered at rank 0. One read lease for the
   // job: rank 0's, taken (and the checkpoint checked against the store)
   // before it makes the plan and held until every rank agrees its fetches
@@ -647,6 +647,7 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
   if (local.ok()) {
     ReadOptions read;
     read.lease = comm.rank() == 0;
+    read.nearer.assign(nearer.begin(), nearer.end());
     reader = repo.OpenCheckpoint(name, read);
     local = reader.status();
   }

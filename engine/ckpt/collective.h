@@ -164,10 +164,12 @@ struct CollectiveLoadResult {
 Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string& name,
                                             std::span<const CollectiveTarget> targets, Communicator& comm);
 // The same with the targets in `memory` (Read, Copy, and the hand-offs
-// through SendHost and RecvHost).
+// through SendHost and RecvHost). `nearer`: repositories of this rank's
+// host whose chunks its fetches take first (ReadOptions::nearer: a fast
+// tier in front of `repo`; tiers.h).
 Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string& name,
                                             std::span<const CollectiveTarget> targets, Communicator& comm,
-                                            CollectiveMemory& memory);
+                                            CollectiveMemory& memory, std::span<const Repository* const> nearer = {});
 
 // ---- The steps, for callers that put their own values ----------------------
 

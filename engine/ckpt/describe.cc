@@ -284,27 +284,67 @@ Json DescribeGcReport(const GcReport& r, bool dry_run) {
   return j;
 }
 
-Json DescribeCopyReport(const CopyReport& r) {
-  Json j = Json::MakeObject();
-  Json list = Json::MakeArray();
-  for (const CopiedCheckpoint& c : r.checkpoints) {
-    Json cj = Json::MakeObject();
-    cj.Set("name", c.name);
-    cj.Set("outcome", c.outcome == CopiedCheckpoint::Outcome::kCopied ? "copied" : "present");
-    cj.Set("ranks_copied", uint64_t{c.ranks_copied});
-    cj.Set("chunks_sent", c.chunks_sent);
-    cj.Set("raw_bytes_sent", c.raw_bytes_sent);
-    cj.Set("stored_bytes_sent", c.stored_bytes_sent);
-    cj.Set("chunks_present", c.chunks_present);
-    cj.Set("raw_bytes_present", c.raw_bytes_present);
-    list.Push(std::move(cj));
-  }
-  j.Set("checkpoints", std::move(list));
+namespace {
+// One checkpoint a copy or a drain handled, and their totals.
+Json DescribeCopied(const CopiedCheckpoint& c) {
+  Json cj = Json::MakeObject();
+  cj.Set("name", c.name);
+  cj.Set("outcome", c.outcome == CopiedCheckpoint::Outcome::kCopied ? "copied" : "present");
+  cj.Set("ranks_copied", uint64_t{c.ranks_copied});
+  cj.Set("chunks_sent", c.chunks_sent);
+  cj.Set("raw_bytes_sent", c.raw_bytes_sent);
+  cj.Set("stored_bytes_sent", c.stored_bytes_sent);
+  cj.Set("chunks_present", c.chunks_present);
+  cj.Set("raw_bytes_present", c.raw_bytes_present);
+  return cj;
+}
+template <typename Report>
+void SetSentTotals(Json& j, const Report& r) {
   j.Set("chunks_sent", r.chunks_sent);
   j.Set("raw_bytes_sent", r.raw_bytes_sent);
   j.Set("stored_bytes_sent", r.stored_bytes_sent);
   j.Set("chunks_present", r.chunks_present);
   j.Set("raw_bytes_present", r.raw_bytes_present);
+}
+}  // namespace
+
+Json DescribeCopyReport(const CopyReport& r) {
+  Json j = Json::MakeObject();
+  Json list = Json::MakeArray();
+  for (const CopiedCheckpoint& c : r.checkpoints) list.Push(DescribeCopied(c));
+  j.Set("checkpoints", std::move(list));
+  SetSentTotals(j, r);
+  return j;
+}
+
+Json DescribeDrainReport(const DrainReport& r) {
+  Json j = Json::MakeObject();
+  Json list = Json::MakeArray();
+  for (const DrainedCheckpoint& c : r.checkpoints) {
+    Json cj = DescribeCopied(c.sent);
+    cj.Set("outcome", c.sent.outcome == CopiedCheckpoint::Outcome::kCopied ? "drained" : "present");
+    cj.Set("durable", c.durable);
+    list.Push(std::move(cj));
+  }
+  j.Set("checkpoints", std::move(list));
+  SetSentTotals(j, r);
+  return j;
+}
+
+Json DescribeTierEntry(const TierEntry& e) {
+  Json j = Json::MakeObject();
+  j.Set("name", e.name);
+  j.Set("step", e.step ? Json(*e.step) : Json());
+  j.Set("world_size", uint64_t{e.world_size});
+  j.Set("tier_state", e.state());
+  j.Set("complete_here", e.complete_here);
+  Json here = Json::MakeArray(), shared = Json::MakeArray();
+  for (uint32_t r : e.ranks_here) here.Push(uint64_t{r});
+  for (uint32_t r : e.ranks_shared) shared.Push(uint64_t{r});
+  j.Set("ranks_here", std::move(here));
+  j.Set("ranks_in_shared_tier", std::move(shared));
+  j.Set("logical_bytes", e.logical_bytes);
+  j.Set("created", FormatUnixMs(e.created_unix_ms));
   return j;
 }
 

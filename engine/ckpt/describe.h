@@ -5,6 +5,7 @@
 #include <string>
 
 #include "ckpt/repository.h"
+#include "ckpt/tiers.h"
 #include "core/json.h"
 
 namespace ckptfs {
@@ -48,6 +49,13 @@ Json DescribeRetentionDecision(const RetentionDecision& decision);
 Json DescribePendingRanks(const std::vector<RankProgress>& ranks);
 // A copy's report, as `ckpt copy --json` prints it and ckptfs.copy returns it.
 Json DescribeCopyReport(const CopyReport& report);
+// What `ckpt drain --json` prints: per checkpoint as DescribeCopyReport
+// (outcome "drained" or "present") and whether it is durable, and totals.
+Json DescribeDrainReport(const DrainReport& report);
+// One checkpoint of a fast tier: name, step, world_size, tier_state
+// ("local", "drained", "durable"), complete_here, ranks_here,
+// ranks_in_shared_tier, logical_bytes, created.
+Json DescribeTierEntry(const TierEntry& entry);
 // What a rank's commit did, as `ckpt import --json` prints it (beside the
 // checkpoint, rank and world size) and Python's save, commit handles and
 // import_safetensors return it: checkpoint_visible, chunks_written,

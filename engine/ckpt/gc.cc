@@ -156,6 +156,9 @@ Result<std::vector<RetentionDecision>> Repository::ExplainRetention(const Retent
     const CheckpointRecord& c = list[i];
     std::vector<std::string> kept, not_kept;
     if (named.count(c.name)) kept.push_back("--keep");
+    for (const auto& [name, why] : policy.held) {
+      if (name == c.name) kept.push_back(why);
+    }
     if (policy.keep_last) {
       const uint64_t rank_from_newest = list.size() - i;  // 1 for the newest
       const std::string order = by_step ? "by step" : "by commit order";

@@ -33,6 +33,7 @@ inline constexpr const char* kObjectsDir = "objects";
 inline constexpr const char* kLeaseFilesDir = "leases";
 inline constexpr const char* kGcLockFile = "gc.lock";
 inline constexpr const char* kGcRunLockFile = "gc-run.lock";
+inline constexpr const char* kDrainLockFile = "drain.lock";
 inline constexpr const char* kRepositoryMarkerFile = "repository";
 inline constexpr const char* kHostIdFile = "host-id";
 

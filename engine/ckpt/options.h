@@ -207,6 +207,11 @@ struct RetentionPolicy {
   std::optional<uint64_t> keep_every;   // step % K == 0 (without a step: every K-th of those in commit order)
   std::optional<uint64_t> keep_within_s;  // committed at most this many seconds before the newest commit
   std::vector<std::string> keep;        // by name
+  // Checkpoints no rule removes, each with the reason shown for it (a fast
+  // tier's checkpoints not yet durable in its shared tier: tiers.h). Unlike
+  // `keep`, these alone make no policy: names that are not committed here
+  // are ignored.
+  std::vector<std::pair<std::string, std::string>> held;
   // Applied to the checkpoints of this group only ("run1": run1/step-100,
   // run1/eval/step-3, ...); the others stay. Empty: every checkpoint.
   std::string group;

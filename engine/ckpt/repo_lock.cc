@@ -13,7 +13,9 @@ namespace ckptfs {
 Result<RepoLock> RepoLock::Lock(const std::string& repository, Mode mode, Name name, bool wait) {
   const std::string dir = repository + "/locks";
   if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) return Status::FromErrno(errno, "creating " + dir);
-  const std::string path = dir + "/" + (name == Name::kGc ? keys::kGcLockFile : keys::kGcRunLockFile);
+  const std::string path = dir + "/" + (name == Name::kGc      ? keys::kGcLockFile
+                                        : name == Name::kGcRun ? keys::kGcRunLockFile
+                                                               : keys::kDrainLockFile);
   int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) return Status::FromErrno(errno, "opening " + path);
   int op = (mode == Mode::kShared ? LOCK_SH : LOCK_EX) | (wait ? 0 : LOCK_NB);
@@ -23,6 +25,7 @@ Result<RepoLock> RepoLock::Lock(const std::string& repository, Mode mode, Name n
     ::close(fd);
     if (err == EWOULDBLOCK) {
       if (name == Name::kGcRun) return Status::FailedPrecondition("another garbage collection is running");
+      if (name == Name::kDrain) return Status::FailedPrecondition("another drain of this fast tier is running");
       return Status::FailedPrecondition(mode == Mode::kShared ? "garbage collection is running"
                                                               : "saves are in progress");
     }

@@ -23,7 +23,7 @@ namespace ckptfs {
 class RepoLock {
  public:
   enum class Mode { kShared, kExclusive };
-  enum class Name { kGc, kGcRun };
+  enum class Name { kGc, kGcRun, kDrain };
   // Blocks until the lock is granted.
   static Result<RepoLock> Acquire(const std::string& repository, Mode mode, Name name = Name::kGc);
   // Like Acquire, but returns FailedPrecondition at once when another holder

@@ -2,6 +2,7 @@
 #include "ckpt/tiers.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -10,6 +11,7 @@
 #include "backend/durable_file.h"
 #include "ckpt/copy.h"
 #include "ckpt/layout.h"
+#include "ckpt/repo_lock.h"
 #include "ckpt/repository_impl.h"
 
 namespace ckptfs {
@@ -64,10 +66,16 @@ Result<std::optional<std::string>> ReadSharedTier(const std::string& fast_path) 
   return std::optional<std::string>(url);
 }
 
-Status WriteSharedTier(const std::string& fast_path, const std::string& shared_url) {
-  if (shared_url.empty() || shared_url.find('\n') != std::string::npos) {
+Status WriteSharedTier(const std::string& fast_path, const std::string& url) {
+  if (url.empty() || url.find('\n') != std::string::npos) {
     return Status::InvalidArgument("a shared tier's URL must be one non-empty line");
   }
+  // A directory is named by its absolute path, whatever directory the
+  // drain runs in later.
+  std::error_code ec;
+  const std::string shared_url =
+      url.find("://") != std::string::npos ? url : std::filesystem::absolute(url, ec).lexically_normal().string();
+  if (ec) return Status::InvalidArgument("the shared tier " + url + ": " + ec.message());
   CKPT_ASSIGN_OR_RETURN(std::optional<std::string> named, ReadSharedTier(fast_path));
   if (named) {
     if (*named == shared_url) return Status::OK();
@@ -133,6 +141,11 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
                           const ProgressFn& progress) {
   RepositoryImpl& src = *fast.impl_;
   RepositoryImpl& dst = *shared.impl_;
+  CKPT_RETURN_IF_ERROR(CheckTiers(src, dst));
+  // One drain of this fast tier at a time: the ranks of one host each run
+  // one, and a rank must not be committed in the shared tier twice.
+  CKPT_ASSIGN_OR_RETURN(RepoLock alone, RepoLock::Acquire(src.state_dir, RepoLock::Mode::kExclusive,
+                                                           RepoLock::Name::kDrain));
   CKPT_ASSIGN_OR_RETURN(std::vector<TierEntry> entries, TierStatus(fast, shared));
   auto phase = [&](const std::string& what) {
     if (options.on_phase) options.on_phase(what);
@@ -236,6 +249,14 @@ Result<std::vector<std::string>> PlanFastTierTrim(Repository& fast, Repository& 
     if (entries[i].durable) drop.push_back(entries[i].name);
   }
   return drop;
+}
+
+Status HoldUndrained(Repository& fast, Repository& shared, RetentionPolicy* policy) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<TierEntry> entries, TierStatus(fast, shared));
+  for (const TierEntry& e : entries) {
+    if (!e.durable) policy->held.emplace_back(e.name, "not yet durable in the shared tier (" + e.state() + ")");
+  }
+  return Status::OK();
 }
 
 }  // namespace ckptfs

@@ -34,9 +34,10 @@ inline constexpr const char* kSharedTierFile = "shared-tier";
 // multi-line file.
 Result<std::optional<std::string>> ReadSharedTier(const std::string& fast_path);
 // Names `shared_url` as the shared tier of the fast tier at `fast_path`
-// (written atomically). InvalidArgument when it names another already:
+// (written atomically; a relative directory is recorded as an absolute
+// path). InvalidArgument when it names another already:
 // a fast tier drains to one shared tier.
-Status WriteSharedTier(const std::string& fast_path, const std::string& shared_url);
+Status WriteSharedTier(const std::string& fast_path, const std::string& url);
 
 // Where one checkpoint of a fast tier stands.
 struct TierEntry {
@@ -100,5 +101,10 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
 // otherwise) that are durable in `shared`. One that is not durable is never
 // named, however old.
 Result<std::vector<std::string>> PlanFastTierTrim(Repository& fast, Repository& shared, uint64_t keep_last);
+
+// Adds to `policy.held` every checkpoint of `fast` that is not durable in
+// `shared`, so that no retention rule run on the fast tier (ckpt gc)
+// removes one.
+Status HoldUndrained(Repository& fast, Repository& shared, RetentionPolicy* policy);
 
 }  // namespace ckptfs

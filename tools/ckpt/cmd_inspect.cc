@@ -20,6 +20,7 @@
 #include "ckpt/describe.h"
 #include "ckpt/files.h"
 #include "ckpt/repository.h"
+#include "ckpt/tiers.h"
 #include "commands.h"
 #include "core/json.h"
 #include "core/text.h"
@@ -31,7 +32,9 @@ namespace {
 const CommandSpec kLs{"ls", "[GROUP]", "List checkpoints in commit order.",
                       "A checkpoint name may hold '/'-separated groups (run1/step-100): with GROUP,\n"
                       "only the checkpoints in it (run1: run1/step-100, run1/eval/step-3) are listed.\n"
-                      "A pending save that replaces NAME (an overwriting save) is listed as NAME~.",
+                      "A pending save that replaces NAME (an overwriting save) is listed as NAME~.\n"
+                      "A fast tier (a repository that names a shared tier: ckpt drain) lists its\n"
+                      "pending checkpoints too, with each one's TIER state: local, drained or durable.",
                       {{"all", 'a', false, false, "", "include pending (uncommitted) checkpoints"}, kJsonOpt},
                       0, 1};
 
@@ -39,14 +42,33 @@ int CmdLs(const GlobalOptions& global, const Args& args) {
   int rc = kExitOk;
   auto repo = OpenRepoOr(global, &rc);
   if (!repo) return rc;
-  auto list = repo->ListCheckpoints(args.Has("all"));
+  // A fast tier: each checkpoint's state in its shared tier. On a job of
+  // several hosts its checkpoints stay pending here, so they are listed.
+  std::map<std::string, std::string> tier_state;
+  auto shared = OpenSharedTier(global, *repo);
+  if (!shared.ok()) return Fail(shared.status());
+  if (*shared) {
+    auto entries = TierStatus(*repo, **shared);
+    if (!entries.ok()) return Fail(entries.status());
+    for (const TierEntry& e : *entries) tier_state[e.name] = e.state();
+  }
+  const bool tiered = *shared != nullptr;
+  auto list = repo->ListCheckpoints(args.Has("all") || tiered);
   if (!list.ok()) return Fail(list.status());
   if (!args.positional.empty()) {
     std::erase_if(*list, [&](const CheckpointRecord& c) { return !InGroup(c.name, args.positional[0]); });
   }
+  auto state_of = [&](const CheckpointRecord& c) {
+    auto it = tier_state.find(c.name);
+    return it == tier_state.end() ? std::string("-") : it->second;
+  };
   if (args.Has("json")) {
     Json j = Json::MakeArray();
-    for (const auto& c : *list) j.Push(DescribeRecord(c));
+    for (const auto& c : *list) {
+      Json one = DescribeRecord(c);
+      if (tiered) one.Set("tier_state", state_of(c));
+      j.Push(std::move(one));
+    }
     PrintJson(j);
     return kExitOk;
   }
@@ -54,16 +76,19 @@ int CmdLs(const GlobalOptions& global, const Args& args) {
     std::printf("no checkpoints\n");
     return kExitOk;
   }
-  std::printf("%-28s %-10s %8s %8s %12s  %s\n", "NAME", "STEP", "RANKS", "TENSORS", "SIZE", "COMMITTED");
+  const char* tier_head = tiered ? "TIER     " : "";
+  std::printf("%-28s %-10s %8s %8s %12s  %s%s\n", "NAME", "STEP", "RANKS", "TENSORS", "SIZE", tier_head, "COMMITTED");
   for (const auto& c : *list) {
     const bool committed = c.state == CheckpointState::kCommitted;
     std::string ranks = std::to_string(c.committed_ranks.size()) + "/" + std::to_string(c.world_size);
     const std::string when = committed ? FormatUnixMs(c.committed_unix_ms)
                                        : "(pending since " + FormatUnixMs(c.created_unix_ms) + "; missing ranks " +
                                              RanksToString(MissingRanks(c)) + ")";
-    std::printf("%-28s %-10s %8s %8llu %12s  %s\n", c.name.c_str(), c.step ? std::to_string(*c.step).c_str() : "-",
+    char tier[16] = "";
+    if (tiered) std::snprintf(tier, sizeof tier, "%-8s ", state_of(c).c_str());
+    std::printf("%-28s %-10s %8s %8llu %12s  %s%s\n", c.name.c_str(), c.step ? std::to_string(*c.step).c_str() : "-",
                 committed ? std::to_string(c.world_size).c_str() : ranks.c_str(),
-                static_cast<unsigned long long>(c.tensor_count), HumanBytes(c.logical_bytes).c_str(), when.c_str());
+                static_cast<unsigned long long>(c.tensor_count), HumanBytes(c.logical_bytes).c_str(), tier, when.c_str());
   }
   return kExitOk;
 }

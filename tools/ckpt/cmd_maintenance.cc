@@ -20,6 +20,7 @@
 #include "ckpt/describe.h"
 #include "ckpt/files.h"
 #include "ckpt/repository.h"
+#include "ckpt/tiers.h"
 #include "commands.h"
 #include "core/json.h"
 #include "core/text.h"
@@ -200,7 +201,10 @@ const CommandSpec kGc{
     "none of the patterns. The thinned checkpoint replaces the whole one atomically\n"
     "(readers of the whole one keep it until they close it), stays loadable and\n"
     "mountable, keeps its step and place in the order, and says it was thinned\n"
-    "(ckpt show). One whose thinning would keep no tensor stays whole.",
+    "(ckpt show). One whose thinning would keep no tensor stays whole.\n"
+    "\n"
+    "On a fast tier (a repository that names a shared tier: ckpt drain), no rule\n"
+    "removes a checkpoint that is not yet durable in the shared tier.",
     {{"keep-last", 0, true, false, "N", "keep the newest N checkpoints"},
      {"keep-every", 0, true, false, "K", "keep checkpoints whose step is a multiple of K"},
      {"keep-within", 0, true, false, "DURATION",
@@ -244,6 +248,13 @@ int CmdGc(const GlobalOptions& global, const Args& args) {
   int rc = kExitOk;
   auto repo = OpenRepoOr(global, &rc);
   if (!repo) return rc;
+  // A fast tier drops no checkpoint its shared tier lacks.
+  auto shared = OpenSharedTier(global, *repo);
+  if (!shared.ok()) return Fail(shared.status());
+  if (*shared) {
+    Status held = HoldUndrained(*repo, **shared, &o.retention);
+    if (!held.ok()) return Fail(held);
+  }
   auto plan = repo->ExplainRetention(o.retention);
   if (!plan.ok()) return Fail(plan.status());
   if (!args.Has("json")) {

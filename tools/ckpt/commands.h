@@ -20,6 +20,7 @@ extern const Command kRmCommand;
 extern const Command kGcCommand;
 extern const Command kMountCommand;    // cmd_mount.cc
 extern const Command kCopyCommand;     // cmd_copy.cc
+extern const Command kDrainCommand;    // cmd_tiers.cc
 
 // Runs `ckpt ARGS...` and returns its exit status (run.cc).
 int Main(int argc, char** argv);

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <cstdlib>
 
+#include "ckpt/tiers.h"
 #include "core/text.h"
 
 namespace ckptfs::cli {
@@ -69,6 +70,15 @@ std::unique_ptr<Repository> OpenRepoOr(const GlobalOptions& global, int* exit_co
     return nullptr;
   }
   return std::move(repo).value();
+}
+
+Result<std::unique_ptr<Repository>> OpenSharedTier(const GlobalOptions& global, const Repository& fast) {
+  if (fast.remote()) return std::unique_ptr<Repository>();
+  CKPT_ASSIGN_OR_RETURN(std::optional<std::string> url, ReadSharedTier(fast.path()));
+  if (!url) return std::unique_ptr<Repository>();
+  auto shared = Repository::Open(*url, global.open);
+  if (!shared.ok()) return shared.status().WithContext("the shared tier " + *url + " of fast tier " + fast.path());
+  return std::move(shared).value();
 }
 
 void PrintJson(const Json& j) { std::printf("%s\n", j.Dump(2).c_str()); }

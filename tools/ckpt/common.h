@@ -41,6 +41,11 @@ int Fail(const Status& st);
 // printed and *exit_code set (2 when no repository was named).
 std::unique_ptr<Repository> OpenRepoOr(const GlobalOptions& global, int* exit_code);
 
+// The shared tier that the fast tier `fast` names (a local repository
+// with a shared-tier file: ckpt/tiers.h), opened with the global options;
+// null when `fast` names none.
+Result<std::unique_ptr<Repository>> OpenSharedTier(const GlobalOptions& global, const Repository& fast);
+
 void PrintJson(const Json& j);
 
 // Runs `python -m ckptfs.formats ARGS...` in place of this process: the

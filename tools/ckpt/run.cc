@@ -15,7 +15,7 @@ namespace {
 const Command* const kCommands[] = {
     &kInitCommand, &kImportCommand, &kLsCommand,      &kShowCommand, &kCatCommand,
     &kExportCommand, &kVerifyCommand, &kReindexCommand, &kRmCommand,   &kMountCommand,
-    &kDuCommand,   &kDiffCommand,   &kGcCommand,    &kCopyCommand,
+    &kDuCommand,   &kDiffCommand,   &kGcCommand,    &kCopyCommand,  &kDrainCommand,
 };
 
 void MainHelp(FILE* out) {

@@ -32,6 +32,7 @@
 #include "ckpt/describe.h"
 #include "ckpt/import.h"
 #include "ckpt/repository.h"
+#include "ckpt/tiers.h"
 #include "core/fork.h"
 #include "core/version.h"
 #include "core/chunk_id.h"
@@ -1049,7 +1050,8 @@ class PyRepository {
                                  std::vector<uint64_t>, uint64_t, uintptr_t, uint64_t, int>;
   py::dict load_collective(py::object group, const std::string& name, const std::vector<TargetTuple>& targets,
                            const std::optional<std::string>& error, const std::string& device_token, bool progress,
-                           const std::string& what) {
+                           const std::string& what, const std::vector<PyRepository*>& nearer) {
+    const std::vector<const Repository*> tiers = Repositories(nearer);
     Status ready = error ? Status::InvalidArgument(*error) : Status::OK();
     std::vector<CollectiveTarget> wanted;
     std::map<const std::byte*, int> devices;
@@ -1077,7 +1079,7 @@ class PyRepository {
     Result<CollectiveLoadResult> r = Status::Internal("not run");
     {
       py::gil_scoped_release nogil;
-      r = LoadCollective(*repo_, name, wanted, comm, memory);
+      r = LoadCollective(*repo_, name, wanted, comm, memory, tiers);
     }
     CheckCollective(r.status(), what);
     py::dict d;
@@ -1093,11 +1095,59 @@ class PyRepository {
     return d;
   }
 
-  Reader open_checkpoint(const std::string& name, bool lease) {
-    py::gil_scoped_release nogil;
+  Reader open_checkpoint(const std::string& name, bool lease, const std::vector<PyRepository*>& nearer) {
     ReadOptions options;
     options.lease = lease;
+    options.nearer = Repositories(nearer);
+    py::gil_scoped_release nogil;
     return Reader(repo_, Value(repo_->OpenCheckpoint(name, options)));
+  }
+
+  // Two tiers (ckpt/tiers.h), this repository the fast tier.
+  py::object tier_status(PyRepository& shared) {
+    std::vector<TierEntry> entries;
+    {
+      py::gil_scoped_release nogil;
+      entries = Value(TierStatus(*repo_, *shared.repo_));
+    }
+    Json j = Json::MakeArray();
+    for (const TierEntry& e : entries) j.Push(DescribeTierEntry(e));
+    return JsonToPython(j);
+  }
+
+  py::object drain(PyRepository& shared, const std::vector<std::string>& names, py::object on_phase) {
+    DrainOptions o;
+    o.names = names;
+    std::optional<py::error_already_set> failed;
+    o.on_phase = FromEngineThread<const std::string&>(on_phase, failed);
+    DrainReport r;
+    {
+      py::gil_scoped_release nogil;
+      r = Value(Drain(*repo_, *shared.repo_, o));
+    }
+    if (failed) throw std::move(*failed);
+    return JsonToPython(DescribeDrainReport(r));
+  }
+
+  std::vector<std::string> plan_fast_trim(PyRepository& shared, uint64_t keep_last) {
+    py::gil_scoped_release nogil;
+    return Value(PlanFastTierTrim(*repo_, *shared.repo_, keep_last));
+  }
+
+  std::vector<std::pair<std::string, std::string>> undrained(PyRepository& shared) {
+    RetentionPolicy held;
+    py::gil_scoped_release nogil;
+    Check(HoldUndrained(*repo_, *shared.repo_, &held));
+    return held.held;
+  }
+
+  static std::vector<const Repository*> Repositories(const std::vector<PyRepository*>& list) {
+    std::vector<const Repository*> out;
+    for (const PyRepository* r : list) {
+      if (r == nullptr) throw StatusError{Status::InvalidArgument("a nearer tier must be a repository")};
+      out.push_back(r->repo_.get());
+    }
+    return out;
   }
 
   // Ranks of a pending checkpoint that began their save: the fields of
@@ -1136,7 +1186,8 @@ class PyRepository {
                 std::optional<std::string> keep_within, const std::vector<std::string>& keep,
                 bool allow_removing_newest, bool dry_run, double rewrite_below, py::object on_phase,
                 py::object progress, const std::string& group, std::optional<uint64_t> thin_older_than,
-                const std::vector<std::string>& thin_keep) {
+                const std::vector<std::string>& thin_keep,
+                const std::vector<std::pair<std::string, std::string>>& held) {
     if (keep_every && *keep_every == 0) throw StatusError{Status::InvalidArgument("keep_every must be at least 1")};
     if (!thin_keep.empty() && !thin_older_than) {
       throw StatusError{Status::InvalidArgument("thin_keep says what thinning keeps: give thin_older_than too")};
@@ -1146,6 +1197,7 @@ class PyRepository {
     o.retention.keep_every = keep_every;
     if (keep_within) o.retention.keep_within_s = Value(ParseDuration(*keep_within));
     o.retention.keep = keep;
+    o.retention.held = held;
     o.retention.allow_removing_newest = allow_removing_newest;
     o.retention.group = group;
     o.retention.thin_older_than = thin_older_than;
@@ -1412,6 +1464,11 @@ PYBIND11_MODULE(_core, m) {
     for (const auto& x : tokens) t.push_back(x.value_or(""));
     return DeliverOnDevice(t);
   }, py::arg("tokens"), "Whether a collective load's regions travel device to device, given every rank's device token.");
+  m.def("read_shared_tier", [](const std::string& fast_path) { return Value(ReadSharedTier(fast_path)); },
+        py::arg("fast_path"));
+  m.def("write_shared_tier", [](const std::string& fast_path, const std::string& url) {
+    Check(WriteSharedTier(fast_path, url));
+  }, py::arg("fast_path"), py::arg("url"));
   m.def("new_save_attempt", &NewSaveAttempt,
         "A new save attempt: every rank of one save passes the same to begin (WriterOptions::attempt).");
   m.def("digest", [](py::buffer data) {
@@ -1504,8 +1561,14 @@ PYBIND11_MODULE(_core, m) {
       .def("begin_collective", &PyRepository::begin_collective, py::arg("group"), py::arg("name"), py::arg("step"),
            py::arg("tags"), py::arg("await_ranks"), py::arg("attempt"), py::arg("overwrite"), py::arg("what"))
       .def("load_collective", &PyRepository::load_collective, py::arg("group"), py::arg("name"), py::arg("targets"),
-           py::arg("error"), py::arg("device_token"), py::arg("progress"), py::arg("what"))
-      .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"), py::arg("lease") = true)
+           py::arg("error"), py::arg("device_token"), py::arg("progress"), py::arg("what"),
+           py::arg("nearer") = std::vector<PyRepository*>{})
+      .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"), py::arg("lease") = true,
+           py::arg("nearer") = std::vector<PyRepository*>{})
+      .def("tier_status", &PyRepository::tier_status, py::arg("shared"))
+      .def("drain", &PyRepository::drain, py::arg("shared"), py::arg("names"), py::arg("on_phase"))
+      .def("plan_fast_trim", &PyRepository::plan_fast_trim, py::arg("shared"), py::arg("keep_last"))
+      .def("undrained", &PyRepository::undrained, py::arg("shared"))
       .def("checkpoints", &PyRepository::checkpoints, py::arg("include_pending"))
       .def("refresh", &PyRepository::refresh)
       .def("pending_ranks", &PyRepository::pending_ranks, py::arg("name"))
@@ -1516,7 +1579,8 @@ PYBIND11_MODULE(_core, m) {
       .def("gc", &PyRepository::gc, py::arg("keep_last"), py::arg("keep_every"), py::arg("keep_within"),
            py::arg("keep"), py::arg("allow_removing_newest"), py::arg("dry_run"),
            py::arg("rewrite_below"), py::arg("on_phase"), py::arg("progress"), py::arg("group") = "",
-           py::arg("thin_older_than") = std::nullopt, py::arg("thin_keep") = std::vector<std::string>{})
+           py::arg("thin_older_than") = std::nullopt, py::arg("thin_keep") = std::vector<std::string>{},
+           py::arg("held") = std::vector<std::pair<std::string, std::string>>{})
       .def("verify", &PyRepository::verify, py::arg("name"))
       .def("diff", &PyRepository::diff, py::arg("a"), py::arg("b"))
       .def("du", &PyRepository::du, py::arg("names"), py::arg("by_kind") = false)

@@ -41,6 +41,7 @@ from .repository import (  # noqa: A004
     release_staging_memory,
 )
 from .shards import Box, Flat, Shard
+from .tiers import TierHandle, TieredRepository
 
 __version__ = _core.__version__
 
@@ -52,6 +53,8 @@ __all__ = [
     "Shard",
     "Repository",
     "SaveHandle",
+    "TieredRepository",
+    "TierHandle",
     "init",
     "open",
     "copy",

@@ -306,16 +306,18 @@ def begin(core, args: tuple, group: Group, attempt: str = "", overwrite: bool = 
 
 
 def load(repo, name: str, targets: Mapping[str, Any], shards: Mapping[str, Any], group: Group,
-         progress=None) -> Dict[str, Any]:
+         progress=None, nearer=()) -> Dict[str, Any]:
     """Fills `targets` (this rank's) with every distinct region fetched once
     across the group. Returns the engine's figures."""
-    return load_items(repo, name, [(k, t, shards.get(k)) for k, t in targets.items()], group, progress)
+    return load_items(repo, name, [(k, t, shards.get(k)) for k, t in targets.items()], group, progress, nearer)
 
 
-def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: Group, progress=None) -> Dict[str, Any]:
+def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: Group, progress=None,
+               nearer=()) -> Dict[str, Any]:
     """As load, for a list of (tensor name, target tensor, shard or None):
     one tensor may come several times (DCP's read items). The engine's
-    LoadCollective, with this rank's targets in `group`."""
+    LoadCollective, with this rank's targets in `group`; `nearer`: core
+    repositories whose chunks this rank reads first (a fast tier)."""
     from .memory import Target, nbytes, region, torch_module, writable_mappings  # noqa: PLC0415
 
     torch = torch_module()
@@ -346,7 +348,7 @@ def load_items(repo, name: str, items: List[Tuple[str, Any, Any]], group: Group,
         group.total = sum(nbytes(t) for _k, t, _s in items)
     try:
         figures = repo._repo.load_collective(group, name, described, error, token or "", progress is not None,
-                                             group.what)
+                                             group.what, list(nearer))
     finally:
         group.targets, group.on_progress = {}, None
     for t in scratch:

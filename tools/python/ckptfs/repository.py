@@ -338,7 +338,7 @@ class Repository:
 
     def load(self, name: str, targets: Mapping[str, Any], *, shards: Optional[Mapping[str, Shard]] = None,
              progress: Optional[Callable[[int, int], None]] = None, process_group: Any = None,
-             timeout: Optional[float] = None):
+             timeout: Optional[float] = None, _nearer=()):
         """Fills pre-allocated tensors or arrays from checkpoint `name`.
 
         targets maps tensor names to CPU or CUDA tensors or NumPy arrays. A
@@ -361,9 +361,9 @@ class Repository:
             from . import collective  # noqa: PLC0415
 
             group = collective.Group(process_group, timeout, f"collective load of '{name}'")
-            collective.load(self, name, targets, shards, group, progress)
+            collective.load(self, name, targets, shards, group, progress, nearer=_nearer)
             return targets
-        reader = self._repo.open_checkpoint(name)
+        reader = self._repo.open_checkpoint(name, True, list(_nearer))
         mappings = memory.writable_mappings()  # read once per load: targets may be any memory
         total = sum(memory.nbytes(t) for t in targets.values()) if progress else 0
         done = 0
@@ -620,7 +620,8 @@ def init(url: str, *, chunk_size: int = 4 << 20, pack_size: int = 256 << 20, com
 
 def open(url: str, *, threads: int = 0, cache_bytes: int = 512 << 20,  # noqa: A001
          cache_dir: Optional[str] = None, io_threads: int = 0, process_group=None,
-         timeout: Optional[float] = None) -> Repository:
+         timeout: Optional[float] = None, fast_tier: Optional[str] = None, keep_last: int = 2,
+         on_drain_phase: Optional[Callable[[str], None]] = None):
     """Opens the repository at `url`: a local directory, or
     s3://BUCKET/PREFIX on an S3 store (endpoint and credentials from
     AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or the AWS
@@ -641,7 +642,22 @@ def open(url: str, *, threads: int = 0, cache_bytes: int = 512 << 20,  # noqa: A
     restart lists the store once, not once per process. An error on any
     rank raises CollectiveError on every rank, within `timeout` seconds
     (default 300) when a rank is gone.
+
+    fast_tier: a local directory on this host to save to first (made when
+    missing): returns a TieredRepository (ckptfs.tiers) whose saves commit
+    there at local speed and drain to `url`, the shared tier, in the
+    background. keep_last: checkpoints the fast tier keeps (it drops older
+    ones once they are durable in the shared tier, never before);
+    on_drain_phase(line): called as the drain goes. docs/PYTHON.md, "Two
+    tiers".
     """
+    if fast_tier is not None:
+        from .tiers import open_tiers  # noqa: PLC0415
+
+        return open_tiers(url, fast_tier, keep_last=keep_last, on_phase=on_drain_phase, threads=threads,
+                          cache_bytes=cache_bytes, cache_dir=cache_dir, io_threads=io_threads,
+                          process_group=process_group, timeout=timeout)
+
     def open_core(opening_sync: bool = True):
         return _core.Repository.open(url, int(threads), int(cache_bytes), _path_or_empty(cache_dir),
                                      int(io_threads), opening_sync)
