@@ -757,6 +757,114 @@ class Copy(S3Case):
         self.assertLess(sum(resent), len(resent) * full * 3 // 4, resent)
 
 
+class Drain(S3Case):
+    """ckpt drain: fast tiers of two hosts (local directories) in front of
+    an S3 repository; each host drains its own ranks."""
+
+    KILL_POINTS = 10
+
+    def setUp(self):
+        super().setUp()
+        self.a, self.b = self.host("a"), self.host("b")
+        self.a.run("-r", self.repo, "init", "--chunk-size", "64K", "--pack-size", "1M")
+        model = {"w": ("F32", self.rng.standard_normal((256, 1024)).astype(np.float32)),  # 1 MiB
+                 "norm": ("BF16", st.random_array(self.rng, "BF16", (4096,)))}
+        files = self.sharded_files(model, 4)
+        self.fast = {h: self.path(f"fast-{h.name}") for h in (self.a, self.b)}
+        for h in (self.a, self.b):
+            h.run("-r", self.fast[h], "init", "--chunk-size", "64K", "--pack-size", "1M")
+        # ranks 0 and 1 on host a, 2 and 3 on host b: each fast tier holds
+        # its host's ranks of step-1, pending there
+        for r in range(4):
+            h = self.a if r < 2 else self.b
+            h.run("-r", self.fast[h], "import", "step-1", files[r], "--rank", str(r), "--world-size", "4",
+                  "--step", "1")
+        reference = self.path("reference")
+        self.a.run("-r", reference, "init")
+        for r in range(4):
+            self.a.run("-r", reference, "import", "step-1", files[r], "--rank", str(r), "--world-size", "4",
+                       "--step", "1")
+        self.want = self.export(reference, "step-1")
+
+    def export(self, repo, name):
+        out = self.path(f"export-{uuid.uuid4().hex[:8]}.safetensors")
+        self.a.run("-r", repo, "export", name, out)
+        with open(out, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    def drain(self, h, *args, ok=True, env=None):
+        return h.run("-r", self.fast[h], "drain", *args, ok=ok, env=env)
+
+    def visible(self):
+        return [c["name"] for c in json.loads(self.a.run("-r", self.repo, "ls", "--json").stdout)]
+
+    def states(self, h):
+        return {c["name"]: c["tier_state"] for c in json.loads(self.drain(h, "--status", "--json").stdout)}
+
+    def test_each_host_drains_its_ranks_and_the_last_makes_the_checkpoint_durable(self):
+        refused = self.drain(self.a, ok=False)
+        self.assertEqual(refused.returncode, 2)
+        self.assertIn("names no shared tier", refused.stderr.decode())
+        first = json.loads(self.drain(self.a, "--to", self.repo, "--json").stdout)
+        self.assertEqual([(c["name"], c["ranks_copied"], c["durable"]) for c in first["checkpoints"]],
+                         [("step-1", 2, False)])
+        self.assertEqual(self.states(self.a), {"step-1": "drained"})
+        self.assertEqual(self.visible(), [])
+        ls = self.a.run("-r", self.fast[self.a], "ls").stdout.decode()
+        self.assertIn("drained", ls)
+        # --wait on host a gives up after --timeout: host b has not drained
+        waited = self.drain(self.a, "--wait", "--timeout", "2", ok=False)
+        self.assertEqual(waited.returncode, 1)
+        self.assertIn("not every checkpoint is durable", waited.stderr.decode())
+        second = json.loads(self.drain(self.b, "--to", self.repo, "--json").stdout)
+        self.assertEqual([(c["name"], c["ranks_copied"], c["durable"]) for c in second["checkpoints"]],
+                         [("step-1", 2, True)])
+        # the norm both halves hold is sent once
+        self.assertLess(second["raw_bytes_sent"], first["raw_bytes_sent"] + 4096 * 2)
+        self.assertEqual(self.visible(), ["step-1"])
+        self.assertEqual(self.export(self.repo, "step-1"), self.want)
+        done = json.loads(self.drain(self.a, "--wait", "--json").stdout)
+        self.assertEqual([c["tier_state"] for c in done["fast_tier"]], ["durable"])
+        self.assertEqual(done["chunks_sent"], 0)
+
+    def test_a_drain_killed_anywhere_resumes_and_nothing_half_done_is_visible(self):
+        self.drain(self.b, "--to", self.repo)
+        count = self.path("count")
+        with open(os.path.join(self.fast[self.a], "shared-tier"), "w") as f:
+            f.write(self.repo + "\n")
+        # how many crash points a whole drain of host a passes, on a copy
+        probe = self.path("probe")
+        shutil.copytree(self.fast[self.a], probe)
+        probe_repo = f"s3://{BUCKET}/drain-probe-{uuid.uuid4().hex[:8]}"
+        elsewhere = self.host("p")  # a catalog of its own for the probe's repository
+        elsewhere.run("-r", probe_repo, "init", "--chunk-size", "64K", "--pack-size", "1M")
+        with open(os.path.join(probe, "shared-tier"), "w") as f:
+            f.write(probe_repo + "\n")
+        elsewhere.run("-r", probe, "drain", "--no-trim", env={"CKPTFS_TEST_CRASH_COUNT_FILE": count})
+        with open(count) as f:
+            total = int(f.read())
+        self.assertGreaterEqual(total, 3)
+        points = sorted({1 + (total - 1) * k // (self.KILL_POINTS - 1) for k in range(self.KILL_POINTS)})
+        kills = 0
+        for pt in points:
+            rc = self.drain(self.a, "--no-trim", ok=None, env={"CKPTFS_TEST_CRASH_AT": str(pt)}).returncode
+            kills += rc == -signal.SIGKILL
+            if self.visible():  # whatever shows is whole
+                self.assertEqual(self.export(self.repo, "step-1"), self.want, f"kill point {pt}")
+        self.assertGreater(kills, 0)
+        self.drain(self.a, "--no-trim")
+        self.assertEqual(self.visible(), ["step-1"])
+        self.assertEqual(self.export(self.repo, "step-1"), self.want)
+        self.a.run("-r", self.repo, "verify")
+
+    def test_gc_on_a_fast_tier_keeps_what_is_not_durable(self):
+        self.drain(self.a, "--to", self.repo, "--status")
+        gc = json.loads(self.a.run("-r", self.fast[self.a], "gc", "--keep-last", "1", "--json").stdout)
+        self.assertEqual(gc["removed"], [])
+        self.assertEqual(json.loads(self.a.run("-r", self.fast[self.a], "ls", "--json").stdout)[0]["tier_state"],
+                         "local")
+
+
 class Errors(S3Case):
     def one_line(self, proc):
         self.assertEqual(proc.returncode, 1, proc.stderr.decode())

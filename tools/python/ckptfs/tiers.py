@@ -82,12 +82,14 @@ class _Drainer:
         self._keep_last = keep_last
         self._on_phase = on_phase
         self._cond = threading.Condition()
+        self._trimming = threading.Lock()  # one trim of the fast tier at a time
         self._stages: Dict[str, int] = {}
         self._waiting_local: List[Any] = []  # async saves' handles, until their commit is local
         self._wake = True  # drain once at start: what an earlier process left
         self._stopping = False
         self._error: Optional[BaseException] = None
-        self._passes = 0
+        self._started = 0  # drain passes begun
+        self._passes = 0  # and finished
         self._thread = threading.Thread(target=self._run, name="ckptfs-drain", daemon=True)
         self._thread.start()
 
@@ -128,7 +130,7 @@ class _Drainer:
     def drain_now(self, timeout: Optional[float]) -> None:
         """Waits for one whole pass that began after this call."""
         with self._cond:
-            target = self._passes + 2  # the pass running now may have begun before
+            target = self._started + 1  # a pass running now began before this call
             self._wake = True
             self._cond.notify_all()
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -162,6 +164,7 @@ class _Drainer:
                 if self._stopping and not self._wake:
                     return
                 self._wake = False
+                self._started += 1
                 waiting = list(self._waiting_local)
             for name, handle in waiting:
                 try:
@@ -190,10 +193,25 @@ class _Drainer:
     def _pass(self) -> None:
         self._fast._repo.drain(self._shared._repo, [], self._on_phase)
         self._note(self._fast._repo.tier_status(self._shared._repo))
-        trim = self._fast._repo.plan_fast_trim(self._shared._repo, self._keep_last)
-        if trim:
-            self._fast._repo.rm(trim)
+        with self._trimming:
+            self._drop(self._fast._repo.plan_fast_trim(self._shared._repo, self._keep_last))
+
+    def _drop(self, names: List[str]) -> None:
+        """Removes durable checkpoints from the fast tier and reclaims their
+        space (under _trimming)."""
+        if names:
+            self._fast._repo.rm(names)
             self._fast._repo.gc(None, None, None, [], False, False, 0.5, None, None)
+
+    def drop_durable_until(self, enough: Callable[[], bool]) -> bool:
+        """Drops the fast tier's durable checkpoints, oldest first, until
+        enough() says so; whether it did."""
+        with self._trimming:
+            for name in self._fast._repo.plan_fast_trim(self._shared._repo, 0):
+                if enough():
+                    return True
+                self._drop([name])
+            return enough()
 
     def _note(self, entries: List[Dict[str, Any]]) -> None:
         with self._cond:
@@ -266,19 +284,22 @@ class TieredRepository:
         return handle
 
     def _make_room(self, state_dict: Mapping[str, Any]) -> None:
-        """A save that might not fit waits for the drain and the trim (at
-        most full_wait seconds) first."""
+        """A save that might not fit in the fast tier waits (at most
+        full_wait seconds) for the drain, then drops durable checkpoints
+        from the fast tier, oldest first, even among the newest keep_last:
+        their bytes are in the shared tier, so nothing is lost."""
         need = sum(memory.nbytes(v) for v in state_dict.values())
         if _free_bytes(self.fast.path) >= need:
             return
         deadline = time.monotonic() + self.full_wait
-        while _free_bytes(self.fast.path) < need and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             try:
                 self._drainer.drain_now(max(0.0, deadline - time.monotonic()))
             except (TimeoutError, Error):
                 break
-            if _free_bytes(self.fast.path) < need:
-                time.sleep(_Drainer.POLL_SECONDS)  # waiting for other hosts to make older checkpoints durable
+            if self._drainer.drop_durable_until(lambda: _free_bytes(self.fast.path) >= need):
+                return
+            time.sleep(_Drainer.POLL_SECONDS)  # other hosts' ranks may make older checkpoints durable
 
     def _full(self, e: StorageError) -> Error:
         text = str(e)

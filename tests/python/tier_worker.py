@@ -1,0 +1,109 @@
+"""One host of a job on two tiers (ckptfs.open(URL, fast_tier=...)), run by
+test_tiers.py: one process per host over gloo (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT from the environment), each with its own fast tier
+HOSTS/host-RANK/fast and its own cache directory HOSTS/host-RANK/cache.
+
+    tier_worker.py save URL HOSTS NAME STEP [die-before-drain|no-wait]
+        saves this rank's rows of state(STEP) through the group and waits
+        until the checkpoint is durable in the shared tier; prints
+        {"stage", "blocking"} as JSON. "die-before-drain": rank 1 exits as
+        its drain begins (its part stays in its fast tier only); the others
+        wait until their own ranks are in the shared tier and print their
+        stage. "no-wait": every rank prints its stage without waiting.
+    tier_worker.py resume URL HOSTS - -
+        opens the tiers (each host's drain finishes what an earlier process
+        left), takes the resume point through the group, waits until it is
+        durable, loads it through the group, checks every element and
+        prints {"name", "fast", "shared"}: what this rank's load read from
+        each tier (chunks and bytes, requests).
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import ckptfs
+from worker_exit import leave
+
+ROWS, COLS = 64, 1024  # 256 KiB of f32 per rank's part of "w"
+
+
+def state(step, world):
+    """The whole tensors of step `step`: "frozen" never changes, "w" does."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    frozen = torch.randn(world * ROWS, COLS, generator=torch.Generator().manual_seed(5))
+    return {"frozen": frozen, "w": torch.randn(world * ROWS, COLS, generator=gen)}
+
+
+def mine(step, rank, world):
+    values, shards = {}, {}
+    for key, t in state(step, world).items():
+        values[key] = t[rank * ROWS:(rank + 1) * ROWS].clone()
+        shards[key] = ckptfs.Box(tuple(t.shape), (rank * ROWS, 0))
+    values["rng"] = f"rng of step {step}, rank {rank}".encode()
+    return values, shards
+
+
+def open_tiers(url, hosts, rank, on_phase=None):
+    here = os.path.join(hosts, f"host-{rank}")
+    return ckptfs.open(url, fast_tier=os.path.join(here, "fast"), cache_dir=os.path.join(here, "cache"),
+                       process_group=dist.group.WORLD, on_drain_phase=on_phase)
+
+
+def main():
+    action, url, hosts, name, step = sys.argv[1:6]
+    mode = sys.argv[6] if len(sys.argv) > 6 else ""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    if action == "save":
+        def on_phase(line):
+            if mode == "die-before-drain" and rank == 1 and line.startswith("draining"):
+                os._exit(9)  # killed: the part stays in this host's fast tier
+        tiers = open_tiers(url, hosts, rank, on_phase)
+        values, shards = mine(int(step), rank, world)
+        # Blobs are rank 0's alone in a checkpoint: one per rank, by name.
+        values[f"rng.{rank}"] = values.pop("rng")
+        start = time.perf_counter()
+        result = tiers.save(name, values, step=int(step), shards=shards, process_group=dist.group.WORLD)
+        blocking = time.perf_counter() - start
+        handle = result["tiers"]
+        if mode == "die-before-drain":
+            stage = handle.wait("drained" if rank != 1 else "durable", timeout=60)
+        elif mode == "no-wait":
+            stage = handle.stage
+        else:
+            stage = handle.wait("durable", timeout=120)
+        print(json.dumps({"stage": stage, "blocking": blocking}), flush=True)
+        tiers.close()
+        if mode == "die-before-drain":
+            os._exit(0)  # rank 1 is gone: no barrier
+        dist.barrier()
+    elif action == "resume":
+        tiers = open_tiers(url, hosts, rank)
+        point = tiers.resume_point(process_group=dist.group.WORLD)
+        name = point["name"]
+        # Only what this host drains is waited for here: the resume point
+        # is already complete in one tier.
+        values, shards = mine(point["step"], rank, world)
+        targets = {k: torch.empty_like(v) for k, v in values.items() if k != "rng"}
+        before = tiers.store_counters()
+        tiers.load(name, targets, shards={k: shards[k] for k in targets}, process_group=dist.group.WORLD)
+        after = tiers.store_counters()
+        for key, t in targets.items():
+            if not torch.equal(t, values[key]):
+                raise SystemExit(f"rank {rank}: {key} of {name} differs")
+        delta = {tier: {k: after[tier][k] - before[tier][k] for k in after[tier]} for tier in after}
+        print(json.dumps({"name": name, "where": point["tier"], **delta}), flush=True)
+        tiers.close()
+        dist.barrier()
+    else:
+        raise SystemExit(f"unknown action {action}")
+    leave()
+
+
+if __name__ == "__main__":
+    main()
