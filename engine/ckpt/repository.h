@@ -59,11 +59,6 @@
 namespace ckptfs {
 
 class Repository;
-struct TierEntry;
-struct DrainOptions;
-struct DrainReport;
-Result<std::vector<TierEntry>> TierStatus(Repository& fast, Repository& shared);
-Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptions& options, const ProgressFn& progress);
 // Copies committed checkpoints of `source` to `destination` (any two
 // repositories: local, S3, a Backend; not the same one), sending only the
 // chunks the destination lacks, as they are stored (no encoding again).
@@ -255,9 +250,7 @@ class Repository {
                                      const std::vector<std::string>& patterns);
   friend Result<CopyReport> CopyCheckpoints(Repository& source, Repository& destination, const CopyOptions& options,
                                             const ProgressFn& progress);
-  friend Result<std::vector<TierEntry>> TierStatus(Repository& fast, Repository& shared);
-  friend Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptions& options,
-                                   const ProgressFn& progress);
+  friend class TierAccess;  // two tiers (tiers.cc)
   explicit Repository(std::unique_ptr<RepositoryImpl> impl);
   // What every Open does once the catalog and backend are open.
   static Result<std::unique_ptr<Repository>> FinishOpen(std::unique_ptr<RepositoryImpl> impl,

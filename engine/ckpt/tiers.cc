@@ -2,6 +2,7 @@
 #include "ckpt/tiers.h"
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -12,9 +13,18 @@
 #include "ckpt/copy.h"
 #include "ckpt/layout.h"
 #include "ckpt/repo_lock.h"
+#include "core/encoding.h"
+#include "store/pack.h"
 #include "ckpt/repository_impl.h"
 
 namespace ckptfs {
+
+// The internals of the repositories the tier functions are given.
+class TierAccess {
+ public:
+  static RepositoryImpl& Of(Repository& repo) { return *repo.impl_; }
+};
+
 namespace {
 
 std::string SharedTierPath(const std::string& fast_path) { return fast_path + "/" + kSharedTierFile; }
@@ -98,7 +108,7 @@ std::string TierEntry::state() const {
 }
 
 Result<std::vector<TierEntry>> TierStatus(Repository& fast, Repository& shared) {
-  CKPT_RETURN_IF_ERROR(CheckTiers(*fast.impl_, *shared.impl_));
+  CKPT_RETURN_IF_ERROR(CheckTiers(TierAccess::Of(fast), TierAccess::Of(shared)));
   CKPT_RETURN_IF_ERROR(shared.Refresh());
   CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> here, fast.ListCheckpoints(/*include_pending=*/true));
   CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> there, shared.ListCheckpoints(/*include_pending=*/true));
@@ -139,8 +149,8 @@ Result<std::vector<TierEntry>> TierStatus(Repository& fast, Repository& shared) 
 
 Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptions& options,
                           const ProgressFn& progress) {
-  RepositoryImpl& src = *fast.impl_;
-  RepositoryImpl& dst = *shared.impl_;
+  RepositoryImpl& src = TierAccess::Of(fast);
+  RepositoryImpl& dst = TierAccess::Of(shared);
   CKPT_RETURN_IF_ERROR(CheckTiers(src, dst));
   // One drain of this fast tier at a time: the ranks of one host each run
   // one, and a rank must not be committed in the shared tier twice.
@@ -207,13 +217,37 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
     CopyCounters counters;
     counters.cancelled = options.cancelled;
     HandledChunks handled;
-    Status st = PutRanks(src, fetcher, shared, dst, e->name, header, parts, options.ranks_at_once, handled, counters,
-                         &out.sent.ranks_copied, &out.sent.stored_bytes_sent, [&] {
-                           if (!progress) return;
-                           const uint64_t handled_bytes =
-                               counters.raw_bytes_sent.load() + counters.raw_bytes_present.load();
-                           progress(done_before + std::min(handled_bytes, e->logical_bytes), total);
-                         });
+    auto put = [&] {
+      return PutRanks(src, fetcher, shared, dst, e->name, header, parts, options.ranks_at_once, handled, counters,
+                      &out.sent.ranks_copied, &out.sent.stored_bytes_sent, [&] {
+                        if (!progress) return;
+                        const uint64_t handled_bytes =
+                            counters.raw_bytes_sent.load() + counters.raw_bytes_present.load();
+                        progress(done_before + std::min(handled_bytes, e->logical_bytes), total);
+                      });
+    };
+    Status st = put();
+    // Another host may commit one of these ranks meanwhile: one holding a
+    // replica of it (ReplicateRankParts). Its part is the same; the ranks
+    // still missing are put again.
+    for (int again = 0; again < 3 && st.IsAlreadyExists(); ++again) {
+      CKPT_RETURN_IF_ERROR(shared.Refresh());
+      CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> there, shared.ListCheckpoints(/*include_pending=*/true));
+      bool visible = false;
+      std::vector<uint32_t> in;
+      for (const CheckpointRecord& c : there) {
+        if (c.name != e->name) continue;
+        visible = c.state == CheckpointState::kCommitted;
+        in = c.committed_ranks;
+      }
+      if (visible) {
+        st = Status::OK();
+        break;
+      }
+      std::erase_if(parts, [&](const RankRecord& p) { return std::binary_search(in.begin(), in.end(), p.rank); });
+      handled.clear();
+      st = put();
+    }
     if (!st.ok()) {
       return st.WithContext("draining '" + e->name + "' to the shared tier stopped after " +
                             std::to_string(out.sent.ranks_copied) +
@@ -246,15 +280,339 @@ Result<std::vector<std::string>> PlanFastTierTrim(Repository& fast, Repository& 
   std::vector<std::string> drop;
   const size_t older = entries.size() > keep_last ? entries.size() - keep_last : 0;
   for (size_t i = 0; i < older; ++i) {
-    if (entries[i].durable) drop.push_back(entries[i].name);
+    if (entries[i].state() != "local") drop.push_back(entries[i].name);
   }
   return drop;
+}
+
+// ---- Replicas -----------------------------------------------------------------
+
+namespace {
+
+constexpr std::string_view kReplicaMagic = "CKPTRPL1";
+constexpr size_t kIdBytes = 16;
+
+// The fast tier's record of rank `rank` of checkpoint `name`: the
+// checkpoint as a rank's commit states it, and the rank's part. `lease`
+// keeps a committed checkpoint's bytes while they are read.
+Result<PendingRank> RankPartHere(Repository& fast, const std::string& name, uint32_t rank,
+                                 std::unique_ptr<CheckpointReader>* lease) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> list, fast.ListCheckpoints(/*include_pending=*/true));
+  for (const CheckpointRecord& c : list) {
+    if (c.name != name) continue;
+    if (c.state == CheckpointState::kCommitted) {
+      if (rank >= c.world_size) break;
+      CKPT_ASSIGN_OR_RETURN(*lease, fast.OpenCheckpoint(name));
+      PendingRank part{c, PartOfRank((*lease)->tensors(), (*lease)->blobs(), rank)};
+      part.header.attempt.clear();
+      return part;
+    }
+    CKPT_ASSIGN_OR_RETURN(std::vector<RankRecord> parts, PendingParts(TierAccess::Of(fast), name));
+    for (RankRecord& r : parts) {
+      if (r.rank == rank) return PendingRank{c, std::move(r)};
+    }
+    break;
+  }
+  return Status::NotFound("the fast tier holds no rank " + std::to_string(rank) + " of checkpoint '" + name + "'");
+}
+
+// The chunks a part references, each once, in the order first referenced.
+std::vector<ChunkRef> ChunksOfPart(const RankRecord& part) {
+  std::vector<ChunkRef> out;
+  std::set<ChunkId> seen;
+  auto add = [&](const ChunkRef& c) {
+    if (seen.insert(c.id).second) out.push_back(c);
+  };
+  for (const TensorRecord& t : part.tensors) {
+    for (const ShardRecord& sh : t.shards) {
+      for (const ChunkRef& c : sh.chunks) add(c);
+    }
+  }
+  for (const BlobRecord& b : part.blobs) {
+    for (const ChunkRef& c : b.chunks) add(c);
+  }
+  return out;
+}
+
+Result<std::set<ChunkId>> DecodeIds(std::string_view ids) {
+  if (ids.size() % kIdBytes != 0) return Status::InvalidArgument("a list of chunk ids is not a multiple of 16 bytes");
+  std::set<ChunkId> out;
+  for (size_t at = 0; at < ids.size(); at += kIdBytes) {
+    ChunkId id;
+    std::memcpy(id.bytes.data(), ids.data() + at, kIdBytes);
+    out.insert(id);
+  }
+  return out;
+}
+
+// `data` to rank `to` while a message comes from rank `from` (two rounds:
+// the sizes, then the bytes).
+Result<std::string> Swap(Communicator& comm, int to, int from, const std::string& data) {
+  uint64_t out_size = data.size(), in_size = 0;
+  std::vector<Communicator::Transfer> sizes = {
+      {true, to, {reinterpret_cast<std::byte*>(&out_size), sizeof out_size}, 0},
+      {false, from, {reinterpret_cast<std::byte*>(&in_size), sizeof in_size}, 0}};
+  CKPT_RETURN_IF_ERROR(comm.Exchange(sizes));
+  if (in_size > (uint64_t{1} << 40)) return Status::Corruption("rank " + std::to_string(from) + " sent a size of " +
+                                                               std::to_string(in_size) + " bytes");
+  std::string in(in_size, '\0');
+  std::vector<Communicator::Transfer> bytes;
+  if (out_size > 0) {
+    bytes.push_back({true, to, {reinterpret_cast<std::byte*>(const_cast<char*>(data.data())), data.size()}, 1});
+  }
+  if (in_size > 0) bytes.push_back({false, from, {reinterpret_cast<std::byte*>(in.data()), in.size()}, 1});
+  if (!bytes.empty()) CKPT_RETURN_IF_ERROR(comm.Exchange(bytes));
+  return in;
+}
+
+}  // namespace
+
+Result<std::string> RankPartChunks(Repository& fast, const std::string& name, uint32_t rank) {
+  std::unique_ptr<CheckpointReader> lease;
+  CKPT_ASSIGN_OR_RETURN(PendingRank part, RankPartHere(fast, name, rank, &lease));
+  std::string out;
+  for (const ChunkRef& c : ChunksOfPart(part.record)) out.append(reinterpret_cast<const char*>(c.id.bytes.data()), kIdBytes);
+  return out;
+}
+
+Result<std::string> MissingChunks(Repository& fast, std::string_view ids) {
+  RepositoryImpl& impl = TierAccess::Of(fast);
+  CKPT_ASSIGN_OR_RETURN(std::set<ChunkId> wanted, DecodeIds(ids));
+  std::string out;
+  for (const ChunkId& id : wanted) {
+    auto known = impl.LookupChunk(id);
+    if (known.ok()) continue;
+    if (!known.status().IsNotFound()) return known.status();
+    out.append(reinterpret_cast<const char*>(id.bytes.data()), kIdBytes);
+  }
+  return out;
+}
+
+Result<std::string> ExportRankPart(Repository& fast, const std::string& name, uint32_t rank,
+                                   std::string_view include) {
+  RepositoryImpl& impl = TierAccess::Of(fast);
+  CKPT_RETURN_IF_ERROR(impl.CheckProcess());
+  CKPT_ASSIGN_OR_RETURN(std::set<ChunkId> wanted, DecodeIds(include));
+  std::unique_ptr<CheckpointReader> lease;
+  CKPT_ASSIGN_OR_RETURN(PendingRank part, RankPartHere(fast, name, rank, &lease));
+  std::vector<ChunkRef> chunks = ChunksOfPart(part.record);
+  std::erase_if(chunks, [&](const ChunkRef& c) { return !wanted.count(c.id); });
+  Encoder e;
+  e.Bytes(kReplicaMagic.data(), kReplicaMagic.size());
+  e.String(EncodePendingRank(part.header, part.record));
+  e.Varint(chunks.size());
+  DirectFetcher fetcher(
+      impl.backend.get(), [r = &impl](const ChunkId& id) { return r->LookupChunk(id); }, impl.buffers.get(),
+      impl.protocol->RelocationRefresh());
+  BufferPool::Lease stored;
+  for (const ChunkRef& c : chunks) {
+    CKPT_ASSIGN_OR_RETURN(ChunkLocation loc, fetcher.FetchStored(c, *impl.buffers, &stored));
+    e.Bytes(c.id.bytes.data(), kIdBytes);
+    e.Varint(c.raw_len);
+    e.U8(static_cast<uint8_t>(loc.codec));
+    e.String(std::string_view(reinterpret_cast<const char*>(stored.data()), loc.stored_len));
+  }
+  return e.Take();
+}
+
+Status ImportRankPart(Repository& fast, std::string_view bundle) {
+  RepositoryImpl& impl = TierAccess::Of(fast);
+  CKPT_RETURN_IF_ERROR(impl.CheckProcess());
+  auto bad = [](const std::string& why) { return Status::Corruption("a replica bundle " + why); };
+  if (bundle.substr(0, kReplicaMagic.size()) != kReplicaMagic) return bad("does not start with its magic");
+  Decoder d(bundle.substr(kReplicaMagic.size()));
+  std::string encoded;
+  CKPT_RETURN_IF_ERROR(d.String(&encoded).WithContext("replica bundle"));
+  CKPT_ASSIGN_OR_RETURN(Manifest m, DecodeManifest(encoded));
+  if (m.checkpoint.state != CheckpointState::kPending || m.checkpoint.committed_ranks.size() != 1 ||
+      m.checkpoint.committed_ranks[0] >= m.checkpoint.world_size) {
+    return bad("does not describe one rank of a checkpoint");
+  }
+  CKPT_RETURN_IF_ERROR(ValidateCheckpointName(m.checkpoint.name));
+  const std::string& name = m.checkpoint.name;
+  const uint32_t rank = m.checkpoint.committed_ranks[0];
+  // The chunks, as a pack of their own in memory.
+  uint64_t n = 0;
+  CKPT_RETURN_IF_ERROR(d.Varint(&n));
+  if (n > d.remaining() / (kIdBytes + 3)) return bad("counts more chunks than it holds");
+  std::string pack;
+  std::map<ChunkId, ChunkLocation> where;
+  for (uint64_t i = 0; i < n; ++i) {
+    ChunkId id;
+    uint64_t raw_len = 0;
+    uint8_t codec = 0;
+    std::string stored;
+    CKPT_RETURN_IF_ERROR(d.Bytes(id.bytes.data(), kIdBytes));
+    CKPT_RETURN_IF_ERROR(d.Varint(&raw_len));
+    CKPT_RETURN_IF_ERROR(d.U8(&codec));
+    CKPT_RETURN_IF_ERROR(d.String(&stored));
+    if (codec > static_cast<uint8_t>(Codec::kByteGroupZstd)) return bad("names an unknown codec");
+    if (raw_len > UINT32_MAX || stored.size() > UINT32_MAX) return bad("holds a chunk too large");
+    where[id] = ChunkLocation{"replica", pack.size(), static_cast<uint32_t>(stored.size()),
+                              static_cast<uint32_t>(raw_len), static_cast<Codec>(codec)};
+    pack += stored;
+  }
+  if (!d.done()) return bad("has trailing bytes");
+  std::shared_ptr<Backend> memory = NewMemoryBackend();
+  CKPT_RETURN_IF_ERROR(memory->Put(PackKey("replica"), std::as_bytes(std::span(pack.data(), pack.size()))));
+  DirectFetcher fetcher(memory.get(), [&](const ChunkId& id) -> Result<ChunkLocation> {
+    auto it = where.find(id);
+    if (it == where.end()) return Status::NotFound("chunk " + id.ToHex() + " is neither in the fast tier nor sent");
+    return it->second;
+  });
+  WriterOptions header;
+  header.rank = rank;
+  header.world_size = m.checkpoint.world_size;
+  header.step = m.checkpoint.step;
+  header.tags = m.checkpoint.tags;
+  header.attempt = m.checkpoint.attempt;
+  header.engine_tags = true;
+  std::vector<RankRecord> parts = {RankRecord{rank, std::move(m.tensors), std::move(m.blobs)}};
+  HandledChunks handled;
+  CopyCounters counters;
+  uint32_t committed = 0;
+  uint64_t stored_bytes = 0;
+  Status st = PutRanks(impl, fetcher, fast, impl, name, header, parts, 1, handled, counters, &committed, &stored_bytes, {});
+  if (st.IsAlreadyExists()) {
+    // The rank is here already (this host saved it, or kept its replica
+    // before), or the checkpoint is committed here.
+    CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> list, fast.ListCheckpoints(true));
+    for (const CheckpointRecord& c : list) {
+      if (c.name != name) continue;
+      if (c.state == CheckpointState::kCommitted ||
+          std::binary_search(c.committed_ranks.begin(), c.committed_ranks.end(), rank)) {
+        return Status::OK();
+      }
+    }
+  }
+  return st.WithContext("keeping rank " + std::to_string(rank) + "'s replica of checkpoint '" + name + "'");
+}
+
+namespace {
+
+// Whether `fast` holds rank `rank`'s part of checkpoint `name`.
+Result<bool> HoldsPart(Repository& fast, const std::string& name, uint32_t rank) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> list, fast.ListCheckpoints(/*include_pending=*/true));
+  for (const CheckpointRecord& c : list) {
+    if (c.name != name) continue;
+    if (c.state == CheckpointState::kCommitted) return rank < c.world_size;
+    return std::binary_search(c.committed_ranks.begin(), c.committed_ranks.end(), rank);
+  }
+  return false;
+}
+
+// One round between peers: this rank offers rank `offer`'s part (when its
+// fast tier holds it) to rank `to`, and takes the part rank `from` offers
+// when `take`. Three swaps: the offered part's chunk ids ("1" + ids, or
+// "0": not held), the ids the taker lacks ("1" + ids, or "0": not wanted),
+// and the part with those chunks. Sends and receives what its peers expect
+// even after a failure of its own (kept in `local`), so that no peer waits.
+Status SwapParts(Repository& fast, const std::string& name, Communicator& comm, int to, int from,
+                 uint32_t offer, bool take, Status* local, ReplicaReport* report) {
+  std::string ids = "0";
+  if (local->ok()) {
+    auto held = HoldsPart(fast, name, offer);
+    if (!held.ok()) {
+      *local = held.status();
+    } else if (*held) {
+      auto chunks = RankPartChunks(fast, name, offer);
+      if (chunks.ok()) ids = "1" + *chunks; else *local = chunks.status();
+    }
+  }
+  CKPT_ASSIGN_OR_RETURN(std::string offered, Swap(comm, to, from, ids));
+  std::string lacking = "0";
+  if (local->ok() && take && !offered.empty() && offered[0] == '1') {
+    auto missing = MissingChunks(fast, std::string_view(offered).substr(1));
+    if (missing.ok()) lacking = "1" + *missing; else *local = missing.status();
+  }
+  CKPT_ASSIGN_OR_RETURN(std::string wanted, Swap(comm, from, to, lacking));
+  std::string bundle;
+  if (local->ok() && ids[0] == '1' && !wanted.empty() && wanted[0] == '1') {
+    auto made = ExportRankPart(fast, name, offer, std::string_view(wanted).substr(1));
+    if (made.ok()) bundle = std::move(made).value(); else *local = made.status();
+  }
+  CKPT_ASSIGN_OR_RETURN(std::string got, Swap(comm, to, from, bundle));
+  if (!bundle.empty()) {
+    ++report->parts_sent;
+    report->chunks_sent += (wanted.size() - 1) / kIdBytes;
+    report->stored_bytes_sent += bundle.size();
+  }
+  if (local->ok() && !got.empty()) {
+    *local = ImportRankPart(fast, got).WithContext("from rank " + std::to_string(from));
+    if (local->ok()) {
+      ++report->parts_received;
+      report->stored_bytes_received += got.size();
+    }
+  }
+  return Status::OK();
+}
+
+// The rounds of ReplicateRankParts (`back` false: each rank's part to its
+// peers) or RestoreRankParts (`back` true: each peer's copy to the rank
+// whose part it is, when that rank lacks it), and the agreement after.
+Result<ReplicaReport> ExchangeParts(Repository& fast, const std::string& name, Communicator& comm,
+                                    const ReplicaOptions& options, bool back) {
+  ReplicaReport report;
+  const int n = comm.size(), r = comm.rank();
+  if (options.replicas <= 1 || n <= 1) return report;
+  if (options.replicas > static_cast<uint32_t>(n)) {
+    return Status::InvalidArgument("replicas " + std::to_string(options.replicas) + " exceed the " +
+                                   std::to_string(n) + " ranks of the job");
+  }
+  const uint64_t jump = std::max<uint32_t>(1, options.jump);
+  Status local = TierAccess::Of(fast).remote
+                     ? Status::InvalidArgument("the fast tier must be a local directory, not " + fast.path())
+                     : Status::OK();
+  bool take = true;
+  if (back && local.ok()) {
+    auto mine = HoldsPart(fast, name, static_cast<uint32_t>(r));
+    if (mine.ok()) take = !*mine; else local = mine.status();
+  }
+  for (uint32_t k = 1; k < options.replicas; ++k) {
+    const int step = static_cast<int>((k * jump) % static_cast<uint64_t>(n));
+    if (step == 0) continue;  // every rank's peer would be itself
+    const int ahead = (r + step) % n, behind = (r + n - step) % n;
+    // Replicas: my part goes ahead, the one behind me comes here. Back:
+    // the copy I keep of the rank behind me goes back to it, mine comes
+    // from the rank ahead.
+    if (back) {
+      CKPT_RETURN_IF_ERROR(SwapParts(fast, name, comm, behind, ahead, static_cast<uint32_t>(behind), take, &local,
+                                     &report));
+      if (local.ok() && take) {
+        auto mine = HoldsPart(fast, name, static_cast<uint32_t>(r));
+        if (mine.ok()) take = !*mine; else local = mine.status();
+      }
+    } else {
+      CKPT_RETURN_IF_ERROR(SwapParts(fast, name, comm, ahead, behind, static_cast<uint32_t>(r), true, &local, &report));
+    }
+  }
+  std::vector<uint64_t> ok = {local.ok() ? 1u : 0u};
+  CKPT_RETURN_IF_ERROR(comm.AllReduceMin(ok));
+  const std::string what = back ? "restoring the parts of checkpoint '" + name + "' from peers"
+                                : "replicas of checkpoint '" + name + "'";
+  if (!local.ok()) return local.WithContext(what + " at rank " + std::to_string(r));
+  if (ok[0] == 0) {
+    return Status::FailedPrecondition(what + ": another rank failed (its error names it)");
+  }
+  return report;
+}
+
+}  // namespace
+
+Result<ReplicaReport> ReplicateRankParts(Repository& fast, const std::string& name, Communicator& comm,
+                                         const ReplicaOptions& options) {
+  return ExchangeParts(fast, name, comm, options, /*back=*/false);
+}
+
+Result<ReplicaReport> RestoreRankParts(Repository& fast, const std::string& name, Communicator& comm,
+                                       const ReplicaOptions& options) {
+  return ExchangeParts(fast, name, comm, options, /*back=*/true);
 }
 
 Status HoldUndrained(Repository& fast, Repository& shared, RetentionPolicy* policy) {
   CKPT_ASSIGN_OR_RETURN(std::vector<TierEntry> entries, TierStatus(fast, shared));
   for (const TierEntry& e : entries) {
-    if (!e.durable) policy->held.emplace_back(e.name, "not yet durable in the shared tier (" + e.state() + ")");
+    if (e.state() == "local") policy->held.emplace_back(e.name, "not yet drained to the shared tier");
   }
   return Status::OK();
 }

@@ -8,7 +8,7 @@
 // id. The checkpoint becomes visible in the shared tier with the last rank
 // any host drains (durable). Reads take each chunk from the nearest tier
 // that holds it intact (ReadOptions::nearer). The fast tier keeps the
-// newest checkpoints and drops only durable ones (PlanFastTierTrim).
+// newest checkpoints and drops only drained ones (PlanFastTierTrim).
 //
 // On a job of several hosts each host's fast tier holds its own ranks: the
 // checkpoint stays pending there (its other ranks are on other hosts), and
@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/communicator.h"
 #include "ckpt/repository.h"
 
 namespace ckptfs {
@@ -98,13 +99,67 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
 
 // The fast tier's retention: the checkpoints of `fast` older than its
 // newest `keep_last` (by step when every one has a step, by creation time
-// otherwise) that are durable in `shared`. One that is not durable is never
-// named, however old.
+// otherwise) whose ranks here are all in `shared` (durable, or drained and
+// waiting for other hosts' ranks: the fast tier's copy is then no longer
+// needed). One with a rank not yet drained is never named, however old.
 Result<std::vector<std::string>> PlanFastTierTrim(Repository& fast, Repository& shared, uint64_t keep_last);
 
-// Adds to `policy.held` every checkpoint of `fast` that is not durable in
-// `shared`, so that no retention rule run on the fast tier (ckpt gc)
-// removes one.
+// ---- Replicas on peer hosts ----------------------------------------------
+
+// Rank r of a job keeps copies of its part in the fast tiers of ranks
+// r + jump, r + 2*jump, ... (mod the world size): `replicas` copies in all,
+// its own included. `jump` is the number of ranks per host (or per failure
+// domain), so that the copies leave the host.
+struct ReplicaOptions {
+  uint32_t replicas = 1;
+  uint32_t jump = 1;
+};
+
+struct ReplicaReport {
+  uint32_t parts_sent = 0, parts_received = 0;
+  uint64_t chunks_sent = 0;        // chunks the peers lacked
+  uint64_t stored_bytes_sent = 0;  // their stored bytes
+  uint64_t stored_bytes_received = 0;
+};
+
+// Every rank of `comm` calls it once its part of checkpoint `name` is in
+// its host's fast tier `fast`: each rank sends its part to its peers
+// (ReplicaOptions) and takes theirs into `fast`, as the ranks they are
+// (the fast tier then holds those ranks too: a drain from there, or a
+// restore, finds them). Only the chunks a peer's fast tier lacks travel,
+// as stored, and each is checked against its id before it is written.
+// A part already there is left as it is. A rank whose part fails (its own
+// or a peer's) makes every rank return the error, naming the ranks.
+Result<ReplicaReport> ReplicateRankParts(Repository& fast, const std::string& name, Communicator& comm,
+                                         const ReplicaOptions& options);
+
+// Every rank of `comm` calls it before restoring checkpoint `name` (the
+// ReplicaOptions of the saves): a rank whose fast tier lacks its own part
+// (a replaced host, a lost disk) gets it back from a peer that keeps a
+// copy (ReplicateRankParts), only the chunks it lacks, each checked. A
+// rank whose part no peer holds either goes without it (its restore reads
+// the shared tier). Errors as ReplicateRankParts's.
+Result<ReplicaReport> RestoreRankParts(Repository& fast, const std::string& name, Communicator& comm,
+                                       const ReplicaOptions& options);
+
+// The replica bundle of rank `rank` of checkpoint `name` in `fast`: its
+// record and the stored bytes of the chunks `include` names (encoded ids,
+// 16 bytes each), for ImportRankPart at another fast tier. NotFound when
+// `fast` holds no such rank.
+Result<std::string> ExportRankPart(Repository& fast, const std::string& name, uint32_t rank,
+                                   std::string_view include);
+// Commits the part a bundle holds in `fast` as its rank; its chunks not in
+// the bundle must be in `fast` already. Nothing when the rank is there
+// already. Corruption for a malformed bundle or a chunk that fails its id.
+Status ImportRankPart(Repository& fast, std::string_view bundle);
+// The ids (16 bytes each) of the chunks rank `rank`'s part of `name`
+// references, each once; and of those in `ids`, the ones `fast` lacks.
+Result<std::string> RankPartChunks(Repository& fast, const std::string& name, uint32_t rank);
+Result<std::string> MissingChunks(Repository& fast, std::string_view ids);
+
+// Adds to `policy.held` every checkpoint of `fast` with a rank not yet in
+// `shared` ("local"), so that no retention rule run on the fast tier
+// (ckpt gc) removes one.
 Status HoldUndrained(Repository& fast, Repository& shared, RetentionPolicy* policy);
 
 }  // namespace ckptfs

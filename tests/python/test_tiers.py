@@ -85,6 +85,27 @@ class OneHost(CkptTestCase):
         self.assertEqual(tiers.resume_point()["name"], "step-2")
         tiers.close()
 
+    def test_dcp_saves_and_loads_through_the_tiers(self):
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        from ckptfs.torch import StorageReader, StorageWriter  # noqa: PLC0415
+
+        state = {"model": {"w": torch.randn(256, 256), "b": torch.zeros(256)}}
+        writer = StorageWriter(self.shared, fast_tier=self.fast)
+        dcp.save(state, storage_writer=writer, checkpoint_id="step-7")
+        self.assertEqual(writer.tiers.wait("durable", timeout=60), "durable")
+        self.assertEqual([c["name"] for c in ckptfs.open(self.shared).checkpoints()], ["step-7"])
+        out = {"model": {"w": torch.empty(256, 256), "b": torch.ones(256)}}
+        reader = StorageReader(self.shared, fast_tier=self.fast)
+        dcp.load(out, storage_reader=reader, checkpoint_id="step-7")
+        self.assertTrue(torch.equal(out["model"]["w"], state["model"]["w"]))
+        self.assertTrue(torch.equal(out["model"]["b"], state["model"]["b"]))
+        counters = reader._tiers.store_counters()
+        self.assertEqual(counters["shared"]["chunks_fetched"], 0)
+        self.assertGreater(counters["fast"]["chunks_fetched"], 0)
+        writer._tiers.close()
+        reader._tiers.close()
+
     def test_the_fast_tier_keeps_the_newest_and_never_drops_one_not_durable(self):
         tiers = ckptfs.open(self.shared, fast_tier=self.fast, keep_last=2)
         tiers.close(wait=False)  # no drain: saves stay local
@@ -181,10 +202,10 @@ class FourHosts(CkptTestCase):
         ckptfs.init(self.url, chunk_size=64 << 10, pack_size=1 << 20, cache_dir=self.path("cache-init"))
         self.hosts = self.path("hosts")
 
-    def job(self, *args):
+    def job(self, *args, replicas=1):
         port = free_port()
         env = lambda r: dict(os.environ, RANK=str(r), WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",  # noqa: E731
-                             MASTER_PORT=str(port))
+                             MASTER_PORT=str(port), CKPT_TEST_REPLICAS=str(replicas))
         outs = run_ranks(self, lambda r: [sys.executable, WORKER, *args], 4, env)
         return [json.loads(o.strip().splitlines()[-1]) for o in outs]
 
@@ -222,6 +243,27 @@ class FourHosts(CkptTestCase):
             shutil.rmtree(self.fast(r), ignore_errors=True)
         loaded = self.job("resume", self.url, self.hosts, "-", "-")
         self.assertTrue(all(out["shared"]["chunks_fetched"] > 0 for out in loaded), loaded)
+
+    def test_with_replicas_a_lost_host_restores_from_its_peer_and_reads_nothing_from_the_shared_tier(self):
+        saved = self.job("save", self.url, self.hosts, "step-1", "1", replicas=2)
+        self.assertEqual([s["stage"] for s in saved], ["durable"] * 4)
+        self.assertEqual([s["replicas"]["parts_sent"] for s in saved], [1] * 4, saved)
+        self.assertEqual([s["replicas"]["parts_received"] for s in saved], [1] * 4, saved)
+        # host 2 loses its disk: its part comes back from host 3's copy
+        shutil.rmtree(self.fast(2))
+        loaded = self.job("resume", self.url, self.hosts, "-", "-", replicas=2)
+        self.assertEqual([out["restored"]["parts_received"] for out in loaded], [0, 0, 1, 0], loaded)
+        self.assertEqual([out["shared"]["chunks_fetched"] for out in loaded], [0] * 4, loaded)
+        # host 0 loses its disk and the copy of its part on host 1 fails its
+        # hash: refused (every rank hears it), and host 0 reads the shared
+        # tier; so does host 1 for its own damaged chunks
+        shutil.rmtree(self.fast(0))
+        self.assertGreater(flip_bytes_in_packs(self.fast(1)), 0)
+        loaded = self.job("resume", self.url, self.hosts, "-", "-", replicas=2)
+        self.assertTrue(all("error" in out["restored"] for out in loaded), loaded)
+        self.assertIn("hash", loaded[0]["restored"]["error"] + " " + loaded[1]["restored"]["error"])
+        self.assertGreater(loaded[0]["shared"]["chunks_fetched"], 0)
+        self.assertEqual([loaded[r]["shared"]["chunks_fetched"] for r in (2, 3)], [0, 0], loaded)
 
     def test_a_host_killed_before_its_drain_leaves_nothing_visible_and_the_next_job_finishes_it(self):
         self.job("save", self.url, self.hosts, "step-1", "1")

@@ -1,7 +1,8 @@
 """One host of a job on two tiers (ckptfs.open(URL, fast_tier=...)), run by
 test_tiers.py: one process per host over gloo (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT from the environment), each with its own fast tier
-HOSTS/host-RANK/fast and its own cache directory HOSTS/host-RANK/cache.
+HOSTS/host-RANK/fast and its own cache directory HOSTS/host-RANK/cache;
+CKPT_TEST_REPLICAS in the environment gives ckptfs.open's replicas.
 
     tier_worker.py save URL HOSTS NAME STEP [die-before-drain|no-wait]
         saves this rank's rows of state(STEP) through the group and waits
@@ -15,7 +16,8 @@ HOSTS/host-RANK/fast and its own cache directory HOSTS/host-RANK/cache.
         left), takes the resume point through the group, waits until it is
         durable, loads it through the group, checks every element and
         prints {"name", "fast", "shared"}: what this rank's load read from
-        each tier (chunks and bytes, requests).
+        each tier (chunks and bytes, requests), and "restored": what the
+        load got back from peers' replicas first.
 """
 import json
 import os
@@ -50,7 +52,8 @@ def mine(step, rank, world):
 def open_tiers(url, hosts, rank, on_phase=None):
     here = os.path.join(hosts, f"host-{rank}")
     return ckptfs.open(url, fast_tier=os.path.join(here, "fast"), cache_dir=os.path.join(here, "cache"),
-                       process_group=dist.group.WORLD, on_drain_phase=on_phase)
+                       process_group=dist.group.WORLD, on_drain_phase=on_phase,
+                       replicas=int(os.environ.get("CKPT_TEST_REPLICAS", "1")))
 
 
 def main():
@@ -77,7 +80,7 @@ def main():
             stage = handle.stage
         else:
             stage = handle.wait("durable", timeout=120)
-        print(json.dumps({"stage": stage, "blocking": blocking}), flush=True)
+        print(json.dumps({"stage": stage, "blocking": blocking, "replicas": handle.replicas}), flush=True)
         tiers.close()
         if mode == "die-before-drain":
             os._exit(0)  # rank 1 is gone: no barrier
@@ -97,7 +100,7 @@ def main():
             if not torch.equal(t, values[key]):
                 raise SystemExit(f"rank {rank}: {key} of {name} differs")
         delta = {tier: {k: after[tier][k] - before[tier][k] for k in after[tier]} for tier in after}
-        print(json.dumps({"name": name, "where": point["tier"], **delta}), flush=True)
+        print(json.dumps({"name": name, "where": point["tier"], "restored": tiers.restored, **delta}), flush=True)
         tiers.close()
         dist.barrier()
     else:

@@ -8,8 +8,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "backend/backend.h"
+#include "ckpt/communicator.h"
 #include "ckpt/tiers.h"
 #include "test_backends.h"
 #include "test_util.h"
@@ -156,6 +158,14 @@ TEST(Tiers, EachHostDrainsItsRanksAndTheLastMakesTheCheckpointVisible) {
   status = TierStatus(*fast_a, *shared_a);
   ASSERT_OK(status);
   EXPECT_EQ(status->front().state(), "drained");
+  // Host a's copy is no longer needed: its ranks are in the shared tier.
+  // Host b's is, until it drains.
+  auto trim_a = PlanFastTierTrim(*fast_a, *shared_a, 0);
+  ASSERT_OK(trim_a);
+  EXPECT_EQ(*trim_a, std::vector<std::string>{"step-5"});
+  auto trim_b = PlanFastTierTrim(*fast_b, *shared_b, 0);
+  ASSERT_OK(trim_b);
+  EXPECT_TRUE(trim_b->empty());
 
   drained = Drain(*fast_b, *shared_b, {});
   ASSERT_OK(drained);
@@ -268,6 +278,119 @@ TEST(Tiers, TrimmingTheFastTierNeverDropsACheckpointNotDurable) {
   auto kept = fast->OpenCheckpoint("step-2");
   ASSERT_OK(kept);
   ExpectMatrix(**kept, 2);
+}
+
+// Each rank keeps a replica of its part in the next host's fast tier: a
+// host lost before its drain still leaves every rank to drain, and a
+// restore from the surviving fast tiers reads nothing from the store.
+TEST(Tiers, ReplicasLetOtherHostsDrainAndRestoreALostHostsRanks) {
+  Tiers tiers;
+  constexpr int kHosts = 4;
+  std::vector<std::unique_ptr<Repository>> fast;
+  for (int h = 0; h < kHosts; ++h) fast.push_back(tiers.Fast("h" + std::to_string(h)));
+  for (int h = 0; h < kHosts; ++h) SaveRank(*fast[h], "step-1", 1, h, kHosts, 31, "attempt-r");
+  auto replicate = [&](std::vector<Result<ReplicaReport>>* out) {
+    auto comms = NewHostGroup(kHosts);
+    std::vector<std::thread> threads;
+    for (int h = 0; h < kHosts; ++h) {
+      threads.emplace_back([&, h] { (*out)[h] = ReplicateRankParts(*fast[h], "step-1", *comms[h], {2, 1}); });
+    }
+    for (auto& t : threads) t.join();
+  };
+  std::vector<Result<ReplicaReport>> first(kHosts, Status::Internal("not run"));
+  replicate(&first);
+  for (int h = 0; h < kHosts; ++h) {
+    ASSERT_OK(first[h]);
+    EXPECT_EQ(first[h]->parts_sent, 1u);
+    EXPECT_EQ(first[h]->parts_received, 1u);
+    EXPECT_GT(first[h]->chunks_sent, 0u);
+  }
+  auto listed = fast[1]->ListCheckpoints(true);
+  ASSERT_OK(listed);
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ(listed->front().committed_ranks, (std::vector<uint32_t>{0, 1}));
+  // Again: every part is there; no chunk travels.
+  std::vector<Result<ReplicaReport>> second(kHosts, Status::Internal("not run"));
+  replicate(&second);
+  for (int h = 0; h < kHosts; ++h) {
+    ASSERT_OK(second[h]);
+    EXPECT_EQ(second[h]->chunks_sent, 0u);
+  }
+  // Host 0 is lost before it drains: the others drain every rank.
+  auto shared1 = tiers.Shared("h1");
+  auto shared2 = tiers.Shared("h2");
+  auto shared3 = tiers.Shared("h3");
+  ASSERT_OK(Drain(*fast[1], *shared1, {}));
+  ASSERT_OK(Drain(*fast[2], *shared2, {}));
+  auto last = Drain(*fast[3], *shared3, {});
+  ASSERT_OK(last);
+  ASSERT_EQ(last->checkpoints.size(), 1u);
+  EXPECT_TRUE(last->checkpoints[0].durable);
+  ReadOptions nearest;
+  nearest.nearer = {fast[1].get(), fast[2].get(), fast[3].get()};
+  auto reader = shared3->OpenCheckpoint("step-1", nearest);
+  ASSERT_OK(reader);
+  ExpectMatrix(**reader, 31);
+  EXPECT_EQ(shared3->fetch_counts().chunks, 0u);
+
+  // Host 0 comes back with an empty disk: its part comes back from the
+  // peer that keeps a copy, and its rows then read from its own fast tier.
+  fast[0].reset();
+  std::filesystem::remove_all(tiers.FastPath("h0"));
+  fast[0] = tiers.Fast("h0");
+  std::vector<Result<ReplicaReport>> back(kHosts, Status::Internal("not run"));
+  {
+    auto comms = NewHostGroup(kHosts);
+    std::vector<std::thread> threads;
+    for (int h = 0; h < kHosts; ++h) {
+      threads.emplace_back([&, h] { back[h] = RestoreRankParts(*fast[h], "step-1", *comms[h], {2, 1}); });
+    }
+    for (auto& t : threads) t.join();
+  }
+  for (int h = 0; h < kHosts; ++h) {
+    ASSERT_OK(back[h]);
+    EXPECT_EQ(back[h]->parts_received, h == 0 ? 1u : 0u) << h;
+  }
+  EXPECT_EQ(back[1]->parts_sent, 1u);
+  auto shared0 = tiers.Shared("h0");
+  ReadOptions own;
+  own.nearer = {fast[0].get()};
+  auto mine = shared0->OpenCheckpoint("step-1", own);
+  ASSERT_OK(mine);
+  auto w = (*mine)->GetTensor("w");
+  ASSERT_OK(w);
+  std::vector<std::byte> rows(kRows / kHosts * kCols * 4);
+  ASSERT_OK((*mine)->ReadBox(**w, Box{{0, 0}, {kRows / kHosts, kCols}}, rows));
+  EXPECT_TRUE(std::equal(rows.begin(), rows.end(), Matrix(31).begin()));
+  EXPECT_EQ(shared0->fetch_counts().chunks, 0u);
+}
+
+TEST(Tiers, AReplicaBundleThatIsDamagedIsRefused) {
+  Tiers tiers;
+  auto a = tiers.Fast("a");
+  auto b = tiers.Fast("b");
+  SaveRank(*a, "step-1", 1, 0, 2, 41, "attempt-d");
+  auto ids = RankPartChunks(*a, "step-1", 0);
+  ASSERT_OK(ids);
+  auto bundle = ExportRankPart(*a, "step-1", 0, *ids);
+  ASSERT_OK(bundle);
+  // A flipped byte in the last chunk's stored bytes: its id check fails.
+  std::string damaged = *bundle;
+  damaged[damaged.size() - 10] ^= 0x5a;
+  Status st = ImportRankPart(*b, damaged);
+  EXPECT_TRUE(st.IsCorruption()) << st.ToString();
+  // Cut short, or not a bundle at all.
+  EXPECT_TRUE(ImportRankPart(*b, bundle->substr(0, bundle->size() / 2)).IsCorruption());
+  EXPECT_TRUE(ImportRankPart(*b, "not a bundle").IsCorruption());
+  auto none = b->ListCheckpoints(true);
+  ASSERT_OK(none);
+  EXPECT_TRUE(none->empty());
+  // Intact, it is kept, and again changes nothing.
+  ASSERT_OK(ImportRankPart(*b, *bundle));
+  ASSERT_OK(ImportRankPart(*b, *bundle));
+  auto missing = MissingChunks(*b, *ids);
+  ASSERT_OK(missing);
+  EXPECT_TRUE(missing->empty());
 }
 
 TEST(Tiers, TheFastTierNamesOneSharedTier) {

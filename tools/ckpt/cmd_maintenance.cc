@@ -204,7 +204,7 @@ const CommandSpec kGc{
     "(ckpt show). One whose thinning would keep no tensor stays whole.\n"
     "\n"
     "On a fast tier (a repository that names a shared tier: ckpt drain), no rule\n"
-    "removes a checkpoint that is not yet durable in the shared tier.",
+    "removes a checkpoint with a rank not yet drained to the shared tier.",
     {{"keep-last", 0, true, false, "N", "keep the newest N checkpoints"},
      {"keep-every", 0, true, false, "K", "keep checkpoints whose step is a multiple of K"},
      {"keep-within", 0, true, false, "DURATION",

@@ -29,8 +29,9 @@ const CommandSpec kDrain{
     "(they are; other hosts' ranks are still missing there), durable.\n"
     "--wait drains until every checkpoint is durable, draining new saves as they\n"
     "come; --timeout bounds it. Afterwards the fast tier keeps its newest --keep-last\n"
-    "checkpoints (default 2) and drops older ones that are durable, never one that is\n"
-    "not (--no-trim keeps all).",
+    "checkpoints (default 2) and drops older ones whose ranks here are all in the\n"
+    "shared tier (drained or durable), never one with a rank not yet there (--no-trim\n"
+    "keeps all).",
     {{"to", 0, true, false, "URL", "the shared tier (recorded in the fast tier on first use)"},
      {"status", 0, false, false, "", "only show each checkpoint's state; send nothing"},
      {"wait", 0, false, false, "", "drain until every checkpoint is durable (other hosts' ranks too)"},
@@ -186,7 +187,7 @@ int CmdDrain(const GlobalOptions& global, const Args& args) {
                 c.durable ? "durable" : "waiting for other hosts' ranks");
   }
   for (const std::string& n : trimmed) {
-    std::printf("trimmed  %s from the fast tier (durable in the shared tier)\n", EscapeForTerminal(n).c_str());
+    std::printf("trimmed  %s from the fast tier (its ranks here are in the shared tier)\n", EscapeForTerminal(n).c_str());
   }
   PrintStatus(entries);
   return kExitOk;

@@ -716,8 +716,19 @@ class TorchCommunicator final : public Communicator {
     if (data.empty()) return Status::OK();
     return WithGil([&] { group_.attr("recv")(HostView(data), peer); });
   }
-  // Exchange: the default (in order). A load's one round of regions goes
-  // through TorchLoadMemory::Deliver, one batch_isend_irecv.
+  // One batch_isend_irecv (a ring of sends and receives would wait on
+  // itself made in order). A load's regions go through
+  // TorchLoadMemory::Deliver instead.
+  Status Exchange(std::span<const Transfer> transfers) override {
+    if (transfers.empty()) return Status::OK();
+    return WithGil([&] {
+      py::list l;
+      for (const Transfer& t : transfers) {
+        l.append(py::make_tuple(t.send, t.peer, HostView(t.data), t.tag));
+      }
+      group_.attr("exchange")(l);
+    });
+  }
 
  private:
   py::object group_;
@@ -1132,6 +1143,28 @@ class PyRepository {
   std::vector<std::string> plan_fast_trim(PyRepository& shared, uint64_t keep_last) {
     py::gil_scoped_release nogil;
     return Value(PlanFastTierTrim(*repo_, *shared.repo_, keep_last));
+  }
+
+  // ReplicateRankParts, or with `back` RestoreRankParts.
+  py::dict replicate(py::object group, const std::string& name, uint32_t replicas, uint32_t jump,
+                     const std::string& what, bool back) {
+    TorchCommunicator comm(group);
+    ReplicaOptions o;
+    o.replicas = replicas;
+    o.jump = jump;
+    Result<ReplicaReport> r = Status::Internal("not run");
+    {
+      py::gil_scoped_release nogil;
+      r = back ? RestoreRankParts(*repo_, name, comm, o) : ReplicateRankParts(*repo_, name, comm, o);
+    }
+    CheckCollective(r.status(), what);
+    py::dict d;
+    d["parts_sent"] = r->parts_sent;
+    d["parts_received"] = r->parts_received;
+    d["chunks_sent"] = r->chunks_sent;
+    d["stored_bytes_sent"] = r->stored_bytes_sent;
+    d["stored_bytes_received"] = r->stored_bytes_received;
+    return d;
   }
 
   std::vector<std::pair<std::string, std::string>> undrained(PyRepository& shared) {
@@ -1569,6 +1602,8 @@ PYBIND11_MODULE(_core, m) {
       .def("drain", &PyRepository::drain, py::arg("shared"), py::arg("names"), py::arg("on_phase"))
       .def("plan_fast_trim", &PyRepository::plan_fast_trim, py::arg("shared"), py::arg("keep_last"))
       .def("undrained", &PyRepository::undrained, py::arg("shared"))
+      .def("replicate", &PyRepository::replicate, py::arg("group"), py::arg("name"), py::arg("replicas"),
+           py::arg("jump"), py::arg("what"), py::arg("back") = false)
       .def("checkpoints", &PyRepository::checkpoints, py::arg("include_pending"))
       .def("refresh", &PyRepository::refresh)
       .def("pending_ranks", &PyRepository::pending_ranks, py::arg("name"))

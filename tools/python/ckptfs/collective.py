@@ -138,6 +138,15 @@ class Group:
     def recv(self, view, peer: int) -> None:
         self.dist.recv(_bytes_tensor(view), src=self.globals[peer], group=self.group)
 
+    def exchange(self, transfers: List[Tuple[bool, int, Any, int]]) -> None:
+        """One round of point-to-point transfers (send, peer, writable
+        buffer, tag) over ckptfs's gloo group, posted together."""
+        dist = self.dist
+        ops = [dist.P2POp(dist.isend if send else dist.irecv, _bytes_tensor(view), self.globals[peer],
+                          group=self.group, tag=tag) for send, peer, view, tag in transfers]
+        if ops:
+            self.wait(dist.batch_isend_irecv(ops), False)
+
     # -- a load's targets (CollectiveMemory in ckpt/collective.h) --
 
     def deliver(self, transfers: List[Tuple[bool, int, int, int, int]], on_device: bool) -> None:

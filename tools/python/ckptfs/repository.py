@@ -621,7 +621,8 @@ def init(url: str, *, chunk_size: int = 4 << 20, pack_size: int = 256 << 20, com
 def open(url: str, *, threads: int = 0, cache_bytes: int = 512 << 20,  # noqa: A001
          cache_dir: Optional[str] = None, io_threads: int = 0, process_group=None,
          timeout: Optional[float] = None, fast_tier: Optional[str] = None, keep_last: int = 2,
-         on_drain_phase: Optional[Callable[[str], None]] = None):
+         on_drain_phase: Optional[Callable[[str], None]] = None, replicas: int = 1,
+         replica_jump: Optional[int] = None):
     """Opens the repository at `url`: a local directory, or
     s3://BUCKET/PREFIX on an S3 store (endpoint and credentials from
     AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or the AWS
@@ -648,13 +649,17 @@ def open(url: str, *, threads: int = 0, cache_bytes: int = 512 << 20,  # noqa: A
     there at local speed and drain to `url`, the shared tier, in the
     background. keep_last: checkpoints the fast tier keeps (it drops older
     ones once they are durable in the shared tier, never before);
-    on_drain_phase(line): called as the drain goes. docs/PYTHON.md, "Two
-    tiers".
+    on_drain_phase(line): called as the drain goes. replicas: copies of
+    each rank's part kept in fast tiers (its own and replicas - 1 peers'),
+    made by saves with a process_group; replica_jump: ranks from a rank to
+    its first peer (default: the ranks per host, so copies leave the
+    host). docs/PYTHON.md, "Two tiers".
     """
     if fast_tier is not None:
         from .tiers import open_tiers  # noqa: PLC0415
 
-        return open_tiers(url, fast_tier, keep_last=keep_last, on_phase=on_drain_phase, threads=threads,
+        return open_tiers(url, fast_tier, keep_last=keep_last, on_phase=on_drain_phase, replicas=replicas,
+                          replica_jump=replica_jump, threads=threads,
                           cache_bytes=cache_bytes, cache_dir=cache_dir, io_threads=io_threads,
                           process_group=process_group, timeout=timeout)
 

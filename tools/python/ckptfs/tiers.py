@@ -8,7 +8,8 @@ this host's ranks are in the fast tier, "drained" once they are in the
 shared tier too, and "durable" once every host's are (the shared tier's
 own commit makes it visible). Loads read each chunk from the nearest tier
 that holds it intact. The fast tier keeps the newest `keep_last`
-checkpoints and drops older ones only once they are durable.
+checkpoints and drops older ones only once this host's ranks of them are in
+the shared tier (drained or durable).
 
 Open one with ``ckptfs.open(shared_url, fast_tier=path)``; docs/PYTHON.md,
 "Two tiers".
@@ -50,6 +51,10 @@ class TierHandle:
     def __init__(self, name: str, drainer: "_Drainer"):
         self.name = name
         self._drainer = drainer
+        # With replicas: what keeping this rank's part in its peers' fast
+        # tiers cost (parts_sent, parts_received, chunks_sent,
+        # stored_bytes_sent, stored_bytes_received), once it is done.
+        self.replicas: Optional[Dict[str, int]] = None
 
     def __repr__(self) -> str:
         return f"ckptfs.TierHandle({self.name!r}, stage={self.stage!r})"
@@ -84,6 +89,7 @@ class _Drainer:
         self._cond = threading.Condition()
         self._trimming = threading.Lock()  # one trim of the fast tier at a time
         self._stages: Dict[str, int] = {}
+        self._failed: Dict[str, BaseException] = {}  # async saves that failed
         self._waiting_local: List[Any] = []  # async saves' handles, until their commit is local
         self._wake = True  # drain once at start: what an earlier process left
         self._stopping = False
@@ -112,6 +118,8 @@ class _Drainer:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._stages.get(name, 0) < want:
+                if name in self._failed:
+                    raise self._failed[name]  # the save itself failed: nothing of it drains
                 if isinstance(self._error, _LASTING):
                     raise self._error
                 if self._stopping and not self._thread.is_alive():
@@ -167,13 +175,18 @@ class _Drainer:
                 self._started += 1
                 waiting = list(self._waiting_local)
             for name, handle in waiting:
+                failed = None
                 try:
                     handle.result()
-                except BaseException:  # noqa: BLE001 - the save's own handle raises it to its caller
-                    pass
+                except BaseException as e:  # noqa: BLE001 - the save's own handle raises it to its caller too
+                    failed = e
                 with self._cond:
                     self._waiting_local.remove((name, handle))
-                    self._stages[name] = max(self._stages.get(name, 0), 1)
+                    if failed is None:
+                        self._stages[name] = max(self._stages.get(name, 0), 1)
+                    else:
+                        self._failed[name] = failed
+                    self._cond.notify_all()
             try:
                 self._pass()
                 error, backoff = None, self.POLL_SECONDS
@@ -197,14 +210,14 @@ class _Drainer:
             self._drop(self._fast._repo.plan_fast_trim(self._shared._repo, self._keep_last))
 
     def _drop(self, names: List[str]) -> None:
-        """Removes durable checkpoints from the fast tier and reclaims their
+        """Removes drained checkpoints from the fast tier and reclaims their
         space (under _trimming)."""
         if names:
             self._fast._repo.rm(names)
             self._fast._repo.gc(None, None, None, [], False, False, 0.5, None, None)
 
-    def drop_durable_until(self, enough: Callable[[], bool]) -> bool:
-        """Drops the fast tier's durable checkpoints, oldest first, until
+    def drop_drained_until(self, enough: Callable[[], bool]) -> bool:
+        """Drops the fast tier's drained checkpoints, oldest first, until
         enough() says so; whether it did."""
         with self._trimming:
             for name in self._fast._repo.plan_fast_trim(self._shared._repo, 0):
@@ -240,11 +253,18 @@ class TieredRepository:
     for its stages. Thread-safe as Repository is."""
 
     def __init__(self, fast, shared, *, keep_last: int = 2, on_phase: Optional[Callable[[str], None]] = None,
-                 full_wait: float = 60.0):
+                 full_wait: float = 60.0, replicas: int = 1, replica_jump: Optional[int] = None):
         if isinstance(keep_last, bool) or int(keep_last) < 1:
             raise InvalidArgumentError(f"keep_last must be at least 1, not {keep_last!r}")
+        if isinstance(replicas, bool) or int(replicas) < 1:
+            raise InvalidArgumentError(f"replicas must be at least 1, not {replicas!r}")
+        if replica_jump is not None and (isinstance(replica_jump, bool) or int(replica_jump) < 1):
+            raise InvalidArgumentError(f"replica_jump must be at least 1, not {replica_jump!r}")
         self.fast, self.shared = fast, shared
         self.keep_last = int(keep_last)
+        self.replicas = int(replicas)
+        self.replica_jump = None if replica_jump is None else int(replica_jump)
+        self.restored: Optional[Dict[str, int]] = None  # what the last collective load got back from peers
         self.full_wait = float(full_wait)
         self._drainer = _Drainer(fast, shared, self.keep_last, on_phase)
         self._closed = False
@@ -269,9 +289,34 @@ class TieredRepository:
             result = self.fast.save(name, state_dict, **kwargs)
         except StorageError as e:
             raise self._full(e) from e
-        self._drainer.submit(name)
-        result["tiers"] = TierHandle(name, self._drainer)
+        handle = self._saved(name)
+        result["tiers"] = handle
+        if self.replicas > 1 and kwargs.get("process_group") is not None:
+            handle.replicas = self._replicate(name, kwargs["process_group"], kwargs.get("timeout"))
         return result
+
+    def _replicate(self, name: str, process_group, timeout: Optional[float], back: bool = False) -> Dict[str, int]:
+        """Every rank of the group keeps copies of its part in its peers'
+        fast tiers (the engine's ReplicateRankParts), or, `back`, gets its
+        own part back from a peer's copy when its fast tier lacks it
+        (RestoreRankParts): a collective call."""
+        from . import collective  # noqa: PLC0415
+
+        what = f"{'parts back from peers' if back else 'replicas'} of '{name}'"
+        group = collective.Group(process_group, timeout, what)
+        if self.replica_jump is None:
+            # The ranks of one host share its fast tier: a jump of that
+            # many ranks puts each copy on another host.
+            here = f"{os.uname().nodename}:{os.path.realpath(self.fast.path)}".encode()
+            hosts = group.all_gather(here)
+            self.replica_jump = max(hosts.count(h) for h in hosts)
+        return self.fast._repo.replicate(group, name, self.replicas, self.replica_jump, group.what, back)
+
+    def _saved(self, name: str) -> TierHandle:
+        """This host's part of `name` is committed in the fast tier: drains
+        it, and returns its handle."""
+        self._drainer.submit(name)
+        return TierHandle(name, self._drainer)
 
     def async_save(self, name: str, state_dict: Mapping[str, Any], **kwargs):
         """Repository.async_save to the fast tier. The handle's result()
@@ -281,11 +326,22 @@ class TieredRepository:
         handle = self.fast.async_save(name, state_dict, **kwargs)
         self._drainer.submit(name, handle)
         handle.tiers = TierHandle(name, self._drainer)
+        if self.replicas > 1 and kwargs.get("process_group") is not None:
+            # The copies to peers are a collective call: made by result(),
+            # on the thread every rank calls it from.
+            wait_local = handle.result
+
+            def result(timeout: Optional[float] = None) -> Dict[str, Any]:
+                out = wait_local(timeout)
+                if handle.tiers.replicas is None:
+                    handle.tiers.replicas = self._replicate(name, kwargs["process_group"], kwargs.get("timeout"))
+                return out
+            handle.result = result
         return handle
 
     def _make_room(self, state_dict: Mapping[str, Any]) -> None:
         """A save that might not fit in the fast tier waits (at most
-        full_wait seconds) for the drain, then drops durable checkpoints
+        full_wait seconds) for the drain, then drops drained checkpoints
         from the fast tier, oldest first, even among the newest keep_last:
         their bytes are in the shared tier, so nothing is lost."""
         need = sum(memory.nbytes(v) for v in state_dict.values())
@@ -297,9 +353,9 @@ class TieredRepository:
                 self._drainer.drain_now(max(0.0, deadline - time.monotonic()))
             except (TimeoutError, Error):
                 break
-            if self._drainer.drop_durable_until(lambda: _free_bytes(self.fast.path) >= need):
+            if self._drainer.drop_drained_until(lambda: _free_bytes(self.fast.path) >= need):
                 return
-            time.sleep(_Drainer.POLL_SECONDS)  # other hosts' ranks may make older checkpoints durable
+            time.sleep(_Drainer.POLL_SECONDS)  # a drain in progress may finish meanwhile
 
     def _full(self, e: StorageError) -> Error:
         text = str(e)
@@ -308,7 +364,7 @@ class TieredRepository:
         states = ", ".join(f"{c['name']} {c['tier_state']}" for c in self.status()) or "none"
         return StorageError(f"the fast tier {self.fast.path} is full: {text}. Nothing was lost: the checkpoints "
                             f"before this one are in the fast tier or the shared tier ({states}); the fast tier "
-                            f"drops durable ones beyond the newest {self.keep_last}, so a drain to the shared tier "
+                            f"drops drained ones beyond the newest {self.keep_last}, so a drain to the shared tier "
                             "makes room (or give the fast tier more space)")
 
     # -- state --
@@ -392,6 +448,15 @@ class TieredRepository:
             except Error as e:
                 failed = e
         where = g.from_rank_0("choose the tier", answer, failed).decode()
+        if self.replicas > 1:
+            # A host that lost its fast tier gets its parts back from peers
+            # first: its chunks then come from there, not the shared tier.
+            # Should that fail (a peer's copy fails its hash, say), every
+            # rank hears it and the load reads the shared tier instead.
+            try:
+                self.restored = self._replicate(name, process_group, timeout, back=True)
+            except Error as e:
+                self.restored = {"error": str(e)}
         repo, nearer = (self.shared, [self.fast._repo]) if where == "shared" else (self.fast, [])
         return repo.load(name, targets, process_group=process_group, timeout=timeout, _nearer=nearer, **kwargs)
 
@@ -416,6 +481,7 @@ def _free_bytes(path: str) -> int:
 
 
 def open_tiers(shared_url: str, fast_tier: str, *, keep_last: int = 2, on_phase=None, full_wait: float = 60.0,
+               replicas: int = 1, replica_jump: Optional[int] = None,
                fast_options: Optional[Dict[str, Any]] = None, **open_options) -> TieredRepository:
     """ckptfs.open(shared_url, fast_tier=...): the fast tier is made when
     missing (with the shared tier's chunk size and codec settings, so that
@@ -442,4 +508,5 @@ def open_tiers(shared_url: str, fast_tier: str, *, keep_last: int = 2, on_phase=
                                    f"the shared tier {shared_url} of {shared.config['chunk_size']}: they must agree "
                                    "(the fast tier's chunks are the shared tier's)")
     _core.write_shared_tier(fast_tier, shared.path)
-    return TieredRepository(fast, shared, keep_last=keep_last, on_phase=on_phase, full_wait=full_wait)
+    return TieredRepository(fast, shared, keep_last=keep_last, on_phase=on_phase, full_wait=full_wait,
+                            replicas=replicas, replica_jump=replica_jump)

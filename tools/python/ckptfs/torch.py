@@ -151,11 +151,17 @@ class StorageWriter(_WriterBase):
     the name already holds when the save commits, in one step: readers of
     the old version keep it until they are done. False refuses to save a
     committed name (AlreadyExistsError).
+
+    `fast_tier` (a local directory on this host) makes `url` the shared
+    tier of two (ckptfs.open's fast_tier, keep_last): the save commits to
+    the fast tier and drains to `url` in the background; after dcp.save,
+    `tiers` is the save's TierHandle.
     """
 
     def __init__(self, url: Union[str, os.PathLike], name: Optional[str] = None, *, step: Optional[int] = None,
                  tags: Optional[dict] = None, blobs: Optional[Dict[str, bytes]] = None,
-                 cache_dir: Optional[Union[str, os.PathLike]] = None, overwrite: bool = True):
+                 cache_dir: Optional[Union[str, os.PathLike]] = None, overwrite: bool = True,
+                 fast_tier: Optional[Union[str, os.PathLike]] = None, keep_last: int = 2):
         if _REASON is not None:
             raise UnsupportedError(_REASON)
         super().__init__()
@@ -168,7 +174,16 @@ class StorageWriter(_WriterBase):
         if not isinstance(overwrite, bool):
             raise ckptfs.InvalidArgumentError(f"overwrite must be True or False, not {type(overwrite).__name__}")
         self.overwrite = overwrite
-        self._repo = ckptfs.open(self.url, cache_dir=self.cache_dir)
+        self.fast_tier = None if fast_tier is None else os.fspath(fast_tier)
+        self.keep_last = keep_last
+        self._tiers = None
+        self.tiers = None  # the last save's TierHandle, with a fast tier
+        if self.fast_tier is None:
+            self._repo = ckptfs.open(self.url, cache_dir=self.cache_dir)
+        else:
+            self._tiers = ckptfs.open(self.url, cache_dir=self.cache_dir, fast_tier=self.fast_tier,
+                                      keep_last=keep_last)
+            self._repo = self._tiers.fast
         self._writer = None
         self._kept: List[Any] = []
         self._is_coordinator = False
@@ -177,11 +192,13 @@ class StorageWriter(_WriterBase):
     # its settings, and the new process opens the repository again.
     def __getstate__(self):
         return {"url": self.url, "name": self.name, "step": self.step, "tags": self.tags, "blobs": self.blobs,
-                "cache_dir": self.cache_dir, "overwrite": self.overwrite}
+                "cache_dir": self.cache_dir, "overwrite": self.overwrite, "fast_tier": self.fast_tier,
+                "keep_last": self.keep_last}
 
     def __setstate__(self, state):
         self.__init__(state["url"], state["name"], step=state["step"], tags=state["tags"], blobs=state["blobs"],
-                      cache_dir=state.get("cache_dir"), overwrite=state.get("overwrite", True))
+                      cache_dir=state.get("cache_dir"), overwrite=state.get("overwrite", True),
+                      fast_tier=state.get("fast_tier"), keep_last=state.get("keep_last", 2))
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
@@ -311,6 +328,8 @@ class StorageWriter(_WriterBase):
         self._kept = []
         handle.wait(None)
         handle.result()
+        if self._tiers is not None:
+            self.tiers = self._tiers._saved(self.name)
 
     def _abort(self) -> None:
         if self._writer is not None:
@@ -364,11 +383,13 @@ def _stored_dtype_buffer(fqn: str, stored: str, target):
 class StorageReader(_ReaderBase):
     """Reads checkpoint `name` of the repository at `url` for dcp.load, at
     any sharding. A checkpoint_id given to dcp.load names the checkpoint
-    instead, so one reader serves every step."""
+    instead, so one reader serves every step. With `fast_tier`, `url` is
+    the shared tier of two (as StorageWriter's): each chunk is read from
+    this host's fast tier when it holds it intact."""
 
     def __init__(self, url: Union[str, os.PathLike], name: Optional[str] = None, *,
                  cache_dir: Optional[Union[str, os.PathLike]] = None, process_group: Any = None,
-                 timeout: Optional[float] = None):
+                 timeout: Optional[float] = None, fast_tier: Optional[Union[str, os.PathLike]] = None):
         if _REASON is not None:
             raise UnsupportedError(_REASON)
         super().__init__()
@@ -381,14 +402,30 @@ class StorageReader(_ReaderBase):
         # and sent to the others.
         self.process_group = process_group
         self.timeout = timeout
-        self._repo = ckptfs.open(self.url, cache_dir=self.cache_dir, process_group=process_group, timeout=timeout)
+        self.fast_tier = None if fast_tier is None else os.fspath(fast_tier)
+        self._tiers = None
+        if self.fast_tier is None:
+            self._repo = ckptfs.open(self.url, cache_dir=self.cache_dir, process_group=process_group,
+                                     timeout=timeout)
+        else:
+            self._tiers = ckptfs.open(self.url, cache_dir=self.cache_dir, process_group=process_group,
+                                      timeout=timeout, fast_tier=self.fast_tier)
+            self._repo = self._tiers.shared
 
     def __getstate__(self):
         # A process group does not travel: an unpickled reader reads alone.
-        return {"url": self.url, "name": self.name, "cache_dir": self.cache_dir}
+        return {"url": self.url, "name": self.name, "cache_dir": self.cache_dir, "fast_tier": self.fast_tier}
 
     def __setstate__(self, state):
-        self.__init__(state["url"], state["name"], cache_dir=state.get("cache_dir"))
+        self.__init__(state["url"], state["name"], cache_dir=state.get("cache_dir"), fast_tier=state.get("fast_tier"))
+
+    def _source(self):
+        """(repository, nearer core repositories) that checkpoint `name` is
+        read from."""
+        if self._tiers is None:
+            return self._repo, []
+        repo, nearer, _where = self._tiers._source(self.name)
+        return repo, nearer
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
@@ -402,7 +439,7 @@ class StorageReader(_ReaderBase):
     def read_metadata(self, *args: Any, **kwargs: Any):
         if self.name is None:
             raise ckptfs.InvalidArgumentError("no checkpoint name: give StorageReader a name, or dcp.load a checkpoint_id")
-        shown = self._repo.show(self.name)
+        shown = self._source()[0].show(self.name)
         torch_module()  # fills the dtype tables
         entries = {}
         for t in shown["tensors"]:
@@ -432,7 +469,8 @@ class StorageReader(_ReaderBase):
         # their blobs under it, or fail clearly if the checkpoint was
         # removed and collected first, never with other bytes.
         lease = self.process_group is None or _rank_in(self.process_group) == 0
-        reader = self._repo._repo.open_checkpoint(self.name, lease=lease)
+        repo, nearer = self._source()
+        reader = repo._repo.open_checkpoint(self.name, lease=lease, nearer=nearer)
         mappings = writable_mappings()
         together = []  # (item, tensor name, target, box) for a collective read
         for item in plan.items:
@@ -462,8 +500,8 @@ class StorageReader(_ReaderBase):
             from . import collective  # noqa: PLC0415
 
             group = collective.Group(self.process_group, self.timeout, f"dcp.load of '{self.name}'")
-            collective.load_items(self._repo, self.name, [(fqn, buf, box) for _i, fqn, _t, box, buf in together],
-                                  group)
+            collective.load_items(repo, self.name, [(fqn, buf, box) for _i, fqn, _t, box, buf in together],
+                                  group, nearer=nearer)
             for item, _fqn, target, _box, read_into in together:
                 if read_into is not target:
                     target.copy_(read_into)
