@@ -49,10 +49,12 @@ Result<std::vector<RankRecord>> PendingParts(RepositoryImpl& fast, const std::st
   return parts;
 }
 
-Status CheckTiers(RepositoryImpl& fast, RepositoryImpl& shared) {
+Status CheckTiers(Repository& fast_repo, Repository& shared_repo) {
+  RepositoryImpl& fast = TierAccess::Of(fast_repo);
+  RepositoryImpl& shared = TierAccess::Of(shared_repo);
   CKPT_RETURN_IF_ERROR(fast.CheckProcess());
   CKPT_RETURN_IF_ERROR(shared.CheckProcess());
-  if (fast.remote) {
+  if (fast_repo.remote()) {
     return Status::InvalidArgument("the fast tier must be a local directory, not " + fast.path);
   }
   if (&fast == &shared || fast.path == shared.path) {
@@ -108,7 +110,7 @@ std::string TierEntry::state() const {
 }
 
 Result<std::vector<TierEntry>> TierStatus(Repository& fast, Repository& shared) {
-  CKPT_RETURN_IF_ERROR(CheckTiers(TierAccess::Of(fast), TierAccess::Of(shared)));
+  CKPT_RETURN_IF_ERROR(CheckTiers(fast, shared));
   CKPT_RETURN_IF_ERROR(shared.Refresh());
   CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> here, fast.ListCheckpoints(/*include_pending=*/true));
   CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> there, shared.ListCheckpoints(/*include_pending=*/true));
@@ -151,7 +153,7 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
                           const ProgressFn& progress) {
   RepositoryImpl& src = TierAccess::Of(fast);
   RepositoryImpl& dst = TierAccess::Of(shared);
-  CKPT_RETURN_IF_ERROR(CheckTiers(src, dst));
+  CKPT_RETURN_IF_ERROR(CheckTiers(fast, shared));
   // One drain of this fast tier at a time: the ranks of one host each run
   // one, and a rank must not be committed in the shared tier twice.
   CKPT_ASSIGN_OR_RETURN(RepoLock alone, RepoLock::Acquire(src.state_dir, RepoLock::Mode::kExclusive,
@@ -560,7 +562,7 @@ Result<ReplicaReport> ExchangeParts(Repository& fast, const std::string& name, C
                                    std::to_string(n) + " ranks of the job");
   }
   const uint64_t jump = std::max<uint32_t>(1, options.jump);
-  Status local = TierAccess::Of(fast).remote
+  Status local = fast.remote()
                      ? Status::InvalidArgument("the fast tier must be a local directory, not " + fast.path())
                      : Status::OK();
   bool take = true;

@@ -31,7 +31,7 @@ def release_staging_memory() -> int:
     return _core.release_staging_memory()
 
 
-def _group(group: Optional[str]) -> str:
+def group_name(group: Optional[str]) -> str:
     """A group of checkpoint names as given ("run1", "run1/"), as the
     engine takes it ("run1"; "" for none)."""
     if group is None:
@@ -404,7 +404,7 @@ class Repository:
         group_name, group = group, None
         if process_group is not None:
             group = collective.Group(process_group, timeout, f"resume point '{which}'")
-        return collective.resume_point(self, which, group, _group(group_name))
+        return collective.resume_point(self, which, group, group_name(group_name))
 
     def store_counters(self) -> Dict[str, int]:
         """What this Repository object has cost its store so far:
@@ -460,7 +460,7 @@ class Repository:
         with the fields of `ckpt ls --json`; with `group` ("run1"), those of
         that group only (run1/step-100, run1/eval/step-3)."""
         listed = self._repo.checkpoints(bool(include_pending))
-        group = _group(group)
+        group = group_name(group)
         if not group:
             return listed
         return [c for c in listed if c["name"].startswith(group + "/")]
@@ -551,7 +551,7 @@ class Repository:
                 raise InvalidArgumentError(f"keep_within: {keep_within!r} is not a duration")
             keep_within = f"{int(keep_within)}s"
         return self._repo.gc(keep_last, keep_every, keep_within, list(keep), bool(allow_removing_newest),
-                             bool(dry_run), float(rewrite_below), on_phase, progress, _group(group),
+                             bool(dry_run), float(rewrite_below), on_phase, progress, group_name(group),
                              thin_older_than, list(thin_keep))
 
     def stats(self, name: str, tensors: Sequence[str] = ()) -> List[Dict[str, Any]]:

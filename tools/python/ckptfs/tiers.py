@@ -63,6 +63,13 @@ class TierHandle:
     def stage(self) -> str:
         return self._drainer.stage(self.name)
 
+    @property
+    def replicated(self) -> bool:
+        """Whether every rank's part of this save has its copies in peers'
+        fast tiers (a save with replicas > 1 and a process group: the
+        copies are made by every rank together, so they all succeeded)."""
+        return self.replicas is not None
+
     def wait(self, stage: str = "durable", timeout: Optional[float] = None) -> str:
         """Waits until the save has reached `stage` ("local", "drained" or
         "durable") and returns the stage it is at. Raises TimeoutError
@@ -408,12 +415,12 @@ class TieredRepository:
         as checkpoints() lists it; with `process_group` rank 0 decides for
         every rank, as Repository.resume_point does."""
         from . import collective  # noqa: PLC0415
-        from .repository import _group  # noqa: PLC0415
+        from .repository import group_name  # noqa: PLC0415
 
         g = None
         if process_group is not None:
             g = collective.Group(process_group, timeout, f"resume point '{which}'")
-        return collective.resume_point(self, which, g, _group(group))
+        return collective.resume_point(self, which, g, group_name(group))
 
     # -- load --
 
