@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <thread>
 
 #include "backend/backend.h"
@@ -280,6 +281,18 @@ TEST(Tiers, TrimmingTheFastTierNeverDropsACheckpointNotDurable) {
   ExpectMatrix(**kept, 2);
 }
 
+// `hosts` threads, each a host of one in-process group, run `fn(host,
+// communicator)` at once; their results in host order.
+std::vector<Result<ReplicaReport>> OnEveryHost(
+    int hosts, const std::function<Result<ReplicaReport>(int, Communicator&)>& fn) {
+  std::vector<Result<ReplicaReport>> out(hosts, Status::Internal("not run"));
+  auto comms = NewHostGroup(hosts);
+  std::vector<std::thread> threads;
+  for (int h = 0; h < hosts; ++h) threads.emplace_back([&, h] { out[h] = fn(h, *comms[h]); });
+  for (auto& t : threads) t.join();
+  return out;
+}
+
 // Each rank keeps a replica of its part in the next host's fast tier: a
 // host lost before its drain still leaves every rank to drain, and a
 // restore from the surviving fast tiers reads nothing from the store.
@@ -289,16 +302,12 @@ TEST(Tiers, ReplicasLetOtherHostsDrainAndRestoreALostHostsRanks) {
   std::vector<std::unique_ptr<Repository>> fast;
   for (int h = 0; h < kHosts; ++h) fast.push_back(tiers.Fast("h" + std::to_string(h)));
   for (int h = 0; h < kHosts; ++h) SaveRank(*fast[h], "step-1", 1, h, kHosts, 31, "attempt-r");
-  auto replicate = [&](std::vector<Result<ReplicaReport>>* out) {
-    auto comms = NewHostGroup(kHosts);
-    std::vector<std::thread> threads;
-    for (int h = 0; h < kHosts; ++h) {
-      threads.emplace_back([&, h] { (*out)[h] = ReplicateRankParts(*fast[h], "step-1", *comms[h], {2, 1}); });
-    }
-    for (auto& t : threads) t.join();
+  auto replicate = [&] {
+    return OnEveryHost(kHosts, [&](int h, Communicator& comm) {
+      return ReplicateRankParts(*fast[h], "step-1", comm, {2, 1});
+    });
   };
-  std::vector<Result<ReplicaReport>> first(kHosts, Status::Internal("not run"));
-  replicate(&first);
+  std::vector<Result<ReplicaReport>> first = replicate();
   for (int h = 0; h < kHosts; ++h) {
     ASSERT_OK(first[h]);
     EXPECT_EQ(first[h]->parts_sent, 1u);
@@ -310,8 +319,7 @@ TEST(Tiers, ReplicasLetOtherHostsDrainAndRestoreALostHostsRanks) {
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ(listed->front().committed_ranks, (std::vector<uint32_t>{0, 1}));
   // Again: every part is there; no chunk travels.
-  std::vector<Result<ReplicaReport>> second(kHosts, Status::Internal("not run"));
-  replicate(&second);
+  std::vector<Result<ReplicaReport>> second = replicate();
   for (int h = 0; h < kHosts; ++h) {
     ASSERT_OK(second[h]);
     EXPECT_EQ(second[h]->chunks_sent, 0u);
@@ -338,15 +346,9 @@ TEST(Tiers, ReplicasLetOtherHostsDrainAndRestoreALostHostsRanks) {
   fast[0].reset();
   std::filesystem::remove_all(tiers.FastPath("h0"));
   fast[0] = tiers.Fast("h0");
-  std::vector<Result<ReplicaReport>> back(kHosts, Status::Internal("not run"));
-  {
-    auto comms = NewHostGroup(kHosts);
-    std::vector<std::thread> threads;
-    for (int h = 0; h < kHosts; ++h) {
-      threads.emplace_back([&, h] { back[h] = RestoreRankParts(*fast[h], "step-1", *comms[h], {2, 1}); });
-    }
-    for (auto& t : threads) t.join();
-  }
+  std::vector<Result<ReplicaReport>> back = OnEveryHost(kHosts, [&](int h, Communicator& comm) {
+    return RestoreRankParts(*fast[h], "step-1", comm, {2, 1});
+  });
   for (int h = 0; h < kHosts; ++h) {
     ASSERT_OK(back[h]);
     EXPECT_EQ(back[h]->parts_received, h == 0 ? 1u : 0u) << h;

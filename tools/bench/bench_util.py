@@ -60,3 +60,20 @@ def add_scratch_dir_option(parser):
     default (the code's speed, not the disk's), /tmp without it."""
     parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp",
                         help="where the repositories and files go (default /dev/shm)")
+
+
+def llm_state(torch, mib, seed):
+    """bf16 weights, fp32 master weights and two fp32 moments (an LLM's
+    training state under AdamW): 14 bytes a parameter, about `mib` MiB in
+    all. The same seed gives the same bytes."""
+    rows = max(1, ((mib << 20) // 14) // 1024)
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(rows, 1024, generator=gen) * 0.02
+    return {"weight": master.to(torch.bfloat16), "master": master,
+            "exp_avg": torch.randn(rows, 1024, generator=gen) * 1e-3,
+            "exp_avg_sq": torch.rand(rows, 1024, generator=gen) * 1e-6}
+
+
+def state_bytes(state):
+    """The bytes of a state dict's tensors."""
+    return sum(v.numel() * v.element_size() for v in state.values())

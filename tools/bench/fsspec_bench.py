@@ -36,25 +36,9 @@ import torch.distributed.checkpoint as dcp
 
 import ckptfs
 import ckptfs.filesystem
-from bench_util import add_scratch_dir_option, minor_faults
+from bench_util import add_scratch_dir_option, llm_state, minor_faults, state_bytes
 
 ckptfs.filesystem.register()
-
-
-def llm_state(mib, seed):
-    """bf16 weights, fp32 master weights and two fp32 moments: 14 bytes a
-    parameter, about `mib` MiB in all."""
-    params = (mib << 20) // 14
-    rows = max(1, params // 1024)
-    gen = torch.Generator().manual_seed(seed)
-    master = torch.randn(rows, 1024, generator=gen) * 0.02
-    return {"weight": master.to(torch.bfloat16), "master": master,
-            "exp_avg": torch.randn(rows, 1024, generator=gen) * 1e-3,
-            "exp_avg_sq": torch.rand(rows, 1024, generator=gen) * 1e-6}
-
-
-def nbytes(state):
-    return sum(v.numel() * v.element_size() for v in state.values())
 
 
 def timed(fn):
@@ -83,7 +67,7 @@ def fresh_repository(work, label):
 def bench_dcp(args, work, state):
     from ckptfs.torch import StorageWriter
 
-    size = nbytes(state)
+    size = state_bytes(state)
     figs = {k: [] for k in ("url", "writer", "fs", "url_load", "fs_load")}
     faults = {k: [] for k in ("url", "writer", "fs")}
     for run in range(args.runs):
@@ -127,7 +111,7 @@ def bench_torch_checkpointing(args, work, state):
         return
     from ckptfs.torch_checkpointing import CkptfsStorageConfig
 
-    size = nbytes(state)
+    size = state_bytes(state)
     figs = {k: [] for k in ("ckptfs_save", "fs_save", "ckptfs_load", "fs_load")}
     def manager(storage):
         config = CheckpointManager.Config.with_sync_save()
@@ -225,7 +209,7 @@ def bench_dedup(args, work):
         fs = fsspec.filesystem("ckptfs", skip_instance_cache=True)
         for step in range(10):
             state = frozen_model(step)
-            saved += nbytes(state)
+            saved += state_bytes(state)
             if which == "dcp":
                 dcp.save(state, checkpoint_id=f"ckptfs://{repo_path}/run/step-{step}")
             elif which == "torch_checkpointing":
@@ -254,7 +238,7 @@ def main():
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="ckptfs-fsspec-bench-", dir=args.dir)
     try:
-        state = llm_state(args.mib, 1)
+        state = llm_state(torch, args.mib, 1)
         only = set(args.only or ("dcp", "torch_checkpointing", "rename", "dedup"))
         print(f"torch {torch.__version__}, fsspec {fsspec.__version__}, {os.cpu_count()} CPUs, in {args.dir}")
         if "dcp" in only:

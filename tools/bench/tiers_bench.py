@@ -31,22 +31,16 @@ import uuid
 import torch
 
 import ckptfs
-from bench_util import add_scratch_dir_option, minor_faults
+from bench_util import add_scratch_dir_option, llm_state, minor_faults, state_bytes
 
 
-def llm_state(mib, seed):
-    """bf16 weights, fp32 master weights and two fp32 moments: 14 bytes a
-    parameter, about `mib` MiB in all."""
-    rows = max(1, ((mib << 20) // 14) // 1024)
-    gen = torch.Generator().manual_seed(seed)
-    master = torch.randn(rows, 1024, generator=gen) * 0.02
-    return {"weight": master.to(torch.bfloat16), "master": master,
-            "exp_avg": torch.randn(rows, 1024, generator=gen) * 1e-3,
-            "exp_avg_sq": torch.rand(rows, 1024, generator=gen) * 1e-6}
-
-
-def nbytes(state):
-    return sum(v.numel() * v.element_size() for v in state.values())
+def emptied(repo):
+    """Removes every checkpoint of `repo` and collects its packs: the test
+    S3 server keeps its objects in memory."""
+    names = [c["name"] for c in repo.checkpoints(include_pending=True)]
+    if names:
+        repo.rm(*names)
+    repo.gc()
 
 
 class Shared:
@@ -89,8 +83,8 @@ def main():
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="tiers-bench-", dir=args.dir)
     shared = Shared(root)
-    state = llm_state(args.mib, 1)
-    size = nbytes(state)
+    state = llm_state(torch, args.mib, 1)
+    size = state_bytes(state)
     gib = size / (1 << 30)
     print(f"state: {size / (1 << 20):.0f} MiB; scratch {args.dir}; shared tier: "
           f"{'S3 at ' + os.environ['AWS_ENDPOINT_URL'] if shared.s3 else 'a directory (no AWS_ENDPOINT_URL)'}")
@@ -98,9 +92,9 @@ def main():
     a, b = torch.randn(512, 512), torch.randn(512, 512) * 0.05
     figures = {k: [] for k in ("tiered", "local", "direct", "durable", "drain", "copy", "restore", "raw",
                                "step", "step_draining")}
-    faults = {"tiered": [], "local": [], "restore": []}
+    faults = {"tiered": [], "local": [], "restore": [], "raw": []}
     fetched_shared = []
-    other = llm_state(args.mib, 2)  # the same size, other bytes: a drain of it sends everything
+    other = llm_state(torch, args.mib, 2)  # the same size, other bytes: a drain of it sends everything
 
     def settle():
         """Waits until the machine is quiet (the store server's own work
@@ -131,6 +125,7 @@ def main():
         settle()
         t, _, _ = timed(lambda: ckptfs.copy(repo, target, "step-1"))
         figures["copy"].append(t)
+        emptied(target)
         del repo, target
         shutil.rmtree(local)
 
@@ -140,6 +135,7 @@ def main():
         settle()
         t, _, _ = timed(lambda: direct.save("step-1", state, step=1))
         figures["direct"].append(t)
+        emptied(direct)
 
     def tiered(run):
         url, cache = shared.fresh()
@@ -173,8 +169,9 @@ def main():
             with open(raw, "rb", buffering=0) as src:
                 for v in buffers.values():
                     src.readinto(memoryview(v.view(torch.uint8).numpy()))
-        t, _, _ = timed(read_raw)
+        t, f, _ = timed(read_raw)
         figures["raw"].append(t)
+        faults["raw"].append(f / gib)
         os.unlink(raw)
         # the training step alone, then while a drain of other bytes runs
         alone = []
@@ -192,6 +189,7 @@ def main():
         if during:
             figures["step_draining"].append(statistics.median(during))
         tiers.close()
+        emptied(tiers.shared)
         shutil.rmtree(fast)
 
     try:
@@ -219,7 +217,8 @@ def main():
           f"drain / copy {med['drain'] / med['copy']:.2f}x (target <= 1.1)")
     print(f"restore from the fast tier       {med['restore']:.3f} s ({mib / med['restore']:.0f} MiB/s, "
           f"{mf['restore']:.0f} minor faults/GiB)")
-    print(f"raw read of the same bytes       {med['raw']:.3f} s ({mib / med['raw']:.0f} MiB/s)   "
+    print(f"raw read of the same bytes       {med['raw']:.3f} s ({mib / med['raw']:.0f} MiB/s, "
+          f"{mf['raw']:.0f} minor faults/GiB; both into new buffers)   "
           f"restore / raw throughput {med['raw'] / med['restore']:.2f}x (target >= 0.9)")
     print(f"bytes fetched from the shared tier by the restores: {max(fetched_shared)} (target 0)")
     print(f"training step {med['step'] * 1000:.1f} ms alone, {med['step_draining'] * 1000:.1f} ms while a drain runs "

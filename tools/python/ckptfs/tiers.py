@@ -87,6 +87,7 @@ class _Drainer:
     the fast tier, and polls while a checkpoint waits for other hosts."""
 
     POLL_SECONDS = 0.5
+    MAX_POLL_SECONDS = 5.0
     MAX_BACKOFF_SECONDS = 30.0
 
     def __init__(self, fast, shared, keep_last: int, on_phase: Optional[Callable[[str], None]]):
@@ -97,7 +98,8 @@ class _Drainer:
         self._trimming = threading.Lock()  # one trim of the fast tier at a time
         self._stages: Dict[str, int] = {}
         self._failed: Dict[str, BaseException] = {}  # async saves that failed
-        self._waiting_local: List[Any] = []  # async saves' handles, until their commit is local
+        self._waiting_local: List[Any] = []  # (name, wait) of async saves, until their commit is local
+        self._poll = self.POLL_SECONDS  # while a checkpoint waits for other hosts: grows to MAX_POLL_SECONDS
         self._wake = True  # drain once at start: what an earlier process left
         self._stopping = False
         self._error: Optional[BaseException] = None
@@ -108,13 +110,16 @@ class _Drainer:
 
     # -- called by the repository's threads --
 
-    def submit(self, name: Optional[str], local_handle=None) -> None:
+    def submit(self, name: Optional[str], wait_local: Optional[Callable[[], Any]] = None) -> None:
+        """Drains soon; `name` is local now, or once wait_local() returns
+        (an async save's commit to the fast tier)."""
         with self._cond:
             if name is not None:
-                self._stages[name] = max(self._stages.get(name, 0), 0 if local_handle is not None else 1)
-            if local_handle is not None:
-                self._waiting_local.append((name, local_handle))
+                self._stages[name] = max(self._stages.get(name, 0), 0 if wait_local is not None else 1)
+            if wait_local is not None:
+                self._waiting_local.append((name, wait_local))
             self._wake = True
+            self._poll = self.POLL_SECONDS
             self._cond.notify_all()
 
     def stage(self, name: str) -> str:
@@ -127,7 +132,8 @@ class _Drainer:
             while self._stages.get(name, 0) < want:
                 if name in self._failed:
                     raise self._failed[name]  # the save itself failed: nothing of it drains
-                if isinstance(self._error, _LASTING):
+                if isinstance(self._error, _LASTING) or (self._error is not None and
+                                                         not isinstance(self._error, Error)):
                     raise self._error
                 if self._stopping and not self._thread.is_alive():
                     raise StorageError(f"the drain of '{name}' stopped before it was {STAGES[want]} "
@@ -137,8 +143,6 @@ class _Drainer:
                     why = f" (the drain's last error: {self._error})" if self._error else ""
                     raise TimeoutError(f"'{name}' is {STAGES[self._stages.get(name, 0)]}, not {STAGES[want]}, "
                                        f"after {timeout} s{why}")
-                self._wake = True
-                self._cond.notify_all()
                 self._cond.wait(self.POLL_SECONDS if left is None else min(left, self.POLL_SECONDS))
             return STAGES[self._stages[name]]
 
@@ -171,24 +175,26 @@ class _Drainer:
         while True:
             with self._cond:
                 while not self._wake and not self._stopping:
-                    # Poll while a checkpoint waits for other hosts' ranks.
+                    # Poll while a checkpoint waits for other hosts' ranks,
+                    # less often the longer it waits.
                     polling = any(1 <= s < 3 for s in self._stages.values())
-                    self._cond.wait(self.POLL_SECONDS if polling else None)
+                    self._cond.wait(self._poll if polling else None)
                     if polling:
+                        self._poll = min(self._poll * 1.5, self.MAX_POLL_SECONDS)
                         break
                 if self._stopping and not self._wake:
                     return
                 self._wake = False
                 self._started += 1
                 waiting = list(self._waiting_local)
-            for name, handle in waiting:
+            for name, wait_local in waiting:
                 failed = None
                 try:
-                    handle.result()
+                    wait_local()
                 except BaseException as e:  # noqa: BLE001 - the save's own handle raises it to its caller too
                     failed = e
                 with self._cond:
-                    self._waiting_local.remove((name, handle))
+                    self._waiting_local.remove((name, wait_local))
                     if failed is None:
                         self._stages[name] = max(self._stages.get(name, 0), 1)
                     else:
@@ -197,7 +203,7 @@ class _Drainer:
             try:
                 self._pass()
                 error, backoff = None, self.POLL_SECONDS
-            except Error as e:
+            except Exception as e:  # noqa: BLE001 - kept for the handles waiting, which raise it
                 error = e
             with self._cond:
                 self._error = error
@@ -211,7 +217,10 @@ class _Drainer:
                     self._wake = True
 
     def _pass(self) -> None:
-        self._fast._repo.drain(self._shared._repo, [], self._on_phase)
+        report = self._fast._repo.drain(self._shared._repo, [], self._on_phase)
+        # What the drain made durable shows at once; then every checkpoint.
+        self._note([{"name": c["name"], "tier_state": "durable" if c["durable"] else "drained"}
+                    for c in report["checkpoints"]])
         self._note(self._fast._repo.tier_status(self._shared._repo))
         with self._trimming:
             self._drop(self._fast._repo.plan_fast_trim(self._shared._repo, self._keep_last))
@@ -237,7 +246,9 @@ class _Drainer:
         with self._cond:
             for e in entries:
                 stage = STAGES.index(e["tier_state"])
-                self._stages[e["name"]] = max(self._stages.get(e["name"], 0), stage)
+                if stage > self._stages.get(e["name"], 0):
+                    self._stages[e["name"]] = stage
+                    self._poll = self.POLL_SECONDS
             self._cond.notify_all()
 
 
@@ -331,7 +342,7 @@ class TieredRepository:
         the drain."""
         self._make_room(state_dict)
         handle = self.fast.async_save(name, state_dict, **kwargs)
-        self._drainer.submit(name, handle)
+        self._drainer.submit(name, handle.result)  # the fast tier's commit, never the replicas below
         handle.tiers = TierHandle(name, self._drainer)
         if self.replicas > 1 and kwargs.get("process_group") is not None:
             # The copies to peers are a collective call: made by result(),
