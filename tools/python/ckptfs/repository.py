@@ -401,10 +401,10 @@ class Repository:
         point for the whole job, however the hosts' catalogs lag."""
         from . import collective  # noqa: PLC0415
 
-        group_name, group = group, None
+        names_of, group = group, None
         if process_group is not None:
             group = collective.Group(process_group, timeout, f"resume point '{which}'")
-        return collective.resume_point(self, which, group, group_name(group_name))
+        return collective.resume_point(self, which, group, group_name(names_of))
 
     def store_counters(self) -> Dict[str, int]:
         """What this Repository object has cost its store so far:
