@@ -163,6 +163,7 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
     if (options.on_phase) options.on_phase(what);
   };
   std::vector<const TierEntry*> selected;
+  std::vector<TierEntry> gone;  // named, no longer in the fast tier, durable in the shared one
   if (options.names.empty()) {
     for (const TierEntry& e : entries) {
       if (!e.durable) selected.push_back(&e);
@@ -170,10 +171,22 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
   } else {
     std::map<std::string, const TierEntry*> by_name;
     for (const TierEntry& e : entries) by_name[e.name] = &e;
+    gone.reserve(options.names.size());
     for (const std::string& n : options.names) {
       auto it = by_name.find(n);
-      if (it == by_name.end()) return Status::NotFound("the fast tier holds no checkpoint '" + n + "'");
-      selected.push_back(it->second);
+      if (it != by_name.end()) {
+        selected.push_back(it->second);
+        continue;
+      }
+      // Drained and trimmed since (the same command run again).
+      auto there = shared.GetCheckpoint(n);
+      if (there.status().IsNotFound()) return Status::NotFound("the fast tier holds no checkpoint '" + n + "'");
+      CKPT_RETURN_IF_ERROR(there.status());
+      TierEntry e;
+      e.name = n;
+      e.durable = true;
+      gone.push_back(std::move(e));
+      selected.push_back(&gone.back());
     }
   }
   uint64_t total = 0, done_before = 0;

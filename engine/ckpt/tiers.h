@@ -91,7 +91,9 @@ struct DrainReport {
 // chunks `shared` lacks are sent, as stored, each checked against its id
 // first. A drain stopped at any point (failure, cancel, kill) leaves the
 // ranks it committed there and no other trace; the next drain commits the
-// rest. NotFound for a name `fast` does not hold; AlreadyExists when
+// rest. A name `fast` no longer holds that is durable in `shared` (drained
+// and trimmed before) counts as present; NotFound for a name neither
+// holds. AlreadyExists when
 // `shared` holds a checkpoint of that name of another world size or step.
 // `progress` counts the logical bytes of the ranks drained.
 Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptions& options,

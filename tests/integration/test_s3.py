@@ -857,6 +857,48 @@ class Drain(S3Case):
         self.assertEqual(self.export(self.repo, "step-1"), self.want)
         self.a.run("-r", self.repo, "verify")
 
+    def test_a_drain_killed_while_it_trims_never_loses_a_checkpoint(self):
+        # four checkpoints of one rank in a fast tier of their own; step-1,
+        # the oldest, is never drained, the others are drained and trimmed
+        # down to the newest (--keep-last 1) by the same command
+        fast = self.path("fast-solo")
+        self.a.run("-r", fast, "init", "--chunk-size", "64K", "--pack-size", "1M")
+        with open(os.path.join(fast, "shared-tier"), "w") as f:
+            f.write(self.repo + "\n")
+        want = {}
+        for step in range(1, 5):
+            path = self.path(f"solo-{step}.safetensors")
+            st.write(path, [("w", "F32", self.rng.standard_normal((128, 512)).astype(np.float32))])
+            self.a.run("-r", fast, "import", f"step-{step}", path, "--step", str(step))
+            want[f"step-{step}"] = self.export(fast, f"step-{step}")
+        args = ("-r", fast, "drain", "step-2", "step-3", "step-4", "--keep-last", "1")
+        probe = self.path("probe-solo")
+        shutil.copytree(fast, probe)
+        elsewhere = self.host("q")
+        probe_repo = f"s3://{BUCKET}/drain-trim-probe-{uuid.uuid4().hex[:8]}"
+        elsewhere.run("-r", probe_repo, "init", "--chunk-size", "64K", "--pack-size", "1M")
+        with open(os.path.join(probe, "shared-tier"), "w") as f:
+            f.write(probe_repo + "\n")
+        count = self.path("count-solo")
+        elsewhere.run("-r", probe, *args[2:], env={"CKPTFS_TEST_CRASH_COUNT_FILE": count})
+        with open(count) as f:
+            total = int(f.read())
+        points = sorted({1 + (total - 1) * k // (self.KILL_POINTS - 1) for k in range(self.KILL_POINTS)})
+        kills = 0
+        for pt in points:
+            kills += self.a.run(*args, ok=None, env={"CKPTFS_TEST_CRASH_AT": str(pt)}).returncode == -signal.SIGKILL
+            here = [c["name"] for c in json.loads(self.a.run("-r", fast, "ls", "--json").stdout)]
+            there = self.visible()
+            self.assertIn("step-1", here, f"kill point {pt}")  # never drained: never dropped
+            for name, digest in want.items():  # every checkpoint is whole in one tier or both
+                self.assertTrue(name in here or name in there, f"kill point {pt}: {name} lost")
+                self.assertEqual(self.export(fast if name in here else self.repo, name), digest, f"{pt} {name}")
+        self.assertGreater(kills, 0)
+        self.a.run(*args)
+        self.assertEqual(sorted(c["name"] for c in json.loads(self.a.run("-r", fast, "ls", "--json").stdout)),
+                         ["step-1", "step-4"])
+        self.assertEqual(self.visible(), ["step-2", "step-3", "step-4"])
+
     def test_gc_on_a_fast_tier_keeps_what_is_not_durable(self):
         self.drain(self.a, "--to", self.repo, "--status")
         gc = json.loads(self.a.run("-r", self.fast[self.a], "gc", "--keep-last", "1", "--json").stdout)

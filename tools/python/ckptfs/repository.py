@@ -10,11 +10,15 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union,
+                    overload)
 
 from . import _core, memory
 from ._core import AlreadyExistsError, Error, InvalidArgumentError, NotFoundError, UnsupportedError
 from .shards import Shard
+
+if TYPE_CHECKING:
+    from .tiers import TieredRepository
 
 
 def new_save_attempt() -> str:
@@ -401,10 +405,10 @@ class Repository:
         point for the whole job, however the hosts' catalogs lag."""
         from . import collective  # noqa: PLC0415
 
-        names_of, group = group, None
+        together = None
         if process_group is not None:
-            group = collective.Group(process_group, timeout, f"resume point '{which}'")
-        return collective.resume_point(self, which, group, group_name(names_of))
+            together = collective.Group(process_group, timeout, f"resume point '{which}'")
+        return collective.resume_point(self, which, together, group_name(group))
 
     def store_counters(self) -> Dict[str, int]:
         """What this Repository object has cost its store so far:
@@ -618,11 +622,26 @@ def init(url: str, *, chunk_size: int = 4 << 20, pack_size: int = 256 << 20, com
     return open(url, threads=threads, cache_bytes=cache_bytes, cache_dir=cache_dir, io_threads=io_threads)
 
 
+@overload
+def open(url: str, *, threads: int = ..., cache_bytes: int = ..., cache_dir: Optional[str] = ...,  # noqa: A001
+         io_threads: int = ..., process_group: Any = ..., timeout: Optional[float] = ..., fast_tier: None = ...,
+         keep_last: int = ..., on_drain_phase: Optional[Callable[[str], None]] = ..., replicas: int = ...,
+         replica_jump: Optional[int] = ...) -> Repository: ...
+
+
+@overload
+def open(url: str, *, threads: int = ..., cache_bytes: int = ..., cache_dir: Optional[str] = ...,  # noqa: A001
+         io_threads: int = ..., process_group: Any = ..., timeout: Optional[float] = ...,
+         fast_tier: Union[str, "os.PathLike[str]"], keep_last: int = ...,
+         on_drain_phase: Optional[Callable[[str], None]] = ..., replicas: int = ...,
+         replica_jump: Optional[int] = ...) -> "TieredRepository": ...
+
+
 def open(url: str, *, threads: int = 0, cache_bytes: int = 512 << 20,  # noqa: A001
-         cache_dir: Optional[str] = None, io_threads: int = 0, process_group=None,
-         timeout: Optional[float] = None, fast_tier: Optional[str] = None, keep_last: int = 2,
-         on_drain_phase: Optional[Callable[[str], None]] = None, replicas: int = 1,
-         replica_jump: Optional[int] = None):
+         cache_dir: Optional[str] = None, io_threads: int = 0, process_group: Any = None,
+         timeout: Optional[float] = None, fast_tier: Optional[Union[str, "os.PathLike[str]"]] = None,
+         keep_last: int = 2, on_drain_phase: Optional[Callable[[str], None]] = None, replicas: int = 1,
+         replica_jump: Optional[int] = None) -> Union[Repository, "TieredRepository"]:
     """Opens the repository at `url`: a local directory, or
     s3://BUCKET/PREFIX on an S3 store (endpoint and credentials from
     AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or the AWS

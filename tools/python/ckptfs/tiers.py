@@ -22,7 +22,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 from ._core import (
     AlreadyExistsError,
@@ -282,7 +282,8 @@ class TieredRepository:
         self.keep_last = int(keep_last)
         self.replicas = int(replicas)
         self.replica_jump = None if replica_jump is None else int(replica_jump)
-        self.restored: Optional[Dict[str, int]] = None  # what the last collective load got back from peers
+        # What the last collective load got back from peers ({"error": ...} when that failed).
+        self.restored: Optional[Dict[str, Any]] = None
         self.full_wait = float(full_wait)
         self._drainer = _Drainer(fast, shared, self.keep_last, on_phase)
         self._closed = False
@@ -498,7 +499,7 @@ def _free_bytes(path: str) -> int:
     return s.f_bavail * s.f_frsize
 
 
-def open_tiers(shared_url: str, fast_tier: str, *, keep_last: int = 2, on_phase=None, full_wait: float = 60.0,
+def open_tiers(shared_url: str, fast_tier: Union[str, "os.PathLike[str]"], *, keep_last: int = 2, on_phase=None, full_wait: float = 60.0,
                replicas: int = 1, replica_jump: Optional[int] = None,
                fast_options: Optional[Dict[str, Any]] = None, **open_options) -> TieredRepository:
     """ckptfs.open(shared_url, fast_tier=...): the fast tier is made when
