@@ -118,6 +118,7 @@ class OneHost(CkptTestCase):
                            stderr=subprocess.PIPE)
         self.assertEqual(p.returncode, 0, p.stderr.decode())
         self.assertEqual(json.loads(p.stdout)["removed"], [])
+        self.assertEqual(tiers.fast.gc(keep_last=1)["removed"], [])  # from Python too
         self.assertEqual(len(tiers.fast.checkpoints()), 4)
         # resumed against the shared tier: everything drains, then the fast
         # tier keeps the newest two

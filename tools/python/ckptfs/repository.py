@@ -543,7 +543,11 @@ class Repository:
         A thinned checkpoint replaces the whole one atomically, stays
         loadable, and carries the tag "ckptfs.thinned" (`show(name)["thinned"]`, `checkpoints()`).
         Returns the fields of `ckpt gc --json` ("thinned" lists the
-        checkpoints thinned)."""
+        checkpoints thinned).
+
+        On a fast tier (a directory that names a shared tier: ckptfs.open's
+        fast_tier), no rule removes a checkpoint with a rank not yet drained
+        to the shared tier, as with `ckpt gc`."""
         if isinstance(keep, str):
             keep = [keep]
         if isinstance(thin_keep, str):
@@ -554,9 +558,13 @@ class Repository:
             if isinstance(keep_within, bool) or keep_within < 0:
                 raise InvalidArgumentError(f"keep_within: {keep_within!r} is not a duration")
             keep_within = f"{int(keep_within)}s"
+        held: List[Tuple[str, str]] = []
+        shared_url = None if "://" in self.path else _core.read_shared_tier(self.path)
+        if shared_url is not None:
+            held = self._repo.undrained(open(shared_url)._repo)
         return self._repo.gc(keep_last, keep_every, keep_within, list(keep), bool(allow_removing_newest),
                              bool(dry_run), float(rewrite_below), on_phase, progress, group_name(group),
-                             thin_older_than, list(thin_keep))
+                             thin_older_than, list(thin_keep), held)
 
     def stats(self, name: str, tensors: Sequence[str] = ()) -> List[Dict[str, Any]]:
         """Statistics of the tensors `tensors` of checkpoint `name` (every
