@@ -337,6 +337,7 @@ Json DescribeTierEntry(const TierEntry& e) {
   j.Set("step", e.step ? Json(*e.step) : Json());
   j.Set("world_size", uint64_t{e.world_size});
   j.Set("tier_state", e.state());
+  j.Set("copies", uint64_t{e.copies});
   j.Set("complete_here", e.complete_here);
   Json here = Json::MakeArray(), shared = Json::MakeArray();
   for (uint32_t r : e.ranks_here) here.Push(uint64_t{r});

@@ -29,6 +29,57 @@ namespace {
 
 std::string SharedTierPath(const std::string& fast_path) { return fast_path + "/" + kSharedTierFile; }
 
+// What a fast tier records of the copies its checkpoints have in peers'
+// fast tiers: a file per checkpoint in replicated/ ('/' in the name as
+// '+'), one line "<created_unix_ms> <world_size> <copies>" that ties it to
+// one checkpoint of that name.
+constexpr const char* kReplicatedDir = "replicated";
+
+std::string ReplicatedPath(const std::string& fast_path, const std::string& name) {
+  std::string file = name;
+  std::replace(file.begin(), file.end(), '/', '+');
+  return fast_path + "/" + kReplicatedDir + "/" + file;
+}
+
+// The copies the marker of checkpoint `c` records; 1 without a marker, or
+// with one left by another checkpoint of that name.
+uint32_t RecordedCopies(const std::string& fast_path, const CheckpointRecord& c) {
+  std::ifstream in(ReplicatedPath(fast_path, c.name));
+  uint64_t created = 0, world = 0, copies = 0;
+  if (!(in >> created >> world >> copies)) return 1;
+  if (created != c.created_unix_ms || world != c.world_size || copies < 1 || copies > c.world_size) return 1;
+  return static_cast<uint32_t>(copies);
+}
+
+Status RecordCopies(Repository& fast, const std::string& name, uint32_t copies, int rank) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> list, fast.ListCheckpoints(/*include_pending=*/true));
+  for (const CheckpointRecord& c : list) {
+    if (c.name != name) continue;
+    std::error_code ec;
+    std::filesystem::create_directories(fast.path() + "/" + kReplicatedDir, ec);
+    if (ec) return Status::IOError("making " + fast.path() + "/" + kReplicatedDir + ": " + ec.message());
+    const std::string path = ReplicatedPath(fast.path(), name);
+    // The ranks of one host write the same line, each through a temporary of its own.
+    CKPT_ASSIGN_OR_RETURN(auto file, DurableFile::Create(path, path + ".tmp-" + std::to_string(rank)));
+    const std::string line = std::to_string(c.created_unix_ms) + " " + std::to_string(c.world_size) + " " +
+                             std::to_string(copies) + "\n";
+    CKPT_RETURN_IF_ERROR(file->Append(std::as_bytes(std::span(line.data(), line.size()))));
+    return file->Commit(/*replace=*/true);
+  }
+  return Status::NotFound("the fast tier holds no checkpoint '" + name + "'");
+}
+
+// Removes the markers of checkpoints the fast tier no longer holds.
+void ForgetGoneCopies(const std::string& fast_path, const std::vector<CheckpointRecord>& held) {
+  std::set<std::string> files;
+  for (const CheckpointRecord& c : held) files.insert(ReplicatedPath(fast_path, c.name));
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(fast_path + "/" + kReplicatedDir, ec)) {
+    const std::string path = entry.path().string();
+    if (!files.count(path) && path.find(".tmp-") == std::string::npos) std::filesystem::remove(path, ec);
+  }
+}
+
 // The rank parts a fast tier's catalog holds of pending checkpoint `name`.
 Result<std::vector<RankRecord>> PendingParts(RepositoryImpl& fast, const std::string& name) {
   std::vector<RankRecord> parts;
@@ -104,9 +155,20 @@ Status WriteSharedTier(const std::string& fast_path, const std::string& url) {
   return st;
 }
 
+bool TierEntry::drained() const {
+  return durable || (!ranks_here.empty() && ranks_shared.size() == ranks_here.size());
+}
+
 std::string TierEntry::state() const {
   if (durable) return "durable";
-  return !ranks_here.empty() && ranks_shared.size() == ranks_here.size() ? "drained" : "local";
+  if (drained()) return "drained";
+  return copies > 1 ? "replicated" : "local";
+}
+
+Result<ReplicaStrategy> ParseReplicaStrategy(std::string_view name) {
+  if (name == "ring") return ReplicaStrategy::kRing;
+  if (name == "clique") return ReplicaStrategy::kClique;
+  return Status::InvalidArgument("a replica strategy is 'ring' or 'clique', not '" + std::string(name) + "'");
 }
 
 Result<std::vector<TierEntry>> TierStatus(Repository& fast, Repository& shared) {
@@ -127,6 +189,7 @@ Result<std::vector<TierEntry>> TierStatus(Repository& fast, Repository& shared) 
     e.logical_bytes = c.logical_bytes;
     e.tags = c.tags;
     e.attempt = c.attempt;
+    e.copies = RecordedCopies(fast.path(), c);
     e.complete_here = c.state == CheckpointState::kCommitted;
     if (e.complete_here) {
       for (uint32_t r = 0; r < c.world_size; ++r) e.ranks_here.push_back(r);
@@ -159,6 +222,10 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
   CKPT_ASSIGN_OR_RETURN(RepoLock alone, RepoLock::Acquire(src.state_dir, RepoLock::Mode::kExclusive,
                                                            RepoLock::Name::kDrain));
   CKPT_ASSIGN_OR_RETURN(std::vector<TierEntry> entries, TierStatus(fast, shared));
+  {
+    CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> held, fast.ListCheckpoints(/*include_pending=*/true));
+    ForgetGoneCopies(fast.path(), held);
+  }
   auto phase = [&](const std::string& what) {
     if (options.on_phase) options.on_phase(what);
   };
@@ -295,7 +362,7 @@ Result<std::vector<std::string>> PlanFastTierTrim(Repository& fast, Repository& 
   std::vector<std::string> drop;
   const size_t older = entries.size() > keep_last ? entries.size() - keep_last : 0;
   for (size_t i = 0; i < older; ++i) {
-    if (entries[i].state() != "local") drop.push_back(entries[i].name);
+    if (entries[i].drained()) drop.push_back(entries[i].name);
   }
   return drop;
 }
@@ -570,23 +637,45 @@ Result<ReplicaReport> ExchangeParts(Repository& fast, const std::string& name, C
   ReplicaReport report;
   const int n = comm.size(), r = comm.rank();
   if (options.replicas <= 1 || n <= 1) return report;
-  if (options.replicas > static_cast<uint32_t>(n)) {
-    return Status::InvalidArgument("replicas " + std::to_string(options.replicas) + " exceed the " +
-                                   std::to_string(n) + " ranks of the job");
+  const uint64_t jump = std::max<uint32_t>(1, options.jump), copies = options.replicas;
+  const bool clique = options.strategy == ReplicaStrategy::kClique;
+  if (copies * jump > static_cast<uint64_t>(n) || (clique && n % (copies * jump) != 0)) {
+    const std::string need = clique ? "a multiple of " + std::to_string(copies * jump)
+                                    : "at least " + std::to_string(copies * jump);
+    return Status::InvalidArgument("replicas " + std::to_string(copies) + " with a jump of " + std::to_string(jump) +
+                                   " in a " + (clique ? "clique" : "ring") + " need a job of " + need +
+                                   " ranks, not " + std::to_string(n) +
+                                   " (fewer would put copies back on their own host)");
   }
-  const uint64_t jump = std::max<uint32_t>(1, options.jump);
+  // Round k's peers: the rank ahead gets my part, the one behind sends
+  // its own. In a ring they are k jumps away; in a clique k places away
+  // among the clique's members, around the clique.
+  auto peers = [&](uint64_t k) -> std::pair<int, int> {
+    if (!clique) {
+      const int step = static_cast<int>(k * jump);
+      return {(r + step) % n, (r + n - step) % n};
+    }
+    const uint64_t block = copies * jump, base = r - r % block, lane = r % jump, place = (r % block) / jump;
+    return {static_cast<int>(base + ((place + k) % copies) * jump + lane),
+            static_cast<int>(base + ((place + copies - k) % copies) * jump + lane)};
+  };
   Status local = fast.remote()
                      ? Status::InvalidArgument("the fast tier must be a local directory, not " + fast.path())
                      : Status::OK();
   bool take = true;
-  if (back && local.ok()) {
+  if (local.ok()) {
     auto mine = HoldsPart(fast, name, static_cast<uint32_t>(r));
-    if (mine.ok()) take = !*mine; else local = mine.status();
+    if (!mine.ok()) {
+      local = mine.status();
+    } else if (back) {
+      take = !*mine;
+    } else if (!*mine) {
+      local = Status::FailedPrecondition("its part of checkpoint '" + name + "' is not in its fast tier " +
+                                         fast.path() + " (save it first)");
+    }
   }
-  for (uint32_t k = 1; k < options.replicas; ++k) {
-    const int step = static_cast<int>((k * jump) % static_cast<uint64_t>(n));
-    if (step == 0) continue;  // every rank's peer would be itself
-    const int ahead = (r + step) % n, behind = (r + n - step) % n;
+  for (uint32_t k = 1; k < copies; ++k) {
+    const auto [ahead, behind] = peers(k);
     // Replicas: my part goes ahead, the one behind me comes here. Back:
     // the copy I keep of the rank behind me goes back to it, mine comes
     // from the rank ahead.
@@ -609,6 +698,10 @@ Result<ReplicaReport> ExchangeParts(Repository& fast, const std::string& name, C
   if (ok[0] == 0) {
     return Status::FailedPrecondition(what + ": another rank failed (its error names it)");
   }
+  if (!back) {
+    // Every rank's part now has its copies: this host records it.
+    CKPT_RETURN_IF_ERROR(RecordCopies(fast, name, options.replicas, r).WithContext(what));
+  }
   return report;
 }
 
@@ -627,7 +720,7 @@ Result<ReplicaReport> RestoreRankParts(Repository& fast, const std::string& name
 Status HoldUndrained(Repository& fast, Repository& shared, RetentionPolicy* policy) {
   CKPT_ASSIGN_OR_RETURN(std::vector<TierEntry> entries, TierStatus(fast, shared));
   for (const TierEntry& e : entries) {
-    if (e.state() == "local") policy->held.emplace_back(e.name, "not yet drained to the shared tier");
+    if (!e.drained()) policy->held.emplace_back(e.name, "not yet drained to the shared tier");
   }
   return Status::OK();
 }

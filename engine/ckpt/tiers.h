@@ -53,8 +53,15 @@ struct TierEntry {
   std::vector<uint32_t> ranks_here;    // ranks the fast tier holds (sorted)
   std::vector<uint32_t> ranks_shared;  // of those, the ones committed in the shared tier
   bool durable = false;                // visible in the shared tier
-  // "local" (not every rank of this host is in the shared tier), "drained"
-  // (they are; other hosts' ranks are still missing there), "durable".
+  // Copies of every rank's part in the job's fast tiers, as this host's
+  // last ReplicateRankParts of it recorded (1: none but the ranks' own).
+  uint32_t copies = 1;
+  // Whether every rank of this host is in the shared tier (drained or durable).
+  bool drained() const;
+  // "local" (this host's ranks are in its fast tier only), "replicated"
+  // (and every rank's part has copies in peers' fast tiers), "drained"
+  // (this host's ranks are in the shared tier; other hosts' are still
+  // missing there), "durable" (visible in the shared tier).
   std::string state() const;
 };
 
@@ -108,14 +115,27 @@ Result<std::vector<std::string>> PlanFastTierTrim(Repository& fast, Repository& 
 
 // ---- Replicas on peer hosts ----------------------------------------------
 
-// Rank r of a job keeps copies of its part in the fast tiers of ranks
-// r + jump, r + 2*jump, ... (mod the world size): `replicas` copies in all,
-// its own included. `jump` is the number of ranks per host (or per failure
-// domain), so that the copies leave the host.
+// Where the copies of a rank's part go: `replicas` copies in all, its own
+// included. `jump` is the number of ranks per host (or per failure domain),
+// so that the copies leave the host.
+//   kRing: rank r's part goes to ranks r + jump, r + 2*jump, ... (mod the
+//     world size); any world size.
+//   kClique: ranks r, r + jump, ..., r + (replicas-1)*jump form a clique
+//     (the ranks of one block of replicas*jump ranks that agree mod jump)
+//     and each keeps every member's part; the world size must be a
+//     multiple of replicas*jump. A clique loses its copies only when all
+//     its hosts are lost; a ring loses one when any `replicas` hosts in a
+//     row are.
+enum class ReplicaStrategy { kRing, kClique };
+
 struct ReplicaOptions {
   uint32_t replicas = 1;
   uint32_t jump = 1;
+  ReplicaStrategy strategy = ReplicaStrategy::kRing;
 };
+
+// "ring" or "clique"; InvalidArgument for any other name.
+Result<ReplicaStrategy> ParseReplicaStrategy(std::string_view name);
 
 struct ReplicaReport {
   uint32_t parts_sent = 0, parts_received = 0;
@@ -131,7 +151,10 @@ struct ReplicaReport {
 // restore, finds them). Only the chunks a peer's fast tier lacks travel,
 // as stored, and each is checked against its id before it is written.
 // A part already there is left as it is. A rank whose part fails (its own
-// or a peer's) makes every rank return the error, naming the ranks.
+// or a peer's, or its own part missing from its fast tier) makes every
+// rank return the error, naming the ranks. Once every rank succeeded, each
+// records in its fast tier that the checkpoint has `replicas` copies of
+// every part (TierEntry::copies, state "replicated").
 Result<ReplicaReport> ReplicateRankParts(Repository& fast, const std::string& name, Communicator& comm,
                                          const ReplicaOptions& options);
 

@@ -200,13 +200,15 @@ class FourHosts(CkptTestCase):
         super().setUp()
         self.require_s3()
         self.url = f"s3://ckptfs-test/py-tiers-{os.getpid()}-{time.time_ns()}"
-        ckptfs.init(self.url, chunk_size=64 << 10, pack_size=1 << 20, cache_dir=self.path("cache-init"))
+        # packs of two chunks: a rank's part takes several puts
+        ckptfs.init(self.url, chunk_size=64 << 10, pack_size=128 << 10, cache_dir=self.path("cache-init"))
         self.hosts = self.path("hosts")
 
-    def job(self, *args, replicas=1):
+    def job(self, *args, replicas=1, strategy="ring"):
         port = free_port()
         env = lambda r: dict(os.environ, RANK=str(r), WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",  # noqa: E731
-                             MASTER_PORT=str(port), CKPT_TEST_REPLICAS=str(replicas))
+                             MASTER_PORT=str(port), CKPT_TEST_REPLICAS=str(replicas),
+                             CKPT_TEST_REPLICA_STRATEGY=strategy)
         outs = run_ranks(self, lambda r: [sys.executable, WORKER, *args], 4, env)
         return [json.loads(o.strip().splitlines()[-1]) for o in outs]
 
@@ -218,6 +220,12 @@ class FourHosts(CkptTestCase):
 
     def fast(self, rank):
         return os.path.join(self.hosts, f"host-{rank}", "fast")
+
+    def fast_tier_ls(self, rank):
+        p = subprocess.run([CKPT, "-r", self.fast(rank), "ls", "--all", "--json"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, env=dict(os.environ, CKPT_CACHE_DIR=self.path(f"cache-ls-{rank}")))
+        self.assertEqual(p.returncode, 0, p.stderr.decode())
+        return {c["name"]: c for c in json.loads(p.stdout)}
 
     def test_restores_read_the_fast_tiers_and_fall_back_to_the_shared_tier(self):
         saved = self.job("save", self.url, self.hosts, "step-1", "1")
@@ -266,21 +274,43 @@ class FourHosts(CkptTestCase):
         self.assertGreater(loaded[0]["shared"]["chunks_fetched"], 0)
         self.assertEqual([loaded[r]["shared"]["chunks_fetched"] for r in (2, 3)], [0, 0], loaded)
 
-    def test_a_host_killed_before_its_drain_leaves_nothing_visible_and_the_next_job_finishes_it(self):
+    def test_replicated_shows_in_each_fast_tier_and_a_clique_keeps_its_members_parts(self):
+        # cliques of 2 with a jump of 1: hosts {0, 1} and {2, 3}; no drain
+        # gets past its start, so the fast tiers show "replicated"
+        saved = self.job("save", self.url, self.hosts, "step-1", "1", "hold-drain", replicas=2, strategy="clique")
+        self.assertEqual([s["stage"] for s in saved], ["replicated"] * 4, saved)
+        for r in range(4):
+            entry = self.fast_tier_ls(r)["step-1"]
+            self.assertEqual(entry["tier_state"], "replicated", entry)
+            self.assertEqual(entry["ranks_committed"], [0, 1] if r < 2 else [2, 3], entry)
+        self.assertEqual(self.visible(), [])
+        # one host of each clique drains the clique's ranks: durable
+        for r in (0, 3):
+            p = subprocess.run([CKPT, "-r", self.fast(r), "drain", "--json"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE,
+                               env=dict(os.environ, CKPT_CACHE_DIR=os.path.join(self.hosts, f"host-{r}", "cache")))
+            self.assertEqual(p.returncode, 0, p.stderr.decode())
+        self.assertEqual(self.visible(), ["step-1"])
+        self.assertEqual(self.fast_tier_ls(1)["step-1"]["tier_state"], "durable")
+
+    def test_a_host_killed_mid_drain_leaves_nothing_visible_and_the_next_job_finishes_it(self):
         self.job("save", self.url, self.hosts, "step-1", "1")
         port = free_port()
         env = lambda r: dict(os.environ, RANK=str(r), WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",  # noqa: E731
                              MASTER_PORT=str(port))
         procs = [subprocess.Popen([sys.executable, WORKER, "save", self.url, self.hosts, "step-2", "2",
-                                   "die-before-drain"], env=env(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                   "die-mid-drain"], env=env(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                  for r in range(4)]
         results = [p.communicate(timeout=300) for p in procs]
         self.assertEqual(procs[1].returncode, 9, results[1][1].decode())
         for r in (0, 2, 3):
             self.assertEqual(procs[r].returncode, 0, results[r][1].decode())
             self.assertEqual(json.loads(results[r][0].decode().splitlines()[-1])["stage"], "drained")
-        # host 1's part is in its fast tier only: step-2 is not visible
+        # host 1 put some of its part in the shared tier and was killed
+        # before its rank's commit: step-2 is not visible, and its rank
+        # is not in the shared tier
         self.assertEqual(self.visible(), ["step-1"])
+        self.assertEqual(self.fast_tier_ls(1)["step-2"]["tier_state"], "local")
         # the restarted job resumes from step-1 (complete in the shared tier)
         # and host 1's drain finishes step-2 meanwhile
         loaded = self.job("resume", self.url, self.hosts, "-", "-")

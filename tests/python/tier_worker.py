@@ -2,15 +2,19 @@
 test_tiers.py: one process per host over gloo (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT from the environment), each with its own fast tier
 HOSTS/host-RANK/fast and its own cache directory HOSTS/host-RANK/cache;
-CKPT_TEST_REPLICAS in the environment gives ckptfs.open's replicas.
+CKPT_TEST_REPLICAS and CKPT_TEST_REPLICA_STRATEGY in the environment give
+ckptfs.open's replicas and replica_strategy.
 
-    tier_worker.py save URL HOSTS NAME STEP [die-before-drain|no-wait]
+    tier_worker.py save URL HOSTS NAME STEP [die-mid-drain|hold-drain|no-wait]
         saves this rank's rows of state(STEP) through the group and waits
         until the checkpoint is durable in the shared tier; prints
-        {"stage", "blocking"} as JSON. "die-before-drain": rank 1 exits as
-        its drain begins (its part stays in its fast tier only); the others
+        {"stage", "blocking", "replicas"} as JSON. "die-mid-drain": rank 1
+        is killed once its drain has put its first object in the shared
+        tier (the rest of its part stays in its fast tier only); the others
         wait until their own ranks are in the shared tier and print their
-        stage. "no-wait": every rank prints its stage without waiting.
+        stage. "hold-drain": no rank's drain gets past its start; each
+        prints its stage and exits. "no-wait": every rank prints its stage
+        without waiting.
     tier_worker.py resume URL HOSTS - -
         opens the tiers (each host's drain finishes what an earlier process
         left), takes the resume point through the group, waits until it is
@@ -22,6 +26,7 @@ CKPT_TEST_REPLICAS in the environment gives ckptfs.open's replicas.
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -53,7 +58,8 @@ def open_tiers(url, hosts, rank, on_phase=None):
     here = os.path.join(hosts, f"host-{rank}")
     return ckptfs.open(url, fast_tier=os.path.join(here, "fast"), cache_dir=os.path.join(here, "cache"),
                        process_group=dist.group.WORLD, on_drain_phase=on_phase,
-                       replicas=int(os.environ.get("CKPT_TEST_REPLICAS", "1")))
+                       replicas=int(os.environ.get("CKPT_TEST_REPLICAS", "1")),
+                       replica_strategy=os.environ.get("CKPT_TEST_REPLICA_STRATEGY", "ring"))
 
 
 def main():
@@ -63,9 +69,22 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
 
     if action == "save":
+        tiers = None
+
+        def kill_at_first_put():
+            shared = tiers.shared
+            before = shared.store_counters()["put_requests"]
+            while shared.store_counters()["put_requests"] == before:
+                time.sleep(0.0002)
+            os._exit(9)  # killed mid-drain: the rest of the part stays in this host's fast tier
+
         def on_phase(line):
-            if mode == "die-before-drain" and rank == 1 and line.startswith("draining"):
-                os._exit(9)  # killed: the part stays in this host's fast tier
+            if not line.startswith("draining"):
+                return
+            if mode == "die-mid-drain" and rank == 1:
+                threading.Thread(target=kill_at_first_put, daemon=True).start()
+            elif mode == "hold-drain":
+                threading.Event().wait()  # the drain thread stops here for good
         tiers = open_tiers(url, hosts, rank, on_phase)
         values, shards = mine(int(step), rank, world)
         # Blobs are rank 0's alone in a checkpoint: one per rank, by name.
@@ -74,15 +93,18 @@ def main():
         result = tiers.save(name, values, step=int(step), shards=shards, process_group=dist.group.WORLD)
         blocking = time.perf_counter() - start
         handle = result["tiers"]
-        if mode == "die-before-drain":
+        if mode == "die-mid-drain":
             stage = handle.wait("drained" if rank != 1 else "durable", timeout=60)
-        elif mode == "no-wait":
+        elif mode in ("no-wait", "hold-drain"):
             stage = handle.stage
         else:
             stage = handle.wait("durable", timeout=120)
         print(json.dumps({"stage": stage, "blocking": blocking, "replicas": handle.replicas}), flush=True)
+        if mode == "hold-drain":
+            dist.barrier()
+            os._exit(0)  # the drain thread is held: no close
         tiers.close()
-        if mode == "die-before-drain":
+        if mode == "die-mid-drain":
             os._exit(0)  # rank 1 is gone: no barrier
         dist.barrier()
     elif action == "resume":

@@ -302,6 +302,15 @@ TEST(Tiers, ReplicasLetOtherHostsDrainAndRestoreALostHostsRanks) {
   std::vector<std::unique_ptr<Repository>> fast;
   for (int h = 0; h < kHosts; ++h) fast.push_back(tiers.Fast("h" + std::to_string(h)));
   for (int h = 0; h < kHosts; ++h) SaveRank(*fast[h], "step-1", 1, h, kHosts, 31, "attempt-r");
+  auto state_at = [&](int h, Repository& shared) {
+    auto entries = TierStatus(*fast[h], shared);
+    EXPECT_OK(entries);
+    return entries.ok() && entries->size() == 1 ? entries->front().state() : std::string("?");
+  };
+  {
+    auto seen = tiers.Shared("h1");
+    EXPECT_EQ(state_at(1, *seen), "local");
+  }
   auto replicate = [&] {
     return OnEveryHost(kHosts, [&](int h, Communicator& comm) {
       return ReplicateRankParts(*fast[h], "step-1", comm, {2, 1});
@@ -318,6 +327,11 @@ TEST(Tiers, ReplicasLetOtherHostsDrainAndRestoreALostHostsRanks) {
   ASSERT_OK(listed);
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ(listed->front().committed_ranks, (std::vector<uint32_t>{0, 1}));
+  // Every host records that each part has two copies.
+  for (int h = 0; h < kHosts; ++h) {
+    auto seen = tiers.Shared("h" + std::to_string(h));
+    EXPECT_EQ(state_at(h, *seen), "replicated") << h;
+  }
   // Again: every part is there; no chunk travels.
   std::vector<Result<ReplicaReport>> second = replicate();
   for (int h = 0; h < kHosts; ++h) {
@@ -329,6 +343,7 @@ TEST(Tiers, ReplicasLetOtherHostsDrainAndRestoreALostHostsRanks) {
   auto shared2 = tiers.Shared("h2");
   auto shared3 = tiers.Shared("h3");
   ASSERT_OK(Drain(*fast[1], *shared1, {}));
+  EXPECT_EQ(state_at(1, *shared1), "drained");
   ASSERT_OK(Drain(*fast[2], *shared2, {}));
   auto last = Drain(*fast[3], *shared3, {});
   ASSERT_OK(last);
@@ -365,6 +380,82 @@ TEST(Tiers, ReplicasLetOtherHostsDrainAndRestoreALostHostsRanks) {
   ASSERT_OK((*mine)->ReadBox(**w, Box{{0, 0}, {kRows / kHosts, kCols}}, rows));
   EXPECT_TRUE(std::equal(rows.begin(), rows.end(), Matrix(31).begin()));
   EXPECT_EQ(shared0->fetch_counts().chunks, 0u);
+}
+
+TEST(Tiers, ACliqueKeepsEveryMembersPartAndBadLayoutsAreRefused) {
+  Tiers tiers;
+  constexpr int kHosts = 4;
+  std::vector<std::unique_ptr<Repository>> fast;
+  for (int h = 0; h < kHosts; ++h) fast.push_back(tiers.Fast("h" + std::to_string(h)));
+  auto exchange = [&](const std::string& name, ReplicaOptions o) {
+    return OnEveryHost(kHosts, [&](int h, Communicator& comm) { return ReplicateRankParts(*fast[h], name, comm, o); });
+  };
+  auto ranks_at = [&](int h, const std::string& name) {
+    auto listed = fast[h]->ListCheckpoints(true);
+    EXPECT_OK(listed);
+    for (const CheckpointRecord& c : *listed) {
+      if (c.name == name) return c.committed_ranks;
+    }
+    return std::vector<uint32_t>{};
+  };
+  // A rank's part must be in its fast tier first: every rank hears which.
+  for (int h = 1; h < kHosts; ++h) SaveRank(*fast[h], "step-1", 1, h, kHosts, 51, "attempt-c");
+  for (const auto& r : exchange("step-1", {2, 1, ReplicaStrategy::kClique})) {
+    ASSERT_FALSE(r.ok());
+    EXPECT_TRUE(r.status().code() == StatusCode::kFailedPrecondition) << r.status().ToString();
+  }
+  SaveRank(*fast[0], "step-1", 1, 0, kHosts, 51, "attempt-c");
+  // Cliques of three do not divide four ranks; a ring of three copies two
+  // hosts apart would come back to its start.
+  for (const auto& r : exchange("step-1", {3, 1, ReplicaStrategy::kClique})) {
+    EXPECT_TRUE(r.status().code() == StatusCode::kInvalidArgument) << r.status().ToString();
+  }
+  for (const auto& r : exchange("step-1", {3, 2, ReplicaStrategy::kRing})) {
+    EXPECT_TRUE(r.status().code() == StatusCode::kInvalidArgument) << r.status().ToString();
+  }
+  EXPECT_EQ(ranks_at(0, "step-1"), (std::vector<uint32_t>{0}));
+  // The failed exchange kept what its other ranks swapped (2 and 3 are a
+  // clique of a jump of 1), and recorded no copies.
+  EXPECT_EQ(ranks_at(2, "step-1"), (std::vector<uint32_t>{2, 3}));
+  {
+    auto seen = tiers.Shared("h2");
+    auto entries = TierStatus(*fast[2], *seen);
+    ASSERT_OK(entries);
+    ASSERT_EQ(entries->size(), 1u);
+    EXPECT_EQ(entries->front().state(), "local");
+  }
+  // Cliques {0, 2} and {1, 3} (a jump of 2): each member keeps the other's part.
+  for (const auto& r : exchange("step-1", {2, 2, ReplicaStrategy::kClique})) ASSERT_OK(r);
+  EXPECT_EQ(ranks_at(0, "step-1"), (std::vector<uint32_t>{0, 2}));
+  EXPECT_EQ(ranks_at(1, "step-1"), (std::vector<uint32_t>{1, 3}));
+  EXPECT_EQ(ranks_at(2, "step-1"), (std::vector<uint32_t>{0, 2, 3}));
+  EXPECT_EQ(ranks_at(3, "step-1"), (std::vector<uint32_t>{1, 2, 3}));
+  // A ring of two with a jump of 1 on another checkpoint: each keeps the part behind it.
+  for (int h = 0; h < kHosts; ++h) SaveRank(*fast[h], "step-2", 2, h, kHosts, 52, "attempt-c2");
+  for (const auto& r : exchange("step-2", {2, 1, ReplicaStrategy::kRing})) ASSERT_OK(r);
+  EXPECT_EQ(ranks_at(0, "step-2"), (std::vector<uint32_t>{0, 3}));
+  EXPECT_EQ(ranks_at(2, "step-2"), (std::vector<uint32_t>{1, 2}));
+  auto shared = tiers.Shared("h0");
+  auto entries = TierStatus(*fast[0], *shared);
+  ASSERT_OK(entries);
+  ASSERT_EQ(entries->size(), 2u);
+  for (const TierEntry& e : *entries) {
+    EXPECT_EQ(e.copies, 2u);
+    EXPECT_EQ(e.state(), "replicated");
+  }
+  // A checkpoint of the same name saved again is not the one replicated;
+  // and a drain forgets the record of one removed.
+  ASSERT_OK(fast[0]->RemoveCheckpoints({"step-1"}));
+  SaveRank(*fast[0], "step-1", 1, 0, kHosts, 53, "attempt-c3");
+  entries = TierStatus(*fast[0], *shared);
+  ASSERT_OK(entries);
+  for (const TierEntry& e : *entries) EXPECT_EQ(e.state(), e.name == "step-1" ? "local" : "replicated") << e.name;
+  ASSERT_OK(fast[0]->RemoveCheckpoints({"step-1"}));
+  ASSERT_OK(Drain(*fast[0], *shared, {}));
+  EXPECT_FALSE(std::filesystem::exists(tiers.FastPath("h0") + "/replicated/step-1"));
+  EXPECT_TRUE(std::filesystem::exists(tiers.FastPath("h0") + "/replicated/step-2"));
+  EXPECT_TRUE(ParseReplicaStrategy("clique").ok());
+  EXPECT_TRUE(ParseReplicaStrategy("star").status().code() == StatusCode::kInvalidArgument);
 }
 
 TEST(Tiers, AReplicaBundleThatIsDamagedIsRefused) {

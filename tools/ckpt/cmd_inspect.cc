@@ -34,7 +34,8 @@ const CommandSpec kLs{"ls", "[GROUP]", "List checkpoints in commit order.",
                       "only the checkpoints in it (run1: run1/step-100, run1/eval/step-3) are listed.\n"
                       "A pending save that replaces NAME (an overwriting save) is listed as NAME~.\n"
                       "A fast tier (a repository that names a shared tier: ckpt drain) lists its\n"
-                      "pending checkpoints too, with each one's TIER state: local, drained or durable.",
+                      "pending checkpoints too, with each one's TIER state: local, replicated, drained\n"
+                      "or durable.",
                       {{"all", 'a', false, false, "", "include pending (uncommitted) checkpoints"}, kJsonOpt},
                       0, 1};
 
@@ -76,7 +77,7 @@ int CmdLs(const GlobalOptions& global, const Args& args) {
     std::printf("no checkpoints\n");
     return kExitOk;
   }
-  const char* tier_head = tiered ? "TIER     " : "";
+  const char* tier_head = tiered ? "TIER       " : "";
   std::printf("%-28s %-10s %8s %8s %12s  %s%s\n", "NAME", "STEP", "RANKS", "TENSORS", "SIZE", tier_head, "COMMITTED");
   for (const auto& c : *list) {
     const bool committed = c.state == CheckpointState::kCommitted;
@@ -85,7 +86,7 @@ int CmdLs(const GlobalOptions& global, const Args& args) {
                                        : "(pending since " + FormatUnixMs(c.created_unix_ms) + "; missing ranks " +
                                              RanksToString(MissingRanks(c)) + ")";
     char tier[16] = "";
-    if (tiered) std::snprintf(tier, sizeof tier, "%-8s ", state_of(c).c_str());
+    if (tiered) std::snprintf(tier, sizeof tier, "%-10s ", state_of(c).c_str());
     std::printf("%-28s %-10s %8s %8llu %12s  %s%s\n", c.name.c_str(), c.step ? std::to_string(*c.step).c_str() : "-",
                 committed ? std::to_string(c.world_size).c_str() : ranks.c_str(),
                 static_cast<unsigned long long>(c.tensor_count), HumanBytes(c.logical_bytes).c_str(), tier, when.c_str());

@@ -49,9 +49,9 @@ void PrintStatus(const std::vector<TierEntry>& entries) {
     std::printf("no checkpoints in the fast tier\n");
     return;
   }
-  std::printf("%-28s %-10s %-8s %12s  %s\n", "NAME", "STEP", "TIER", "SIZE", "RANKS HERE / IN SHARED TIER");
+  std::printf("%-28s %-10s %-10s %12s  %s\n", "NAME", "STEP", "TIER", "SIZE", "RANKS HERE / IN SHARED TIER");
   for (const TierEntry& e : entries) {
-    std::printf("%-28s %-10s %-8s %12s  %s / %s\n", EscapeForTerminal(e.name).c_str(),
+    std::printf("%-28s %-10s %-10s %12s  %s / %s\n", EscapeForTerminal(e.name).c_str(),
                 e.step ? std::to_string(*e.step).c_str() : "-", e.state().c_str(), HumanBytes(e.logical_bytes).c_str(),
                 RanksToString(e.ranks_here).c_str(), RanksToString(e.ranks_shared).c_str());
   }

@@ -1147,11 +1147,12 @@ class PyRepository {
 
   // ReplicateRankParts, or with `back` RestoreRankParts.
   py::dict replicate(py::object group, const std::string& name, uint32_t replicas, uint32_t jump,
-                     const std::string& what, bool back) {
+                     const std::string& what, bool back, const std::string& strategy) {
     TorchCommunicator comm(group);
     ReplicaOptions o;
     o.replicas = replicas;
     o.jump = jump;
+    o.strategy = Value(ParseReplicaStrategy(strategy));
     Result<ReplicaReport> r = Status::Internal("not run");
     {
       py::gil_scoped_release nogil;
@@ -1603,7 +1604,7 @@ PYBIND11_MODULE(_core, m) {
       .def("plan_fast_trim", &PyRepository::plan_fast_trim, py::arg("shared"), py::arg("keep_last"))
       .def("undrained", &PyRepository::undrained, py::arg("shared"))
       .def("replicate", &PyRepository::replicate, py::arg("group"), py::arg("name"), py::arg("replicas"),
-           py::arg("jump"), py::arg("what"), py::arg("back") = false)
+           py::arg("jump"), py::arg("what"), py::arg("back") = false, py::arg("strategy") = "ring")
       .def("checkpoints", &PyRepository::checkpoints, py::arg("include_pending"))
       .def("refresh", &PyRepository::refresh)
       .def("pending_ranks", &PyRepository::pending_ranks, py::arg("name"))

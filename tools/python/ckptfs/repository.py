@@ -634,7 +634,7 @@ def init(url: str, *, chunk_size: int = 4 << 20, pack_size: int = 256 << 20, com
 def open(url: str, *, threads: int = ..., cache_bytes: int = ..., cache_dir: Optional[str] = ...,  # noqa: A001
          io_threads: int = ..., process_group: Any = ..., timeout: Optional[float] = ..., fast_tier: None = ...,
          keep_last: int = ..., on_drain_phase: Optional[Callable[[str], None]] = ..., replicas: int = ...,
-         replica_jump: Optional[int] = ...) -> Repository: ...
+         replica_jump: Optional[int] = ..., replica_strategy: str = ...) -> Repository: ...
 
 
 @overload
@@ -642,14 +642,14 @@ def open(url: str, *, threads: int = ..., cache_bytes: int = ..., cache_dir: Opt
          io_threads: int = ..., process_group: Any = ..., timeout: Optional[float] = ...,
          fast_tier: Union[str, "os.PathLike[str]"], keep_last: int = ...,
          on_drain_phase: Optional[Callable[[str], None]] = ..., replicas: int = ...,
-         replica_jump: Optional[int] = ...) -> "TieredRepository": ...
+         replica_jump: Optional[int] = ..., replica_strategy: str = ...) -> "TieredRepository": ...
 
 
 def open(url: str, *, threads: int = 0, cache_bytes: int = 512 << 20,  # noqa: A001
          cache_dir: Optional[str] = None, io_threads: int = 0, process_group: Any = None,
          timeout: Optional[float] = None, fast_tier: Optional[Union[str, "os.PathLike[str]"]] = None,
          keep_last: int = 2, on_drain_phase: Optional[Callable[[str], None]] = None, replicas: int = 1,
-         replica_jump: Optional[int] = None) -> Union[Repository, "TieredRepository"]:
+         replica_jump: Optional[int] = None, replica_strategy: str = "ring") -> Union[Repository, "TieredRepository"]:
     """Opens the repository at `url`: a local directory, or
     s3://BUCKET/PREFIX on an S3 store (endpoint and credentials from
     AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or the AWS
@@ -680,13 +680,16 @@ def open(url: str, *, threads: int = 0, cache_bytes: int = 512 << 20,  # noqa: A
     each rank's part kept in fast tiers (its own and replicas - 1 peers'),
     made by saves with a process_group; replica_jump: ranks from a rank to
     its first peer (default: the ranks per host, so copies leave the
-    host). docs/PYTHON.md, "Two tiers".
+    host); replica_strategy: "ring" (rank r's copies go to r + jump,
+    r + 2*jump, ...) or "clique" (ranks r, r + jump, ... form a group of
+    `replicas` that each keep every member's part). docs/PYTHON.md, "Two
+    tiers".
     """
     if fast_tier is not None:
         from .tiers import open_tiers  # noqa: PLC0415
 
         return open_tiers(url, fast_tier, keep_last=keep_last, on_phase=on_drain_phase, replicas=replicas,
-                          replica_jump=replica_jump, threads=threads,
+                          replica_jump=replica_jump, replica_strategy=replica_strategy, threads=threads,
                           cache_bytes=cache_bytes, cache_dir=cache_dir, io_threads=io_threads,
                           process_group=process_group, timeout=timeout)
 

@@ -4,9 +4,10 @@ A job saves to a fast repository on each host (node-local NVMe, /dev/shm)
 at local speed; a thread of this process then drains this host's rank
 parts to the shared repository (S3, or any repository URL) in the
 background, sending only the chunks it lacks. A checkpoint is "local" once
-this host's ranks are in the fast tier, "drained" once they are in the
-shared tier too, and "durable" once every host's are (the shared tier's
-own commit makes it visible). Loads read each chunk from the nearest tier
+this host's ranks are in the fast tier, "replicated" once every rank's part
+also has its copies in peers' fast tiers (replicas > 1), "drained" once
+this host's ranks are in the shared tier too, and "durable" once every
+host's are (the shared tier's own commit makes it visible). Loads read each chunk from the nearest tier
 that holds it intact. The fast tier keeps the newest `keep_last`
 checkpoints and drops older ones only once this host's ranks of them are in
 the shared tier (drained or durable).
@@ -36,7 +37,7 @@ from ._core import (
 from . import memory
 
 # The stages of a save, in order.
-STAGES = ("saving", "local", "drained", "durable")
+STAGES = ("saving", "local", "replicated", "drained", "durable")
 
 # Drain errors that retrying does not mend: the handle raises them.
 _LASTING = (AlreadyExistsError, CorruptionError, InvalidArgumentError, NotFoundError, UnsupportedError)
@@ -44,9 +45,11 @@ _LASTING = (AlreadyExistsError, CorruptionError, InvalidArgumentError, NotFoundE
 
 class TierHandle:
     """Where one save stands across the tiers: stage is "saving" (an
-    async_save still writing to the fast tier), "local", "drained" (this
-    host's ranks are in the shared tier; other hosts' are not yet) or
-    "durable" (visible in the shared tier)."""
+    async_save still writing to the fast tier), "local", "replicated"
+    (every rank's part has its copies in peers' fast tiers), "drained"
+    (this host's ranks are in the shared tier; other hosts' are not yet)
+    or "durable" (visible in the shared tier). Each stage counts as having
+    passed the ones before it."""
 
     def __init__(self, name: str, drainer: "_Drainer"):
         self.name = name
@@ -71,8 +74,9 @@ class TierHandle:
         return self.replicas is not None
 
     def wait(self, stage: str = "durable", timeout: Optional[float] = None) -> str:
-        """Waits until the save has reached `stage` ("local", "drained" or
-        "durable") and returns the stage it is at. Raises TimeoutError
+        """Waits until the save has reached `stage` ("local", "replicated",
+        "drained" or "durable"; a later one counts) and returns the stage it
+        is at. Raises TimeoutError
         after `timeout` seconds (naming the drain's last error, if any),
         and the drain's error at once when retrying cannot mend it (the
         shared tier holds another checkpoint of the name, say)."""
@@ -177,7 +181,7 @@ class _Drainer:
                 while not self._wake and not self._stopping:
                     # Poll while a checkpoint waits for other hosts' ranks,
                     # less often the longer it waits.
-                    polling = any(1 <= s < 3 for s in self._stages.values())
+                    polling = any(1 <= s < STAGES.index("durable") for s in self._stages.values())
                     self._cond.wait(self._poll if polling else None)
                     if polling:
                         self._poll = min(self._poll * 1.5, self.MAX_POLL_SECONDS)
@@ -242,6 +246,10 @@ class _Drainer:
                 self._drop([name])
             return enough()
 
+    def mark(self, name: str, stage: str) -> None:
+        """`name` has reached `stage` (a later one it reached stays)."""
+        self._note([{"name": name, "tier_state": stage}])
+
     def _note(self, entries: List[Dict[str, Any]]) -> None:
         with self._cond:
             for e in entries:
@@ -271,7 +279,8 @@ class TieredRepository:
     for its stages. Thread-safe as Repository is."""
 
     def __init__(self, fast, shared, *, keep_last: int = 2, on_phase: Optional[Callable[[str], None]] = None,
-                 full_wait: float = 60.0, replicas: int = 1, replica_jump: Optional[int] = None):
+                 full_wait: float = 60.0, replicas: int = 1, replica_jump: Optional[int] = None,
+                 replica_strategy: str = "ring"):
         if isinstance(keep_last, bool) or int(keep_last) < 1:
             raise InvalidArgumentError(f"keep_last must be at least 1, not {keep_last!r}")
         if isinstance(replicas, bool) or int(replicas) < 1:
@@ -282,6 +291,9 @@ class TieredRepository:
         self.keep_last = int(keep_last)
         self.replicas = int(replicas)
         self.replica_jump = None if replica_jump is None else int(replica_jump)
+        if replica_strategy not in ("ring", "clique"):
+            raise InvalidArgumentError(f"replica_strategy must be 'ring' or 'clique', not {replica_strategy!r}")
+        self.replica_strategy = replica_strategy
         # What the last collective load got back from peers ({"error": ...} when that failed).
         self.restored: Optional[Dict[str, Any]] = None
         self.full_wait = float(full_wait)
@@ -329,7 +341,11 @@ class TieredRepository:
             here = f"{os.uname().nodename}:{os.path.realpath(self.fast.path)}".encode()
             hosts = group.all_gather(here)
             self.replica_jump = max(hosts.count(h) for h in hosts)
-        return self.fast._repo.replicate(group, name, self.replicas, self.replica_jump, group.what, back)
+        report = self.fast._repo.replicate(group, name, self.replicas, self.replica_jump, group.what, back,
+                                           self.replica_strategy)
+        if not back:
+            self._drainer.mark(name, "replicated")
+        return report
 
     def _saved(self, name: str) -> TierHandle:
         """This host's part of `name` is committed in the fast tier: drains
@@ -390,7 +406,8 @@ class TieredRepository:
 
     def status(self) -> List[Dict[str, Any]]:
         """Every checkpoint of the fast tier with its tier_state ("local",
-        "drained", "durable") and ranks (ckpt drain --status --json)."""
+        "replicated", "drained", "durable"), its copies and ranks (ckpt
+        drain --status --json)."""
         return self.fast._repo.tier_status(self.shared._repo)
 
     def drain(self, *, wait: bool = True, timeout: Optional[float] = None) -> List[Dict[str, Any]]:
@@ -500,7 +517,7 @@ def _free_bytes(path: str) -> int:
 
 
 def open_tiers(shared_url: str, fast_tier: Union[str, "os.PathLike[str]"], *, keep_last: int = 2, on_phase=None, full_wait: float = 60.0,
-               replicas: int = 1, replica_jump: Optional[int] = None,
+               replicas: int = 1, replica_jump: Optional[int] = None, replica_strategy: str = "ring",
                fast_options: Optional[Dict[str, Any]] = None, **open_options) -> TieredRepository:
     """ckptfs.open(shared_url, fast_tier=...): the fast tier is made when
     missing (with the shared tier's chunk size and codec settings, so that
@@ -528,4 +545,4 @@ def open_tiers(shared_url: str, fast_tier: Union[str, "os.PathLike[str]"], *, ke
                                    "(the fast tier's chunks are the shared tier's)")
     _core.write_shared_tier(fast_tier, shared.path)
     return TieredRepository(fast, shared, keep_last=keep_last, on_phase=on_phase, full_wait=full_wait,
-                            replicas=replicas, replica_jump=replica_jump)
+                            replicas=replicas, replica_jump=replica_jump, replica_strategy=replica_strategy)
