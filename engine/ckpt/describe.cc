@@ -334,6 +334,8 @@ Json DescribeDrainReport(const DrainReport& r) {
 Json DescribeTierEntry(const TierEntry& e) {
   Json j = Json::MakeObject();
   j.Set("name", e.name);
+  j.Set("target", e.target);
+  j.Set("overwrite", e.overwrite);
   j.Set("step", e.step ? Json(*e.step) : Json());
   j.Set("world_size", uint64_t{e.world_size});
   j.Set("tier_state", e.state());

@@ -51,14 +51,25 @@ uint32_t RecordedCopies(const std::string& fast_path, const CheckpointRecord& c)
   return static_cast<uint32_t>(copies);
 }
 
+// The fast tier's record of checkpoint `name` among `list`: a pending save
+// replacing it ("NAME~") first, else NAME itself; null when neither.
+const CheckpointRecord* SaveHere(const std::vector<CheckpointRecord>& list, const std::string& name) {
+  const CheckpointRecord* found = nullptr;
+  for (const CheckpointRecord& c : list) {
+    if (c.name == keys::ReplacementCheckpoint(name) && c.state == CheckpointState::kPending) return &c;
+    if (c.name == name) found = &c;
+  }
+  return found;
+}
+
 Status RecordCopies(Repository& fast, const std::string& name, uint32_t copies, int rank) {
   CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> list, fast.ListCheckpoints(/*include_pending=*/true));
-  for (const CheckpointRecord& c : list) {
-    if (c.name != name) continue;
+  if (const CheckpointRecord* found = SaveHere(list, name)) {
+    const CheckpointRecord& c = *found;
     std::error_code ec;
     std::filesystem::create_directories(fast.path() + "/" + kReplicatedDir, ec);
     if (ec) return Status::IOError("making " + fast.path() + "/" + kReplicatedDir + ": " + ec.message());
-    const std::string path = ReplicatedPath(fast.path(), name);
+    const std::string path = ReplicatedPath(fast.path(), c.name);
     // The ranks of one host write the same line, each through a temporary of its own.
     CKPT_ASSIGN_OR_RETURN(auto file, DurableFile::Create(path, path + ".tmp-" + std::to_string(rank)));
     const std::string line = std::to_string(c.created_unix_ms) + " " + std::to_string(c.world_size) + " " +
@@ -171,18 +182,108 @@ Result<ReplicaStrategy> ParseReplicaStrategy(std::string_view name) {
   return Status::InvalidArgument("a replica strategy is 'ring' or 'clique', not '" + std::string(name) + "'");
 }
 
+namespace {
+
+// The chunks a part references, each once, in the order first referenced.
+std::vector<ChunkRef> ChunksOfPart(const RankRecord& part) {
+  std::vector<ChunkRef> out;
+  std::set<ChunkId> seen;
+  auto add = [&](const ChunkRef& c) {
+    if (seen.insert(c.id).second) out.push_back(c);
+  };
+  for (const TensorRecord& t : part.tensors) {
+    for (const ShardRecord& sh : t.shards) {
+      for (const ChunkRef& c : sh.chunks) add(c);
+    }
+  }
+  for (const BlobRecord& b : part.blobs) {
+    for (const ChunkRef& c : b.chunks) add(c);
+  }
+  return out;
+}
+
+std::vector<ChunkId> IdsOfPart(const RankRecord& part) {
+  std::vector<ChunkId> ids;
+  for (const ChunkRef& c : ChunksOfPart(part)) ids.push_back(c.id);
+  return ids;
+}
+
+// The parts of entry `e`'s ranks the fast tier holds; `lease` keeps a
+// committed checkpoint's bytes.
+Result<std::vector<RankRecord>> PartsHere(Repository& fast, const TierEntry& e,
+                                          std::unique_ptr<CheckpointReader>* lease) {
+  std::vector<RankRecord> parts;
+  if (e.complete_here) {
+    CKPT_ASSIGN_OR_RETURN(*lease, fast.OpenCheckpoint(e.name));
+    CKPT_RETURN_IF_ERROR(CheckShardRanks(**lease));
+    for (uint32_t r : e.ranks_here) parts.push_back(PartOfRank((*lease)->tensors(), (*lease)->blobs(), r));
+    return parts;
+  }
+  return PendingParts(TierAccess::Of(fast), e.name);
+}
+
+// Whether the shared tier's committed `e.target` holds, for each rank of
+// `e` here, the chunks of the fast tier's part in the same order.
+Result<bool> SameParts(Repository& fast, Repository& shared, const TierEntry& e) {
+  std::unique_ptr<CheckpointReader> lease;
+  CKPT_ASSIGN_OR_RETURN(std::vector<RankRecord> here, PartsHere(fast, e, &lease));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> there, shared.OpenCheckpoint(e.target));
+  if (there->info().world_size != e.world_size || here.empty()) return false;
+  for (const RankRecord& p : here) {
+    if (IdsOfPart(p) != IdsOfPart(PartOfRank(there->tensors(), there->blobs(), p.rank))) return false;
+  }
+  return true;
+}
+
+// Fills e.durable, e.overwrite and e.ranks_shared from the shared tier's
+// records `there`.
+Status Classify(Repository& fast, Repository& shared, const std::vector<CheckpointRecord>& there, TierEntry& e) {
+  e.durable = false;
+  e.overwrite = e.name != e.target;
+  e.ranks_shared.clear();
+  const CheckpointRecord* committed = nullptr;
+  const CheckpointRecord* pending = nullptr;
+  const std::string staged = keys::ReplacementCheckpoint(e.target);
+  for (const CheckpointRecord& s : there) {
+    if (s.name == e.target && s.state == CheckpointState::kCommitted) committed = &s;
+    // This save's ranks drained before, under the name or (replacing) its "~" name.
+    if ((s.name == e.target || s.name == staged) && s.state == CheckpointState::kPending &&
+        s.world_size == e.world_size && s.step == e.step && (s.attempt == e.attempt || e.complete_here)) {
+      pending = &s;
+    }
+  }
+  if (committed) {
+    if (committed->committed_unix_ms >= e.created_unix_ms) {
+      e.durable = true;  // committed after this save began: its drain, or a newer save of the name
+    } else {
+      // Older than this save: another version, unless it holds these very
+      // parts (a host that got its parts back from peers keeps them as a
+      // save begun after the drain's commit).
+      CKPT_ASSIGN_OR_RETURN(e.durable, SameParts(fast, shared, e));
+    }
+    if (!e.durable) e.overwrite = true;
+  }
+  if (e.durable) {
+    e.ranks_shared = e.ranks_here;
+  } else if (pending) {
+    std::set_intersection(e.ranks_here.begin(), e.ranks_here.end(), pending->committed_ranks.begin(),
+                          pending->committed_ranks.end(), std::back_inserter(e.ranks_shared));
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 Result<std::vector<TierEntry>> TierStatus(Repository& fast, Repository& shared) {
   CKPT_RETURN_IF_ERROR(CheckTiers(fast, shared));
   CKPT_RETURN_IF_ERROR(shared.Refresh());
   CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> here, fast.ListCheckpoints(/*include_pending=*/true));
   CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> there, shared.ListCheckpoints(/*include_pending=*/true));
-  std::map<std::string, const CheckpointRecord*> shared_by_name;
-  for (const CheckpointRecord& c : there) shared_by_name[c.name] = &c;
   std::vector<TierEntry> entries;
   for (const CheckpointRecord& c : here) {
-    if (keys::IsReplacementCheckpoint(c.name)) continue;  // a save replacing a name, not yet renamed
     TierEntry e;
     e.name = c.name;
+    e.target = keys::ReplacedName(c.name);
     e.step = c.step;
     e.world_size = c.world_size;
     e.created_unix_ms = c.created_unix_ms;
@@ -196,17 +297,7 @@ Result<std::vector<TierEntry>> TierStatus(Repository& fast, Repository& shared) 
     } else {
       e.ranks_here = c.committed_ranks;
     }
-    if (auto it = shared_by_name.find(c.name); it != shared_by_name.end()) {
-      const CheckpointRecord& s = *it->second;
-      const bool same = s.world_size == c.world_size && s.step == c.step;
-      if (same && s.state == CheckpointState::kCommitted) {
-        e.durable = true;
-        e.ranks_shared = e.ranks_here;
-      } else if (same && (s.attempt == c.attempt || e.complete_here)) {
-        std::set_intersection(e.ranks_here.begin(), e.ranks_here.end(), s.committed_ranks.begin(),
-                              s.committed_ranks.end(), std::back_inserter(e.ranks_shared));
-      }
-    }
+    CKPT_RETURN_IF_ERROR(Classify(fast, shared, there, e).WithContext("checkpoint '" + c.name + "'"));
     entries.push_back(std::move(e));
   }
   return entries;
@@ -238,6 +329,7 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
   } else {
     std::map<std::string, const TierEntry*> by_name;
     for (const TierEntry& e : entries) by_name[e.name] = &e;
+    for (const TierEntry& e : entries) by_name.emplace(e.target, &e);  // a replacing save, by its name
     gone.reserve(options.names.size());
     for (const std::string& n : options.names) {
       auto it = by_name.find(n);
@@ -250,7 +342,7 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
       if (there.status().IsNotFound()) return Status::NotFound("the fast tier holds no checkpoint '" + n + "'");
       CKPT_RETURN_IF_ERROR(there.status());
       TierEntry e;
-      e.name = n;
+      e.name = e.target = n;
       e.durable = true;
       gone.push_back(std::move(e));
       selected.push_back(&gone.back());
@@ -266,7 +358,7 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
   DrainReport report;
   for (const TierEntry* e : selected) {
     DrainedCheckpoint out;
-    out.sent.name = e->name;
+    out.sent.name = e->target;
     if (e->durable || e->ranks_shared.size() == e->ranks_here.size()) {
       out.sent.outcome = CopiedCheckpoint::Outcome::kPresent;
       out.durable = e->durable;
@@ -276,31 +368,29 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
       continue;
     }
     // The parts of this host's ranks, and the save's attempt.
-    std::vector<RankRecord> parts;
     std::unique_ptr<CheckpointReader> reader;  // its lease keeps a committed checkpoint's bytes
-    if (e->complete_here) {
-      CKPT_ASSIGN_OR_RETURN(reader, fast.OpenCheckpoint(e->name));
-      CKPT_RETURN_IF_ERROR(CheckShardRanks(*reader));
-      for (uint32_t r : e->ranks_here) parts.push_back(PartOfRank(reader->tensors(), reader->blobs(), r));
-    } else {
-      CKPT_ASSIGN_OR_RETURN(parts, PendingParts(src, e->name));
-    }
+    CKPT_ASSIGN_OR_RETURN(std::vector<RankRecord> parts, PartsHere(fast, *e, &reader));
     std::erase_if(parts, [&](const RankRecord& p) {
       return std::binary_search(e->ranks_shared.begin(), e->ranks_shared.end(), p.rank);
     });
-    phase("draining " + e->name + " (" + std::to_string(parts.size()) + (parts.size() == 1 ? " rank" : " ranks") +
-          (e->ranks_shared.empty() ? "" : ", " + std::to_string(e->ranks_shared.size()) + " drained before") + ")");
+    phase("draining " + e->target + " (" + std::to_string(parts.size()) + (parts.size() == 1 ? " rank" : " ranks") +
+          (e->ranks_shared.empty() ? "" : ", " + std::to_string(e->ranks_shared.size()) + " drained before") +
+          (e->overwrite ? ", replacing the shared tier's version" : "") + ")");
     WriterOptions header;
     header.world_size = e->world_size;
     header.step = e->step;
     header.attempt = e->attempt;
     header.tags = e->tags;
     header.engine_tags = true;
+    header.overwrite = e->overwrite;
+    // A replacing save of several ranks needs an attempt; the ranks of a
+    // checkpoint complete here are all drained by this host, under one.
+    if (header.overwrite && header.attempt.empty() && e->complete_here) header.attempt = NewSaveAttempt();
     CopyCounters counters;
     counters.cancelled = options.cancelled;
     HandledChunks handled;
     auto put = [&] {
-      return PutRanks(src, fetcher, shared, dst, e->name, header, parts, options.ranks_at_once, handled, counters,
+      return PutRanks(src, fetcher, shared, dst, e->target, header, parts, options.ranks_at_once, handled, counters,
                       &out.sent.ranks_copied, &out.sent.stored_bytes_sent, [&] {
                         if (!progress) return;
                         const uint64_t handled_bytes =
@@ -312,22 +402,23 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
     // Another host may commit one of these ranks meanwhile: one holding a
     // replica of it (ReplicateRankParts). Its part is the same; the ranks
     // still missing are put again.
-    for (int again = 0; again < 3 && st.IsAlreadyExists(); ++again) {
+    TierEntry now = *e;
+    auto reclassify = [&]() -> Status {
       CKPT_RETURN_IF_ERROR(shared.Refresh());
       CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> there, shared.ListCheckpoints(/*include_pending=*/true));
-      bool visible = false;
-      std::vector<uint32_t> in;
-      for (const CheckpointRecord& c : there) {
-        if (c.name != e->name) continue;
-        visible = c.state == CheckpointState::kCommitted;
-        in = c.committed_ranks;
-      }
-      if (visible) {
+      return Classify(fast, shared, there, now);
+    };
+    for (int again = 0; again < 3 && st.IsAlreadyExists(); ++again) {
+      CKPT_RETURN_IF_ERROR(reclassify());
+      if (now.durable) {
         st = Status::OK();
         break;
       }
-      std::erase_if(parts, [&](const RankRecord& p) { return std::binary_search(in.begin(), in.end(), p.rank); });
+      std::erase_if(parts, [&](const RankRecord& p) {
+        return std::binary_search(now.ranks_shared.begin(), now.ranks_shared.end(), p.rank);
+      });
       handled.clear();
+      header.overwrite = now.overwrite;
       st = put();
     }
     if (!st.ok()) {
@@ -339,8 +430,9 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
     out.sent.raw_bytes_sent = counters.raw_bytes_sent.load();
     out.sent.chunks_present = counters.chunks_present.load();
     out.sent.raw_bytes_present = counters.raw_bytes_present.load();
-    out.durable = shared.GetCheckpoint(e->name).ok();
-    phase(e->name + (out.durable ? ": durable in the shared tier" : ": drained; waiting for other hosts' ranks"));
+    CKPT_RETURN_IF_ERROR(reclassify());
+    out.durable = now.durable;
+    phase(e->target + (out.durable ? ": durable in the shared tier" : ": drained; waiting for other hosts' ranks"));
     report.chunks_sent += out.sent.chunks_sent;
     report.raw_bytes_sent += out.sent.raw_bytes_sent;
     report.stored_bytes_sent += out.sent.stored_bytes_sent;
@@ -380,40 +472,21 @@ constexpr size_t kIdBytes = 16;
 Result<PendingRank> RankPartHere(Repository& fast, const std::string& name, uint32_t rank,
                                  std::unique_ptr<CheckpointReader>* lease) {
   CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> list, fast.ListCheckpoints(/*include_pending=*/true));
-  for (const CheckpointRecord& c : list) {
-    if (c.name != name) continue;
+  if (const CheckpointRecord* found = SaveHere(list, name)) {
+    const CheckpointRecord& c = *found;  // named "NAME~" in the bundle when it replaces NAME
     if (c.state == CheckpointState::kCommitted) {
-      if (rank >= c.world_size) break;
+      if (rank >= c.world_size) return Status::NotFound("checkpoint '" + name + "' has no rank " + std::to_string(rank));
       CKPT_ASSIGN_OR_RETURN(*lease, fast.OpenCheckpoint(name));
       PendingRank part{c, PartOfRank((*lease)->tensors(), (*lease)->blobs(), rank)};
       part.header.attempt.clear();
       return part;
     }
-    CKPT_ASSIGN_OR_RETURN(std::vector<RankRecord> parts, PendingParts(TierAccess::Of(fast), name));
+    CKPT_ASSIGN_OR_RETURN(std::vector<RankRecord> parts, PendingParts(TierAccess::Of(fast), c.name));
     for (RankRecord& r : parts) {
       if (r.rank == rank) return PendingRank{c, std::move(r)};
     }
-    break;
   }
   return Status::NotFound("the fast tier holds no rank " + std::to_string(rank) + " of checkpoint '" + name + "'");
-}
-
-// The chunks a part references, each once, in the order first referenced.
-std::vector<ChunkRef> ChunksOfPart(const RankRecord& part) {
-  std::vector<ChunkRef> out;
-  std::set<ChunkId> seen;
-  auto add = [&](const ChunkRef& c) {
-    if (seen.insert(c.id).second) out.push_back(c);
-  };
-  for (const TensorRecord& t : part.tensors) {
-    for (const ShardRecord& sh : t.shards) {
-      for (const ChunkRef& c : sh.chunks) add(c);
-    }
-  }
-  for (const BlobRecord& b : part.blobs) {
-    for (const ChunkRef& c : b.chunks) add(c);
-  }
-  return out;
 }
 
 Result<std::set<ChunkId>> DecodeIds(std::string_view ids) {
@@ -510,8 +583,9 @@ Status ImportRankPart(Repository& fast, std::string_view bundle) {
       m.checkpoint.committed_ranks[0] >= m.checkpoint.world_size) {
     return bad("does not describe one rank of a checkpoint");
   }
-  CKPT_RETURN_IF_ERROR(ValidateCheckpointName(m.checkpoint.name));
-  const std::string& name = m.checkpoint.name;
+  // A part of a save replacing NAME comes as "NAME~", and is kept as one.
+  const std::string name = keys::ReplacedName(m.checkpoint.name);
+  CKPT_RETURN_IF_ERROR(ValidateCheckpointName(name));
   const uint32_t rank = m.checkpoint.committed_ranks[0];
   // The chunks, as a pack of their own in memory.
   uint64_t n = 0;
@@ -549,6 +623,7 @@ Status ImportRankPart(Repository& fast, std::string_view bundle) {
   header.tags = m.checkpoint.tags;
   header.attempt = m.checkpoint.attempt;
   header.engine_tags = true;
+  header.overwrite = m.checkpoint.name != name;
   std::vector<RankRecord> parts = {RankRecord{rank, std::move(m.tensors), std::move(m.blobs)}};
   HandledChunks handled;
   CopyCounters counters;
@@ -560,7 +635,7 @@ Status ImportRankPart(Repository& fast, std::string_view bundle) {
     // before), or the checkpoint is committed here.
     CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> list, fast.ListCheckpoints(true));
     for (const CheckpointRecord& c : list) {
-      if (c.name != name) continue;
+      if (c.name != m.checkpoint.name) continue;
       if (c.state == CheckpointState::kCommitted ||
           std::binary_search(c.committed_ranks.begin(), c.committed_ranks.end(), rank)) {
         return Status::OK();
@@ -575,12 +650,10 @@ namespace {
 // Whether `fast` holds rank `rank`'s part of checkpoint `name`.
 Result<bool> HoldsPart(Repository& fast, const std::string& name, uint32_t rank) {
   CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> list, fast.ListCheckpoints(/*include_pending=*/true));
-  for (const CheckpointRecord& c : list) {
-    if (c.name != name) continue;
-    if (c.state == CheckpointState::kCommitted) return rank < c.world_size;
-    return std::binary_search(c.committed_ranks.begin(), c.committed_ranks.end(), rank);
-  }
-  return false;
+  const CheckpointRecord* c = SaveHere(list, name);
+  if (!c) return false;
+  if (c->state == CheckpointState::kCommitted) return rank < c->world_size;
+  return std::binary_search(c->committed_ranks.begin(), c->committed_ranks.end(), rank);
 }
 
 // One round between peers: this rank offers rank `offer`'s part (when its
@@ -636,7 +709,7 @@ Result<ReplicaReport> ExchangeParts(Repository& fast, const std::string& name, C
                                     const ReplicaOptions& options, bool back) {
   ReplicaReport report;
   const int n = comm.size(), r = comm.rank();
-  if (options.replicas <= 1 || n <= 1) return report;
+  if (options.replicas <= 1) return report;
   const uint64_t jump = std::max<uint32_t>(1, options.jump), copies = options.replicas;
   const bool clique = options.strategy == ReplicaStrategy::kClique;
   if (copies * jump > static_cast<uint64_t>(n) || (clique && n % (copies * jump) != 0)) {

@@ -42,7 +42,11 @@ Status WriteSharedTier(const std::string& fast_path, const std::string& url);
 
 // Where one checkpoint of a fast tier stands.
 struct TierEntry {
-  std::string name;
+  std::string name;  // as the fast tier lists it: "NAME~" for a save replacing NAME (overwrite)
+  std::string target;  // the name it has in the shared tier
+  // The drain replaces the shared tier's checkpoint of that name: the save
+  // replaced one (overwrite), or the shared tier holds an older version.
+  bool overwrite = false;
   std::optional<int64_t> step;
   uint32_t world_size = 1;
   uint64_t created_unix_ms = 0;
@@ -68,6 +72,12 @@ struct TierEntry {
 // Every checkpoint of `fast` (committed or pending), oldest first, with its
 // state in `shared` (which is synced first). InvalidArgument when `fast` is
 // not a local directory or is `shared` itself.
+//
+// A checkpoint of the shared tier is this one (durable) when it was
+// committed after this one's save began, or holds the same chunks in the
+// same order for every rank here; else it is another version of the name
+// (an older save the fast tier's save replaced, or one saved there before
+// the name was saved again), which the drain replaces (`overwrite`).
 Result<std::vector<TierEntry>> TierStatus(Repository& fast, Repository& shared);
 
 struct DrainOptions {
@@ -100,8 +110,9 @@ struct DrainReport {
 // ranks it committed there and no other trace; the next drain commits the
 // rest. A name `fast` no longer holds that is durable in `shared` (drained
 // and trimmed before) counts as present; NotFound for a name neither
-// holds. AlreadyExists when
-// `shared` holds a checkpoint of that name of another world size or step.
+// holds. A checkpoint whose version in `shared` is another (TierStatus) is
+// committed there as a replacing save (WriterOptions::overwrite): it
+// becomes visible in place of the other, atomically, with the last rank.
 // `progress` counts the logical bytes of the ranks drained.
 Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptions& options,
                           const ProgressFn& progress = {});

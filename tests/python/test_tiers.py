@@ -85,6 +85,24 @@ class OneHost(CkptTestCase):
         self.assertEqual(tiers.resume_point()["name"], "step-2")
         tiers.close()
 
+    def test_a_save_over_a_name_drains_in_place_of_the_shared_tiers_version(self):
+        # "last", saved again every few steps: the newer version must reach
+        # the shared tier, and never be dropped from the fast tier as if the
+        # older one there were it
+        tiers = ckptfs.open(self.shared, fast_tier=self.fast, keep_last=1)
+        tiers.save("last", self.state(1), step=1)["tiers"].wait("durable", timeout=60)
+        handle = tiers.save("last", self.state(2), step=2, overwrite=True)["tiers"]
+        self.assertNotEqual(handle.stage, "durable")  # the older version's stage is not this one's
+        self.assertEqual(handle.wait("durable", timeout=60), "durable")
+        tiers.save("step-3", self.state(3), step=3)["tiers"].wait("durable", timeout=60)
+        tiers.drain()
+        self.assertEqual([e["name"] for e in tiers.status()], ["step-3"])  # "last" was trimmed
+        got = {k: torch.empty_like(v) for k, v in self.state(2).items() if k != "rng"}
+        tiers.shared.load("last", got)
+        for k, v in got.items():
+            self.assertTrue(torch.equal(v, self.state(2)[k]), k)
+        tiers.close()
+
     def test_dcp_saves_and_loads_through_the_tiers(self):
         import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
@@ -273,6 +291,17 @@ class FourHosts(CkptTestCase):
         self.assertIn("hash", loaded[0]["restored"]["error"] + " " + loaded[1]["restored"]["error"])
         self.assertGreater(loaded[0]["shared"]["chunks_fetched"], 0)
         self.assertEqual([loaded[r]["shared"]["chunks_fetched"] for r in (2, 3)], [0, 0], loaded)
+
+    def test_dcp_with_replicas_a_lost_host_restores_from_its_peer_and_reads_nothing_from_the_shared_tier(self):
+        saved = self.job("dcp-save", self.url, self.hosts, "step-1", "1", replicas=2)
+        self.assertEqual([s["stage"] for s in saved], ["durable"] * 4, saved)
+        self.assertTrue(all(s["replicated_stage"] in ("replicated", "drained", "durable") for s in saved), saved)
+        self.assertEqual([s["replicas"]["parts_received"] for s in saved], [1] * 4, saved)
+        shutil.rmtree(self.fast(2))
+        loaded = self.job("dcp-load", self.url, self.hosts, "step-1", "1", replicas=2)
+        self.assertEqual([out["restored"]["parts_received"] for out in loaded], [0, 0, 1, 0], loaded)
+        self.assertEqual([out["shared"]["chunks_fetched"] for out in loaded], [0] * 4, loaded)
+        self.assertTrue(all(out["fast"]["chunks_fetched"] > 0 for out in loaded), loaded)
 
     def test_replicated_shows_in_each_fast_tier_and_a_clique_keeps_its_members_parts(self):
         # cliques of 2 with a jump of 1: hosts {0, 1} and {2, 3}; no drain

@@ -22,6 +22,14 @@ ckptfs.open's replicas and replica_strategy.
         prints {"name", "fast", "shared"}: what this rank's load read from
         each tier (chunks and bytes, requests), and "restored": what the
         load got back from peers' replicas first.
+    tier_worker.py dcp-save URL HOSTS NAME STEP
+        dcp.save of this rank's rows of "w" (item "w.RANK") through
+        ckptfs.torch.StorageWriter with the fast tier, then the writer's
+        replicate(), and waits until durable; prints {"stage",
+        "replicated_stage", "replicas"}.
+    tier_worker.py dcp-load URL HOSTS NAME STEP
+        dcp.load of the same through StorageReader with the group; checks
+        every element and prints {"restored", "fast", "shared"}.
 """
 import json
 import os
@@ -124,6 +132,34 @@ def main():
         delta = {tier: {k: after[tier][k] - before[tier][k] for k in after[tier]} for tier in after}
         print(json.dumps({"name": name, "where": point["tier"], "restored": tiers.restored, **delta}), flush=True)
         tiers.close()
+        dist.barrier()
+    elif action in ("dcp-save", "dcp-load"):
+        import torch.distributed.checkpoint as dcp
+        from ckptfs.torch import StorageReader, StorageWriter
+
+        here = os.path.join(hosts, f"host-{rank}")
+        options = dict(fast_tier=os.path.join(here, "fast"), cache_dir=os.path.join(here, "cache"),
+                       replicas=int(os.environ.get("CKPT_TEST_REPLICAS", "1")))
+        want = mine(int(step), rank, world)[0]["w"]
+        if action == "dcp-save":
+            writer = StorageWriter(url, name, **options)
+            dcp.save({f"w.{rank}": want}, storage_writer=writer)
+            cost = writer.replicate()
+            replicated_stage = writer.tiers.stage
+            stage = writer.tiers.wait("durable", timeout=120)
+            print(json.dumps({"stage": stage, "replicated_stage": replicated_stage, "replicas": cost}), flush=True)
+            writer._tiers.close()
+        else:
+            reader = StorageReader(url, name, process_group=dist.group.WORLD, **options)
+            targets = {f"w.{rank}": torch.empty_like(want)}
+            before = reader._tiers.store_counters()
+            dcp.load(targets, storage_reader=reader)
+            after = reader._tiers.store_counters()
+            if not torch.equal(targets[f"w.{rank}"], want):
+                raise SystemExit(f"rank {rank}: w.{rank} of {name} differs")
+            delta = {tier: {k: after[tier][k] - before[tier][k] for k in after[tier]} for tier in after}
+            print(json.dumps({"restored": reader.restored, **delta}), flush=True)
+            reader._tiers.close()
         dist.barrier()
     else:
         raise SystemExit(f"unknown action {action}")

@@ -38,9 +38,10 @@ std::vector<std::byte> Matrix(uint32_t seed) { return RandomBytes(kRows * kCols 
 // Saves rank `rank` of `world` of checkpoint `name` (rows of "w" split
 // evenly between the ranks; rank 0 adds a blob).
 void SaveRank(Repository& repo, const std::string& name, int64_t step, uint32_t rank, uint32_t world, uint32_t seed,
-              const std::string& attempt = "") {
+              const std::string& attempt = "", bool overwrite = false) {
   const std::vector<std::byte> w = Matrix(seed);
   WriterOptions wo;
+  wo.overwrite = overwrite;
   wo.rank = rank;
   wo.world_size = world;
   wo.step = step;
@@ -370,6 +371,9 @@ TEST(Tiers, ReplicasLetOtherHostsDrainAndRestoreALostHostsRanks) {
   }
   EXPECT_EQ(back[1]->parts_sent, 1u);
   auto shared0 = tiers.Shared("h0");
+  // Its part came back after the checkpoint was committed in the shared
+  // tier, but holds the same chunks: durable, not another version.
+  EXPECT_EQ(state_at(0, *shared0), "durable");
   ReadOptions own;
   own.nearer = {fast[0].get()};
   auto mine = shared0->OpenCheckpoint("step-1", own);
@@ -456,6 +460,72 @@ TEST(Tiers, ACliqueKeepsEveryMembersPartAndBadLayoutsAreRefused) {
   EXPECT_TRUE(std::filesystem::exists(tiers.FastPath("h0") + "/replicated/step-2"));
   EXPECT_TRUE(ParseReplicaStrategy("clique").ok());
   EXPECT_TRUE(ParseReplicaStrategy("star").status().code() == StatusCode::kInvalidArgument);
+}
+
+TEST(Tiers, ASaveThatReplacesACheckpointDrainsInPlaceOfTheSharedTiersVersion) {
+  Tiers tiers;
+  // One host: "last" saved, drained, then saved again over itself.
+  auto fast = tiers.Fast("a");
+  auto shared = tiers.Shared("a");
+  SaveRank(*fast, "last", 1, 0, 1, 61);
+  ASSERT_OK(Drain(*fast, *shared, {}));
+  SaveRank(*fast, "last", 2, 0, 1, 62, "", /*overwrite=*/true);
+  auto entries = TierStatus(*fast, *shared);
+  ASSERT_OK(entries);
+  ASSERT_EQ(entries->size(), 1u);
+  // The shared tier's "last" is the older version: not durable, and never
+  // trimmed as if it were.
+  EXPECT_EQ(entries->front().state(), "local");
+  EXPECT_TRUE(entries->front().overwrite);
+  auto trim = PlanFastTierTrim(*fast, *shared, 0);
+  ASSERT_OK(trim);
+  EXPECT_TRUE(trim->empty());
+  auto drained = Drain(*fast, *shared, {});
+  ASSERT_OK(drained);
+  EXPECT_TRUE(drained->checkpoints.at(0).durable);
+  auto reader = shared->OpenCheckpoint("last");
+  ASSERT_OK(reader);
+  ExpectMatrix(**reader, 62);
+  entries = TierStatus(*fast, *shared);
+  ASSERT_OK(entries);
+  EXPECT_EQ(entries->front().state(), "durable");
+
+  // Two hosts: each fast tier keeps the replacing save pending as "last~";
+  // the shared tier shows the old version until the second host drains.
+  std::vector<std::unique_ptr<Repository>> hosts, views;
+  for (const char* h : {"h0", "h1"}) {
+    hosts.push_back(tiers.Fast(h));
+    views.push_back(tiers.Shared(h));
+  }
+  for (uint32_t h = 0; h < 2; ++h) SaveRank(*hosts[h], "run", 1, h, 2, 63, "attempt-o1");
+  for (uint32_t h = 0; h < 2; ++h) ASSERT_OK(Drain(*hosts[h], *views[h], {}));
+  for (uint32_t h = 0; h < 2; ++h) SaveRank(*hosts[h], "run", 2, h, 2, 64, "attempt-o2", /*overwrite=*/true);
+  entries = TierStatus(*hosts[0], *views[0]);
+  ASSERT_OK(entries);
+  ASSERT_EQ(entries->size(), 2u);  // the drained version and the replacing save
+  const TierEntry& replacing = entries->back();
+  EXPECT_EQ(replacing.name, "run~");
+  EXPECT_EQ(replacing.target, "run");
+  EXPECT_EQ(replacing.state(), "local");
+  ASSERT_OK(Drain(*hosts[0], *views[0], {}));
+  {
+    auto visible = views[0]->OpenCheckpoint("run");
+    ASSERT_OK(visible);
+    ExpectMatrix(**visible, 63);
+  }
+  entries = TierStatus(*hosts[0], *views[0]);
+  ASSERT_OK(entries);
+  EXPECT_EQ(entries->back().state(), "drained");
+  auto last = Drain(*hosts[1], *views[1], {});
+  ASSERT_OK(last);
+  EXPECT_TRUE(last->checkpoints.back().durable);
+  ASSERT_OK(views[0]->Refresh());
+  auto visible = views[0]->OpenCheckpoint("run");
+  ASSERT_OK(visible);
+  ExpectMatrix(**visible, 64);
+  entries = TierStatus(*hosts[0], *views[0]);
+  ASSERT_OK(entries);
+  for (const TierEntry& e : *entries) EXPECT_EQ(e.state(), "durable") << e.name;
 }
 
 TEST(Tiers, AReplicaBundleThatIsDamagedIsRefused) {

@@ -108,6 +108,7 @@ class _Drainer:
         self._stopping = False
         self._error: Optional[BaseException] = None
         self._started = 0  # drain passes begun
+        self._saved_during: Dict[str, int] = {}  # name: passes begun when it was last saved
         self._passes = 0  # and finished
         self._thread = threading.Thread(target=self._run, name="ckptfs-drain", daemon=True)
         self._thread.start()
@@ -119,7 +120,10 @@ class _Drainer:
         (an async save's commit to the fast tier)."""
         with self._cond:
             if name is not None:
-                self._stages[name] = max(self._stages.get(name, 0), 0 if wait_local is not None else 1)
+                # A save of a name saved before starts over: what passes
+                # begun before it said was of the older version.
+                self._stages[name] = 0 if wait_local is not None else 1
+                self._saved_during[name] = self._started
             if wait_local is not None:
                 self._waiting_local.append((name, wait_local))
             self._wake = True
@@ -190,6 +194,7 @@ class _Drainer:
                     return
                 self._wake = False
                 self._started += 1
+                current = self._started
                 waiting = list(self._waiting_local)
             for name, wait_local in waiting:
                 failed = None
@@ -205,7 +210,7 @@ class _Drainer:
                         self._failed[name] = failed
                     self._cond.notify_all()
             try:
-                self._pass()
+                self._pass(current)
                 error, backoff = None, self.POLL_SECONDS
             except Exception as e:  # noqa: BLE001 - kept for the handles waiting, which raise it
                 error = e
@@ -220,12 +225,12 @@ class _Drainer:
                     backoff = min(backoff * 2, self.MAX_BACKOFF_SECONDS)
                     self._wake = True
 
-    def _pass(self) -> None:
+    def _pass(self, current: int) -> None:
         report = self._fast._repo.drain(self._shared._repo, [], self._on_phase)
         # What the drain made durable shows at once; then every checkpoint.
         self._note([{"name": c["name"], "tier_state": "durable" if c["durable"] else "drained"}
-                    for c in report["checkpoints"]])
-        self._note(self._fast._repo.tier_status(self._shared._repo))
+                    for c in report["checkpoints"]], current)
+        self._note(self._fast._repo.tier_status(self._shared._repo), current)
         with self._trimming:
             self._drop(self._fast._repo.plan_fast_trim(self._shared._repo, self._keep_last))
 
@@ -250,12 +255,16 @@ class _Drainer:
         """`name` has reached `stage` (a later one it reached stays)."""
         self._note([{"name": name, "tier_state": stage}])
 
-    def _note(self, entries: List[Dict[str, Any]]) -> None:
+    def _note(self, entries: List[Dict[str, Any]], current: Optional[int] = None) -> None:
+        """Stages seen by pass `current` (None: now)."""
         with self._cond:
             for e in entries:
                 stage = STAGES.index(e["tier_state"])
-                if stage > self._stages.get(e["name"], 0):
-                    self._stages[e["name"]] = stage
+                name = e.get("target", e["name"])  # a replacing save is listed as "NAME~"
+                if current is not None and current <= self._saved_during.get(name, -1):
+                    continue  # the pass began before this name's newest save
+                if stage > self._stages.get(name, 0):
+                    self._stages[name] = stage
                     self._poll = self.POLL_SECONDS
             self._cond.notify_all()
 
@@ -343,7 +352,7 @@ class TieredRepository:
             self.replica_jump = max(hosts.count(h) for h in hosts)
         report = self.fast._repo.replicate(group, name, self.replicas, self.replica_jump, group.what, back,
                                            self.replica_strategy)
-        if not back:
+        if not back and self.replicas > 1:
             self._drainer.mark(name, "replicated")
         return report
 

@@ -155,13 +155,18 @@ class StorageWriter(_WriterBase):
     `fast_tier` (a local directory on this host) makes `url` the shared
     tier of two (ckptfs.open's fast_tier, keep_last): the save commits to
     the fast tier and drains to `url` in the background; after dcp.save,
-    `tiers` is the save's TierHandle.
+    `tiers` is the save's TierHandle. With `replicas` (and replica_jump,
+    replica_strategy, as ckptfs.open's), call replicate() on every rank
+    once dcp.save has returned: DCP has no step of its own after every
+    rank's commit.
     """
 
     def __init__(self, url: Union[str, os.PathLike], name: Optional[str] = None, *, step: Optional[int] = None,
                  tags: Optional[dict] = None, blobs: Optional[Dict[str, bytes]] = None,
                  cache_dir: Optional[Union[str, os.PathLike]] = None, overwrite: bool = True,
-                 fast_tier: Optional[Union[str, os.PathLike]] = None, keep_last: int = 2):
+                 fast_tier: Optional[Union[str, os.PathLike]] = None, keep_last: int = 2, replicas: int = 1,
+                 replica_jump: Optional[int] = None, replica_strategy: str = "ring", process_group: Any = None,
+                 timeout: Optional[float] = None):
         if _REASON is not None:
             raise UnsupportedError(_REASON)
         super().__init__()
@@ -176,13 +181,20 @@ class StorageWriter(_WriterBase):
         self.overwrite = overwrite
         self.fast_tier = None if fast_tier is None else os.fspath(fast_tier)
         self.keep_last = keep_last
+        self.replicas, self.replica_jump, self.replica_strategy = replicas, replica_jump, replica_strategy
+        # The group replicate() exchanges over (default: the default group,
+        # DCP's); it does not travel with a pickled writer.
+        self.process_group, self.timeout = process_group, timeout
         self._tiers = None
         self.tiers = None  # the last save's TierHandle, with a fast tier
         if self.fast_tier is None:
+            if replicas != 1:
+                raise ckptfs.InvalidArgumentError("replicas are kept in fast tiers: give fast_tier too")
             self._repo = ckptfs.open(self.url, cache_dir=self.cache_dir)
         else:
             self._tiers = ckptfs.open(self.url, cache_dir=self.cache_dir, fast_tier=self.fast_tier,
-                                      keep_last=keep_last)
+                                      keep_last=keep_last, replicas=replicas, replica_jump=replica_jump,
+                                      replica_strategy=replica_strategy)
             self._repo = self._tiers.fast
         self._writer = None
         self._kept: List[Any] = []
@@ -193,17 +205,34 @@ class StorageWriter(_WriterBase):
     def __getstate__(self):
         return {"url": self.url, "name": self.name, "step": self.step, "tags": self.tags, "blobs": self.blobs,
                 "cache_dir": self.cache_dir, "overwrite": self.overwrite, "fast_tier": self.fast_tier,
-                "keep_last": self.keep_last}
+                "keep_last": self.keep_last, "replicas": self.replicas, "replica_jump": self.replica_jump,
+                "replica_strategy": self.replica_strategy}
 
     def __setstate__(self, state):
         self.__init__(state["url"], state["name"], step=state["step"], tags=state["tags"], blobs=state["blobs"],
                       cache_dir=state.get("cache_dir"), overwrite=state.get("overwrite", True),
-                      fast_tier=state.get("fast_tier"), keep_last=state.get("keep_last", 2))
+                      fast_tier=state.get("fast_tier"), keep_last=state.get("keep_last", 2),
+                      replicas=state.get("replicas", 1), replica_jump=state.get("replica_jump"),
+                      replica_strategy=state.get("replica_strategy", "ring"))
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
             self.name = _checkpoint_name(checkpoint_id, self.url)
         self._abort()
+
+    def replicate(self) -> Dict[str, int]:
+        """Keeps copies of this rank's part of the last save in its peers'
+        fast tiers (ckptfs.open's replicas): a collective call, made by
+        every rank after dcp.save (or the async save's future) returned.
+        Returns what it cost; the save's handle (`tiers`) then says
+        "replicated". Raises on every rank when any rank's copy failed."""
+        if self._tiers is None or self.tiers is None:
+            raise ckptfs.InvalidArgumentError("replicate() follows a dcp.save with this writer and a fast_tier")
+        group = self.process_group
+        if group is None:
+            group = torch.distributed.group.WORLD
+        self.tiers.replicas = self._tiers._replicate(self.tiers.name, group, self.timeout)
+        return self.tiers.replicas
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
@@ -385,11 +414,15 @@ class StorageReader(_ReaderBase):
     any sharding. A checkpoint_id given to dcp.load names the checkpoint
     instead, so one reader serves every step. With `fast_tier`, `url` is
     the shared tier of two (as StorageWriter's): each chunk is read from
-    this host's fast tier when it holds it intact."""
+    this host's fast tier when it holds it intact. With `replicas` (as the
+    writer's) and a process group, a rank whose fast tier lacks its part
+    (a replaced host) first gets it back from a peer's copy; `restored`
+    says what came back."""
 
     def __init__(self, url: Union[str, os.PathLike], name: Optional[str] = None, *,
                  cache_dir: Optional[Union[str, os.PathLike]] = None, process_group: Any = None,
-                 timeout: Optional[float] = None, fast_tier: Optional[Union[str, os.PathLike]] = None):
+                 timeout: Optional[float] = None, fast_tier: Optional[Union[str, os.PathLike]] = None,
+                 replicas: int = 1, replica_jump: Optional[int] = None, replica_strategy: str = "ring"):
         if _REASON is not None:
             raise UnsupportedError(_REASON)
         super().__init__()
@@ -404,12 +437,16 @@ class StorageReader(_ReaderBase):
         self.timeout = timeout
         self.fast_tier = None if fast_tier is None else os.fspath(fast_tier)
         self._tiers = None
+        self.restored: Optional[Dict[str, Any]] = None
         if self.fast_tier is None:
+            if replicas != 1:
+                raise ckptfs.InvalidArgumentError("replicas are kept in fast tiers: give fast_tier too")
             self._repo = ckptfs.open(self.url, cache_dir=self.cache_dir, process_group=process_group,
                                      timeout=timeout)
         else:
             self._tiers = ckptfs.open(self.url, cache_dir=self.cache_dir, process_group=process_group,
-                                      timeout=timeout, fast_tier=self.fast_tier)
+                                      timeout=timeout, fast_tier=self.fast_tier, replicas=replicas,
+                                      replica_jump=replica_jump, replica_strategy=replica_strategy)
             self._repo = self._tiers.shared
 
     def __getstate__(self):
@@ -469,6 +506,13 @@ class StorageReader(_ReaderBase):
         # their blobs under it, or fail clearly if the checkpoint was
         # removed and collected first, never with other bytes.
         lease = self.process_group is None or _rank_in(self.process_group) == 0
+        if self._tiers is not None and self._tiers.replicas > 1 and self.process_group is not None:
+            # Parts this host lost come back from peers first (every rank
+            # is here); a failure leaves those ranks to the shared tier.
+            try:
+                self.restored = self._tiers._replicate(self.name, self.process_group, self.timeout, back=True)
+            except ckptfs.Error as e:
+                self.restored = {"error": str(e)}
         repo, nearer = self._source()
         reader = repo._repo.open_checkpoint(self.name, lease=lease, nearer=nearer)
         mappings = writable_mappings()
