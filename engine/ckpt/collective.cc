@@ -4,6 +4,7 @@
 #include "ckpt/collective.h"
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -11,6 +12,7 @@
 #include <utility>
 
 #include "ckpt/collective_plan.h"
+#include "ckpt/layout.h"
 #include "core/chunk_id.h"
 #include "core/encoding.h"
 
@@ -632,7 +634,7 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
 
 Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string& name,
                                             std::span<const CollectiveTarget> targets, Communicator& comm,
-                                            CollectiveMemory& memory, std::span<const Repository* const> nearer) {
+                                            CollectiveMemory& memory, std::span<Repository* const> nearer) {
   // 1. What each rank needs, gathered at rank 0. One read lease for the
   // job: rank 0's, taken (and the checkpoint checked against the store)
   // before it makes the plan and held until every rank agrees its fetches
@@ -651,8 +653,23 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
     reader = repo.OpenCheckpoint(name, read);
     local = reader.status();
   }
-  const std::string extra =
-      (reader.ok() ? CheckpointIdentity((*reader)->info()) : std::string()) + '\0' + memory.DeliveryDevice();
+  // The saving ranks whose parts this rank's nearer tiers hold (its host's
+  // fast tier): rank 0 has a region read by a rank whose host holds it.
+  std::string held;
+  for (Repository* tier : nearer) {
+    auto listed = tier->ListCheckpoints(/*include_pending=*/true);
+    if (!listed.ok()) continue;  // that tier is skipped by the reads too
+    for (const CheckpointRecord& c : *listed) {
+      if (keys::ReplacedName(c.name) != name) continue;
+      if (c.state == CheckpointState::kCommitted) {
+        for (uint32_t r = 0; r < c.world_size; ++r) held += std::to_string(r) + ",";
+      } else {
+        for (uint32_t r : c.committed_ranks) held += std::to_string(r) + ",";
+      }
+    }
+  }
+  const std::string extra = (reader.ok() ? CheckpointIdentity((*reader)->info()) : std::string()) + '\0' +
+                            memory.DeliveryDevice() + '\0' + held;
   std::vector<const TensorRecord*> records(targets.size(), nullptr);
   std::vector<PlanEntry> mine;
   for (size_t i = 0; local.ok() && i < targets.size(); ++i) {
@@ -672,11 +689,23 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
     const auto making = std::chrono::steady_clock::now();
     const CheckpointReader& r = **reader;  // rank 0's, open: its failure stops the plan before this
     std::vector<std::string> identities, devices;
-    for (const std::string& x : extras) {
-      const size_t cut = x.find('\0');
-      if (cut == std::string::npos) return Status::Internal("a rank sent no delivery device");
+    std::vector<std::vector<uint32_t>> near(extras.size());
+    for (size_t k = 0; k < extras.size(); ++k) {
+      const std::string& x = extras[k];
+      const size_t cut = x.find('\0'), cut2 = cut == std::string::npos ? cut : x.find('\0', cut + 1);
+      if (cut2 == std::string::npos) return Status::Internal("a rank sent no delivery device or nearer ranks");
       identities.push_back(x.substr(0, cut));
-      devices.push_back(x.substr(cut + 1));
+      devices.push_back(x.substr(cut + 1, cut2 - cut - 1));
+      std::string_view list = std::string_view(x).substr(cut2 + 1);
+      for (size_t at = 0; at < list.size();) {
+        const size_t comma = list.find(',', at);
+        if (comma == std::string_view::npos) break;
+        uint32_t r = 0;
+        auto [end, ec] = std::from_chars(list.data() + at, list.data() + comma, r);
+        if (ec != std::errc() || end != list.data() + comma) return Status::Internal("a rank sent malformed nearer ranks");
+        near[k].push_back(r);
+        at = comma + 1;
+      }
     }
     for (size_t k = 1; k < identities.size(); ++k) {
       if (identities[k] != identities[0]) {
@@ -688,7 +717,7 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
     const char on_device = DeliverOnDevice(devices) ? 1 : 0;
     std::vector<std::string> parts;
     for (const RankLoadPlan& p : PlanLoadForRanks(
-             plans, [&](std::string_view tensor) { return r.FindTensor(tensor); }, kHandoffWindowBytes)) {
+             plans, [&](std::string_view tensor) { return r.FindTensor(tensor); }, kHandoffWindowBytes, near)) {
       parts.push_back(std::string(1, on_device) + EncodeLoadPlan(p));
     }
     make_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - making).count();

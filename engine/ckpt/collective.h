@@ -166,10 +166,12 @@ Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string&
 // The same with the targets in `memory` (Read, Copy, and the hand-offs
 // through SendHost and RecvHost). `nearer`: repositories of this rank's
 // host whose chunks its fetches take first (ReadOptions::nearer: a fast
-// tier in front of `repo`; tiers.h).
+// tier in front of `repo`; tiers.h). Rank 0 gives a region several ranks
+// need to one whose nearer tiers hold a saving rank's part of every chunk
+// of it (PlanLoadForRanks's `near`), when one does.
 Result<CollectiveLoadResult> LoadCollective(Repository& repo, const std::string& name,
                                             std::span<const CollectiveTarget> targets, Communicator& comm,
-                                            CollectiveMemory& memory, std::span<const Repository* const> nearer = {});
+                                            CollectiveMemory& memory, std::span<Repository* const> nearer = {});
 
 // ---- The steps, for callers that put their own values ----------------------
 

@@ -261,14 +261,72 @@ std::vector<std::vector<HandoffWindow>> ScheduleHandoffs(const LoadRoutes& route
   return out;
 }
 
+namespace {
+
+// PlanLoadForRanks's `near`: each route's reader chosen again, among the
+// needers whose nearer tier holds every chunk of the route when any does.
+void PreferNearReaders(LoadRoutes& routes, const std::vector<std::vector<ChunkRef>>& chunks,
+                       const std::vector<std::vector<PlanEntry>>& plans,
+                       const std::function<const TensorRecord*(std::string_view)>& find,
+                       const std::vector<std::vector<uint32_t>>& near) {
+  // The saving ranks of each chunk of the tensors the routes read.
+  std::unordered_map<ChunkId, std::vector<uint32_t>, ChunkIdHash> savers;
+  std::unordered_set<const TensorRecord*> indexed;
+  for (const LoadRoute& route : routes.routes) {
+    if (route.needers.empty()) continue;
+    const PlanEntry& e = plans[route.needers.front().first][route.needers.front().second];
+    const size_t cut = e.name.find('\0');
+    const TensorRecord* t = cut == std::string::npos ? nullptr : find(std::string_view(e.name).substr(0, cut));
+    if (t == nullptr || !indexed.insert(t).second) continue;
+    for (const ShardRecord& sh : t->shards) {
+      for (const ChunkRef& c : sh.chunks) {
+        std::vector<uint32_t>& s = savers[c.id];
+        s.insert(s.end(), sh.ranks.begin(), sh.ranks.end());
+      }
+    }
+  }
+  std::vector<std::unordered_set<uint32_t>> holds(plans.size());
+  for (size_t r = 0; r < near.size() && r < holds.size(); ++r) holds[r].insert(near[r].begin(), near[r].end());
+  auto holds_all = [&](int r, const std::vector<ChunkRef>& of) {
+    if (of.empty()) return false;
+    for (const ChunkRef& c : of) {
+      auto it = savers.find(c.id);
+      if (it == savers.end()) return false;
+      if (std::none_of(it->second.begin(), it->second.end(), [&](uint32_t s) { return holds[r].count(s) > 0; })) {
+        return false;
+      }
+    }
+    return true;
+  };
+  std::fill(routes.bytes_per_rank.begin(), routes.bytes_per_rank.end(), 0);
+  for (size_t k = 0; k < routes.routes.size(); ++k) {
+    LoadRoute& route = routes.routes[k];
+    int best = -1, any = -1;
+    for (const auto& [r, i] : route.needers) {
+      if (any < 0 || routes.bytes_per_rank[r] < routes.bytes_per_rank[any]) any = r;
+      if (k < chunks.size() && holds_all(r, chunks[k]) &&
+          (best < 0 || routes.bytes_per_rank[r] < routes.bytes_per_rank[best])) {
+        best = r;
+      }
+    }
+    if (any >= 0) route.reader = best >= 0 ? best : any;
+    routes.bytes_per_rank[route.reader] += route.bytes;
+  }
+}
+
+}  // namespace
+
 std::vector<RankLoadPlan> PlanLoadForRanks(const std::vector<std::vector<PlanEntry>>& plans,
                                            const std::function<const TensorRecord*(std::string_view)>& find,
-                                           uint64_t window_bytes) {
-  const LoadRoutes routes = AssignLoadReaders(plans);
+                                           uint64_t window_bytes, const std::vector<std::vector<uint32_t>>& near) {
+  LoadRoutes routes = AssignLoadReaders(plans);
   const int ranks = static_cast<int>(plans.size());
   std::vector<std::vector<HandoffWindow>> windows;
   if (find) {
     const auto chunks = ChunksOfRoutes(routes, plans, find);
+    if (std::any_of(near.begin(), near.end(), [](const std::vector<uint32_t>& n) { return !n.empty(); })) {
+      PreferNearReaders(routes, chunks, plans, find, near);
+    }
     windows = ScheduleHandoffs(routes, chunks, AssignChunkHandoffs(routes, chunks), ranks, window_bytes);
   } else {
     windows.assign(plans.size(), std::vector<HandoffWindow>{HandoffWindow{routes.routes.size()}});

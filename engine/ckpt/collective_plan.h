@@ -156,8 +156,18 @@ struct RankLoadPlan {
 // Without `find` (no reader of the checkpoint) there are no hand-offs.
 // O(N log N) in the entries over all ranks plus the chunks listed; each
 // rank's part is the size of its own entries and hand-offs.
+//
+// `near` (one list per rank, or empty) names the saving ranks whose parts
+// each rank's host keeps in a nearer tier (its fast tier: ReadOptions::
+// nearer). A region is then read by one of the ranks needing it whose
+// nearer tier holds every chunk of it (a saving rank of each chunk's shard
+// is in its list), the least loaded of those, and by the least loaded of
+// all only when none does: a replicated tensor, or a restore at another
+// world size, reads the fast tier of a host that has it, not the shared
+// tier. O(C) more in the chunks of the routes.
 std::vector<RankLoadPlan> PlanLoadForRanks(const std::vector<std::vector<PlanEntry>>& plans,
                                            const std::function<const TensorRecord*(std::string_view)>& find,
-                                           uint64_t window_bytes);
+                                           uint64_t window_bytes,
+                                           const std::vector<std::vector<uint32_t>>& near = {});
 
 }  // namespace ckptfs

@@ -53,11 +53,17 @@ def state(step, world):
     return {"frozen": frozen, "w": torch.randn(world * ROWS, COLS, generator=gen)}
 
 
-def mine(step, rank, world):
+def mine(step, rank, world, saving=True):
+    """This rank's values and shards: its rows of "frozen" and "w", and
+    "bias" whole, which the last rank alone saves and every rank loads (a
+    region read by one rank for all: the one whose host holds it)."""
     values, shards = {}, {}
     for key, t in state(step, world).items():
         values[key] = t[rank * ROWS:(rank + 1) * ROWS].clone()
         shards[key] = ckptfs.Box(tuple(t.shape), (rank * ROWS, 0))
+    if rank == world - 1 or not saving:
+        values["bias"] = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(2000 + step))
+        shards["bias"] = ckptfs.Box((ROWS, COLS), (0, 0))
     values["rng"] = f"rng of step {step}, rank {rank}".encode()
     return values, shards
 
@@ -121,7 +127,7 @@ def main():
         name = point["name"]
         # Only what this host drains is waited for here: the resume point
         # is already complete in one tier.
-        values, shards = mine(point["step"], rank, world)
+        values, shards = mine(point["step"], rank, world, saving=False)
         targets = {k: torch.empty_like(v) for k, v in values.items() if k != "rng"}
         before = tiers.store_counters()
         tiers.load(name, targets, shards={k: shards[k] for k in targets}, process_group=dist.group.WORLD)

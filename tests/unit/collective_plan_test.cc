@@ -361,6 +361,55 @@ TensorRecord Stored(const std::string& name, const Shape& shape, const std::vect
 
 Region RowBox(uint64_t first, uint64_t count, uint64_t cols) { return Region::OfBox(Box{{first, 0}, {count, cols}}); }
 
+// A region several ranks need goes to a rank whose nearer tier (its fast
+// tier) holds the part of the rank that saved it; without one, to the least
+// loaded as before. A region cut from two saved parts needs a rank holding both.
+TEST(CollectivePlan, ARegionIsReadByARankWhoseNearerTierHoldsItsSavedPart) {
+  const uint64_t R = 64, C = 32;
+  // "bias" saved whole by rank 3 (one shard, its saver 0 in Stored: renumbered
+  // below); "w" in four row blocks saved by ranks 0..3.
+  std::map<std::string, TensorRecord> stored;
+  stored.emplace("bias", Stored("bias", {R, C}, {RowBox(0, R, C)}, 4096));
+  stored.at("bias").shards[0].ranks = {3};
+  stored.emplace("w", Stored("w", {R, C}, {RowBox(0, 16, C), RowBox(16, 16, C), RowBox(32, 16, C), RowBox(48, 16, C)},
+                             4096));
+  auto find = [&](std::string_view n) {
+    auto it = stored.find(std::string(n));
+    return it == stored.end() ? nullptr : &it->second;
+  };
+  // Every rank needs the whole bias; rank k needs rows 16k..16k+16 of "w",
+  // and rank 0 also rows 8..24 (cut from the parts of ranks 0 and 1).
+  std::vector<std::vector<PlanEntry>> plans(4);
+  for (int k = 0; k < 4; ++k) {
+    plans[k].push_back({std::string("bias") + '\0' + "F32", {R, C}, RowBox(0, R, C), R * C * 4});
+    plans[k].push_back({std::string("w") + '\0' + "F32", {R, C}, RowBox(16 * k, 16, C), 16 * C * 4});
+  }
+  plans[2].push_back({std::string("w") + '\0' + "F32", {R, C}, RowBox(8, 16, C), 16 * C * 4});
+  auto reader_of = [&](const std::vector<RankLoadPlan>& parts, int rank, size_t entry) {
+    for (const RankRoute& route : parts[rank].routes) {
+      if (std::find(route.entries.begin(), route.entries.end(), entry) != route.entries.end()) return route.reader;
+    }
+    return -1;
+  };
+  // Without nearer tiers: the bias goes to the least loaded, rank 0.
+  auto plain = PlanLoadForRanks(plans, find, 256 << 20);
+  EXPECT_EQ(reader_of(plain, 3, 0), 0);
+  // Each host's fast tier holds its own rank's part: rank 3 reads the bias.
+  const std::vector<std::vector<uint32_t>> own = {{0}, {1}, {2}, {3}};
+  auto near = PlanLoadForRanks(plans, find, 256 << 20, own);
+  for (int k = 0; k < 4; ++k) EXPECT_EQ(reader_of(near, k, 0), 3) << k;
+  for (int k = 0; k < 4; ++k) EXPECT_EQ(reader_of(near, k, 1), k) << k;
+  // Rows 8..24 (needed by rank 2 alone) hold no part rank 2 keeps: it reads them anyway.
+  EXPECT_EQ(reader_of(near, 2, 2), 2);
+  // Rank 1's host keeps ranks 0 and 1 (a replica): rows 8..24 are near it,
+  // but only rank 2 needs them; the bias still goes to rank 3.
+  auto replicas = PlanLoadForRanks(plans, find, 256 << 20, {{0}, {0, 1}, {2}, {3}});
+  EXPECT_EQ(reader_of(replicas, 2, 2), 2);
+  EXPECT_EQ(reader_of(replicas, 0, 0), 3);
+  // The bytes each rank fetches follow the choice.
+  EXPECT_EQ(near[3].fetch_bytes, R * C * 4 + 16 * C * 4);
+}
+
 TEST(ShardIndex, FindsTheChunksAScanOfEveryShardFinds) {
   const uint64_t R = 96, C = 40;
   std::vector<std::pair<std::string, std::vector<Region>>> layouts;

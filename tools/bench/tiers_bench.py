@@ -11,7 +11,13 @@ for, in the same run, on the same bytes, in one process:
   raw read of the same bytes from a file on the same disk, and the bytes
   the restore fetched from the shared tier;
   a CPU-bound training step (matrix products) timed alone and while a
-  drain of the checkpoint runs (the slowdown).
+  drain of the checkpoint runs (the slowdown);
+  with --hosts N (default 4; 0 skips it): a job of N processes over gloo,
+  each a host with its own fast tier and cache, saves --mib in all and
+  drains it; one host's fast tier is then deleted and a new job restores
+  through the group: the bytes each restore fetched from the shared tier
+  and its time, with replicas=2 against replicas=1 (the lost host's part
+  then comes from the shared tier).
 
 The shared tier is a fresh prefix of the S3 store AWS_ENDPOINT_URL names,
 or, without one, a directory (said in the output). Medians of --runs;
@@ -20,11 +26,14 @@ minor page faults per GiB beside each save and restore.
     PYTHONPATH=build/python build/venv/bin/python tools/bench/tiers_bench.py --dir /dev/shm --mib 256 --runs 5
 """
 import argparse
+import json
 import os
 import shutil
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 import uuid
 
@@ -75,11 +84,90 @@ def cpu_step(a, b, n=6):
     return a
 
 
+def host_worker(action, url, hosts, mib, replicas):
+    """One host of the --hosts job (RANK, WORLD_SIZE, MASTER_* from the
+    environment): "save" saves this rank's tensors (its own names) through
+    the group and waits until durable; "restore" restores them through the
+    group. Prints {"seconds", "shared_bytes", "restored"} as JSON."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    here = os.path.join(hosts, f"host-{rank}")
+    tiers = ckptfs.open(url, fast_tier=os.path.join(here, "fast"), cache_dir=os.path.join(here, "cache"),
+                        process_group=dist.group.WORLD, replicas=replicas)
+    mine = {f"r{rank}.{k}": v for k, v in llm_state(torch, max(1, mib // world), 100 + rank).items()}
+    out = {"restored": None}
+    start = time.perf_counter()
+    if action == "save":
+        tiers.save("step-1", mine, step=1, process_group=dist.group.WORLD)["tiers"].wait("durable", timeout=600)
+    else:
+        targets = {k: torch.empty_like(v) for k, v in mine.items()}
+        before = tiers.store_counters()["shared"]["stored_bytes_fetched"]
+        tiers.load("step-1", targets, process_group=dist.group.WORLD)
+        out["shared_bytes"] = tiers.store_counters()["shared"]["stored_bytes_fetched"] - before
+        out["restored"] = tiers.restored
+        assert all(torch.equal(targets[k], mine[k]) for k in mine)
+    out["seconds"] = time.perf_counter() - start
+    tiers.close()
+    dist.barrier()
+    print(json.dumps(out), flush=True)
+
+
+def host_job(action, url, hosts, mib, replicas, n):
+    """Runs host_worker on n processes; their JSON outputs by rank."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(n):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", action, url, hosts, str(mib),
+                                       str(replicas)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outs = []
+    for r, p in enumerate(procs):
+        stdout, stderr = p.communicate(timeout=1200)
+        if p.returncode != 0:
+            raise SystemExit(f"host {r} of the {action} job exited {p.returncode}: {stderr.decode()[-2000:]}")
+        outs.append(json.loads(stdout.decode().strip().splitlines()[-1]))
+    return outs
+
+
+def lost_host(shared, root, mib, n, runs):
+    """The --hosts figures: bytes from the shared tier and restore time
+    after one host lost its fast tier, replicas=2 against replicas=1."""
+    found = {}
+    for replicas in (1, 2):
+        seconds, shared_bytes, back = [], [], []
+        for run in range(runs):
+            url, _cache = shared.fresh()
+            hosts = os.path.join(root, f"hosts-{replicas}-{run}")
+            host_job("save", url, hosts, mib, replicas, n)
+            shutil.rmtree(os.path.join(hosts, f"host-{n // 2}", "fast"))
+            outs = host_job("restore", url, hosts, mib, replicas, n)
+            seconds.append(max(o["seconds"] for o in outs))
+            shared_bytes.append(sum(o["shared_bytes"] for o in outs))
+            back.append(sum((o["restored"] or {}).get("stored_bytes_received", 0) for o in outs))
+            emptied(ckptfs.open(url, cache_dir=os.path.join(root, "caches", f"look-{replicas}-{run}")))
+            shutil.rmtree(hosts)
+        found[replicas] = (statistics.median(seconds), max(shared_bytes), statistics.median(back))
+    (t1, b1, _), (t2, b2, p2) = found[1], found[2]
+    print(f"one of {n} hosts lost its fast tier, {mib} MiB in all, medians of {runs}:")
+    print(f"  replicas=1: restore {t1:.3f} s, {b1} bytes from the shared tier")
+    print(f"  replicas=2: restore {t2:.3f} s, {b2} bytes from the shared tier (target 0), "
+          f"{p2 / (1 << 20):.1f} MiB back from a peer   restore time replicas=2 / replicas=1 {t2 / t1:.2f}x")
+
+
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        action, url, hosts, mib, replicas = sys.argv[2:7]
+        host_worker(action, url, hosts, int(mib), int(replicas))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_scratch_dir_option(parser)
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--hosts", type=int, default=4, help="hosts of the lost-host job (0: skip it)")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="tiers-bench-", dir=args.dir)
     shared = Shared(root)
@@ -192,6 +280,12 @@ def main():
         emptied(tiers.shared)
         shutil.rmtree(fast)
 
+    if args.hosts:
+        try:
+            lost_host(shared, root, args.mib, args.hosts, args.runs)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+            os.makedirs(root, exist_ok=True)
     try:
         paths = [local_save, direct_save, tiered]
         for run in range(args.runs):

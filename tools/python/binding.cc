@@ -1062,7 +1062,11 @@ class PyRepository {
   py::dict load_collective(py::object group, const std::string& name, const std::vector<TargetTuple>& targets,
                            const std::optional<std::string>& error, const std::string& device_token, bool progress,
                            const std::string& what, const std::vector<PyRepository*>& nearer) {
-    const std::vector<const Repository*> tiers = Repositories(nearer);
+    std::vector<Repository*> tiers;
+    for (PyRepository* tier : nearer) {
+      if (tier == nullptr) throw StatusError{Status::InvalidArgument("a nearer tier must be a repository")};
+      tiers.push_back(tier->repo_.get());
+    }
     Status ready = error ? Status::InvalidArgument(*error) : Status::OK();
     std::vector<CollectiveTarget> wanted;
     std::map<const std::byte*, int> devices;
