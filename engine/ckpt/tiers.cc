@@ -447,6 +447,10 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
 
 Result<std::vector<std::string>> PlanFastTierTrim(Repository& fast, Repository& shared, uint64_t keep_last) {
   CKPT_ASSIGN_OR_RETURN(std::vector<TierEntry> entries, TierStatus(fast, shared));
+  return PlanFastTierTrim(std::move(entries), keep_last);
+}
+
+std::vector<std::string> PlanFastTierTrim(std::vector<TierEntry> entries, uint64_t keep_last) {
   const bool by_step = std::all_of(entries.begin(), entries.end(), [](const TierEntry& e) { return e.step.has_value(); });
   std::stable_sort(entries.begin(), entries.end(), [&](const TierEntry& a, const TierEntry& b) {
     return by_step ? *a.step < *b.step : a.created_unix_ms < b.created_unix_ms;

@@ -123,6 +123,8 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
 // waiting for other hosts' ranks: the fast tier's copy is then no longer
 // needed). One with a rank not yet drained is never named, however old.
 Result<std::vector<std::string>> PlanFastTierTrim(Repository& fast, Repository& shared, uint64_t keep_last);
+// The same from entries TierStatus gave.
+std::vector<std::string> PlanFastTierTrim(std::vector<TierEntry> entries, uint64_t keep_last);
 
 // ---- Replicas on peer hosts ----------------------------------------------
 

@@ -1119,15 +1119,30 @@ class PyRepository {
   }
 
   // Two tiers (ckpt/tiers.h), this repository the fast tier.
-  py::object tier_status(PyRepository& shared) {
+  py::object tier_status(PyRepository& shared) { return JsonToPython(TierStatusJson(shared, nullptr, 0)); }
+
+  // tier_status and, from the same sync of the shared tier, what the fast
+  // tier's trim to `keep_last` drops: {"entries": [...], "trim": [names]}.
+  py::object tier_status_and_trim(PyRepository& shared, uint64_t keep_last) {
+    std::vector<std::string> trim;
+    Json out = Json::MakeObject();
+    out.Set("entries", TierStatusJson(shared, &trim, keep_last));
+    Json names = Json::MakeArray();
+    for (const std::string& n : trim) names.Push(n);
+    out.Set("trim", std::move(names));
+    return JsonToPython(out);
+  }
+
+  Json TierStatusJson(PyRepository& shared, std::vector<std::string>* trim, uint64_t keep_last) {
     std::vector<TierEntry> entries;
     {
       py::gil_scoped_release nogil;
       entries = Value(TierStatus(*repo_, *shared.repo_));
+      if (trim) *trim = PlanFastTierTrim(entries, keep_last);
     }
     Json j = Json::MakeArray();
     for (const TierEntry& e : entries) j.Push(DescribeTierEntry(e));
-    return JsonToPython(j);
+    return j;
   }
 
   py::object drain(PyRepository& shared, const std::vector<std::string>& names, py::object on_phase) {
@@ -1604,6 +1619,7 @@ PYBIND11_MODULE(_core, m) {
       .def("open_checkpoint", &PyRepository::open_checkpoint, py::arg("name"), py::arg("lease") = true,
            py::arg("nearer") = std::vector<PyRepository*>{})
       .def("tier_status", &PyRepository::tier_status, py::arg("shared"))
+      .def("tier_status_and_trim", &PyRepository::tier_status_and_trim, py::arg("shared"), py::arg("keep_last"))
       .def("drain", &PyRepository::drain, py::arg("shared"), py::arg("names"), py::arg("on_phase"))
       .def("plan_fast_trim", &PyRepository::plan_fast_trim, py::arg("shared"), py::arg("keep_last"))
       .def("undrained", &PyRepository::undrained, py::arg("shared"))

@@ -230,9 +230,11 @@ class _Drainer:
         # What the drain made durable shows at once; then every checkpoint.
         self._note([{"name": c["name"], "tier_state": "durable" if c["durable"] else "drained"}
                     for c in report["checkpoints"]], current)
-        self._note(self._fast._repo.tier_status(self._shared._repo), current)
         with self._trimming:
-            self._drop(self._fast._repo.plan_fast_trim(self._shared._repo, self._keep_last))
+            # One listing of the shared tier for the stages and the trim.
+            seen = self._fast._repo.tier_status_and_trim(self._shared._repo, self._keep_last)
+            self._note(seen["entries"], current)
+            self._drop(seen["trim"])
 
     def _drop(self, names: List[str]) -> None:
         """Removes drained checkpoints from the fast tier and reclaims their
