@@ -445,12 +445,13 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
   return report;
 }
 
-Result<std::vector<std::string>> PlanFastTierTrim(Repository& fast, Repository& shared, uint64_t keep_last) {
+Result<std::vector<std::string>> PlanFastTierTrim(Repository& fast, Repository& shared, uint64_t keep_last,
+                                                  bool short_of_space) {
   CKPT_ASSIGN_OR_RETURN(std::vector<TierEntry> entries, TierStatus(fast, shared));
-  return PlanFastTierTrim(std::move(entries), keep_last);
+  return PlanFastTierTrim(std::move(entries), keep_last, short_of_space);
 }
 
-std::vector<std::string> PlanFastTierTrim(std::vector<TierEntry> entries, uint64_t keep_last) {
+std::vector<std::string> PlanFastTierTrim(std::vector<TierEntry> entries, uint64_t keep_last, bool short_of_space) {
   const bool by_step = std::all_of(entries.begin(), entries.end(), [](const TierEntry& e) { return e.step.has_value(); });
   std::stable_sort(entries.begin(), entries.end(), [&](const TierEntry& a, const TierEntry& b) {
     return by_step ? *a.step < *b.step : a.created_unix_ms < b.created_unix_ms;
@@ -458,7 +459,7 @@ std::vector<std::string> PlanFastTierTrim(std::vector<TierEntry> entries, uint64
   std::vector<std::string> drop;
   const size_t older = entries.size() > keep_last ? entries.size() - keep_last : 0;
   for (size_t i = 0; i < older; ++i) {
-    if (entries[i].drained()) drop.push_back(entries[i].name);
+    if (entries[i].durable || (short_of_space && entries[i].drained())) drop.push_back(entries[i].name);
   }
   return drop;
 }
@@ -794,10 +795,10 @@ Result<ReplicaReport> RestoreRankParts(Repository& fast, const std::string& name
   return ExchangeParts(fast, name, comm, options, /*back=*/true);
 }
 
-Status HoldUndrained(Repository& fast, Repository& shared, RetentionPolicy* policy) {
+Status HoldNotDurable(Repository& fast, Repository& shared, RetentionPolicy* policy) {
   CKPT_ASSIGN_OR_RETURN(std::vector<TierEntry> entries, TierStatus(fast, shared));
   for (const TierEntry& e : entries) {
-    if (!e.drained()) policy->held.emplace_back(e.name, "not yet drained to the shared tier");
+    if (!e.durable) policy->held.emplace_back(e.name, "not yet durable in the shared tier");
   }
   return Status::OK();
 }

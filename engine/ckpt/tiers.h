@@ -8,7 +8,8 @@
 // id. The checkpoint becomes visible in the shared tier with the last rank
 // any host drains (durable). Reads take each chunk from the nearest tier
 // that holds it intact (ReadOptions::nearer). The fast tier keeps the
-// newest checkpoints and drops only drained ones (PlanFastTierTrim).
+// newest checkpoints and drops only durable ones (PlanFastTierTrim), and
+// drained ones too when short of space.
 //
 // On a job of several hosts each host's fast tier holds its own ranks: the
 // checkpoint stays pending there (its other ranks are on other hosts), and
@@ -119,12 +120,16 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
 
 // The fast tier's retention: the checkpoints of `fast` older than its
 // newest `keep_last` (by step when every one has a step, by creation time
-// otherwise) whose ranks here are all in `shared` (durable, or drained and
-// waiting for other hosts' ranks: the fast tier's copy is then no longer
-// needed). One with a rank not yet drained is never named, however old.
-Result<std::vector<std::string>> PlanFastTierTrim(Repository& fast, Repository& shared, uint64_t keep_last);
+// otherwise) that are durable in `shared`. With `short_of_space`, drained
+// ones too (this host's ranks are in `shared`, other hosts' not yet: the
+// fast tier's copy adds nothing the shared tier lacks, so a save that
+// would not fit may drop it). One with a rank not yet drained is never
+// named, however old.
+Result<std::vector<std::string>> PlanFastTierTrim(Repository& fast, Repository& shared, uint64_t keep_last,
+                                                  bool short_of_space = false);
 // The same from entries TierStatus gave.
-std::vector<std::string> PlanFastTierTrim(std::vector<TierEntry> entries, uint64_t keep_last);
+std::vector<std::string> PlanFastTierTrim(std::vector<TierEntry> entries, uint64_t keep_last,
+                                          bool short_of_space = false);
 
 // ---- Replicas on peer hosts ----------------------------------------------
 
@@ -195,9 +200,9 @@ Status ImportRankPart(Repository& fast, std::string_view bundle);
 Result<std::string> RankPartChunks(Repository& fast, const std::string& name, uint32_t rank);
 Result<std::string> MissingChunks(Repository& fast, std::string_view ids);
 
-// Adds to `policy.held` every checkpoint of `fast` with a rank not yet in
-// `shared` ("local"), so that no retention rule run on the fast tier
-// (ckpt gc) removes one.
-Status HoldUndrained(Repository& fast, Repository& shared, RetentionPolicy* policy);
+// Adds to `policy.held` every checkpoint of `fast` not yet durable in
+// `shared`, so that no retention rule run on the fast tier (ckpt gc)
+// removes one.
+Status HoldNotDurable(Repository& fast, Repository& shared, RetentionPolicy* policy);
 
 }  // namespace ckptfs

@@ -252,7 +252,7 @@ int CmdGc(const GlobalOptions& global, const Args& args) {
   auto shared = OpenSharedTier(global, *repo);
   if (!shared.ok()) return Fail(shared.status());
   if (*shared) {
-    Status held = HoldUndrained(*repo, **shared, &o.retention);
+    Status held = HoldNotDurable(*repo, **shared, &o.retention);
     if (!held.ok()) return Fail(held);
   }
   auto plan = repo->ExplainRetention(o.retention);

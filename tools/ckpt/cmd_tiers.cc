@@ -25,13 +25,15 @@ const CommandSpec kDrain{
     "rank any host drains. A drain stopped at any point (Ctrl-C, a kill, a failed\n"
     "network) leaves the ranks it finished and nothing visible; the same command\n"
     "finishes it.\n"
-    "States: local (ranks of this host not all in the shared tier yet), drained\n"
-    "(they are; other hosts' ranks are still missing there), durable.\n"
+    "States: local (ranks of this host not all in the shared tier yet), replicated\n"
+    "(the same, with copies of every rank's part in peers' fast tiers), drained\n"
+    "(this host's ranks are in the shared tier; other hosts' are still missing),\n"
+    "durable. A checkpoint that replaces an older version of its name in the shared\n"
+    "tier takes its place there with its last rank.\n"
     "--wait drains until every checkpoint is durable, draining new saves as they\n"
     "come; --timeout bounds it. Afterwards the fast tier keeps its newest --keep-last\n"
-    "checkpoints (default 2) and drops older ones whose ranks here are all in the\n"
-    "shared tier (drained or durable), never one with a rank not yet there (--no-trim\n"
-    "keeps all).",
+    "checkpoints (default 2) and drops older ones that are durable, never one that\n"
+    "is not (--no-trim keeps all).",
     {{"to", 0, true, false, "URL", "the shared tier (recorded in the fast tier on first use)"},
      {"status", 0, false, false, "", "only show each checkpoint's state; send nothing"},
      {"wait", 0, false, false, "", "drain until every checkpoint is durable (other hosts' ranks too)"},

@@ -1159,9 +1159,9 @@ class PyRepository {
     return JsonToPython(DescribeDrainReport(r));
   }
 
-  std::vector<std::string> plan_fast_trim(PyRepository& shared, uint64_t keep_last) {
+  std::vector<std::string> plan_fast_trim(PyRepository& shared, uint64_t keep_last, bool short_of_space) {
     py::gil_scoped_release nogil;
-    return Value(PlanFastTierTrim(*repo_, *shared.repo_, keep_last));
+    return Value(PlanFastTierTrim(*repo_, *shared.repo_, keep_last, short_of_space));
   }
 
   // ReplicateRankParts, or with `back` RestoreRankParts.
@@ -1190,7 +1190,7 @@ class PyRepository {
   std::vector<std::pair<std::string, std::string>> undrained(PyRepository& shared) {
     RetentionPolicy held;
     py::gil_scoped_release nogil;
-    Check(HoldUndrained(*repo_, *shared.repo_, &held));
+    Check(HoldNotDurable(*repo_, *shared.repo_, &held));
     return held.held;
   }
 
@@ -1621,7 +1621,8 @@ PYBIND11_MODULE(_core, m) {
       .def("tier_status", &PyRepository::tier_status, py::arg("shared"))
       .def("tier_status_and_trim", &PyRepository::tier_status_and_trim, py::arg("shared"), py::arg("keep_last"))
       .def("drain", &PyRepository::drain, py::arg("shared"), py::arg("names"), py::arg("on_phase"))
-      .def("plan_fast_trim", &PyRepository::plan_fast_trim, py::arg("shared"), py::arg("keep_last"))
+      .def("plan_fast_trim", &PyRepository::plan_fast_trim, py::arg("shared"), py::arg("keep_last"),
+           py::arg("short_of_space") = false)
       .def("undrained", &PyRepository::undrained, py::arg("shared"))
       .def("replicate", &PyRepository::replicate, py::arg("group"), py::arg("name"), py::arg("replicas"),
            py::arg("jump"), py::arg("what"), py::arg("back") = false, py::arg("strategy") = "ring")

@@ -9,8 +9,8 @@ also has its copies in peers' fast tiers (replicas > 1), "drained" once
 this host's ranks are in the shared tier too, and "durable" once every
 host's are (the shared tier's own commit makes it visible). Loads read each chunk from the nearest tier
 that holds it intact. The fast tier keeps the newest `keep_last`
-checkpoints and drops older ones only once this host's ranks of them are in
-the shared tier (drained or durable).
+checkpoints and drops older ones once they are durable (a save short of
+space also drops drained ones: their bytes are in the shared tier).
 
 Open one with ``ckptfs.open(shared_url, fast_tier=path)``; docs/PYTHON.md,
 "Two tiers".
@@ -247,7 +247,7 @@ class _Drainer:
         """Drops the fast tier's drained checkpoints, oldest first, until
         enough() says so; whether it did."""
         with self._trimming:
-            for name in self._fast._repo.plan_fast_trim(self._shared._repo, 0):
+            for name in self._fast._repo.plan_fast_trim(self._shared._repo, 0, short_of_space=True):
                 if enough():
                     return True
                 self._drop([name])
@@ -410,8 +410,8 @@ class TieredRepository:
         states = ", ".join(f"{c['name']} {c['tier_state']}" for c in self.status()) or "none"
         return StorageError(f"the fast tier {self.fast.path} is full: {text}. Nothing was lost: the checkpoints "
                             f"before this one are in the fast tier or the shared tier ({states}); the fast tier "
-                            f"drops drained ones beyond the newest {self.keep_last}, so a drain to the shared tier "
-                            "makes room (or give the fast tier more space)")
+                            f"drops durable ones beyond the newest {self.keep_last}, and a save short of space drops "
+                            "drained ones, so a drain to the shared tier makes room (or give the fast tier more space)")
 
     # -- state --
 
