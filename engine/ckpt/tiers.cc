@@ -403,13 +403,15 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
     // replica of it (ReplicateRankParts). Its part is the same; the ranks
     // still missing are put again.
     TierEntry now = *e;
-    auto reclassify = [&]() -> Status {
-      CKPT_RETURN_IF_ERROR(shared.Refresh());
+    // `refresh`: another host may have committed meanwhile. After this
+    // drain's own commits the catalog knows them already.
+    auto reclassify = [&](bool refresh) -> Status {
+      if (refresh) CKPT_RETURN_IF_ERROR(shared.Refresh());
       CKPT_ASSIGN_OR_RETURN(std::vector<CheckpointRecord> there, shared.ListCheckpoints(/*include_pending=*/true));
       return Classify(fast, shared, there, now);
     };
     for (int again = 0; again < 3 && st.IsAlreadyExists(); ++again) {
-      CKPT_RETURN_IF_ERROR(reclassify());
+      CKPT_RETURN_IF_ERROR(reclassify(true));
       if (now.durable) {
         st = Status::OK();
         break;
@@ -430,7 +432,7 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
     out.sent.raw_bytes_sent = counters.raw_bytes_sent.load();
     out.sent.chunks_present = counters.chunks_present.load();
     out.sent.raw_bytes_present = counters.raw_bytes_present.load();
-    CKPT_RETURN_IF_ERROR(reclassify());
+    CKPT_RETURN_IF_ERROR(reclassify(false));
     out.durable = now.durable;
     phase(e->target + (out.durable ? ": durable in the shared tier" : ": drained; waiting for other hosts' ranks"));
     report.chunks_sent += out.sent.chunks_sent;
