@@ -241,6 +241,7 @@ Status Classify(Repository& fast, Repository& shared, const std::vector<Checkpoi
   e.durable = false;
   e.overwrite = e.name != e.target;
   e.ranks_shared.clear();
+  e.shared_attempt.clear();
   const CheckpointRecord* committed = nullptr;
   const CheckpointRecord* pending = nullptr;
   const std::string staged = keys::ReplacementCheckpoint(e.target);
@@ -266,6 +267,7 @@ Status Classify(Repository& fast, Repository& shared, const std::vector<Checkpoi
   if (e.durable) {
     e.ranks_shared = e.ranks_here;
   } else if (pending) {
+    e.shared_attempt = pending->attempt;
     std::set_intersection(e.ranks_here.begin(), e.ranks_here.end(), pending->committed_ranks.begin(),
                           pending->committed_ranks.end(), std::back_inserter(e.ranks_shared));
   }
@@ -384,8 +386,11 @@ Result<DrainReport> Drain(Repository& fast, Repository& shared, const DrainOptio
     header.engine_tags = true;
     header.overwrite = e->overwrite;
     // A replacing save of several ranks needs an attempt; the ranks of a
-    // checkpoint complete here are all drained by this host, under one.
-    if (header.overwrite && header.attempt.empty() && e->complete_here) header.attempt = NewSaveAttempt();
+    // checkpoint complete here are all drained by this host, under one:
+    // the one of the ranks an earlier drain of it left there, or a new one.
+    if (header.overwrite && header.attempt.empty() && e->complete_here) {
+      header.attempt = e->shared_attempt.empty() ? NewSaveAttempt() : e->shared_attempt;
+    }
     CopyCounters counters;
     counters.cancelled = options.cancelled;
     HandledChunks handled;

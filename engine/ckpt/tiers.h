@@ -54,6 +54,9 @@ struct TierEntry {
   uint64_t logical_bytes = 0;  // of the ranks in the fast tier
   std::vector<std::pair<std::string, std::string>> tags;
   std::string attempt;  // a pending checkpoint's save attempt
+  // The save attempt of this checkpoint's ranks the shared tier keeps
+  // pending (drained before), if any.
+  std::string shared_attempt;
   bool complete_here = false;  // committed in the fast tier: every rank saved on this host
   std::vector<uint32_t> ranks_here;    // ranks the fast tier holds (sorted)
   std::vector<uint32_t> ranks_shared;  // of those, the ones committed in the shared tier

@@ -493,6 +493,28 @@ TEST(Tiers, ASaveThatReplacesACheckpointDrainsInPlaceOfTheSharedTiersVersion) {
   ASSERT_OK(entries);
   EXPECT_EQ(entries->front().state(), "durable");
 
+  // Two ranks on one host, saved over: a drain of the replacement stopped
+  // after its first rank is finished by the next, under the same attempt.
+  for (uint32_t r = 0; r < 2; ++r) SaveRank(*fast, "pair", 1, r, 2, 65, "attempt-p1");
+  ASSERT_OK(Drain(*fast, *shared, {}));
+  for (uint32_t r = 0; r < 2; ++r) SaveRank(*fast, "pair", 2, r, 2, 66, "attempt-p2", /*overwrite=*/true);
+  DrainOptions one_rank;
+  one_rank.names = {"pair"};
+  one_rank.ranks_at_once = 1;
+  bool stop = false;
+  one_rank.cancelled = [&] { return stop; };
+  EXPECT_FALSE(Drain(*fast, *shared, one_rank, [&](uint64_t done, uint64_t) { stop = done > 0; }).ok());
+  {
+    auto before = shared->OpenCheckpoint("pair");
+    ASSERT_OK(before);
+    ExpectMatrix(**before, 65);
+  }
+  auto finished = Drain(*fast, *shared, {});
+  ASSERT_OK(finished);
+  auto pair = shared->OpenCheckpoint("pair");
+  ASSERT_OK(pair);
+  ExpectMatrix(**pair, 66);
+
   // Two hosts: each fast tier keeps the replacing save pending as "last~";
   // the shared tier shows the old version until the second host drains.
   std::vector<std::unique_ptr<Repository>> hosts, views;
