@@ -222,11 +222,11 @@ class FourHosts(CkptTestCase):
         ckptfs.init(self.url, chunk_size=64 << 10, pack_size=128 << 10, cache_dir=self.path("cache-init"))
         self.hosts = self.path("hosts")
 
-    def job(self, *args, replicas=1, strategy="ring"):
+    def job(self, *args, replicas=1, strategy="ring", keep_last=2):
         port = free_port()
         env = lambda r: dict(os.environ, RANK=str(r), WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",  # noqa: E731
                              MASTER_PORT=str(port), CKPT_TEST_REPLICAS=str(replicas),
-                             CKPT_TEST_REPLICA_STRATEGY=strategy)
+                             CKPT_TEST_REPLICA_STRATEGY=strategy, CKPT_TEST_KEEP_LAST=str(keep_last))
         outs = run_ranks(self, lambda r: [sys.executable, WORKER, *args], 4, env)
         return [json.loads(o.strip().splitlines()[-1]) for o in outs]
 
@@ -291,6 +291,32 @@ class FourHosts(CkptTestCase):
         self.assertIn("hash", loaded[0]["restored"]["error"] + " " + loaded[1]["restored"]["error"])
         self.assertGreater(loaded[0]["shared"]["chunks_fetched"], 0)
         self.assertEqual([loaded[r]["shared"]["chunks_fetched"] for r in (2, 3)], [0, 0], loaded)
+
+    def test_a_full_fast_tier_drops_a_durable_checkpoint_to_fit_and_loses_nothing(self):
+        fast = self.fast(1)
+        os.makedirs(fast)
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", fast], stderr=subprocess.PIPE)
+        if mounted.returncode != 0:
+            self.skipTest(f"cannot mount a small tmpfs for a full fast tier: {mounted.stderr.decode().strip()}")
+        self.addCleanup(subprocess.run, ["umount", "-l", fast])
+        self.job("save", self.url, self.hosts, "step-1", "1", keep_last=1)
+        # host 1's fast tier now holds step-1 and less room than the new
+        # bytes of step-2 (its 256 KiB of "w"; "frozen" is there already),
+        # but enough once step-1 is dropped
+        s = os.statvfs(fast)
+        used = (s.f_blocks - s.f_bfree) * s.f_frsize
+        resized = subprocess.run(["mount", "-o", f"remount,size={used + (192 << 10)}", fast], stderr=subprocess.PIPE)
+        self.assertEqual(resized.returncode, 0, resized.stderr.decode())
+        self.assertLess(os.statvfs(fast).f_bavail * os.statvfs(fast).f_frsize, 512 << 10)
+        saved = self.job("save", self.url, self.hosts, "step-2", "2", keep_last=1)
+        self.assertEqual([s["stage"] for s in saved], ["durable"] * 4, saved)
+        self.assertNotIn("step-1", self.fast_tier_ls(1))  # durable, dropped to make room
+        self.assertEqual(self.visible(), ["step-1", "step-2"])
+        verified = subprocess.run([CKPT, "-r", self.url, "verify"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env=dict(os.environ, CKPT_CACHE_DIR=self.path("cache-verify")))
+        self.assertEqual(verified.returncode, 0, verified.stderr.decode())
+        loaded = self.job("resume", self.url, self.hosts, "-", "-", keep_last=1)
+        self.assertEqual({out["name"] for out in loaded}, {"step-2"})
 
     def test_dcp_with_replicas_a_lost_host_restores_from_its_peer_and_reads_nothing_from_the_shared_tier(self):
         saved = self.job("dcp-save", self.url, self.hosts, "step-1", "1", replicas=2)

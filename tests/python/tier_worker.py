@@ -2,8 +2,8 @@
 test_tiers.py: one process per host over gloo (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT from the environment), each with its own fast tier
 HOSTS/host-RANK/fast and its own cache directory HOSTS/host-RANK/cache;
-CKPT_TEST_REPLICAS and CKPT_TEST_REPLICA_STRATEGY in the environment give
-ckptfs.open's replicas and replica_strategy.
+CKPT_TEST_REPLICAS, CKPT_TEST_REPLICA_STRATEGY and CKPT_TEST_KEEP_LAST in
+the environment give ckptfs.open's replicas, replica_strategy and keep_last.
 
     tier_worker.py save URL HOSTS NAME STEP [die-mid-drain|hold-drain|no-wait]
         saves this rank's rows of state(STEP) through the group and waits
@@ -73,7 +73,8 @@ def open_tiers(url, hosts, rank, on_phase=None):
     return ckptfs.open(url, fast_tier=os.path.join(here, "fast"), cache_dir=os.path.join(here, "cache"),
                        process_group=dist.group.WORLD, on_drain_phase=on_phase,
                        replicas=int(os.environ.get("CKPT_TEST_REPLICAS", "1")),
-                       replica_strategy=os.environ.get("CKPT_TEST_REPLICA_STRATEGY", "ring"))
+                       replica_strategy=os.environ.get("CKPT_TEST_REPLICA_STRATEGY", "ring"),
+                       keep_last=int(os.environ.get("CKPT_TEST_KEEP_LAST", "2")))
 
 
 def main():
