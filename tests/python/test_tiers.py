@@ -40,6 +40,19 @@ def flip_bytes_in_packs(fast):
     return len(packs)
 
 
+def mount_small_tmpfs(test, path, size):
+    """Mounts a tmpfs of `size` at `path` for a full fast tier (skips the
+    test where that is not allowed)."""
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
+                                 stderr=subprocess.PIPE)
+    except OSError as e:
+        test.skipTest(f"cannot mount a small tmpfs for a full fast tier: {e}")
+    if mounted.returncode != 0:
+        test.skipTest(f"cannot mount a small tmpfs for a full fast tier: {mounted.stderr.decode().strip()}")
+    test.addCleanup(subprocess.run, ["umount", "-l", path])
+
+
 class OneHost(CkptTestCase):
     def setUp(self):
         super().setUp()
@@ -187,10 +200,7 @@ class OneHost(CkptTestCase):
 
     def test_a_full_fast_tier_fails_the_save_clearly_and_loses_nothing(self):
         os.makedirs(self.fast)
-        small = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", self.fast], stderr=subprocess.PIPE)
-        if small.returncode != 0:
-            self.skipTest(f"cannot mount a small tmpfs for a full fast tier: {small.stderr.decode().strip()}")
-        self.addCleanup(subprocess.run, ["umount", "-l", self.fast])
+        mount_small_tmpfs(self, self.fast, "6m")
         tiers = ckptfs.open(self.shared, fast_tier=self.fast, keep_last=1)
         tiers.full_wait = 5
         gen = torch.Generator().manual_seed(3)
@@ -295,10 +305,7 @@ class FourHosts(CkptTestCase):
     def test_a_full_fast_tier_drops_a_durable_checkpoint_to_fit_and_loses_nothing(self):
         fast = self.fast(1)
         os.makedirs(fast)
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", fast], stderr=subprocess.PIPE)
-        if mounted.returncode != 0:
-            self.skipTest(f"cannot mount a small tmpfs for a full fast tier: {mounted.stderr.decode().strip()}")
-        self.addCleanup(subprocess.run, ["umount", "-l", fast])
+        mount_small_tmpfs(self, fast, "64m")
         self.job("save", self.url, self.hosts, "step-1", "1", keep_last=1)
         # host 1's fast tier now holds step-1 and less room than the new
         # bytes of step-2 (its 256 KiB of "w"; "frozen" is there already),

@@ -1062,11 +1062,7 @@ class PyRepository {
   py::dict load_collective(py::object group, const std::string& name, const std::vector<TargetTuple>& targets,
                            const std::optional<std::string>& error, const std::string& device_token, bool progress,
                            const std::string& what, const std::vector<PyRepository*>& nearer) {
-    std::vector<Repository*> tiers;
-    for (PyRepository* tier : nearer) {
-      if (tier == nullptr) throw StatusError{Status::InvalidArgument("a nearer tier must be a repository")};
-      tiers.push_back(tier->repo_.get());
-    }
+    const std::vector<Repository*> tiers = Repositories(nearer);
     Status ready = error ? Status::InvalidArgument(*error) : Status::OK();
     std::vector<CollectiveTarget> wanted;
     std::map<const std::byte*, int> devices;
@@ -1113,7 +1109,8 @@ class PyRepository {
   Reader open_checkpoint(const std::string& name, bool lease, const std::vector<PyRepository*>& nearer) {
     ReadOptions options;
     options.lease = lease;
-    options.nearer = Repositories(nearer);
+    const std::vector<Repository*> tiers = Repositories(nearer);
+    options.nearer.assign(tiers.begin(), tiers.end());
     py::gil_scoped_release nogil;
     return Reader(repo_, Value(repo_->OpenCheckpoint(name, options)));
   }
@@ -1194,8 +1191,8 @@ class PyRepository {
     return held.held;
   }
 
-  static std::vector<const Repository*> Repositories(const std::vector<PyRepository*>& list) {
-    std::vector<const Repository*> out;
+  static std::vector<Repository*> Repositories(const std::vector<PyRepository*>& list) {
+    std::vector<Repository*> out;
     for (const PyRepository* r : list) {
       if (r == nullptr) throw StatusError{Status::InvalidArgument("a nearer tier must be a repository")};
       out.push_back(r->repo_.get());
